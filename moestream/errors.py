@@ -1,0 +1,17 @@
+"""Errors that reach the user as one clear line (the CLI prints them without a traceback)."""
+
+
+class MoestreamError(Exception):
+    """A problem with the user's input or environment, stated in one line."""
+
+
+class FormatError(MoestreamError):
+    """A packed model directory that is missing, incomplete, corrupt or inconsistent."""
+
+
+class UnsupportedModelError(MoestreamError):
+    """A checkpoint whose family or layout moestream cannot run."""
+
+
+class ExpertReadError(MoestreamError):
+    """Reading an expert record failed (I/O error, short read, checksum mismatch)."""

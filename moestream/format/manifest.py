@@ -1,0 +1,111 @@
+"""The packed model's manifest, `moestream.json`: what is where, how it is quantized, and hashes."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from moestream.errors import FormatError
+
+FORMAT_NAME = "moestream-packed"
+FORMAT_VERSION = 1
+MANIFEST_NAME = "moestream.json"
+DENSE_NAME = "dense.safetensors"
+RECORD_ALIGN = 4096  # a record starts on a page / O_DIRECT boundary
+FIELD_ALIGN = 256  # each tensor inside a record starts on a GPU-friendly boundary
+EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+@dataclass
+class RecordField:
+    """One tensor inside an expert record (e.g. `gate_proj.weight`)."""
+
+    name: str
+    dtype: str  # safetensors-style name: "U32", "F32", "BF16", "F16"
+    shape: list[int]
+    offset: int
+    nbytes: int
+
+
+@dataclass
+class ExpertLayer:
+    """The records of one MoE layer: `num_experts` records of `record_size` bytes in `file`."""
+
+    layer: int
+    file: str
+    num_experts: int
+    record_size: int
+    fields: list[RecordField]
+    quant: dict[str, dict | None]  # projection -> QuantSpec json
+    crc32: list[int] = field(default_factory=list)  # one per record, for --check-records
+
+    def field(self, name: str) -> RecordField:
+        for f in self.fields:
+            if f.name == name:
+                return f
+        raise KeyError(name)
+
+
+@dataclass
+class Manifest:
+    family: str
+    config: dict
+    source: dict
+    quantization: dict  # {"mode", "default_bits", "group_size", "tensors": {name: spec json | None}}
+    expert_layers: list[ExpertLayer]
+    files: dict[str, dict]  # file name -> {"sha256", "size"}
+    format: str = FORMAT_NAME
+    format_version: int = FORMAT_VERSION
+
+    def expert_layer(self, layer: int) -> ExpertLayer | None:
+        for entry in self.expert_layers:
+            if entry.layer == layer:
+                return entry
+        return None
+
+    @property
+    def total_expert_bytes(self) -> int:
+        return sum(e.record_size * e.num_experts for e in self.expert_layers)
+
+    def to_json(self) -> dict:
+        obj = asdict(self)
+        return {"format": obj.pop("format"), "format_version": obj.pop("format_version"), **obj}
+
+    @staticmethod
+    def from_json(obj: dict) -> "Manifest":
+        if obj.get("format") != FORMAT_NAME:
+            raise FormatError(f"not a moestream manifest (format={obj.get('format')!r})")
+        if obj.get("format_version") != FORMAT_VERSION:
+            raise FormatError(f"manifest format version {obj.get('format_version')} is not supported (this moestream reads {FORMAT_VERSION})")
+        layers = [ExpertLayer(**{**e, "fields": [RecordField(**f) for f in e["fields"]]}) for e in obj["expert_layers"]]
+        return Manifest(family=obj["family"], config=obj["config"], source=obj["source"],
+                        quantization=obj["quantization"], expert_layers=layers, files=obj["files"])
+
+
+def write_manifest(directory: Path, manifest: Manifest) -> None:
+    """Write atomically: the manifest appears last, so a half-written model never looks complete."""
+    tmp = Path(directory) / (MANIFEST_NAME + ".tmp")
+    with open(tmp, "w") as fh:
+        json.dump(manifest.to_json(), fh, indent=1)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, Path(directory) / MANIFEST_NAME)
+
+
+def read_manifest(directory: str | os.PathLike) -> Manifest:
+    directory = Path(directory)
+    if not directory.exists():
+        raise FormatError(f"{directory}: no such directory")
+    path = directory / MANIFEST_NAME
+    if not path.is_file():
+        hint = " (an unfinished conversion? run convert again with --resume)" if (directory / "convert-state.json").exists() else ""
+        raise FormatError(f"{directory}: not a packed moestream model, {MANIFEST_NAME} is missing{hint}")
+    try:
+        obj = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise FormatError(f"{path}: corrupt manifest ({exc})") from None
+    try:
+        return Manifest.from_json(obj)
+    except (KeyError, TypeError) as exc:
+        raise FormatError(f"{path}: manifest is missing or has a malformed field ({exc})") from None

@@ -1,0 +1,96 @@
+"""Affine group quantization in MLX's layout.
+
+A matrix [O, I] at b bits with group size g is stored as
+  weight  uint32 [O, I*b/32]   b-bit codes, least-significant bits first within each word
+  scales  [O, I/g]             in the source's float dtype
+  biases  [O, I/g]
+and w = q * scale + bias, so mlx-community checkpoints import without re-quantizing.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+SUPPORTED_BITS = (2, 4, 8)
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """How one tensor is stored: bits None means unquantized float."""
+
+    bits: int | None = None
+    group_size: int = 64
+
+    @property
+    def quantized(self) -> bool:
+        return self.bits is not None
+
+    def to_json(self) -> dict | None:
+        return {"bits": self.bits, "group_size": self.group_size} if self.bits else None
+
+    @staticmethod
+    def from_json(obj: dict | None) -> "QuantSpec":
+        return QuantSpec(obj["bits"], obj["group_size"]) if obj else QuantSpec()
+
+
+def check_bits(bits: int) -> None:
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(f"{bits}-bit quantization is not supported (supported: {', '.join(map(str, SUPPORTED_BITS))})")
+
+
+def packed_shape(out_features: int, in_features: int, bits: int, group_size: int) -> tuple[tuple, tuple]:
+    """Shapes of (weight, scales) for a quantized [out, in] matrix; biases match scales."""
+    return (out_features, in_features * bits // 32), (out_features, in_features // group_size)
+
+
+def can_quantize(shape: tuple[int, ...], group_size: int) -> bool:
+    """Only 2-D matrices whose input size is a whole number of groups are quantized."""
+    return len(shape) == 2 and shape[1] % group_size == 0 and shape[1] >= group_size
+
+
+def quantize(w: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[O, I] float -> (uint32 codes [O, I*b/32], scales [O, I/g], biases [O, I/g]) in w's dtype.
+
+    Scales and biases are rounded to their storage dtype before the codes are chosen, so the
+    reconstruction error is at most half a step (plus that rounding) for every element."""
+    check_bits(bits)
+    out_features, in_features = w.shape
+    levels = (1 << bits) - 1
+    groups = w.detach().to(torch.float32).reshape(out_features, in_features // group_size, group_size)
+    lo = groups.amin(dim=-1)
+    hi = groups.amax(dim=-1)
+    scales = ((hi - lo) / levels).clamp_min(1e-8).to(w.dtype)
+    biases = lo.to(w.dtype)
+    s32, b32 = scales.to(torch.float32), biases.to(torch.float32)
+    codes = torch.round((groups - b32[..., None]) / s32[..., None]).clamp_(0, levels).to(torch.int64)
+    return pack(codes.reshape(out_features, in_features), bits), scales, biases
+
+
+def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """int codes [O, I] in [0, 2^b) -> uint32 [O, I*b/32], element j of a word at bits j*b."""
+    per_word = 32 // bits
+    out_features, in_features = codes.shape
+    words = codes.to(torch.int64).reshape(out_features, in_features // per_word, per_word)
+    shifts = torch.arange(per_word, dtype=torch.int64) * bits
+    packed = (words << shifts).sum(dim=-1)  # disjoint bit ranges: sum == bitwise or
+    return packed.to(torch.uint32)
+
+
+def unpack(weight: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint32/int32 [O, W] -> int32 codes [O, W*32/b]."""
+    per_word = 32 // bits
+    words = weight.view(torch.int32) if weight.dtype == torch.uint32 else weight
+    shifts = torch.arange(per_word, dtype=torch.int32, device=words.device) * bits
+    codes = (words.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # mask drops sign extension
+    return codes.reshape(words.shape[0], -1)
+
+
+def dequantize(weight: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, bits: int, group_size: int,
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """w = q * scale + bias, computed in float32, returned as [O, I] in `dtype`."""
+    codes = unpack(weight, bits).to(torch.float32)
+    out_features = codes.shape[0]
+    grouped = codes.reshape(out_features, -1, group_size)
+    w = grouped * scales.to(torch.float32)[..., None] + biases.to(torch.float32)[..., None]
+    return w.reshape(out_features, -1).to(dtype)

@@ -1,0 +1,57 @@
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from tiny import build_checkpoint  # noqa: E402
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+        return torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    if _has_cuda():
+        return
+    skip = pytest.mark.skip(reason="needs an NVIDIA GPU (run tests/gpu on the GPU machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """tiny_checkpoint(family, **overrides) -> HF folder (cached per arguments for the session)."""
+    cache = {}
+
+    def make(family: str = "qwen3_moe", **overrides):
+        key = (family, tuple(sorted(overrides.items())))
+        if key not in cache:
+            folder = tmp_path_factory.mktemp(f"hf-{family}")
+            cache[key] = build_checkpoint(folder, family, **overrides)
+        return cache[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_packed_model(tiny_checkpoint, tmp_path_factory):
+    """tiny_packed_model(family, quant="none", **overrides) -> packed model directory."""
+    from moestream.convert.main import convert
+
+    cache = {}
+
+    def make(family: str = "qwen3_moe", quant: str = "none", **overrides):
+        key = (family, quant, tuple(sorted(overrides.items())))
+        if key not in cache:
+            out = tmp_path_factory.mktemp(f"packed-{family}-{quant}") / "model"
+            cache[key] = convert(tiny_checkpoint(family, **overrides), out, quant=quant)
+        return cache[key]
+
+    return make

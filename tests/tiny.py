@@ -1,0 +1,74 @@
+"""Tiny random checkpoints of every family, built with transformers, plus a small byte-level BPE
+tokenizer with a chat template, so tests need no download."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+TOKENIZER_TEXT = [
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n",
+    "The quick brown fox jumps over the lazy dog. Hello world! 1234567890",
+    "import os\nimport sys\nclass Thing:\n    def __init__(self):\n        self.value = None\n",
+    "naïve café — 東京 😀 ünïcödé text for multibyte characters",
+]
+
+FAMILY_CONFIGS = {
+    "qwen3_moe": dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=64, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+                      norm_topk_prob=True, mlp_only_layers=[1], decoder_sparse_step=1, tie_word_embeddings=False),
+    "qwen2_moe": dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=64, shared_expert_intermediate_size=128,
+                      num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, num_experts=8,
+                      num_experts_per_tok=3, norm_topk_prob=False, decoder_sparse_step=2, mlp_only_layers=[],
+                      tie_word_embeddings=True),
+    "mixtral": dict(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=16, num_local_experts=6, num_experts_per_tok=2, tie_word_embeddings=False),
+    "olmoe": dict(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                  num_experts=8, num_experts_per_tok=2, norm_topk_prob=False, tie_word_embeddings=False),
+}
+
+
+def build_tokenizer(folder: Path, vocab_size: int = 320) -> int:
+    """Train a byte-level BPE on a few lines; returns the vocabulary size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(TOKENIZER_TEXT * 4, trainer)
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+        "bos_token": None, "chat_template": CHAT_TEMPLATE, "model_max_length": 256}))
+    return tok.get_vocab_size()
+
+
+def build_checkpoint(folder: Path, family: str, *, seed: int = 0, dtype: str = "float32", **overrides) -> Path:
+    """A random-weight checkpoint of `family` saved with save_pretrained, plus the tokenizer."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder = Path(folder)
+    vocab = build_tokenizer(folder)
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    eos = tok.token_to_id("<|im_end|>")
+    cfg = AutoConfig.for_model(family, vocab_size=vocab, max_position_embeddings=256, rope_theta=10000.0,
+                               eos_token_id=eos, bos_token_id=None, pad_token_id=tok.token_to_id("<|endoftext|>"),
+                               **{**FAMILY_CONFIGS[family], **overrides})
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():  # random init is tiny; widen it so routing and logits are not near-ties
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.08)
+    model = model.to(getattr(torch, dtype))
+    model.save_pretrained(folder)
+    return folder
