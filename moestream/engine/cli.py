@@ -1,0 +1,112 @@
+"""`moestream generate`: run a packed model on a prompt, streaming text, then a stats line."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from moestream.engine.detok import IncrementalDecoder
+from moestream.engine.options import EngineOptions, add_engine_arguments
+from moestream.engine.types import SamplingParams
+from moestream.errors import MoestreamError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="moestream generate", description="Generate text with a packed MoE model.")
+    p.add_argument("--model", help="packed model directory (default: the built-in demo model)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--prompt", help="raw prompt text")
+    src.add_argument("--chat-prompt", help="a user message, wrapped in the model's chat template")
+    src.add_argument("--prompt-ids", help="comma-separated token ids, e.g. 1,2,3")
+    p.add_argument("--max-new", type=int, default=128, help="most tokens to generate (default 128)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default 0)")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely (0: off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: off)")
+    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the top probability (0: off)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="transformers-style repetition penalty (1: off)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed: the same seed gives the same text")
+    p.add_argument("--logprobs", type=int, default=0, metavar="N", help="report the top N logprobs of every generated token")
+    p.add_argument("--json", action="store_true", help="print one JSON object (token_ids, text, logprobs, receipt) as the last line")
+    p.add_argument("--receipt", metavar="FILE", help="write the run's receipt JSON to FILE")
+    add_engine_arguments(p)
+    return p
+
+
+def prompt_ids(args, tokenizer) -> list[int]:
+    if args.prompt_ids is not None:
+        try:
+            ids = [int(x) for x in args.prompt_ids.replace(" ", "").split(",") if x != ""]
+        except ValueError:
+            raise MoestreamError(f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}") from None
+        if not ids:
+            raise MoestreamError("--prompt-ids is empty")
+        return ids
+    if args.chat_prompt is not None:
+        return tokenizer.chat_ids([{"role": "user", "content": args.chat_prompt}])
+    return tokenizer.encode(args.prompt if args.prompt is not None else "def fibonacci(n):")
+
+
+def check_args(args) -> None:
+    if args.max_new < 1:
+        raise MoestreamError("--max-new must be at least 1")
+    if args.temperature < 0 or not 0 < args.top_p <= 1 or not 0 <= args.min_p <= 1 or args.top_k < 0:
+        raise MoestreamError("sampling options out of range (temperature >= 0, 0 < top-p <= 1, 0 <= min-p <= 1, top-k >= 0)")
+    if args.repetition_penalty <= 0:
+        raise MoestreamError("--repetition-penalty must be positive")
+
+
+def stats_line(receipt: dict) -> str:
+    def rate(v):
+        return f"{v:.1f}" if v is not None else "-"
+    mb = (receipt["bytes_read_disk"] + receipt["bytes_read_host"]) / 1e6
+    return (f"[moestream] prompt {receipt['prompt_tokens']} tok, generated {receipt['generated_tokens']} tok | "
+            f"prefill {rate(receipt['prefill_tok_s'])} tok/s, decode {rate(receipt['decode_tok_s'])} tok/s | "
+            f"expert hit rate {receipt['hit_rate']:.3f}, misses {receipt['misses']}, read {mb:.1f} MB "
+            f"(disk {receipt['bytes_read_disk'] / 1e6:.1f} MB), read wait {receipt['read_wait_s']:.3f} s")
+
+
+def run(args) -> int:
+    from moestream.engine.engine import Engine
+
+    check_args(args)
+    engine = Engine.load(args.model, options=EngineOptions.from_args(args))
+    ids = prompt_ids(args, engine.tokenizer)
+    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                              repetition_penalty=args.repetition_penalty, seed=args.seed)
+    gen = engine.generate(ids, max_new_tokens=args.max_new, sampling=sampling, logprobs=args.logprobs)
+    decoder = IncrementalDecoder(engine.tokenizer.decode)
+    logprobs = []
+    if not args.json and args.prompt_ids is None and args.chat_prompt is None:
+        sys.stdout.write(engine.tokenizer.decode(ids))
+    for event in gen:
+        if args.logprobs:
+            logprobs.append([[t, lp] for t, lp in event.top_logprobs])
+        text = decoder.push(event.token_id)
+        if text and not args.json:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+    result = gen.result
+    tail = decoder.flush()
+    if not args.json:
+        sys.stdout.write(tail + "\n")
+    if args.receipt:
+        with open(args.receipt, "w") as fh:
+            json.dump(result.receipt, fh, indent=1)
+    print(stats_line(result.receipt), file=sys.stderr if args.json else sys.stdout)
+    if args.json:
+        print(json.dumps({"token_ids": result.token_ids, "text": engine.tokenizer.decode(result.token_ids),
+                          "logprobs": logprobs, "finish_reason": result.finish_reason, "receipt": result.receipt}))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    try:
+        return run(args)
+    except MoestreamError as exc:
+        print(f"moestream generate: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,80 @@
+"""Choosing the next token. Every sampled draw is the Gumbel-max of (logit / T + noise) over the
+tokens the filters allow, where the noise depends only on (seed, position, token id). So a seed
+fixes the text whatever the batching or chunking, and a verifier can reproduce any draw exactly."""
+from __future__ import annotations
+
+import torch
+
+from moestream.engine.types import SamplingParams
+
+MASK32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash on int64 tensors; multipliers stay below 2^31 so nothing overflows."""
+    x = x & MASK32
+    x = ((x ^ (x >> 16)) * 0x7FEB352D) & MASK32
+    x = ((x ^ (x >> 15)) * 0x68E31DA5) & MASK32
+    x = ((x ^ (x >> 16)) * 0x2C1B3C6D) & MASK32
+    return x ^ (x >> 16)
+
+
+def gumbel_noise(seed: int, position: int, vocab_size: int, device: torch.device) -> torch.Tensor:
+    """Standard Gumbel noise [V] in float64 for one (seed, position)."""
+    tokens = torch.arange(vocab_size, dtype=torch.int64, device=device)
+    key = _mix32(torch.tensor([seed & MASK32], dtype=torch.int64, device=device) ^ _mix32(
+        torch.tensor([(seed >> 32) & MASK32], dtype=torch.int64, device=device) + position))
+    bits = _mix32(_mix32(tokens * 0x9E3779B + key) ^ key)
+    u = (bits.to(torch.float64) + 0.5) / 4294967296.0  # in (0, 1)
+    return -torch.log(-torch.log(u))
+
+
+def apply_repetition_penalty(logits: torch.Tensor, previous: torch.Tensor, penalty: float) -> torch.Tensor:
+    """transformers' rule: seen tokens' positive logits are divided by the penalty, negative multiplied."""
+    if penalty == 1.0 or previous.numel() == 0:
+        return logits
+    logits = logits.clone()
+    seen = torch.unique(previous)
+    values = logits[seen]
+    logits[seen] = torch.where(values > 0, values / penalty, values * penalty)
+    return logits
+
+
+def allowed_mask(scaled: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Tokens top-k, top-p and min-p allow, from tempered logits [V] (float64). Never empty."""
+    allowed = torch.ones_like(scaled, dtype=torch.bool)
+    if params.top_k and 0 < params.top_k < scaled.numel():
+        kth = torch.topk(scaled, params.top_k).values[-1]
+        allowed &= scaled >= kth
+    probs = torch.softmax(torch.where(allowed, scaled, torch.full_like(scaled, -torch.inf)), dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # mass strictly above each token
+        keep_sorted = before < params.top_p
+        keep_sorted[0] = True
+        keep = torch.zeros_like(allowed)
+        keep[order] = keep_sorted
+        allowed &= keep
+    if params.min_p > 0.0:
+        allowed &= probs >= params.min_p * probs.max()
+    return allowed
+
+
+def choose_token(logits: torch.Tensor, params: SamplingParams, *, position: int,
+                 previous: torch.Tensor | None = None) -> int:
+    """logits [V] float32 -> token id. `position` is the index the token will have in the sequence."""
+    if previous is not None:
+        logits = apply_repetition_penalty(logits, previous, params.repetition_penalty)
+    if params.greedy:
+        return int(torch.argmax(logits))
+    scaled = logits.to(torch.float64) / params.temperature
+    allowed = allowed_mask(scaled, params)
+    noisy = scaled + gumbel_noise(params.seed, position, scaled.numel(), scaled.device)
+    return int(torch.argmax(torch.where(allowed, noisy, torch.full_like(noisy, -torch.inf))))
+
+
+def filtered_distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The exact distribution choose_token samples from (for tests): softmax over allowed tokens."""
+    scaled = logits.to(torch.float64) / params.temperature
+    allowed = allowed_mask(scaled, params)
+    return torch.softmax(torch.where(allowed, scaled, torch.full_like(scaled, -torch.inf)), dim=-1)

@@ -1,0 +1,59 @@
+"""The packed model's tokenizer and chat template, through transformers' fast tokenizer."""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from moestream.errors import FormatError
+
+log = logging.getLogger(__name__)
+
+
+class TextTokenizer:
+    def __init__(self, model_dir: str | Path, config: dict):
+        from transformers import AutoTokenizer
+
+        model_dir = Path(model_dir)
+        if not (model_dir / "tokenizer.json").is_file() and not (model_dir / "tokenizer_config.json").is_file():
+            raise FormatError(f"{model_dir}: no tokenizer files (tokenizer.json) in the model directory")
+        try:
+            self._tok = AutoTokenizer.from_pretrained(str(model_dir))
+        except Exception as exc:  # transformers raises many kinds; the user needs one line
+            raise FormatError(f"{model_dir}: cannot load the tokenizer ({type(exc).__name__}: {exc})") from None
+        self.eos_token_ids = frozenset(self._eos_ids(model_dir, config))
+
+    def _eos_ids(self, model_dir: Path, config: dict) -> set[int]:
+        ids: set[int] = set()
+        sources = [config.get("eos_token_id")]
+        gen = model_dir / "generation_config.json"
+        if gen.is_file():
+            sources.append(json.loads(gen.read_text()).get("eos_token_id"))
+        if self._tok.eos_token_id is not None:
+            sources.append(self._tok.eos_token_id)
+        for value in sources:
+            if isinstance(value, int):
+                ids.add(value)
+            elif isinstance(value, list):
+                ids.update(v for v in value if isinstance(v, int))
+        return ids
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._tok)
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=False)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self._tok, "chat_template", None))
+
+    def chat_ids(self, messages: list[dict], *, add_generation_prompt: bool = True) -> list[int]:
+        if not self.has_chat_template:
+            raise FormatError("this model has no chat template; use a plain prompt")
+        text = self._tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+        return self.encode(text, add_special_tokens=False)

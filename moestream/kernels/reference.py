@@ -1,0 +1,23 @@
+"""Torch reference ops over expert records: dequantize, then the SwiGLU expert FFN.
+
+The Triton kernels must agree with these; on CPU these are the kernels."""
+from __future__ import annotations
+
+import torch
+
+from moestream.layers.mlp import swiglu
+from moestream.quant.affine import QuantSpec, dequantize
+
+
+def projection(tensors: dict[str, torch.Tensor], proj: str, spec: QuantSpec, dtype: torch.dtype) -> torch.Tensor:
+    """One projection of a record as a float [out, in] matrix in `dtype`."""
+    if spec.quantized:
+        return dequantize(tensors[f"{proj}.weight"], tensors[f"{proj}.scales"], tensors[f"{proj}.biases"],
+                          spec.bits, spec.group_size, dtype)
+    return tensors[f"{proj}.weight"].to(dtype)
+
+
+def expert_ffn(x: torch.Tensor, tensors: dict[str, torch.Tensor], quant: dict[str, QuantSpec]) -> torch.Tensor:
+    """x [T, H] through one expert's SwiGLU, weights taken from its record views."""
+    g, u, d = (projection(tensors, p, quant[p], x.dtype) for p in ("gate_proj", "up_proj", "down_proj"))
+    return swiglu(x, g, u, d)

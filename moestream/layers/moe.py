@@ -1,0 +1,77 @@
+"""The sparse MoE block: router, top-k, routed experts through an ExpertProvider, optional shared expert.
+
+The block never owns expert weights: it asks the provider for the records of the experts the router
+chose, so a cache that misses and reads from disk plugs in without changing the math."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Mapping, Protocol, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from moestream.kernels.reference import expert_ffn
+from moestream.layers.mlp import swiglu
+from moestream.quant.affine import QuantSpec
+
+
+class ExpertProvider(Protocol):
+    """Where routed experts come from. `fetch` may block on reads; the records it returns stay valid
+    (pinned) until `release(layer)`."""
+
+    def quant(self, layer: int) -> dict[str, QuantSpec]: ...
+
+    def fetch(self, layer: int, experts: Sequence[int]) -> Mapping[int, dict[str, torch.Tensor]]: ...
+
+    def release(self, layer: int) -> None: ...
+
+
+@dataclass
+class SharedExpert:
+    gate: torch.Tensor
+    up: torch.Tensor
+    down: torch.Tensor
+    gate_weight: torch.Tensor | None = None  # [1, H]: sigmoid gate on the shared expert's output (Qwen2-MoE)
+
+
+class MoEBlock:
+    def __init__(self, layer: int, router: torch.Tensor, provider: ExpertProvider, *, top_k: int,
+                 normalize_topk: bool, float32_routing_weights: bool = False, shared: SharedExpert | None = None):
+        self.layer, self.router, self.provider = layer, router, provider
+        self.top_k, self.normalize_topk = top_k, normalize_topk
+        self.float32_routing_weights = float32_routing_weights  # Mixtral keeps them in float32
+        self.shared = shared
+        self.on_route: Callable[[int, torch.Tensor], None] | None = None  # tracing hook
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # x [T, H] -> weights [T, A], ids [T, A]
+        probs = torch.softmax(F.linear(x, self.router), dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.normalize_topk:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if not self.float32_routing_weights:
+            weights = weights.to(x.dtype)
+        return weights, ids
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.route(x)
+        if self.on_route is not None:
+            self.on_route(self.layer, ids)
+        experts = torch.unique(ids).tolist()  # sorted; the one host sync this layer needs
+        records = self.provider.fetch(self.layer, experts)
+        quant = self.provider.quant(self.layer)
+        out = torch.zeros_like(x)
+        try:
+            for e in experts:
+                tok, slot = torch.where(ids == e)
+                y = expert_ffn(x[tok], records[e], quant) * weights[tok, slot, None]
+                out.index_add_(0, tok, y.to(out.dtype))
+        finally:
+            self.provider.release(self.layer)
+        if self.shared is not None:
+            s = self.shared
+            y = swiglu(x, s.gate, s.up, s.down)
+            if s.gate_weight is not None:
+                y = torch.sigmoid(F.linear(x, s.gate_weight)) * y
+            out = out + y
+        return out
