@@ -1,0 +1,37 @@
+"""Write a packed model back out as a float Hugging Face checkpoint (per-expert tensor names), so
+transformers can run exactly the weights moestream runs: the reference for quantized models."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from moestream.format.reader import PackedModel
+
+# Mixtral names its expert projections w1/w3/w2 and its MoE module block_sparse_moe.
+EXPERT_NAMES = {"mixtral": ("block_sparse_moe", {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"})}
+
+
+def export_hf(packed_dir: str | Path, out_dir: str | Path, *, dtype: torch.dtype = torch.float32) -> Path:
+    packed = PackedModel(packed_dir)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {name: packed.dense(name, dtype).contiguous() for name in packed.logical_dense_names()}
+    module, names = EXPERT_NAMES.get(packed.family, ("mlp", {p: p for p in ("gate_proj", "up_proj", "down_proj")}))
+    for entry in packed.manifest.expert_layers:
+        for e in range(entry.num_experts):
+            for proj, w in packed.dequantized_expert(entry.layer, e, dtype).items():
+                tensors[f"model.layers.{entry.layer}.{module}.experts.{e}.{names[proj]}.weight"] = w.contiguous()
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = dict(packed.config)
+    config.pop("quantization", None)
+    config.pop("quantization_config", None)
+    config["torch_dtype"] = config["dtype"] = str(dtype).replace("torch.", "")
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    for name in packed.manifest.files:
+        if not name.endswith((".bin", ".safetensors")):
+            shutil.copyfile(packed.directory / name, out / name)
+    return out
