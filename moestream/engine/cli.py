@@ -29,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--logprobs", type=int, default=0, metavar="N", help="report the top N logprobs of every generated token")
     p.add_argument("--json", action="store_true", help="print one JSON object (token_ids, text, logprobs, receipt) as the last line")
     p.add_argument("--receipt", metavar="FILE", help="write the run's receipt JSON to FILE")
+    p.add_argument("--plan", action="store_true", help="print the memory ledger and slot plan, then exit")
     add_engine_arguments(p)
     return p
 
@@ -70,7 +71,23 @@ def run(args) -> int:
     from moestream.engine.engine import Engine
 
     check_args(args)
+    if args.plan:
+        from moestream.engine.engine import DEMO_CACHE_SIZE, DEMO_MODEL
+        from moestream.engine.plan import plan_run
+        from moestream.format.reader import PackedModel
+
+        packed = PackedModel(args.model or DEMO_MODEL)
+        plan = plan_run(packed, EngineOptions.from_args(args), default_cache_size=DEMO_CACHE_SIZE if not args.model else "auto")
+        print(f"{packed.directory} ({packed.family})\n{plan.describe()}")
+        return 0
     engine = Engine.load(args.model, options=EngineOptions.from_args(args))
+    try:
+        return generate(args, engine)
+    finally:
+        engine.close()
+
+
+def generate(args, engine) -> int:
     ids = prompt_ids(args, engine.tokenizer)
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                               repetition_penalty=args.repetition_penalty, seed=args.seed)

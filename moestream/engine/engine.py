@@ -15,7 +15,7 @@ import torch
 from moestream.engine.kv_cache import KVCache
 from moestream.engine.options import EngineOptions
 from moestream.engine.sampling import choose_token
-from moestream.engine.tokenizer import TextTokenizer
+from moestream.engine.tokenizer import load_tokenizer
 from moestream.engine.types import GenerationResult, SamplingParams, TokenEvent
 from moestream.errors import MoestreamError
 from moestream.format.reader import PackedModel
@@ -23,26 +23,11 @@ from moestream.models.registry import build_model
 
 log = logging.getLogger(__name__)
 DEMO_MODEL = Path(__file__).resolve().parent.parent / "demo" / "model"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEMO_CACHE_SIZE = "30%"  # smaller than the demo model, so its first run really streams experts
 
 
 class PromptTooLongError(MoestreamError):
     pass
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise MoestreamError("--device cuda was asked for, but no CUDA GPU is available")
-    return device
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return DTYPES[name]
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -79,21 +64,48 @@ class Generation:
 
 
 class Engine:
-    def __init__(self, packed: PackedModel, options: EngineOptions):
-        from moestream.experts.resident import ResidentExperts
+    def __init__(self, packed: PackedModel, options: EngineOptions, *, default_cache_size: str = "auto"):
+        from moestream.engine.plan import plan_run
+        from moestream.experts.cache import ExpertCache
+        from moestream.experts.sources import open_source
 
         self.packed, self.options = packed, options
-        self.device = resolve_device(options.device)
-        self.dtype = resolve_dtype(options.dtype, self.device)
-        self.provider = ResidentExperts(packed, self.device)
+        self.plan = plan_run(packed, options, default_cache_size=default_cache_size)
+        self.device, self.dtype, self.max_context = self.plan.device, self.plan.dtype, self.plan.max_context
+        source = open_source(options.expert_source, packed, io_threads=options.io_threads,
+                             check_records=options.check_records)
+        self.provider = ExpertCache(packed, self.device, slots=self.plan.slots, source=source,
+                                    policy=options.cache_policy, partition=options.cache_partition,
+                                    host_slots=self.plan.host_slots, host_policy=options.host_cache_policy,
+                                    staging_buffers=self.plan.staging)
         self.args, self.model = build_model(packed, self.provider, device=self.device, dtype=self.dtype)
-        self.tokenizer = TextTokenizer(packed.directory, packed.config)
-        limit = min(self.args.max_position_embeddings, 32768)
-        self.max_context = options.max_context or limit
+        self.tokenizer = load_tokenizer(packed.directory, packed.config)
         self.model_name = packed.directory.name if packed.directory != DEMO_MODEL else "moestream-demo"
         self.cache = KVCache(self.args.num_hidden_layers, self.args.num_key_value_heads, self.args.head_dim,
                              self.max_context, dtype=self.dtype, device=self.device)
         self._cached_tokens: list[int] = []  # tokens whose K/V are in self.cache
+        self._position = 0  # first position of the chunk being run (for routing traces)
+        self.trace = None
+        if options.trace_routing:
+            self._start_trace()
+
+    def _start_trace(self) -> None:
+        from moestream.sim.trace import TraceRecorder
+
+        blocks = [layer.ffn for layer in self.model.layers if hasattr(layer.ffn, "on_route")]
+        self.trace = TraceRecorder({"model": self.model_name, "family": self.packed.family,
+                                    "num_experts": self.args.num_experts, "top_k": self.args.num_experts_per_tok,
+                                    "moe_layers": [b.layer for b in blocks], "num_layers": self.args.num_hidden_layers})
+        for block in blocks:
+            block.on_route = lambda layer, ids: self.trace.record(layer, self._position, ids.cpu().numpy())
+
+    def save_trace(self) -> None:
+        if self.trace is not None:
+            self.trace.to_trace().save(self.options.trace_routing)
+
+    def close(self) -> None:
+        self.save_trace()
+        self.provider.close()
 
     @classmethod
     def load(cls, model_dir: str | Path | None = None, *, options: EngineOptions | None = None) -> "Engine":
@@ -101,13 +113,20 @@ class Engine:
             model_dir = DEMO_MODEL
             if not (DEMO_MODEL / "moestream.json").is_file():
                 raise MoestreamError(f"no --model given and the built-in demo model is missing at {DEMO_MODEL}")
+            return cls(PackedModel(model_dir), options or EngineOptions(), default_cache_size=DEMO_CACHE_SIZE)
         return cls(PackedModel(model_dir), options or EngineOptions())
 
     # -- running the model ----------------------------------------------------
     def _forward(self, ids: list[int], start: int, *, all_logits: bool = False) -> torch.Tensor:
+        self._position = start
         with torch.inference_mode():
             t = torch.tensor(ids, dtype=torch.long, device=self.device)
             return self.model.forward(t, start, self.cache, all_logits=all_logits)
+
+    def reset(self) -> None:
+        """Forget the cached sequence (the next prompt is prefilled whole)."""
+        self.cache.truncate(0)
+        self._cached_tokens = []
 
     def prefill(self, prompt_ids: list[int], *, should_stop: Callable[[], bool] | None = None,
                 all_logits: bool = False) -> tuple[torch.Tensor | None, int]:
@@ -140,7 +159,8 @@ class Engine:
                                      "(prompt plus at least one generated token)")
 
     def generate(self, prompt_ids: list[int], *, max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
-                 logprobs: int = 0, should_stop: Callable[[], bool] | None = None) -> Generation:
+                 logprobs: int = 0, should_stop: Callable[[], bool] | None = None,
+                 stop_at_eos: bool = True) -> Generation:
         self.check_prompt(prompt_ids)
         state: dict = {"tokens": [], "finish": "length", "prefill_s": 0.0, "decode_s": 0.0, "reused": 0}
         before = self.expert_stats()
@@ -164,7 +184,7 @@ class Engine:
                     row = logits[-1]
                     previous = torch.tensor(seq, device=row.device) if sampling.repetition_penalty != 1.0 else None
                     token = choose_token(row, sampling, position=len(seq), previous=previous)
-                    if token in self.tokenizer.eos_token_ids:
+                    if stop_at_eos and token in self.tokenizer.eos_token_ids:
                         state["finish"] = "stop"
                         return
                     event = TokenEvent(token)
@@ -183,6 +203,7 @@ class Engine:
                 state["decode_s"] = time.perf_counter() - t1
 
         def finish() -> GenerationResult:
+            self.save_trace()
             receipt = self._receipt(len(prompt_ids), state, before)
             return GenerationResult(list(state["tokens"]), state["finish"], receipt)
 
@@ -224,7 +245,7 @@ class Engine:
     def memory_ledger(self) -> dict:
         resident = sum(t.numel() * t.element_size() for t in _tensors_of(self.model))
         kv = self.cache.keys.numel() * self.cache.keys.element_size() * 2
-        return {"resident_weights": resident, "kv_cache": kv, "expert_slots": self.provider.stats().get("slot_bytes", 0)}
+        return {**self.plan.ledger.to_json(), "resident_weights": resident, "kv_cache": kv}
 
 
 def _tensors_of(model) -> list[torch.Tensor]:

@@ -11,6 +11,16 @@ class EngineOptions:
     dtype: str = "auto"  # auto: bfloat16 on cuda, float32 on cpu
     max_context: int = 0  # 0: the model's max_position_embeddings (at most 32768)
     prefill_chunk_tokens: int = 512
+    cache_size: str = "auto"
+    cache_policy: str = "clock"
+    cache_partition: str = "shared"
+    expert_source: str = "direct"
+    io_threads: int = 32
+    host_cache_size: str = "0"
+    host_cache_policy: str = "clock"
+    memory_budget: str | None = None
+    check_records: bool = False
+    trace_routing: str | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "EngineOptions":
@@ -24,3 +34,18 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="compute dtype (default: bfloat16 on cuda, float32 on cpu)")
     g.add_argument("--max-context", type=int, default=0, help="prompt + completion limit in tokens (default: the model's, at most 32768)")
     g.add_argument("--prefill-chunk-tokens", type=int, default=512, help="prompt tokens per prefill pass (default 512)")
+    c = parser.add_argument_group("expert cache")
+    c.add_argument("--cache-size", default="auto",
+                   help="device expert slots: bytes (4GiB), a share of all experts (25%%), min, all; "
+                        "default auto: what fits in free memory (the demo model: 30%%)")
+    c.add_argument("--cache-policy", default="clock", choices=["clock", "lru", "arc", "lfu"], help="slot replacement policy (default clock)")
+    c.add_argument("--cache-partition", default="shared", choices=["shared", "per-layer"],
+                   help="one pool for all layers (default) or a fixed share per layer")
+    c.add_argument("--expert-source", default="direct", choices=["direct", "mmap"],
+                   help="direct: O_DIRECT reads by a thread pool (default); mmap: the page cache is the host tier")
+    c.add_argument("--io-threads", type=int, default=32, help="parallel record reads (default 32)")
+    c.add_argument("--host-cache-size", default="0", help="pinned host RAM tier between disk and device slots (bytes or %%; default 0: none)")
+    c.add_argument("--host-cache-policy", default="clock", choices=["clock", "lru", "arc", "lfu"], help="host tier policy (default clock)")
+    c.add_argument("--memory-budget", default=None, metavar="SIZE", help="size everything to fit SIZE of device memory; refuse if impossible")
+    c.add_argument("--check-records", action="store_true", help="verify each expert record's checksum as it is read")
+    c.add_argument("--trace-routing", default=None, metavar="FILE", help="record (layer, position, experts) of every token to FILE (.npz)")

@@ -57,3 +57,29 @@ class TextTokenizer:
             raise FormatError("this model has no chat template; use a plain prompt")
         text = self._tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
         return self.encode(text, add_special_tokens=False)
+
+
+class NoTokenizer:
+    """For packed models without tokenizer files (e.g. synthetic ones): token ids only."""
+
+    has_chat_template = False
+
+    def __init__(self, config: dict):
+        eos = config.get("eos_token_id")
+        self.eos_token_ids = frozenset(eos if isinstance(eos, list) else [eos] if isinstance(eos, int) else [])
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        raise FormatError("this model has no tokenizer files; give the prompt as token ids (--prompt-ids)")
+
+    def chat_ids(self, messages: list[dict], *, add_generation_prompt: bool = True) -> list[int]:
+        return self.encode("")
+
+    def decode(self, ids: list[int]) -> str:
+        return ""
+
+
+def load_tokenizer(model_dir: str | Path, config: dict):
+    model_dir = Path(model_dir)
+    if not (model_dir / "tokenizer.json").is_file() and not (model_dir / "tokenizer_config.json").is_file():
+        return NoTokenizer(config)
+    return TextTokenizer(model_dir, config)

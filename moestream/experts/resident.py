@@ -30,6 +30,9 @@ class ResidentExperts:
     def release(self, layer: int) -> None:
         pass
 
+    def batch_limit(self, layer: int) -> int:
+        return len(self.records[layer])
+
     def stats(self) -> dict:
         return {"source": "resident", "hit_rate": 1.0, "misses": 0, "bytes_read_disk": 0, "bytes_read_host": 0,
                 "read_wait_s": 0.0, "slot_bytes": self.bytes_resident}

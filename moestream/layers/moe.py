@@ -25,6 +25,10 @@ class ExpertProvider(Protocol):
 
     def release(self, layer: int) -> None: ...
 
+    def batch_limit(self, layer: int) -> int:
+        """The most experts of `layer` that can be held at once; more are fetched in batches."""
+        ...
+
 
 @dataclass
 class SharedExpert:
@@ -58,16 +62,19 @@ class MoEBlock:
         if self.on_route is not None:
             self.on_route(self.layer, ids)
         experts = torch.unique(ids).tolist()  # sorted; the one host sync this layer needs
-        records = self.provider.fetch(self.layer, experts)
         quant = self.provider.quant(self.layer)
         out = torch.zeros_like(x)
-        try:
-            for e in experts:
-                tok, slot = torch.where(ids == e)
-                y = expert_ffn(x[tok], records[e], quant) * weights[tok, slot, None]
-                out.index_add_(0, tok, y.to(out.dtype))
-        finally:
-            self.provider.release(self.layer)
+        limit = max(1, self.provider.batch_limit(self.layer))
+        for i in range(0, len(experts), limit):  # experts in ascending order, whatever the batching
+            batch = experts[i:i + limit]
+            records = self.provider.fetch(self.layer, batch)
+            try:
+                for e in batch:
+                    tok, slot = torch.where(ids == e)
+                    y = expert_ffn(x[tok], records[e], quant) * weights[tok, slot, None]
+                    out.index_add_(0, tok, y.to(out.dtype))
+            finally:
+                self.provider.release(self.layer)
         if self.shared is not None:
             s = self.shared
             y = swiglu(x, s.gate, s.up, s.down)

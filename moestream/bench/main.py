@@ -1,0 +1,194 @@
+"""`moestream bench --model DIR`: prefill and decode speed, hit rate and read bandwidth per tier,
+over one or several cache sizes, as JSON with the machine and the exact command."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from moestream.bench.machine import machine_info
+from moestream.engine.options import EngineOptions, add_engine_arguments
+from moestream.errors import MoestreamError
+
+log = logging.getLogger(__name__)
+
+
+def drop_page_cache() -> bool:
+    """Empty the OS page cache so expert reads come from the disk (needs root)."""
+    try:
+        subprocess.run(["sync"], check=False)
+        with open("/proc/sys/vm/drop_caches", "w") as fh:
+            fh.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def random_prompt(n: int, vocab: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (n,), generator=g).tolist()
+
+
+def measure(engine, *, prefill_sizes: list[int], decode_tokens: int, seed: int) -> dict:
+    vocab = engine.args.vocab_size
+    out = {"prefill": []}
+    for n in prefill_sizes:
+        if n + 1 >= engine.max_context:
+            continue
+        engine.reset()
+        before = engine.expert_stats()
+        t0 = time.perf_counter()
+        engine.prefill(random_prompt(n, vocab, seed + n))
+        engine._sync()
+        dt = time.perf_counter() - t0
+        after = engine.expert_stats()
+        out["prefill"].append({"tokens": n, "s": round(dt, 4), "tok_s": round(n / dt, 2),
+                               "hit_rate": _hit_rate(before, after)})
+    engine.reset()
+    gen = engine.generate(random_prompt(16, vocab, seed), max_new_tokens=decode_tokens, stop_at_eos=False)
+    for _ in gen:
+        pass
+    r = gen.result.receipt
+    host_gb_s = r["bytes_read_host"] / r["read_wait_s"] / 1e9 if r["read_wait_s"] > 0 else None
+    out["decode"] = {"tokens": r["generated_tokens"], "s": r["decode_s"], "tok_s": r["decode_tok_s"],
+                     "hit_rate": r["hit_rate"], "misses": r["misses"], "bytes_read_disk": r["bytes_read_disk"],
+                     "bytes_read_host": r["bytes_read_host"], "read_wait_s": r["read_wait_s"],
+                     "disk_gb_s_while_waiting": round(r["bytes_read_disk"] / r["read_wait_s"] / 1e9, 3) if r["read_wait_s"] > 0 else None,
+                     "host_gb_s_while_waiting": round(host_gb_s, 3) if host_gb_s else None}
+    out["experts"] = engine.expert_stats()
+    out["memory"] = engine.memory_ledger()
+    return out
+
+
+def _hit_rate(before: dict, after: dict) -> float:
+    hits = after.get("hits", 0) - before.get("hits", 0)
+    misses = after.get("misses", 0) - before.get("misses", 0)
+    return round(hits / (hits + misses), 4) if hits + misses else 1.0
+
+
+def compare_transformers(model_dir: str, *, device: str, prefill: int, decode_tokens: int, seed: int) -> dict:
+    """The same (dequantized) weights through transformers, bf16, everything on the device."""
+    import tempfile
+
+    from transformers import AutoModelForCausalLM
+
+    from moestream.format.export_hf import export_hf
+
+    with tempfile.TemporaryDirectory() as tmp:
+        export_hf(model_dir, tmp, dtype=torch.bfloat16)
+        model = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.bfloat16).to(device).eval()
+    vocab = model.config.vocab_size
+    ids = torch.tensor([random_prompt(prefill, vocab, seed)], device=device)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    with torch.inference_mode():
+        model(ids[:, :8])
+        sync()
+        t0 = time.perf_counter()
+        model(ids)
+        sync()
+        prefill_s = time.perf_counter() - t0
+        short = torch.tensor([random_prompt(16, vocab, seed)], device=device)
+        t0 = time.perf_counter()
+        model.generate(short, max_new_tokens=decode_tokens, min_new_tokens=decode_tokens, do_sample=False)
+        sync()
+        decode_s = time.perf_counter() - t0
+    return {"prefill_tokens": prefill, "prefill_tok_s": round(prefill / prefill_s, 2),
+            "decode_tokens": decode_tokens, "decode_tok_s": round(decode_tokens / decode_s, 2)}
+
+
+def plot(results: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = results["runs"]
+    labels = [r["cache_size"] for r in runs]
+    fig, ax1 = plt.subplots(figsize=(6, 3.5))
+    ax1.bar(labels, [r["decode"]["tok_s"] or 0 for r in runs], color="#4C72B0")
+    ax1.set_xlabel("device expert cache")
+    ax1.set_ylabel("decode tok/s")
+    ax2 = ax1.twinx()
+    ax2.plot(labels, [r["decode"]["hit_rate"] for r in runs], "o-", color="#DD8452")
+    ax2.set_ylabel("expert hit rate")
+    ax2.set_ylim(0, 1.05)
+    ax1.set_title(f"{results['model']} on {results['machine'].get('gpu') or results['machine']['cpu']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="moestream bench", description="Benchmark prefill, decode and expert streaming.")
+    p.add_argument("--model", help="packed model directory (default: the built-in demo model)")
+    p.add_argument("--cache-sizes", default=None, help="comma-separated cache sizes to sweep, e.g. 10%%,25%%,50%%,100%% "
+                                                      "(default: --cache-size)")
+    p.add_argument("--prefill-tokens", default="512,2048", help="prompt lengths to time (default 512,2048)")
+    p.add_argument("--decode-tokens", type=int, default=128, help="tokens to decode (default 128)")
+    p.add_argument("--cold", action="store_true", help="drop the OS page cache before each run (needs root)")
+    p.add_argument("--warmup", action="store_true", help="run a short generation first so the cache starts warm")
+    p.add_argument("--compare-transformers", action="store_true", help="also run the same weights through transformers (bf16, all on the device)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="write the JSON results to this file")
+    p.add_argument("--plot", default=None, help="write a PNG of decode tok/s and hit rate per cache size")
+    add_engine_arguments(p)
+    return p
+
+
+def run(args) -> dict:
+    from moestream.engine.engine import Engine
+
+    base = EngineOptions.from_args(args)
+    sizes = args.cache_sizes.split(",") if args.cache_sizes else [base.cache_size]
+    prefill_sizes = [int(x) for x in args.prefill_tokens.split(",") if x]
+    results = {"machine": machine_info(), "model": str(args.model or "demo"), "runs": []}
+    for size in sizes:
+        if args.cold and not drop_page_cache():
+            log.warning("could not drop the page cache (not root?); reads may come from RAM")
+        engine = Engine.load(args.model, options=replace(base, cache_size=size))
+        try:
+            if args.warmup:
+                for _ in engine.generate(random_prompt(32, engine.args.vocab_size, args.seed + 1), max_new_tokens=32,
+                                         stop_at_eos=False):
+                    pass
+            run_result = {"cache_size": size, "slots": engine.plan.slots, "total_experts": engine.plan.total_experts,
+                          **measure(engine, prefill_sizes=prefill_sizes, decode_tokens=args.decode_tokens, seed=args.seed)}
+        finally:
+            engine.close()
+            del engine
+        results["runs"].append(run_result)
+        d = run_result["decode"]
+        pf = ", ".join(f"prefill {p['tokens']}: {p['tok_s']:.0f} tok/s" for p in run_result["prefill"])
+        print(f"cache {size:>6} ({run_result['slots']}/{run_result['total_experts']} slots): decode {d['tok_s']} tok/s, "
+              f"hit rate {d['hit_rate']:.3f}, read wait {d['read_wait_s']:.2f} s; {pf}", flush=True)
+    if args.compare_transformers:
+        device = base.device if base.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+        ref = compare_transformers(args.model, device=device, prefill=max(prefill_sizes), decode_tokens=args.decode_tokens,
+                                   seed=args.seed)
+        results["transformers"] = ref
+        last = results["runs"][-1]
+        ref["decode_ratio"] = round((last["decode"]["tok_s"] or 0) / ref["decode_tok_s"], 3)
+        print(f"transformers: decode {ref['decode_tok_s']} tok/s, prefill {ref['prefill_tok_s']} tok/s; "
+              f"moestream / transformers decode = {ref['decode_ratio']}")
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    try:
+        results = run(args)
+    except MoestreamError as exc:
+        print(f"moestream bench: error: {exc}", file=sys.stderr)
+        return 1
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=1))
+    if args.plot:
+        plot(results, args.plot)
+    return 0

@@ -1,0 +1,147 @@
+"""`moestream synth --shape NAME OUT`: a packed model with random weights in a real model's shapes,
+written directly (no checkpoint, no download), for real-size benchmarks.
+
+Random weights route nearly uniformly, so hit rates measured on them are a pessimistic bound for
+caching: real models reuse experts far more."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from moestream.errors import MoestreamError
+from moestream.format.writer import ExpertFileWriter, finish_model
+from moestream.quant.affine import QuantSpec, packed_shape
+
+SHAPES = {
+    "qwen3-30b-a3b": dict(model_type="qwen3_moe", hidden_size=2048, num_hidden_layers=48, num_attention_heads=32,
+                          num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+                          moe_intermediate_size=768, intermediate_size=6144, vocab_size=151936, norm_topk_prob=True,
+                          rope_theta=1000000.0, max_position_embeddings=40960, rms_norm_eps=1e-6,
+                          tie_word_embeddings=False, decoder_sparse_step=1, mlp_only_layers=[], eos_token_id=151645),
+    "qwen3-235b-a22b": dict(model_type="qwen3_moe", hidden_size=4096, num_hidden_layers=94, num_attention_heads=64,
+                            num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+                            moe_intermediate_size=1536, intermediate_size=12288, vocab_size=151936, norm_topk_prob=True,
+                            rope_theta=1000000.0, max_position_embeddings=40960, rms_norm_eps=1e-6,
+                            tie_word_embeddings=False, decoder_sparse_step=1, mlp_only_layers=[], eos_token_id=151645),
+    "mixtral-8x7b": dict(model_type="mixtral", hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                         num_key_value_heads=8, head_dim=128, num_local_experts=8, num_experts_per_tok=2,
+                         intermediate_size=14336, vocab_size=32000, rope_theta=1000000.0, max_position_embeddings=32768,
+                         rms_norm_eps=1e-5, tie_word_embeddings=False, eos_token_id=2),
+    "olmoe-1b-7b": dict(model_type="olmoe", hidden_size=2048, num_hidden_layers=16, num_attention_heads=16,
+                        num_key_value_heads=16, num_experts=64, num_experts_per_tok=8, intermediate_size=1024,
+                        vocab_size=50304, rope_theta=10000.0, max_position_embeddings=4096, rms_norm_eps=1e-5,
+                        norm_topk_prob=False, tie_word_embeddings=False, eos_token_id=50279),
+}
+BITS = {"q4": 4, "q8": 8, "none": None}
+
+
+class RandomWeights:
+    """Random tensors already in stored form, so no quantization pass is needed."""
+
+    def __init__(self, bits: int | None, group_size: int, seed: int, dtype=torch.bfloat16):
+        self.bits, self.group_size, self.dtype = bits, group_size, dtype
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def matrix(self, name: str, out_f: int, in_f: int, *, std: float = 0.02, bits: int | None = -1) -> tuple[dict, QuantSpec]:
+        bits = self.bits if bits == -1 else bits
+        if bits is None or in_f % self.group_size:
+            w = (torch.randn(out_f, in_f, generator=self.gen) * std).to(self.dtype)
+            return {name: w}, QuantSpec()
+        wshape, sshape = packed_shape(out_f, in_f, bits, self.group_size)
+        words = torch.randint(0, 2**31, wshape, generator=self.gen, dtype=torch.int64)
+        words = (words * 2 + torch.randint(0, 2, wshape, generator=self.gen)).to(torch.uint32)
+        # codes uniform over the levels: scale so the weights have about `std` spread, centred on 0
+        levels = (1 << bits) - 1
+        scales = torch.full(sshape, std * 3.46 / levels).to(self.dtype)
+        biases = (-scales.float() * levels / 2).to(self.dtype)
+        base = name[: -len(".weight")]
+        return {name: words, base + ".scales": scales, base + ".biases": biases}, QuantSpec(bits, self.group_size)
+
+    def ones(self, name: str, n: int) -> dict:
+        return {name: torch.ones(n, dtype=self.dtype)}
+
+
+def synth(shape: str, out: Path, *, layers: int | None = None, quant: str = "q4", group_size: int = 64,
+          seed: int = 0, force: bool = False) -> Path:
+    if shape not in SHAPES:
+        raise MoestreamError(f"unknown shape {shape!r} (known: {', '.join(SHAPES)})")
+    cfg = dict(SHAPES[shape])
+    if layers:
+        cfg["num_hidden_layers"] = layers
+    out = Path(out)
+    if out.exists() and any(out.iterdir()) and not force:
+        raise MoestreamError(f"{out} exists and is not empty (use --force to overwrite)")
+    out.mkdir(parents=True, exist_ok=True)
+    rw = RandomWeights(BITS[quant], group_size, seed)
+    H, L = cfg["hidden_size"], cfg["num_hidden_layers"]
+    D = cfg.get("head_dim", H // cfg["num_attention_heads"])
+    Nq, Nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    E = cfg.get("num_experts", cfg.get("num_local_experts"))
+    I = cfg.get("moe_intermediate_size", cfg["intermediate_size"])
+    moe = "block_sparse_moe" if cfg["model_type"] == "mixtral" else "mlp"
+    dense, specs = {}, {}
+
+    def add(parts_spec, name):
+        parts, spec = parts_spec
+        dense.update(parts)
+        specs[name] = spec.to_json()
+
+    add(rw.matrix("model.embed_tokens.weight", cfg["vocab_size"], H, std=1.0), "model.embed_tokens.weight")
+    add(rw.matrix("lm_head.weight", cfg["vocab_size"], H), "lm_head.weight")
+    for name, n in (("model.norm.weight", H),):
+        dense.update(rw.ones(name, n))
+        specs[name] = None
+    expert_layers = []
+    with tqdm(total=L * E, desc=f"synth {shape}", unit="expert", file=sys.stderr) as bar:
+        for i in range(L):
+            p = f"model.layers.{i}."
+            for proj, o, n in (("q_proj", Nq * D, H), ("k_proj", Nkv * D, H), ("v_proj", Nkv * D, H), ("o_proj", H, Nq * D)):
+                add(rw.matrix(p + f"self_attn.{proj}.weight", o, n), p + f"self_attn.{proj}.weight")
+            norms = [("input_layernorm.weight", H), ("post_attention_layernorm.weight", H)]
+            if cfg["model_type"] == "qwen3_moe":
+                norms += [("self_attn.q_norm.weight", D), ("self_attn.k_norm.weight", D)]
+            if cfg["model_type"] == "olmoe":
+                norms += [("self_attn.q_norm.weight", Nq * D), ("self_attn.k_norm.weight", Nkv * D)]
+            for name, n in norms:
+                dense.update(rw.ones(p + name, n))
+                specs[p + name] = None
+            router_bits = None if rw.bits is None else max(8, rw.bits)
+            add(rw.matrix(p + f"{moe}.gate.weight", E, H, std=0.5, bits=router_bits), p + f"{moe}.gate.weight")
+            writer = None
+            for e in range(E):
+                record, quant_specs = {}, {}
+                for proj, o, n in (("gate_proj", I, H), ("up_proj", I, H), ("down_proj", H, I)):
+                    parts, spec = rw.matrix(f"{proj}.weight", o, n)
+                    record.update(parts)
+                    quant_specs[proj] = spec
+                if writer is None:
+                    writer = ExpertFileWriter(out / f"experts-{i:03d}.bin", i, E, record, quant_specs)
+                writer.write(e, record)
+                bar.update(1)
+            expert_layers.append(writer.close())
+    quantization = {"mode": "affine", "default_bits": BITS[quant], "group_size": group_size, "tensors": specs}
+    finish_model(out, family=cfg["model_type"], config=cfg, source={"synthetic": shape, "seed": seed},
+                 quantization=quantization, dense=dense, expert_layers=expert_layers, extra_files=[])
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="moestream synth", description=__doc__.split("\n\n")[0])
+    p.add_argument("out", help="output directory")
+    p.add_argument("--shape", required=True, choices=sorted(SHAPES), help="which real model's shapes")
+    p.add_argument("--layers", type=int, default=None, help="keep only the first N layers")
+    p.add_argument("--quant", choices=sorted(BITS), default="q4", help="default q4")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--force", action="store_true", help="overwrite a non-empty OUT")
+    args = p.parse_args(argv)
+    try:
+        out = synth(args.shape, Path(args.out), layers=args.layers, quant=args.quant, seed=args.seed, force=args.force)
+    except MoestreamError as exc:
+        print(f"moestream synth: error: {exc}", file=sys.stderr)
+        return 1
+    print(f"wrote {out}")
+    return 0

@@ -1,0 +1,77 @@
+"""The memory ledger: what each part of a run takes, computed before anything is allocated, so
+`--plan` can print it and `--memory-budget` can size the expert slots to fit."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from moestream.errors import MoestreamError
+from moestream.experts.sizing import format_bytes
+from moestream.format.reader import PackedModel
+
+
+@dataclass
+class Ledger:
+    resident_weights: int
+    kv_cache: int
+    workspace: int
+    expert_slots: int
+    host_tier: int
+    read_buffers: int
+
+    @property
+    def device_total(self) -> int:
+        return self.resident_weights + self.kv_cache + self.workspace + self.expert_slots + self.read_buffers
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "device_total": self.device_total}
+
+    def table(self, *, slots: int, slot_bytes: int, total_experts: int) -> str:
+        rows = [("resident weights", self.resident_weights), ("KV cache (max context)", self.kv_cache),
+                ("workspace (estimate)", self.workspace),
+                (f"expert slots ({slots} of {total_experts}, {100 * slots / total_experts:.0f}%)", self.expert_slots),
+                ("read buffers", self.read_buffers), ("device total", self.device_total),
+                ("host tier (RAM)", self.host_tier)]
+        return "\n".join(f"  {name:<40} {format_bytes(value):>12}" for name, value in rows)
+
+
+def resident_bytes(packed: PackedModel, dtype: torch.dtype) -> int:
+    """Bytes of the resident tensors once dequantized to the compute dtype."""
+    item = torch.finfo(dtype).bits // 8
+    total = 0
+    for name in packed.logical_dense_names():
+        shape = packed._dense.get_slice(name).get_shape()
+        spec = packed.tensor_spec(name)
+        numel = shape[0] * shape[1] * 32 // spec.bits if spec.quantized else int(torch.Size(shape).numel())
+        total += numel * item
+    return total
+
+
+def plan_ledger(packed: PackedModel, args, *, dtype: torch.dtype, max_context: int, chunk: int, slots: int,
+                slot_bytes: int, host_slots: int, staging: int) -> Ledger:
+    item = torch.finfo(dtype).bits // 8
+    kv = 2 * args.num_hidden_layers * args.num_key_value_heads * args.head_dim * max_context * item
+    inter = max(getattr(args, "moe_intermediate_size", 0) or 0, args.intermediate_size or 0,
+                getattr(args, "shared_expert_intermediate_size", 0) or 0)
+    tokens = min(chunk, max_context)
+    # activations of one prefill chunk, attention scores, one dequantized expert, the logits row
+    workspace = (tokens * (8 * args.hidden_size + 3 * inter) * 4
+                 + tokens * args.num_attention_heads * max_context * 4
+                 + 3 * inter * args.hidden_size * item + args.vocab_size * 4 * 2)
+    return Ledger(resident_weights=resident_bytes(packed, dtype), kv_cache=kv, workspace=workspace,
+                  expert_slots=slots * slot_bytes, host_tier=host_slots * slot_bytes, read_buffers=staging * slot_bytes)
+
+
+def slots_within(budget: int, ledger: Ledger, *, slot_bytes: int, min_slots: int, total_experts: int) -> int:
+    """The most slots that fit a device budget, or a clear refusal naming the minimum."""
+    fixed = ledger.device_total - ledger.expert_slots
+    slots = (budget - fixed) // slot_bytes
+    if slots < min_slots:
+        need = fixed + min_slots * slot_bytes
+        raise MoestreamError(f"--memory-budget {format_bytes(budget)} cannot fit this model: it needs at least "
+                             f"{format_bytes(need)} (resident weights {format_bytes(ledger.resident_weights)}, KV cache "
+                             f"{format_bytes(ledger.kv_cache)}, workspace {format_bytes(ledger.workspace)}, "
+                             f"{min_slots} expert slots {format_bytes(min_slots * slot_bytes)}); "
+                             "a smaller --max-context lowers it")
+    return min(slots, total_experts)

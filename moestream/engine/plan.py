@@ -1,0 +1,105 @@
+"""Deciding a run's shape before loading anything: device, dtype, context, slots, host tier, ledger."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import psutil
+import torch
+
+from moestream.engine.budget import Ledger, plan_ledger, slots_within
+from moestream.engine.options import EngineOptions
+from moestream.errors import MoestreamError
+from moestream.experts.sizing import parse_bytes, slots_for
+from moestream.format.reader import PackedModel
+from moestream.models.registry import family_module
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+MAX_DEFAULT_CONTEXT = 32768
+STAGING_BUFFERS = 8  # pinned buffers for disk -> GPU on CUDA
+
+
+@dataclass
+class RunPlan:
+    device: torch.device
+    dtype: torch.dtype
+    max_context: int
+    slots: int
+    host_slots: int
+    slot_bytes: int
+    total_experts: int
+    min_slots: int
+    staging: int
+    ledger: Ledger
+
+    def describe(self) -> str:
+        return (f"device {self.device}, {str(self.dtype).replace('torch.', '')}, context {self.max_context} tokens, "
+                f"slot {self.slot_bytes} B, floor {self.min_slots} slots\n"
+                + self.ledger.table(slots=self.slots, slot_bytes=self.slot_bytes, total_experts=self.total_experts))
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise MoestreamError(f"--device {name!r} is not a device (cpu, cuda or cuda:N)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise MoestreamError("--device cuda was asked for, but no CUDA GPU is available")
+    if device.type not in ("cpu", "cuda"):
+        raise MoestreamError(f"--device {name!r}: only cpu and cuda are supported")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[name]
+
+
+def free_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return psutil.virtual_memory().available
+
+
+def plan_run(packed: PackedModel, options: EngineOptions, *, default_cache_size: str = "auto") -> RunPlan:
+    device = resolve_device(options.device)
+    dtype = resolve_dtype(options.dtype, device)
+    args = family_module(packed.family).ModelArgs.from_dict(packed.config)
+    max_context = options.max_context or min(args.max_position_embeddings, MAX_DEFAULT_CONTEXT)
+    if max_context < 2:
+        raise MoestreamError(f"--max-context must be at least 2, got {max_context}")
+    layers = packed.manifest.expert_layers
+    if not layers:
+        raise MoestreamError(f"{packed.directory}: the model has no routed experts")
+    slot_bytes = max(e.record_size for e in layers)
+    total = sum(e.num_experts for e in layers)
+    # the floor: one token's experts in one layer at once (a layer that routes to more runs them in
+    # batches); per layer when each layer has its own share of the slots
+    floor = min(args.num_experts_per_tok, min(e.num_experts for e in layers))
+    if options.cache_partition == "per-layer":
+        floor *= len(layers)
+    staging = STAGING_BUFFERS if device.type == "cuda" else 0
+    host_slots = 0
+    if options.host_cache_size not in ("0", "", "none"):
+        host_slots = slots_for(options.host_cache_size, slot_bytes=slot_bytes, total_experts=total, min_slots=1,
+                               flag="--host-cache-size")
+
+    def ledger(slots: int) -> Ledger:
+        return plan_ledger(packed, args, dtype=dtype, max_context=max_context, chunk=options.prefill_chunk_tokens,
+                           slots=slots, slot_bytes=slot_bytes, host_slots=host_slots, staging=staging)
+
+    size = options.cache_size if options.cache_size != "auto" else default_cache_size
+    if options.memory_budget:
+        slots = slots_within(parse_bytes(options.memory_budget), ledger(0), slot_bytes=slot_bytes, min_slots=floor,
+                             total_experts=total)
+        if size != "auto":
+            slots = min(slots, slots_for(size, slot_bytes=slot_bytes, total_experts=total, min_slots=floor))
+    elif size == "auto":
+        budget = int(free_memory(device) * 0.85) - (host_slots * slot_bytes if device.type == "cpu" else 0)
+        slots = slots_within(budget, ledger(0), slot_bytes=slot_bytes, min_slots=floor, total_experts=total)
+    else:
+        slots = slots_for(size, slot_bytes=slot_bytes, total_experts=total, min_slots=floor)
+    return RunPlan(device=device, dtype=dtype, max_context=max_context, slots=slots, host_slots=host_slots,
+                   slot_bytes=slot_bytes, total_experts=total, min_slots=floor, staging=staging, ledger=ledger(slots))

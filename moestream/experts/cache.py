@@ -1,0 +1,344 @@
+"""The expert slot cache: one pool of slots on the compute device, shared by all layers.
+
+A layer asks for the experts its router chose (`fetch`). Hits are pinned and returned at once;
+misses get a slot from the directory (a free one, or a victim the policy picks among unpinned,
+ready slots) and are filled from the host tier or the record source. Early reads (`prefetch`)
+fill slots before a layer asks. What moves never changes the answer: a slot holds the record's
+exact bytes, and the layer computes only after its slots are filled.
+
+On CUDA, records go disk -> pinned host buffer -> slot by an async copy on a separate stream;
+compute waits (stream-wise) only for the slots it uses, and a victim slot is overwritten only
+after the compute that read it has finished.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from moestream.errors import ExpertReadError
+from moestream.experts.buffers import aligned_buffer, pin_if_cuda
+from moestream.experts.directory import CacheFullError, SlotDirectory
+from moestream.format.reader import PackedModel
+from moestream.format.records import decode_record
+from moestream.quant.affine import QuantSpec
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class CacheStats:
+    hits: int = 0
+    misses: int = 0
+    bytes_read_disk: int = 0
+    bytes_read_host: int = 0
+    read_wait_s: float = 0.0
+    prefetch_issued: int = 0
+    prefetch_used: int = 0
+    evictions: int = 0
+    layer_hits: dict = field(default_factory=dict)
+    layer_misses: dict = field(default_factory=dict)
+
+
+class HostTier:
+    """Pinned RAM slots between the disk and the device slots, with their own policy."""
+
+    def __init__(self, slots: int, slot_bytes: int, *, policy: str, pin: bool):
+        self.slots, self.slot_bytes = slots, slot_bytes
+        self.pool = aligned_buffer(slots * slot_bytes).view(slots, slot_bytes)
+        if pin:
+            self.pool = pin_if_cuda(self.pool)
+        self.directory = SlotDirectory(slots, policy=policy)
+
+
+class ExpertCache:
+    """Implements the ExpertProvider protocol over a fixed slot pool."""
+
+    def __init__(self, packed: PackedModel, device: torch.device, *, slots: int, source, policy: str = "clock",
+                 partition: str = "shared", host_slots: int = 0, host_policy: str = "clock", staging_buffers: int = 8):
+        self.packed, self.device, self.source = packed, torch.device(device), source
+        self.entries = {e.layer: e for e in packed.manifest.expert_layers}
+        self.moe_layers = sorted(self.entries)
+        self._index = {layer: i for i, layer in enumerate(self.moe_layers)}  # directory keys use dense layer indices
+        self.slot_bytes = max(e.record_size for e in self.entries.values())
+        self.total_experts = sum(e.num_experts for e in self.entries.values())
+        self.num_slots = slots
+        self._quant = {l: {p: QuantSpec.from_json(s) for p, s in e.quant.items()} for l, e in self.entries.items()}
+        self.directory = SlotDirectory(slots, policy=policy, partition=partition, num_layers=len(self.moe_layers))
+        self.cuda = self.device.type == "cuda"
+        if self.cuda:
+            self.pool = torch.empty((slots, self.slot_bytes), dtype=torch.uint8, device=self.device)
+            self.copy_stream = torch.cuda.Stream(self.device)
+            self.staging: queue.Queue = queue.Queue()
+            for _ in range(staging_buffers):
+                self.staging.put(pin_if_cuda(aligned_buffer(self.slot_bytes)))
+            self.ready_events: dict = {}
+        else:  # page-aligned RAM, so direct reads land in the slot itself
+            self.pool = aligned_buffer(slots * self.slot_bytes).view(slots, self.slot_bytes)
+        self.host = HostTier(host_slots, self.slot_bytes, policy=host_policy, pin=self.cuda) if host_slots else None
+        self.pending: dict = {}  # device key -> Future that completes when the slot holds the record
+        self._victim_events: dict = {}  # slot -> event after the last compute that may read it (CUDA)
+        self._pinned: dict[int, list] = {}
+        self._prefetched: set = set()
+        self.stats_ = CacheStats()
+        self._lock = threading.Lock()  # guards stats updated from reader threads
+
+    # -- ExpertProvider -------------------------------------------------------------
+    def quant(self, layer: int) -> dict[str, QuantSpec]:
+        return self._quant[layer]
+
+    def fetch(self, layer: int, experts: Sequence[int]) -> dict[int, dict[str, torch.Tensor]]:
+        entry, li = self.entries[layer], self._index[layer]
+        pinned, waits = [], []
+        st = self.stats_
+        try:
+            for e in experts:
+                key = (li, e)
+                slot = self.directory.lookup(key)
+                if slot is not None:
+                    self.directory.pin(key)
+                    pinned.append(key)
+                    self.directory.touch(key)
+                    self._count(layer, hit=True)
+                    if key in self._prefetched:
+                        self._prefetched.discard(key)
+                        st.prefetch_used += 1
+                    if key in self.pending:
+                        waits.append(key)
+                else:
+                    self._count(layer, hit=False)
+                    self._reserve(key)
+                    self.directory.pin(key)
+                    pinned.append(key)
+                    self._start_load(key)
+                    waits.append(key)
+            t0 = time.perf_counter()
+            error = None
+            for key in waits:  # wait for all, even after a failure, so no read lands in a freed slot later
+                try:
+                    self._finish(key)
+                except ExpertReadError as exc:
+                    error = error or exc
+            if waits:
+                st.read_wait_s += time.perf_counter() - t0
+            if error is not None:
+                raise error
+        except BaseException:
+            for key in pinned:
+                if self.directory.lookup(key) is not None:
+                    self.directory.unpin(key)
+            raise
+        self._pinned.setdefault(layer, []).extend(pinned)
+        if self.cuda:
+            current = torch.cuda.current_stream(self.device)
+            for key in pinned:
+                event = self.ready_events.pop(key, None)
+                if event is not None:
+                    current.wait_event(event)
+        return {e: decode_record(entry.fields, self.pool[self.directory.lookup((li, e))][: entry.record_size])
+                for e in experts}
+
+    def batch_limit(self, layer: int) -> int:
+        if self.directory.partition == "per-layer":
+            return len(self.directory.layer_slots(self._index[layer]))
+        return self.num_slots
+
+    def release(self, layer: int) -> None:
+        for key in self._pinned.pop(layer, []):
+            self.directory.unpin(key)
+
+    def prefetch(self, layer: int, experts: Sequence[int]) -> int:
+        """Start early reads for experts not yet in a slot; never blocks, never pins. Returns reads issued."""
+        li, issued = self._index[layer], 0
+        for e in experts:
+            key = (li, e)
+            if self.directory.lookup(key) is not None:
+                continue
+            try:
+                self._reserve(key, wait=False)
+            except CacheFullError:
+                break
+            self._start_load(key)
+            self._prefetched.add(key)
+            issued += 1
+        self.stats_.prefetch_issued += issued
+        return issued
+
+    # -- loading ------------------------------------------------------------------
+    def _count(self, layer: int, *, hit: bool) -> None:
+        st = self.stats_
+        table = st.layer_hits if hit else st.layer_misses
+        table[layer] = table.get(layer, 0) + 1
+        if hit:
+            st.hits += 1
+        else:
+            st.misses += 1
+
+    def _reserve(self, key, *, wait: bool = True) -> int:
+        try:
+            res = self.directory.reserve(key)
+        except CacheFullError:
+            if not wait or not self.pending:
+                raise
+            for k in list(self.pending):  # early reads hold slots: let them land, then retry
+                try:
+                    self._finish(k)
+                except ExpertReadError:
+                    pass
+            res = self.directory.reserve(key)
+        if res.evicted is not None:
+            self.stats_.evictions += 1
+            self.pending.pop(res.evicted, None)
+            self._prefetched.discard(res.evicted)
+            if self.cuda:
+                self.ready_events.pop(res.evicted, None)
+        if self.cuda:  # the copy into this slot must wait for compute that still reads its old record
+            self._slot_free_event(res.slot)
+        return res.slot
+
+    def _slot_free_event(self, slot: int) -> None:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        self._victim_events[slot] = event
+
+    def _start_load(self, key) -> None:
+        li, expert = key
+        layer = self.moe_layers[li]
+        slot = self.directory.lookup(key)
+        size = self.entries[layer].record_size
+        done: Future = Future()
+        self.pending[key] = done
+        host = self._host_record(layer, expert, size)
+        if host is not None:  # in host RAM already: only a copy
+            view, after = host
+            self._add(bytes_read_host=size)
+            self._copy_into_slot(key, slot, view, size, done, after=after)
+            return
+        if self.cuda:
+            staging = self.staging.get()
+            read = self.source.submit(layer, expert, staging[:size])
+            read.add_done_callback(lambda f: self._after_read(f, key, slot, staging[:size], size, done,
+                                                              after=lambda: self.staging.put(staging)))
+        else:
+            target = self.pool[slot][:size]
+            read = self.source.submit(layer, expert, target)
+            read.add_done_callback(lambda f: self._after_read(f, key, slot, target, size, done, after=None))
+
+    def _host_record(self, layer: int, expert: int, size: int):
+        """(view, after-copy callback) of the record if host RAM holds it: a host tier slot (pinned
+        while it is copied) or a page-cache mapping whose pages are all resident. Else None."""
+        if self.host is not None:
+            hkey = (layer, expert)
+            with self._lock:
+                hslot = self.host.directory.lookup(hkey)
+                if hslot is not None and not self.host.directory.is_loading(hkey):
+                    self.host.directory.pin(hkey)
+                    self.host.directory.touch(hkey)
+                    return self.host.pool[hslot][:size], lambda: self._unpin_host(hkey)
+        view = self.source.view(layer, expert)
+        if view is not None and all(self.source.resident(layer, [expert])):
+            return view, None
+        return None
+
+    def _unpin_host(self, hkey) -> None:
+        with self._lock:
+            self.host.directory.unpin(hkey)
+
+    def _after_read(self, read: Future, key, slot: int, data: torch.Tensor, size: int, done: Future, after) -> None:
+        """Runs on a reader thread when a disk read finishes."""
+        layer, expert = self.moe_layers[key[0]], key[1]
+        try:
+            read.result()
+            self._add(bytes_read_disk=size)
+            if self.host is not None:
+                self._fill_host(layer, expert, data, size)
+            self._copy_into_slot(key, slot, data, size, done, after=after)
+        except BaseException as exc:  # hand the failure to whoever waits on this slot
+            if after is not None:
+                after()
+            if not done.done():
+                done.set_exception(exc if isinstance(exc, ExpertReadError) else
+                                   ExpertReadError(f"reading layer {layer} expert {expert}: {exc}"))
+
+    def _fill_host(self, layer: int, expert: int, data: torch.Tensor, size: int) -> None:
+        hkey = (layer, expert)
+        with self._lock:
+            if self.host.directory.lookup(hkey) is not None:
+                return
+            try:
+                hslot = self.host.directory.reserve(hkey).slot
+            except CacheFullError:
+                return
+            self.host.pool[hslot][:size].copy_(data)
+            self.host.directory.mark_ready(hkey)
+
+    def _copy_into_slot(self, key, slot: int, data: torch.Tensor, size: int, done: Future, after) -> None:
+        """Copy a host record into its device slot; `after` runs once the source buffer is free again."""
+        if self.cuda:
+            with torch.cuda.stream(self.copy_stream):
+                victim = self._victim_events.pop(slot, None)
+                if victim is not None:
+                    self.copy_stream.wait_event(victim)
+                self.pool[slot][:size].copy_(data, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self.copy_stream)
+            self.ready_events[key] = event
+            if after is not None:
+                event.synchronize()
+        elif data.data_ptr() != self.pool[slot].data_ptr():
+            self.pool[slot][:size].copy_(data)
+        if after is not None:
+            after()
+        done.set_result(None)
+
+    def _finish(self, key) -> None:
+        """Wait for a slot's load; mark it ready, or free it and raise on failure."""
+        fut = self.pending.pop(key, None)
+        if fut is None:
+            return
+        try:
+            fut.result()
+        except ExpertReadError:
+            self.directory.abort(key)
+            self._prefetched.discard(key)
+            raise
+        self.directory.mark_ready(key)
+
+    def _add(self, **amounts) -> None:
+        with self._lock:
+            for name, value in amounts.items():
+                setattr(self.stats_, name, getattr(self.stats_, name) + value)
+
+    # -- reporting ----------------------------------------------------------------
+    def stats(self) -> dict:
+        st = self.stats_
+        lookups = st.hits + st.misses
+        source = self.source.stats()
+        read_s = source.get("read_s", 0.0)
+        per_layer = {str(l): round(st.layer_hits.get(l, 0) / max(1, st.layer_hits.get(l, 0) + st.layer_misses.get(l, 0)), 4)
+                     for l in self.moe_layers if st.layer_hits.get(l, 0) + st.layer_misses.get(l, 0)}
+        return {
+            "source": getattr(self.source, "name", "?"), "policy": self.directory.policy_name,
+            "partition": self.directory.partition, "slots": self.num_slots, "slot_bytes": self.num_slots * self.slot_bytes,
+            "total_experts": self.total_experts, "host_slots": self.host.slots if self.host else 0,
+            "hits": st.hits, "misses": st.misses, "hit_rate": round(st.hits / lookups, 6) if lookups else 1.0,
+            "hit_rate_per_layer": per_layer, "evictions": st.evictions,
+            "bytes_read_disk": st.bytes_read_disk, "bytes_read_host": st.bytes_read_host,
+            "read_wait_s": round(st.read_wait_s, 6),
+            "disk_read_gb_s": round(source.get("bytes_read", 0) / read_s / 1e9, 3) if read_s > 0 else None,
+            "prefetch_issued": st.prefetch_issued, "prefetch_used": st.prefetch_used,
+        }
+
+    def close(self) -> None:
+        for key in list(self.pending):
+            try:
+                self._finish(key)
+            except ExpertReadError:
+                pass
+        self.source.close()

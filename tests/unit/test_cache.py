@@ -1,0 +1,149 @@
+"""The expert cache never changes the answer: identical tokens and logprobs (bitwise on CPU) for
+every cache size, policy, source, partition and host tier; plus its statistics, faults and sizing."""
+import itertools
+import shutil
+
+import numpy as np
+import pytest
+
+from moestream.engine.engine import Engine
+from moestream.engine.options import EngineOptions
+from moestream.errors import ExpertReadError, MoestreamError
+from moestream.sim.trace import RoutingTrace
+
+FAMILY = "qwen3_moe"
+
+
+def run(model, prompt=None, *, max_new=12, **opts):
+    engine = Engine.load(model, options=EngineOptions(device="cpu", prefill_chunk_tokens=5, **opts))
+    prompt = prompt or engine.tokenizer.encode("def fibonacci(n):\n    if n < 2:")
+    gen = engine.generate(prompt, max_new_tokens=max_new, logprobs=4)
+    events = list(gen)
+    engine.close()
+    return [(e.token_id, e.top_logprobs) for e in events], gen.result.receipt
+
+
+@pytest.fixture(scope="module")
+def model(tiny_packed_model):
+    return tiny_packed_model(FAMILY, "q4")
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    return run(model, cache_size="all")[0]
+
+
+@pytest.mark.parametrize("size,policy,source", list(itertools.product(
+    ["min", "3", "25%", "50%", "all"], ["clock", "lru", "arc", "lfu"], ["direct", "mmap"])))
+def test_same_tokens_and_logprobs_for_every_size_policy_and_source(model, reference, size, policy, source):
+    cache_size = size if not size.isdigit() else str(int(size) * 8192)  # bytes: 3 slots of 8 KiB
+    out, receipt = run(model, cache_size=cache_size, cache_policy=policy, expert_source=source)
+    assert out == reference  # bitwise: same floats
+    if size in ("min", "3", "25%"):
+        assert receipt["hit_rate"] < 1.0 and receipt["misses"] > 0
+        assert receipt["bytes_read_disk"] + receipt["bytes_read_host"] > 0  # mmap: the page cache may hold it all
+
+
+@pytest.mark.parametrize("host", ["25%", "all"])
+@pytest.mark.parametrize("partition", ["shared", "per-layer"])
+def test_host_tier_and_partition_do_not_change_the_answer(model, reference, host, partition):
+    out, receipt = run(model, cache_size="min", host_cache_size=host, cache_partition=partition)
+    assert out == reference
+    assert receipt["bytes_read_host"] > 0
+
+
+def test_host_tier_reads_each_expert_from_disk_once(model):
+    engine = Engine.load(model, options=EngineOptions(device="cpu", cache_size="min", host_cache_size="all"))
+    prompt = engine.tokenizer.encode("import os\nimport sys\n")
+    first = engine.generate(prompt, max_new_tokens=10)
+    list(first)
+    disk_after_first = engine.provider.stats()["bytes_read_disk"]
+    record = engine.provider.slot_bytes
+    assert disk_after_first <= engine.provider.total_experts * record
+    second = engine.generate(prompt, max_new_tokens=10)
+    list(second)
+    assert second.result.receipt["bytes_read_disk"] == 0  # everything came from the host tier
+    assert second.result.receipt["bytes_read_host"] > 0
+
+
+def test_receipt_fields_and_per_layer_hit_rate(model):
+    _, receipt = run(model, cache_size="min")
+    experts = receipt["experts"]
+    assert set(experts["hit_rate_per_layer"]) == {"0", "2"}
+    assert experts["slots"] == 2
+    assert receipt["memory"]["expert_slots"] == 2 * 8192
+    assert receipt["read_wait_s"] >= 0
+
+
+def test_io_error_mid_read_fails_that_request_and_the_next_one_works(model, reference, monkeypatch):
+    engine = Engine.load(model, options=EngineOptions(device="cpu", cache_size="min", prefill_chunk_tokens=5))
+    prompt = engine.tokenizer.encode("def fibonacci(n):\n    if n < 2:")
+    source = engine.provider.source
+    real_submit = source.submit
+    calls = {"n": 0}
+
+    def failing_submit(layer, expert, dest):
+        calls["n"] += 1
+        if calls["n"] == 5:
+            from concurrent.futures import Future
+            f = Future()
+            f.set_exception(ExpertReadError(f"reading layer {layer} expert {expert}: [Errno 5] Input/output error"))
+            return f
+        return real_submit(layer, expert, dest)
+
+    monkeypatch.setattr(source, "submit", failing_submit)
+    with pytest.raises(ExpertReadError, match="Input/output error"):
+        list(engine.generate(prompt, max_new_tokens=12, logprobs=4))
+    again = engine.generate(prompt, max_new_tokens=12, logprobs=4)
+    assert [(e.token_id, e.top_logprobs) for e in again] == reference
+
+
+def test_check_records_names_a_corrupt_record(model, tmp_path):
+    bad = tmp_path / "bad"
+    shutil.copytree(model, bad)
+    path = bad / "experts-002.bin"
+    data = bytearray(path.read_bytes())
+    data[3 * 8192 + 100] ^= 0xFF  # layer 2, expert 3
+    path.write_bytes(bytes(data))
+    # the file size is right, so it loads; the checksum finds the record when it is read
+    engine = Engine.load(bad, options=EngineOptions(device="cpu", cache_size="all", check_records=True))
+    with pytest.raises(ExpertReadError, match=r"layer 2 expert 3"):
+        engine.provider.fetch(2, list(range(8)))
+    records = engine.provider.fetch(2, [0, 1, 2, 4])  # the others still load
+    engine.provider.release(2)
+    assert set(records) == {0, 1, 2, 4}
+
+
+def test_truncated_expert_file_is_refused_at_load(model, tmp_path):
+    bad = tmp_path / "trunc"
+    shutil.copytree(model, bad)
+    path = bad / "experts-000.bin"
+    path.write_bytes(path.read_bytes()[:-100])
+    with pytest.raises(MoestreamError, match="experts-000.bin"):
+        Engine.load(bad, options=EngineOptions(device="cpu"))
+
+
+def test_memory_budget_sizes_slots_or_names_the_minimum(model):
+    engine = Engine.load(model, options=EngineOptions(device="cpu", memory_budget="64MiB", max_context=128))
+    assert engine.plan.slots == engine.plan.total_experts  # small model: everything fits
+    with pytest.raises(MoestreamError, match="needs at least"):
+        Engine.load(model, options=EngineOptions(device="cpu", memory_budget="10KB", max_context=128))
+
+
+def test_cache_size_below_the_floor_is_refused(model):
+    with pytest.raises(MoestreamError, match="minimum is 2"):
+        Engine.load(model, options=EngineOptions(device="cpu", cache_size="8KiB"))
+
+
+def test_trace_routing_records_every_token_and_layer(model, tmp_path):
+    path = tmp_path / "trace.npz"
+    engine = Engine.load(model, options=EngineOptions(device="cpu", trace_routing=str(path)))
+    prompt = engine.tokenizer.encode("def f(x):")
+    gen = engine.generate(prompt, max_new_tokens=6)
+    n = len(list(gen))
+    trace = RoutingTrace.load(path)
+    tokens = len(prompt) + n - 1  # the last generated token is never run through the model
+    assert len(trace) == tokens * 2  # two MoE layers
+    assert trace.experts.shape[1] == 2 and trace.experts.max() < 8
+    assert sorted(set(trace.layer.tolist())) == [0, 2]
+    assert np.array_equal(np.unique(trace.position), np.arange(tokens))
