@@ -9,6 +9,7 @@ import argparse
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -45,6 +46,7 @@ class RandomWeights:
     def __init__(self, bits: int | None, group_size: int, seed: int, dtype=torch.bfloat16):
         self.bits, self.group_size, self.dtype = bits, group_size, dtype
         self.gen = torch.Generator().manual_seed(seed)
+        self.rng = np.random.default_rng(seed)  # random bytes for packed codes: fast, no float pass
 
     def matrix(self, name: str, out_f: int, in_f: int, *, std: float = 0.02, bits: int | None = -1) -> tuple[dict, QuantSpec]:
         bits = self.bits if bits == -1 else bits
@@ -52,8 +54,8 @@ class RandomWeights:
             w = (torch.randn(out_f, in_f, generator=self.gen) * std).to(self.dtype)
             return {name: w}, QuantSpec()
         wshape, sshape = packed_shape(out_f, in_f, bits, self.group_size)
-        words = torch.randint(0, 2**31, wshape, generator=self.gen, dtype=torch.int64)
-        words = (words * 2 + torch.randint(0, 2, wshape, generator=self.gen)).to(torch.uint32)
+        raw = self.rng.bytes(wshape[0] * wshape[1] * 4)
+        words = torch.frombuffer(bytearray(raw), dtype=torch.uint32).view(wshape)
         # codes uniform over the levels: scale so the weights have about `std` spread, centred on 0
         levels = (1 << bits) - 1
         scales = torch.full(sshape, std * 3.46 / levels).to(self.dtype)

@@ -144,6 +144,15 @@ class ExpertCache:
         return {e: decode_record(entry.fields, self.pool[self.directory.lookup((li, e))][: entry.record_size])
                 for e in experts}
 
+    def slots_of(self, layer: int, experts: Sequence[int]) -> list[int]:
+        """Slot indices in `self.pool` of experts fetched (and still pinned) for `layer`."""
+        li = self._index[layer]
+        return [self.directory.lookup((li, e)) for e in experts]
+
+    def record_fields(self, layer: int):
+        """The byte layout of `layer`'s records inside a slot (offsets, dtypes, shapes)."""
+        return self.entries[layer].fields
+
     def batch_limit(self, layer: int) -> int:
         if self.directory.partition == "per-layer":
             return len(self.directory.layer_slots(self._index[layer]))

@@ -42,5 +42,5 @@ def slots_for(text: str, *, slot_bytes: int, total_experts: int, min_slots: int,
         slots = parse_bytes(text) // slot_bytes
     if slots < min_slots:
         raise MoestreamError(f"{flag} {text} gives {slots} expert slots; the minimum is {min_slots} "
-                             f"({format_bytes(min_slots * slot_bytes)}: the most experts one layer can need at once)")
+                             f"({format_bytes(min_slots * slot_bytes)}: one token's experts in one layer)")
     return min(slots, total_experts)

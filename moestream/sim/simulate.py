@@ -1,0 +1,50 @@
+"""Replay a routing trace through a slot pool and a policy: the hit rate a cache size would get.
+
+Pure Python over the same SlotDirectory the engine uses, so a simulated policy decides exactly as
+the real cache would for the same sequence of requests (without early reads)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moestream.experts.directory import SlotDirectory
+from moestream.sim.trace import RoutingTrace
+
+
+@dataclass
+class SimResult:
+    policy: str
+    slots: int
+    hits: int
+    misses: int
+
+    @property
+    def hit_rate(self) -> float:
+        total = self.hits + self.misses
+        return self.hits / total if total else 1.0
+
+
+def simulate(trace: RoutingTrace, *, slots: int, policy: str = "clock", partition: str = "shared") -> SimResult:
+    moe_layers = sorted(set(trace.layer.tolist()))
+    index = {layer: i for i, layer in enumerate(moe_layers)}
+    directory = SlotDirectory(slots, policy=policy, partition=partition, num_layers=len(moe_layers))
+    hits = misses = 0
+    # one token's experts in one layer are pinned together, then released: as the engine does
+    for layer, row in zip(trace.layer.tolist(), trace.experts.tolist()):
+        keys = [(index[layer], e) for e in sorted(set(row))]
+        for key in keys:
+            if directory.lookup(key) is not None:
+                directory.touch(key)
+                hits += 1
+            else:
+                directory.reserve(key)
+                directory.mark_ready(key)
+                misses += 1
+            directory.pin(key)
+        for key in keys:
+            directory.unpin(key)
+    return SimResult(policy, slots, hits, misses)
+
+
+def total_experts(trace: RoutingTrace) -> int:
+    meta = trace.meta
+    return int(meta.get("num_experts", int(trace.experts.max()) + 1)) * len(set(trace.layer.tolist()))
