@@ -1,0 +1,422 @@
+"""The OpenAI request and response shapes the server speaks, as pydantic models.
+
+Requests are validated strictly (a string where a number belongs is a 400, not a conversion),
+unknown fields are ignored, and ranges follow OpenAI's published spec. Fields that the spec has
+but this server cannot honour (tools, JSON mode, n > 1, penalties, logit_bias, echo, images) are
+refused with a 400 that names the field, rather than silently ignored.
+This module never imports torch: it is plain data and checks.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Optional, Union
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+
+INT64_MIN = -(2**63)
+INT64_MAX = 2**63 - 1
+MAX_STOP_STRINGS = 16
+MAX_TOP_LOGPROBS = 20
+MAX_COMPLETION_LOGPROBS = 5
+
+
+class APIError(Exception):
+    """An error that reaches the client in OpenAI's shape: {"error": {message, type, param, code}}."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def invalid(message: str, param: str | None = None, code: str | None = "invalid_value") -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def unsupported(message: str, param: str) -> APIError:
+    return APIError(400, message, param=param, code="unsupported_parameter")
+
+
+# ---------------------------------------------------------------------------------------- requests
+
+def _integral(value: Any) -> Any:
+    # JSON has one number type: 3.0 is a valid JSON Schema integer, 3.5 and "3" are not
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+Int = Annotated[int, BeforeValidator(_integral)]
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+
+# Fields the spec allows to be null are Optional; the others have a non-null default, so that
+# leaving them out is fine but an explicit null is refused as the wrong type.
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class ChatMessage(_Strict):
+    role: str
+    # a string or a list of content parts; parts are checked by hand for clearer errors
+    content: Union[str, list[Any], None] = None
+    name: str = ""
+    tool_calls: Optional[list[Any]] = None
+
+
+class _CommonRequest(_Strict):
+    model: str = ""  # ignored: the server has one model
+    max_tokens: Optional[Int] = Field(None, ge=0)
+    temperature: Optional[float] = Field(None, ge=0, le=2)
+    top_p: Optional[float] = Field(None, ge=0, le=1)
+    top_k: Optional[Int] = Field(None, ge=-1, le=2**31 - 1)  # 0 or -1: off
+    min_p: Optional[float] = Field(None, ge=0, le=1)
+    repetition_penalty: Optional[float] = Field(None, gt=0, le=10)
+    frequency_penalty: Optional[float] = Field(None, ge=-2, le=2)
+    presence_penalty: Optional[float] = Field(None, ge=-2, le=2)
+    stop: Union[str, list[str], None] = None
+    seed: Optional[Int] = Field(None, ge=INT64_MIN, le=INT64_MAX)
+    stream: Optional[bool] = None
+    stream_options: Optional[StreamOptions] = None
+    n: Optional[Int] = Field(None, ge=1, le=128)
+    logit_bias: Optional[dict[str, Union[Int, float]]] = None
+    user: str = ""
+
+    def check_common(self) -> None:
+        if self.n not in (None, 1):
+            raise unsupported("Only n=1 is supported: one completion per request.", "n")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if getattr(self, name) not in (None, 0):
+                raise unsupported(f"{name} is not supported; use repetition_penalty.", name)
+        if self.logit_bias:
+            raise unsupported("logit_bias is not supported.", "logit_bias")
+        stops = self.stop_list()
+        if len(stops) > MAX_STOP_STRINGS:
+            raise invalid(f"At most {MAX_STOP_STRINGS} stop strings are supported.", "stop")
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(_CommonRequest):
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    max_completion_tokens: Optional[Int] = Field(None, ge=0)
+    logprobs: Optional[bool] = None
+    top_logprobs: Optional[Int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[Any] = Field(default_factory=list)
+    functions: list[Any] = Field(default_factory=list)
+    response_format: dict[str, Any] = Field(default_factory=lambda: {"type": "text"})
+
+    def check(self) -> None:
+        self.check_common()
+        if self.tools:
+            raise unsupported("Tool calling is not supported.", "tools")
+        if self.functions:
+            raise unsupported("Function calling is not supported.", "functions")
+        if self.response_format.get("type") != "text":
+            raise unsupported("Only response_format type 'text' is supported.", "response_format")
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        # the newer name wins when both are given
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def logprobs_k(self) -> int | None:
+        # top_logprobs without logprobs: true asks for nothing (it is ignored, not refused)
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def chat_messages(self) -> list[dict]:
+        """The conversation as plain {role, content} dicts for the chat template."""
+        out = []
+        for i, message in enumerate(self.messages):
+            param = f"messages[{i}]"
+            role = message.role
+            if role not in ("system", "developer", "user", "assistant"):
+                raise invalid(f"Unsupported message role {role!r}: use system, developer, user or assistant.",
+                              f"{param}.role")
+            if message.tool_calls:
+                raise unsupported("Tool calls in messages are not supported.", f"{param}.tool_calls")
+            content = message.content
+            if content is None:
+                if role != "assistant":
+                    raise invalid(f"A {role} message needs content.", f"{param}.content")
+                text = ""
+            elif isinstance(content, str):
+                text = content
+            else:
+                text = _join_text_parts(content, f"{param}.content")
+            # templates rarely know "developer"; it is OpenAI's newer name for system
+            out.append({"role": "system" if role == "developer" else role, "content": text})
+        return out
+
+
+def _join_text_parts(parts: list[Any], param: str) -> str:
+    if not parts:
+        raise invalid("Message content must not be an empty list.", param)
+    texts = []
+    for j, part in enumerate(parts):
+        where = f"{param}[{j}]"
+        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+            raise invalid("Each content part must be an object with a type.", where, code="invalid_type")
+        kind = part["type"]
+        if kind in ("image_url", "image", "input_image", "input_audio", "file", "audio"):
+            raise APIError(400, f"Content parts of type {kind!r} are not supported: this server takes text only.",
+                           param=where, code="unsupported_content_type")
+        if kind != "text":
+            raise invalid(f"Unknown content part type {kind!r}.", where)
+        if not isinstance(part.get("text"), str):
+            raise invalid("A text part needs a string 'text'.", f"{where}.text", code="invalid_type")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+class CompletionRequest(_CommonRequest):
+    prompt: Union[str, list[str], list[Int], list[list[Int]], None] = Field(...)  # required; null: empty
+    logprobs: Optional[Int] = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+    echo: Optional[bool] = None
+    best_of: Optional[Int] = Field(None, ge=0, le=20)
+    suffix: Optional[str] = None
+
+    def check(self) -> None:
+        self.check_common()
+        if self.echo:
+            raise unsupported("echo is not supported.", "echo")
+        if self.best_of not in (None, 0, 1):
+            raise unsupported("Only best_of=1 is supported.", "best_of")
+        if self.suffix:
+            raise unsupported("suffix is not supported.", "suffix")
+        if isinstance(self.prompt, list) and len(self.prompt) != 1 and (
+                not self.prompt or not isinstance(self.prompt[0], int)):
+            raise unsupported("Exactly one prompt per request is supported.", "prompt")
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_tokens
+
+    @property
+    def logprobs_k(self) -> int | None:
+        return self.logprobs
+
+    def prompt_value(self) -> str | list[int]:
+        """The one prompt: text, or token ids."""
+        p = self.prompt
+        if p is None:
+            return ""
+        if isinstance(p, str):
+            return p
+        if p and isinstance(p[0], int):
+            return list(p)  # type: ignore[arg-type]
+        only = p[0]
+        return only if isinstance(only, str) else list(only)
+
+
+_TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "none", "is-instance"}
+
+
+def _param_from_loc(loc: tuple) -> str | None:
+    param = ""
+    for part in loc:
+        if isinstance(part, int):
+            param += f"[{part}]"
+        elif isinstance(part, str) and part.isidentifier() and part not in _TYPE_NAMES:
+            param += ("." if param else "") + part
+        # union member tags such as 'list[str]' or 'function-after[...]' are not fields
+    return param or None
+
+
+def parse_request(cls: type[_Strict], data: Any) -> Any:
+    """Validate a decoded JSON body, turning pydantic's complaint into a 400 APIError."""
+    if not isinstance(data, dict):
+        raise invalid("The request body must be a JSON object.", code="invalid_type")
+    try:
+        request = cls.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors(include_url=False)[0]
+        param = _param_from_loc(tuple(first.get("loc", ())))
+        kind = first.get("type", "")
+        code = "missing_required_parameter" if kind == "missing" else (
+            "invalid_type" if kind.endswith("_type") or kind in ("union_tag_invalid", "model_type") else "invalid_value")
+        where = f" for '{param}'" if param else ""
+        raise invalid(f"Invalid value{where}: {first.get('msg', 'invalid')}.", param, code=code) from None
+    request.check()
+    return request
+
+
+# --------------------------------------------------------------------------------------- responses
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+
+
+class Timings(BaseModel):
+    """llama.cpp's timing names, plus where the prompt's tokens and the experts came from."""
+
+    prompt_n: int  # prompt tokens computed in this request (the rest came from the KV cache)
+    prompt_ms: float
+    prompt_per_second: float
+    predicted_n: int
+    predicted_ms: float
+    predicted_per_second: float
+    cache_n: int  # prompt tokens reused from the previous request's KV cache
+    prefill_tokens: int
+    reused_tokens: int
+    expert_hit_rate: Optional[float] = None
+    expert_misses: Optional[int] = None
+    bytes_read_disk: Optional[int] = None
+    bytes_read_host: Optional[int] = None
+    read_wait_ms: Optional[float] = None
+    queue_ms: float = 0.0
+
+
+def timings_from_receipt(receipt: dict, *, queue_s: float = 0.0) -> Timings:
+    def num(key: str, default: float = 0.0) -> float:
+        value = receipt.get(key)
+        return float(value) if isinstance(value, (int, float)) else default
+
+    def opt_int(key: str) -> int | None:
+        value = receipt.get(key)
+        return int(value) if isinstance(value, (int, float)) else None
+
+    prefill = int(num("prefill_tokens"))
+    reused = int(num("reused_tokens"))
+    wait = receipt.get("read_wait_s")
+    hit = receipt.get("hit_rate")
+    return Timings(
+        prompt_n=prefill,
+        prompt_ms=num("prefill_s") * 1000.0,
+        prompt_per_second=num("prefill_tok_s"),
+        predicted_n=int(num("generated_tokens")),
+        predicted_ms=num("decode_s") * 1000.0,
+        predicted_per_second=num("decode_tok_s"),
+        cache_n=reused,
+        prefill_tokens=prefill,
+        reused_tokens=reused,
+        expert_hit_rate=float(hit) if isinstance(hit, (int, float)) else None,
+        expert_misses=opt_int("misses"),
+        bytes_read_disk=opt_int("bytes_read_disk"),
+        bytes_read_host=opt_int("bytes_read_host"),
+        read_wait_ms=float(wait) * 1000.0 if isinstance(wait, (int, float)) else None,
+        queue_ms=queue_s * 1000.0,
+    )
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: Optional[list[int]] = None
+
+
+class TokenLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: Optional[list[int]] = None
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChoiceLogprobs(BaseModel):
+    content: Optional[list[TokenLogprob]] = None
+    refusal: Optional[list[TokenLogprob]] = None
+
+
+class ResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: Optional[str] = None
+    refusal: Optional[str] = None
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: ResponseMessage
+    logprobs: Optional[ChoiceLogprobs] = None
+    finish_reason: Literal["stop", "length"]
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    system_fingerprint: Optional[str] = None
+    choices: list[ChatChoice]
+    usage: Usage
+    timings: Timings
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: dict[str, str]  # {"role": "assistant", "content": ""} first, then {"content": ...}, {} at the end
+    logprobs: Optional[ChoiceLogprobs] = None
+    finish_reason: Optional[Literal["stop", "length"]] = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    system_fingerprint: Optional[str] = None
+    choices: list[ChatChunkChoice]
+    usage: Optional[Usage] = None
+    timings: Optional[Timings] = None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: Optional[CompletionLogprobs] = None
+    finish_reason: Optional[Literal["stop", "length"]] = None
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    system_fingerprint: Optional[str] = None
+    choices: list[CompletionChoice]
+    usage: Optional[Usage] = None
+    timings: Optional[Timings] = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "moestream"
+    max_context: Optional[int] = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

@@ -1,0 +1,363 @@
+"""The one thread that owns the engine, and the bounded first-in-first-out queue in front of it.
+
+The HTTP side never calls the engine: it tokenizes (through a lock shared with this thread),
+submits a Job and receives plain events (text deltas, then one end event) through a sink it
+provides. Only this thread loads the engine, generates, detokenizes and matches stop strings, so
+a streamed reply and a whole one are made of exactly the same pieces.
+
+A job whose client goes away is cancelled: a waiting one leaves the queue at once, a running one
+stops at the engine's next `should_stop()` check (between tokens and between prefill chunks).
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from moestream.engine.types import SamplingParams
+from moestream.errors import MoestreamError
+from moestream.server.stops import IncrementalDecoder, StopMatcher
+
+log = logging.getLogger(__name__)
+
+
+# ------------------------------------------------------------------------------------------ events
+
+@dataclass
+class TokenLogprobInfo:
+    token: str
+    logprob: float
+    top: list[tuple[str, float]] = field(default_factory=list)
+
+
+@dataclass
+class Started:
+    queue_s: float
+
+
+@dataclass
+class TextDelta:
+    text: str
+    logprobs: list[TokenLogprobInfo] = field(default_factory=list)
+
+
+@dataclass
+class Finished:
+    finish_reason: str  # "stop" | "length" | "cancelled"
+    prompt_tokens: int
+    completion_tokens: int
+    receipt: dict
+    queue_s: float
+    logprobs: list[TokenLogprobInfo] = field(default_factory=list)  # tokens whose text was not shown
+
+
+@dataclass
+class Failed:
+    message: str
+    code: str = "engine_error"
+
+
+Event = Any  # Started | TextDelta | Finished | Failed
+
+
+# ---------------------------------------------------------------------------------------- the job
+
+@dataclass
+class Job:
+    prompt_ids: list[int]
+    max_new_tokens: int
+    sampling: SamplingParams
+    sink: Callable[[Event], None]  # called on the worker thread; must be thread-safe and quick
+    stops: list[str] = field(default_factory=list)
+    logprobs: Optional[int] = None  # None: off; K: each token's logprob and the K most likely
+    request_id: str = ""
+    enqueued_at: float = field(default_factory=time.monotonic)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    done: threading.Event = field(default_factory=threading.Event)
+    _worker: Optional["Worker"] = field(default=None, repr=False)
+
+    def cancel(self) -> None:
+        """The client is gone (or the server is stopping): drop the job or stop its generation."""
+        if self.done.is_set() or self.cancelled.is_set():
+            return
+        self.cancelled.set()
+        if self._worker is not None:
+            self._worker._drop_waiting(self)
+
+
+class QueueFull(Exception):
+    def __init__(self, retry_after_s: int):
+        super().__init__("the queue is full")
+        self.retry_after_s = retry_after_s
+
+
+class NotReady(Exception):
+    def __init__(self, state: str, message: str):
+        super().__init__(message)
+        self.state = state
+
+
+class LockedTokenizer:
+    """The engine's tokenizer behind a lock: the HTTP side encodes while this thread decodes,
+    and not every tokenizer is safe to use from two threads at once."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        self._lock = threading.Lock()
+        self.eos_token_ids = frozenset(getattr(tokenizer, "eos_token_ids", ()) or ())
+        size = getattr(tokenizer, "vocab_size", None)
+        self.vocab_size: int | None = size if isinstance(size, int) else None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        with self._lock:
+            return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids: list[int]) -> str:
+        with self._lock:
+            return self._tokenizer.decode(list(ids))
+
+    def chat_ids(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        with self._lock:
+            return list(self._tokenizer.chat_ids(messages, add_generation_prompt=add_generation_prompt))
+
+
+# ------------------------------------------------------------------------------------------ worker
+
+class Worker:
+    """Loads the engine on its own thread, then runs queued jobs one at a time, in order."""
+
+    def __init__(self, load_engine: Callable[[], Any], *, max_queue: int = 8, name: str = "moestream-engine"):
+        if max_queue < 0:
+            raise ValueError("max_queue must be >= 0")
+        self._load_engine = load_engine
+        self.on_load_failed: Callable[[str], None] | None = None  # e.g. stop the HTTP server
+        self.max_queue = max_queue
+        self.state = "loading"  # loading | ready | failed | stopped
+        self.error: str | None = None
+        self.engine: Any = None
+        self.tokenizer: LockedTokenizer | None = None
+        self.model_name: str | None = None
+        self.max_context: int = 0
+        self.stats_snapshot: dict = {}
+        self.last_receipt: dict = {}
+        self.jobs_done = 0
+        self._waiting: collections.deque[Job] = collections.deque()
+        self._current: Job | None = None
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._ready = threading.Event()
+        self._avg_job_s = 5.0
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    # ---- lifecycle (any thread)
+
+    def start(self) -> "Worker":
+        self._thread.start()
+        return self
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        self._ready.wait(timeout)
+        return self.state == "ready"
+
+    def shutdown(self, timeout: float = 5.0) -> bool:
+        """Cancel every waiting and running job and stop the thread. True if it ended in time."""
+        with self._cond:
+            self._stopping = True
+            waiting = list(self._waiting)
+            self._waiting.clear()
+            current = self._current
+            self._cond.notify_all()
+        for job in waiting:
+            job.cancelled.set()
+            self._deliver(job, Failed("the server is shutting down", code="server_shutdown"))
+            job.done.set()
+        if current is not None:
+            current.cancelled.set()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    # ---- queue (HTTP side)
+
+    @property
+    def queue_depth(self) -> int:
+        with self._cond:
+            return len(self._waiting)
+
+    @property
+    def busy(self) -> bool:
+        return self._current is not None
+
+    def retry_after_s(self) -> int:
+        """A guess at when a slot frees up, for Retry-After: 1 to 10 seconds."""
+        with self._cond:
+            return self._retry_after_locked()
+
+    def _retry_after_locked(self) -> int:
+        # about half the work ahead: a slot frees when the running job ends, not when all do
+        ahead = len(self._waiting) + (1 if self._current else 0)
+        return int(min(10, max(1, math.ceil(self._avg_job_s * max(1, ahead) / 2))))
+
+    def submit(self, job: Job) -> Job:
+        if self.state != "ready":
+            raise NotReady(self.state, self.error or f"the model is {self.state}")
+        with self._cond:
+            if self._stopping:
+                raise NotReady("stopped", "the server is shutting down")
+            if len(self._waiting) >= self.max_queue and (self._current is not None or self._waiting):
+                raise QueueFull(self._retry_after_locked())
+            job._worker = self
+            job.enqueued_at = time.monotonic()
+            self._waiting.append(job)
+            self._cond.notify_all()
+        return job
+
+    def _drop_waiting(self, job: Job) -> None:
+        with self._cond:
+            try:
+                self._waiting.remove(job)
+            except ValueError:
+                return  # already running or finished: the engine's should_stop sees the flag
+        job.done.set()
+        log.info("request %s left the queue", job.request_id)
+
+    # ---- the thread
+
+    def _run(self) -> None:
+        try:
+            engine = self._load_engine()
+            self.engine = engine
+            self.tokenizer = LockedTokenizer(engine.tokenizer)
+            self.model_name = str(getattr(engine, "model_name", "") or "") or None
+            self.max_context = int(engine.max_context)
+            self._refresh_stats()
+            self.state = "ready"
+            log.info("engine ready: %s, context %d tokens", self.model_name, self.max_context)
+        except BaseException as exc:  # a failed load is reported by /health, not by a dead thread
+            self.error = f"loading the model failed: {exc}"
+            self.state = "failed"
+            log.error("%s", self.error, exc_info=not _is_user_error(exc))
+            self._ready.set()
+            if self.on_load_failed is not None:
+                self.on_load_failed(self.error)
+            return
+        self._ready.set()
+        while True:
+            with self._cond:
+                while not self._waiting and not self._stopping:
+                    self._cond.wait()
+                if self._stopping:
+                    break
+                job = self._waiting.popleft()
+                self._current = job
+            started = time.monotonic()
+            try:
+                self._run_job(job)
+            except BaseException as exc:  # keep serving after any failure in one job
+                log.error("request %s failed: %s", job.request_id, exc, exc_info=not _is_user_error(exc))
+                self._deliver(job, Failed(_one_line(exc)))
+            finally:
+                with self._cond:
+                    self._current = None
+                job.done.set()
+                self.jobs_done += 1
+                self._avg_job_s = 0.8 * self._avg_job_s + 0.2 * (time.monotonic() - started)
+                self._refresh_stats()
+        self.state = "stopped"
+
+    def _refresh_stats(self) -> None:
+        try:
+            self.stats_snapshot = dict(self.engine.stats())
+        except Exception as exc:  # stats are informative; never let them stop the server
+            log.warning("engine.stats() failed: %s", exc)
+
+    def _deliver(self, job: Job, event: Event) -> None:
+        try:
+            job.sink(event)
+        except Exception as exc:  # the HTTP side is gone (event loop closed): nobody is listening
+            log.debug("request %s: could not deliver an event: %s", job.request_id, exc)
+            job.cancelled.set()
+
+    def _run_job(self, job: Job) -> None:
+        queue_s = time.monotonic() - job.enqueued_at
+        if job.cancelled.is_set():
+            return
+        self._deliver(job, Started(queue_s=queue_s))
+        engine, tokenizer = self.engine, self.tokenizer
+        prompt_tokens = len(job.prompt_ids)
+        if job.max_new_tokens <= 0:
+            receipt = {"prompt_tokens": prompt_tokens, "prefill_tokens": 0, "reused_tokens": 0, "generated_tokens": 0}
+            self._deliver(job, Finished("length", prompt_tokens, 0, receipt, queue_s))
+            return
+        decoder = IncrementalDecoder(tokenizer.decode)
+        matcher = StopMatcher(job.stops)
+        pending: list[TokenLogprobInfo] = []
+        generated = 0
+        # the engine's logprobs=K gives the chosen token's logprob and the top K (0: none)
+        engine_logprobs = max(1, job.logprobs) if job.logprobs is not None else 0
+        try:
+            gen = engine.generate(job.prompt_ids, max_new_tokens=job.max_new_tokens, sampling=job.sampling,
+                                  logprobs=engine_logprobs, should_stop=job.cancelled.is_set)
+        except MoestreamError as exc:  # the engine refused the request before starting it
+            self._deliver(job, Failed(_one_line(exc), code="invalid_request"))
+            return
+        try:
+            for event in gen:
+                generated += 1
+                if job.logprobs is not None:
+                    pending.append(self._logprob_info(event, job.logprobs))
+                text = matcher.feed(decoder.push(event.token_id))
+                if text:
+                    self._deliver(job, TextDelta(text, pending))
+                    pending = []
+                if matcher.stopped or job.cancelled.is_set():
+                    break
+            else:
+                tail = matcher.feed(decoder.flush())
+                tail += matcher.flush()
+                if tail:
+                    self._deliver(job, TextDelta(tail, pending))
+                    pending = []
+        finally:
+            gen.close()
+        result = gen.result
+        receipt = dict(result.receipt) if result is not None else {}
+        self.last_receipt = receipt
+        if matcher.stopped:
+            reason = "stop"
+        elif job.cancelled.is_set():
+            reason = "cancelled"
+        else:
+            reason = result.finish_reason if result is not None else "length"
+        if reason == "cancelled":
+            if self._stopping:
+                self._deliver(job, Failed("the server is shutting down", code="server_shutdown"))
+            else:
+                self._deliver(job, Finished("cancelled", prompt_tokens, generated, receipt, queue_s, pending))
+            log.info("request %s cancelled after %d tokens", job.request_id, generated)
+            return
+        if reason not in ("stop", "length"):
+            raise RuntimeError(f"the engine ended with finish_reason {reason!r}")
+        self._deliver(job, Finished(reason, prompt_tokens, generated, receipt, queue_s, pending))
+        log.info("request %s: %d prompt tokens (%s prefilled), %d generated, %s, %.1f tok/s",
+                 job.request_id, prompt_tokens, receipt.get("prefill_tokens", "?"), generated, reason,
+                 float(receipt.get("decode_tok_s", 0.0) or 0.0))
+
+    def _logprob_info(self, event: Any, k: int) -> TokenLogprobInfo:
+        decode = self.tokenizer.decode
+        top = [(decode([tid]), float(lp)) for tid, lp in (event.top_logprobs or [])[:k]]
+        logprob = event.logprob
+        return TokenLogprobInfo(decode([event.token_id]), float(logprob) if logprob is not None else 0.0, top)
+
+
+def _is_user_error(exc: BaseException) -> bool:
+    return isinstance(exc, MoestreamError)
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
