@@ -1,20 +1,36 @@
 """Where a checkpoint keeps its routed experts: per-expert tensors, fused 3-D stacks, or MLX stacks.
 
-Each layout answers: which tensor names are expert weights, and given (layer, expert) the three
-projections as float [out, in] matrices (or already-quantized MLX parts)."""
+Each layer's experts are found by name, checked against config.json before anything is written,
+and then read one expert at a time: a record is built from exactly one expert's bytes."""
 from __future__ import annotations
 
 import re
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+
+from moestream.errors import MoestreamError
+from moestream.format.manifest import EXPERT_PROJECTIONS
+from moestream.format.writer import expert_record_tensors
+from moestream.quant.affine import QuantSpec, can_quantize
+from moestream.quant.mlx import MlxQuantization, mlx_input_size
 
 # Mixtral's w1/w3/w2 are gate/up/down.
 PROJ_ALIASES = {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj",
                 "w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+MIXTRAL_NAMES = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
 
 PER_EXPERT = re.compile(r"^(?P<prefix>.*layers\.(?P<layer>\d+)\.(?:mlp|block_sparse_moe))\.experts\.(?P<expert>\d+)\."
                         r"(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
 FUSED = re.compile(r"^(?P<prefix>.*layers\.(?P<layer>\d+)\.(?:mlp|block_sparse_moe))\.experts\.(?P<part>gate_up_proj|down_proj)(?:\.weight)?$")
 MLX_STACK = re.compile(r"^(?P<prefix>.*layers\.(?P<layer>\d+)\.(?:mlp|block_sparse_moe))\.switch_mlp\."
                        r"(?P<proj>gate_proj|up_proj|down_proj)\.(?P<part>weight|scales|biases)$")
+
+
+class LayoutError(MoestreamError):
+    """Expert tensors that disagree with config.json or with each other."""
 
 
 def expert_layer_of(name: str) -> int | None:
@@ -24,3 +40,258 @@ def expert_layer_of(name: str) -> int | None:
         if m:
             return int(m.group("layer"))
     return None
+
+
+@dataclass(frozen=True)
+class ExpertShapes:
+    """What config.json says the routed experts look like."""
+
+    num_experts: int
+    intermediate: int
+    hidden: int
+    intermediate_key: str
+    experts_key: str
+
+    @staticmethod
+    def from_config(config: dict, family: str) -> "ExpertShapes":
+        experts_key = next((k for k in ("num_experts", "num_local_experts") if config.get(k) is not None), None)
+        inter_key = "moe_intermediate_size" if family in ("qwen3_moe", "qwen2_moe") else "intermediate_size"
+        for key in (experts_key, inter_key, "hidden_size"):
+            if key is None or not isinstance(config.get(key), int):
+                raise LayoutError(f"config.json: {key or 'num_experts (or num_local_experts)'} is missing or not an integer")
+        return ExpertShapes(config[experts_key], config[inter_key], config["hidden_size"], inter_key, experts_key)
+
+    def projection(self, proj: str) -> tuple[int, int]:
+        """[out, in] of one expert's projection."""
+        return (self.hidden, self.intermediate) if proj == "down_proj" else (self.intermediate, self.hidden)
+
+    def describe(self, proj: str) -> str:
+        return (f"hidden_size × {self.intermediate_key}" if proj == "down_proj" else f"{self.intermediate_key} × hidden_size")
+
+
+def moe_layers(config: dict, family: str) -> set[int]:
+    """The layers config.json gives routed experts."""
+    layers = range(int(config.get("num_hidden_layers", 0)))
+    if family in ("qwen3_moe", "qwen2_moe"):
+        step = int(config.get("decoder_sparse_step", 1) or 1)
+        dense_only = set(config.get("mlp_only_layers") or [])
+        return {i for i in layers if i not in dense_only and (i + 1) % step == 0}
+    return set(layers)
+
+
+def float_expert_spec(shape: tuple[int, ...], bits: int | None, group_size: int) -> QuantSpec:
+    if bits is None or not can_quantize(tuple(shape), group_size):
+        return QuantSpec()
+    return QuantSpec(bits, group_size)
+
+
+class LayerExperts:
+    """One layer's routed experts in some source layout."""
+
+    layer: int
+    prefix: str
+    num_experts: int
+
+    def check(self, expect: ExpertShapes) -> None:
+        raise NotImplementedError
+
+    def source_bytes(self) -> int:
+        raise NotImplementedError
+
+    def record(self, expert: int, bits: int | None, group_size: int) -> tuple[dict[str, torch.Tensor], dict[str, QuantSpec]]:
+        """The record's named tensors for one expert and each projection's QuantSpec."""
+        raise NotImplementedError
+
+    def _check_count(self, what: str, count: int, expect: ExpertShapes) -> None:
+        if count != expect.num_experts:
+            raise LayoutError(f"{what}: {count} experts, but config.json says {expect.experts_key}={expect.num_experts}")
+
+    def _check_float(self, name: str, shape, dtype: str, want: tuple[int, ...], proj: str, expect: ExpertShapes) -> None:
+        if tuple(shape) != tuple(want):
+            raise LayoutError(f"{name}: shape {list(shape)}, but config.json implies {list(want)} ({expect.describe(proj)})")
+        if dtype not in FLOAT_DTYPES:
+            raise LayoutError(f"{name}: dtype {dtype} is not a float type (quantized formats other than MLX are not read)")
+
+
+def _float_record(projections: dict[str, torch.Tensor], bits: int | None, group_size: int):
+    specs = {p: float_expert_spec(tuple(t.shape), bits, group_size) for p, t in projections.items()}
+    return expert_record_tensors(projections, specs), specs
+
+
+class PerExpertLayer(LayerExperts):
+    """`experts.E.gate_proj.weight` (Mixtral: `experts.E.w1.weight`), one tensor per expert and projection."""
+
+    def __init__(self, source, layer: int, prefix: str, names: dict[tuple[int, str], str]):
+        self.source, self.layer, self.prefix, self.names = source, layer, prefix, names
+        self.num_experts = len({e for e, _ in names})
+        self.mixtral_names = any(".w1.weight" in n or ".w2.weight" in n or ".w3.weight" in n for n in names.values())
+
+    def name(self, expert: int, proj: str) -> str:
+        return self.names.get((expert, proj)) or \
+            f"{self.prefix}.experts.{expert}.{MIXTRAL_NAMES[proj] if self.mixtral_names else proj}.weight"
+
+    def check(self, expect: ExpertShapes) -> None:
+        ids = sorted({e for e, _ in self.names})
+        if ids[-1] >= expect.num_experts:
+            raise LayoutError(f"{self.name(ids[-1], 'gate_proj').rsplit('.', 2)[0]}: expert index {ids[-1]}, but "
+                              f"config.json says {expect.experts_key}={expect.num_experts}")
+        for expert in range(expect.num_experts):
+            for proj in EXPERT_PROJECTIONS:
+                name = self.name(expert, proj)
+                if (expert, proj) not in self.names:
+                    raise LayoutError(f"{name} is missing (config.json says {expect.experts_key}={expect.num_experts})")
+                info = self.source.info(name)
+                self._check_float(name, info.shape, info.dtype, expect.projection(proj), proj, expect)
+        self.num_experts = expect.num_experts
+
+    def source_bytes(self) -> int:
+        return sum(self.source.nbytes(n) for n in self.names.values())
+
+    def record(self, expert, bits, group_size):
+        return _float_record({p: self.source.get(self.name(expert, p)) for p in EXPERT_PROJECTIONS}, bits, group_size)
+
+
+class FusedLayer(LayerExperts):
+    """`experts.gate_up_proj` [E, 2I, H] (gate rows, then up rows) and `experts.down_proj` [E, H, I]."""
+
+    def __init__(self, source, layer: int, prefix: str, names: dict[str, str]):
+        self.source, self.layer, self.prefix, self.names = source, layer, prefix, names
+        self.num_experts = source.shape(names["down_proj"])[0] if "down_proj" in names else 0
+
+    def check(self, expect: ExpertShapes) -> None:
+        for part in ("gate_up_proj", "down_proj"):
+            if part not in self.names:
+                raise LayoutError(f"{self.prefix}.experts.{part} is missing (the layer has only {next(iter(self.names.values()))})")
+        E, I, H = expect.num_experts, expect.intermediate, expect.hidden
+        for part, want, what in (("gate_up_proj", (E, 2 * I, H), f"{expect.experts_key} × 2·{expect.intermediate_key} × hidden_size"),
+                                 ("down_proj", (E, H, I), f"{expect.experts_key} × hidden_size × {expect.intermediate_key}")):
+            name = self.names[part]
+            info = self.source.info(name)
+            if len(info.shape) == 3 and info.shape[0] != E:
+                self._check_count(name, info.shape[0], expect)
+            if tuple(info.shape) != want:
+                raise LayoutError(f"{name}: shape {list(info.shape)}, but config.json implies {list(want)} ({what})")
+            if info.dtype not in FLOAT_DTYPES:
+                raise LayoutError(f"{name}: dtype {info.dtype} is not a float type")
+
+    def source_bytes(self) -> int:
+        return sum(self.source.nbytes(n) for n in self.names.values())
+
+    def record(self, expert, bits, group_size):
+        gate_up = self.source.get_rows(self.names["gate_up_proj"], expert)[0]  # [2I, H]
+        half = gate_up.shape[0] // 2
+        projections = {"gate_proj": gate_up[:half], "up_proj": gate_up[half:],
+                       "down_proj": self.source.get_rows(self.names["down_proj"], expert)[0]}
+        return _float_record(projections, bits, group_size)
+
+
+class MlxStackLayer(LayerExperts):
+    """`switch_mlp.{gate,up,down}_proj.{weight,scales,biases}` stacks [E, O, W], copied without re-quantizing."""
+
+    def __init__(self, source, layer: int, prefix: str, names: dict[tuple[str, str], str], quant: MlxQuantization | None):
+        self.source, self.layer, self.prefix, self.names, self.quant = source, layer, prefix, names, quant
+        first = names.get(("down_proj", "weight")) or next(iter(names.values()))
+        self.num_experts = source.shape(first)[0]
+        self.specs: dict[str, QuantSpec] = {}
+
+    def module(self, proj: str) -> str:
+        return f"{self.prefix}.switch_mlp.{proj}"
+
+    def check(self, expect: ExpertShapes) -> None:
+        for proj in EXPERT_PROJECTIONS:
+            module = self.module(proj)
+            if (proj, "weight") not in self.names:
+                raise LayoutError(f"{module}.weight is missing")
+            weight = self.source.info(self.names[(proj, "weight")])
+            if not weight.shape or weight.shape[0] != expect.num_experts:
+                self._check_count(weight.name, weight.shape[0] if weight.shape else 0, expect)
+            want = (expect.num_experts, *expect.projection(proj))
+            if (proj, "scales") not in self.names:
+                if self.quant is not None and self.quant.spec_for(module).quantized and self.quant.overrides.get(module) is not None:
+                    raise LayoutError(f"{module}.scales is missing, but config.json quantizes {module}")
+                self._check_float(weight.name, weight.shape, weight.dtype, want, proj, expect)
+                self.specs[proj] = QuantSpec()
+                continue
+            if self.quant is None:
+                raise LayoutError(f"{module}.scales exists, but config.json has no quantization section")
+            spec = self.quant.spec_for(module)
+            if not spec.quantized:
+                raise LayoutError(f"{module} has scales, but config.json's quantization leaves it float")
+            if (proj, "biases") not in self.names:
+                raise LayoutError(f"{module}.biases is missing")
+            scales = self.source.info(self.names[(proj, "scales")])
+            biases = self.source.info(self.names[(proj, "biases")])
+            if weight.dtype not in ("U32", "I32"):
+                raise LayoutError(f"{weight.name}: dtype {weight.dtype}, MLX packs quantized weights as U32")
+            if biases.shape != scales.shape:
+                raise LayoutError(f"{biases.name}: shape {list(biases.shape)} differs from its scales {list(scales.shape)}")
+            in_features = mlx_input_size(weight.name, weight.shape, scales.shape, spec)
+            if (weight.shape[0], weight.shape[1], in_features) != want:
+                raise LayoutError(f"{weight.name}: holds {[weight.shape[0], weight.shape[1], in_features]} unpacked, but "
+                                  f"config.json implies {list(want)} ({expect.experts_key} × {expect.describe(proj)})")
+            self.specs[proj] = spec
+
+    def source_bytes(self) -> int:
+        return sum(self.source.nbytes(n) for n in self.names.values())
+
+    def record(self, expert, bits, group_size):
+        tensors = {}
+        for proj in EXPERT_PROJECTIONS:
+            parts = ("weight", "scales", "biases") if self.specs[proj].quantized else ("weight",)
+            for part in parts:
+                t = self.source.get_rows(self.names[(proj, part)], expert)[0]
+                tensors[f"{proj}.{part}"] = t.view(torch.uint32) if t.dtype == torch.int32 else t
+        return tensors, dict(self.specs)
+
+
+def find_expert_layers(source) -> tuple[dict[int, LayerExperts], list[str]]:
+    """Group the checkpoint's tensors: routed experts by layer (one layout per layer) and the rest."""
+    per_expert: dict[int, dict] = defaultdict(dict)
+    fused: dict[int, dict] = defaultdict(dict)
+    mlx: dict[int, dict] = defaultdict(dict)
+    prefixes: dict[int, str] = {}
+    dense = []
+    for name in source.names():
+        if m := PER_EXPERT.match(name):
+            per_expert[int(m["layer"])][(int(m["expert"]), PROJ_ALIASES[m["proj"]])] = name
+        elif m := FUSED.match(name):
+            fused[int(m["layer"])][m["part"]] = name
+        elif m := MLX_STACK.match(name):
+            mlx[int(m["layer"])][(m["proj"], m["part"])] = name
+        else:
+            dense.append(name)
+            continue
+        prefixes.setdefault(int(m["layer"]), m["prefix"])
+    layers: dict[int, LayerExperts] = {}
+    for layer in sorted(set(per_expert) | set(fused) | set(mlx)):
+        kinds = [k for k, d in (("per-expert", per_expert), ("fused", fused), ("switch_mlp", mlx)) if layer in d]
+        if len(kinds) > 1:
+            raise LayoutError(f"{prefixes[layer]}: routed experts stored in two layouts ({' and '.join(kinds)})")
+        if layer in per_expert:
+            layers[layer] = PerExpertLayer(source, layer, prefixes[layer], per_expert[layer])
+        elif layer in fused:
+            layers[layer] = FusedLayer(source, layer, prefixes[layer], fused[layer])
+        else:
+            layers[layer] = MlxStackLayer(source, layer, prefixes[layer], mlx[layer], source.mlx)
+    return layers, dense
+
+
+def check_expert_layers(layers: dict[int, LayerExperts], source) -> ExpertShapes:
+    """Every routed-expert tensor against config.json; the first disagreement is raised, naming the tensor."""
+    expect = ExpertShapes.from_config(source.config, source.family)
+    wanted = moe_layers(source.config, source.family)
+    for layer in sorted(set(layers) - wanted):
+        raise LayoutError(f"{layers[layer].prefix}: routed-expert tensors in layer {layer}, which config.json "
+                          "(num_hidden_layers, mlp_only_layers, decoder_sparse_step) makes a dense layer")
+    for layer in sorted(wanted - set(layers)):
+        raise LayoutError(f"layer {layer}: no routed-expert tensors, but config.json makes it an MoE layer")
+    for layer in sorted(layers):
+        entry = layers[layer]
+        entry.check(expect)
+        router = f"{entry.prefix}.gate.weight"
+        if router in source:
+            shape = source.shape(router)
+            if not shape or shape[0] != expect.num_experts:
+                raise LayoutError(f"{router}: shape {shape}, but config.json says {expect.experts_key}="
+                                  f"{expect.num_experts} (one router row per expert)")
+    return expect

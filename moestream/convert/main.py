@@ -1,24 +1,43 @@
-"""`moestream convert SRC OUT`: pack a Hugging Face checkpoint into moestream's format."""
+"""`moestream convert SRC OUT`: pack a Hugging Face checkpoint into moestream's format.
+
+The source is checked completely (headers, layouts, shapes against config.json) before OUT is
+touched. Then the resident tensors are streamed into dense.safetensors, each MoE layer's experts
+into its records file one expert at a time, and the manifest is written last. Memory stays near
+one expert plus the largest resident tensor, whatever the model's size."""
 from __future__ import annotations
 
 import argparse
+import json
 import logging
-import shutil
+import os
 import sys
-from collections import defaultdict
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from moestream.convert.layout import FUSED, PER_EXPERT, PROJ_ALIASES, expert_layer_of
-from moestream.convert.source import CheckpointSource
+from moestream.convert.layout import LayoutError, check_expert_layers, expert_layer_of, find_expert_layers
+from moestream.convert.source import TOKENIZER_FILES, CheckpointSource, open_source
+from moestream.convert.state import STATE_NAME, ConvertState, ResumeError
 from moestream.errors import MoestreamError
-from moestream.format.writer import ExpertFileWriter, expert_record_tensors, finish_model, sha256_file, stored_tensors
-from moestream.quant.affine import QuantSpec, can_quantize
+from moestream.format.manifest import (DENSE_NAME, FORMAT_VERSION, MANIFEST_NAME, ExpertLayer, Manifest, RecordField,
+                                       read_manifest, write_manifest)
+from moestream.format.safetensors_io import TensorEntry
+from moestream.format.writer import (ExpertFileWriter, FileDigest, OutputFile, SafetensorsWriter, WriteError,
+                                     stored_tensors, write_error)
+from moestream.quant.affine import QuantSpec, can_quantize, packed_shape
+from moestream.quant.mlx import mlx_input_size
 
 log = logging.getLogger(__name__)
 QUANT_BITS = {"q4": 4, "q8": 8, "none": None}
+GROUP_SIZES = (32, 64, 128)
+FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
+# Testing aid: exit abruptly partway through the expert layer after this many finished ones.
+FAIL_ENV = "MOESTREAM_CONVERT_FAIL_AFTER_LAYER"
+__all__ = ["convert", "main", "expert_layer_of"]
 
 
 def is_router(name: str) -> bool:
@@ -38,89 +57,330 @@ def expert_spec(shape: list[int], bits: int | None, group_size: int) -> QuantSpe
     return QuantSpec(bits, group_size)
 
 
-class ExpertReader:
-    """Gets one expert's gate/up/down float matrices from per-expert or fused tensors."""
+@dataclass
+class DenseTensor:
+    """One resident tensor as the checkpoint names it, and how it is stored."""
 
-    def __init__(self, source: CheckpointSource, names: list[str]):
-        self.source = source
-        self.per_expert: dict[tuple[int, str], str] = {}
-        self.fused: dict[str, str] = {}
-        self._fused_cache: dict[str, torch.Tensor] = {}
-        for name in names:
-            if m := PER_EXPERT.match(name):
-                self.per_expert[(int(m.group("expert")), PROJ_ALIASES[m.group("proj")])] = name
-            elif m := FUSED.match(name):
-                self.fused[m.group("part")] = name
+    name: str
+    spec: QuantSpec
+    parts: list[TensorEntry]  # what dense.safetensors holds for it, in order
+    quantize: bool  # quantize a float source tensor, or copy the source's tensors as they are
+    source_bytes: int
 
-    @property
-    def num_experts(self) -> int:
-        if self.fused:
-            return self.source.shape(self.fused["down_proj"])[0]
-        return len({e for e, _ in self.per_expert})
 
-    def _fused(self, part: str) -> torch.Tensor:
-        if part not in self._fused_cache:  # one layer's stack, dropped when the layer is done
-            self._fused_cache[part] = self.source.get(self.fused[part])
-        return self._fused_cache[part]
+def plan_dense(source: CheckpointSource, names: list[str], bits: int | None, group_size: int) -> list[DenseTensor]:
+    if source.mlx is not None:
+        return _plan_dense_mlx(source, names)
+    plan = []
+    for name in names:
+        info = source.info(name)
+        spec = dense_spec(name, list(info.shape), bits, group_size) if info.dtype in FLOAT_DTYPES else QuantSpec()
+        if spec.quantized:
+            base = name[: -len(".weight")]
+            w_shape, s_shape = packed_shape(info.shape[0], info.shape[1], spec.bits, spec.group_size)
+            parts = [TensorEntry(name, "U32", w_shape), TensorEntry(base + ".scales", info.dtype, s_shape),
+                     TensorEntry(base + ".biases", info.dtype, s_shape)]
+        else:
+            parts = [TensorEntry(name, info.dtype, info.shape)]
+        plan.append(DenseTensor(name, spec, parts, spec.quantized, info.nbytes))
+    return plan
 
-    def get(self, expert: int) -> dict[str, torch.Tensor]:
-        if self.fused:
-            gate_up = self._fused("gate_up_proj")[expert]  # [2I, H]: gate rows, then up rows
-            half = gate_up.shape[0] // 2
-            return {"gate_proj": gate_up[:half], "up_proj": gate_up[half:], "down_proj": self._fused("down_proj")[expert]}
+
+def _plan_dense_mlx(source: CheckpointSource, names: list[str]) -> list[DenseTensor]:
+    """MLX checkpoints are imported as they are: quantized modules keep their packed words."""
+    quantized = {n[: -len(".weight")] for n in names if n.endswith(".weight") and n[: -len(".weight")] + ".scales" in source}
+    plan = []
+    for name in names:
+        base, _, suffix = name.rpartition(".")
+        if base in quantized and suffix in ("scales", "biases"):
+            continue  # stored with its weight
+        info = source.info(name)
+        if base in quantized and suffix == "weight":
+            spec = source.mlx.spec_for(base)
+            if not spec.quantized:
+                raise LayoutError(f"{base} has scales, but config.json's quantization leaves it float")
+            if base + ".biases" not in source:
+                raise LayoutError(f"{base}.biases is missing")
+            scales, biases = source.info(base + ".scales"), source.info(base + ".biases")
+            if info.dtype not in ("U32", "I32") or len(info.shape) != 2:
+                raise LayoutError(f"{name}: {info.dtype} {list(info.shape)}, MLX packs quantized weights as 2-D U32")
+            if biases.shape != scales.shape or biases.dtype != scales.dtype:
+                raise LayoutError(f"{biases.name}: {biases.dtype} {list(biases.shape)} differs from its scales "
+                                  f"{scales.dtype} {list(scales.shape)}")
+            mlx_input_size(name, info.shape, scales.shape, spec)
+            parts = [TensorEntry(name, "U32", info.shape), TensorEntry(scales.name, scales.dtype, scales.shape),
+                     TensorEntry(biases.name, biases.dtype, biases.shape)]
+            nbytes = info.nbytes + scales.nbytes + biases.nbytes
+        else:
+            spec, parts, nbytes = QuantSpec(), [TensorEntry(name, info.dtype, info.shape)], info.nbytes
+        plan.append(DenseTensor(name, spec, parts, False, nbytes))
+    return plan
+
+
+BLOCK_BYTES = 32 << 20  # resident tensors are read, quantized and written this many source bytes at a time
+
+
+def _row_blocks(source: CheckpointSource, name: str):
+    """A tensor as consecutive blocks of whole rows, so no big tensor is ever held at once."""
+    info = source.info(name)
+    rows = info.shape[0] if info.shape else 0
+    if len(info.shape) < 2 or info.nbytes <= BLOCK_BYTES:
+        yield source.get(name)
+        return
+    step = max(1, BLOCK_BYTES // (info.nbytes // rows))
+    for start in range(0, rows, step):
+        yield source.get_rows(name, start, min(step, rows - start))
+
+
+def _write_dense_item(writer: SafetensorsWriter, source: CheckpointSource, item: DenseTensor) -> None:
+    if not item.quantize:  # copied as it is (float, or MLX-quantized parts), block by block
+        for part in item.parts:
+            as_u32 = part.dtype == "U32"
+            writer.write_blocks(part.name, (b.view(torch.uint32) if as_u32 and b.dtype == torch.int32 else b
+                                            for b in _row_blocks(source, part.name)))
+        return
+    # Rows quantize independently; the packed words (a quarter or half of the source) are gathered.
+    pieces = [stored_tensors(item.name, block, item.spec) for block in _row_blocks(source, item.name)]
+    for part in item.parts:
+        writer.write_blocks(part.name, (p[part.name] for p in pieces))
+
+
+def _layer_entry(obj: dict) -> ExpertLayer:
+    return ExpertLayer(**{**obj, "fields": [RecordField(**f) for f in obj["fields"]]})
+
+
+def _is_inside(path: Path, folder: Path) -> bool:
+    try:
+        path.relative_to(folder)
+        return True
+    except ValueError:
+        return False
+
+
+def _our_files(out: Path) -> list[Path]:
+    names = {MANIFEST_NAME, MANIFEST_NAME + ".tmp", STATE_NAME, STATE_NAME + ".tmp", DENSE_NAME, *TOKENIZER_FILES}
+    return [p for p in out.iterdir() if p.name in names or (p.name.startswith("experts-") and p.suffix == ".bin")]
+
+
+class Conversion:
+    """One run of `convert`: the checked source, the plan, and OUT with its resume state."""
+
+    def __init__(self, source: CheckpointSource, out: Path, *, quant: str, group_size: int, progress: bool,
+                 workers: int = 1):
+        self.source, self.out, self.quant, self.group_size = source, out, quant, group_size
+        self.bits = QUANT_BITS[quant]
+        self.progress = progress
+        self.workers = max(1, workers)
+        self.layers, dense_names = find_expert_layers(source)
+        check_expert_layers(self.layers, source)
+        self.dense = plan_dense(source, dense_names, self.bits, group_size)
+        self.options = {"source": source.origin, "source_files": source.file_sizes(), "quant": quant,
+                        "group_size": group_size, "format_version": FORMAT_VERSION}
+        self.state: ConvertState | None = None
+
+    # -- OUT -------------------------------------------------------------------
+    def prepare(self, *, force: bool, resume: bool) -> bool:
+        """Make OUT ready; False when it already holds this very conversion, finished."""
+        out, src = self.out.resolve(), self.source.folder.resolve()
+        if out == src or _is_inside(src, out):
+            raise MoestreamError(f"{self.out}: OUT must not be the source folder or contain it")
+        if out.exists() and not out.is_dir():
+            raise MoestreamError(f"{self.out}: exists and is not a directory")
+        has_state = (out / STATE_NAME).is_file()
+        if resume and has_state:
+            self.state = ConvertState.load(out)
+            self.state.check_options(self.options)
+            log.info("resuming the conversion in %s (%d steps already done)", out, len(self.state.steps))
+            return True
+        if resume and (out / MANIFEST_NAME).is_file():
+            self._check_finished(out)
+            log.info("%s already holds this conversion, finished", out)
+            return False
+        if out.exists() and any(out.iterdir()):
+            if resume:
+                raise ResumeError(f"{self.out}: nothing to resume ({STATE_NAME} is missing); use --force to start over")
+            if not force:
+                hint = " or --resume to continue the unfinished conversion" if has_state else ""
+                raise MoestreamError(f"{self.out}: exists and is not empty (use --force to overwrite it{hint})")
+            for path in _our_files(out):
+                path.unlink()
+            left = [p.name for p in out.iterdir()]
+            if left:
+                log.warning("%s: kept %d file(s) that are not moestream's, e.g. %s", out, len(left), left[0])
         try:
-            return {proj: self.source.get(self.per_expert[(expert, proj)]) for proj in ("gate_proj", "up_proj", "down_proj")}
-        except KeyError as exc:
-            raise MoestreamError(f"expert {expert}: tensor for {exc.args[0][1]} is missing") from None
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise write_error(out, exc) from None
+        self.state = ConvertState(out, self.options)
+        self.state.save()
+        return True
 
+    def _check_finished(self, out: Path) -> None:
+        manifest = read_manifest(out)
+        requested = manifest.quantization.get("requested", {})
+        have = {"source": {k: v for k, v in manifest.source.items() if k != "files"}, "quant": requested.get("quant"),
+                "group_size": requested.get("group_size")}
+        want = {"source": self.options["source"], "quant": self.quant, "group_size": self.group_size}
+        for key in want:
+            if have[key] != want[key]:
+                raise ResumeError(f"{self.out}: holds a finished conversion with {key}={json.dumps(have[key])}, not "
+                                  f"{json.dumps(want[key])}; use --force to convert again")
 
-def convert(src: str | Path, out: str | Path, *, quant: str = "q4", group_size: int = 64, force: bool = False) -> Path:
-    source = CheckpointSource(src)
-    out = Path(out)
-    if out.exists() and any(out.iterdir()):
-        if not force:
-            raise MoestreamError(f"{out} exists and is not empty (use --force to overwrite)")
-        shutil.rmtree(out)
-    out.mkdir(parents=True, exist_ok=True)
-    bits = QUANT_BITS[quant]
+    # -- steps -----------------------------------------------------------------
+    def run(self) -> Manifest:
+        expert_bytes = {layer: entry.source_bytes() for layer, entry in self.layers.items()}
+        total = sum(d.source_bytes for d in self.dense) + sum(expert_bytes.values())
+        with tqdm(total=total, desc="convert", unit="B", unit_scale=True, unit_divisor=1024, disable=not self.progress,
+                  file=sys.stderr) as bar:
+            dense_record = self.state.finished("dense")
+            if dense_record is None:
+                dense_record = self._write_dense(bar)
+            else:
+                bar.update(sum(d.source_bytes for d in self.dense))
+            entries, digests = [], {DENSE_NAME: FileDigest(dense_record["size"], dense_record["sha256"])}
+            fail_after = os.environ.get(FAIL_ENV)
+            executor = ThreadPoolExecutor(self.workers, thread_name_prefix="convert") if self.workers > 1 else None
+            try:
+                for done, layer in enumerate(sorted(self.layers)):
+                    step = f"layer-{layer:03d}"
+                    record = self.state.finished(step)
+                    if record is None:
+                        abort_at = 1 if fail_after is not None and done == int(fail_after) else None
+                        record = self._write_layer(layer, bar, abort_at, executor)
+                    else:
+                        bar.update(expert_bytes[layer])
+                    entries.append(_layer_entry(record["entry"]))
+                    digests[record["file"]] = FileDigest(record["size"], record["sha256"])
+            finally:
+                if executor is not None:
+                    executor.shutdown(cancel_futures=True)
+        for path in self.source.tokenizer_files():
+            digests[path.name] = self._copy(path)
+        source_hashes = self._source_hashes()
+        quantization = self._quantization()
+        manifest = Manifest(family=self.source.family, config=self.source.config,
+                            source={**self.source.origin, "files": source_hashes}, quantization=quantization,
+                            expert_layers=entries, files={name: d.to_json() for name, d in digests.items()})
+        try:
+            write_manifest(self.out, manifest)
+        except OSError as exc:
+            raise write_error(self.out / MANIFEST_NAME, exc) from None
+        self.state.path.unlink(missing_ok=True)
+        return manifest
 
-    by_layer: dict[int, list[str]] = defaultdict(list)
-    dense_names = []
-    for name in source.names():
-        layer = expert_layer_of(name)
-        (by_layer[layer].append(name) if layer is not None else dense_names.append(name))
+    def _quantization(self) -> dict:
+        tensors = {d.name: d.spec.to_json() for d in self.dense}
+        requested = {"quant": self.quant, "group_size": self.group_size}
+        if self.source.mlx is not None:
+            return {"mode": "affine", "imported": "mlx", "default_bits": self.source.mlx.bits,
+                    "group_size": self.source.mlx.group_size, "tensors": tensors, "requested": requested}
+        return {"mode": "affine", "default_bits": self.bits, "group_size": self.group_size, "tensors": tensors,
+                "requested": requested}
 
-    specs: dict[str, dict | None] = {}
-    dense: dict[str, torch.Tensor] = {}
-    for name in tqdm(dense_names, desc="resident tensors", unit="tensor", leave=False):
-        spec = dense_spec(name, source.shape(name), bits, group_size)
-        specs[name] = spec.to_json()
-        dense.update(stored_tensors(name, source.get(name), spec))
+    def _write_dense(self, bar) -> dict:
+        writer = SafetensorsWriter(self.out / DENSE_NAME, [d.parts for d in self.dense], {"format": "pt"})
+        by_first = {d.parts[0].name: d for d in self.dense}
+        try:
+            for group in writer.order:
+                item = by_first[group[0].name]
+                _write_dense_item(writer, self.source, item)
+                bar.update(item.source_bytes)
+            digest = writer.close()
+        except BaseException:
+            writer.abort()
+            raise
+        record = {"file": DENSE_NAME, **digest.to_json()}
+        self.state.finish("dense", record)
+        return record
 
-    layers = []
-    total = sum(ExpertReader(source, names).num_experts for names in by_layer.values())
-    with tqdm(total=total, desc="experts", unit="expert") as bar:
-        for layer in sorted(by_layer):
-            reader = ExpertReader(source, by_layer[layer])
-            writer = None
-            for expert in range(reader.num_experts):
-                projections = reader.get(expert)
-                quant_specs = {p: expert_spec(list(t.shape), bits, group_size) for p, t in projections.items()}
-                tensors = expert_record_tensors(projections, quant_specs)
+    def _records(self, experts, executor):
+        """Each expert's record tensors in expert order; with workers, a few experts are built ahead."""
+        if executor is None:
+            for expert in range(experts.num_experts):
+                yield experts.record(expert, self.bits, self.group_size)
+            return
+        pending, submitted = deque(), 0
+        for _ in range(experts.num_experts):
+            while submitted < experts.num_experts and len(pending) < 2 * self.workers:
+                pending.append(executor.submit(experts.record, submitted, self.bits, self.group_size))
+                submitted += 1
+            yield pending.popleft().result()
+
+    def _write_layer(self, layer: int, bar, abort_at: int | None, executor=None) -> dict:
+        experts = self.layers[layer]
+        path = self.out / f"experts-{layer:03d}.bin"
+        per_expert = experts.source_bytes() // max(experts.num_experts, 1)
+        writer = None
+        try:
+            for expert, (tensors, specs) in enumerate(self._records(experts, executor)):
+                if abort_at is not None and expert == abort_at:
+                    os._exit(75)  # simulate a kill: nothing flushed, no cleanup
                 if writer is None:
-                    writer = ExpertFileWriter(out / f"experts-{layer:03d}.bin", layer, reader.num_experts, tensors, quant_specs)
-                writer.write(expert, tensors)
-                bar.update(1)
-            layers.append(writer.close())
+                    writer = ExpertFileWriter(path, layer, experts.num_experts, tensors, specs)
+                try:
+                    writer.write(expert, tensors)
+                except ValueError as exc:
+                    raise LayoutError(f"{experts.prefix}: expert {expert} differs from expert 0 ({exc})") from None
+                bar.update(per_expert)
+            entry = writer.close()
+        except BaseException:
+            if writer is not None:
+                writer.abort()
+            raise
+        record = {"file": path.name, **writer.digest.to_json(), "entry": asdict(entry)}
+        self.state.finish(f"layer-{layer:03d}", record)
+        return record
 
-    extra = []
-    for path in source.tokenizer_files():
-        shutil.copyfile(path, out / path.name)
-        extra.append(path.name)
-    source_info = {"path": str(Path(src).resolve()), "files": {f: sha256_file(source.folder / f) for f in source.files}}
-    quantization = {"mode": "affine", "default_bits": bits, "group_size": group_size, "tensors": specs}
-    finish_model(out, family=source.family, config=source.config, source=source_info, quantization=quantization,
-                 dense=dense, expert_layers=layers, extra_files=extra)
+    def _copy(self, path: Path) -> FileDigest:
+        out = OutputFile(self.out / path.name)
+        try:
+            with open(path, "rb") as fh:
+                while block := fh.read(1 << 20):
+                    out.write(block)
+        except OSError as exc:
+            out.abort()
+            raise MoestreamError(f"{path}: cannot read ({exc.strerror})") from None
+        return out.close()
+
+    def _source_hashes(self) -> dict[str, str]:
+        record = self.state.finished("source-hashes")
+        if record is None:
+            hashes = {}
+            for name in tqdm(self.source.files, desc="hashing source", unit="file", disable=not self.progress,
+                             file=sys.stderr, leave=False):
+                hashes[name] = self.source.file_hash(name)
+            record = {"files": hashes}
+            self.state.finish("source-hashes", record)
+        return record["files"]
+
+
+def convert(src: str | Path, out: str | Path, *, quant: str = "q4", group_size: int = 64, force: bool = False,
+            resume: bool = False, revision: str | None = None, progress: bool = True, workers: int = 1) -> Path:
+    """Pack the checkpoint at `src` (folder or Hub repo id) into `out`; returns `out`.
+
+    `workers` > 1 builds expert records on that many threads (the output is the same bytes); each
+    worker's torch ops are best run single-threaded (the CLI sets that), else the pools compete."""
+    if quant not in QUANT_BITS:
+        raise MoestreamError(f"quantization {quant!r} is not supported (supported: {', '.join(QUANT_BITS)})")
+    if group_size not in GROUP_SIZES:
+        raise MoestreamError(f"group size {group_size} is not supported (supported: {', '.join(map(str, GROUP_SIZES))})")
+    if force and resume:
+        raise MoestreamError("--force and --resume exclude each other (--force starts over, --resume continues)")
+    out = Path(out)
+    source = open_source(src, revision=revision)
+    try:
+        job = Conversion(source, out, quant=quant, group_size=group_size, progress=progress, workers=workers)
+        if source.mlx is not None and quant != "q4":
+            log.info("the source is MLX-quantized: its quantization is kept as it is (--quant %s does not apply)", quant)
+        log.info("converting %s (%s, %d MoE layers, %d resident tensors) into %s", src, source.family, len(job.layers),
+                 len(job.dense), out)
+        if job.prepare(force=force, resume=resume):
+            try:
+                job.run()
+            except WriteError as exc:
+                raise WriteError(f"{exc} (what is finished is kept: free space, then run again with --resume)") from None
+    finally:
+        source.close()
     return out
 
 
@@ -128,19 +388,34 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="moestream convert", description="Pack a Hugging Face MoE checkpoint into moestream's format.")
     p.add_argument("src", help="checkpoint folder (config.json + *.safetensors) or a Hub repo id")
     p.add_argument("out", help="output directory")
-    p.add_argument("--quant", choices=sorted(QUANT_BITS), default="q4", help="expert and matrix quantization (default q4)")
-    p.add_argument("--group-size", type=int, default=64, help="quantization group size (default 64)")
+    p.add_argument("--quant", choices=list(QUANT_BITS), default="q4", help="expert and matrix quantization (default q4)")
+    p.add_argument("--group-size", type=int, choices=GROUP_SIZES, default=64, help="quantization group size (default 64)")
+    p.add_argument("--revision", help="Hub revision (branch, tag or commit) when SRC is a repo id")
+    p.add_argument("--resume", action="store_true", help="continue an unfinished conversion into OUT")
     p.add_argument("--force", action="store_true", help="overwrite a non-empty OUT")
+    p.add_argument("--workers", type=int, default=min(os.cpu_count() or 1, 8),
+                   help="threads building expert records, each running torch single-threaded (default: CPUs, at most 8)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.workers > 1:
+        torch.set_num_threads(1)  # parallel over experts: per-op thread teams only add barrier waits
     try:
-        out = convert(args.src, args.out, quant=args.quant, group_size=args.group_size, force=args.force)
+        out = convert(args.src, args.out, quant=args.quant, group_size=args.group_size, force=args.force,
+                      resume=args.resume, revision=args.revision, progress=not args.no_progress, workers=args.workers)
     except MoestreamError as exc:
         print(f"moestream convert: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("moestream convert: interrupted (run again with --resume to continue)", file=sys.stderr)
+        return 130
+    except OSError as exc:
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"moestream convert: error: {where}{exc.strerror or exc}", file=sys.stderr)
         return 1
     print(f"wrote {out}")
     return 0

@@ -1,65 +1,157 @@
-"""A Hugging Face checkpoint folder read lazily: config, tensor index, tokenizer files."""
+"""A Hugging Face checkpoint read lazily: config, tensor index, tokenizer files.
+
+Tensors are read with positional reads into fresh buffers (never mapped), so what a conversion
+keeps resident is what it holds, not the pages of the checkpoint it has looked at."""
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
 
+from moestream.convert.hub import INDEX_NAME, blob_sha256, download, looks_like_repo_id
 from moestream.errors import MoestreamError, UnsupportedModelError
+from moestream.format.safetensors_io import SafetensorsFile, TensorInfo
+from moestream.format.writer import sha256_file
 from moestream.models import SUPPORTED_FAMILIES
+from moestream.quant.mlx import MlxQuantization
+
+log = logging.getLogger(__name__)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "chat_template.json", "generation_config.json", "vocab.json", "merges.txt", "tokenizer.model",
                    "added_tokens.json")
 
 
-class CheckpointSource:
-    """Tensors of a local checkpoint folder, opened lazily, one safetensors file at a time."""
+class CheckpointError(MoestreamError):
+    """A source checkpoint that is missing, incomplete or inconsistent."""
 
-    def __init__(self, folder: str | Path):
+
+class CheckpointSource:
+    """Tensors of a local checkpoint folder; every shard's header is checked when it is opened."""
+
+    def __init__(self, folder: str | Path, *, origin: dict | None = None):
         self.folder = Path(folder)
         if not self.folder.exists():
-            raise MoestreamError(f"{self.folder}: no such file or directory")
-        if not (self.folder / "config.json").is_file():
-            raise MoestreamError(f"{self.folder}: not a Hugging Face checkpoint (config.json is missing)")
-        try:
-            self.config = json.loads((self.folder / "config.json").read_text())
-        except json.JSONDecodeError as exc:
-            raise MoestreamError(f"{self.folder / 'config.json'}: not valid JSON ({exc})") from None
+            raise CheckpointError(f"{self.folder}: no such file or directory")
+        if not self.folder.is_dir():
+            raise CheckpointError(f"{self.folder}: not a folder (give the checkpoint folder holding config.json)")
+        self.origin = origin or {"path": str(self.folder.resolve())}
+        self.config = self._read_config()
         family = self.config.get("model_type")
+        if family is None:
+            raise UnsupportedModelError(f"{self.folder / 'config.json'}: no model_type (supported: {', '.join(SUPPORTED_FAMILIES)})")
         if family not in SUPPORTED_FAMILIES:
             raise UnsupportedModelError(f"model_type {family!r} is not supported (supported: {', '.join(SUPPORTED_FAMILIES)})")
-        self.family = family
-        self.files = sorted(p.name for p in self.folder.glob("*.safetensors"))
-        if not self.files:
-            raise MoestreamError(f"{self.folder}: no *.safetensors files (only safetensors checkpoints are read)")
-        self._handles: dict[str, object] = {}
+        self.family: str = family
+        self.mlx: MlxQuantization | None = MlxQuantization.from_config(self.config)
+        self.files = self._shard_names()
+        self._handles: dict[str, SafetensorsFile] = {}
         self.index: dict[str, str] = {}
+        try:
+            self._build_index()
+        except BaseException:
+            self.close()
+            raise
+
+    def _read_config(self) -> dict:
+        path = self.folder / "config.json"
+        if not path.is_file():
+            raise CheckpointError(f"{self.folder}: not a Hugging Face checkpoint (config.json is missing)")
+        try:
+            config = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
+        if not isinstance(config, dict):
+            raise CheckpointError(f"{path}: not a JSON object")
+        return config
+
+    def _shard_names(self) -> list[str]:
+        index = self.folder / INDEX_NAME
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+                self._index_map = {str(k): str(v) for k, v in weight_map.items()}
+            except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError):
+                raise CheckpointError(f"{index}: not a valid shard index (no weight_map)") from None
+            files = sorted(set(self._index_map.values()))
+            for name in files:
+                if not (self.folder / name).is_file():
+                    raise CheckpointError(f"{self.folder / name}: missing (listed in {INDEX_NAME})")
+            return files
+        self._index_map = None
+        files = sorted(p.name for p in self.folder.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(f"{self.folder}: no *.safetensors files (only safetensors checkpoints are read)")
+        return files
+
+    def _build_index(self) -> None:
         for name in self.files:
             for key in self._open(name).keys():
+                if self._index_map is not None:
+                    if self._index_map.get(key, name) != name:
+                        continue  # the index places this tensor elsewhere; that copy wins
+                elif key in self.index:
+                    raise CheckpointError(f"{self.folder}: tensor {key} is in both {self.index[key]} and {name}")
                 self.index[key] = name
+        if self._index_map is not None:
+            for key, file in self._index_map.items():
+                if key not in self.index:
+                    raise CheckpointError(f"{self.folder / file}: tensor {key} is missing (listed in {INDEX_NAME})")
 
-    def _open(self, file: str):
+    def _open(self, file: str) -> SafetensorsFile:
         if file not in self._handles:
-            try:
-                self._handles[file] = safe_open(str(self.folder / file), framework="pt")
-            except (SafetensorError, OSError, ValueError) as exc:
-                raise MoestreamError(f"{self.folder / file}: corrupt or truncated safetensors file ({exc})") from None
+            self._handles[file] = SafetensorsFile(self.folder / file)
         return self._handles[file]
 
+    # -- tensors ----------------------------------------------------------------
     def names(self) -> list[str]:
         return sorted(self.index)
 
+    def __contains__(self, name: str) -> bool:
+        return name in self.index
+
+    def info(self, name: str) -> TensorInfo:
+        return self._open(self.index[name]).info(name)
+
     def shape(self, name: str) -> list[int]:
-        return list(self._open(self.index[name]).get_slice(name).get_shape())
+        return list(self.info(name).shape)
+
+    def nbytes(self, name: str) -> int:
+        return self.info(name).nbytes
 
     def get(self, name: str) -> torch.Tensor:
-        try:
-            return self._open(self.index[name]).get_tensor(name)
-        except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
-            raise MoestreamError(f"{self.folder / self.index[name]}: cannot read tensor {name} ({exc})") from None
+        return self._open(self.index[name]).read(name)
 
+    def get_rows(self, name: str, start: int, count: int = 1) -> torch.Tensor:
+        return self._open(self.index[name]).read_rows(name, start, count)
+
+    # -- other files ----------------------------------------------------------
     def tokenizer_files(self) -> list[Path]:
         return [self.folder / n for n in TOKENIZER_FILES if (self.folder / n).is_file()]
+
+    def file_sizes(self) -> dict[str, int]:
+        return {f: (self.folder / f).stat().st_size for f in self.files}
+
+    def file_hash(self, name: str) -> str:
+        return blob_sha256(self.folder / name) or sha256_file(self.folder / name)
+
+    def close(self) -> None:
+        for handle in self._handles.values():
+            handle.close()
+        self._handles.clear()
+
+
+def open_source(src: str | Path, *, revision: str | None = None) -> CheckpointSource:
+    """A local checkpoint folder, or a Hub repo id fetched into the Hugging Face cache."""
+    text = str(src)
+    path = Path(text).expanduser()
+    if path.exists():
+        if revision is not None:
+            raise CheckpointError(f"{text}: --revision applies to Hub repos, and this is a local folder")
+        return CheckpointSource(path)
+    if looks_like_repo_id(text):
+        folder, origin = download(text, revision)
+        return CheckpointSource(folder, origin=origin)
+    raise CheckpointError(f"{text}: no such file or directory")

@@ -1,17 +1,33 @@
-"""Write a packed model: resident tensors, expert records (as they are made) and the manifest last."""
+"""Write a packed model: resident tensors (streamed), expert records (as they are made), manifest last.
+
+Every output file is hashed while it is written, so finishing a model needs no second pass over
+its bytes, and a full disk surfaces as one line naming the file."""
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
-from moestream.format.manifest import DENSE_NAME, ExpertLayer, Manifest, write_manifest
+from moestream.errors import MoestreamError
+from moestream.format.manifest import DENSE_NAME, EXPERT_PROJECTIONS, ExpertLayer, Manifest, write_manifest
 from moestream.format.records import encode_record, plan_record
+from moestream.format.safetensors_io import DTYPE_NAMES, TensorEntry, plan_safetensors, tensor_bytes
 from moestream.quant.affine import QuantSpec, quantize
+
+
+class WriteError(MoestreamError):
+    """Writing the packed model failed (disk full, permissions, I/O error)."""
+
+
+def write_error(path: Path, exc: OSError) -> WriteError:
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return WriteError(f"no space left on device writing {path}")
+    return WriteError(f"cannot write {path}: {exc.strerror or exc}")
 
 
 def sha256_file(path: Path, chunk: int = 8 << 20) -> str:
@@ -20,6 +36,122 @@ def sha256_file(path: Path, chunk: int = 8 << 20) -> str:
         while block := fh.read(chunk):
             digest.update(block)
     return digest.hexdigest()
+
+
+@dataclass(frozen=True)
+class FileDigest:
+    size: int
+    sha256: str
+
+    def to_json(self) -> dict:
+        return {"sha256": self.sha256, "size": self.size}
+
+
+class OutputFile:
+    """A file being written from the start: hashed as it goes, fsynced on close."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        try:
+            self._fh = open(self.path, "wb")
+        except OSError as exc:
+            raise write_error(self.path, exc) from None
+        self._sha = hashlib.sha256()
+        self.size = 0
+
+    def _write_raw(self, data) -> None:
+        self._fh.write(data)
+
+    def write(self, data) -> None:
+        try:
+            self._write_raw(data)
+        except OSError as exc:
+            self.abort()
+            raise write_error(self.path, exc) from None
+        self._sha.update(data)
+        self.size += len(data)
+
+    def close(self) -> FileDigest:
+        try:
+            self._fh.flush()
+            os.fsync(self._fh.fileno())
+            self._fh.close()
+        except OSError as exc:
+            self.abort()
+            raise write_error(self.path, exc) from None
+        return FileDigest(self.size, self._sha.hexdigest())
+
+    def abort(self) -> None:
+        try:
+            self._fh.close()
+        except OSError:
+            pass
+
+
+class SafetensorsWriter:
+    """Writes a safetensors file whose header is known up front, then its tensors one by one.
+
+    `order` lists the groups in the order their tensors must be written."""
+
+    def __init__(self, path: str | os.PathLike, groups: list[list[TensorEntry]], metadata: dict[str, str] | None = None):
+        self.order, header, _ = plan_safetensors(groups, metadata)
+        self._queue = [e for g in self.order for e in g]
+        self._next = 0
+        self._out = OutputFile(path)
+        self._out.write(header)
+
+    @property
+    def path(self) -> Path:
+        return self._out.path
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        if self._next >= len(self._queue) or self._queue[self._next].name != name:
+            expected = self._queue[self._next].name if self._next < len(self._queue) else "nothing"
+            raise ValueError(f"{self.path}: {name} written out of order (expected {expected})")
+        entry = self._queue[self._next]
+        dtype = DTYPE_NAMES.get(tensor.dtype)
+        if dtype != entry.dtype or tuple(tensor.shape) != entry.shape:
+            raise ValueError(f"{self.path}: {name} is {dtype} {list(tensor.shape)}, the header says "
+                             f"{entry.dtype} {list(entry.shape)}")
+        self._out.write(tensor_bytes(tensor))
+        self._next += 1
+
+    def write_blocks(self, name: str, blocks) -> None:
+        """One tensor given as consecutive row blocks (e.g. read piecewise from a source file)."""
+        if self._next >= len(self._queue) or self._queue[self._next].name != name:
+            expected = self._queue[self._next].name if self._next < len(self._queue) else "nothing"
+            raise ValueError(f"{self.path}: {name} written out of order (expected {expected})")
+        entry, written = self._queue[self._next], 0
+        for block in blocks:
+            if DTYPE_NAMES.get(block.dtype) != entry.dtype:
+                raise ValueError(f"{self.path}: {name} block is {DTYPE_NAMES.get(block.dtype)}, the header says {entry.dtype}")
+            data = tensor_bytes(block)
+            written += len(data)
+            if written > entry.nbytes:
+                break
+            self._out.write(data)
+        if written != entry.nbytes:
+            raise ValueError(f"{self.path}: {name} got {written} bytes, the header says {entry.nbytes}")
+        self._next += 1
+
+    def close(self) -> FileDigest:
+        if self._next != len(self._queue):
+            self._out.abort()
+            raise ValueError(f"{self.path}: {len(self._queue) - self._next} tensors were never written")
+        return self._out.close()
+
+    def abort(self) -> None:
+        self._out.abort()
+
+
+def save_safetensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> FileDigest:
+    """A dict of tensors to a safetensors file through the streaming writer."""
+    groups = [[TensorEntry(n, DTYPE_NAMES[t.dtype], tuple(t.shape))] for n, t in tensors.items()]
+    writer = SafetensorsWriter(path, groups, metadata)
+    for group in writer.order:
+        for e in group:
+            writer.write(e.name, tensors[e.name])
+    return writer.close()
 
 
 def stored_tensors(name: str, tensor: torch.Tensor, spec: QuantSpec) -> dict[str, torch.Tensor]:
@@ -34,7 +166,7 @@ def stored_tensors(name: str, tensor: torch.Tensor, spec: QuantSpec) -> dict[str
 def expert_record_tensors(projections: dict[str, torch.Tensor], specs: dict[str, QuantSpec]) -> dict[str, torch.Tensor]:
     """{gate_proj: [I, H], ...} float -> the record's named tensors in a fixed order."""
     out = {}
-    for proj in ("gate_proj", "up_proj", "down_proj"):
+    for proj in EXPERT_PROJECTIONS:
         out.update(stored_tensors(f"{proj}.weight", projections[proj], specs[proj]))
     return out
 
@@ -44,36 +176,41 @@ class ExpertFileWriter:
 
     def __init__(self, path: Path, layer: int, num_experts: int, first: dict[str, torch.Tensor],
                  quant: dict[str, QuantSpec]):
-        self.path = path
+        self.path = Path(path)
         fields, record_size = plan_record(first)
-        self.entry = ExpertLayer(layer=layer, file=path.name, num_experts=num_experts, record_size=record_size,
+        self.entry = ExpertLayer(layer=layer, file=self.path.name, num_experts=num_experts, record_size=record_size,
                                  fields=fields, quant={k: v.to_json() for k, v in quant.items()})
-        self._fh = open(path, "wb")
+        self._out = OutputFile(self.path)
         self._next = 0
+        self.digest: FileDigest | None = None
 
     def write(self, expert: int, tensors: dict[str, torch.Tensor]) -> None:
         if expert != self._next:
             raise ValueError(f"layer {self.entry.layer}: expert {expert} written out of order (expected {self._next})")
         record = encode_record(self.entry.fields, self.entry.record_size, tensors)
-        self._fh.write(record)
+        self._out.write(record)
         self.entry.crc32.append(zlib.crc32(record))
         self._next += 1
 
     def close(self) -> ExpertLayer:
         if self._next != self.entry.num_experts:
+            self._out.abort()
             raise ValueError(f"layer {self.entry.layer}: {self._next} of {self.entry.num_experts} experts written")
-        self._fh.flush()
-        os.fsync(self._fh.fileno())
-        self._fh.close()
+        self.digest = self._out.close()
         return self.entry
+
+    def abort(self) -> None:
+        self._out.abort()
 
 
 def finish_model(directory: Path, *, family: str, config: dict, source: dict, quantization: dict,
                  dense: dict[str, torch.Tensor], expert_layers: list[ExpertLayer], extra_files: list[str]) -> Manifest:
     """Write the resident tensors, hash every file, then the manifest (last, atomically)."""
-    save_file(dense, str(directory / DENSE_NAME), metadata={"format": "pt"})
-    names = [DENSE_NAME] + [e.file for e in expert_layers] + list(extra_files)
-    files = {n: {"sha256": sha256_file(directory / n), "size": (directory / n).stat().st_size} for n in names}
+    directory = Path(directory)
+    digests = {DENSE_NAME: save_safetensors(directory / DENSE_NAME, dense, {"format": "pt"})}
+    names = [e.file for e in expert_layers] + list(extra_files)
+    files = {DENSE_NAME: digests[DENSE_NAME].to_json()}
+    files.update({n: {"sha256": sha256_file(directory / n), "size": (directory / n).stat().st_size} for n in names})
     manifest = Manifest(family=family, config=config, source=source, quantization=quantization,
                         expert_layers=sorted(expert_layers, key=lambda e: e.layer), files=files)
     write_manifest(directory, manifest)

@@ -49,12 +49,27 @@ def can_quantize(shape: tuple[int, ...], group_size: int) -> bool:
     return len(shape) == 2 and shape[1] % group_size == 0 and shape[1] >= group_size
 
 
+QUANT_BLOCK_ELEMENTS = 1 << 20  # elements quantized at once: ~20 MB of temporaries
+
+
 def quantize(w: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """[O, I] float -> (uint32 codes [O, I*b/32], scales [O, I/g], biases [O, I/g]) in w's dtype.
 
     Scales and biases are rounded to their storage dtype before the codes are chosen, so the
-    reconstruction error is at most half a step (plus that rounding) for every element."""
+    reconstruction error is at most half a step (plus that rounding) for every element. Rows are
+    independent, so a big matrix is done in blocks of rows to bound the float32/int64 temporaries."""
     check_bits(bits)
+    if w.dim() != 2 or w.shape[1] % group_size or w.shape[1] % (32 // bits):
+        raise ValueError(f"cannot quantize a {list(w.shape)} tensor with group size {group_size} at {bits} bits")
+    out_features, in_features = w.shape
+    rows = max(1, QUANT_BLOCK_ELEMENTS // max(in_features, 1))
+    if out_features <= rows:
+        return _quantize_rows(w, bits, group_size)
+    parts = [_quantize_rows(w[start:start + rows], bits, group_size) for start in range(0, out_features, rows)]
+    return tuple(torch.cat(p) for p in zip(*parts))
+
+
+def _quantize_rows(w: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     out_features, in_features = w.shape
     levels = (1 << bits) - 1
     groups = w.detach().to(torch.float32).reshape(out_features, in_features // group_size, group_size)
@@ -63,7 +78,9 @@ def quantize(w: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor,
     scales = ((hi - lo) / levels).clamp_min(1e-8).to(w.dtype)
     biases = lo.to(w.dtype)
     s32, b32 = scales.to(torch.float32), biases.to(torch.float32)
-    codes = torch.round((groups - b32[..., None]) / s32[..., None]).clamp_(0, levels).to(torch.int64)
+    s32 = torch.where(s32 > 0, s32, torch.ones_like(s32))  # a constant group in fp16 rounds its step to 0
+    # Round half up by truncating x + 0.5 (x >= 0 after the clamp); torch.round pays a thread wake-up per call.
+    codes = ((groups - b32[..., None]) / s32[..., None]).add_(0.5).clamp_(0, levels).to(torch.int32)
     return pack(codes.reshape(out_features, in_features), bits), scales, biases
 
 
@@ -71,9 +88,10 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """int codes [O, I] in [0, 2^b) -> uint32 [O, I*b/32], element j of a word at bits j*b."""
     per_word = 32 // bits
     out_features, in_features = codes.shape
-    words = codes.to(torch.int64).reshape(out_features, in_features // per_word, per_word)
-    shifts = torch.arange(per_word, dtype=torch.int64) * bits
-    packed = (words << shifts).sum(dim=-1)  # disjoint bit ranges: sum == bitwise or
+    lanes = codes.reshape(out_features, in_features // per_word, per_word)
+    packed = lanes[..., 0].to(torch.int64, copy=True)  # accumulated in place: never alias the input
+    for j in range(1, per_word):  # one [O, W] lane at a time keeps the int64 temporaries small
+        packed |= lanes[..., j].to(torch.int64) << (j * bits)
     return packed.to(torch.uint32)
 
 
