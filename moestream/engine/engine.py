@@ -72,6 +72,8 @@ class Engine:
         self.packed, self.options = packed, options
         self.plan = plan_run(packed, options, default_cache_size=default_cache_size)
         self.device, self.dtype, self.max_context = self.plan.device, self.plan.dtype, self.plan.max_context
+        if options.threads > 0:
+            torch.set_num_threads(options.threads)
         source = open_source(options.expert_source, packed, io_threads=options.io_threads,
                              check_records=options.check_records)
         self.provider = ExpertCache(packed, self.device, slots=self.plan.slots, source=source,

@@ -11,6 +11,7 @@ class EngineOptions:
     dtype: str = "auto"  # auto: bfloat16 on cuda, float32 on cpu
     max_context: int = 0  # 0: the model's max_position_embeddings (at most 32768)
     prefill_chunk_tokens: int = 512
+    threads: int = 0  # CPU compute threads; 0: torch's default
     cache_size: str = "auto"
     cache_policy: str = "clock"
     cache_partition: str = "shared"
@@ -34,6 +35,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="compute dtype (default: bfloat16 on cuda, float32 on cpu)")
     g.add_argument("--max-context", type=int, default=0, help="prompt + completion limit in tokens (default: the model's, at most 32768)")
     g.add_argument("--prefill-chunk-tokens", type=int, default=512, help="prompt tokens per prefill pass (default 512)")
+    g.add_argument("--threads", type=int, default=0,
+                   help="CPU compute threads (default 0: torch's choice; 1 is often fastest for small models on a busy machine)")
     c = parser.add_argument_group("expert cache")
     c.add_argument("--cache-size", default="auto",
                    help="device expert slots: bytes (4GiB), a share of all experts (25%%), min, all; "
