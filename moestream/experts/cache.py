@@ -93,7 +93,9 @@ class ExpertCache:
     def quant(self, layer: int) -> dict[str, QuantSpec]:
         return self._quant[layer]
 
-    def fetch(self, layer: int, experts: Sequence[int]) -> dict[int, dict[str, torch.Tensor]]:
+    def fetch(self, layer: int, experts: Sequence[int], *, views: bool = True) -> dict[int, dict[str, torch.Tensor]]:
+        """Pin the experts' slots, loading misses; returns record views (none with views=False, for
+        kernels that index the pool through `slots_of`)."""
         entry, li = self.entries[layer], self._index[layer]
         pinned, waits = [], []
         st = self.stats_
@@ -141,6 +143,8 @@ class ExpertCache:
                 event = self.ready_events.pop(key, None)
                 if event is not None:
                     current.wait_event(event)
+        if not views:
+            return {}
         return {e: decode_record(entry.fields, self.pool[self.directory.lookup((li, e))][: entry.record_size])
                 for e in experts}
 
