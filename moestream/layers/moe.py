@@ -10,6 +10,7 @@ from typing import Callable, Mapping, Protocol, Sequence
 import torch
 import torch.nn.functional as F
 
+from moestream.kernels import dispatch as kernel_dispatch
 from moestream.kernels.reference import expert_ffn
 from moestream.layers.mlp import swiglu
 from moestream.quant.affine import QuantSpec
@@ -62,6 +63,22 @@ class MoEBlock:
         if self.on_route is not None:
             self.on_route(self.layer, ids)
         experts = torch.unique(ids).tolist()  # sorted; the one host sync this layer needs
+        layout = kernel_dispatch.triton_layout(x, self.provider, self.layer)
+        if layout is not None:  # CUDA: grouped kernels read the records straight from the slot pool
+            out = kernel_dispatch.routed_experts(x, ids, weights, experts, self.provider, self.layer, layout)
+        else:
+            out = self._reference_experts(x, weights, ids, experts)
+        if self.shared is not None:
+            s = self.shared
+            y = swiglu(x, s.gate, s.up, s.down)
+            if s.gate_weight is not None:
+                y = torch.sigmoid(F.linear(x, s.gate_weight)) * y
+            out = out + y
+        return out
+
+    def _reference_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                           experts: list[int]) -> torch.Tensor:
+        """The torch reference: each expert's SwiGLU in turn, accumulated in ascending expert order."""
         quant = self.provider.quant(self.layer)
         out = torch.zeros_like(x)
         limit = max(1, self.provider.batch_limit(self.layer))
@@ -75,10 +92,4 @@ class MoEBlock:
                     out.index_add_(0, tok, y.to(out.dtype))
             finally:
                 self.provider.release(self.layer)
-        if self.shared is not None:
-            s = self.shared
-            y = swiglu(x, s.gate, s.up, s.down)
-            if s.gate_weight is not None:
-                y = torch.sigmoid(F.linear(x, s.gate_weight)) * y
-            out = out + y
         return out

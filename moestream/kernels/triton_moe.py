@@ -1,0 +1,541 @@
+"""Grouped quantized MoE FFN in Triton that reads expert records straight out of the slot pool.
+
+Legend: T tokens, H hidden, I expert intermediate, A experts per token, P = T*A (token, expert)
+pairs, U unique experts of the layer, E experts of the layer, N slots, S slot bytes.
+
+Three kernels per layer call:
+  1. gate/up:  h[p] = silu(x[tok] @ Wg^T) * (x[tok] @ Wu^T)         h [P, I]
+  2. down:     o[p] = w[p] * (h[p] @ Wd^T)                          o [P, H] float32
+  3. combine:  y[t] = sum over a = 0..A-1 of o[t*A + a]               y [T, H] in x's dtype
+Weights are dequantized on the fly from the MLX affine layout (uint32 words, least-significant
+bits first, w = q*scale + bias, groups of 64 along the input dim), addressed as
+pool[slot] + field offset: the pool is read as int32 words and as scale-dtype halves.
+
+The reduction over a token's experts is a deterministic second pass, not float atomics: every
+pair's o row is computed by exactly one program with a fixed summation order, and the combine
+adds them in a fixed order. So the output is bit-for-bit the same from run to run and for any
+cache size (a layer's experts may be pinned in several batches; each batch writes only its own
+pairs' rows), slot assignment and policy, as the design asks of every path. Atomics would
+make the last bits depend on scheduling, and greedy tokens could then change between runs.
+
+Two shapes of work, chosen by T only (so by nothing the cache decides):
+  - gemv (decode, T <= 4): one program per (pair, block of output rows), float32 FMAs, bound by
+    the bandwidth of the weight bytes. Each code becomes the float 1 + q/2^b by a shift and an
+    and-or (no int->float conversion), and the dot is factored per group of 64.
+  - grouped (prefill): pairs sorted by expert, each expert's pairs padded to BLOCK_M rows; one
+    program per (row block, block of output columns) dequantizes a [BLOCK_N, 64] weight tile per
+    step (rounded to x's dtype, as the reference does) and feeds tl.dot; float32 activations use
+    3xTF32 (about float32 accuracy).
+Everything after the caller's list of unique experts stays on the device: no host syncs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+GROUP = 64  # quantization group size the kernels are written for
+SUPPORTED_BITS = (4, 8)
+SCALE_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16}
+ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+class UnsupportedLayout(ValueError):
+    """A record layout the Triton kernels do not handle (the caller falls back to the reference)."""
+
+
+@dataclass(frozen=True)
+class SlotLayout:
+    """Where one layer's expert tensors sit inside a slot; identical for every record of the layer.
+
+    Offsets are in bytes from the start of the slot."""
+
+    hidden: int  # H
+    inter: int  # I
+    bits_gate_up: int
+    bits_down: int
+    scale_dtype: torch.dtype
+    offsets: dict[str, int] = field(hash=False)  # "gate_proj.weight" -> byte offset, ... (9 fields)
+    record_bytes: int = 0  # weight + scales + biases bytes of one expert (for bandwidth reports)
+
+    @staticmethod
+    def from_fields(fields, quant) -> "SlotLayout":
+        """Validate a record layout (RecordField list + {proj: QuantSpec}); raise UnsupportedLayout."""
+        by_name = {f.name: f for f in fields}
+        for proj in PROJECTIONS:
+            spec = quant.get(proj)
+            if spec is None or not spec.quantized:
+                raise UnsupportedLayout(f"{proj} is not quantized")
+            if spec.bits not in SUPPORTED_BITS:
+                raise UnsupportedLayout(f"{proj}: {spec.bits}-bit codes (kernels handle {SUPPORTED_BITS})")
+            if spec.group_size != GROUP:
+                raise UnsupportedLayout(f"{proj}: group size {spec.group_size} (kernels handle {GROUP})")
+            for part in ("weight", "scales", "biases"):
+                if f"{proj}.{part}" not in by_name:
+                    raise UnsupportedLayout(f"record has no {proj}.{part}")
+        if quant["gate_proj"].bits != quant["up_proj"].bits:
+            raise UnsupportedLayout("gate_proj and up_proj have different bit widths")
+        scale_names = {by_name[f"{p}.{s}"].dtype for p in PROJECTIONS for s in ("scales", "biases")}
+        if len(scale_names) != 1 or next(iter(scale_names)) not in SCALE_DTYPES:
+            raise UnsupportedLayout(f"scales/biases dtypes {sorted(scale_names)} (kernels handle one of BF16, F16)")
+        gate_w = by_name["gate_proj.weight"]
+        inter = gate_w.shape[0]
+        hidden = gate_w.shape[1] * 32 // quant["gate_proj"].bits
+        bits_gu, bits_d = quant["gate_proj"].bits, quant["down_proj"].bits
+        expect = {
+            "gate_proj.weight": [inter, hidden * bits_gu // 32], "up_proj.weight": [inter, hidden * bits_gu // 32],
+            "down_proj.weight": [hidden, inter * bits_d // 32],
+            "gate_proj.scales": [inter, hidden // GROUP], "up_proj.scales": [inter, hidden // GROUP],
+            "down_proj.scales": [hidden, inter // GROUP],
+        }
+        for proj in PROJECTIONS:
+            expect[f"{proj}.biases"] = expect[f"{proj}.scales"]
+        for name, shape in expect.items():
+            f = by_name[name]
+            if list(f.shape) != shape:
+                raise UnsupportedLayout(f"{name}: shape {list(f.shape)}, expected {shape}")
+            if name.endswith(".weight") and f.dtype not in ("U32", "I32"):
+                raise UnsupportedLayout(f"{name}: dtype {f.dtype}, expected U32")
+            if f.offset % 4:
+                raise UnsupportedLayout(f"{name}: offset {f.offset} is not 4-byte aligned")
+        if hidden % GROUP or inter % GROUP:
+            raise UnsupportedLayout(f"hidden {hidden} / intermediate {inter} not multiples of {GROUP}")
+        return SlotLayout(hidden, inter, bits_gu, bits_d, SCALE_DTYPES[next(iter(scale_names))],
+                          {name: by_name[name].offset for name in expect},
+                          sum(by_name[name].nbytes for name in expect))
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Block sizes. They change summation order, so they depend only on the shape of the call (T,
+    U, dtypes), never on the cache -- the same call gives the same bits for any cache."""
+
+    gemv_max_tokens: int = 4  # T at or below this takes the gemv kernels
+    gemv_gate_up_n: int = 16  # output rows per program
+    gemv_gate_up_words: int = 64  # uint32 words of each row per loop step (a power of two >= 2*bits)
+    gemv_gate_up_warps: int = 4
+    gemv_down_n: int = 16
+    gemv_down_words: int = 64
+    gemv_down_warps: int = 4
+    block_m: int = 0  # grouped: pairs per tile; 0 picks 16/32/64 from the mean pairs per expert
+    gate_up_n: int = 64
+    down_n: int = 64
+    grouped_warps: int = 4
+    grouped_stages: int = 3
+    combine_tokens: int = 4
+    combine_block: int = 256
+
+
+DEFAULT_CONFIG = KernelConfig()
+
+
+# -- kernels ------------------------------------------------------------------------------------------
+
+@triton.jit
+def _codes_f32(words, BITS: tl.constexpr):
+    """uint32 words [..., W] -> float32 codes [..., W, 32/BITS], element j of a word at bits j*BITS."""
+    shifts = tl.arange(0, 32 // BITS).to(tl.uint32) * BITS
+    q = (tl.expand_dims(words, -1) >> shifts) & ((1 << BITS) - 1)
+    return (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0  # 2^23 + q read as float, minus 2^23
+
+
+@triton.jit
+def _code_f32(words, j: tl.constexpr, BITS: tl.constexpr):
+    """Code j of each uint32 word as the float 1 + q / 2^BITS: the code moved to the top of the
+    mantissa under the exponent of 1.0. One shift and one and-or, no int->float conversion."""
+    POS: tl.constexpr = j * BITS
+    TOP: tl.constexpr = 23 - BITS
+    if POS > TOP:
+        v = words >> (POS - TOP)
+    else:
+        v = words << (TOP - POS)
+    return ((v & (((1 << BITS) - 1) << TOP)) | 0x3F800000).to(tl.float32, bitcast=True)
+
+
+# The gemv kernels read their input vector in "split" order: v_split[j, m] = v[m * CPW + j], CPW
+# codes per word. Then the inputs that meet code j of words m..m+3 are contiguous (one vector load)
+# and every tensor in the loop has the layout of the word tile: no shuffles, no layout changes.
+# Per group, with f = 1 + q/2^b:  sum (q*s + b) x = (2^b s) sum f x + (b - 2^b s) sum x.
+
+@triton.jit
+def _gate_up_gemv(xs_ptr, ids_ptr, slot_table_ptr, pool_w, pool_s, slot_words, slot_halves,
+                  gw_off, gs_off, gb_off, uw_off, us_off, ub_off, h_ptr, H: tl.constexpr, I: tl.constexpr,
+                  A: tl.constexpr, BITS: tl.constexpr, BN: tl.constexpr, NG: tl.constexpr, H_CPW: tl.constexpr):
+    # xs [T, CPW, H/CPW] float32 split x; h [P, H_CPW, I/H_CPW] float32, split for the down kernel
+    pair = tl.program_id(0)
+    nb = tl.program_id(1)
+    slot = tl.load(slot_table_ptr + tl.load(ids_ptr + pair))
+    if slot >= 0:  # else the expert belongs to another batch of this call
+        CPW: tl.constexpr = 32 // BITS
+        GW: tl.constexpr = 64 // CPW  # words per group
+        ROW_WORDS: tl.constexpr = H // CPW
+        ROW_GROUPS: tl.constexpr = H // 64
+        wbase = pool_w + slot.to(tl.int64) * slot_words
+        sbase = pool_s + slot.to(tl.int64) * slot_halves
+        xrow = xs_ptr + (pair // A).to(tl.int64) * H
+        rows = nb * BN + tl.arange(0, BN)
+        rmask = (rows < I)[:, None, None]
+        gi = tl.arange(0, NG)
+        col = gi[:, None] * GW + tl.arange(0, GW)[None, :]  # [NG, GW] word within a step
+        acc_g = tl.zeros([BN, NG, GW], dtype=tl.float32)
+        acc_u = tl.zeros([BN, NG, GW], dtype=tl.float32)
+        for m0 in range(0, ROW_WORDS, NG * GW):
+            m = m0 + col
+            mmask = m < ROW_WORDS
+            woff = rows[:, None, None] * ROW_WORDS + m[None, :, :]  # [BN, NG, GW]
+            wmask = rmask & mmask[None, :, :]
+            wg = tl.load(wbase + gw_off + woff, mask=wmask, other=0).to(tl.uint32, bitcast=True)
+            wu = tl.load(wbase + uw_off + woff, mask=wmask, other=0).to(tl.uint32, bitcast=True)
+            soff = rows[:, None, None] * ROW_GROUPS + (m0 // GW + gi)[None, :, None]  # [BN, NG, 1]
+            smask = rmask & (m0 // GW + gi < ROW_GROUPS)[None, :, None]
+            sg = tl.load(sbase + gs_off + soff, mask=smask, other=0.0).to(tl.float32) * (1 << BITS)
+            bg = tl.load(sbase + gb_off + soff, mask=smask, other=0.0).to(tl.float32) - sg
+            su = tl.load(sbase + us_off + soff, mask=smask, other=0.0).to(tl.float32) * (1 << BITS)
+            bu = tl.load(sbase + ub_off + soff, mask=smask, other=0.0).to(tl.float32) - su
+            tg = tl.zeros([BN, NG, GW], dtype=tl.float32)
+            tu = tl.zeros([BN, NG, GW], dtype=tl.float32)
+            xsum = tl.zeros([NG, GW], dtype=tl.float32)
+            for j in tl.static_range(CPW):
+                xj = tl.load(xrow + j * ROW_WORDS + m, mask=mmask, other=0.0)
+                tg += _code_f32(wg, j, BITS) * xj[None, :, :]
+                tu += _code_f32(wu, j, BITS) * xj[None, :, :]
+                xsum += xj
+            acc_g += sg * tg + bg * xsum[None, :, :]
+            acc_u += su * tu + bu * xsum[None, :, :]
+        gate = tl.sum(tl.sum(acc_g, axis=2), axis=1)
+        h = gate / (1.0 + tl.exp(-gate)) * tl.sum(tl.sum(acc_u, axis=2), axis=1)
+        hoff = (rows % H_CPW) * (I // H_CPW) + rows // H_CPW
+        tl.store(h_ptr + pair.to(tl.int64) * I + hoff, h, mask=rows < I)
+
+
+@triton.jit
+def _down_gemv(hs_ptr, ids_ptr, rw_ptr, slot_table_ptr, pool_w, pool_s, slot_words, slot_halves,
+               dw_off, ds_off, db_off, o_ptr, H: tl.constexpr, I: tl.constexpr,
+               BITS: tl.constexpr, BN: tl.constexpr, NG: tl.constexpr):
+    # hs [P, CPW, I/CPW] float32 split h; o [P, H] float32
+    pair = tl.program_id(0)
+    nb = tl.program_id(1)
+    slot = tl.load(slot_table_ptr + tl.load(ids_ptr + pair))
+    if slot >= 0:
+        CPW: tl.constexpr = 32 // BITS
+        GW: tl.constexpr = 64 // CPW
+        ROW_WORDS: tl.constexpr = I // CPW
+        ROW_GROUPS: tl.constexpr = I // 64
+        wbase = pool_w + slot.to(tl.int64) * slot_words
+        sbase = pool_s + slot.to(tl.int64) * slot_halves
+        hrow = hs_ptr + pair.to(tl.int64) * I
+        rows = nb * BN + tl.arange(0, BN)
+        rmask = (rows < H)[:, None, None]
+        gi = tl.arange(0, NG)
+        col = gi[:, None] * GW + tl.arange(0, GW)[None, :]
+        acc = tl.zeros([BN, NG, GW], dtype=tl.float32)
+        for m0 in range(0, ROW_WORDS, NG * GW):
+            m = m0 + col
+            mmask = m < ROW_WORDS
+            woff = rows[:, None, None] * ROW_WORDS + m[None, :, :]
+            wd = tl.load(wbase + dw_off + woff, mask=rmask & mmask[None, :, :], other=0).to(tl.uint32, bitcast=True)
+            soff = rows[:, None, None] * ROW_GROUPS + (m0 // GW + gi)[None, :, None]
+            smask = rmask & (m0 // GW + gi < ROW_GROUPS)[None, :, None]
+            sd = tl.load(sbase + ds_off + soff, mask=smask, other=0.0).to(tl.float32) * (1 << BITS)
+            bd = tl.load(sbase + db_off + soff, mask=smask, other=0.0).to(tl.float32) - sd
+            td = tl.zeros([BN, NG, GW], dtype=tl.float32)
+            xsum = tl.zeros([NG, GW], dtype=tl.float32)
+            for j in tl.static_range(CPW):
+                xj = tl.load(hrow + j * ROW_WORDS + m, mask=mmask, other=0.0)
+                td += _code_f32(wd, j, BITS) * xj[None, :, :]
+                xsum += xj
+            acc += sd * td + bd * xsum[None, :, :]
+        w = tl.load(rw_ptr + pair).to(tl.float32)
+        y = tl.sum(tl.sum(acc, axis=2), axis=1) * w
+        tl.store(o_ptr + pair.to(tl.int64) * H + rows, y, mask=rows < H)
+
+
+@triton.jit
+def _dequant_tile(wq_ptr, ws_ptr, wb_ptr, row_words, row_groups, rows, row_mask, g,
+                  BITS: tl.constexpr, BN: tl.constexpr, DTYPE: tl.constexpr):
+    """Weight tile [BN, 64] of group g for rows [BN], as w = q*s + b rounded to DTYPE."""
+    CPW: tl.constexpr = 32 // BITS
+    GW: tl.constexpr = 64 // CPW
+    woff = rows[:, None] * row_words + g * GW + tl.arange(0, GW)[None, :]
+    words = tl.load(wq_ptr + woff, mask=row_mask[:, None], other=0).to(tl.uint32, bitcast=True)  # [BN, GW]
+    q = tl.reshape(_codes_f32(words, BITS), (BN, 64))
+    s = tl.load(ws_ptr + rows * row_groups + g, mask=row_mask, other=0.0).to(tl.float32)
+    b = tl.load(wb_ptr + rows * row_groups + g, mask=row_mask, other=0.0).to(tl.float32)
+    return (q * s[:, None] + b[:, None]).to(DTYPE)
+
+
+@triton.jit
+def _block_pairs(b, block_rank_ptr, num_experts, experts_ptr, slot_table_ptr, starts_ptr, counts_ptr,
+                 block_start_ptr, order_ptr, BM: tl.constexpr):
+    """The pairs of row block b: (slot or -1, pair ids [BM], row mask [BM])."""
+    u = tl.load(block_rank_ptr + b)
+    valid = u < num_experts
+    u = tl.where(valid, u, 0)
+    slot = tl.load(slot_table_ptr + tl.load(experts_ptr + u))
+    slot = tl.where(valid, slot, -1)
+    rows = (b - tl.load(block_start_ptr + u)) * BM + tl.arange(0, BM)
+    row_mask = (rows < tl.load(counts_ptr + u)) & valid
+    pairs = tl.load(order_ptr + tl.load(starts_ptr + u) + rows, mask=row_mask, other=0)
+    return slot, pairs, row_mask
+
+
+@triton.jit
+def _gate_up_grouped(x_ptr, stride_x, block_rank_ptr, num_experts, experts_ptr, slot_table_ptr, starts_ptr,
+                     counts_ptr, block_start_ptr, order_ptr, pool_w, pool_s, slot_words, slot_halves,
+                     gw_off, gs_off, gb_off, uw_off, us_off, ub_off, h_ptr, H: tl.constexpr, I: tl.constexpr,
+                     A: tl.constexpr, BITS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, PRECISION: tl.constexpr,
+                     DOT_F32: tl.constexpr):
+    b = tl.program_id(0)
+    nb = tl.program_id(1)
+    slot, pairs, pmask = _block_pairs(b, block_rank_ptr, num_experts, experts_ptr, slot_table_ptr, starts_ptr,
+                                      counts_ptr, block_start_ptr, order_ptr, BM)
+    if slot >= 0:
+        CPW: tl.constexpr = 32 // BITS
+        DTYPE: tl.constexpr = x_ptr.dtype.element_ty
+        wbase = pool_w + slot.to(tl.int64) * slot_words
+        sbase = pool_s + slot.to(tl.int64) * slot_halves
+        toks = (pairs // A).to(tl.int64)
+        rows = nb * BN + tl.arange(0, BN)
+        row_mask = rows < I
+        row_words: tl.constexpr = H // CPW
+        row_groups: tl.constexpr = H // 64
+        kk = tl.arange(0, 64)
+        acc_g = tl.zeros([BM, BN], dtype=tl.float32)
+        acc_u = tl.zeros([BM, BN], dtype=tl.float32)
+        for g in range(0, row_groups):
+            xt = tl.load(x_ptr + toks[:, None] * stride_x + g * 64 + kk[None, :], mask=pmask[:, None], other=0.0)
+            wg = _dequant_tile(wbase + gw_off, sbase + gs_off, sbase + gb_off, row_words, row_groups, rows,
+                               row_mask, g, BITS, BN, DTYPE)
+            if DOT_F32:
+                xt = xt.to(tl.float32)
+                wg = wg.to(tl.float32)
+            acc_g = tl.dot(xt, tl.trans(wg), acc_g, input_precision=PRECISION)
+            wu = _dequant_tile(wbase + uw_off, sbase + us_off, sbase + ub_off, row_words, row_groups, rows,
+                               row_mask, g, BITS, BN, DTYPE)
+            if DOT_F32:
+                wu = wu.to(tl.float32)
+            acc_u = tl.dot(xt, tl.trans(wu), acc_u, input_precision=PRECISION)
+        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+        hoff = pairs.to(tl.int64)[:, None] * I + rows[None, :]
+        tl.store(h_ptr + hoff, h.to(h_ptr.dtype.element_ty), mask=pmask[:, None] & row_mask[None, :])
+
+
+@triton.jit
+def _down_grouped(h_ptr, rw_ptr, block_rank_ptr, num_experts, experts_ptr, slot_table_ptr, starts_ptr,
+                  counts_ptr, block_start_ptr, order_ptr, pool_w, pool_s, slot_words, slot_halves,
+                  dw_off, ds_off, db_off, o_ptr, H: tl.constexpr, I: tl.constexpr,
+                  BITS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, PRECISION: tl.constexpr,
+                  DOT_F32: tl.constexpr):
+    b = tl.program_id(0)
+    nb = tl.program_id(1)
+    slot, pairs, pmask = _block_pairs(b, block_rank_ptr, num_experts, experts_ptr, slot_table_ptr, starts_ptr,
+                                      counts_ptr, block_start_ptr, order_ptr, BM)
+    if slot >= 0:
+        CPW: tl.constexpr = 32 // BITS
+        DTYPE: tl.constexpr = h_ptr.dtype.element_ty
+        wbase = pool_w + slot.to(tl.int64) * slot_words
+        sbase = pool_s + slot.to(tl.int64) * slot_halves
+        prow = pairs.to(tl.int64)
+        rows = nb * BN + tl.arange(0, BN)
+        row_mask = rows < H
+        row_words: tl.constexpr = I // CPW
+        row_groups: tl.constexpr = I // 64
+        kk = tl.arange(0, 64)
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        for g in range(0, row_groups):
+            ht = tl.load(h_ptr + prow[:, None] * I + g * 64 + kk[None, :], mask=pmask[:, None], other=0.0)
+            wd = _dequant_tile(wbase + dw_off, sbase + ds_off, sbase + db_off, row_words, row_groups, rows,
+                               row_mask, g, BITS, BN, DTYPE)
+            if DOT_F32:
+                ht = ht.to(tl.float32)
+                wd = wd.to(tl.float32)
+            acc = tl.dot(ht, tl.trans(wd), acc, input_precision=PRECISION)
+        w = tl.load(rw_ptr + pairs, mask=pmask, other=0.0).to(tl.float32)
+        ooff = prow[:, None] * H + rows[None, :]
+        tl.store(o_ptr + ooff, acc * w[:, None], mask=pmask[:, None] & row_mask[None, :])
+
+
+@triton.jit
+def _combine(o_ptr, y_ptr, T, H, A: tl.constexpr, BT: tl.constexpr, BLOCK: tl.constexpr):
+    # o [T*A, H] float32 -> y [T, H]
+    toks = tl.program_id(0) * BT + tl.arange(0, BT)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = (toks < T)[:, None] & (cols < H)[None, :]
+    rows = toks.to(tl.int64)[:, None] * A * H + cols[None, :]
+    acc = tl.zeros([BT, BLOCK], dtype=tl.float32)
+    for a in tl.static_range(A):  # fixed order: the sum is the same bits every time
+        acc += tl.load(o_ptr + rows + a * H, mask=mask, other=0.0)
+    tl.store(y_ptr + toks.to(tl.int64)[:, None] * H + cols[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+# Triton's CPU interpreter multiplies bfloat16 dot operands as their raw bits; there the operands
+# (already rounded to the activation dtype) are widened to float32 first, which gives the same products.
+_INTERPRETED = isinstance(_combine, InterpretedFunction)
+
+
+# -- launcher ------------------------------------------------------------------------------------------
+
+def _device_ints(values: Sequence[int], device: torch.device, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+    """A small host list as a device tensor without a host sync (pinned, async copy)."""
+    t = torch.tensor(list(values), dtype=dtype)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def _block_m(pairs: int, unique: int, config: KernelConfig) -> int:
+    if config.block_m:
+        return config.block_m
+    mean = pairs / max(1, unique)
+    return 16 if mean <= 16 else 32 if mean <= 32 else 64
+
+
+def _groups_per_step(words: int, bits: int) -> int:
+    return max(1, words // (2 * bits))  # a group of 64 codes is 2*bits words
+
+
+class MoEPlan:
+    """One layer call of the routed experts. `run` once per batch of pinned experts, then `finish`.
+
+    x [T, H]; ids [T, A] expert ids; weights [T, A] routing weights; experts: the sorted unique ids
+    of `ids` (the caller's host list; every id in `ids` must be in one `run` batch)."""
+
+    def __init__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: Sequence[int],
+                 layout: SlotLayout, *, mode: str = "auto", config: KernelConfig = DEFAULT_CONFIG):
+        if x.dtype not in ACT_DTYPES:
+            raise UnsupportedLayout(f"activations in {x.dtype}")
+        if x.dim() != 2 or x.shape[1] != layout.hidden:
+            raise ValueError(f"x {list(x.shape)} does not match hidden size {layout.hidden}")
+        if ids.shape != weights.shape or ids.dim() != 2 or ids.shape[0] != x.shape[0]:
+            raise ValueError(f"ids {list(ids.shape)} / weights {list(weights.shape)} do not match x {list(x.shape)}")
+        if mode not in ("auto", "gemv", "grouped"):
+            raise ValueError(f"mode {mode!r} (auto, gemv or grouped)")
+        self.x = x if x.stride(1) == 1 else x.contiguous()
+        self.layout, self.config = layout, config
+        self.tokens, self.top_k = ids.shape
+        self.ids = ids.reshape(-1).contiguous()  # [P]
+        self.weights = weights.reshape(-1).contiguous()  # [P]
+        self.experts = list(experts)
+        self.table_size = self.experts[-1] + 1 if self.experts else 1
+        self.mode = mode if mode != "auto" else "gemv" if self.tokens <= config.gemv_max_tokens else "grouped"
+        pairs, dev = self.ids.numel(), x.device
+        self.o = torch.empty((pairs, layout.hidden), dtype=torch.float32, device=dev)  # [P, H]
+        if self.mode == "gemv":
+            # x in split order (see the gemv kernels) and float32; h is written split for the down kernel
+            cpw = 32 // layout.bits_gate_up
+            self.xs = torch.empty((self.tokens, cpw, layout.hidden // cpw), dtype=torch.float32, device=dev)
+            self.xs.copy_(self.x.view(self.tokens, layout.hidden // cpw, cpw).transpose(1, 2))
+            self.h = torch.empty((pairs, layout.inter), dtype=torch.float32, device=dev)  # [P, I]
+        else:
+            self.h = torch.empty((pairs, layout.inter), dtype=x.dtype, device=dev)  # [P, I]
+            fp32 = x.dtype == torch.float32
+            # float32 activations: three tf32 passes (about float32 accuracy), which need smaller tiles
+            self.precision = "tf32x3" if fp32 else "tf32"
+            self.block_m = min(_block_m(pairs, len(self.experts), config), 32 if fp32 else 64)
+            self.warps = max(config.grouped_warps, 8) if fp32 else config.grouped_warps
+            if pairs:
+                self._group(dev)
+
+    def _group(self, dev: torch.device) -> None:
+        """Sort the pairs by expert and cut each expert's run into BLOCK_M row blocks (device ops only)."""
+        pairs, unique, bm = self.ids.numel(), len(self.experts), self.block_m
+        sorted_ids, self.order = torch.sort(self.ids, stable=True)  # order [P]: pair ids grouped by expert
+        self.experts_dev = _device_ints(self.experts, dev, sorted_ids.dtype)  # [U]
+        self.starts = torch.searchsorted(sorted_ids, self.experts_dev)  # [U] first sorted position
+        self.counts = torch.searchsorted(sorted_ids, self.experts_dev, right=True) - self.starts  # [U]
+        blocks = (self.counts + bm - 1) // bm
+        block_end = torch.cumsum(blocks, 0)
+        self.block_start = block_end - blocks  # [U] first row block of each expert
+        self.num_blocks = triton.cdiv(pairs, bm) + unique  # an upper bound known on the host
+        # block_rank [num_blocks]: the expert rank of each row block; U for the unused tail
+        self.block_rank = torch.searchsorted(block_end, torch.arange(self.num_blocks, device=dev), right=True)
+
+    def run(self, pool: torch.Tensor, experts: Sequence[int], slots: Sequence[int]) -> None:
+        """Queue the pairs routed to `experts` (a subset of the plan's), whose records sit in
+        `pool[slots[i]]`. Those slots must keep their records until the queued work has run."""
+        if not experts or not self.ids.numel():
+            return
+        if pool.dtype != torch.uint8 or pool.dim() != 2 or pool.stride(1) != 1 or pool.stride(0) % 4:
+            raise ValueError("pool must be a uint8 [slots, slot_bytes] tensor with 4-byte aligned rows")
+        table = [-1] * self.table_size
+        for e, s in zip(experts, slots, strict=True):
+            if s is None:
+                raise ValueError(f"expert {e} is not in a slot")
+            table[e] = s
+        slot_table = _device_ints(table, pool.device)  # [E] slot of each expert of this batch, -1 elsewhere
+        self.gate_up(pool, slot_table)
+        self.down(pool, slot_table)
+
+    def _pool_views(self, pool: torch.Tensor):
+        """The pool as int32 words and as scale-dtype halves (same memory), and the field offsets in those units."""
+        words, halves = pool.view(torch.int32), pool.view(self.layout.scale_dtype)
+        off = {k: v // (4 if k.endswith(".weight") else 2) for k, v in self.layout.offsets.items()}
+        return words, halves, words.stride(0), halves.stride(0), off
+
+    def gate_up(self, pool: torch.Tensor, slot_table: torch.Tensor) -> None:
+        """Kernel 1: h = silu(x Wg^T) * (x Wu^T) for this batch's pairs."""
+        lay, cfg = self.layout, self.config
+        words, halves, sw, sh, off = self._pool_views(pool)
+        common = (words, halves, sw, sh, off["gate_proj.weight"], off["gate_proj.scales"], off["gate_proj.biases"],
+                  off["up_proj.weight"], off["up_proj.scales"], off["up_proj.biases"], self.h, lay.hidden, lay.inter,
+                  self.top_k)
+        bits = lay.bits_gate_up
+        if self.mode == "gemv":
+            grid = (self.ids.numel(), triton.cdiv(lay.inter, cfg.gemv_gate_up_n))
+            _gate_up_gemv[grid](self.xs, self.ids, slot_table, *common, BITS=bits, BN=cfg.gemv_gate_up_n,
+                                NG=_groups_per_step(cfg.gemv_gate_up_words, bits), H_CPW=32 // lay.bits_down,
+                                num_warps=cfg.gemv_gate_up_warps)
+        else:
+            grid = (self.num_blocks, triton.cdiv(lay.inter, cfg.gate_up_n))
+            _gate_up_grouped[grid](self.x, self.x.stride(0), self.block_rank, len(self.experts), self.experts_dev,
+                                   slot_table, self.starts, self.counts, self.block_start, self.order, *common,
+                                   BITS=bits, BM=self.block_m, BN=cfg.gate_up_n, PRECISION=self.precision,
+                                   DOT_F32=_INTERPRETED, num_warps=self.warps, num_stages=cfg.grouped_stages)
+
+    def down(self, pool: torch.Tensor, slot_table: torch.Tensor) -> None:
+        """Kernel 2: o[p] = w[p] * (h[p] Wd^T) for this batch's pairs."""
+        lay, cfg = self.layout, self.config
+        words, halves, sw, sh, off = self._pool_views(pool)
+        common = (words, halves, sw, sh, off["down_proj.weight"], off["down_proj.scales"], off["down_proj.biases"],
+                  self.o, lay.hidden, lay.inter)
+        bits = lay.bits_down
+        if self.mode == "gemv":
+            grid = (self.ids.numel(), triton.cdiv(lay.hidden, cfg.gemv_down_n))
+            _down_gemv[grid](self.h, self.ids, self.weights, slot_table, *common, BITS=bits, BN=cfg.gemv_down_n,
+                             NG=_groups_per_step(cfg.gemv_down_words, bits), num_warps=cfg.gemv_down_warps)
+        else:
+            grid = (self.num_blocks, triton.cdiv(lay.hidden, cfg.down_n))
+            _down_grouped[grid](self.h, self.weights, self.block_rank, len(self.experts), self.experts_dev,
+                                slot_table, self.starts, self.counts, self.block_start, self.order, *common,
+                                BITS=bits, BM=self.block_m, BN=cfg.down_n, PRECISION=self.precision,
+                                DOT_F32=_INTERPRETED, num_warps=self.warps, num_stages=cfg.grouped_stages)
+
+    def finish(self) -> torch.Tensor:
+        """Kernel 3: y [T, H] in x's dtype, each token's pairs summed in top-k order a = 0..A-1."""
+        lay = self.layout
+        y = torch.empty((self.tokens, lay.hidden), dtype=self.x.dtype, device=self.x.device)
+        if self.tokens:
+            bt, block = self.config.combine_tokens, self.config.combine_block
+            grid = (triton.cdiv(self.tokens, bt), triton.cdiv(lay.hidden, block))
+            _combine[grid](self.o, y, self.tokens, lay.hidden, self.top_k, BT=bt, BLOCK=block)
+        return y
+
+
+def grouped_moe_ffn(x: torch.Tensor, pool: torch.Tensor, layout: SlotLayout, ids: torch.Tensor,
+                    weights: torch.Tensor, experts: Sequence[int], slots: Sequence[int], *, mode: str = "auto",
+                    config: KernelConfig = DEFAULT_CONFIG) -> torch.Tensor:
+    """sum over a of weights[t, a] * FFN_{ids[t, a]}(x[t]) for every token, all experts in one batch.
+
+    x [T, H]; pool [N, S] uint8; ids, weights [T, A]; experts: sorted unique ids of `ids`;
+    slots[i]: the slot holding experts[i]'s record. Returns y [T, H] in x's dtype."""
+    plan = MoEPlan(x, ids, weights, experts, layout, mode=mode, config=config)
+    plan.run(pool, experts, slots)
+    return plan.finish()
+
+
+__all__ = ["SlotLayout", "KernelConfig", "DEFAULT_CONFIG", "MoEPlan", "grouped_moe_ffn", "UnsupportedLayout"]

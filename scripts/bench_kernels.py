@@ -1,0 +1,250 @@
+"""Time the Triton MoE kernels against the torch reference on CUDA at the Qwen3-30B-A3B expert shape
+(hidden 2048, moe_intermediate 768, 128 experts, top-8) for decode (T=1, 4) and prefill (T=2048).
+
+Reports the achieved bandwidth over the weight bytes of the experts touched (codes + scales +
+biases) and, for prefill, the matmul rate; checks the result against the float64 reference;
+with --sweep, tries other block sizes and reports the fastest. Writes JSON to --out.
+
+    python3 scripts/bench_kernels.py --out kernels.json [--sweep]
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import platform
+import sys
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+HIDDEN, INTER, EXPERTS, TOP_K = 2048, 768, 128, 8
+DEVICE = "cuda"
+
+
+def build_pool(bits: int, slots: int, device: str):
+    """Random records for EXPERTS experts in the packed layout, made on the device (fast at this size).
+    Codes are random bytes; scales/biases are drawn so the expert outputs have unit scale."""
+    from moestream.format.records import plan_record
+    from moestream.kernels.dispatch import random_expert
+
+    first, quant = random_expert(HIDDEN, INTER, bits=bits)
+    fields, record_size = plan_record(first)
+    gen = torch.Generator(device=device).manual_seed(0)
+    pool = torch.randint(0, 256, (slots, record_size), dtype=torch.uint8, device=device, generator=gen)
+    levels = (1 << bits) - 1
+    for f in fields:
+        if f.name.endswith(".scales"):
+            proj = f.name.split(".")[0]
+            in_f = INTER if proj == "down_proj" else HIDDEN
+            half_range = (3.0 / in_f) ** 0.5
+            n = f.nbytes // 2
+            s = 2 * half_range / levels * (0.5 + torch.rand((slots, n), device=device, generator=gen))
+            b = -s * levels / 2 + 0.3 * half_range * torch.randn((slots, n), device=device, generator=gen)
+            pool[:, f.offset:f.offset + f.nbytes].view(torch.bfloat16).copy_(s)
+            bf = next(g for g in fields if g.name == f"{proj}.biases")
+            pool[:, bf.offset:bf.offset + bf.nbytes].view(torch.bfloat16).copy_(b)
+    slot_of = torch.randperm(slots, generator=torch.Generator().manual_seed(1))[:EXPERTS].tolist()
+    return pool, fields, quant, slot_of
+
+
+def routing(tokens: int, device: str, seed: int = 0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(tokens, HIDDEN, device=device, generator=g).to(torch.bfloat16)
+    ids = torch.rand(tokens, EXPERTS, device=device, generator=g).topk(TOP_K, dim=-1).indices
+    weights = torch.softmax(torch.randn(tokens, TOP_K, device=device, generator=g), dim=-1).to(torch.bfloat16)
+    return x, ids, weights
+
+
+def proj_bytes(layout, projs) -> int:
+    return sum(layout_bytes(layout, p) for p in projs)
+
+
+def layout_bytes(layout, proj: str) -> int:
+    out_f, in_f, bits = ((layout.hidden, layout.inter, layout.bits_down) if proj == "down_proj"
+                         else (layout.inter, layout.hidden, layout.bits_gate_up))
+    return out_f * in_f * bits // 8 + 2 * out_f * (in_f // 64) * 2
+
+
+def bench(fn, ms: int = 200) -> float:
+    """Median milliseconds per call (CUDA events; L2 cleared between calls)."""
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=25, rep=ms, return_mode="median"))
+
+
+def one_case(pool_set, bits: int, tokens: int, config, *, reference_ms: bool, check: bool) -> dict:
+    from moestream.kernels import triton_moe as tm
+    from moestream.kernels.dispatch import reference_moe
+    from moestream.kernels.reference import projection
+
+    pool, fields, quant, slot_of = pool_set
+    layout = tm.SlotLayout.from_fields(fields, quant)
+    x, ids, weights = routing(tokens, DEVICE, seed=tokens)
+    experts = torch.unique(ids).tolist()
+    slots = [slot_of[e] for e in experts]
+    unique = len(experts)
+    gu_bytes = unique * proj_bytes(layout, ("gate_proj", "up_proj"))
+    d_bytes = unique * proj_bytes(layout, ("down_proj",))
+    flops = 2 * tokens * TOP_K * 3 * HIDDEN * INTER
+
+    plan = tm.MoEPlan(x, ids, weights, experts, layout, config=config)
+    table = [-1] * (experts[-1] + 1)
+    for e, s in zip(experts, slots):
+        table[e] = s
+    slot_table = torch.tensor(table, dtype=torch.int32, device=DEVICE)
+    r = {"tokens": tokens, "bits": bits, "mode": plan.mode, "unique_experts": unique,
+         "weight_bytes": gu_bytes + d_bytes}
+    r["gate_up_ms"] = bench(lambda: plan.gate_up(pool, slot_table))
+    r["down_ms"] = bench(lambda: plan.down(pool, slot_table))
+    r["combine_ms"] = bench(plan.finish)
+    r["kernels_ms"] = bench(lambda: (plan.gate_up(pool, slot_table), plan.down(pool, slot_table), plan.finish()))
+    r["call_ms"] = bench(lambda: tm.grouped_moe_ffn(x, pool, layout, ids, weights, experts, slots, config=config))
+    r["gate_up_gb_s"] = gu_bytes / r["gate_up_ms"] / 1e6
+    r["down_gb_s"] = d_bytes / r["down_ms"] / 1e6
+    r["kernels_gb_s"] = (gu_bytes + d_bytes) / r["kernels_ms"] / 1e6
+    r["call_gb_s"] = (gu_bytes + d_bytes) / r["call_ms"] / 1e6
+    r["kernels_tflop_s"] = flops / r["kernels_ms"] / 1e9
+    if reference_ms:  # the per-expert torch path: dequantize each record, SwiGLU, weight, index_add
+        r["torch_reference_ms"] = bench(lambda: reference_moe(x, pool, fields, quant, ids, weights, slot_of),
+                                        ms=400)
+        # torch with weights already dequantized to bf16 (no quantization at all): a matmul baseline
+        from moestream.format.records import decode_record
+        from moestream.layers.mlp import swiglu
+        dense = {e: [projection(decode_record(fields, pool[slot_of[e]]), p, quant[p], torch.bfloat16)
+                     for p in ("gate_proj", "up_proj", "down_proj")] for e in experts}
+        where = {e: torch.where(ids == e) for e in experts}
+
+        def dense_loop():
+            out = torch.zeros_like(x)
+            for e in experts:
+                tok, k = where[e]
+                out.index_add_(0, tok, swiglu(x[tok], *dense[e]) * weights[tok, k, None])
+            return out
+
+        r["torch_bf16_dense_ms"] = bench(dense_loop, ms=400)
+        r["speedup_vs_torch_reference"] = r["torch_reference_ms"] / r["call_ms"]
+        del dense
+    if check:
+        y = tm.grouped_moe_ffn(x, pool, layout, ids, weights, experts, slots, config=config)
+        ref = reference_moe(x, pool, fields, quant, ids, weights, slot_of, dtype=torch.float64)
+        r["max_rel_error_vs_fp64"] = ((y.double() - ref).abs().max() / ref.abs().max()).item()
+        ref16 = reference_moe(x, pool, fields, quant, ids, weights, slot_of)
+        r["torch_bf16_max_rel_error_vs_fp64"] = ((ref16.double() - ref).abs().max() / ref.abs().max()).item()
+    return r
+
+
+def sweep(pool_set, bits: int, tokens: int, base, seconds: float) -> dict:
+    """Time other block sizes of each kernel of one case (half the time budget each); returns every
+    timing and the best."""
+    from moestream.kernels import triton_moe as tm
+
+    pool, fields, quant, slot_of = pool_set
+    layout = tm.SlotLayout.from_fields(fields, quant)
+    x, ids, weights = routing(tokens, DEVICE, seed=tokens)
+    experts = torch.unique(ids).tolist()
+    table = [-1] * (experts[-1] + 1)
+    for e in experts:
+        table[e] = slot_of[e]
+    slot_table = torch.tensor(table, dtype=torch.int32, device=DEVICE)
+    decode = tokens <= base.gemv_max_tokens
+    if decode:
+        gate_up = [dict(gemv_gate_up_n=n, gemv_gate_up_words=w, gemv_gate_up_warps=nw)
+                   for n, w, nw in itertools.product((8, 16, 32), (32, 64, 128), (2, 4))]
+        down = [dict(gemv_down_n=n, gemv_down_words=w, gemv_down_warps=nw)
+                for n, w, nw in itertools.product((8, 16, 32), (32, 64, 128), (2, 4))]
+    else:  # (block_m, block_n, warps, stages)
+        tiles = [(64, 64, 4, 3), (64, 64, 4, 4), (64, 64, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3),
+                 (128, 128, 8, 3), (32, 64, 4, 3), (64, 32, 4, 3), (128, 64, 4, 3), (64, 64, 4, 2)]
+        gate_up = [dict(block_m=bm, gate_up_n=n, grouped_warps=nw, grouped_stages=st) for bm, n, nw, st in tiles]
+        down = [dict(block_m=bm, down_n=2 * n, grouped_warps=nw, grouped_stages=st) for bm, n, nw, st in tiles]
+    out = {}
+    for kind, options in (("gate_up", gate_up), ("down", down)):
+        deadline = time.monotonic() + seconds / 2
+        rows = []
+        for opt in options:
+            if time.monotonic() > deadline:
+                rows.append({"config": opt, "skipped": "time budget"})
+                continue
+            cfg = replace(base, **opt)
+            try:
+                plan = tm.MoEPlan(x, ids, weights, experts, layout, config=cfg)
+                fn = (lambda p=plan: p.gate_up(pool, slot_table)) if kind == "gate_up" else \
+                    (lambda p=plan: p.down(pool, slot_table))
+                fn()
+                ms = bench(fn, ms=60)
+                rows.append({"config": opt, "ms": ms})
+            except Exception as exc:  # a tile that does not fit (shared memory, registers)
+                rows.append({"config": opt, "error": f"{type(exc).__name__}: {str(exc)[:160]}"})
+        timed = [r for r in rows if "ms" in r]
+        best = min(timed, key=lambda r: r["ms"]) if timed else None
+        out[kind] = {"best": best, "all": rows}
+    return out
+
+
+def write(path: str, result: dict) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(path).with_suffix(".tmp")
+    tmp.write_text(json.dumps(result, indent=1))
+    tmp.replace(path)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, help="write the results here (JSON)")
+    ap.add_argument("--bits", default="4,8")
+    ap.add_argument("--tokens", default="1,4,2048")
+    ap.add_argument("--sweep", action="store_true", help="also try other block sizes (4-bit, T=1 and 2048)")
+    ap.add_argument("--sweep-seconds", type=float, default=120.0, help="time budget of the whole sweep")
+    ap.add_argument("--no-reference", action="store_true", help="skip timing the torch reference")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return 2
+    import triton
+
+    from moestream.kernels import triton_moe as tm
+
+    config = tm.DEFAULT_CONFIG
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+              "python": platform.python_version(),
+              "shape": {"hidden": HIDDEN, "moe_intermediate": INTER, "experts": EXPERTS, "top_k": TOP_K},
+              "config": asdict(config), "cases": [], "sweep": {}}
+    for bits in [int(b) for b in args.bits.split(",")]:
+        pool_set = build_pool(bits, EXPERTS + 16, DEVICE)
+        for tokens in [int(t) for t in args.tokens.split(",")]:
+            t0 = time.perf_counter()
+            r = one_case(pool_set, bits, tokens, config, reference_ms=not args.no_reference, check=True)
+            r["wall_s"] = round(time.perf_counter() - t0, 1)
+            result["cases"].append(r)
+            write(args.out, result)  # after every case: a run cut short still leaves its results
+            print(f"{bits}-bit T={tokens:5d} {r['mode']:7s} U={r['unique_experts']:3d} "
+                  f"call {r['call_ms'] * 1e3:8.1f} us ({r['call_gb_s']:7.1f} GB/s)  "
+                  f"kernels {r['kernels_ms'] * 1e3:8.1f} us ({r['kernels_gb_s']:7.1f} GB/s, "
+                  f"{r['kernels_tflop_s']:6.1f} TFLOP/s)  gate_up {r['gate_up_gb_s']:7.1f} GB/s  "
+                  f"down {r['down_gb_s']:7.1f} GB/s  torch {r.get('torch_reference_ms', float('nan')) * 1e3:9.1f} us  "
+                  f"err {r['max_rel_error_vs_fp64']:.2e} (torch bf16 {r['torch_bf16_max_rel_error_vs_fp64']:.2e})",
+                  flush=True)
+        if args.sweep and bits == 4:
+            for tokens in (1, 2048):
+                s = sweep(pool_set, bits, tokens, config, args.sweep_seconds / 2)
+                result["sweep"][f"{bits}bit_T{tokens}"] = s
+                write(args.out, result)
+                for kind in ("gate_up", "down"):
+                    best = s[kind]["best"]
+                    if best:
+                        print(f"sweep {bits}-bit T={tokens} {kind}: best {best['ms'] * 1e3:.1f} us "
+                              f"with {best['config']}", flush=True)
+        del pool_set
+        torch.cuda.empty_cache()
+    write(args.out, result)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,218 @@
+"""The Triton MoE kernels on CUDA: they agree with the torch reference math (moestream.kernels.reference)
+within the activation dtype's tolerance, give the same bits for any batching, slot assignment and
+run, and the engine takes them and still gives the same tokens for every cache size."""
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+pytest.importorskip("triton")
+
+from moestream.kernels import dispatch  # noqa: E402
+from moestream.kernels import triton_moe as tm  # noqa: E402
+from moestream.kernels.dispatch import build_pool, reference_moe  # noqa: E402
+from moestream.layers.moe import MoEBlock  # noqa: E402
+
+DEV = "cuda"
+H, I, E, A = 1024, 384, 32, 8  # I = 6 groups: partial gemv steps and output blocks get exercised
+TOL = {torch.bfloat16: 2e-2, torch.float16: 1e-2, torch.float32: 1e-4}  # max |y - ref| / max |ref|
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@pytest.fixture(scope="module")
+def pools():
+    cache = {}
+
+    def get(bits=4, down_bits=None, scale_dtype=torch.bfloat16, *, hidden=H, inter=I, experts=E):
+        key = (bits, down_bits, scale_dtype, hidden, inter, experts)
+        if key not in cache:
+            cache[key] = build_pool(experts, hidden, inter, bits=bits, down_bits=down_bits, scale_dtype=scale_dtype,
+                                    extra_slots=7, device=DEV)
+        return cache[key]
+
+    return get
+
+
+def routing(tokens, dtype, *, experts=E, hidden=H, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
+    ids = torch.rand(tokens, experts, generator=g).topk(A, dim=-1).indices
+    weights = torch.softmax(torch.randn(tokens, A, generator=g), dim=-1).to(dtype)
+    return x.to(DEV), ids.to(DEV), weights.to(DEV)
+
+
+def relative_error(y, ref):
+    return ((y.double() - ref).abs().max() / ref.abs().max()).item()
+
+
+def reference(pool_set, x, ids, weights):
+    pool, fields, quant, slot_of = pool_set
+    return reference_moe(x, pool, fields, quant, ids, weights, slot_of, dtype=torch.float64)
+
+
+def run(pool_set, x, ids, weights, *, mode="auto", batch=None, slot_of=None, config=tm.DEFAULT_CONFIG):
+    pool, fields, quant, default_slots = pool_set
+    slot_of = slot_of or default_slots
+    experts = torch.unique(ids).tolist()
+    plan = tm.MoEPlan(x, ids, weights, experts, tm.SlotLayout.from_fields(fields, quant), mode=mode, config=config)
+    step = batch or len(experts)
+    for i in range(0, len(experts), step):
+        part = experts[i:i + step]
+        plan.run(pool, part, [slot_of[e] for e in part])
+    return plan.finish()
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("tokens", [1, 3, 64, 300])
+def test_matches_reference(pools, tokens, bits, dtype):
+    dtype = DTYPES[dtype]
+    pool_set = pools(bits)
+    x, ids, weights = routing(tokens, dtype, seed=tokens)
+    y = run(pool_set, x, ids, weights)
+    assert y.dtype == dtype and y.shape == (tokens, H)
+    assert relative_error(y, reference(pool_set, x, ids, weights)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("mode", ["gemv", "grouped"])
+@pytest.mark.parametrize("tokens", [1, 3, 64])
+def test_both_kernel_shapes(pools, tokens, mode, dtype):
+    dtype = DTYPES[dtype]
+    pool_set = pools(4)
+    x, ids, weights = routing(tokens, dtype, seed=100 + tokens)
+    y = run(pool_set, x, ids, weights, mode=mode)
+    assert relative_error(y, reference(pool_set, x, ids, weights)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("bits,down_bits,scale_dtype", [(4, 8, torch.bfloat16), (8, 4, torch.float16)])
+@pytest.mark.parametrize("tokens", [2, 200])
+def test_mixed_bits_and_fp16_scales(pools, bits, down_bits, scale_dtype, tokens):
+    pool_set = pools(bits, down_bits, scale_dtype)
+    for dtype in (torch.bfloat16, torch.float32):
+        x, ids, weights = routing(tokens, dtype, seed=tokens)
+        assert relative_error(run(pool_set, x, ids, weights), reference(pool_set, x, ids, weights)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 300])
+def test_same_bits_for_any_batching_slot_assignment_and_run(pools, tokens):
+    pool, fields, quant, slot_of = pool_set = pools(4)
+    x, ids, weights = routing(tokens, torch.bfloat16, seed=5)
+    whole = run(pool_set, x, ids, weights)
+    for _ in range(3):
+        assert torch.equal(whole, run(pool_set, x, ids, weights))
+    for batch in (1, 5):
+        assert torch.equal(whole, run(pool_set, x, ids, weights, batch=batch))
+    moved = torch.empty_like(pool)
+    new_slots = [(s + 5) % pool.shape[0] for s in slot_of]
+    for e, s in enumerate(slot_of):
+        moved[new_slots[e]] = pool[s]
+    assert torch.equal(whole, run((moved, fields, quant, new_slots), x, ids, weights))
+
+
+@pytest.mark.parametrize("tokens", [1, 4, 512])
+def test_qwen3_30b_a3b_shape(pools, tokens):
+    pool_set = pools(4, hidden=2048, inter=768, experts=128)
+    x, ids, weights = routing(tokens, torch.bfloat16, experts=128, hidden=2048, seed=tokens)
+    y = run(pool_set, x, ids, weights)
+    assert relative_error(y, reference(pool_set, x, ids, weights)) < TOL[torch.bfloat16]
+
+
+def test_launcher_does_not_synchronize(pools):
+    pool, fields, quant, slot_of = pools(4)
+    layout = tm.SlotLayout.from_fields(fields, quant)
+    for tokens in (1, 300):
+        x, ids, weights = routing(tokens, torch.bfloat16, seed=9)
+        experts = torch.unique(ids).tolist()  # the caller's one sync
+        slots = [slot_of[e] for e in experts]
+        tm.grouped_moe_ffn(x, pool, layout, ids, weights, experts, slots)  # compiles
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            tm.grouped_moe_ffn(x, pool, layout, ids, weights, experts, slots)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+
+
+class PoolProvider:
+    """An ExpertProvider over a slot pool (what the expert cache exposes), with a batch limit."""
+
+    def __init__(self, pool_set, limit):
+        self.pool, self.fields, self._quant, self.slot_of = pool_set
+        self.limit, self.fetched = limit, []
+
+    def quant(self, layer):
+        return self._quant
+
+    def fetch(self, layer, experts, *, views=True):
+        from moestream.format.records import decode_record
+        assert len(experts) <= self.limit
+        self.fetched.append(list(experts))
+        return {e: decode_record(self.fields, self.pool[self.slot_of[e]]) for e in experts} if views else {}
+
+    def release(self, layer):
+        pass
+
+    def batch_limit(self, layer):
+        return self.limit
+
+    def slots_of(self, layer, experts):
+        return [self.slot_of[e] for e in experts]
+
+    def record_fields(self, layer):
+        return self.fields
+
+
+@pytest.mark.parametrize("tokens", [1, 200])
+def test_moe_block_takes_the_kernels(pools, tokens):
+    pool_set = pools(4)
+    g = torch.Generator().manual_seed(1)
+    router = (torch.randn(E, H, generator=g) / H ** 0.5).to(DEV, torch.bfloat16)
+    x, _, _ = routing(tokens, torch.bfloat16, seed=11)
+    outs = {}
+    for limit in (E, 5):
+        provider = PoolProvider(pool_set, limit)
+        block = MoEBlock(0, router, provider, top_k=A, normalize_topk=True)
+        assert dispatch.triton_layout(x, provider, 0) is not None
+        outs[limit] = block(x)
+    assert torch.equal(outs[E], outs[5])  # a small cache changes nothing
+    dispatch.set_backend("torch")
+    try:
+        provider = PoolProvider(pool_set, E)
+        assert dispatch.triton_layout(x, provider, 0) is None
+        ref = MoEBlock(0, router, provider, top_k=A, normalize_topk=True)(x)
+    finally:
+        dispatch.set_backend("auto")
+    assert ((outs[E].float() - ref.float()).abs().max() / ref.float().abs().max()).item() < 4e-2
+
+
+def generate(model, **opts):
+    from moestream.engine.engine import Engine
+    from moestream.engine.options import EngineOptions
+
+    engine = Engine.load(model, options=EngineOptions(device="cuda", prefill_chunk_tokens=5, **opts))
+    prompt = engine.tokenizer.encode("def fibonacci(n):\n    if n < 2:")
+    gen = engine.generate(prompt, max_new_tokens=10, logprobs=4)
+    out = [(e.token_id, e.top_logprobs) for e in gen]
+    engine.close()
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_engine_same_tokens_for_every_cache_size(tiny_packed_model, monkeypatch, dtype):
+    for name in ("transformers", "safetensors", "tokenizers"):  # build and convert the tiny checkpoint
+        pytest.importorskip(name)
+    model = tiny_packed_model("qwen3_moe", "q4", dtype="bfloat16")  # bf16 scales: a layout the kernels take
+    calls = []
+    kernel_path = dispatch.routed_experts
+    monkeypatch.setattr(dispatch, "routed_experts", lambda *a, **k: calls.append(1) or kernel_path(*a, **k))
+    outs = {size: generate(model, dtype=dtype, cache_size=size) for size in ("min", "25%", "all")}
+    assert calls, "the engine did not take the Triton kernels"
+    assert outs["min"] == outs["all"] and outs["25%"] == outs["all"]  # bitwise: same floats
+    if dtype == "float32":
+        dispatch.set_backend("torch")
+        try:
+            ref = generate(model, dtype=dtype, cache_size="all")
+        finally:
+            dispatch.set_backend("auto")
+        assert [t for t, _ in ref] == [t for t, _ in outs["all"]]

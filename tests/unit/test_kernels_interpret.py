@@ -1,0 +1,144 @@
+"""The Triton MoE kernels under Triton's CPU interpreter (TRITON_INTERPRET=1), at tiny sizes: they
+agree with the torch reference math and give the same bits for any batching or slot assignment.
+
+Triton reads TRITON_INTERPRET when it is first imported, so unless this process was started with
+it, a single test runs this file again in a child process that is. Skipped where Triton is not
+installed. bfloat16 tolerances are looser than on the GPU: the interpreter truncates
+float32 -> bfloat16 where the GPU rounds to nearest."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from moestream.kernels.dispatch import build_pool, reference_moe  # noqa: E402
+from moestream.quant.affine import QuantSpec  # noqa: E402
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+H, I, E, A = 128, 64, 8, 2
+TOL = {torch.bfloat16: 4e-2, torch.float32: 1e-5}  # max |y - ref| / max |ref|
+# Big output blocks: fewer programs, and the interpreter runs programs one at a time.
+FAST = dict(gemv_gate_up_n=64, gemv_down_n=128, block_m=64, down_n=128, combine_tokens=64, combine_block=128)
+
+
+def test_kernels_under_the_interpreter():
+    if INTERPRETED:
+        pytest.skip("this process interprets: the tests below run here")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def tm():
+    if not INTERPRETED:
+        pytest.skip("runs in the interpreting child process")
+    from moestream.kernels import triton_moe
+
+    assert triton_moe._INTERPRETED
+    return triton_moe
+
+
+@pytest.fixture(scope="module")
+def pools():
+    cache = {}
+
+    def get(bits, down_bits=None, scale_dtype=torch.bfloat16):
+        key = (bits, down_bits, scale_dtype)
+        if key not in cache:
+            cache[key] = build_pool(E, H, I, bits=bits, down_bits=down_bits, scale_dtype=scale_dtype, extra_slots=5)
+        return cache[key]
+
+    return get
+
+
+def routing(tokens, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, H, generator=g).to(dtype)
+    ids = torch.rand(tokens, E, generator=g).topk(A, dim=-1).indices  # [T, A] distinct experts per token
+    weights = torch.softmax(torch.randn(tokens, A, generator=g), dim=-1).to(dtype)
+    return x, ids, weights
+
+
+def relative_error(y, ref):
+    return ((y.double() - ref).abs().max() / ref.abs().max()).item()
+
+
+def run(tm, pool_set, x, ids, weights, *, mode="auto", batch=None, slot_of=None):
+    pool, fields, quant, default_slots = pool_set
+    slot_of = slot_of or default_slots
+    layout = tm.SlotLayout.from_fields(fields, quant)
+    experts = torch.unique(ids).tolist()
+    plan = tm.MoEPlan(x, ids, weights, experts, layout, mode=mode, config=tm.KernelConfig(**FAST))
+    step = batch or len(experts)
+    for i in range(0, len(experts), step):
+        part = experts[i:i + step]
+        plan.run(pool, part, [slot_of[e] for e in part])
+    return plan.finish()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("tokens", [1, 3, 64, 300])
+def test_matches_reference(tm, pools, tokens, bits, dtype):
+    pool_set = pools(bits)
+    x, ids, weights = routing(tokens, dtype, seed=tokens)
+    ref = reference_moe(x, *pool_set[:3], ids, weights, pool_set[3], dtype=torch.float64)
+    y = run(tm, pool_set, x, ids, weights)
+    assert y.dtype == dtype and y.shape == (tokens, H)
+    assert relative_error(y, ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("mode", ["gemv", "grouped"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_both_kernel_shapes_at_few_tokens(tm, pools, mode, dtype):
+    pool_set = pools(4)
+    x, ids, weights = routing(3, dtype, seed=7)
+    ref = reference_moe(x, *pool_set[:3], ids, weights, pool_set[3], dtype=torch.float64)
+    assert relative_error(run(tm, pool_set, x, ids, weights, mode=mode), ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("bits,down_bits,scale_dtype", [(4, 8, torch.bfloat16), (8, 4, torch.float16)])
+def test_mixed_bits_and_fp16_scales(tm, pools, bits, down_bits, scale_dtype):
+    pool_set = pools(bits, down_bits, scale_dtype)
+    for tokens in (2, 40):
+        x, ids, weights = routing(tokens, torch.float32, seed=tokens)
+        ref = reference_moe(x, *pool_set[:3], ids, weights, pool_set[3], dtype=torch.float64)
+        assert relative_error(run(tm, pool_set, x, ids, weights), ref) < TOL[torch.float32]
+
+
+@pytest.mark.parametrize("tokens", [2, 40])
+def test_same_bits_for_any_batching_and_slot_assignment(tm, pools, tokens):
+    pool, fields, quant, slot_of = pool_set = pools(4)
+    x, ids, weights = routing(tokens, torch.bfloat16, seed=3)
+    whole = run(tm, pool_set, x, ids, weights)
+    assert torch.equal(whole, run(tm, pool_set, x, ids, weights))  # run to run
+    for batch in (1, 3) if tokens < 8 else (3,):  # a small cache: the layer's experts pinned a few at a time
+        assert torch.equal(whole, run(tm, pool_set, x, ids, weights, batch=batch))
+    moved = pool.clone()  # the same records in other slots
+    new_slots = [(s + 3) % pool.shape[0] for s in slot_of]
+    for e, s in enumerate(slot_of):
+        moved[new_slots[e]] = pool[s]
+    assert torch.equal(whole, run(tm, (moved, fields, quant, new_slots), x, ids, weights))
+
+
+def test_layouts_the_kernels_do_not_handle_are_refused(tm, pools):
+    _, fields, quant, _ = pools(4)
+    tm.SlotLayout.from_fields(fields, quant)
+    for bad in ({**quant, "down_proj": QuantSpec(2, 64)}, {**quant, "up_proj": QuantSpec(8, 64)},
+                {**quant, "gate_proj": QuantSpec(4, 32)}, {**quant, "gate_proj": QuantSpec()}):
+        with pytest.raises(tm.UnsupportedLayout):
+            tm.SlotLayout.from_fields(fields, bad)
+
+
+def test_no_triton_path_on_cpu(tm):
+    from moestream.kernels import dispatch
+
+    class Provider:
+        pool = torch.zeros(1, 4096, dtype=torch.uint8)
+
+    assert dispatch.triton_layout(torch.zeros(1, H), Provider(), 0) is None
