@@ -72,3 +72,14 @@ def build_checkpoint(folder: Path, family: str, *, seed: int = 0, dtype: str = "
     model = model.to(getattr(torch, dtype))
     model.save_pretrained(folder)
     return folder
+
+
+def load_all(folder):
+    """Every tensor of a checkpoint folder's safetensors files, by name."""
+    from safetensors import safe_open
+
+    out = {}
+    for path in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            out.update({k: f.get_tensor(k) for k in f.keys()})
+    return out

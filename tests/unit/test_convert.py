@@ -7,23 +7,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from moestream.convert.layout import PER_EXPERT, PROJ_ALIASES
 from moestream.convert.main import convert
 from moestream.format.manifest import MANIFEST_NAME
 from moestream.format.reader import PackedModel
+from tiny import load_all
 
 FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"]
 
 
-def load_all(folder: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for path in sorted(Path(folder).glob("*.safetensors")):
-        with safe_open(str(path), framework="pt") as f:
-            out.update({k: f.get_tensor(k) for k in f.keys()})
-    return out
 
 
 def expert_sources(tensors: dict) -> dict[tuple[int, int, str], torch.Tensor]:

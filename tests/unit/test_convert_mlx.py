@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from moestream.convert.layout import PER_EXPERT, PROJ_ALIASES
@@ -14,17 +13,12 @@ from moestream.convert.main import convert
 from moestream.errors import MoestreamError
 from moestream.format.reader import PackedModel
 from moestream.quant.affine import quantize
+from tiny import load_all
 
 GROUP = 64
 PROJS = ("gate_proj", "up_proj", "down_proj")
 
 
-def load_all(folder: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for path in sorted(Path(folder).glob("*.safetensors")):
-        with safe_open(str(path), framework="pt") as f:
-            out.update({k: f.get_tensor(k) for k in f.keys()})
-    return out
 
 
 def quantize_stack(w: torch.Tensor, bits: int, group_size: int):
