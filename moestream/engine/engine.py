@@ -86,6 +86,11 @@ class Engine:
         self.cache = KVCache(self.args.num_hidden_layers, self.args.num_key_value_heads, self.args.head_dim,
                              self.max_context, dtype=self.dtype, device=self.device)
         self._cached_tokens: list[int] = []  # tokens whose K/V are in self.cache
+        self.graphs = None
+        if self.device.type == "cuda" and options.cuda_graphs:
+            from moestream.engine.cuda_graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(self.model, self.cache)
         self._position = 0  # first position of the chunk being run (for routing traces)
         self.trace = None
         if options.trace_routing:
@@ -123,7 +128,7 @@ class Engine:
         self._position = start
         with torch.inference_mode():
             t = torch.tensor(ids, dtype=torch.long, device=self.device)
-            return self.model.forward(t, start, self.cache, all_logits=all_logits)
+            return self.model.forward(t, start, self.cache, all_logits=all_logits, graphs=self.graphs)
 
     def reset(self) -> None:
         """Forget the cached sequence (the next prompt is prefilled whole)."""

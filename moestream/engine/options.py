@@ -12,6 +12,7 @@ class EngineOptions:
     max_context: int = 0  # 0: the model's max_position_embeddings (at most 32768)
     prefill_chunk_tokens: int = 512
     threads: int = 0  # CPU compute threads; 0: torch's default
+    cuda_graphs: bool = True  # replay each layer's attention half as a CUDA graph in decode
     cache_size: str = "auto"
     cache_policy: str = "clock"
     cache_partition: str = "shared"
@@ -37,6 +38,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--prefill-chunk-tokens", type=int, default=512, help="prompt tokens per prefill pass (default 512)")
     g.add_argument("--threads", type=int, default=0,
                    help="CPU compute threads (default 0: torch's choice; 1 is often fastest for small models on a busy machine)")
+    g.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+                   help="run decode steps without CUDA graphs (on CUDA they are on by default)")
     c = parser.add_argument_group("expert cache")
     c.add_argument("--cache-size", default="auto",
                    help="device expert slots: bytes (4GiB), a share of all experts (25%%), min, all; "

@@ -39,8 +39,10 @@ class Attention:
         self.qk_norm, self.eps, self.clip_qkv = qk_norm, eps, clip_qkv
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, layer: int,
-                 start: int) -> torch.Tensor:
-        # x [T, H]; cos/sin [T, D]; the chunk occupies positions start .. start+T-1
+                 start: int, *, pos: torch.Tensor | None = None, bucket: int | None = None) -> torch.Tensor:
+        # x [T, H]; cos/sin [T, D]; the chunk occupies positions start .. start+T-1.
+        # With `bucket` (a one-token step inside a CUDA graph) the position is the device tensor
+        # `pos` [1] and attention runs over the first `bucket` cache entries with a mask.
         w, T = self.w, x.shape[0]
         q = F.linear(x, w.q, w.q_bias)  # [T, Nq*D]
         k = F.linear(x, w.k, w.k_bias)  # [T, Nkv*D]
@@ -56,13 +58,19 @@ class Attention:
         q = apply_rope(q.transpose(0, 1), cos, sin)  # [Nq, T, D]
         k = apply_rope(k.transpose(0, 1), cos, sin)  # [Nkv, T, D]
         v = v.view(T, self.num_kv_heads, self.head_dim).transpose(0, 1)
-        keys, values = cache.update(layer, start, k, v)  # [Nkv, S, D], S = start + T
+        if bucket is None:
+            keys, values = cache.update(layer, start, k, v)  # [Nkv, S, D], S = start + T
+        else:
+            keys, values = cache.update_at(layer, pos, k, v, bucket)  # [Nkv, B, D]
         groups = self.num_heads // self.num_kv_heads
         if groups > 1:
             keys = keys.repeat_interleave(groups, dim=0)
             values = values.repeat_interleave(groups, dim=0)
         with sdpa_kernel(SDPA_BACKENDS):
-            if T == 1:
+            if bucket is not None:
+                mask = torch.arange(bucket, device=x.device)[None, :] <= pos  # [1, B]: positions up to pos
+                out = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask)
+            elif T == 1:
                 out = F.scaled_dot_product_attention(q[None], keys[None], values[None])
             elif start == 0:
                 out = F.scaled_dot_product_attention(q[None], keys[None], values[None], is_causal=True)

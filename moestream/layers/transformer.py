@@ -22,8 +22,13 @@ class DecoderLayer:
     eps: float
 
     def __call__(self, x, cos, sin, cache: KVCache, layer: int, start: int) -> torch.Tensor:
-        h = x + self.attn(rms_norm(x, self.input_norm, self.eps), cos, sin, cache, layer, start)
-        return h + self.ffn(rms_norm(h, self.post_norm, self.eps))
+        h, hn = self.attention_half(x, cos, sin, cache, layer, start)
+        return h + self.ffn(hn)
+
+    def attention_half(self, x, cos, sin, cache: KVCache, layer: int, start: int, *, pos=None, bucket=None):
+        """Everything before the FFN: (the residual stream after attention, its normed copy)."""
+        h = x + self.attn(rms_norm(x, self.input_norm, self.eps), cos, sin, cache, layer, start, pos=pos, bucket=bucket)
+        return h, rms_norm(h, self.post_norm, self.eps)
 
 
 class MoETransformer:
@@ -42,13 +47,23 @@ class MoETransformer:
     def device(self) -> torch.device:
         return self.embed.device
 
-    def forward(self, ids: torch.Tensor, start: int, cache: KVCache, *, all_logits: bool = False) -> torch.Tensor:
-        """ids [T] at positions start.. -> logits [T, V] (or [1, V] for the last token) in float32."""
+    def forward(self, ids: torch.Tensor, start: int, cache: KVCache, *, all_logits: bool = False,
+                graphs=None) -> torch.Tensor:
+        """ids [T] at positions start.. -> logits [T, V] (or [1, V] for the last token) in float32.
+        `graphs` (DecodeGraphs) runs the attention halves of a one-token step as CUDA graphs."""
         x = F.embedding(ids, self.embed)  # [T, H]
-        positions = torch.arange(start, start + ids.shape[0], device=ids.device)
-        cos, sin = self.rope.cos_sin(positions, x.dtype)
+        if graphs is not None and ids.shape[0] == 1:
+            graphs.set_position(start)
+        else:
+            graphs = None
+            positions = torch.arange(start, start + ids.shape[0], device=ids.device)
+            cos, sin = self.rope.cos_sin(positions, x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cache, i, start)
+            if graphs is not None:
+                h, hn = graphs.attention_half(i, x)
+                x = h + layer.ffn(hn)
+            else:
+                x = layer(x, cos, sin, cache, i, start)
             if self.after_layer is not None:
                 self.after_layer(i, x)
         cache.length = start + ids.shape[0]
