@@ -86,11 +86,19 @@ class Engine:
         self.cache = KVCache(self.args.num_hidden_layers, self.args.num_key_value_heads, self.args.head_dim,
                              self.max_context, dtype=self.dtype, device=self.device)
         self._cached_tokens: list[int] = []  # tokens whose K/V are in self.cache
-        self.graphs = None
-        if self.device.type == "cuda" and options.cuda_graphs:
-            from moestream.engine.cuda_graphs import DecodeGraphs
-
-            self.graphs = DecodeGraphs(self.model, self.cache)
+        self.decoder = None  # CUDA: one-token steps from static buffers, as CUDA graphs unless turned off
+        if self.device.type == "cuda":
+            try:
+                from moestream.engine import decoder
+            except ImportError as exc:  # no Triton
+                decoder, why_not = None, str(exc)
+            else:
+                why_not = decoder.supported(self.model, self.provider)
+            if why_not is None:
+                self.decoder = decoder.CudaDecoder(self.model, self.cache, self.provider, graphs=options.cuda_graphs)
+            else:
+                log.info("decode steps without the CUDA decoder: %s", why_not)
+        self._resident_checked = False
         self._position = 0  # first position of the chunk being run (for routing traces)
         self.trace = None
         if options.trace_routing:
@@ -127,8 +135,23 @@ class Engine:
     def _forward(self, ids: list[int], start: int, *, all_logits: bool = False) -> torch.Tensor:
         self._position = start
         with torch.inference_mode():
+            self._make_resident()
+            if self.decoder is not None and len(ids) == 1:
+                return self.decoder.step(ids[0], start)
             t = torch.tensor(ids, dtype=torch.long, device=self.device)
-            return self.model.forward(t, start, self.cache, all_logits=all_logits, graphs=self.graphs)
+            return self.model.forward(t, start, self.cache, all_logits=all_logits)
+
+    def _make_resident(self) -> None:
+        """On CUDA, when the device cache has a slot for every expert, load them all once: then no
+        layer needs a cache lookup or a host sync, and a decode step is one CUDA graph."""
+        if self._resident_checked:
+            return
+        self._resident_checked = True
+        if self.device.type == "cuda" and self.provider.can_hold_all():
+            t0 = time.perf_counter()
+            self.provider.make_resident()
+            log.info("all %d experts resident on %s (%.1f s)", self.provider.total_experts, self.device,
+                     time.perf_counter() - t0)
 
     def reset(self) -> None:
         """Forget the cached sequence (the next prompt is prefilled whole)."""

@@ -24,13 +24,5 @@ class KVCache:
         self.values[layer, :, start:end] = v
         return self.keys[layer, :, :end], self.values[layer, :, :end]
 
-    def update_at(self, layer: int, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """One token's k, v [N_kv, 1, D] at the device position `pos` [1]; returns the first `bucket`
-        entries (the caller masks those past pos). No host value is read: safe inside a CUDA graph."""
-        self.keys[layer].index_copy_(1, pos, k)
-        self.values[layer].index_copy_(1, pos, v)
-        return self.keys[layer, :, :bucket], self.values[layer, :, :bucket]
-
     def truncate(self, length: int) -> None:
         self.length = min(self.length, length)

@@ -10,9 +10,9 @@ class EngineOptions:
     device: str = "auto"  # auto: cuda when available
     dtype: str = "auto"  # auto: bfloat16 on cuda, float32 on cpu
     max_context: int = 0  # 0: the model's max_position_embeddings (at most 32768)
-    prefill_chunk_tokens: int = 512
+    prefill_chunk_tokens: int = 2048  # each pass streams the experts it routes to once
     threads: int = 0  # CPU compute threads; 0: torch's default
-    cuda_graphs: bool = True  # replay each layer's attention half as a CUDA graph in decode
+    cuda_graphs: bool = True  # CUDA decode steps replay as CUDA graphs (one per step when all experts are resident)
     cache_size: str = "auto"
     cache_policy: str = "clock"
     cache_partition: str = "shared"
@@ -35,7 +35,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="compute dtype (default: bfloat16 on cuda, float32 on cpu)")
     g.add_argument("--max-context", type=int, default=0, help="prompt + completion limit in tokens (default: the model's, at most 32768)")
-    g.add_argument("--prefill-chunk-tokens", type=int, default=512, help="prompt tokens per prefill pass (default 512)")
+    g.add_argument("--prefill-chunk-tokens", type=int, default=2048,
+                   help="prompt tokens per prefill pass (default 2048; each pass streams its experts once)")
     g.add_argument("--threads", type=int, default=0,
                    help="CPU compute threads (default 0: torch's choice; 1 is often fastest for small models on a busy machine)")
     g.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",

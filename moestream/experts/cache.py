@@ -75,6 +75,9 @@ class ExpertCache:
         if self.cuda:
             self.pool = torch.empty((slots, self.slot_bytes), dtype=torch.uint8, device=self.device)
             self.copy_stream = torch.cuda.Stream(self.device)
+            # the stream compute runs on (the default one), kept: torch.cuda.current_stream() costs ~25 us
+            # of CPU per call on a GPU machine, and a streamed layer would ask several times
+            self.compute_stream = torch.cuda.current_stream(self.device)
             self.staging: queue.Queue = queue.Queue()
             for _ in range(staging_buffers):
                 self.staging.put(pin_if_cuda(aligned_buffer(self.slot_bytes)))
@@ -86,6 +89,9 @@ class ExpertCache:
         self._victim_events: dict = {}  # slot -> event after the last compute that may read it (CUDA)
         self._pinned: dict[int, list] = {}
         self._prefetched: set = set()
+        self._deferred: list = []  # (copy event, callback): host tier slots to unpin once their copy is done
+        self.resident_tables: dict[int, torch.Tensor] = {}  # layer -> int32 [E] slots, once all are resident
+        self._device_hits: torch.Tensor | None = None  # per MoE layer, counted by resident layers
         self.stats_ = CacheStats()
         self._lock = threading.Lock()  # guards stats updated from reader threads
 
@@ -99,6 +105,7 @@ class ExpertCache:
         entry, li = self.entries[layer], self._index[layer]
         pinned, waits = [], []
         st = self.stats_
+        self._run_deferred()
         try:
             for e in experts:
                 key = (li, e)
@@ -138,7 +145,7 @@ class ExpertCache:
             raise
         self._pinned.setdefault(layer, []).extend(pinned)
         if self.cuda:
-            current = torch.cuda.current_stream(self.device)
+            current = self.compute_stream
             for key in pinned:
                 event = self.ready_events.pop(key, None)
                 if event is not None:
@@ -183,6 +190,84 @@ class ExpertCache:
         self.stats_.prefetch_issued += issued
         return issued
 
+    def fill_host_tier(self) -> int:
+        """Read every record the host tier has room for and does not hold yet, in parallel, straight
+        into its pinned slots (used to measure the host-RAM tier without first-touch disk reads).
+        Returns the records read."""
+        if self.host is None:
+            return 0
+        from tqdm import tqdm
+
+        todo = [(e.layer, x) for e in self.entries.values() for x in range(e.num_experts)
+                if self.host.directory.lookup((e.layer, x)) is None][:self.host.slots - self.host.directory.occupied()]
+        reads = []
+        for layer, expert in todo:
+            with self._lock:
+                hslot = self.host.directory.reserve((layer, expert)).slot
+            size = self.entries[layer].record_size
+            reads.append(((layer, expert), self.source.submit(layer, expert, self.host.pool[hslot][:size]), size))
+        for hkey, read, size in tqdm(reads, desc="filling the host tier", unit="record", disable=None, leave=False):
+            read.result()
+            self._add(bytes_read_disk=size)
+            with self._lock:
+                self.host.directory.mark_ready(hkey)
+        return len(reads)
+
+    # -- everything resident ----------------------------------------------------------
+    def can_hold_all(self) -> bool:
+        """Whether the pool has a slot for every expert of every layer (in each layer's share)."""
+        return all(self.batch_limit(layer) >= self.entries[layer].num_experts for layer in self.moe_layers) and \
+            self.num_slots >= self.total_experts
+
+    def make_resident(self) -> bool:
+        """Where the pool holds every expert: load the ones not yet in a slot, pin all of them for
+        good, and keep a device slot table per layer (`resident_table`). Then a layer's routed
+        experts need no lookup and no host sync: kernels index the table with the router's ids.
+        Loading counts as reads (bytes), not as hits or misses. Returns whether it is so now."""
+        if self.resident_tables:
+            return True
+        if not self.cuda or not self.can_hold_all():
+            return False
+        st = self.stats_
+        counts = (st.hits, st.misses, dict(st.layer_hits), dict(st.layer_misses))
+        tables = {}
+        from tqdm import tqdm
+
+        for layer in tqdm(self.moe_layers, desc="loading experts", unit="layer", disable=None, leave=False):
+            experts = list(range(self.entries[layer].num_experts))
+            self.fetch(layer, experts, views=False)
+            self._pinned.pop(layer, None)  # these pins are never released
+            tables[layer] = torch.tensor(self.slots_of(layer, experts), dtype=torch.int32).to(self.device)
+        st.hits, st.misses, st.layer_hits, st.layer_misses = counts
+        self.resident_tables = tables
+        return True
+
+    def resident_table(self, layer: int) -> torch.Tensor | None:
+        """int32 [E] device tensor of every expert's slot, once `make_resident` succeeded; else None."""
+        return self.resident_tables.get(layer)
+
+    def count_resident(self, layer: int, ids: torch.Tensor) -> None:
+        """Book as hits the experts a layer ran from its resident table: as many as a lookup would
+        have made (the distinct ids), counted on the device so that no host sync is needed."""
+        if ids.shape[0] == 1:  # one token's top-k ids are distinct
+            n = ids.numel()
+            self.stats_.hits += n
+            self.stats_.layer_hits[layer] = self.stats_.layer_hits.get(layer, 0) + n
+            return
+        if self._device_hits is None:
+            self._device_hits = torch.zeros(len(self.moe_layers), dtype=torch.int64, device=self.device)
+        flat = ids.reshape(-1).to(torch.int64)
+        seen = torch.zeros(self.entries[layer].num_experts, dtype=torch.int64, device=self.device)
+        seen.scatter_(0, flat, 1)  # torch.bincount would sync with the host on CUDA
+        self._device_hits[self._index[layer]] += seen.sum()
+
+    def _collect_device_hits(self) -> None:
+        if self._device_hits is not None:
+            counts, self._device_hits = self._device_hits.tolist(), None
+            for layer, n in zip(self.moe_layers, counts):
+                self.stats_.hits += n
+                self.stats_.layer_hits[layer] = self.stats_.layer_hits.get(layer, 0) + n
+
     # -- loading ------------------------------------------------------------------
     def _count(self, layer: int, *, hit: bool) -> None:
         st = self.stats_
@@ -217,7 +302,7 @@ class ExpertCache:
 
     def _slot_free_event(self, slot: int) -> None:
         event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.device))
+        event.record(self.compute_stream)
         self._victim_events[slot] = event
 
     def _start_load(self, key) -> None:
@@ -231,7 +316,7 @@ class ExpertCache:
         if host is not None:  # in host RAM already: only a copy
             view, after = host
             self._add(bytes_read_host=size)
-            self._copy_into_slot(key, slot, view, size, done, after=after)
+            self._copy_into_slot(key, slot, view, size, done, after=after, defer=True)
             return
         if self.cuda:
             staging = self.staging.get()
@@ -258,6 +343,17 @@ class ExpertCache:
         if view is not None and all(self.source.resident(layer, [expert])):
             return view, None
         return None
+
+    def _run_deferred(self, *, wait: bool = False) -> None:
+        """Run the callbacks of finished host->device copies (all of them, waiting, with wait)."""
+        keep = []
+        for event, after in self._deferred:
+            if wait or event.query():
+                event.synchronize()
+                after()
+            else:
+                keep.append((event, after))
+        self._deferred = keep
 
     def _unpin_host(self, hkey) -> None:
         with self._lock:
@@ -291,8 +387,11 @@ class ExpertCache:
             self.host.pool[hslot][:size].copy_(data)
             self.host.directory.mark_ready(hkey)
 
-    def _copy_into_slot(self, key, slot: int, data: torch.Tensor, size: int, done: Future, after) -> None:
-        """Copy a host record into its device slot; `after` runs once the source buffer is free again."""
+    def _copy_into_slot(self, key, slot: int, data: torch.Tensor, size: int, done: Future, after, *,
+                        defer: bool = False) -> None:
+        """Copy a host record into its device slot; `after` runs once the source buffer is free again:
+        at once after waiting for the copy, or (defer, main thread only) when a later call finds the
+        copy done, so that many copies queue back to back on the link."""
         if self.cuda:
             with torch.cuda.stream(self.copy_stream):
                 victim = self._victim_events.pop(slot, None)
@@ -302,7 +401,10 @@ class ExpertCache:
                 event = torch.cuda.Event()
                 event.record(self.copy_stream)
             self.ready_events[key] = event
-            if after is not None:
+            if after is not None and defer:
+                self._deferred.append((event, after))
+                after = None
+            elif after is not None:
                 event.synchronize()
         elif data.data_ptr() != self.pool[slot].data_ptr():
             self.pool[slot][:size].copy_(data)
@@ -330,6 +432,7 @@ class ExpertCache:
 
     # -- reporting ----------------------------------------------------------------
     def stats(self) -> dict:
+        self._collect_device_hits()
         st = self.stats_
         lookups = st.hits + st.misses
         source = self.source.stats()
@@ -349,6 +452,7 @@ class ExpertCache:
         }
 
     def close(self) -> None:
+        self._run_deferred(wait=True)
         for key in list(self.pending):
             try:
                 self._finish(key)

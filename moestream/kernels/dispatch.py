@@ -65,8 +65,8 @@ def triton_layout(x: torch.Tensor, provider, layer: int):
         elif not (hasattr(provider, "pool") or hasattr(provider, "slot_pool")) or \
                 not all(hasattr(provider, a) for a in ("slots_of", "record_fields")):
             reason = f"{type(provider).__name__} has no slot pool"
-        elif _pool(provider, layer).device != x.device:
-            reason = f"slot pool on {_pool(provider, layer).device}, activations on {x.device}"
+        elif slot_pool(provider, layer).device != x.device:
+            reason = f"slot pool on {slot_pool(provider, layer).device}, activations on {x.device}"
         else:
             try:
                 layout = mod.SlotLayout.from_fields(provider.record_fields(layer), provider.quant(layer))
@@ -82,28 +82,49 @@ def triton_layout(x: torch.Tensor, provider, layer: int):
     return layout
 
 
-def _pool(provider, layer: int) -> torch.Tensor:
+def slot_pool(provider, layer: int) -> torch.Tensor:
     """The uint8 [slots, slot_bytes] tensor `slots_of` indexes: `slot_pool(layer)` where a provider
     keeps one per layer, else its one shared `pool`."""
     return provider.slot_pool(layer) if hasattr(provider, "slot_pool") else provider.pool
 
 
-def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: Sequence[int], provider,
-                   layer: int, layout) -> torch.Tensor:
-    """sum over a of weights[t, a] * FFN_{ids[t, a]}(x[t]) on the Triton kernels, reading the pool.
+def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, num_experts: int, provider,
+                   layer: int, layout, *, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """sum over a of weights[t, a] * FFN_{ids[t, a]}(x[t]) on the Triton kernels, reading the pool
+    (plus `residual` when given, added by the last kernel).
 
-    Experts are pinned in batches of at most `provider.batch_limit(layer)`; each batch computes
-    only its own (token, expert) pairs, so the result is the same bits for any batching."""
-    plan = triton_module().MoEPlan(x, ids, weights, experts, layout)
+    Where every expert of the layer is resident (`provider.resident_table`), the kernels index that
+    table with the router's ids: no lookup and no host sync. Else the distinct ids come to the host
+    (the one sync), and experts are pinned in batches of at most `provider.batch_limit(layer)`;
+    each batch computes only its own (token, expert) pairs, so the result is the same bits for any
+    batching, and the same as from the resident table."""
+    plan = triton_module().MoEPlan(x, ids, weights, num_experts, layout)
+    pool = slot_pool(provider, layer)
+    table = provider.resident_table(layer) if hasattr(provider, "resident_table") else None
+    if table is not None:
+        plan.run_table(pool, table)
+        provider.count_resident(layer, ids)
+        return plan.finish(residual)
+    experts = torch.unique(ids).tolist()  # sorted; the one host sync this layer needs
     limit = max(1, provider.batch_limit(layer))
     for i in range(0, len(experts), limit):
         batch = experts[i:i + limit]
         provider.fetch(layer, batch, views=False)
         try:
-            plan.run(_pool(provider, layer), batch, provider.slots_of(layer, batch))
+            plan.run(pool, batch, provider.slots_of(layer, batch))
         finally:  # a victim slot is rewritten only after the kernels queued above (stream order)
             provider.release(layer)
-    return plan.finish()
+    return plan.finish(residual)
+
+
+def route(logits: torch.Tensor, top_k: int, *, normalize: bool, out_dtype: torch.dtype):
+    """The router's softmax/top-k/renormalization as one Triton kernel on CUDA; None where the
+    torch ops must do it (CPU, the torch backend, or Triton missing)."""
+    if _backend == "torch" or not logits.is_cuda or triton_module() is None:
+        return None
+    from moestream.kernels.triton_route import route_topk
+
+    return route_topk(logits, top_k, normalize=normalize, out_dtype=out_dtype)
 
 
 # -- test and benchmark helpers ---------------------------------------------------------------------

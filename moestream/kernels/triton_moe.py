@@ -26,7 +26,9 @@ Two shapes of work, chosen by T only (so by nothing the cache decides):
     program per (row block, block of output columns) dequantizes a [BLOCK_N, 64] weight tile per
     step (rounded to x's dtype, as the reference does) and feeds tl.dot; float32 activations use
     3xTF32 (about float32 accuracy).
-Everything after the caller's list of unique experts stays on the device: no host syncs.
+Nothing here reads device values on the host: the grouping by expert is computed on the device and
+the slots come in a device table, so a layer whose experts are all resident runs with no host sync
+(and inside a CUDA graph).
 """
 from __future__ import annotations
 
@@ -270,13 +272,13 @@ def _dequant_tile(wq_ptr, ws_ptr, wb_ptr, row_words, row_groups, rows, row_mask,
 
 
 @triton.jit
-def _block_pairs(b, block_rank_ptr, num_experts, experts_ptr, slot_table_ptr, starts_ptr, counts_ptr,
+def _block_pairs(b, block_rank_ptr, num_experts, slot_table_ptr, starts_ptr, counts_ptr,
                  block_start_ptr, order_ptr, BM: tl.constexpr):
     """The pairs of row block b: (slot or -1, pair ids [BM], row mask [BM])."""
-    u = tl.load(block_rank_ptr + b)
+    u = tl.load(block_rank_ptr + b)  # the expert of this block; num_experts for the unused tail
     valid = u < num_experts
     u = tl.where(valid, u, 0)
-    slot = tl.load(slot_table_ptr + tl.load(experts_ptr + u))
+    slot = tl.load(slot_table_ptr + u)
     slot = tl.where(valid, slot, -1)
     rows = (b - tl.load(block_start_ptr + u)) * BM + tl.arange(0, BM)
     row_mask = (rows < tl.load(counts_ptr + u)) & valid
@@ -285,14 +287,14 @@ def _block_pairs(b, block_rank_ptr, num_experts, experts_ptr, slot_table_ptr, st
 
 
 @triton.jit
-def _gate_up_grouped(x_ptr, stride_x, block_rank_ptr, num_experts, experts_ptr, slot_table_ptr, starts_ptr,
+def _gate_up_grouped(x_ptr, stride_x, block_rank_ptr, num_experts, slot_table_ptr, starts_ptr,
                      counts_ptr, block_start_ptr, order_ptr, pool_w, pool_s, slot_words, slot_halves,
                      gw_off, gs_off, gb_off, uw_off, us_off, ub_off, h_ptr, H: tl.constexpr, I: tl.constexpr,
                      A: tl.constexpr, BITS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, PRECISION: tl.constexpr,
                      DOT_F32: tl.constexpr):
     b = tl.program_id(0)
     nb = tl.program_id(1)
-    slot, pairs, pmask = _block_pairs(b, block_rank_ptr, num_experts, experts_ptr, slot_table_ptr, starts_ptr,
+    slot, pairs, pmask = _block_pairs(b, block_rank_ptr, num_experts, slot_table_ptr, starts_ptr,
                                       counts_ptr, block_start_ptr, order_ptr, BM)
     if slot >= 0:
         CPW: tl.constexpr = 32 // BITS
@@ -326,14 +328,14 @@ def _gate_up_grouped(x_ptr, stride_x, block_rank_ptr, num_experts, experts_ptr, 
 
 
 @triton.jit
-def _down_grouped(h_ptr, rw_ptr, block_rank_ptr, num_experts, experts_ptr, slot_table_ptr, starts_ptr,
+def _down_grouped(h_ptr, rw_ptr, block_rank_ptr, num_experts, slot_table_ptr, starts_ptr,
                   counts_ptr, block_start_ptr, order_ptr, pool_w, pool_s, slot_words, slot_halves,
                   dw_off, ds_off, db_off, o_ptr, H: tl.constexpr, I: tl.constexpr,
                   BITS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, PRECISION: tl.constexpr,
                   DOT_F32: tl.constexpr):
     b = tl.program_id(0)
     nb = tl.program_id(1)
-    slot, pairs, pmask = _block_pairs(b, block_rank_ptr, num_experts, experts_ptr, slot_table_ptr, starts_ptr,
+    slot, pairs, pmask = _block_pairs(b, block_rank_ptr, num_experts, slot_table_ptr, starts_ptr,
                                       counts_ptr, block_start_ptr, order_ptr, BM)
     if slot >= 0:
         CPW: tl.constexpr = 32 // BITS
@@ -361,8 +363,9 @@ def _down_grouped(h_ptr, rw_ptr, block_rank_ptr, num_experts, experts_ptr, slot_
 
 
 @triton.jit
-def _combine(o_ptr, y_ptr, T, H, A: tl.constexpr, BT: tl.constexpr, BLOCK: tl.constexpr):
-    # o [T*A, H] float32 -> y [T, H]
+def _combine(o_ptr, y_ptr, res_ptr, T, H, A: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BT: tl.constexpr,
+             BLOCK: tl.constexpr):
+    # o [T*A, H] float32 -> y [T, H] (+ the residual res [T, H], added after rounding y as torch would)
     toks = tl.program_id(0) * BT + tl.arange(0, BT)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = (toks < T)[:, None] & (cols < H)[None, :]
@@ -370,7 +373,11 @@ def _combine(o_ptr, y_ptr, T, H, A: tl.constexpr, BT: tl.constexpr, BLOCK: tl.co
     acc = tl.zeros([BT, BLOCK], dtype=tl.float32)
     for a in tl.static_range(A):  # fixed order: the sum is the same bits every time
         acc += tl.load(o_ptr + rows + a * H, mask=mask, other=0.0)
-    tl.store(y_ptr + toks.to(tl.int64)[:, None] * H + cols[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
+    out = acc.to(y_ptr.dtype.element_ty)
+    yoff = toks.to(tl.int64)[:, None] * H + cols[None, :]
+    if HAS_RESIDUAL:
+        out = (tl.load(res_ptr + yoff, mask=mask, other=0.0).to(tl.float32) + out.to(tl.float32)).to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + yoff, out, mask=mask)
 
 
 # Triton's CPU interpreter multiplies bfloat16 dot operands as their raw bits; there the operands
@@ -388,10 +395,28 @@ def _device_ints(values: Sequence[int], device: torch.device, dtype: torch.dtype
     return t.to(device)
 
 
-def _block_m(pairs: int, unique: int, config: KernelConfig) -> int:
+def slot_table(num_experts: int, experts: Sequence[int], slots: Sequence[int], device: torch.device) -> torch.Tensor:
+    """int32 [E] device table: the slot of each of `experts`, -1 for every other expert."""
+    table = [-1] * num_experts
+    for e, s in zip(experts, slots, strict=True):
+        if s is None:
+            raise ValueError(f"expert {e} is not in a slot")
+        table[e] = s
+    return _device_ints(table, device)
+
+
+def expert_counts(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """int64 [E]: how many of `ids` name each expert. (torch.bincount would sync with the host on
+    CUDA to size its output; a scatter into E zeros does not.)"""
+    ids = ids.reshape(-1).to(torch.int64)
+    return torch.zeros(num_experts, dtype=torch.int64, device=ids.device).scatter_add_(0, ids, torch.ones_like(ids))
+
+
+def _block_m(pairs: int, num_experts: int, config: KernelConfig) -> int:
+    """Pairs per row block, from the call's shape alone (pairs and the layer's expert count)."""
     if config.block_m:
         return config.block_m
-    mean = pairs / max(1, unique)
+    mean = pairs / max(1, num_experts)
     return 16 if mean <= 16 else 32 if mean <= 32 else 64
 
 
@@ -400,12 +425,13 @@ def _groups_per_step(words: int, bits: int) -> int:
 
 
 class MoEPlan:
-    """One layer call of the routed experts. `run` once per batch of pinned experts, then `finish`.
+    """One layer call of the routed experts: `run` once per batch of pinned experts, then `finish`.
 
-    x [T, H]; ids [T, A] expert ids; weights [T, A] routing weights; experts: the sorted unique ids
-    of `ids` (the caller's host list; every id in `ids` must be in one `run` batch)."""
+    x [T, H]; ids [T, A] expert ids in 0..num_experts-1; weights [T, A] routing weights. Everything
+    here stays on the device (no host sync): the grouping by expert is computed from `ids` there,
+    and each `run` takes a device slot table, so the whole call can be captured in a CUDA graph."""
 
-    def __init__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: Sequence[int],
+    def __init__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, num_experts: int,
                  layout: SlotLayout, *, mode: str = "auto", config: KernelConfig = DEFAULT_CONFIG):
         if x.dtype not in ACT_DTYPES:
             raise UnsupportedLayout(f"activations in {x.dtype}")
@@ -416,12 +442,10 @@ class MoEPlan:
         if mode not in ("auto", "gemv", "grouped"):
             raise ValueError(f"mode {mode!r} (auto, gemv or grouped)")
         self.x = x if x.stride(1) == 1 else x.contiguous()
-        self.layout, self.config = layout, config
+        self.layout, self.config, self.num_experts = layout, config, num_experts
         self.tokens, self.top_k = ids.shape
         self.ids = ids.reshape(-1).contiguous()  # [P]
         self.weights = weights.reshape(-1).contiguous()  # [P]
-        self.experts = list(experts)
-        self.table_size = self.experts[-1] + 1 if self.experts else 1
         self.mode = mode if mode != "auto" else "gemv" if self.tokens <= config.gemv_max_tokens else "grouped"
         pairs, dev = self.ids.numel(), x.device
         self.o = torch.empty((pairs, layout.hidden), dtype=torch.float32, device=dev)  # [P, H]
@@ -436,40 +460,39 @@ class MoEPlan:
             fp32 = x.dtype == torch.float32
             # float32 activations: three tf32 passes (about float32 accuracy), which need smaller tiles
             self.precision = "tf32x3" if fp32 else "tf32"
-            self.block_m = min(_block_m(pairs, len(self.experts), config), 32 if fp32 else 64)
+            self.block_m = min(_block_m(pairs, num_experts, config), 32 if fp32 else 64)
             self.warps = max(config.grouped_warps, 8) if fp32 else config.grouped_warps
             if pairs:
                 self._group(dev)
 
     def _group(self, dev: torch.device) -> None:
         """Sort the pairs by expert and cut each expert's run into BLOCK_M row blocks (device ops only)."""
-        pairs, unique, bm = self.ids.numel(), len(self.experts), self.block_m
-        sorted_ids, self.order = torch.sort(self.ids, stable=True)  # order [P]: pair ids grouped by expert
-        self.experts_dev = _device_ints(self.experts, dev, sorted_ids.dtype)  # [U]
-        self.starts = torch.searchsorted(sorted_ids, self.experts_dev)  # [U] first sorted position
-        self.counts = torch.searchsorted(sorted_ids, self.experts_dev, right=True) - self.starts  # [U]
+        pairs, bm = self.ids.numel(), self.block_m
+        _, self.order = torch.sort(self.ids, stable=True)  # order [P]: pair ids grouped by expert
+        self.counts = expert_counts(self.ids, self.num_experts)  # [E]
+        self.starts = torch.cumsum(self.counts, 0) - self.counts  # [E] first sorted position of each expert
         blocks = (self.counts + bm - 1) // bm
         block_end = torch.cumsum(blocks, 0)
-        self.block_start = block_end - blocks  # [U] first row block of each expert
-        self.num_blocks = triton.cdiv(pairs, bm) + unique  # an upper bound known on the host
-        # block_rank [num_blocks]: the expert rank of each row block; U for the unused tail
+        self.block_start = block_end - blocks  # [E] first row block of each expert
+        self.num_blocks = triton.cdiv(pairs, bm) + min(pairs, self.num_experts)  # an upper bound known on the host
+        # block_rank [num_blocks]: the expert of each row block; E for the unused tail
         self.block_rank = torch.searchsorted(block_end, torch.arange(self.num_blocks, device=dev), right=True)
 
     def run(self, pool: torch.Tensor, experts: Sequence[int], slots: Sequence[int]) -> None:
-        """Queue the pairs routed to `experts` (a subset of the plan's), whose records sit in
-        `pool[slots[i]]`. Those slots must keep their records until the queued work has run."""
-        if not experts or not self.ids.numel():
+        """Queue the pairs routed to `experts`, whose records sit in `pool[slots[i]]`. Those slots
+        must keep their records until the queued work has run."""
+        if experts:
+            self.run_table(pool, slot_table(self.num_experts, experts, slots, pool.device))
+
+    def run_table(self, pool: torch.Tensor, table: torch.Tensor) -> None:
+        """Queue the pairs whose expert has a slot in `table` (int32 [E] device tensor, -1: not in
+        this batch); the other pairs are left for another call."""
+        if not self.ids.numel():
             return
         if pool.dtype != torch.uint8 or pool.dim() != 2 or pool.stride(1) != 1 or pool.stride(0) % 4:
             raise ValueError("pool must be a uint8 [slots, slot_bytes] tensor with 4-byte aligned rows")
-        table = [-1] * self.table_size
-        for e, s in zip(experts, slots, strict=True):
-            if s is None:
-                raise ValueError(f"expert {e} is not in a slot")
-            table[e] = s
-        slot_table = _device_ints(table, pool.device)  # [E] slot of each expert of this batch, -1 elsewhere
-        self.gate_up(pool, slot_table)
-        self.down(pool, slot_table)
+        self.gate_up(pool, table)
+        self.down(pool, table)
 
     def _pool_views(self, pool: torch.Tensor):
         """The pool as int32 words and as scale-dtype halves (same memory), and the field offsets in those units."""
@@ -492,7 +515,7 @@ class MoEPlan:
                                 num_warps=cfg.gemv_gate_up_warps)
         else:
             grid = (self.num_blocks, triton.cdiv(lay.inter, cfg.gate_up_n))
-            _gate_up_grouped[grid](self.x, self.x.stride(0), self.block_rank, len(self.experts), self.experts_dev,
+            _gate_up_grouped[grid](self.x, self.x.stride(0), self.block_rank, self.num_experts,
                                    slot_table, self.starts, self.counts, self.block_start, self.order, *common,
                                    BITS=bits, BM=self.block_m, BN=cfg.gate_up_n, PRECISION=self.precision,
                                    DOT_F32=_INTERPRETED, num_warps=self.warps, num_stages=cfg.grouped_stages)
@@ -510,32 +533,38 @@ class MoEPlan:
                              NG=_groups_per_step(cfg.gemv_down_words, bits), num_warps=cfg.gemv_down_warps)
         else:
             grid = (self.num_blocks, triton.cdiv(lay.hidden, cfg.down_n))
-            _down_grouped[grid](self.h, self.weights, self.block_rank, len(self.experts), self.experts_dev,
+            _down_grouped[grid](self.h, self.weights, self.block_rank, self.num_experts,
                                 slot_table, self.starts, self.counts, self.block_start, self.order, *common,
                                 BITS=bits, BM=self.block_m, BN=cfg.down_n, PRECISION=self.precision,
                                 DOT_F32=_INTERPRETED, num_warps=self.warps, num_stages=cfg.grouped_stages)
 
-    def finish(self) -> torch.Tensor:
-        """Kernel 3: y [T, H] in x's dtype, each token's pairs summed in top-k order a = 0..A-1."""
+    def finish(self, residual: torch.Tensor | None = None, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Kernel 3: y [T, H] in x's dtype, each token's pairs summed in top-k order a = 0..A-1;
+        with `residual` [T, H], returns residual + y (rounded once more, like a separate add).
+        `out`: a contiguous [T, H] tensor to write into (may be the residual itself)."""
         lay = self.layout
-        y = torch.empty((self.tokens, lay.hidden), dtype=self.x.dtype, device=self.x.device)
+        y = out if out is not None else torch.empty((self.tokens, lay.hidden), dtype=self.x.dtype, device=self.x.device)
         if self.tokens:
             bt, block = self.config.combine_tokens, self.config.combine_block
             grid = (triton.cdiv(self.tokens, bt), triton.cdiv(lay.hidden, block))
-            _combine[grid](self.o, y, self.tokens, lay.hidden, self.top_k, BT=bt, BLOCK=block)
+            res = residual if residual is not None else y
+            _combine[grid](self.o, y, res, self.tokens, lay.hidden, self.top_k, HAS_RESIDUAL=residual is not None,
+                           BT=bt, BLOCK=block)
         return y
 
 
 def grouped_moe_ffn(x: torch.Tensor, pool: torch.Tensor, layout: SlotLayout, ids: torch.Tensor,
                     weights: torch.Tensor, experts: Sequence[int], slots: Sequence[int], *, mode: str = "auto",
-                    config: KernelConfig = DEFAULT_CONFIG) -> torch.Tensor:
+                    config: KernelConfig = DEFAULT_CONFIG, num_experts: int | None = None) -> torch.Tensor:
     """sum over a of weights[t, a] * FFN_{ids[t, a]}(x[t]) for every token, all experts in one batch.
 
     x [T, H]; pool [N, S] uint8; ids, weights [T, A]; experts: sorted unique ids of `ids`;
     slots[i]: the slot holding experts[i]'s record. Returns y [T, H] in x's dtype."""
-    plan = MoEPlan(x, ids, weights, experts, layout, mode=mode, config=config)
+    num_experts = num_experts or (max(experts) + 1 if experts else 1)
+    plan = MoEPlan(x, ids, weights, num_experts, layout, mode=mode, config=config)
     plan.run(pool, experts, slots)
     return plan.finish()
 
 
-__all__ = ["SlotLayout", "KernelConfig", "DEFAULT_CONFIG", "MoEPlan", "grouped_moe_ffn", "UnsupportedLayout"]
+__all__ = ["SlotLayout", "KernelConfig", "DEFAULT_CONFIG", "MoEPlan", "grouped_moe_ffn", "slot_table", "expert_counts",
+           "UnsupportedLayout"]

@@ -16,5 +16,6 @@ class DenseMLP:
     def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor):
         self.gate, self.up, self.down = gate, up, down
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return swiglu(x, self.gate, self.up, self.down)
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        y = swiglu(x, self.gate, self.up, self.down)
+        return y if residual is None else residual + y

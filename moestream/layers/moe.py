@@ -48,33 +48,48 @@ class MoEBlock:
         self.shared = shared
         self.on_route: Callable[[int, torch.Tensor], None] | None = None  # tracing hook
 
+    @property
+    def num_experts(self) -> int:
+        return self.router.shape[0]
+
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # x [T, H] -> weights [T, A], ids [T, A]
-        probs = torch.softmax(F.linear(x, self.router), dim=-1, dtype=torch.float32)
+        logits = F.linear(x, self.router)
+        out_dtype = torch.float32 if self.float32_routing_weights else x.dtype
+        fused = kernel_dispatch.route(logits, self.top_k, normalize=self.normalize_topk, out_dtype=out_dtype)
+        if fused is not None:
+            return fused
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.normalize_topk:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        if not self.float32_routing_weights:
-            weights = weights.to(x.dtype)
-        return weights, ids
+        return weights.to(out_dtype), ids
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The block's output for x [T, H]; residual + output when `residual` is given."""
         weights, ids = self.route(x)
         if self.on_route is not None:
             self.on_route(self.layer, ids)
-        experts = torch.unique(ids).tolist()  # sorted; the one host sync this layer needs
         layout = kernel_dispatch.triton_layout(x, self.provider, self.layer)
+        if layout is not None and self.shared is None:  # the last kernel adds the residual
+            return kernel_dispatch.routed_experts(x, ids, weights, self.num_experts, self.provider, self.layer,
+                                                  layout, residual=residual)
         if layout is not None:  # CUDA: grouped kernels read the records straight from the slot pool
-            out = kernel_dispatch.routed_experts(x, ids, weights, experts, self.provider, self.layer, layout)
+            out = kernel_dispatch.routed_experts(x, ids, weights, self.num_experts, self.provider, self.layer, layout)
         else:
-            out = self._reference_experts(x, weights, ids, experts)
+            out = self._reference_experts(x, weights, ids, torch.unique(ids).tolist())
+        return self.add_shared(x, out, residual)
+
+    def add_shared(self, x: torch.Tensor, routed: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        """routed + the shared expert's output on x (if any), + residual (if given)."""
+        out = routed
         if self.shared is not None:
             s = self.shared
             y = swiglu(x, s.gate, s.up, s.down)
             if s.gate_weight is not None:
                 y = torch.sigmoid(F.linear(x, s.gate_weight)) * y
             out = out + y
-        return out
+        return out if residual is None else residual + out
 
     def _reference_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                            experts: list[int]) -> torch.Tensor:

@@ -23,12 +23,19 @@ class DecoderLayer:
 
     def __call__(self, x, cos, sin, cache: KVCache, layer: int, start: int) -> torch.Tensor:
         h, hn = self.attention_half(x, cos, sin, cache, layer, start)
-        return h + self.ffn(hn)
+        return self.ffn(hn, residual=h)
 
-    def attention_half(self, x, cos, sin, cache: KVCache, layer: int, start: int, *, pos=None, bucket=None):
+    def attention_half(self, x, cos, sin, cache: KVCache, layer: int, start: int):
         """Everything before the FFN: (the residual stream after attention, its normed copy)."""
-        h = x + self.attn(rms_norm(x, self.input_norm, self.eps), cos, sin, cache, layer, start, pos=pos, bucket=bucket)
+        h = x + self.attn(rms_norm(x, self.input_norm, self.eps), cos, sin, cache, layer, start)
         return h, rms_norm(h, self.post_norm, self.eps)
+
+    def decode_attention_half(self, x, pos: torch.Tensor, inv_freq: torch.Tensor, cache: KVCache, layer: int):
+        """attention_half for one token at the device position `pos`, in fused CUDA kernels."""
+        from moestream.kernels import triton_decode as td
+
+        a = self.attn.decode(td.rms_norm(x, self.input_norm, self.eps), pos, inv_freq, cache, layer)
+        return td.add_rms_norm(x, a, self.post_norm, self.eps)
 
 
 class MoETransformer:
@@ -47,23 +54,13 @@ class MoETransformer:
     def device(self) -> torch.device:
         return self.embed.device
 
-    def forward(self, ids: torch.Tensor, start: int, cache: KVCache, *, all_logits: bool = False,
-                graphs=None) -> torch.Tensor:
-        """ids [T] at positions start.. -> logits [T, V] (or [1, V] for the last token) in float32.
-        `graphs` (DecodeGraphs) runs the attention halves of a one-token step as CUDA graphs."""
+    def forward(self, ids: torch.Tensor, start: int, cache: KVCache, *, all_logits: bool = False) -> torch.Tensor:
+        """ids [T] at positions start.. -> logits [T, V] (or [1, V] for the last token) in float32."""
         x = F.embedding(ids, self.embed)  # [T, H]
-        if graphs is not None and ids.shape[0] == 1:
-            graphs.set_position(start)
-        else:
-            graphs = None
-            positions = torch.arange(start, start + ids.shape[0], device=ids.device)
-            cos, sin = self.rope.cos_sin(positions, x.dtype)
+        positions = torch.arange(start, start + ids.shape[0], device=ids.device)
+        cos, sin = self.rope.cos_sin(positions, x.dtype)
         for i, layer in enumerate(self.layers):
-            if graphs is not None:
-                h, hn = graphs.attention_half(i, x)
-                x = h + layer.ffn(hn)
-            else:
-                x = layer(x, cos, sin, cache, i, start)
+            x = layer(x, cos, sin, cache, i, start)
             if self.after_layer is not None:
                 self.after_layer(i, x)
         cache.length = start + ids.shape[0]

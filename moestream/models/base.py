@@ -112,6 +112,7 @@ def build_stack(args: BaseModelArgs, spec: FamilySpec, loader: WeightLoader, pro
             k_bias=loader.take(p + "self_attn.k_proj.bias") if bias else None,
             v_bias=loader.take(p + "self_attn.v_proj.bias") if bias else None,
         )
+        w.fuse_qkv()
         if spec.qk_norm == "head":
             w.q_norm, w.k_norm = loader.take(p + "self_attn.q_norm.weight", (D,)), loader.take(p + "self_attn.k_norm.weight", (D,))
         elif spec.qk_norm == "full":

@@ -19,8 +19,11 @@ def main():
     p.add_argument("--model", required=True)
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--prefill", type=int, default=2048)
+    p.add_argument("--cache-size", default="all")
+    p.add_argument("--no-cuda-graphs", dest="graphs", action="store_false")
     a = p.parse_args()
-    engine = Engine.load(a.model, options=EngineOptions(device="cuda", cache_size="all", max_context=4096))
+    engine = Engine.load(a.model, options=EngineOptions(device="cuda", cache_size=a.cache_size, max_context=4096,
+                                                        cuda_graphs=a.graphs, host_cache_size="all"))
     vocab = engine.args.vocab_size
     for _ in engine.generate(random_prompt(64, vocab, 1), max_new_tokens=16, stop_at_eos=False):
         pass
@@ -40,11 +43,11 @@ def main():
         print(f"== {label}: {dt:.3f} s", flush=True)
         s = io.StringIO()
         pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(25)
-        print(s.getvalue()[-6000:])
+        print(s.getvalue()[-3500:])
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as tp:
             fn()
             torch.cuda.synchronize()
-        print(tp.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60)[-5000:])
+        print(tp.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=60)[-9000:])
     sys.stdout.flush()
 
 

@@ -53,7 +53,8 @@ def run(pool_set, x, ids, weights, *, mode="auto", batch=None, slot_of=None, con
     pool, fields, quant, default_slots = pool_set
     slot_of = slot_of or default_slots
     experts = torch.unique(ids).tolist()
-    plan = tm.MoEPlan(x, ids, weights, experts, tm.SlotLayout.from_fields(fields, quant), mode=mode, config=config)
+    plan = tm.MoEPlan(x, ids, weights, len(slot_of), tm.SlotLayout.from_fields(fields, quant), mode=mode,
+                      config=config)
     step = batch or len(experts)
     for i in range(0, len(experts), step):
         part = experts[i:i + step]

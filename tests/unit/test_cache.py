@@ -66,6 +66,22 @@ def test_host_tier_reads_each_expert_from_disk_once(model):
     assert second.result.receipt["bytes_read_host"] > 0
 
 
+@pytest.mark.parametrize("host", ["all", "5"])
+def test_filling_the_host_tier_reads_what_it_holds_once(model, reference, host):
+    host_size = host if host == "all" else str(int(host) * 8192)  # 5 slots of 8 KiB
+    engine = Engine.load(model, options=EngineOptions(device="cpu", cache_size="min", host_cache_size=host_size,
+                                                      prefill_chunk_tokens=5))
+    total, held = engine.provider.total_experts, engine.provider.host.slots
+    assert engine.provider.fill_host_tier() == min(total, held)
+    assert engine.provider.fill_host_tier() == 0  # nothing left to read
+    prompt = engine.tokenizer.encode("def fibonacci(n):\n    if n < 2:")
+    gen = engine.generate(prompt, max_new_tokens=12, logprobs=4)
+    assert [(e.token_id, e.top_logprobs) for e in gen] == reference
+    if host == "all":
+        assert gen.result.receipt["bytes_read_disk"] == 0 and gen.result.receipt["bytes_read_host"] > 0
+    engine.close()
+
+
 def test_receipt_fields_and_per_layer_hit_rate(model):
     _, receipt = run(model, cache_size="min")
     experts = receipt["experts"]

@@ -73,7 +73,7 @@ def run(tm, pool_set, x, ids, weights, *, mode="auto", batch=None, slot_of=None)
     slot_of = slot_of or default_slots
     layout = tm.SlotLayout.from_fields(fields, quant)
     experts = torch.unique(ids).tolist()
-    plan = tm.MoEPlan(x, ids, weights, experts, layout, mode=mode, config=tm.KernelConfig(**FAST))
+    plan = tm.MoEPlan(x, ids, weights, E, layout, mode=mode, config=tm.KernelConfig(**FAST))
     step = batch or len(experts)
     for i in range(0, len(experts), step):
         part = experts[i:i + step]
@@ -124,6 +124,42 @@ def test_same_bits_for_any_batching_and_slot_assignment(tm, pools, tokens):
     for e, s in enumerate(slot_of):
         moved[new_slots[e]] = pool[s]
     assert torch.equal(whole, run(tm, (moved, fields, quant, new_slots), x, ids, weights))
+
+
+@pytest.mark.parametrize("tokens", [1, 40])
+def test_resident_table_gives_the_same_bits_and_adds_the_residual(tm, pools, tokens):
+    """A full device slot table (every expert resident: no host list, no sync) gives the bits of
+    the batched host path; the residual is added by the last kernel as a separate add would."""
+    pool, fields, quant, slot_of = pool_set = pools(4)
+    # float32: the interpreter truncates to bfloat16 where torch rounds, so only float32 adds compare
+    x, ids, weights = routing(tokens, torch.float32, seed=5)
+    batched = run(tm, pool_set, x, ids, weights, batch=3)
+    plan = tm.MoEPlan(x, ids, weights, E, tm.SlotLayout.from_fields(fields, quant), config=tm.KernelConfig(**FAST))
+    plan.run_table(pool, torch.tensor(slot_of, dtype=torch.int32))
+    residual = torch.randn(tokens, H, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(plan.finish(), batched)
+    assert torch.equal(plan.finish(residual), residual + batched)
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+@pytest.mark.parametrize("experts,top_k", [(8, 2), (60, 8), (128, 6)])
+def test_router_kernel_matches_torch(normalize, experts, top_k):
+    if not INTERPRETED:
+        pytest.skip("runs in the interpreting child process")
+    from moestream.kernels.triton_route import route_topk
+
+    g = torch.Generator().manual_seed(experts)
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = (torch.randn(9, experts, generator=g) * 3).to(dtype)
+        ref_w, ref_i = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float32), top_k, dim=-1)
+        if normalize:
+            ref_w = ref_w / ref_w.sum(dim=-1, keepdim=True)
+        w, i = route_topk(logits, top_k, normalize=normalize, out_dtype=dtype)
+        assert w.dtype == dtype and i.dtype == torch.int64
+        # equal probabilities (bfloat16 logits tie) may come in another order than torch's: compare as sets
+        assert torch.equal(i.sort(dim=-1).values, ref_i.sort(dim=-1).values)
+        torch.testing.assert_close(w.sort(dim=-1).values, ref_w.to(dtype).sort(dim=-1).values,
+                                   rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-6)
 
 
 def test_layouts_the_kernels_do_not_handle_are_refused(tm, pools):

@@ -1,0 +1,359 @@
+"""Fused Triton kernels for the attention half of a one-token decode step.
+
+Why: on the GPU a decode step is bound by kernel launches, not by arithmetic. In torch, each
+decoder layer's attention half issues about 60 tiny kernels (RMSNorm alone is eight: to(float32),
+pow, mean, add, rsqrt, mul, to(dtype), mul). These kernels do the same work in a handful of
+launches per layer:
+
+  rms_norm          1 launch   y = rms_norm(x)                          x [T, N]
+  add_rms_norm      1 launch   h = x + y, hn = rms_norm(h)              (the residual add)
+  rope_qk_store     1 launch   q/k head norms, rotary, K/V written into the cache at `pos`
+  decode_attention  2 launches split-K attention over cache positions 0..pos, then a fixed-order combine
+
+Everything can be captured in a CUDA graph: no host syncs, no host reads of device values, and no
+shape or allocation depends on one. The token position is a device tensor read by the kernels, and
+the attention loops end at it, so one graph serves every position of a cache.
+
+Exactness contract (activations bf16/fp16/fp32, weights in the activation dtype):
+  - rms_norm / add_rms_norm compute what moestream.layers.norm.rms_norm does, op by op: statistics
+    in float32 (mean of squares as sum * (1/N), + eps, rsqrt), x32 * rstd rounded to the dtype, then
+    times the weight rounded to the dtype. Only the float32 summation order differs from torch: it
+    can move rstd by an ulp, which rarely moves a bf16/fp16 result by an ulp (two after the weight
+    multiply); inputs whose sum of squares is exact in float32 give torch's bits.
+  - rope_qk_store rounds like torch: cos/sin in float32 (libdevice, the same code as torch's cosf
+    and sinf) rounded to the dtype, each product and the sum rounded to the dtype. Without head
+    norms the roped q/k (and the cache rows) are the torch bits; with them, the norm's reduction
+    order is the only difference.
+  - decode_attention is not bit-compatible with SDPA (no two attention kernels are), but it is
+    deterministic: each split is reduced by one program in a fixed order and the splits are
+    combined in a fixed order, no atomics. Split boundaries sit at multiples of `split` keys and
+    the block sizes follow from the dtype and D, so the bits depend on pos and `split`, not on the
+    cache's max_tokens.
+The kernels that promise torch's rounding are compiled with enable_fp_fusion=False: a fused
+multiply-add would skip a rounding torch does.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+from triton.runtime.interpreter import InterpretedFunction
+
+ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+MAX_N = 16384  # rms_norm keeps one whole row in registers
+DEFAULT_SPLIT = 128  # keys per attention split (a power of two >= 16)
+_COMBINE_SPLITS = 32  # splits the combine kernel reads per step
+_LOG2E = 1.4426950408889634
+
+
+# -- kernels ------------------------------------------------------------------------------------------
+
+@triton.jit
+def _rms_scale(x32, w, eps, inv_n, DTYPE: tl.constexpr):
+    """rms_norm of one float32 row (zeros past the end) with weight w, in torch's order of roundings."""
+    rstd = tl.math.rsqrt(tl.sum(x32 * x32, axis=0) * inv_n + eps)
+    y = (x32 * rstd).to(DTYPE)
+    return (w.to(tl.float32) * y.to(tl.float32)).to(DTYPE)
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, stride_x, w_ptr, out_ptr, stride_o, N, eps, inv_n, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    tl.store(out_ptr + row * stride_o + cols, _rms_scale(x, w, eps, inv_n, out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _add_rms_norm_kernel(x_ptr, stride_x, y_ptr, stride_y, w_ptr, h_ptr, hn_ptr, N, eps, inv_n,
+                         BLOCK: tl.constexpr):
+    DTYPE: tl.constexpr = h_ptr.dtype.element_ty
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    y = tl.load(y_ptr + row * stride_y + cols, mask=mask, other=0.0).to(tl.float32)
+    h = (x + y).to(DTYPE)  # float32 add, then one rounding, as torch adds two bf16 tensors
+    tl.store(h_ptr + row * N + cols, h, mask=mask)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    tl.store(hn_ptr + row * N + cols, _rms_scale(h.to(tl.float32), w, eps, inv_n, DTYPE), mask=mask)
+
+
+@triton.jit
+def _head(x_ptr, w_ptr, i, mask, rstd_eps, inv_d, cos, sin, HALF: tl.constexpr, NORM: tl.constexpr,
+          DTYPE: tl.constexpr):
+    """One head [D] as its two halves: optional per-head RMSNorm, then rotary. Returns the halves in DTYPE."""
+    x1 = tl.load(x_ptr + i, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptr + HALF + i, mask=mask, other=0.0).to(tl.float32)
+    if NORM:
+        rstd = tl.math.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) * inv_d + rstd_eps)
+        w1 = tl.load(w_ptr + i, mask=mask, other=0.0).to(tl.float32)
+        w2 = tl.load(w_ptr + HALF + i, mask=mask, other=0.0).to(tl.float32)
+        x1 = (w1 * (x1 * rstd).to(DTYPE).to(tl.float32)).to(DTYPE).to(tl.float32)
+        x2 = (w2 * (x2 * rstd).to(DTYPE).to(tl.float32)).to(DTYPE).to(tl.float32)
+    # x*cos + rotate_half(x)*sin, rotate_half(x) = (-x2, x1); torch rounds each product and the sum
+    a1 = (x1 * cos).to(DTYPE).to(tl.float32)
+    b1 = (x2 * sin).to(DTYPE).to(tl.float32)
+    a2 = (x2 * cos).to(DTYPE).to(tl.float32)
+    b2 = (x1 * sin).to(DTYPE).to(tl.float32)
+    return (a1 - b1).to(DTYPE), (a2 + b2).to(DTYPE)
+
+
+@triton.jit
+def _rope_qk_store_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, qn_ptr, kn_ptr, qo_ptr, keys_ptr, values_ptr,
+                          stride_kh, stride_kt, stride_vh, stride_vt, max_tokens, eps, inv_d,
+                          NQ: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, Q_NORM: tl.constexpr,
+                          K_NORM: tl.constexpr, LIBDEVICE: tl.constexpr):
+    # programs 0..NQ-1: query heads; NQ..NQ+NKV-1: key heads, each also copying its value head
+    DTYPE: tl.constexpr = qo_ptr.dtype.element_ty
+    HALF: tl.constexpr = D // 2
+    h = tl.program_id(0)
+    i = tl.arange(0, BLOCK)
+    mask = i < HALF
+    pos = tl.load(pos_ptr).to(tl.int64)
+    freqs = pos.to(tl.float32) * tl.load(inv_freq_ptr + i, mask=mask, other=0.0)
+    if LIBDEVICE:  # accurate cosf/sinf: the hardware approximations are far off at large angles
+        cos = libdevice.cos(freqs)
+        sin = libdevice.sin(freqs)
+    else:  # the interpreter has no libdevice
+        cos = tl.cos(freqs)
+        sin = tl.sin(freqs)
+    cos = cos.to(DTYPE).to(tl.float32)
+    sin = sin.to(DTYPE).to(tl.float32)
+    if h < NQ:
+        o1, o2 = _head(q_ptr + h * D, qn_ptr, i, mask, eps, inv_d, cos, sin, HALF, Q_NORM, DTYPE)
+        tl.store(qo_ptr + h * D + i, o1, mask=mask)
+        tl.store(qo_ptr + h * D + HALF + i, o2, mask=mask)
+    else:
+        j = h - NQ
+        o1, o2 = _head(k_ptr + j * D, kn_ptr, i, mask, eps, inv_d, cos, sin, HALF, K_NORM, DTYPE)
+        ok = mask & (pos < max_tokens)  # a position past the cache is dropped rather than written out of bounds
+        kdst = keys_ptr + j.to(tl.int64) * stride_kh + pos * stride_kt
+        tl.store(kdst + i, o1, mask=ok)
+        tl.store(kdst + HALF + i, o2, mask=ok)
+        vdst = values_ptr + j.to(tl.int64) * stride_vh + pos * stride_vt
+        tl.store(vdst + i, tl.load(v_ptr + j * D + i, mask=mask), mask=ok)
+        tl.store(vdst + HALF + i, tl.load(v_ptr + j * D + HALF + i, mask=mask), mask=ok)
+
+
+@triton.jit
+def _attn_split_kernel(q_ptr, stride_qh, k_ptr, stride_kh, stride_kt, v_ptr, stride_vh, stride_vt, pos_ptr, max_tokens,
+                       acc_ptr, m_ptr, l_ptr, num_splits, qk_scale, G: tl.constexpr, GB: tl.constexpr, D: tl.constexpr,
+                       BD: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+                       DOT_F32: tl.constexpr):
+    # One program: the G query heads of kv head `kvh` against keys [s*SPLIT, (s+1)*SPLIT) ∩ [0, pos].
+    # Writes the unnormalized output acc [G, D], the running max m (log2 units) and the sum l.
+    kvh = tl.program_id(0)
+    s = tl.program_id(1)
+    pos = tl.minimum(tl.load(pos_ptr).to(tl.int32), max_tokens - 1)
+    start = s * SPLIT
+    if start <= pos:  # splits past the position do nothing (the combine does not read them)
+        end = tl.minimum(start + SPLIT, pos + 1)
+        g = tl.arange(0, GB)
+        d = tl.arange(0, BD)
+        gmask = g < G
+        dmask = d < D
+        heads = kvh * G + g
+        q = tl.load(q_ptr + heads[:, None] * stride_qh + d[None, :], mask=gmask[:, None] & dmask[None, :], other=0.0)
+        if DOT_F32:
+            q = q.to(tl.float32)
+        kbase = k_ptr + kvh.to(tl.int64) * stride_kh
+        vbase = v_ptr + kvh.to(tl.int64) * stride_vh
+        m_i = tl.full([GB], float("-inf"), tl.float32)
+        l_i = tl.zeros([GB], tl.float32)
+        acc = tl.zeros([GB, BD], tl.float32)
+        # A fixed trip count with a guard rather than range(start, end): the interpreter cannot
+        # take loop bounds read from memory, and SPLIT // BLOCK_N is small.
+        for b in range(SPLIT // BLOCK_N):
+            n0 = start + b * BLOCK_N
+            if n0 < end:
+                n = n0 + tl.arange(0, BLOCK_N)
+                nmask = n < end
+                kvmask = nmask[:, None] & dmask[None, :]
+                k = tl.load(kbase + n.to(tl.int64)[:, None] * stride_kt + d[None, :], mask=kvmask, other=0.0)
+                v = tl.load(vbase + n.to(tl.int64)[:, None] * stride_vt + d[None, :], mask=kvmask, other=0.0)
+                if DOT_F32:
+                    k = k.to(tl.float32)
+                    v = v.to(tl.float32)
+                sc = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [GB, BLOCK_N], log2 units
+                sc = tl.where(nmask[None, :], sc, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(sc, axis=1))  # finite: every block has a key <= pos
+                alpha = tl.exp2(m_i - m_new)
+                p = tl.exp2(sc - m_new[:, None])
+                l_i = l_i * alpha + tl.sum(p, axis=1)
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+                m_i = m_new
+        row = heads.to(tl.int64) * num_splits + s
+        tl.store(acc_ptr + row[:, None] * D + d[None, :], acc, mask=gmask[:, None] & dmask[None, :])
+        tl.store(m_ptr + row, m_i, mask=gmask)
+        tl.store(l_ptr + row, l_i, mask=gmask)
+
+
+@triton.jit
+def _attn_combine_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, pos_ptr, max_tokens, NUM_SPLITS: tl.constexpr,
+                         D: tl.constexpr, BD: tl.constexpr, SPLIT: tl.constexpr, SB: tl.constexpr):
+    # One program per query head; splits 0..pos//SPLIT in a fixed order: the same bits every run.
+    # Steps of SB splits up to a trip count known at launch, guarded by the device position.
+    h = tl.program_id(0)
+    pos = tl.minimum(tl.load(pos_ptr).to(tl.int32), max_tokens - 1)
+    used = pos // SPLIT + 1
+    sb = tl.arange(0, SB)
+    d = tl.arange(0, BD)
+    dmask = d < D
+    base = h.to(tl.int64) * NUM_SPLITS
+    m_max = tl.full([SB], float("-inf"), tl.float32)
+    for s0 in range(0, NUM_SPLITS, SB):
+        if s0 < used:
+            m_max = tl.maximum(m_max, tl.load(m_ptr + base + s0 + sb, mask=s0 + sb < used, other=float("-inf")))
+    m_all = tl.max(m_max, axis=0)
+    l_sum = tl.zeros([SB], tl.float32)
+    acc = tl.zeros([SB, BD], tl.float32)
+    for s0 in range(0, NUM_SPLITS, SB):
+        if s0 < used:
+            smask = s0 + sb < used
+            w = tl.exp2(tl.load(m_ptr + base + s0 + sb, mask=smask, other=float("-inf")) - m_all)  # 0 past `used`
+            l_sum += w * tl.load(l_ptr + base + s0 + sb, mask=smask, other=0.0)
+            part = tl.load(acc_ptr + (base + s0 + sb)[:, None] * D + d[None, :],
+                           mask=smask[:, None] & dmask[None, :], other=0.0)
+            acc += w[:, None] * part
+    out = tl.sum(acc, axis=0) / tl.sum(l_sum, axis=0)
+    tl.store(out_ptr + h * D + d, out.to(out_ptr.dtype.element_ty), mask=dmask)
+
+
+# Triton's CPU interpreter has no libdevice and multiplies bfloat16 dot operands as their raw bits:
+# there the kernels take tl.cos/tl.sin and widen dot operands to float32 first.
+_INTERPRETED = isinstance(_rms_norm_kernel, InterpretedFunction)
+
+
+# -- wrappers ------------------------------------------------------------------------------------------
+
+def _check_act(name: str, t: torch.Tensor) -> None:
+    if t.dtype not in ACT_DTYPES:
+        raise ValueError(f"{name}: dtype {t.dtype} (kernels handle bf16, fp16, fp32)")
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name}: the last dimension must be contiguous")
+
+
+def _inv(n: int) -> float:
+    """float32(1) / float32(n), the factor torch's CUDA mean multiplies the sum by (host arithmetic)."""
+    return (torch.ones((), dtype=torch.float32) / n).item()
+
+
+def _row_setup(x: torch.Tensor, weight: torch.Tensor) -> tuple[int, int, int, int]:
+    _check_act("x", x)
+    if x.dim() != 2:
+        raise ValueError(f"x: shape {list(x.shape)}, expected [T, N]")
+    T, N = x.shape
+    if weight.shape != (N,) or weight.dtype != x.dtype or not weight.is_contiguous():
+        raise ValueError(f"weight: {weight.dtype} {list(weight.shape)}, expected contiguous {x.dtype} [{N}]")
+    if N > MAX_N:
+        raise ValueError(f"rows of {N} elements (the kernels handle up to {MAX_N})")
+    block = triton.next_power_of_2(N)
+    return T, N, block, min(16, max(1, block // 256))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """moestream.layers.norm.rms_norm of x [T, N] (rows may be strided); one program per row."""
+    T, N, block, warps = _row_setup(x, weight)
+    if out is None:
+        out = torch.empty((T, N), dtype=x.dtype, device=x.device)
+    elif out.shape != x.shape or out.dtype != x.dtype or out.stride(-1) != 1:
+        raise ValueError(f"out: {out.dtype} {list(out.shape)}, expected {x.dtype} {list(x.shape)}")
+    if T:
+        _rms_norm_kernel[(T,)](x, x.stride(0), weight, out, out.stride(0), N, eps, _inv(N), BLOCK=block,
+                               num_warps=warps, enable_fp_fusion=False)
+    return out
+
+
+def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h, rms_norm(h)) with h = x + y in x's dtype: a residual add and the next norm in one kernel."""
+    T, N, block, warps = _row_setup(x, weight)
+    _check_act("y", y)
+    if y.shape != x.shape or y.dtype != x.dtype:
+        raise ValueError(f"y: {y.dtype} {list(y.shape)}, expected {x.dtype} {list(x.shape)}")
+    h = torch.empty((T, N), dtype=x.dtype, device=x.device)
+    hn = torch.empty_like(h)
+    if T:
+        _add_rms_norm_kernel[(T,)](x, x.stride(0), y, y.stride(0), weight, h, hn, N, eps, _inv(N), BLOCK=block,
+                                   num_warps=warps, enable_fp_fusion=False)
+    return h, hn
+
+
+def rope_qk_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor,
+                  keys: torch.Tensor, values: torch.Tensor, *, q_norm: torch.Tensor | None = None,
+                  k_norm: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
+    """One token's q [1, Nq*D], k, v [1, Nkv*D] (views into a fused qkv output are fine):
+    optional per-head RMSNorm of q and k (weights [D]), rotary at the device position pos [1],
+    k and v written to keys/values [Nkv, max_tokens, D] at pos. Returns q [Nq, 1, D]. One launch."""
+    Nkv, max_tokens, D = keys.shape
+    if values.shape != keys.shape or values.dtype != keys.dtype or keys.stride(-1) != 1 or values.stride(-1) != 1:
+        raise ValueError("keys/values: same shape [Nkv, max_tokens, D] and dtype, last dimension contiguous")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check_act(name, t)
+        if t.numel() != t.shape[-1] or t.dtype != q.dtype:
+            raise ValueError(f"{name}: shape {list(t.shape)} {t.dtype}, expected one {q.dtype} row")
+    if D % 2 or q.shape[-1] % D or k.shape[-1] != Nkv * D or v.shape[-1] != Nkv * D or keys.dtype != q.dtype:
+        raise ValueError(f"q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)} do not fit {keys.dtype} "
+                         f"caches of {Nkv} heads of {D}")
+    if inv_freq.shape != (D // 2,) or inv_freq.dtype != torch.float32 or pos.numel() != 1:
+        raise ValueError("inv_freq must be float32 [D/2] and pos a one-element device tensor")
+    for name, w in (("q_norm", q_norm), ("k_norm", k_norm)):
+        if w is not None and (w.shape != (D,) or w.dtype != q.dtype or not w.is_contiguous()):
+            raise ValueError(f"{name}: expected contiguous {q.dtype} [{D}]")
+    Nq = q.shape[-1] // D
+    q_out = torch.empty((Nq, 1, D), dtype=q.dtype, device=q.device)
+    block = triton.next_power_of_2(D // 2)
+    _rope_qk_store_kernel[(Nq + Nkv,)](
+        q, k, v, pos, inv_freq.contiguous(), q if q_norm is None else q_norm, k if k_norm is None else k_norm,
+        q_out, keys, values, keys.stride(0), keys.stride(1), values.stride(0), values.stride(1), max_tokens, eps,
+        _inv(D), NQ=Nq, D=D, BLOCK=block, Q_NORM=q_norm is not None, K_NORM=k_norm is not None,
+        LIBDEVICE=not _INTERPRETED, num_warps=1, enable_fp_fusion=False)
+    return q_out
+
+
+def num_splits(max_tokens: int, split: int = DEFAULT_SPLIT) -> int:
+    """Programs per kv head of decode_attention's first kernel (from host values only)."""
+    return triton.cdiv(max_tokens, split)
+
+
+def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor, *,
+                     scale: float | None = None, split: int = DEFAULT_SPLIT) -> torch.Tensor:
+    """Attention of one token's q [Nq, 1, D] over cache positions 0..pos (pos: device tensor [1]) of
+    keys/values [Nkv, max_tokens, D], GQA with query head h on kv head h // (Nq/Nkv). Returns
+    [1, Nq*D] in q's dtype. Flash-decoding: kernel 1 runs over (kv head, split of `split` keys),
+    all the kv head's query heads per program; kernel 2 combines the splits in a fixed order."""
+    Nkv, max_tokens, D = keys.shape
+    _check_act("q", q)
+    if q.dim() != 3 or q.shape[1] != 1 or q.shape[2] != D or q.shape[0] % Nkv:
+        raise ValueError(f"q: shape {list(q.shape)}, expected [Nq, 1, {D}] with Nq a multiple of {Nkv}")
+    if values.shape != keys.shape or keys.dtype != q.dtype or values.dtype != q.dtype \
+            or keys.stride(-1) != 1 or values.stride(-1) != 1:
+        raise ValueError("keys/values: same shape [Nkv, max_tokens, D] and dtype as q, last dimension contiguous")
+    if split < 16 or split & (split - 1) or pos.numel() != 1:
+        raise ValueError(f"split {split}: must be a power of two >= 16; pos a one-element device tensor")
+    Nq = q.shape[0]
+    G = Nq // Nkv
+    splits = num_splits(max_tokens, split)
+    if scale is None:
+        scale = 1.0 / math.sqrt(D)
+    # tl.dot wants tiles of at least 16 in each dimension; fp32 tiles are kept smaller (FMA dot, registers)
+    block_n = min(split, 32 if q.dtype == torch.float32 or D > 128 else 64)
+    bd = max(16, triton.next_power_of_2(D))
+    acc = torch.empty((Nq, splits, D), dtype=torch.float32, device=q.device)
+    m = torch.empty((Nq, splits), dtype=torch.float32, device=q.device)
+    l = torch.empty_like(m)
+    _attn_split_kernel[(Nkv, splits)](
+        q, q.stride(0), keys, keys.stride(0), keys.stride(1), values, values.stride(0), values.stride(1), pos,
+        max_tokens, acc, m, l, splits, scale * _LOG2E, G=G, GB=max(16, triton.next_power_of_2(G)), D=D, BD=bd,
+        BLOCK_N=block_n, SPLIT=split, PRECISION="ieee" if q.dtype == torch.float32 or _INTERPRETED else "tf32",
+        DOT_F32=_INTERPRETED, num_warps=4, num_stages=2)
+    out = torch.empty((1, Nq * D), dtype=q.dtype, device=q.device)
+    _attn_combine_kernel[(Nq,)](acc, m, l, out, pos, max_tokens, NUM_SPLITS=splits, D=D, BD=bd, SPLIT=split,
+                                SB=_COMBINE_SPLITS, num_warps=4)
+    return out

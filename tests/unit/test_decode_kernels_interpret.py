@@ -1,0 +1,250 @@
+"""The fused decode kernels (moestream.kernels.triton_decode) under Triton's CPU interpreter
+(TRITON_INTERPRET=1), at tiny sizes: they agree with moestream's own torch code (layers/norm.py,
+layers/rope.py, the SDPA attention of layers/attention.py), write exactly one cache row per kv head,
+and give the same attention bits run to run and for any cache length.
+
+Triton reads TRITON_INTERPRET when it is first imported, so unless this process was started with
+it, a single test runs this file again in a child process that is. Skipped where Triton is not
+installed. Float32 is checked tightly; bfloat16 only loosely, because the interpreter truncates
+float32 -> bfloat16 where the GPU rounds to nearest (tests/gpu checks the bf16 bits)."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+from moestream.engine.kv_cache import KVCache  # noqa: E402
+from moestream.layers.attention import Attention, AttentionWeights  # noqa: E402
+from moestream.layers.norm import rms_norm as torch_rms_norm  # noqa: E402
+from moestream.layers.rope import Rope, apply_rope  # noqa: E402
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+EPS = 1e-6
+THETA = 1e6
+TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}  # max |y - ref| / max |ref|
+
+
+def test_decode_kernels_under_the_interpreter():
+    if INTERPRETED:
+        pytest.skip("this process interprets: the tests below run here")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def td():
+    if not INTERPRETED:
+        pytest.skip("runs in the interpreting child process")
+    from moestream.kernels import triton_decode
+
+    assert triton_decode._INTERPRETED
+    return triton_decode
+
+
+def gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def randn(*shape, g, dtype=torch.float32):
+    return torch.randn(*shape, generator=g).to(dtype)
+
+
+def relative_error(y, ref):
+    return ((y.double() - ref.double()).abs().max() / ref.double().abs().max()).item()
+
+
+# -- norms ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("T,N", [(1, 64), (5, 200), (3, 256)])
+def test_rms_norm(td, T, N, dtype):
+    g = gen(N + T)
+    big = randn(T, N + 24, g=g, dtype=dtype)
+    x = big[:, 8:8 + N]  # strided rows at an offset
+    w = randn(N, g=g, dtype=dtype)
+    ref = torch_rms_norm(x, w, EPS)
+    y = td.rms_norm(x, w, EPS)
+    assert y.dtype == dtype and y.shape == (T, N)
+    assert relative_error(y, ref) < TOL[dtype]
+    out = torch.full((T, N), 7.0, dtype=dtype)
+    assert td.rms_norm(x, w, EPS, out=out) is out and torch.equal(out, y)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("T,N", [(1, 128), (4, 96)])
+def test_add_rms_norm(td, T, N, dtype):
+    g = gen(N * T)
+    x, y, w = randn(T, N, g=g, dtype=dtype), randn(T, N, g=g, dtype=dtype), randn(N, g=g, dtype=dtype)
+    h, hn = td.add_rms_norm(x, y, w, EPS)
+    if dtype == torch.float32:
+        assert torch.equal(h, x + y)
+    assert relative_error(h, x + y) < TOL[dtype]
+    assert relative_error(hn, torch_rms_norm(x + y, w, EPS)) < TOL[dtype]
+
+
+# -- rotary + cache write ----------------------------------------------------------------------------
+
+def reference_qk(q, k, pos, D, dtype, q_norm, k_norm):
+    """moestream's path: per-head rms_norm, then Rope.cos_sin + apply_rope. -> [N, 1, D] each."""
+    Nq, Nkv = q.shape[-1] // D, k.shape[-1] // D
+    cos, sin = Rope(D, THETA, torch.device("cpu")).cos_sin(pos, dtype)
+    q, k = q.view(1, Nq, D), k.view(1, Nkv, D)
+    if q_norm is not None:
+        q, k = torch_rms_norm(q, q_norm, EPS), torch_rms_norm(k, k_norm, EPS)
+    return apply_rope(q.transpose(0, 1), cos, sin), apply_rope(k.transpose(0, 1), cos, sin)
+
+
+@pytest.mark.parametrize("norm", [False, True], ids=["plain", "qk_norm"])
+@pytest.mark.parametrize("D,max_tokens", [(16, 40), (32, 130)])
+def test_rope_qk_store(td, D, max_tokens, norm):
+    Nq, Nkv, L, layer = 4, 2, 3, 1
+    g = gen(D + norm)
+    keys_all = randn(L, Nkv, max_tokens, D, g=g)
+    values_all = randn(L, Nkv, max_tokens, D, g=g)
+    inv_freq = Rope(D, THETA, torch.device("cpu")).inv_freq
+    q_norm, k_norm = (randn(D, g=g), randn(D, g=g)) if norm else (None, None)
+    for p in (0, 1, max_tokens // 2 + 1, max_tokens - 1):
+        # q, k, v: views at offsets into one fused projection row, as the engine's qkv linear gives them
+        qkv = randn(1, 3 + (Nq + 2 * Nkv) * D, g=g)[:, 3:]
+        q, k, v = qkv.split([Nq * D, Nkv * D, Nkv * D], dim=-1)
+        pos = torch.tensor([p])
+        keys, values = keys_all.clone(), values_all.clone()
+        q_out = td.rope_qk_store(q, k, v, pos, inv_freq, keys[layer], values[layer], q_norm=q_norm, k_norm=k_norm,
+                                 eps=EPS)
+        ref_q, ref_k = reference_qk(q, k, pos, D, torch.float32, q_norm, k_norm)
+        assert q_out.shape == (Nq, 1, D) and q_out.is_contiguous()
+        assert relative_error(q_out, ref_q) < TOL[torch.float32]
+        assert relative_error(keys[layer, :, p], ref_k[:, 0]) < TOL[torch.float32]
+        assert torch.equal(values[layer, :, p], v.view(Nkv, D))
+        untouched = torch.ones(L, Nkv, max_tokens, dtype=torch.bool)
+        untouched[layer, :, p] = False
+        assert torch.equal(keys[untouched], keys_all[untouched])
+        assert torch.equal(values[untouched], values_all[untouched])
+
+
+def test_rope_qk_store_bf16(td):
+    Nq, Nkv, D, max_tokens, p = 4, 2, 32, 64, 45
+    g = gen(5)
+    dt = torch.bfloat16
+    q, k, v = randn(1, Nq * D, g=g, dtype=dt), randn(1, Nkv * D, g=g, dtype=dt), randn(1, Nkv * D, g=g, dtype=dt)
+    q_norm, k_norm = randn(D, g=g, dtype=dt), randn(D, g=g, dtype=dt)
+    keys, values = torch.zeros(Nkv, max_tokens, D, dtype=dt), torch.zeros(Nkv, max_tokens, D, dtype=dt)
+    pos = torch.tensor([p])
+    inv_freq = Rope(D, THETA, torch.device("cpu")).inv_freq
+    q_out = td.rope_qk_store(q, k, v, pos, inv_freq, keys, values, q_norm=q_norm, k_norm=k_norm, eps=EPS)
+    ref_q, ref_k = reference_qk(q, k, pos, D, dt, q_norm, k_norm)
+    assert q_out.dtype == dt
+    assert relative_error(q_out, ref_q) < TOL[dt]
+    assert relative_error(keys[:, p], ref_k[:, 0]) < TOL[dt]
+    assert torch.equal(values[:, p], v.view(Nkv, D))
+    assert keys[:, :p].abs().sum() == 0 and keys[:, p + 1:].abs().sum() == 0
+
+
+def test_a_position_past_the_cache_writes_nothing(td):
+    Nq, Nkv, D, max_tokens = 2, 1, 16, 20
+    keys, values = torch.zeros(Nkv, max_tokens, D), torch.zeros(Nkv, max_tokens, D)
+    q, k, v = torch.ones(1, Nq * D), torch.ones(1, Nkv * D), torch.ones(1, Nkv * D)
+    td.rope_qk_store(q, k, v, torch.tensor([max_tokens]), Rope(D, THETA, torch.device("cpu")).inv_freq, keys, values)
+    assert keys.abs().sum() == 0 and values.abs().sum() == 0
+
+
+# -- attention ---------------------------------------------------------------------------------------
+
+def reference_attention(q, keys, values, p):
+    """SDPA over cache positions 0..p with kv heads repeated per group, in float64. -> [1, Nq*D]"""
+    Nq, groups = q.shape[0], q.shape[0] // keys.shape[0]
+    K = keys[:, :p + 1].double().repeat_interleave(groups, dim=0)
+    V = values[:, :p + 1].double().repeat_interleave(groups, dim=0)
+    out = F.scaled_dot_product_attention(q.double()[None], K[None], V[None])
+    return out[0].transpose(0, 1).reshape(1, Nq * q.shape[-1])
+
+
+def attention_inputs(Nq, Nkv, D, max_tokens, dtype, seed):
+    g = gen(seed)
+    cache = randn(2, 2, Nkv, max_tokens, D, g=g, dtype=dtype)  # [k/v, layer, ...]: layer 1 is a view
+    return randn(Nq, 1, D, g=g, dtype=dtype), cache[0, 1], cache[1, 1]
+
+
+@pytest.mark.parametrize("Nq,Nkv,D,max_tokens,split", [
+    (4, 2, 16, 40, 16),  # 3 splits, the last one partial
+    (4, 2, 32, 130, 32),  # 5 splits
+    (8, 2, 32, 130, 128),  # the default split: 2 splits, the second holds 2 keys
+    (4, 4, 16, 64, 16),  # one query head per kv head
+])
+def test_decode_attention(td, Nq, Nkv, D, max_tokens, split):
+    q, keys, values = attention_inputs(Nq, Nkv, D, max_tokens, torch.float32, seed=D + max_tokens)
+    assert td.num_splits(max_tokens, split) == -(-max_tokens // split)
+    for p in sorted({0, 1, split - 1, split, split + 1, max_tokens // 2, max_tokens - 1}):
+        out = td.decode_attention(q, keys, values, torch.tensor([p]), split=split)
+        assert out.shape == (1, Nq * D) and out.dtype == torch.float32
+        assert relative_error(out, reference_attention(q, keys, values, p)) < TOL[torch.float32], p
+
+
+def test_decode_attention_scale_and_bf16(td):
+    q, keys, values = attention_inputs(4, 2, 32, 70, torch.bfloat16, seed=1)
+    for p in (0, 33, 69):
+        out = td.decode_attention(q, keys, values, torch.tensor([p]), split=32)
+        assert out.dtype == torch.bfloat16
+        assert relative_error(out, reference_attention(q, keys, values, p)) < TOL[torch.bfloat16]
+    q, keys, values = attention_inputs(4, 2, 16, 40, torch.float32, seed=2)
+    out = td.decode_attention(q, keys, values, torch.tensor([30]), scale=0.7, split=16)
+    assert relative_error(out, reference_attention(q / 0.25 * 0.7, keys, values, 30)) < TOL[torch.float32]
+
+
+def test_decode_attention_same_bits_every_run_and_cache_length(td):
+    q, keys, values = attention_inputs(4, 2, 32, 130, torch.float32, seed=3)
+    pos = torch.tensor([77])
+    out = td.decode_attention(q, keys, values, pos, split=16)
+    assert torch.equal(out, td.decode_attention(q, keys, values, pos, split=16))
+    # a shorter cache holding the same first keys: other split count, same bits
+    assert torch.equal(out, td.decode_attention(q, keys[:, :90], values[:, :90], pos, split=16))
+
+
+# -- the whole attention of a layer -------------------------------------------------------------------
+
+@pytest.mark.parametrize("qk_norm", [None, "head"])
+def test_matches_the_attention_layer(td, qk_norm):
+    """F.linear + rope_qk_store + decode_attention + F.linear against the Attention layer's
+    one-token step, over several decode steps that share one cache."""
+    H, Nq, Nkv, D, max_tokens = 64, 4, 2, 16, 48
+    g = gen(11)
+    w = AttentionWeights(q=randn(Nq * D, H, g=g) / 8, k=randn(Nkv * D, H, g=g) / 8, v=randn(Nkv * D, H, g=g) / 8,
+                         o=randn(H, Nq * D, g=g) / 8)
+    if qk_norm:
+        w.q_norm, w.k_norm = 1 + randn(D, g=g) / 4, 1 + randn(D, g=g) / 4
+    attn = Attention(w, num_heads=Nq, num_kv_heads=Nkv, head_dim=D, qk_norm=qk_norm, eps=EPS)
+    rope = Rope(D, THETA, torch.device("cpu"))
+    ref_cache, cache = (KVCache(2, Nkv, D, max_tokens, dtype=torch.float32, device=torch.device("cpu"))
+                        for _ in range(2))
+    w_qkv = torch.cat([w.q, w.k, w.v])
+    for p in (0, 1, 2, 3, 4, 5):  # a few decode steps; earlier steps' K/V stay in the caches
+        x = randn(1, H, g=g)
+        pos = torch.tensor([p])
+        cos, sin = rope.cos_sin(pos, torch.float32)
+        ref = attn(x, cos, sin, ref_cache, 1, p)
+        q, k, v = F.linear(x, w_qkv).split([Nq * D, Nkv * D, Nkv * D], dim=-1)
+        q = td.rope_qk_store(q, k, v, pos, rope.inv_freq, cache.keys[1], cache.values[1], q_norm=w.q_norm,
+                             k_norm=w.k_norm, eps=EPS)
+        out = F.linear(td.decode_attention(q, cache.keys[1], cache.values[1], pos, split=16), w.o)
+        assert relative_error(out, ref) < TOL[torch.float32]
+    assert relative_error(cache.keys, ref_cache.keys) < TOL[torch.float32]
+    assert torch.equal(cache.values, ref_cache.values)
+
+
+def test_bad_arguments_are_refused(td):
+    keys = torch.zeros(2, 32, 16)
+    pos = torch.tensor([0])
+    with pytest.raises(ValueError):
+        td.rms_norm(torch.zeros(2, 8), torch.zeros(8, dtype=torch.float16), EPS)  # weight dtype
+    with pytest.raises(ValueError):
+        td.decode_attention(torch.zeros(3, 1, 16), keys, keys, pos)  # 3 query heads on 2 kv heads
+    with pytest.raises(ValueError):
+        td.decode_attention(torch.zeros(4, 1, 16), keys, keys, pos, split=24)
+    with pytest.raises(ValueError):
+        td.rope_qk_store(torch.zeros(1, 64), torch.zeros(1, 16), torch.zeros(1, 32), pos, torch.zeros(8), keys, keys)
