@@ -1,8 +1,9 @@
 """`moestream synth --shape NAME OUT`: a packed model with random weights in a real model's shapes,
 written directly (no checkpoint, no download), for real-size benchmarks.
 
-Random weights route nearly uniformly, so hit rates measured on them are a pessimistic bound for
-caching: real models reuse experts far more."""
+Random weights do not route like a trained model: on the Qwen3-30B-A3B shape they route very
+unevenly (a 25 % cache hits about 95 % in decode), so hit rates measured on them say little about
+real reuse; speeds at a given hit rate are what these models measure."""
 from __future__ import annotations
 
 import argparse
