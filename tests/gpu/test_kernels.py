@@ -135,6 +135,51 @@ def test_launcher_does_not_synchronize(pools):
     torch.cuda.synchronize()
 
 
+@pytest.mark.parametrize("tokens", [1, 300])
+def test_resident_slot_table_needs_no_sync_and_gives_the_batched_bits(pools, tokens):
+    """Every expert resident: the kernels index one device slot table with the router's ids, group
+    the pairs on the device, add the residual, and never synchronize; same bits as the batched path."""
+    pool, fields, quant, slot_of = pool_set = pools(4)
+    layout = tm.SlotLayout.from_fields(fields, quant)
+    x, ids, weights = routing(tokens, torch.bfloat16, seed=11)
+    batched = run(pool_set, x, ids, weights, batch=5)
+    table = torch.tensor(slot_of, dtype=torch.int32, device=DEV)
+    residual = torch.randn(x.shape, generator=torch.Generator(device=DEV).manual_seed(2), device=DEV).to(x.dtype)
+
+    def resident():
+        plan = tm.MoEPlan(x, ids, weights, E, layout)
+        plan.run_table(pool, table)
+        return plan.finish(residual)
+
+    resident()  # compiles
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        y = resident()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(y, residual + batched)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("experts,top_k,normalize", [(128, 8, True), (60, 4, False), (64, 8, False), (8, 2, True)])
+def test_router_kernel_matches_torch(dtype, experts, top_k, normalize):
+    from moestream.kernels.triton_route import route_topk
+
+    dtype = DTYPES[dtype]
+    g = torch.Generator(device=DEV).manual_seed(experts)
+    logits = (torch.randn(257, experts, generator=g, device=DEV) * 2).to(dtype)
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    ref_w, ref_i = torch.topk(probs, top_k, dim=-1)
+    if normalize:
+        ref_w = ref_w / ref_w.sum(dim=-1, keepdim=True)
+    w, i = route_topk(logits, top_k, normalize=normalize, out_dtype=dtype)
+    # equal probabilities (ties among bf16 logits) may come in another order: compare as sets
+    assert torch.equal(i.sort(dim=-1).values, ref_i.sort(dim=-1).values)
+    torch.testing.assert_close(w.float().sort(dim=-1).values, ref_w.to(dtype).float().sort(dim=-1).values,
+                               rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-6)
+
+
 class PoolProvider:
     """An ExpertProvider over a slot pool (what the expert cache exposes), with a batch limit."""
 
