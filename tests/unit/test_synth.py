@@ -1,0 +1,186 @@
+"""`moestream synth`: random-weight packed models in a real model's shapes, written without a checkpoint.
+
+The real shapes are gigabytes, so these tests register tiny shapes built from the real entries
+(same keys, small sizes) and run the real code path on them."""
+import json
+
+import pytest
+import torch
+
+import moestream.bench.synth as synth_module
+from moestream.bench.synth import SHAPES, synth
+from moestream.engine import cli as generate_cli
+from moestream.engine.engine import Engine
+from moestream.engine.options import EngineOptions
+from moestream.engine.tokenizer import NoTokenizer
+from moestream.errors import MoestreamError
+from moestream.format import verify
+from moestream.format.manifest import DENSE_NAME, EXPERT_PROJECTIONS, MANIFEST_NAME
+from moestream.format.reader import PackedModel
+from moestream.quant.affine import QuantSpec
+
+SMALL = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
+             num_experts_per_tok=2, max_position_embeddings=256, eos_token_id=0)
+TINY = {
+    "tiny-qwen3": dict(SHAPES["qwen3-30b-a3b"], **SMALL, head_dim=32, num_experts=8, moe_intermediate_size=64,
+                       intermediate_size=256),
+    "tiny-mixtral": dict(SHAPES["mixtral-8x7b"], **SMALL, head_dim=32, num_local_experts=8, intermediate_size=64),
+    "tiny-olmoe": dict(SHAPES["olmoe-1b-7b"], **dict(SMALL, num_key_value_heads=4), num_experts=8, intermediate_size=64),
+}
+PROMPT = [5, 17, 42, 99, 300]
+
+
+@pytest.fixture(autouse=True)
+def tiny_shapes(monkeypatch):
+    for name, shape in TINY.items():
+        monkeypatch.setitem(SHAPES, name, shape)
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)  # an Engine with threads set changes the process-wide count
+
+
+def sizes(cfg):
+    experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+    inter = cfg.get("moe_intermediate_size", cfg["intermediate_size"])
+    return experts, inter, cfg["hidden_size"]
+
+
+def test_tiny_shapes_keep_the_real_entries_keys():
+    """The tiny shapes are the real entries with smaller numbers, so they take the same code paths."""
+    for name, real in (("tiny-qwen3", "qwen3-30b-a3b"), ("tiny-mixtral", "mixtral-8x7b"), ("tiny-olmoe", "olmoe-1b-7b")):
+        assert set(TINY[name]) == set(SHAPES[real])
+        assert TINY[name]["model_type"] == SHAPES[real]["model_type"]
+
+
+@pytest.mark.parametrize("quant", ["q4", "none"])
+@pytest.mark.parametrize("shape", sorted(TINY))
+def test_synth_model_verifies_reads_back_and_generates(shape, quant, tmp_path, capsys):
+    """A synth model passes `moestream verify`, reads back with its shape's config and one expert layer
+    per layer, and the engine generates from token ids (it has no tokenizer)."""
+    cfg = TINY[shape]
+    experts, inter, hidden = sizes(cfg)
+    out = synth(shape, tmp_path / "m", quant=quant)
+    assert out == tmp_path / "m"
+
+    assert verify.main([str(out), "--no-progress"]) == 0
+    assert "OK, 3 files" in capsys.readouterr().out
+    report = verify.verify(out)
+    assert report.ok and report.layers == 2 and report.records == 2 * experts
+
+    assert sorted(p.name for p in out.iterdir()) == [DENSE_NAME, "experts-000.bin", "experts-001.bin", MANIFEST_NAME]
+    packed = PackedModel(out)
+    assert packed.family == cfg["model_type"]
+    assert packed.config == cfg
+    assert packed.manifest.source == {"synthetic": shape, "seed": 0}
+    bits = {"q4": 4, "none": None}[quant]
+    assert packed.manifest.quantization["default_bits"] == bits
+    assert [e.layer for e in packed.manifest.expert_layers] == [0, 1]
+    for entry in packed.manifest.expert_layers:
+        assert entry.num_experts == experts and len(entry.crc32) == experts
+        assert (out / entry.file).stat().st_size == experts * entry.record_size
+        for proj in EXPERT_PROJECTIONS:
+            assert QuantSpec.from_json(entry.quant[proj]).bits == bits
+
+    # stored form: the expert and attention matrices at the chosen bits, the router at 8 bits or float
+    moe = "block_sparse_moe" if cfg["model_type"] == "mixtral" else "mlp"
+    assert packed.tensor_spec("model.layers.1.self_attn.o_proj.weight").bits == bits
+    assert packed.tensor_spec(f"model.layers.1.{moe}.gate.weight").bits == (8 if bits else None)
+    assert packed.dense(f"model.layers.0.{moe}.gate.weight").shape == (experts, hidden)
+    assert packed.dense("model.embed_tokens.weight").shape == (cfg["vocab_size"], hidden)
+    w = packed.dequantized_expert(1, experts - 1)
+    assert w["gate_proj"].shape == w["up_proj"].shape == (inter, hidden) and w["down_proj"].shape == (hidden, inter)
+    # random weights spread about 0.02 around 0, quantized or not
+    assert 0.01 < w["up_proj"].std().item() < 0.04 and abs(w["up_proj"].mean().item()) < 0.005
+
+    engine = Engine.load(out, options=EngineOptions(device="cpu", threads=1))
+    try:
+        assert isinstance(engine.tokenizer, NoTokenizer)
+        assert engine.args.num_hidden_layers == 2 and engine.plan.total_experts == 2 * experts
+        logits, _ = engine.prefill(PROMPT)
+        assert logits.shape[-1] == cfg["vocab_size"] and torch.isfinite(logits).all()
+        engine.reset()
+        gen = engine.generate(PROMPT, max_new_tokens=6, stop_at_eos=False)
+        tokens = [e.token_id for e in gen]
+        assert len(tokens) == 6 and all(0 <= t < cfg["vocab_size"] for t in tokens)
+        assert gen.result.receipt["generated_tokens"] == 6 and gen.result.finish_reason == "length"
+    finally:
+        engine.close()
+
+
+def test_same_seed_same_files_other_seed_other_weights(tmp_path):
+    """Synth output is a function of shape, quant and seed."""
+    def digests(path):
+        return {name: info["sha256"] for name, info in PackedModel(path).manifest.files.items()}
+
+    a = digests(synth("tiny-qwen3", tmp_path / "a", seed=3))
+    assert a == digests(synth("tiny-qwen3", tmp_path / "b", seed=3))
+    c = digests(synth("tiny-qwen3", tmp_path / "c", seed=4))
+    assert all(a[name] != c[name] for name in a)
+
+
+def test_generate_cli_takes_prompt_ids_on_a_synth_model(tmp_path, capsys):
+    """`moestream generate --prompt-ids` runs a synth model; a text prompt is refused in one line."""
+    out = synth("tiny-qwen3", tmp_path / "m", quant="q4")
+    base = ["--model", str(out), "--device", "cpu", "--threads", "1"]
+    assert generate_cli.main(base + ["--prompt-ids", "1,2,3", "--max-new", "4", "--json"]) == 0
+    obj = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert 1 <= len(obj["token_ids"]) <= 4 and obj["text"] == ""
+    assert generate_cli.main(base + ["--prompt", "hello"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("moestream generate: error:") and "--prompt-ids" in err[0]
+
+
+def test_layers_keeps_the_first_n_layers(tmp_path, capsys):
+    """`--layers N` writes N layers, in the config and as expert files."""
+    out = tmp_path / "m"
+    assert synth_module.main([str(out), "--shape", "tiny-qwen3", "--layers", "1", "--quant", "q8"]) == 0
+    assert capsys.readouterr().out.strip() == f"wrote {out}"
+    packed = PackedModel(out)
+    assert packed.config["num_hidden_layers"] == 1
+    assert [e.layer for e in packed.manifest.expert_layers] == [0]
+    assert sorted(p.name for p in out.glob("experts-*.bin")) == ["experts-000.bin"]
+    assert QuantSpec.from_json(packed.expert_layer(0).quant["down_proj"]).bits == 8
+    assert not any(n.startswith("model.layers.1.") for n in packed.dense_names)
+    assert verify.verify(out).ok
+    engine = Engine.load(out, options=EngineOptions(device="cpu", threads=1))
+    try:
+        assert engine.args.num_hidden_layers == 1
+        assert len(list(engine.generate(PROMPT, max_new_tokens=2, stop_at_eos=False))) == 2
+    finally:
+        engine.close()
+
+
+def test_non_empty_out_is_refused_without_force(tmp_path, capsys):
+    """A non-empty OUT is left alone and refused in one line (exit 1); --force writes over it."""
+    out = tmp_path / "m"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    assert synth_module.main([str(out), "--shape", "tiny-qwen3"]) == 1
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("moestream synth: error:"), captured.err
+    assert str(out) in err[0] and "--force" in err[0] and "Traceback" not in captured.err
+    assert captured.out == ""
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+
+    assert synth_module.main([str(out), "--shape", "tiny-qwen3", "--force"]) == 0
+    assert verify.verify(out).ok
+    manifest = (out / MANIFEST_NAME).read_bytes()
+    assert synth_module.main([str(out), "--shape", "tiny-qwen3", "--seed", "1"]) == 1  # a finished model too
+    assert (out / MANIFEST_NAME).read_bytes() == manifest
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert synth_module.main([str(empty), "--shape", "tiny-qwen3"]) == 0  # an empty OUT needs no --force
+
+
+def test_unknown_shape_is_refused(tmp_path, capsys):
+    """argparse refuses a shape it does not know (exit 2) and names the known ones; synth() raises."""
+    with pytest.raises(SystemExit) as exc:
+        synth_module.main([str(tmp_path / "m"), "--shape", "qwen9-1t"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "invalid choice: 'qwen9-1t'" in err and "qwen3-30b-a3b" in err
+    with pytest.raises(MoestreamError, match="unknown shape"):
+        synth("qwen9-1t", tmp_path / "m")
+    assert not (tmp_path / "m").exists()
