@@ -36,6 +36,18 @@ def random_prompt(n: int, vocab: int, seed: int) -> list[int]:
     return torch.randint(0, vocab, (n,), generator=g).tolist()
 
 
+def parse_lengths(text: str) -> list[int]:
+    """"512,2048" -> [512, 2048]; a clear error for anything that is not a positive integer."""
+    lengths = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        if not part.isdigit() or int(part) < 1:
+            raise MoestreamError(f"--prefill-tokens: {part!r} is not a positive number of tokens")
+        lengths.append(int(part))
+    return lengths
+
+
 def measure(engine, *, prefill_sizes: list[int], decode_tokens: int, seed: int) -> dict:
     vocab = engine.args.vocab_size
     out = {"prefill": []}
@@ -147,8 +159,18 @@ def run(args) -> dict:
     from moestream.engine.engine import Engine
 
     base = EngineOptions.from_args(args)
-    sizes = args.cache_sizes.split(",") if args.cache_sizes else [base.cache_size]
-    prefill_sizes = [int(x) for x in args.prefill_tokens.split(",") if x]
+    sizes = [x.strip() for x in args.cache_sizes.split(",") if x.strip()] if args.cache_sizes else [base.cache_size]
+    prefill_sizes = parse_lengths(args.prefill_tokens)
+    if args.compare_transformers and not prefill_sizes:
+        raise MoestreamError("--compare-transformers needs at least one --prefill-tokens length")
+    from moestream.engine.engine import DEMO_MODEL
+    from moestream.engine.plan import plan_run
+    from moestream.format.reader import PackedModel
+
+    if args.model or (DEMO_MODEL / "moestream.json").is_file():
+        packed = PackedModel(args.model or DEMO_MODEL)
+        for size in sizes:  # a bad size is named now, not after the sizes before it have run
+            plan_run(packed, replace(base, cache_size=size))
     results = {"machine": machine_info(), "model": str(args.model or "demo"), "runs": []}
     for size in sizes:
         if args.cold and not drop_page_cache():
@@ -178,8 +200,10 @@ def run(args) -> dict:
               f"hit rate {d['hit_rate']:.3f}, read wait {d['read_wait_s']:.2f} s; {pf}", flush=True)
     if args.compare_transformers:
         device = base.device if base.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-        ref = compare_transformers(args.model, device=device, prefill=max(prefill_sizes), decode_tokens=args.decode_tokens,
-                                   seed=args.seed)
+        from moestream.engine.engine import DEMO_MODEL
+
+        ref = compare_transformers(args.model or DEMO_MODEL, device=device, prefill=max(prefill_sizes),
+                                   decode_tokens=args.decode_tokens, seed=args.seed)
         results["transformers"] = ref
         last = results["runs"][-1]
         ref["decode_ratio"] = round((last["decode"]["tok_s"] or 0) / ref["decode_tok_s"], 3)
@@ -199,5 +223,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
     if args.plot:
-        plot(results, args.plot)
+        try:
+            plot(results, args.plot)
+        except ImportError:
+            print("moestream bench: error: --plot needs matplotlib (pip install matplotlib); the JSON was written",
+                  file=sys.stderr)
+            return 1
     return 0

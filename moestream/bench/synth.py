@@ -73,11 +73,18 @@ def synth(shape: str, out: Path, *, layers: int | None = None, quant: str = "q4"
     if shape not in SHAPES:
         raise MoestreamError(f"unknown shape {shape!r} (known: {', '.join(SHAPES)})")
     cfg = dict(SHAPES[shape])
-    if layers:
+    if layers is not None:
+        if not 1 <= layers <= cfg["num_hidden_layers"]:
+            raise MoestreamError(f"--layers {layers}: {shape} has layers 1..{cfg['num_hidden_layers']}")
         cfg["num_hidden_layers"] = layers
     out = Path(out)
-    if out.exists() and any(out.iterdir()) and not force:
-        raise MoestreamError(f"{out} exists and is not empty (use --force to overwrite)")
+    if out.exists() and not out.is_dir():
+        raise MoestreamError(f"{out} exists and is not a directory")
+    if out.exists() and any(out.iterdir()):
+        if not force:
+            raise MoestreamError(f"{out} exists and is not empty (use --force to overwrite)")
+        for stale in [*out.glob("experts-*.bin"), out / "moestream.json"]:  # a smaller model must not keep them
+            stale.unlink(missing_ok=True)
     out.mkdir(parents=True, exist_ok=True)
     rw = RandomWeights(BITS[quant], group_size, seed)
     H, L = cfg["hidden_size"], cfg["num_hidden_layers"]

@@ -81,6 +81,9 @@ class Engine:
                                     host_slots=self.plan.host_slots, host_policy=options.host_cache_policy,
                                     staging_buffers=self.plan.staging)
         self.args, self.model = build_model(packed, self.provider, device=self.device, dtype=self.dtype)
+        from moestream.experts.predict import attach
+
+        self.prefetcher = attach(self.model, self.provider, options.prefetch)
         self.tokenizer = load_tokenizer(packed.directory, packed.config)
         self.model_name = packed.directory.name if packed.directory != DEMO_MODEL else "moestream-demo"
         self.cache = KVCache(self.args.num_hidden_layers, self.args.num_key_value_heads, self.args.head_dim,

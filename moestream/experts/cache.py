@@ -106,6 +106,7 @@ class ExpertCache:
         pinned, waits = [], []
         st = self.stats_
         self._run_deferred()
+        self._reap_prefetches()
         try:
             for e in experts:
                 key = (li, e)
@@ -343,6 +344,14 @@ class ExpertCache:
         if view is not None and all(self.source.resident(layer, [expert])):
             return view, None
         return None
+
+    def _reap_prefetches(self) -> None:
+        """Mark early reads that have landed as ready, so that a guess nobody used can be evicted."""
+        for key in [k for k in self._prefetched if k in self.pending and self.pending[k].done()]:
+            try:
+                self._finish(key)
+            except ExpertReadError:  # the slot is freed; a later fetch reads the expert again
+                pass
 
     def _run_deferred(self, *, wait: bool = False) -> None:
         """Run the callbacks of finished host->device copies (all of them, waiting, with wait)."""

@@ -89,7 +89,7 @@ def slot_pool(provider, layer: int) -> torch.Tensor:
 
 
 def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, num_experts: int, provider,
-                   layer: int, layout, *, residual: torch.Tensor | None = None) -> torch.Tensor:
+                   layer: int, layout, *, residual: torch.Tensor | None = None, after_fetch=None) -> torch.Tensor:
     """sum over a of weights[t, a] * FFN_{ids[t, a]}(x[t]) on the Triton kernels, reading the pool
     (plus `residual` when given, added by the last kernel).
 
@@ -110,6 +110,8 @@ def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, nu
     for i in range(0, len(experts), limit):
         batch = experts[i:i + limit]
         provider.fetch(layer, batch, views=False)
+        if i == 0 and after_fetch is not None:
+            after_fetch(layer, x)
         try:
             plan.run(pool, batch, provider.slots_of(layer, batch))
         finally:  # a victim slot is rewritten only after the kernels queued above (stream order)

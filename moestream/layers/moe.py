@@ -47,6 +47,9 @@ class MoEBlock:
         self.float32_routing_weights = float32_routing_weights  # Mixtral keeps them in float32
         self.shared = shared
         self.on_route: Callable[[int, torch.Tensor], None] | None = None  # tracing hook
+        # called with the experts' input once this layer's experts are pinned (early reads for later
+        # layers start there, so they cannot evict what this layer is about to use)
+        self.after_fetch: Callable[[int, torch.Tensor], None] | None = None
 
     @property
     def num_experts(self) -> int:
@@ -73,9 +76,10 @@ class MoEBlock:
         layout = kernel_dispatch.triton_layout(x, self.provider, self.layer)
         if layout is not None and self.shared is None:  # the last kernel adds the residual
             return kernel_dispatch.routed_experts(x, ids, weights, self.num_experts, self.provider, self.layer,
-                                                  layout, residual=residual)
+                                                  layout, residual=residual, after_fetch=self.after_fetch)
         if layout is not None:  # CUDA: grouped kernels read the records straight from the slot pool
-            out = kernel_dispatch.routed_experts(x, ids, weights, self.num_experts, self.provider, self.layer, layout)
+            out = kernel_dispatch.routed_experts(x, ids, weights, self.num_experts, self.provider, self.layer, layout,
+                                                 after_fetch=self.after_fetch)
         else:
             out = self._reference_experts(x, weights, ids, torch.unique(ids).tolist())
         return self.add_shared(x, out, residual)
@@ -100,6 +104,8 @@ class MoEBlock:
         for i in range(0, len(experts), limit):  # experts in ascending order, whatever the batching
             batch = experts[i:i + limit]
             records = self.provider.fetch(self.layer, batch)
+            if i == 0 and self.after_fetch is not None:
+                self.after_fetch(self.layer, x)
             try:
                 for e in batch:
                     tok, slot = torch.where(ids == e)

@@ -44,7 +44,6 @@ class MoETransformer:
         self.embed, self.layers, self.final_norm, self.lm_head = embed, layers, final_norm, lm_head
         self.rope, self.eps = rope, eps
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
-        self.after_layer: Callable[[int, torch.Tensor], None] | None = None  # prefetch hook
 
     @property
     def dtype(self) -> torch.dtype:
@@ -61,8 +60,6 @@ class MoETransformer:
         cos, sin = self.rope.cos_sin(positions, x.dtype)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, cache, i, start)
-            if self.after_layer is not None:
-                self.after_layer(i, x)
         cache.length = start + ids.shape[0]
         if not all_logits:
             x = x[-1:]

@@ -19,14 +19,6 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 pytestmark = pytest.mark.skipif(not (DEMO_MODEL / "moestream.json").is_file(), reason="the demo model is not in the tree")
 
 
-def has_matplotlib() -> bool:
-    try:
-        import matplotlib  # noqa: F401
-        return True
-    except ImportError:
-        return False
-
-
 @pytest.fixture(autouse=True)
 def keep_threads():
     before = torch.get_num_threads()
@@ -49,9 +41,7 @@ def sweep(tmp_path_factory):
     """One warm sweep of the demo model over a 25 % and a 100 % device cache."""
     tmp = tmp_path_factory.mktemp("bench")
     argv = ["--device", "cpu", "--threads", "1", "--cache-sizes", "25%,100%", "--prefill-tokens", "16",
-            "--decode-tokens", "4", "--warmup", "--out", str(tmp / "OUT.json")]
-    if has_matplotlib():  # not among the declared dependencies: without it --plot cannot work
-        argv += ["--plot", str(tmp / "OUT.png")]
+            "--decode-tokens", "4", "--warmup", "--out", str(tmp / "OUT.json"), "--plot", str(tmp / "OUT.png")]
     before = torch.get_num_threads()
     try:
         code, out, err = run_bench(argv)
@@ -101,8 +91,6 @@ def test_one_run_per_cache_size_with_speeds_and_hit_rates(sweep):
 
 def test_plot_is_a_png(sweep):
     """--plot writes a PNG of decode speed and hit rate per cache size."""
-    if not has_matplotlib():
-        pytest.skip("matplotlib is not installed")
     assert sweep["png"].read_bytes()[:8] == PNG_SIGNATURE
 
 
@@ -121,8 +109,6 @@ def test_compare_transformers(tmp_path):
     assert "moestream / transformers decode" in stdout
 
 
-@pytest.mark.xfail(strict=True, raises=TypeError,
-                   reason="bug: without --model, compare_transformers gets model_dir=None instead of the demo model")
 def test_compare_transformers_on_the_default_demo_model(tmp_path):
     """--compare-transformers without --model compares the built-in demo model."""
     out = tmp_path / "OUT.json"
@@ -166,3 +152,16 @@ def test_bad_model_path_is_one_line_error(where, tmp_path):
     assert len(lines) == 1 and lines[0].startswith("moestream bench: error:") and str(model) in lines[0], err
     assert "Traceback" not in err and stdout == ""
     assert not out.exists()
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--prefill-tokens", "1x"], "'1x' is not a positive number"),
+    (["--prefill-tokens", "0"], "'0' is not a positive number"),
+    (["--cache-sizes", "100%,bogus"], "bogus"),
+    (["--prefill-tokens", "", "--compare-transformers"], "needs at least one --prefill-tokens"),
+])
+def test_bad_arguments_are_named_before_anything_runs(argv, needle, tmp_path):
+    out = tmp_path / "OUT.json"
+    code, stdout, err = run_bench(["--device", "cpu", *argv, "--out", str(out)])
+    assert code == 1 and needle in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1 and stdout == "" and not out.exists()

@@ -82,6 +82,32 @@ def test_filling_the_host_tier_reads_what_it_holds_once(model, reference, host):
     engine.close()
 
 
+@pytest.mark.parametrize("size", ["min", "25%"])
+def test_next_layer_prefetch_changes_nothing_but_the_reads(model, reference, size):
+    out, receipt = run(model, cache_size=size, prefetch="next-layer")
+    assert out == reference
+    stats = receipt["experts"]
+    assert 0 <= stats["prefetch_used"] <= stats["prefetch_issued"]
+    if size != "min":  # at the floor every slot is pinned by the layer computing: no room for guesses
+        assert stats["prefetch_issued"] > 0
+    out, receipt = run(model, cache_size=size, prefetch="none")
+    assert out == reference and receipt["experts"]["prefetch_issued"] == 0
+
+
+def test_prefetch_guesses_come_from_the_next_layers_router(model):
+    """The predictor asks for exactly the next MoE layer's router top-k on this layer's expert input."""
+    engine = Engine.load(model, options=EngineOptions(device="cpu", cache_size="all", prefetch="next-layer"))
+    asked = []
+    engine.provider.prefetch = lambda layer, experts: asked.append((layer, list(experts))) or 0
+    prompt = engine.tokenizer.encode("x = 1")
+    list(engine.generate(prompt, max_new_tokens=3))
+    moe_layers = [layer.ffn.layer for layer in engine.model.layers if hasattr(layer.ffn, "router")]
+    assert asked and {layer for layer, _ in asked} == set(moe_layers[1:])
+    top_k = engine.args.num_experts_per_tok
+    assert all(len(experts) == top_k and experts == sorted(experts) for _, experts in asked)
+    engine.close()
+
+
 def test_receipt_fields_and_per_layer_hit_rate(model):
     _, receipt = run(model, cache_size="min")
     experts = receipt["experts"]

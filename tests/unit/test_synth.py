@@ -184,3 +184,25 @@ def test_unknown_shape_is_refused(tmp_path, capsys):
     with pytest.raises(MoestreamError, match="unknown shape"):
         synth("qwen9-1t", tmp_path / "m")
     assert not (tmp_path / "m").exists()
+
+
+@pytest.mark.parametrize("layers", ["0", "-1", "3"])
+def test_layers_outside_the_shape_are_refused(layers, tmp_path, capsys):
+    out = tmp_path / "m"
+    assert synth_module.main(["--shape", "tiny-qwen3", "--layers", layers, str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "--layers" in err and len(err.strip().splitlines()) == 1 and not out.exists()
+
+
+def test_force_leaves_no_files_of_the_model_it_replaces(tmp_path, capsys):
+    out = tmp_path / "m"
+    assert synth_module.main(["--shape", "tiny-qwen3", str(out)]) == 0
+    assert synth_module.main(["--shape", "tiny-qwen3", "--layers", "1", "--force", str(out)]) == 0
+    assert sorted(p.name for p in out.glob("experts-*.bin")) == ["experts-000.bin"]
+
+
+def test_out_that_is_a_file_is_refused(tmp_path, capsys):
+    out = tmp_path / "file"
+    out.write_text("x")
+    assert synth_module.main(["--shape", "tiny-qwen3", "--force", str(out)]) == 1
+    assert "not a directory" in capsys.readouterr().err and out.read_text() == "x"
