@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
 
 
 @triton.jit
@@ -48,3 +49,6 @@ def route_topk(logits: torch.Tensor, top_k: int, *, normalize: bool, out_dtype: 
                                BLOCK_E=triton.next_power_of_2(experts), BLOCK_A=triton.next_power_of_2(top_k),
                                NORMALIZE=normalize, num_warps=4 if experts > 256 else 1)
     return weights, ids
+
+
+_INTERPRETED = isinstance(_route_topk, InterpretedFunction)  # under Triton's CPU interpreter (tests)

@@ -7,9 +7,6 @@ Triton reads TRITON_INTERPRET when it is first imported, so unless this process 
 it, a single test runs this file again in a child process that is. Skipped where Triton is not
 installed. Float32 is checked tightly; bfloat16 only loosely, because the interpreter truncates
 float32 -> bfloat16 where the GPU rounds to nearest (tests/gpu checks the bf16 bits)."""
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -17,34 +14,25 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
+from interpret import interpreted_module, run_file_interpreted  # noqa: E402
+
 from moestream.engine.kv_cache import KVCache  # noqa: E402
 from moestream.layers.attention import Attention, AttentionWeights  # noqa: E402
 from moestream.layers.norm import rms_norm as torch_rms_norm  # noqa: E402
 from moestream.layers.rope import Rope, apply_rope  # noqa: E402
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 EPS = 1e-6
 THETA = 1e6
 TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}  # max |y - ref| / max |ref|
 
 
 def test_decode_kernels_under_the_interpreter():
-    if INTERPRETED:
-        pytest.skip("this process interprets: the tests below run here")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                          env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    run_file_interpreted(__file__)
 
 
 @pytest.fixture(scope="module")
 def td():
-    if not INTERPRETED:
-        pytest.skip("runs in the interpreting child process")
-    from moestream.kernels import triton_decode
-
-    assert triton_decode._INTERPRETED
-    return triton_decode
+    return interpreted_module("moestream.kernels.triton_decode")
 
 
 def gen(seed):

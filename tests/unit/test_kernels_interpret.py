@@ -5,19 +5,17 @@ Triton reads TRITON_INTERPRET when it is first imported, so unless this process 
 it, a single test runs this file again in a child process that is. Skipped where Triton is not
 installed. bfloat16 tolerances are looser than on the GPU: the interpreter truncates
 float32 -> bfloat16 where the GPU rounds to nearest."""
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
+from interpret import interpreted_module, run_file_interpreted  # noqa: E402
+
 from moestream.kernels.dispatch import build_pool, reference_moe  # noqa: E402
 from moestream.quant.affine import QuantSpec  # noqa: E402
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 H, I, E, A = 128, 64, 8, 2
 TOL = {torch.bfloat16: 4e-2, torch.float32: 1e-5}  # max |y - ref| / max |ref|
 # Big output blocks: fewer programs, and the interpreter runs programs one at a time.
@@ -25,22 +23,12 @@ FAST = dict(gemv_gate_up_n=64, gemv_down_n=128, block_m=64, down_n=128, combine_
 
 
 def test_kernels_under_the_interpreter():
-    if INTERPRETED:
-        pytest.skip("this process interprets: the tests below run here")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                          env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    run_file_interpreted(__file__)
 
 
 @pytest.fixture(scope="module")
 def tm():
-    if not INTERPRETED:
-        pytest.skip("runs in the interpreting child process")
-    from moestream.kernels import triton_moe
-
-    assert triton_moe._INTERPRETED
-    return triton_moe
+    return interpreted_module("moestream.kernels.triton_moe")
 
 
 @pytest.fixture(scope="module")
@@ -144,9 +132,7 @@ def test_resident_table_gives_the_same_bits_and_adds_the_residual(tm, pools, tok
 @pytest.mark.parametrize("normalize", [True, False])
 @pytest.mark.parametrize("experts,top_k", [(8, 2), (60, 8), (128, 6)])
 def test_router_kernel_matches_torch(normalize, experts, top_k):
-    if not INTERPRETED:
-        pytest.skip("runs in the interpreting child process")
-    from moestream.kernels.triton_route import route_topk
+    route_topk = interpreted_module("moestream.kernels.triton_route").route_topk
 
     g = torch.Generator().manual_seed(experts)
     for dtype in (torch.float32, torch.bfloat16):
