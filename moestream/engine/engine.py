@@ -83,7 +83,8 @@ class Engine:
         self.args, self.model = build_model(packed, self.provider, device=self.device, dtype=self.dtype)
         from moestream.experts.predict import attach
 
-        self.prefetcher = attach(self.model, self.provider, options.prefetch)
+        # CPU for now: on CUDA one-token steps run in the decoder, which does not predict yet
+        self.prefetcher = attach(self.model, self.provider, options.prefetch if self.device.type == "cpu" else "none")
         self.tokenizer = load_tokenizer(packed.directory, packed.config)
         self.model_name = packed.directory.name if packed.directory != DEMO_MODEL else "moestream-demo"
         self.cache = KVCache(self.args.num_hidden_layers, self.args.num_key_value_heads, self.args.head_dim,

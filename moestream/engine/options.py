@@ -20,7 +20,7 @@ class EngineOptions:
     io_threads: int = 32
     host_cache_size: str = "0"
     host_cache_policy: str = "clock"
-    prefetch: str = "next-layer"  # start reading the next MoE layer's likely experts early (one-token steps)
+    prefetch: str = "next-layer"  # start reading the next MoE layer's likely experts early (CPU, one-token steps)
     memory_budget: str | None = None
     check_records: bool = False
     trace_routing: str | None = None
@@ -56,7 +56,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--host-cache-policy", default="clock", choices=["clock", "lru", "arc", "lfu"], help="host tier policy (default clock)")
     c.add_argument("--prefetch", default="next-layer", choices=["next-layer", "none"],
                    help="next-layer (default): while a layer computes, read the experts the next layer's router "
-                        "picks for the current hidden state; none: read only on demand. Not yet in the CUDA decoder")
+                        "picks for the current hidden state; none: read only on demand. CPU only for now")
     c.add_argument("--memory-budget", default=None, metavar="SIZE", help="size everything to fit SIZE of device memory; refuse if impossible")
     c.add_argument("--check-records", action="store_true", help="verify each expert record's checksum as it is read")
     c.add_argument("--trace-routing", default=None, metavar="FILE", help="record (layer, position, experts) of every token to FILE (.npz)")
