@@ -77,7 +77,7 @@ class Engine:
         source = open_source(options.expert_source, packed, io_threads=options.io_threads,
                              check_records=options.check_records)
         self.provider = ExpertCache(packed, self.device, slots=self.plan.slots, source=source,
-                                    policy=options.cache_policy, partition=options.cache_partition,
+                                    policy=self.plan.cache_policy, partition=options.cache_partition,
                                     host_slots=self.plan.host_slots, host_policy=options.host_cache_policy,
                                     staging_buffers=self.plan.staging)
         self.args, self.model = build_model(packed, self.provider, device=self.device, dtype=self.dtype)

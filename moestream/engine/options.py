@@ -14,7 +14,7 @@ class EngineOptions:
     threads: int = 0  # CPU compute threads; 0: torch's default
     cuda_graphs: bool = True  # CUDA decode steps replay as CUDA graphs (one per step when all experts are resident)
     cache_size: str = "auto"
-    cache_policy: str = "clock"
+    cache_policy: str = "auto"  # clock, or lfu where the pool is smaller than one token's experts
     cache_partition: str = "shared"
     expert_source: str = "direct"
     io_threads: int = 32
@@ -46,7 +46,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--cache-size", default="auto",
                    help="device expert slots: bytes (4GiB), a share of all experts (25%%), min, all; "
                         "default auto: what fits in free memory (the demo model: 30%%)")
-    c.add_argument("--cache-policy", default="clock", choices=["clock", "lru", "arc", "lfu"], help="slot replacement policy (default clock)")
+    c.add_argument("--cache-policy", default="auto", choices=["auto", "clock", "lru", "arc", "lfu"],
+                   help="slot replacement policy (default auto: clock, or lfu where the pool holds fewer slots than "
+                        "one token's experts across all layers)")
     c.add_argument("--cache-partition", default="shared", choices=["shared", "per-layer"],
                    help="one pool for all layers (default) or a fixed share per layer")
     c.add_argument("--expert-source", default="direct", choices=["direct", "mmap"],

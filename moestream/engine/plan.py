@@ -30,10 +30,11 @@ class RunPlan:
     min_slots: int
     staging: int
     ledger: Ledger
+    cache_policy: str = "clock"  # the device cache's policy, "auto" resolved
 
     def describe(self) -> str:
         return (f"device {self.device}, {str(self.dtype).replace('torch.', '')}, context {self.max_context} tokens, "
-                f"slot {self.slot_bytes} B, floor {self.min_slots} slots\n"
+                f"slot {self.slot_bytes} B, floor {self.min_slots} slots, policy {self.cache_policy}\n"
                 + self.ledger.table(slots=self.slots, slot_bytes=self.slot_bytes, total_experts=self.total_experts))
 
 
@@ -101,5 +102,17 @@ def plan_run(packed: PackedModel, options: EngineOptions, *, default_cache_size:
         slots = slots_within(budget, ledger(0), slot_bytes=slot_bytes, min_slots=floor, total_experts=total)
     else:
         slots = slots_for(size, slot_bytes=slot_bytes, total_experts=total, min_slots=floor)
+    working_set = args.num_experts_per_tok * len(layers)  # (layer, expert) pairs one token touches
     return RunPlan(device=device, dtype=dtype, max_context=max_context, slots=slots, host_slots=host_slots,
-                   slot_bytes=slot_bytes, total_experts=total, min_slots=floor, staging=staging, ledger=ledger(slots))
+                   slot_bytes=slot_bytes, total_experts=total, min_slots=floor, staging=staging, ledger=ledger(slots),
+                   cache_policy=resolve_policy(options.cache_policy, slots=slots, working_set=working_set,
+                                               partition=options.cache_partition))
+
+
+def resolve_policy(name: str, *, slots: int, working_set: int, partition: str) -> str:
+    """"auto": lfu where a shared pool is smaller than one token's experts across all layers (there
+    every recency policy evicts each expert just before its next use; lfu keeps the often-routed
+    ones), clock elsewhere (its victim choice costs O(1); lfu's scans every slot)."""
+    if name != "auto":
+        return name
+    return "lfu" if partition == "shared" and slots < working_set else "clock"

@@ -263,15 +263,20 @@ class ARCPolicy(ReplacementPolicy):
 class LFUPolicy(ReplacementPolicy):
     """Least frequently used with exponential decay, so experts popular long ago age out.
 
-    Each hit or admit adds 1 to the slot's score; every access anywhere (counted globally) halves
+    Each hit or admit adds 1 to the key's score; every access anywhere (counted globally) halves
     all scores after ``half_life`` accesses. Scores are kept as ``log2(score) + time / half_life``,
     which orders slots like the decayed score without touching every slot on each access.
+
+    A key's score outlives its eviction (it decays on like the rest) and comes back with it. So
+    when the pool is smaller than the keys one token touches -- where every recency policy evicts
+    each expert just before its next use and hits nothing -- the often-routed experts keep their
+    slots and the rest pass through the least valuable ones.
     """
 
     name = "lfu"
     options = ("half_life",)
 
-    def __init__(self, capacity: int, *, half_life: float = 64.0):
+    def __init__(self, capacity: int, *, half_life: float = 1024.0):
         super().__init__(capacity)
         if not half_life > 0:
             raise ValueError(f"lfu half_life must be > 0 accesses, got {half_life!r}")
@@ -281,6 +286,8 @@ class LFUPolicy(ReplacementPolicy):
         self._last = [0] * capacity
         self._rank = [0.0] * capacity
         self._count = 0
+        self._key: list[Hashable] = [None] * capacity
+        self._history: dict[Hashable, tuple[float, int]] = {}  # evicted key -> (score, time it left)
 
     def score(self, slot: int) -> float:
         """The slot's decayed score at the current time (0 if empty)."""
@@ -305,7 +312,10 @@ class LFUPolicy(ReplacementPolicy):
         if self._score[slot] is None:
             self._count += 1
         self.now += 1
-        self._set(slot, 1.0)
+        past = self._history.pop(key, None)
+        earlier = past[0] * 2.0 ** ((past[1] - self.now) / self.half_life) if past else 0.0
+        self._key[slot] = key
+        self._set(slot, earlier + 1.0)
 
     def evict(self, incoming_key: Hashable, can_evict: Callable[[int], bool]) -> int | None:
         best = None
@@ -324,7 +334,10 @@ class LFUPolicy(ReplacementPolicy):
     def forget(self, slot: int) -> None:
         self._check_slot(slot)
         if self._score[slot] is not None:
+            if self._key[slot] is not None:
+                self._history[self._key[slot]] = (self.score(slot), self.now)
             self._score[slot] = None
+            self._key[slot] = None
             self._count -= 1
 
     def __contains__(self, slot: object) -> bool:

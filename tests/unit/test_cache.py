@@ -108,6 +108,34 @@ def test_prefetch_guesses_come_from_the_next_layers_router(model):
     engine.close()
 
 
+def test_auto_policy_keeps_often_routed_experts_when_the_pool_is_below_one_tokens_experts():
+    """The demo model (trained: real routing) at 10 %: 26 slots for the 32 (layer, expert) pairs one
+    token touches. CLOCK evicts each expert just before its next use and hits nothing; "auto" picks
+    LFU, which keeps the often-routed experts. Same tokens either way."""
+    from moestream.engine.engine import DEMO_MODEL
+
+    outs = {}
+    for policy in ("clock", "auto"):
+        engine = Engine.load(DEMO_MODEL, options=EngineOptions(device="cpu", cache_size="10%", cache_policy=policy,
+                                                               prefetch="none"))
+        prompt = engine.tokenizer.encode("import os\nimport sys\n\ndef main():\n")
+        gen = engine.generate(prompt, max_new_tokens=24, stop_at_eos=False)
+        outs[policy] = ([e.token_id for e in gen], gen.result.receipt)
+        engine.close()
+    assert outs["clock"][0] == outs["auto"][0]
+    assert outs["auto"][1]["experts"]["policy"] == "lfu" and outs["clock"][1]["experts"]["policy"] == "clock"
+    assert outs["clock"][1]["hit_rate"] < 0.05 < 0.15 < outs["auto"][1]["hit_rate"]
+
+
+def test_auto_policy_is_clock_where_the_pool_holds_a_tokens_experts():
+    from moestream.engine.plan import resolve_policy
+
+    assert resolve_policy("auto", slots=32, working_set=32, partition="shared") == "clock"
+    assert resolve_policy("auto", slots=31, working_set=32, partition="shared") == "lfu"
+    assert resolve_policy("auto", slots=31, working_set=32, partition="per-layer") == "clock"
+    assert resolve_policy("arc", slots=3, working_set=32, partition="shared") == "arc"
+
+
 def test_receipt_fields_and_per_layer_hit_rate(model):
     _, receipt = run(model, cache_size="min")
     experts = receipt["experts"]
