@@ -109,11 +109,11 @@ def generate(args, engine) -> int:
         sys.stdout.write(tail + "\n")
     if args.receipt:
         with open(args.receipt, "w") as fh:
-            json.dump(result.receipt, fh, indent=1)
+            json.dump(dict(result.receipt), fh, indent=1)
     print(stats_line(result.receipt), file=sys.stderr if args.json else sys.stdout)
     if args.json:
         print(json.dumps({"token_ids": result.token_ids, "text": engine.tokenizer.decode(result.token_ids),
-                          "logprobs": logprobs, "finish_reason": result.finish_reason, "receipt": result.receipt}))
+                          "logprobs": logprobs, "finish_reason": result.finish_reason, "receipt": dict(result.receipt)}))
     return 0
 
 

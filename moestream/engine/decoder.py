@@ -1,135 +1,147 @@
-"""One-token decode steps on CUDA, built from static buffers so that they replay as CUDA graphs.
+"""Steps of T tokens (T >= 1) for any family, from static buffers, replayed as CUDA graphs on CUDA.
 
 On the GPU a decode step is bound by the host: a layer is ~20 small kernels, each of which costs
 more to launch from Python than to run. So a step is cut into segments that never read a device
-value on the host, each captured once and replayed:
+value on the host, each captured once and replayed. The decoder knows only what every model has
+(moestream.layers.transformer): `embed`, each layer's `attention_step` and `ffn`, `head`, and the
+RoutedExperts the MoE blocks share:
 
-  - per layer, "attention": norm, q/k/v, rotary, KV write, attention, residual, the FFN's norm and
-    the router's top-k (the ids land in a static buffer), in fused kernels
-    (moestream.kernels.triton_decode) that read the position from the device, so one graph
-    serves every position;
-  - per MoE layer, "experts": the routed experts from a device slot table, plus the residual.
+  - per layer and token t, "attention": the layer's attention_step at the device position of t;
+    a dense layer's FFN; an MoE layer's router top-k and shared expert (if any);
+  - per MoE layer, "experts": the routed experts of the T tokens from the layer's device slot
+    table, then shared expert and residual.
 
-When every expert of every layer is resident (the cache holds them all), the slot tables never
-change, and the whole step -- embedding, all layers, head -- is one graph: no host work and no
-synchronization until the logits. Otherwise, between a layer's two segments the host reads the
-chosen ids (the one sync per layer), asks the cache for their slots (loading misses), and writes
-the layer's slot table. Both ways run the same kernels on the same bytes, so the logits are the
-same bits for any cache size; with graphs off the same segments run eagerly."""
+Layer by layer, token t's attention reads the K/V that tokens before it wrote a moment earlier, so
+T tokens give exactly what T one-token steps give: every segment but the experts works on one
+token, and the expert kernels compute each (token, expert) pair on its own (`per_pair`), so a
+token's bits never depend on T. Speculative verification relies on this.
+
+When every expert is resident (the cache holds them all), the slot tables never change, and the
+whole step is one graph: no host work until the logits. Otherwise between a layer's attention
+and its experts the host reads the chosen ids (the one sync per layer), pins or loads the experts
+and writes the layer's slot table. Both ways run the same kernels on the same bytes, so the logits
+are the same bits for every cache size; with graphs off (and on the CPU) the segments run eagerly."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
-from moestream.engine.kv_cache import KVCache
-from moestream.kernels import dispatch
-from moestream.kernels import triton_decode as td
+from moestream.layers.experts import RoutedExperts
+from moestream.layers.kv_cache import KVCache
 from moestream.layers.moe import MoEBlock
+
+MAX_STEP_TOKENS = 16  # tokens one step takes at most (longer lists are cut into steps)
 
 
 @dataclass
 class _Routed:
-    """A MoE layer's buffers: its slot table, and what its attention segment hands its experts."""
+    """What an MoE layer's attention segments hand its experts segment, one entry per token t
+    (inside a capture these are the graph's own static outputs)."""
 
-    table: torch.Tensor  # [E] int32 slot of each expert (device)
-    ids_host: torch.Tensor  # [A] int64, pinned
-    table_host: torch.Tensor  # [E] int32, pinned
-    weights: torch.Tensor | None = None  # [1, A] routing weights  } outputs of the attention segment
-    ids: torch.Tensor | None = None  # [1, A] int64 expert ids     } (static ones when it is a graph)
-    h: torch.Tensor | None = None  # [1, H] residual stream after attention
-    hn: torch.Tensor | None = None  # [1, H] its normed copy, the experts' input
+    ids_host: torch.Tensor  # [MAX_STEP_TOKENS * A] int64 (pinned on CUDA)
+    weights: list = field(default_factory=list)  # [1, A] routing weights
+    ids: list = field(default_factory=list)  # [1, A] int64 expert ids
+    h: list = field(default_factory=list)  # [1, H] residual stream after attention
+    hn: list = field(default_factory=list)  # [1, H] its normed copy, the experts' input
+    shared: list = field(default_factory=list)  # [1, H] the shared expert's output (or None)
 
-
-def supported(model, provider) -> str | None:
-    """Why this model cannot take the CUDA decoder (None if it can)."""
-    if model.device.type != "cuda":
-        return "not on CUDA"
-    if dispatch.triton_module() is None:
-        return "Triton is not installed"
-    probe = torch.zeros((1, model.embed.shape[1]), dtype=model.dtype, device=model.device)
-    for layer in model.layers:
-        if isinstance(layer.ffn, MoEBlock) and dispatch.triton_layout(probe, provider, layer.ffn.layer) is None:
-            return f"layer {layer.ffn.layer}: the Triton expert kernels cannot run its records"
-    return None
+    def rows(self, name: str, T: int) -> torch.Tensor | None:
+        parts = getattr(self, name)[:T]
+        if parts[0] is None:
+            return None
+        return parts[0] if T == 1 else torch.cat(parts)
 
 
-class CudaDecoder:
-    def __init__(self, model, cache: KVCache, provider, *, graphs: bool = True):
-        self.model, self.cache, self.provider, self.use_graphs = model, cache, provider, graphs
-        dev, dtype, hidden = model.device, model.dtype, model.embed.shape[1]
-        self.token = torch.zeros(1, dtype=torch.long, device=dev)
-        self.pos = torch.zeros(1, dtype=torch.long, device=dev)
-        self.x = torch.zeros((1, hidden), dtype=dtype, device=dev)  # the residual stream between layers
-        self.logits = torch.zeros((1, model.lm_head.shape[0]), dtype=torch.float32, device=dev)
-        self.routed: dict[int, _Routed] = {}
-        for i, layer in enumerate(model.layers):
-            if isinstance(layer.ffn, MoEBlock):
-                E, A = layer.ffn.num_experts, layer.ffn.top_k
-                self.routed[i] = _Routed(
-                    table=torch.full((E,), -1, dtype=torch.int32, device=dev),
-                    ids_host=torch.zeros(A, dtype=torch.long).pin_memory(),
-                    table_host=torch.full((E,), -1, dtype=torch.int32).pin_memory())
-        self.ready = torch.cuda.Event()
-        self.stream = torch.cuda.current_stream(dev)  # kept: asking costs ~25 us of CPU per call
-        self.resident = False
-        self._resident_tried = False
-        self.graph_pool = torch.cuda.graph_pool_handle() if graphs else None
+class Decoder:
+    def __init__(self, model, cache: KVCache, experts: RoutedExperts, *, graphs: bool = True):
+        self.model, self.cache, self.experts = model, cache, experts
+        dev, dtype = model.device, model.dtype
+        self.cuda = dev.type == "cuda"
+        self.use_graphs = graphs and self.cuda
+        T = MAX_STEP_TOKENS
+        self.tokens = torch.zeros(T, dtype=torch.long, device=dev)
+        self.pos = torch.zeros(T, dtype=torch.long, device=dev)
+        self.x = torch.zeros((T, model.hidden_size), dtype=dtype, device=dev)  # the residual stream
+        self.logits = torch.zeros((T, model.vocab_size), dtype=torch.float32, device=dev)
+        # per mode (segment graphs, or one whole-step graph per T): each graph has its own outputs
+        self._modes: dict = {}
+        self.routed: dict[int, _Routed] = self._mode("segments")
+        self.ready = torch.cuda.Event() if self.cuda else None
+        self.stream = torch.cuda.current_stream(dev) if self.cuda else None  # kept: asking costs ~25 us
+        self.graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
 
-    # -- segments (each reads and writes only static buffers) --------------------------------------
-    def _start(self) -> None:
-        self.x.copy_(F.embedding(self.token, self.model.embed))
+    def _mode(self, key) -> dict[int, _Routed]:
+        if key not in self._modes:
+            routed = {}
+            for i, layer in enumerate(self.model.layers):
+                if isinstance(layer.ffn, MoEBlock):
+                    ids_host = torch.zeros(MAX_STEP_TOKENS * layer.ffn.top_k, dtype=torch.long)
+                    routed[i] = _Routed(ids_host.pin_memory() if self.cuda else ids_host)
+                    for name in ("weights", "ids", "h", "hn", "shared"):
+                        setattr(routed[i], name, [None] * MAX_STEP_TOKENS)
+            self._modes[key] = routed
+        return self._modes[key]
 
-    def _attention(self, i: int) -> None:
-        layer = self.model.layers[i]
-        h, hn = layer.decode_attention_half(self.x, self.pos, self.model.rope.inv_freq, self.cache, i)
+    @property
+    def resident(self) -> bool:
+        return self.experts.resident
+
+    # -- segments (each reads and writes only static buffers) --------------------------------------
+    def _start(self, T: int) -> None:
+        self.x[:T].copy_(self.model.embed(self.tokens[:T]))
+
+    def _attention(self, i: int, t: int) -> None:
+        layer, x = self.model.layers[i], self.x[t:t + 1]
+        h, hn = layer.attention_step(x, self.pos[t:t + 1], self.cache, i)
         r = self.routed.get(i)
         if r is None:  # a dense FFN layer: finish it here
-            self.x.copy_(layer.ffn(hn, residual=h))
+            x.copy_(layer.ffn(hn, residual=h))
             return
-        # no copies into buffers of our own: inside a capture these are the graph's static outputs,
-        # which the layer's experts segment (captured after this one) reads
-        r.weights, r.ids = layer.ffn.route(hn)
-        r.h, r.hn = h, hn
+        block = layer.ffn
+        r.weights[t], r.ids[t] = block.route(hn)
+        r.h[t], r.hn[t], r.shared[t] = h, hn, block.shared_out(hn)
 
-    def _experts(self, i: int) -> None:
+    def _experts(self, i: int, T: int) -> None:
         r, block = self.routed[i], self.model.layers[i].ffn
-        layout = dispatch.triton_layout(r.hn, self.provider, block.layer)
-        plan = dispatch.triton_module().MoEPlan(r.hn, r.ids, r.weights, block.num_experts, layout)
-        plan.run_table(dispatch.slot_pool(self.provider, block.layer), r.table)
-        if block.shared is None:
-            plan.finish(r.h, out=self.x)
+        hn, h, shared = r.rows("hn", T), r.rows("h", T), r.rows("shared", T)
+        ids, weights = r.rows("ids", T), r.rows("weights", T)
+        if shared is None:  # the experts' last kernel adds the residual into x
+            self.experts.compute(block.layer, hn, ids, weights, residual=h, out=self.x[:T])
         else:
-            self.x.copy_(block.add_shared(r.hn, plan.finish(), r.h))
+            self.x[:T].copy_(block.combine(self.experts.compute(block.layer, hn, ids, weights), shared, h))
 
-    def _head(self) -> None:
-        m = self.model
-        self.logits.copy_(F.linear(td.rms_norm(self.x, m.final_norm, m.eps), m.lm_head))
+    def _head(self, t: int) -> None:
+        self.logits[t:t + 1].copy_(self.model.head(self.x[t:t + 1]))
 
-    def _whole(self) -> None:
-        self._start()
+    def _whole(self, T: int) -> None:
+        self._start(T)
         for i in range(len(self.model.layers)):
-            self._attention(i)
+            for t in range(T):
+                self._attention(i, t)
             if i in self.routed:
-                self._experts(i)
-        self._head()
+                self._experts(i, T)
+        for t in range(T):
+            self._head(t)
 
     # -- running ----------------------------------------------------------------------------------
-    def _replay(self, key: tuple, fn) -> None:
+    def _capturable(self, i: int) -> bool:
+        return self.experts.uses_triton(self.model.layers[i].ffn.layer, self.model.dtype)
+
+    def _replay(self, key: tuple, fn, *, capture: bool = True) -> None:
         """Run fn (a segment); with graphs, capture it on first use under `key` and replay it."""
-        if not self.use_graphs:
+        if not (self.use_graphs and capture):
             fn()
             return
         graph = self.graphs.get(key)
         if graph is None:
             stream = torch.cuda.Stream(self.x.device)
-            saved = self.x.clone()  # a dense layer's segment updates x in place: run it once for real
-            stream.wait_stream(torch.cuda.current_stream(self.x.device))
+            saved = self.x.clone()  # a segment may update x in place: run it once for real
+            stream.wait_stream(self.stream)
             with torch.cuda.stream(stream):  # warm up outside the capture (Triton compiles, cuBLAS plans)
                 fn()
-            torch.cuda.current_stream(self.x.device).wait_stream(stream)
+            self.stream.wait_stream(stream)
             self.x.copy_(saved)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.graph_pool):
@@ -137,54 +149,60 @@ class CudaDecoder:
             self.graphs[key] = graph
         graph.replay()
 
-    def _make_resident(self) -> None:
-        """Switch to whole-step graphs once the cache has made every expert resident."""
-        if self._resident_tried:
-            return
-        self._resident_tried = True
-        tables = {i: self.provider.resident_table(self.model.layers[i].ffn.layer) for i in self.routed} \
-            if hasattr(self.provider, "resident_table") else {}
-        if tables and all(t is not None for t in tables.values()):
-            for i, table in tables.items():
-                self.routed[i].table.copy_(table)
-            self.resident = True
-
-    def step(self, token: int, position: int) -> torch.Tensor:
-        """Logits [1, V] (float32, a static buffer: copy before the next step) of `token` at `position`."""
-        self.token.fill_(token)
-        self.pos.fill_(position)
-        self._make_resident()
-        if self.resident:
-            self._replay(("step",), self._whole)
+    def step(self, tokens: list[int], start: int) -> torch.Tensor:
+        """Logits [T, V] (float32, a static buffer: copy before the next step) of `tokens` at
+        positions start.., T <= MAX_STEP_TOKENS. The caller records the tokens in the KV cache."""
+        T = len(tokens)
+        if not 1 <= T <= MAX_STEP_TOKENS:
+            raise ValueError(f"a step takes 1..{MAX_STEP_TOKENS} tokens, not {T}")
+        for t, token in enumerate(tokens):  # fills from host values: no sync
+            self.tokens[t].fill_(token)
+            self.pos[t].fill_(start + t)
+        if self.resident and self.use_graphs and all(self._capturable(i) for i in self.routed):
+            self.routed = self._mode(("step", T))
+            self._replay(("step", T), lambda: self._whole(T))
             for i, r in self.routed.items():
-                block = self.model.layers[i].ffn
-                self.provider.count_resident(block.layer, r.ids)
-                if block.on_route is not None:
-                    block.on_route(block.layer, r.ids)
-        else:
-            self._replay(("start",), self._start)
-            for i in range(len(self.model.layers)):
-                self._replay(("attention", i), lambda i=i: self._attention(i))
-                if i in self.routed:
-                    self._load(i)
-                    try:
-                        self._replay(("experts", i), lambda i=i: self._experts(i))
-                    finally:  # a victim slot is rewritten only after the kernels queued above (stream order)
-                        self.provider.release(self.model.layers[i].ffn.layer)
-            self._replay(("head",), self._head)
-        self.cache.length = position + 1
-        return self.logits
+                self.experts.count_resident(self.model.layers[i].ffn.layer, r.rows("ids", T))
+            return self.logits[:T]
+        self.routed = self._mode("segments")
+        self._replay(("start", T), lambda: self._start(T))
+        for i in range(len(self.model.layers)):
+            for t in range(T):
+                self._replay(("attention", i, t), lambda i=i, t=t: self._attention(i, t))
+            if i in self.routed:
+                self._run_experts(i, T)
+        for t in range(T):
+            self._replay(("head", t), lambda t=t: self._head(t))
+        return self.logits[:T]
 
-    def _load(self, i: int) -> None:
-        """The one host sync of a streamed layer: read its chosen ids, pin their slots (loading
-        misses), and write its slot table."""
+    def _run_experts(self, i: int, T: int) -> None:
+        """Host half (unless resident), then the layer's experts segment."""
         r, block = self.routed[i], self.model.layers[i].ffn
-        r.ids_host.copy_(r.ids.view(-1), non_blocking=True)
-        self.ready.record(self.stream)
-        self.ready.synchronize()
-        if block.on_route is not None:
-            block.on_route(block.layer, r.ids)
-        experts = sorted(set(r.ids_host.tolist()))
-        self.provider.fetch(block.layer, experts, views=False)
-        r.table_host.numpy()[experts] = self.provider.slots_of(block.layer, experts)
-        r.table.copy_(r.table_host, non_blocking=True)
+        capture = self._capturable(i)
+        if self.resident:
+            self._replay(("experts", i, T), lambda: self._experts(i, T), capture=capture)
+            self.experts.count_resident(block.layer, r.rows("ids", T))
+            return
+        ids = r.rows("ids", T)
+        A = ids.shape[1]
+        host = r.ids_host[:T * A]
+        host.copy_(ids.view(-1), non_blocking=True)
+        if self.cuda:  # the one host sync of a streamed layer
+            self.ready.record(self.stream)
+            self.ready.synchronize()
+        if self.experts.on_route is not None:
+            self.experts.on_route(block.layer, ids)
+        if not self.experts.load(block.layer, host.tolist(), r.rows("hn", T)):
+            self._experts_in_batches(i, T)  # more distinct experts than the pool can pin at once
+            return
+        try:
+            self._replay(("experts", i, T), lambda: self._experts(i, T), capture=capture)
+        finally:  # a victim slot is rewritten only after the kernels queued above (stream order)
+            self.experts.release(block.layer)
+
+    def _experts_in_batches(self, i: int, T: int) -> None:
+        r, block = self.routed[i], self.model.layers[i].ffn
+        hn, h, shared = r.rows("hn", T), r.rows("h", T), r.rows("shared", T)
+        routed = self.experts(block.layer, hn, r.rows("ids", T), r.rows("weights", T), per_pair=True,
+                              notify=False)
+        self.x[:T].copy_(block.combine(routed, shared, h))

@@ -12,8 +12,9 @@ from typing import Callable, Iterator
 
 import torch
 
-from moestream.engine.kv_cache import KVCache
+from moestream.layers.kv_cache import KVCache
 from moestream.engine.options import EngineOptions
+from moestream.engine.receipt import Receipt
 from moestream.engine.sampling import choose_token
 from moestream.engine.tokenizer import load_tokenizer
 from moestream.engine.types import GenerationResult, SamplingParams, TokenEvent
@@ -64,10 +65,18 @@ class Generation:
 
 
 class Engine:
+    """A packed model ready to run: prefill a prompt, step T tokens, roll the KV cache back.
+
+    `generate` is a small loop over these; speculative decoding and batching build on the same
+    pieces. One sequence at a time: the KV cache holds it (and is the record of its tokens)."""
+
     def __init__(self, packed: PackedModel, options: EngineOptions, *, default_cache_size: str = "auto"):
+        from moestream.engine.decoder import Decoder
         from moestream.engine.plan import plan_run
         from moestream.experts.cache import ExpertCache
+        from moestream.experts.predict import attach
         from moestream.experts.sources import open_source
+        from moestream.layers.experts import RoutedExperts
 
         self.packed, self.options = packed, options
         self.plan = plan_run(packed, options, default_cache_size=default_cache_size)
@@ -80,28 +89,24 @@ class Engine:
                                     policy=self.plan.cache_policy, partition=options.cache_partition,
                                     host_slots=self.plan.host_slots, host_policy=options.host_cache_policy,
                                     staging_buffers=self.plan.staging)
-        self.args, self.model = build_model(packed, self.provider, device=self.device, dtype=self.dtype)
-        from moestream.experts.predict import attach
+        try:
+            def make_experts(args):
+                moe = {i: args.num_experts for i in args.moe_layers()}
+                return RoutedExperts(self.provider, moe, device=self.device, kernels=options.expert_kernels)
 
-        # CPU for now: on CUDA one-token steps run in the decoder, which does not predict yet
-        self.prefetcher = attach(self.model, self.provider, options.prefetch if self.device.type == "cpu" else "none")
-        self.tokenizer = load_tokenizer(packed.directory, packed.config)
+            self.args, self.experts, self.model = build_model(packed, make_experts, device=self.device,
+                                                              dtype=self.dtype)
+            # CPU for now: on CUDA the decoder's host half does not predict yet
+            self.prefetcher = attach(self.model, self.experts, self.provider,
+                                     options.prefetch if self.device.type == "cpu" else "none")
+            self.tokenizer = load_tokenizer(packed.directory, packed.config)
+        except BaseException:
+            self.provider.close()
+            raise
         self.model_name = packed.directory.name if packed.directory != DEMO_MODEL else "moestream-demo"
-        self.cache = KVCache(self.args.num_hidden_layers, self.args.num_key_value_heads, self.args.head_dim,
-                             self.max_context, dtype=self.dtype, device=self.device)
-        self._cached_tokens: list[int] = []  # tokens whose K/V are in self.cache
-        self.decoder = None  # CUDA: one-token steps from static buffers, as CUDA graphs unless turned off
-        if self.device.type == "cuda":
-            try:
-                from moestream.engine import decoder
-            except ImportError as exc:  # no Triton
-                decoder, why_not = None, str(exc)
-            else:
-                why_not = decoder.supported(self.model, self.provider)
-            if why_not is None:
-                self.decoder = decoder.CudaDecoder(self.model, self.cache, self.provider, graphs=options.cuda_graphs)
-            else:
-                log.info("decode steps without the CUDA decoder: %s", why_not)
+        layers, kv_heads, head_dim = self.args.kv_layout()
+        self.cache = KVCache(layers, kv_heads, head_dim, self.max_context, dtype=self.dtype, device=self.device)
+        self.decoder = Decoder(self.model, self.cache, self.experts, graphs=options.cuda_graphs)
         self._resident_checked = False
         self._position = 0  # first position of the chunk being run (for routing traces)
         self.trace = None
@@ -111,12 +116,11 @@ class Engine:
     def _start_trace(self) -> None:
         from moestream.sim.trace import TraceRecorder
 
-        blocks = [layer.ffn for layer in self.model.layers if hasattr(layer.ffn, "on_route")]
+        moe_layers = self.args.moe_layers()
         self.trace = TraceRecorder({"model": self.model_name, "family": self.packed.family,
                                     "num_experts": self.args.num_experts, "top_k": self.args.num_experts_per_tok,
-                                    "moe_layers": [b.layer for b in blocks], "num_layers": self.args.num_hidden_layers})
-        for block in blocks:
-            block.on_route = lambda layer, ids: self.trace.record(layer, self._position, ids.cpu().numpy())
+                                    "moe_layers": moe_layers, "num_layers": self.args.num_hidden_layers})
+        self.experts.on_route = lambda layer, ids: self.trace.record(layer, self._position, ids.cpu().numpy())
 
     def save_trace(self) -> None:
         if self.trace is not None:
@@ -135,16 +139,7 @@ class Engine:
             return cls(PackedModel(model_dir), options or EngineOptions(), default_cache_size=DEMO_CACHE_SIZE)
         return cls(PackedModel(model_dir), options or EngineOptions())
 
-    # -- running the model ----------------------------------------------------
-    def _forward(self, ids: list[int], start: int, *, all_logits: bool = False) -> torch.Tensor:
-        self._position = start
-        with torch.inference_mode():
-            self._make_resident()
-            if self.decoder is not None and len(ids) == 1:
-                return self.decoder.step(ids[0], start)
-            t = torch.tensor(ids, dtype=torch.long, device=self.device)
-            return self.model.forward(t, start, self.cache, all_logits=all_logits)
-
+    # -- running the model: prefill, step, rollback -----------------------------------------
     def _make_resident(self) -> None:
         """On CUDA, when the device cache has a slot for every expert, load them all once: then no
         layer needs a cache lookup or a host sync, and a decode step is one CUDA graph."""
@@ -153,33 +148,64 @@ class Engine:
         self._resident_checked = True
         if self.device.type == "cuda" and self.provider.can_hold_all():
             t0 = time.perf_counter()
-            self.provider.make_resident()
+            self.experts.make_resident()
             log.info("all %d experts resident on %s (%.1f s)", self.provider.total_experts, self.device,
                      time.perf_counter() - t0)
+
+    def _check_room(self, n: int) -> None:
+        if self.cache.length + n > self.max_context:
+            raise PromptTooLongError(f"{self.cache.length + n} tokens exceed the context of {self.max_context}")
+
+    def prefill(self, prompt_ids: list[int], *, should_stop: Callable[[], bool] | None = None,
+                all_logits: bool = False) -> tuple[torch.Tensor | None, int]:
+        """Bring the KV cache to `prompt_ids`, reusing the cached prefix, in chunks of
+        `prefill_chunk_tokens`; returns (logits [T, V] of the computed positions with all_logits, else
+        of the last one [1, V]; tokens reused). (None, reused) if should_stop interrupted it."""
+        reuse = 0 if all_logits else min(common_prefix(self.cache.tokens, prompt_ids), len(prompt_ids) - 1)
+        self.cache.truncate(reuse)
+        self._check_room(len(prompt_ids) - reuse)
+        chunk = max(1, self.options.prefill_chunk_tokens)
+        outputs = []
+        with torch.inference_mode():
+            self._make_resident()
+            for start in range(reuse, len(prompt_ids), chunk):
+                if should_stop is not None and should_stop():
+                    return None, reuse
+                piece = prompt_ids[start:start + chunk]
+                self._position = start
+                ids = torch.tensor(piece, dtype=torch.long, device=self.device)
+                outputs.append(self.model.forward(ids, start, self.cache, all_logits=all_logits))
+                self.cache.append(piece)
+        return (torch.cat(outputs) if all_logits else outputs[-1]), reuse
+
+    def step(self, tokens: list[int]) -> torch.Tensor:
+        """Run `tokens` at the next positions of the cached sequence; logits [T, V] (float32), row t
+        predicting the token after tokens[t]. A token's logits are the same bits whatever T is:
+        step([a, b]) gives what step([a]) then step([b]) give (speculative verification needs it)."""
+        from moestream.engine.decoder import MAX_STEP_TOKENS
+
+        if not tokens:
+            raise ValueError("step needs at least one token")
+        self._check_room(len(tokens))
+        rows = []
+        with torch.inference_mode():
+            self._make_resident()
+            for i in range(0, len(tokens), MAX_STEP_TOKENS):
+                piece = tokens[i:i + MAX_STEP_TOKENS]
+                self._position = self.cache.length
+                rows.append(self.decoder.step(piece, self.cache.length).clone())
+                self.cache.append(piece)
+        return rows[0] if len(rows) == 1 else torch.cat(rows)
+
+    def rollback(self, length: int) -> None:
+        """Forget the cached tokens from position `length` on (rejected draft tokens, a new prompt)."""
+        if not 0 <= length <= self.cache.length:
+            raise ValueError(f"cannot roll back to {length}: the cache holds {self.cache.length} tokens")
+        self.cache.truncate(length)
 
     def reset(self) -> None:
         """Forget the cached sequence (the next prompt is prefilled whole)."""
         self.cache.truncate(0)
-        self._cached_tokens = []
-
-    def prefill(self, prompt_ids: list[int], *, should_stop: Callable[[], bool] | None = None,
-                all_logits: bool = False) -> tuple[torch.Tensor | None, int]:
-        """Bring the KV cache to `prompt_ids`, reusing the cached prefix; returns (logits of the
-        computed positions or the last one, tokens reused). None if should_stop interrupted it."""
-        reuse = min(common_prefix(self._cached_tokens, prompt_ids), len(prompt_ids) - 1)
-        if all_logits:
-            reuse = 0
-        self.cache.truncate(reuse)
-        self._cached_tokens = self._cached_tokens[:reuse]
-        chunk = max(1, self.options.prefill_chunk_tokens)
-        outputs = []
-        for start in range(reuse, len(prompt_ids), chunk):
-            if should_stop is not None and should_stop():
-                return None, reuse
-            piece = prompt_ids[start:start + chunk]
-            outputs.append(self._forward(piece, start, all_logits=all_logits))
-            self._cached_tokens.extend(piece)
-        return (torch.cat(outputs) if all_logits else outputs[-1]), reuse
 
     def check_prompt(self, prompt_ids: list[int]) -> None:
         if not prompt_ids:
@@ -192,6 +218,7 @@ class Engine:
             raise PromptTooLongError(f"the prompt has {len(prompt_ids)} tokens; the context holds {self.max_context} "
                                      "(prompt plus at least one generated token)")
 
+    # -- generation: a loop over prefill and step ----------------------------------------------
     def generate(self, prompt_ids: list[int], *, max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
                  logprobs: int = 0, should_stop: Callable[[], bool] | None = None,
                  stop_at_eos: bool = True) -> Generation:
@@ -211,7 +238,7 @@ class Engine:
             budget = min(max_new_tokens, self.max_context - len(prompt_ids))
             t1 = time.perf_counter()
             try:
-                for step in range(budget):
+                for n in range(budget):
                     if should_stop is not None and should_stop():
                         state["finish"] = "cancelled"
                         return
@@ -223,22 +250,22 @@ class Engine:
                         return
                     event = TokenEvent(token)
                     if logprobs:
-                        lp = torch.log_softmax(row, dim=-1)
-                        top = torch.topk(lp, min(logprobs, lp.numel()))
-                        event.logprob = float(lp[token])
-                        event.top_logprobs = [(int(i), float(v)) for v, i in zip(top.values, top.indices)]
+                        event.logprob, event.top_logprobs = top_logprobs(row, token, logprobs)
                     seq.append(token)
                     state["tokens"].append(token)
                     yield event
-                    if step + 1 < budget:
-                        logits = self._forward([token], len(seq) - 1)
-                        self._cached_tokens.append(token)
+                    if n + 1 < budget:
+                        logits = self.step([token])
             finally:
                 state["decode_s"] = time.perf_counter() - t1
 
         def finish() -> GenerationResult:
             self.save_trace()
-            receipt = self._receipt(len(prompt_ids), state, before)
+            receipt = Receipt.of_run(prompt_tokens=len(prompt_ids), reused=state["reused"],
+                                     generated=len(state["tokens"]), finish=state["finish"],
+                                     prefill_s=state["prefill_s"], decode_s=state["decode_s"], before=before,
+                                     after=self.expert_stats(), memory=self.memory_ledger(),
+                                     device=str(self.device), model=self.model_name)
             return GenerationResult(list(state["tokens"]), state["finish"], receipt)
 
         return Generation(steps(), finish)
@@ -256,40 +283,12 @@ class Engine:
                 "dtype": str(self.dtype).replace("torch.", ""), "max_context": self.max_context,
                 "experts": self.expert_stats()}
 
-    def _receipt(self, prompt_tokens: int, state: dict, before: dict) -> dict:
-        after = self.expert_stats()
-        generated = len(state["tokens"])
-        prefilled = prompt_tokens - state["reused"]
-        delta = {k: after.get(k, 0) - before.get(k, 0) for k in ("hits", "misses", "bytes_read_disk",
-                                                                   "bytes_read_host", "read_wait_s")}
-        lookups = delta["hits"] + delta["misses"]
-        return {
-            "prompt_tokens": prompt_tokens, "prefill_tokens": prefilled, "reused_tokens": state["reused"],
-            "generated_tokens": generated, "finish_reason": state["finish"],
-            "prefill_s": round(state["prefill_s"], 6), "decode_s": round(state["decode_s"], 6),
-            "prefill_tok_s": round(prefilled / state["prefill_s"], 3) if state["prefill_s"] > 0 else None,
-            "decode_tok_s": round(generated / state["decode_s"], 3) if state["decode_s"] > 0 and generated else None,
-            "hit_rate": round(delta["hits"] / lookups, 6) if lookups else 1.0,
-            "misses": delta["misses"], "bytes_read_disk": delta["bytes_read_disk"],
-            "bytes_read_host": delta["bytes_read_host"], "read_wait_s": round(delta["read_wait_s"], 6),
-            "experts": after, "memory": self.memory_ledger(),
-            "device": str(self.device), "model": self.model_name,
-        }
-
     def memory_ledger(self) -> dict:
-        resident = sum(t.numel() * t.element_size() for t in _tensors_of(self.model))
-        kv = self.cache.keys.numel() * self.cache.keys.element_size() * 2
-        return {**self.plan.ledger.to_json(), "resident_weights": resident, "kv_cache": kv}
+        return self.plan.ledger.to_json()
 
 
-def _tensors_of(model) -> list[torch.Tensor]:
-    """Resident tensors of the stack (attention, norms, routers, shared and dense FFNs), each once."""
-    seen, out = set(), []
-    objects = [model] + [obj for layer in model.layers
-                         for obj in (layer, layer.attn.w, layer.ffn, getattr(layer.ffn, "shared", None)) if obj is not None]
-    for obj in objects:
-        for t in vars(obj).values():
-            if isinstance(t, torch.Tensor) and id(t) not in seen:
-                seen.add(id(t))
-                out.append(t)
-    return out
+def top_logprobs(row: torch.Tensor, token: int, n: int) -> tuple[float, list[tuple[int, float]]]:
+    """The chosen token's log-probability and the n most likely (token, logprob) of the raw distribution."""
+    lp = torch.log_softmax(row, dim=-1)
+    top = torch.topk(lp, min(n, lp.numel()))
+    return float(lp[token]), [(int(i), float(v)) for v, i in zip(top.values, top.indices)]

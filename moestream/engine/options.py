@@ -24,6 +24,7 @@ class EngineOptions:
     memory_budget: str | None = None
     check_records: bool = False
     trace_routing: str | None = None
+    expert_kernels: str = "auto"  # auto: Triton where the record layout allows on CUDA; torch; triton (error if not)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "EngineOptions":
@@ -40,6 +41,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="prompt tokens per prefill pass (default 2048; each pass streams its experts once)")
     g.add_argument("--threads", type=int, default=0,
                    help="CPU compute threads (default 0: torch's choice; 1 is often fastest for small models on a busy machine)")
+    g.add_argument("--expert-kernels", default="auto", choices=["auto", "torch", "triton"],
+                   help="routed-expert kernels: auto (Triton on CUDA where the record layout allows, else the torch "
+                        "reference), torch (always the reference), triton (an error where Triton cannot run)")
     g.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="run decode steps without CUDA graphs (on CUDA they are on by default)")
     c = parser.add_argument_group("expert cache")

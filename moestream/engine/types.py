@@ -4,6 +4,7 @@ These types cross to the server's worker thread, so they hold only Python values
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 
@@ -39,4 +40,4 @@ class GenerationResult:
 
     token_ids: list[int]
     finish_reason: str  # "stop" (EOS), "length" (max tokens or context), "cancelled" (should_stop said so)
-    receipt: dict = field(default_factory=dict)
+    receipt: Mapping = field(default_factory=dict)  # a moestream.engine.receipt.Receipt

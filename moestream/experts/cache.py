@@ -156,6 +156,10 @@ class ExpertCache:
         return {e: decode_record(entry.fields, self.pool[self.directory.lookup((li, e))][: entry.record_size])
                 for e in experts}
 
+    def slot_pool(self, layer: int) -> torch.Tensor:
+        """uint8 [slots, slot_bytes]: one pool shared by every layer (per-layer partitions share it too)."""
+        return self.pool
+
     def slots_of(self, layer: int, experts: Sequence[int]) -> list[int]:
         """Slot indices in `self.pool` of experts fetched (and still pinned) for `layer`."""
         li = self._index[layer]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from moestream.layers.experts import ExpertProvider, RoutedExperts
 from moestream.layers.moe import MoEBlock
 
 MODES = ("next-layer", "none")
@@ -31,14 +32,13 @@ class NextLayerPrefetcher:
         self.provider.prefetch(nxt.layer, sorted(ids))
 
 
-def attach(model, provider, mode: str) -> NextLayerPrefetcher | None:
-    """Hook a predictor into the model's MoE blocks (mode "next-layer"), or none ("none")."""
+def attach(model, experts: RoutedExperts, provider: ExpertProvider, mode: str) -> NextLayerPrefetcher | None:
+    """Hook a predictor into the model's routed experts (mode "next-layer"), or none ("none")."""
     if mode not in MODES:
         raise ValueError(f"prefetch mode {mode!r} (choose from {', '.join(MODES)})")
-    blocks = [layer.ffn for layer in model.layers if isinstance(layer.ffn, MoEBlock)]
-    if mode == "none" or not hasattr(provider, "prefetch"):
+    if mode == "none":
         return None
+    blocks = [layer.ffn for layer in model.layers if isinstance(layer.ffn, MoEBlock)]
     predictor = NextLayerPrefetcher(blocks, provider)
-    for block in blocks:
-        block.after_fetch = predictor
+    experts.after_fetch = predictor
     return predictor

@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from moestream.engine.kv_cache import KVCache
+from moestream.layers.kv_cache import KVCache
 from moestream.layers.norm import rms_norm
-from moestream.layers.rope import apply_rope
+from moestream.layers.rope import Rope, apply_rope
 
 # cuDNN's attention builds a new plan for every key length, i.e. for every decode step (measured:
 # 8 ms of CPU per call on the H200 machine); the flash and memory-efficient kernels need none.
@@ -41,26 +41,44 @@ class AttentionWeights:
                                                      self.qkv_bias[nq + nk:])
 
 
+def _fused_kernels():
+    """moestream.kernels.triton_decode where Triton is installed, else None (torch ops then)."""
+    try:
+        from moestream.kernels import triton_decode
+    except ImportError:
+        return None
+    return triton_decode
+
+
 class Attention:
     """qk_norm: "head" (Qwen3: per head over head_dim), "full" (OLMoE: over the whole projection) or None."""
 
-    def __init__(self, weights: AttentionWeights, *, num_heads: int, num_kv_heads: int, head_dim: int,
+    def __init__(self, weights: AttentionWeights, rope: Rope, *, num_heads: int, num_kv_heads: int, head_dim: int,
                  qk_norm: str | None, eps: float, clip_qkv: float | None = None):
-        self.w = weights
+        self.w, self.rope = weights, rope
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.qk_norm, self.eps, self.clip_qkv = qk_norm, eps, clip_qkv
+
+    def _project(self, x: torch.Tensor, norm) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, Nq*D], k, v [T, Nkv*D] after the full-projection norm and clipping (if any)."""
+        w = self.w
+        if x.shape[0] == 1 and w.qkv is not None:  # one token: one matmul
+            qkv = F.linear(x, w.qkv, w.qkv_bias)
+            nq, nkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+            q, k, v = qkv[:, :nq], qkv[:, nq:nq + nkv], qkv[:, nq + nkv:]
+        else:
+            q, k, v = F.linear(x, w.q, w.q_bias), F.linear(x, w.k, w.k_bias), F.linear(x, w.v, w.v_bias)
+        if self.qk_norm == "full":
+            q, k = norm(q, w.q_norm, self.eps), norm(k, w.k_norm, self.eps)
+        if self.clip_qkv is not None:
+            q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
+        return q, k, v
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, layer: int,
                  start: int) -> torch.Tensor:
         # x [T, H]; cos/sin [T, D]; the chunk occupies positions start .. start+T-1.
         w, T = self.w, x.shape[0]
-        q = F.linear(x, w.q, w.q_bias)  # [T, Nq*D]
-        k = F.linear(x, w.k, w.k_bias)  # [T, Nkv*D]
-        v = F.linear(x, w.v, w.v_bias)
-        if self.qk_norm == "full":
-            q, k = rms_norm(q, w.q_norm, self.eps), rms_norm(k, w.k_norm, self.eps)
-        if self.clip_qkv is not None:
-            q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
+        q, k, v = self._project(x, rms_norm)
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         if self.qk_norm == "head":
@@ -85,21 +103,40 @@ class Attention:
         out = out[0].transpose(0, 1).reshape(T, self.num_heads * self.head_dim)
         return F.linear(out, w.o)
 
-    def decode(self, x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, cache: KVCache,
-               layer: int) -> torch.Tensor:
-        """One token x [1, H] at the device position `pos` [1] on CUDA, in fused Triton kernels that
-        read no device value on the host (so a CUDA graph serves every position)."""
-        from moestream.kernels import triton_decode as td
-
-        w, nq, nkv = self.w, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        qkv = F.linear(x, w.qkv, w.qkv_bias) if w.qkv is not None else \
-            torch.cat([F.linear(x, w.q, w.q_bias), F.linear(x, w.k, w.k_bias), F.linear(x, w.v, w.v_bias)], dim=-1)
-        q, k, v = qkv[:, :nq], qkv[:, nq:nq + nkv], qkv[:, nq + nkv:]
-        if self.qk_norm == "full":
-            q, k = td.rms_norm(q, w.q_norm, self.eps), td.rms_norm(k, w.k_norm, self.eps)
-        if self.clip_qkv is not None:
-            q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
+    def step(self, x: torch.Tensor, pos: torch.Tensor, cache: KVCache, layer: int) -> torch.Tensor:
+        """One token x [1, H] at position `pos` (a one-element tensor on x's device). On CUDA it reads
+        no device value on the host (a CUDA graph serves every position): fused Triton kernels, or
+        where they are missing, torch ops over the whole cache with a mask. On CPU: __call__."""
+        if not x.is_cuda:
+            start = int(pos)
+            cos, sin = self.rope.cos_sin(pos.view(1), x.dtype)
+            return self(x, cos, sin, cache, layer, start)
+        td = _fused_kernels()
+        if td is None:
+            return self._step_masked(x, pos, cache, layer)
+        w = self.w
+        q, k, v = self._project(x, td.rms_norm)
         head = self.qk_norm == "head"
-        q = td.rope_qk_store(q, k, v, pos, inv_freq, cache.keys[layer], cache.values[layer],
+        q = td.rope_qk_store(q, k, v, pos, self.rope.inv_freq, cache.keys[layer], cache.values[layer],
                              q_norm=w.q_norm if head else None, k_norm=w.k_norm if head else None, eps=self.eps)
         return F.linear(td.decode_attention(q, cache.keys[layer], cache.values[layer], pos), w.o)
+
+    def _step_masked(self, x: torch.Tensor, pos: torch.Tensor, cache: KVCache, layer: int) -> torch.Tensor:
+        """`step` in torch ops only: K/V written at `pos` by index, attention over every cache row
+        with the rows after `pos` masked out."""
+        w, D = self.w, self.head_dim
+        q, k, v = self._project(x, rms_norm)
+        q, k = q.view(1, self.num_heads, D), k.view(1, self.num_kv_heads, D)
+        if self.qk_norm == "head":
+            q, k = rms_norm(q, w.q_norm, self.eps), rms_norm(k, w.k_norm, self.eps)
+        cos, sin = self.rope.cos_sin(pos.view(1), x.dtype)
+        q, k = apply_rope(q.transpose(0, 1), cos, sin), apply_rope(k.transpose(0, 1), cos, sin)
+        cache.keys[layer].index_copy_(1, pos.view(1), k)
+        cache.values[layer].index_copy_(1, pos.view(1), v.view(1, self.num_kv_heads, D).transpose(0, 1))
+        groups = self.num_heads // self.num_kv_heads
+        keys = cache.keys[layer].repeat_interleave(groups, dim=0)
+        values = cache.values[layer].repeat_interleave(groups, dim=0)
+        mask = torch.arange(cache.max_tokens, device=x.device)[None, :] <= pos.view(1, 1)
+        with sdpa_kernel(SDPA_BACKENDS):
+            out = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask)
+        return F.linear(out[0].transpose(0, 1).reshape(1, self.num_heads * D), w.o)

@@ -1,4 +1,10 @@
-"""The decoder stack shared by every family: embed -> layers (attention + FFN/MoE) -> norm -> head."""
+"""The pre-norm decoder layer and the model around a stack of them: embed -> layers -> norm -> head.
+
+What the engine and the CUDA decoder ask of a model is here and nowhere else: `embed`, each layer's
+`attention_step` (everything before its FFN for one token at a device position) and `ffn` (a
+MoEBlock or a dense FFN), `head`, and `forward` for prefill chunks. A family builds its layers from
+these pieces in its own file; a family whose layer differs (another attention, other norms) gives
+its layer the same two methods."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -7,60 +13,84 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from moestream.engine.kv_cache import KVCache
 from moestream.layers.attention import Attention
+from moestream.layers.kv_cache import KVCache
 from moestream.layers.norm import rms_norm
 from moestream.layers.rope import Rope
+
+
+def _fused_norms():
+    try:
+        from moestream.kernels import triton_decode
+    except ImportError:
+        return None
+    return triton_decode
 
 
 @dataclass
 class DecoderLayer:
     attn: Attention
-    ffn: Callable[[torch.Tensor], torch.Tensor]  # MoEBlock or a dense SwiGLU
+    ffn: Callable[..., torch.Tensor]  # MoEBlock or a dense FFN, called as ffn(x, residual=h)
     input_norm: torch.Tensor
     post_norm: torch.Tensor
     eps: float
 
     def __call__(self, x, cos, sin, cache: KVCache, layer: int, start: int) -> torch.Tensor:
-        h, hn = self.attention_half(x, cos, sin, cache, layer, start)
-        return self.ffn(hn, residual=h)
-
-    def attention_half(self, x, cos, sin, cache: KVCache, layer: int, start: int):
-        """Everything before the FFN: (the residual stream after attention, its normed copy)."""
         h = x + self.attn(rms_norm(x, self.input_norm, self.eps), cos, sin, cache, layer, start)
-        return h, rms_norm(h, self.post_norm, self.eps)
+        return self.ffn(rms_norm(h, self.post_norm, self.eps), residual=h)
 
-    def decode_attention_half(self, x, pos: torch.Tensor, inv_freq: torch.Tensor, cache: KVCache, layer: int):
-        """attention_half for one token at the device position `pos`, in fused CUDA kernels."""
-        from moestream.kernels import triton_decode as td
-
-        a = self.attn.decode(td.rms_norm(x, self.input_norm, self.eps), pos, inv_freq, cache, layer)
+    def attention_step(self, x: torch.Tensor, pos: torch.Tensor, cache: KVCache, layer: int
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token x [1, H] at the device position pos [1]: (the residual stream after attention,
+        its normed copy, the FFN's input). Fused norm kernels on CUDA (torch's rounding order)."""
+        td = _fused_norms() if x.is_cuda else None
+        if td is None:
+            h = x + self.attn.step(rms_norm(x, self.input_norm, self.eps), pos, cache, layer)
+            return h, rms_norm(h, self.post_norm, self.eps)
+        a = self.attn.step(td.rms_norm(x, self.input_norm, self.eps), pos, cache, layer)
         return td.add_rms_norm(x, a, self.post_norm, self.eps)
 
 
 class MoETransformer:
     def __init__(self, *, embed: torch.Tensor, layers: list[DecoderLayer], final_norm: torch.Tensor,
-                 lm_head: torch.Tensor, rope: Rope, eps: float, num_kv_heads: int, head_dim: int):
-        self.embed, self.layers, self.final_norm, self.lm_head = embed, layers, final_norm, lm_head
+                 lm_head: torch.Tensor, rope: Rope, eps: float):
+        self.embed_weight, self.layers, self.final_norm, self.lm_head = embed, layers, final_norm, lm_head
         self.rope, self.eps = rope, eps
-        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed.dtype
+        return self.embed_weight.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.embed.device
+        return self.embed_weight.device
+
+    @property
+    def hidden_size(self) -> int:
+        return self.embed_weight.shape[1]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.lm_head.shape[0]
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [T] -> x [T, H]."""
+        return F.embedding(ids, self.embed_weight)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H] -> logits [T, V] in float32."""
+        td = _fused_norms() if x.is_cuda and x.shape[0] == 1 else None
+        normed = td.rms_norm(x, self.final_norm, self.eps) if td is not None else rms_norm(x, self.final_norm, self.eps)
+        return F.linear(normed, self.lm_head).to(torch.float32)
 
     def forward(self, ids: torch.Tensor, start: int, cache: KVCache, *, all_logits: bool = False) -> torch.Tensor:
-        """ids [T] at positions start.. -> logits [T, V] (or [1, V] for the last token) in float32."""
-        x = F.embedding(ids, self.embed)  # [T, H]
+        """A prefill chunk: ids [T] at positions start.. -> logits [T, V] (or [1, V] for the last
+        token) in float32. The caller records the tokens in the cache."""
+        x = self.embed(ids)  # [T, H]
         positions = torch.arange(start, start + ids.shape[0], device=ids.device)
         cos, sin = self.rope.cos_sin(positions, x.dtype)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, cache, i, start)
-        cache.length = start + ids.shape[0]
         if not all_logits:
             x = x[-1:]
         return F.linear(rms_norm(x, self.final_norm, self.eps), self.lm_head).to(torch.float32)

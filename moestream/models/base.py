@@ -1,21 +1,25 @@
-"""What every family shares: config reading, the strict weight loader and the stack builder."""
+"""What every family shares: config reading, the strict weight loader, and builders for the usual pieces.
+
+A family file (one per Hugging Face model_type) holds its ModelArgs, the rules the rest of the
+project asks of it (see `registry.Family`), and `build`, which assembles its layers from
+moestream.layers with these helpers. Checkpoint names are the family's own, kept verbatim in the
+packed model."""
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from moestream.errors import FormatError
-from moestream.format.reader import PackedModel
 from moestream.layers.attention import Attention, AttentionWeights
-from moestream.layers.moe import ExpertProvider, MoEBlock, SharedExpert
 from moestream.layers.mlp import DenseMLP
+from moestream.layers.moe import SharedExpert
 from moestream.layers.rope import Rope, rope_theta
-from moestream.layers.transformer import DecoderLayer, MoETransformer
 
 # transformers 4 and 5 spell some fields differently; the first name is ModelArgs' field.
 ALIASES = {"num_experts": ("num_local_experts",)}
+EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
 @dataclass
@@ -54,28 +58,46 @@ class BaseModelArgs:
             args.head_dim = args.hidden_size // args.num_attention_heads
         return args
 
+    # -- what the rest of the project asks (a family overrides where it differs) ---------------
+    def is_moe_layer(self, i: int) -> bool:
+        return self.num_experts > 0
+
+    def moe_layers(self) -> list[int]:
+        return [i for i in range(self.num_hidden_layers) if self.is_moe_layer(i)]
+
+    @property
+    def expert_intermediate_size(self) -> int:
+        """The routed experts' intermediate size."""
+        return self.intermediate_size
+
+    def expert_shapes(self) -> dict[str, tuple[int, int]]:
+        """[out, in] of each projection of one routed expert."""
+        H, I = self.hidden_size, self.expert_intermediate_size
+        return {"gate_proj": (I, H), "up_proj": (I, H), "down_proj": (H, I)}
+
+    def kv_layout(self) -> tuple[int, int, int]:
+        """(layers with a KV cache, KV heads, head size): every layer full attention, one shape."""
+        return self.num_hidden_layers, self.num_key_value_heads, self.head_dim
+
 
 class WeightLoader:
     """Hands out resident tensors by name, checks shapes, and fails on missing or unused ones."""
 
-    def __init__(self, packed: PackedModel, device: torch.device, dtype: torch.dtype):
+    def __init__(self, packed, device: torch.device, dtype: torch.dtype):
         self.packed, self.device, self.dtype = packed, device, dtype
         self.unused = set(packed.logical_dense_names())
 
     def has(self, name: str) -> bool:
         return name in self.unused or name in self.packed.dense_names
 
-    def take(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+    def take(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         if not self.has(name):
             raise FormatError(f"{self.packed.directory}: weight {name!r} is missing")
         t = self.packed.dense(name, self.dtype)
-        if shape is not None and tuple(t.shape) != tuple(shape):
+        if tuple(t.shape) != tuple(shape):
             raise FormatError(f"{self.packed.directory}: weight {name!r} has shape {list(t.shape)}, config implies {list(shape)}")
         self.unused.discard(name)
         return t.to(self.device)
-
-    def maybe(self, name: str, shape=None) -> torch.Tensor | None:
-        return self.take(name, shape) if self.has(name) else None
 
     def finish(self) -> None:
         if self.unused:
@@ -83,71 +105,83 @@ class WeightLoader:
             raise FormatError(f"{self.packed.directory}: {len(names)} unused weights, e.g. {names[:3]}")
 
 
-@dataclass
-class FamilySpec:
-    """What distinguishes a family when the stack is built."""
+class ShapeRecorder:
+    """A loader that records what `build` takes (name -> shape) and hands out meta tensors: the
+    family's build is the one list of its resident tensors (synth, the memory ledger and convert
+    ask it)."""
 
-    moe_prefix: str = "mlp"  # Mixtral: block_sparse_moe
-    qk_norm: str | None = None  # "head", "full" or None
-    normalize_topk: bool = False
-    float32_routing_weights: bool = False
-    shared_expert: bool = False
-    extra: dict = field(default_factory=dict)
+    def __init__(self):
+        self.device, self.dtype = torch.device("meta"), torch.float32
+        self.shapes: dict[str, tuple[int, ...]] = {}
+
+    def has(self, name: str) -> bool:
+        return False
+
+    def take(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        self.shapes[name] = tuple(shape)
+        return torch.empty(shape, device="meta")
+
+    def finish(self) -> None:
+        pass
 
 
-def build_stack(args: BaseModelArgs, spec: FamilySpec, loader: WeightLoader, provider: ExpertProvider,
-                is_moe_layer) -> MoETransformer:
-    H, D = args.hidden_size, args.head_dim
-    Nq, Nkv = args.num_attention_heads, args.num_key_value_heads
-    layers = []
-    for i in range(args.num_hidden_layers):
-        p = f"model.layers.{i}."
-        bias = args.attention_bias
-        w = AttentionWeights(
-            q=loader.take(p + "self_attn.q_proj.weight", (Nq * D, H)),
-            k=loader.take(p + "self_attn.k_proj.weight", (Nkv * D, H)),
-            v=loader.take(p + "self_attn.v_proj.weight", (Nkv * D, H)),
-            o=loader.take(p + "self_attn.o_proj.weight", (H, Nq * D)),
-            q_bias=loader.take(p + "self_attn.q_proj.bias") if bias else None,
-            k_bias=loader.take(p + "self_attn.k_proj.bias") if bias else None,
-            v_bias=loader.take(p + "self_attn.v_proj.bias") if bias else None,
-        )
-        w.fuse_qkv()
-        if spec.qk_norm == "head":
-            w.q_norm, w.k_norm = loader.take(p + "self_attn.q_norm.weight", (D,)), loader.take(p + "self_attn.k_norm.weight", (D,))
-        elif spec.qk_norm == "full":
-            w.q_norm = loader.take(p + "self_attn.q_norm.weight", (Nq * D,))
-            w.k_norm = loader.take(p + "self_attn.k_norm.weight", (Nkv * D,))
-        attn = Attention(w, num_heads=Nq, num_kv_heads=Nkv, head_dim=D, qk_norm=spec.qk_norm, eps=args.rms_norm_eps,
-                         clip_qkv=spec.extra.get("clip_qkv"))
-        if is_moe_layer(i):
-            m = p + spec.moe_prefix + "."
-            shared = None
-            if spec.shared_expert:
-                I_s = args.shared_expert_intermediate_size
-                shared = SharedExpert(
-                    gate=loader.take(m + "shared_expert.gate_proj.weight", (I_s, H)),
-                    up=loader.take(m + "shared_expert.up_proj.weight", (I_s, H)),
-                    down=loader.take(m + "shared_expert.down_proj.weight", (H, I_s)),
-                    gate_weight=loader.take(m + "shared_expert_gate.weight", (1, H)))
-            ffn = MoEBlock(i, loader.take(m + "gate.weight", (args.num_experts, H)), provider, top_k=args.num_experts_per_tok,
-                           normalize_topk=spec.normalize_topk, float32_routing_weights=spec.float32_routing_weights,
-                           shared=shared)
-        else:
-            I = args.intermediate_size
-            g, u, d = (loader.take(p + f"mlp.{n}.weight", s) for n, s in
-                       (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I))))
-            ffn = DenseMLP(g, u, d)
-        layers.append(DecoderLayer(attn, ffn, loader.take(p + "input_layernorm.weight", (H,)),
-                                   loader.take(p + "post_attention_layernorm.weight", (H,)), args.rms_norm_eps))
-    embed = loader.take("model.embed_tokens.weight", (args.vocab_size, H))
-    lm_head = loader.maybe("lm_head.weight", (args.vocab_size, H))
-    if lm_head is None:
-        if not args.tie_word_embeddings:
-            raise FormatError(f"{loader.packed.directory}: lm_head.weight is missing and embeddings are not tied")
-        lm_head = embed
-    final_norm = loader.take("model.norm.weight", (H,))
-    loader.finish()
-    return MoETransformer(embed=embed, layers=layers, final_norm=final_norm, lm_head=lm_head,
-                          rope=Rope(D, args.rope_theta, loader.device), eps=args.rms_norm_eps,
-                          num_kv_heads=Nkv, head_dim=D)
+# -- builders for the pieces most families share ------------------------------------------------
+
+def attention(loader, prefix: str, args: BaseModelArgs, rope: Rope, *, bias: bool = False, qk_norm: str | None = None,
+              clip_qkv: float | None = None) -> Attention:
+    """GQA self-attention from `{prefix}q_proj` ... `o_proj`; qk_norm "head" ([D] weights), "full"
+    ([Nq*D] / [Nkv*D] weights) or None."""
+    H, D, Nq, Nkv = args.hidden_size, args.head_dim, args.num_attention_heads, args.num_key_value_heads
+    w = AttentionWeights(
+        q=loader.take(prefix + "q_proj.weight", (Nq * D, H)),
+        k=loader.take(prefix + "k_proj.weight", (Nkv * D, H)),
+        v=loader.take(prefix + "v_proj.weight", (Nkv * D, H)),
+        o=loader.take(prefix + "o_proj.weight", (H, Nq * D)))
+    if bias:
+        w.q_bias = loader.take(prefix + "q_proj.bias", (Nq * D,))
+        w.k_bias = loader.take(prefix + "k_proj.bias", (Nkv * D,))
+        w.v_bias = loader.take(prefix + "v_proj.bias", (Nkv * D,))
+    w.fuse_qkv()
+    if qk_norm is not None:
+        q_size, k_size = (D, D) if qk_norm == "head" else (Nq * D, Nkv * D)
+        w.q_norm = loader.take(prefix + "q_norm.weight", (q_size,))
+        w.k_norm = loader.take(prefix + "k_norm.weight", (k_size,))
+    return Attention(w, rope, num_heads=Nq, num_kv_heads=Nkv, head_dim=D, qk_norm=qk_norm, eps=args.rms_norm_eps,
+                     clip_qkv=clip_qkv)
+
+
+def swiglu_weights(loader, prefix: str, hidden: int, inter: int, names=EXPERT_PROJECTIONS):
+    """gate [I, H], up [I, H], down [H, I] from `{prefix}{name}.weight` (names in gate, up, down order)."""
+    g, u, d = names
+    return (loader.take(f"{prefix}{g}.weight", (inter, hidden)), loader.take(f"{prefix}{u}.weight", (inter, hidden)),
+            loader.take(f"{prefix}{d}.weight", (hidden, inter)))
+
+
+def dense_mlp(loader, prefix: str, hidden: int, inter: int) -> DenseMLP:
+    return DenseMLP(*swiglu_weights(loader, prefix, hidden, inter))
+
+
+def shared_expert(loader, prefix: str, hidden: int, inter: int, *, gate: str | None = None) -> SharedExpert:
+    """A shared expert's SwiGLU from `{prefix}`, with a sigmoid gate [1, H] at `gate` if given."""
+    return SharedExpert(*swiglu_weights(loader, prefix, hidden, inter),
+                        gate_weight=loader.take(gate, (1, hidden)) if gate else None)
+
+
+def norms(loader, prefix: str, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pre-attention and pre-FFN RMSNorm weights of a layer."""
+    return (loader.take(prefix + "input_layernorm.weight", (hidden,)),
+            loader.take(prefix + "post_attention_layernorm.weight", (hidden,)))
+
+
+def embeddings(loader, args: BaseModelArgs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(embed, final norm, lm_head); lm_head is the embedding where the config ties them."""
+    V, H = args.vocab_size, args.hidden_size
+    embed = loader.take("model.embed_tokens.weight", (V, H))
+    tied = args.tie_word_embeddings and not loader.has("lm_head.weight")
+    lm_head = embed if tied else loader.take("lm_head.weight", (V, H))
+    return embed, loader.take("model.norm.weight", (H,)), lm_head
+
+
+def router_bits(bits: int | None) -> int | None:
+    """Routers keep at least 8 bits (their top-k choice is sensitive to rounding)."""
+    return None if bits is None else max(bits, 8)

@@ -1,13 +1,23 @@
-"""Qwen2-MoE: q/k/v biases, a shared expert behind a sigmoid gate, dense layers by sparse step."""
+"""Qwen2-MoE: q/k/v biases, a shared expert behind a sigmoid gate beside the routed experts, dense
+layers by mlp_only_layers / decoder_sparse_step, softmax top-k routing."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 
-from moestream.models.base import BaseModelArgs, FamilySpec, build_stack
+from moestream.layers.experts import RoutedExperts
+from moestream.layers.moe import MoEBlock
+from moestream.layers.rope import Rope
+from moestream.layers.routers import softmax_topk
+from moestream.layers.transformer import DecoderLayer, MoETransformer
+from moestream.models import base
+
+EXPERT_MODULE = "mlp"
+EXPERT_NAMES = {p: p for p in base.EXPERT_PROJECTIONS}
 
 
 @dataclass
-class ModelArgs(BaseModelArgs):
+class ModelArgs(base.BaseModelArgs):
     moe_intermediate_size: int = 1408
     shared_expert_intermediate_size: int = 5632
     norm_topk_prob: bool = False
@@ -18,8 +28,40 @@ class ModelArgs(BaseModelArgs):
     def is_moe_layer(self, i: int) -> bool:
         return i not in self.mlp_only_layers and self.num_experts > 0 and (i + 1) % self.decoder_sparse_step == 0
 
+    @property
+    def expert_intermediate_size(self) -> int:
+        return self.moe_intermediate_size
 
-def build(args: ModelArgs, loader, provider):
-    args.attention_bias = args.qkv_bias
-    spec = FamilySpec(normalize_topk=args.norm_topk_prob, shared_expert=True)
-    return build_stack(args, spec, loader, provider, args.is_moe_layer)
+
+def sanitize(name: str) -> str | None:
+    return None if name.endswith("rotary_emb.inv_freq") else name
+
+
+def quant_predicate(name: str, bits: int | None) -> int | None:
+    """The router and the shared expert's gate keep at least 8 bits."""
+    return base.router_bits(bits) if name.endswith((".mlp.gate.weight", ".shared_expert_gate.weight")) else bits
+
+
+def route(args: ModelArgs, logits):
+    return softmax_topk(logits, args.num_experts_per_tok, normalize=args.norm_topk_prob, out_dtype=logits.dtype)
+
+
+def build(args: ModelArgs, loader, experts: RoutedExperts) -> MoETransformer:
+    H = args.hidden_size
+    rope = Rope(args.head_dim, args.rope_theta, loader.device)
+    layers = []
+    for i in range(args.num_hidden_layers):
+        p = f"model.layers.{i}."
+        attn = base.attention(loader, p + "self_attn.", args, rope, bias=args.qkv_bias)
+        if args.is_moe_layer(i):
+            m = p + "mlp."
+            shared = base.shared_expert(loader, m + "shared_expert.", H, args.shared_expert_intermediate_size,
+                                        gate=m + "shared_expert_gate.weight")
+            ffn = MoEBlock(i, loader.take(m + "gate.weight", (args.num_experts, H)), partial(route, args), experts,
+                           top_k=args.num_experts_per_tok, shared=shared)
+        else:
+            ffn = base.dense_mlp(loader, p + "mlp.", H, args.intermediate_size)
+        layers.append(DecoderLayer(attn, ffn, *base.norms(loader, p, H), args.rms_norm_eps))
+    embed, final_norm, lm_head = base.embeddings(loader, args)
+    return MoETransformer(embed=embed, layers=layers, final_norm=final_norm, lm_head=lm_head, rope=rope,
+                          eps=args.rms_norm_eps)

@@ -1,4 +1,14 @@
-"""Find a family's module by config.json's model_type (one file per family, loaded on demand)."""
+"""Find a family's module by config.json's model_type (one file per family, loaded on demand).
+
+What the project asks of a family module (each file in moestream/models/ has all of it):
+  ModelArgs        dataclass read from config.json (`ModelArgs.from_dict`), with `is_moe_layer(i)`,
+                   `moe_layers()`, `expert_shapes()` and `kv_layout()`
+  EXPERT_MODULE    the module holding routed experts in checkpoint names ("mlp", "block_sparse_moe")
+  EXPERT_NAMES     our projection name -> the checkpoint's ({"gate_proj": "w1", ...} for Mixtral)
+  sanitize(name)   a checkpoint tensor's packed name, or None for tensors that are not weights
+  quant_predicate(name, bits)  the bits a resident matrix keeps (None: float)
+  build(args, loader, experts) the model (moestream.layers.transformer.MoETransformer)
+"""
 from __future__ import annotations
 
 import importlib
@@ -13,10 +23,30 @@ def family_module(model_type: str):
     return importlib.import_module(f"moestream.models.{model_type}")
 
 
-def build_model(packed, provider, *, device, dtype):
-    """The family's ModelArgs from the packed config, then the stack with weights on `device`."""
+def model_args(model_type: str, config: dict):
+    """The family's ModelArgs for a config.json."""
+    return family_module(model_type).ModelArgs.from_dict(config)
+
+
+def weight_shapes(model_type: str, config: dict) -> dict[str, tuple[int, ...]]:
+    """Every resident tensor the family's model takes (name -> shape), as its build takes them."""
+    from moestream.models.base import ShapeRecorder
+
+    module = family_module(model_type)
+    recorder = ShapeRecorder()
+    module.build(module.ModelArgs.from_dict(config), recorder, None)
+    return recorder.shapes
+
+
+def build_model(packed, make_experts, *, device, dtype):
+    """The family's ModelArgs from the packed config, then the model with weights on `device`;
+    make_experts(args) gives the RoutedExperts the MoE blocks share."""
     from moestream.models.base import WeightLoader
 
     module = family_module(packed.family)
     args = module.ModelArgs.from_dict(packed.config)
-    return args, module.build(args, WeightLoader(packed, device, dtype), provider)
+    experts = make_experts(args)
+    loader = WeightLoader(packed, device, dtype)
+    model = module.build(args, loader, experts)
+    loader.finish()
+    return args, experts, model

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 pytestmark = pytest.mark.gpu
 pytest.importorskip("triton")
 
-from moestream.engine.kv_cache import KVCache  # noqa: E402
+from moestream.layers.kv_cache import KVCache  # noqa: E402
 from moestream.kernels import triton_decode as td  # noqa: E402
 from moestream.layers.attention import Attention, AttentionWeights  # noqa: E402
 from moestream.layers.norm import rms_norm as torch_rms_norm  # noqa: E402
@@ -210,8 +210,8 @@ def test_matches_the_attention_layer():
     w = AttentionWeights(q=randn(NQ * D, H, g=g, dtype=dtype) / 32, k=randn(NKV * D, H, g=g, dtype=dtype) / 32,
                          v=randn(NKV * D, H, g=g, dtype=dtype) / 32, o=randn(H, NQ * D, g=g, dtype=dtype) / 32,
                          q_norm=(1 + randn(D, g=g) / 4).to(dtype), k_norm=(1 + randn(D, g=g) / 4).to(dtype))
-    attn = Attention(w, num_heads=NQ, num_kv_heads=NKV, head_dim=D, qk_norm="head", eps=EPS)
     rope = Rope(D, THETA, torch.device(DEV))
+    attn = Attention(w, rope, num_heads=NQ, num_kv_heads=NKV, head_dim=D, qk_norm="head", eps=EPS)
     ref_cache, cache = (KVCache(2, NKV, D, MAX_TOKENS, dtype=dtype, device=torch.device(DEV)) for _ in range(2))
     ref_cache.keys[:, :, :777].normal_(generator=g)
     ref_cache.values[:, :, :777].normal_(generator=g)

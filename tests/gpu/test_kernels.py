@@ -7,7 +7,6 @@ import torch
 pytestmark = pytest.mark.gpu
 pytest.importorskip("triton")
 
-from moestream.kernels import dispatch  # noqa: E402
 from moestream.kernels import triton_moe as tm  # noqa: E402
 from moestream.kernels.dispatch import build_pool, reference_moe  # noqa: E402
 from moestream.layers.moe import MoEBlock  # noqa: E402
@@ -186,15 +185,21 @@ class PoolProvider:
     def __init__(self, pool_set, limit):
         self.pool, self.fields, self._quant, self.slot_of = pool_set
         self.limit, self.fetched = limit, []
+        self.total_experts = len(self.slot_of)
 
     def quant(self, layer):
         return self._quant
 
+    def record_fields(self, layer):
+        return self.fields
+
+    def slot_pool(self, layer):
+        return self.pool
+
     def fetch(self, layer, experts, *, views=True):
-        from moestream.format.records import decode_record
         assert len(experts) <= self.limit
         self.fetched.append(list(experts))
-        return {e: decode_record(self.fields, self.pool[self.slot_of[e]]) for e in experts} if views else {}
+        return {}
 
     def release(self, layer):
         pass
@@ -205,30 +210,29 @@ class PoolProvider:
     def slots_of(self, layer, experts):
         return [self.slot_of[e] for e in experts]
 
-    def record_fields(self, layer):
-        return self.fields
+    def resident_table(self, layer):
+        return None
 
 
 @pytest.mark.parametrize("tokens", [1, 200])
 def test_moe_block_takes_the_kernels(pools, tokens):
+    from moestream.layers.experts import RoutedExperts
+    from moestream.layers.routers import softmax_topk
+
     pool_set = pools(4)
     g = torch.Generator().manual_seed(1)
     router = (torch.randn(E, H, generator=g) / H ** 0.5).to(DEV, torch.bfloat16)
+    route = lambda logits: softmax_topk(logits, A, normalize=True, out_dtype=logits.dtype)  # noqa: E731
     x, _, _ = routing(tokens, torch.bfloat16, seed=11)
     outs = {}
     for limit in (E, 5):
-        provider = PoolProvider(pool_set, limit)
-        block = MoEBlock(0, router, provider, top_k=A, normalize_topk=True)
-        assert dispatch.triton_layout(x, provider, 0) is not None
-        outs[limit] = block(x)
+        experts = RoutedExperts(PoolProvider(pool_set, limit), {0: E}, device=torch.device(DEV))
+        assert experts.uses_triton(0, x.dtype)
+        outs[limit] = MoEBlock(0, router, route, experts, top_k=A)(x)
     assert torch.equal(outs[E], outs[5])  # a small cache changes nothing
-    dispatch.set_backend("torch")
-    try:
-        provider = PoolProvider(pool_set, E)
-        assert dispatch.triton_layout(x, provider, 0) is None
-        ref = MoEBlock(0, router, provider, top_k=A, normalize_topk=True)(x)
-    finally:
-        dispatch.set_backend("auto")
+    experts = RoutedExperts(PoolProvider(pool_set, E), {0: E}, device=torch.device(DEV), kernels="torch")
+    assert not experts.uses_triton(0, x.dtype)
+    ref = MoEBlock(0, router, route, experts, top_k=A)(x)
     assert ((outs[E].float() - ref.float()).abs().max() / ref.float().abs().max()).item() < 4e-2
 
 
@@ -237,28 +241,25 @@ def generate(model, **opts):
     from moestream.engine.options import EngineOptions
 
     engine = Engine.load(model, options=EngineOptions(device="cuda", prefill_chunk_tokens=5, **opts))
+    triton_layers = [layer for layer in engine.args.moe_layers() if engine.experts.uses_triton(layer, engine.dtype)]
     prompt = engine.tokenizer.encode("def fibonacci(n):\n    if n < 2:")
     gen = engine.generate(prompt, max_new_tokens=10, logprobs=4)
     out = [(e.token_id, e.top_logprobs) for e in gen]
     engine.close()
-    return out
+    return out, triton_layers
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_engine_same_tokens_for_every_cache_size(tiny_packed_model, monkeypatch, dtype):
+def test_engine_same_tokens_for_every_cache_size(tiny_packed_model, dtype):
     for name in ("transformers", "safetensors", "tokenizers"):  # build and convert the tiny checkpoint
         pytest.importorskip(name)
     model = tiny_packed_model("qwen3_moe", "q4", dtype="bfloat16")  # bf16 scales: a layout the kernels take
-    calls = []
-    kernel_path = dispatch.routed_experts
-    monkeypatch.setattr(dispatch, "routed_experts", lambda *a, **k: calls.append(1) or kernel_path(*a, **k))
-    outs = {size: generate(model, dtype=dtype, cache_size=size) for size in ("min", "25%", "all")}
-    assert calls, "the engine did not take the Triton kernels"
+    outs = {}
+    for size in ("min", "25%", "all"):
+        outs[size], triton_layers = generate(model, dtype=dtype, cache_size=size)
+        assert triton_layers, "the engine did not take the Triton kernels"
     assert outs["min"] == outs["all"] and outs["25%"] == outs["all"]  # bitwise: same floats
     if dtype == "float32":
-        dispatch.set_backend("torch")
-        try:
-            ref = generate(model, dtype=dtype, cache_size="all")
-        finally:
-            dispatch.set_backend("auto")
+        ref, triton_layers = generate(model, dtype=dtype, cache_size="all", expert_kernels="torch")
+        assert not triton_layers
         assert [t for t, _ in ref] == [t for t, _ in outs["all"]]

@@ -16,7 +16,7 @@ pytest.importorskip("triton")
 
 from interpret import interpreted_module, run_file_interpreted  # noqa: E402
 
-from moestream.engine.kv_cache import KVCache  # noqa: E402
+from moestream.layers.kv_cache import KVCache  # noqa: E402
 from moestream.layers.attention import Attention, AttentionWeights  # noqa: E402
 from moestream.layers.norm import rms_norm as torch_rms_norm  # noqa: E402
 from moestream.layers.rope import Rope, apply_rope  # noqa: E402
@@ -206,8 +206,8 @@ def test_matches_the_attention_layer(td, qk_norm):
                          o=randn(H, Nq * D, g=g) / 8)
     if qk_norm:
         w.q_norm, w.k_norm = 1 + randn(D, g=g) / 4, 1 + randn(D, g=g) / 4
-    attn = Attention(w, num_heads=Nq, num_kv_heads=Nkv, head_dim=D, qk_norm=qk_norm, eps=EPS)
     rope = Rope(D, THETA, torch.device("cpu"))
+    attn = Attention(w, rope, num_heads=Nq, num_kv_heads=Nkv, head_dim=D, qk_norm=qk_norm, eps=EPS)
     ref_cache, cache = (KVCache(2, Nkv, D, max_tokens, dtype=torch.float32, device=torch.device("cpu"))
                         for _ in range(2))
     w_qkv = torch.cat([w.q, w.k, w.v])

@@ -157,10 +157,17 @@ def test_layouts_the_kernels_do_not_handle_are_refused(tm, pools):
             tm.SlotLayout.from_fields(fields, bad)
 
 
-def test_no_triton_path_on_cpu(tm):
-    from moestream.kernels import dispatch
+def test_no_triton_path_on_cpu(tm, pools):
+    from moestream.layers.experts import RoutedExperts
+
+    pool, fields, quant, _ = pools(4)
 
     class Provider:
-        pool = torch.zeros(1, 4096, dtype=torch.uint8)
+        def record_fields(self, layer):
+            return fields
 
-    assert dispatch.triton_layout(torch.zeros(1, H), Provider(), 0) is None
+        def quant(self, layer):
+            return quant
+
+    experts = RoutedExperts(Provider(), {0: E}, device=torch.device("cpu"))
+    assert not experts.uses_triton(0, torch.float32)  # the layout is one the kernels take, but not on the CPU

@@ -1,4 +1,7 @@
-"""Preallocated KV cache for one sequence; can be cut back to a prefix for reuse."""
+"""Preallocated KV cache for one sequence, and the token ids whose K/V it holds.
+
+It is the one record of what is cached: `tokens` are the ids at positions 0..length-1, so prefix
+reuse and rollback (speculative decoding rejects drafted tokens) only ever ask it."""
 from __future__ import annotations
 
 import torch
@@ -11,7 +14,15 @@ class KVCache:
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
         self.max_tokens = max_tokens
-        self.length = 0  # tokens whose K/V are stored (all layers)
+        self.tokens: list[int] = []  # ids whose K/V are stored (all layers), position i at index i
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.keys.numel() * self.keys.element_size()
 
     @staticmethod
     def nbytes_for(num_layers: int, num_kv_heads: int, head_dim: int, max_tokens: int, dtype: torch.dtype) -> int:
@@ -24,5 +35,12 @@ class KVCache:
         self.values[layer, :, start:end] = v
         return self.keys[layer, :, :end], self.values[layer, :, :end]
 
+    def append(self, ids: list[int]) -> None:
+        """Record that the K/V of `ids` (at the next positions) are now stored in every layer."""
+        if self.length + len(ids) > self.max_tokens:
+            raise ValueError(f"{self.length + len(ids)} tokens exceed the KV cache's {self.max_tokens}")
+        self.tokens.extend(ids)
+
     def truncate(self, length: int) -> None:
-        self.length = min(self.length, length)
+        """Forget every position from `length` on (their K/V are overwritten by the next tokens)."""
+        del self.tokens[max(0, length):]

@@ -1,0 +1,249 @@
+"""RoutedExperts: the one place where routed experts are computed.
+
+Legend: T tokens, H hidden, A experts per token, E experts of a layer, U distinct experts chosen.
+
+It has two halves:
+  - the host half makes the chosen experts available: it asks the provider (the slot cache) to
+    pin them, loading misses, and writes the layer's slot table; it calls the trace and prefetch
+    hooks. It is the only part that may synchronize with the device (to read the chosen ids).
+  - the device half computes y = sum_a weights[t, a] * FFN_{ids[t, a]}(x[t]) from the slot pool and
+    a slot table. With the Triton kernels it reads no device value on the host, so the CUDA
+    decoder captures it in a graph.
+
+Kernels behind it: the Triton slot-pool kernels (CUDA, 4/8-bit records in the MLX layout) and the
+torch reference (CPU, and any record layout the Triton kernels do not take). Which one a layer
+uses depends only on the device, the option and the record layout, never on what is cached, so
+the bits are the same for every cache size and policy.
+
+Where other backends plug in: a backend that computes some experts elsewhere (the CPU beside the
+GPU, or other ranks in expert parallelism) is a `plan` whose `run` takes the experts it owns and a
+`finish` that adds their partial sums in a fixed order; the host half decides who computes which
+expert before `run`. Nothing above this class changes."""
+from __future__ import annotations
+
+import logging
+from typing import Callable, Mapping, Protocol, Sequence
+
+import torch
+
+from moestream.format.records import decode_record
+from moestream.kernels.reference import projection
+from moestream.layers.mlp import swiglu
+from moestream.quant.affine import QuantSpec
+
+log = logging.getLogger(__name__)
+KERNELS = ("auto", "torch", "triton")
+
+
+class ExpertProvider(Protocol):
+    """Where routed-expert records live: a pool of slots, filled on demand (moestream.experts.cache)."""
+
+    total_experts: int
+
+    def quant(self, layer: int) -> dict[str, QuantSpec]: ...
+
+    def record_fields(self, layer: int) -> list: ...
+
+    def slot_pool(self, layer: int) -> torch.Tensor:
+        """uint8 [slots, slot_bytes]: the tensor `slots_of` indexes."""
+        ...
+
+    def fetch(self, layer: int, experts: Sequence[int], *, views: bool = True) -> Mapping[int, dict]:
+        """Pin the experts' slots (loading misses); they stay valid until `release(layer)`."""
+        ...
+
+    def slots_of(self, layer: int, experts: Sequence[int]) -> list[int]: ...
+
+    def release(self, layer: int) -> None: ...
+
+    def batch_limit(self, layer: int) -> int:
+        """The most experts of `layer` that can be pinned at once; more are computed in batches."""
+        ...
+
+    def prefetch(self, layer: int, experts: Sequence[int]) -> int: ...
+
+    def can_hold_all(self) -> bool: ...
+
+    def make_resident(self) -> bool: ...
+
+    def resident_table(self, layer: int) -> torch.Tensor | None: ...
+
+    def count_resident(self, layer: int, ids: torch.Tensor) -> None: ...
+
+    def stats(self) -> dict: ...
+
+    def close(self) -> None: ...
+
+
+class TorchPlan:
+    """The torch reference over the slot pool, with MoEPlan's interface (`run`, `run_table`, `finish`).
+
+    Experts are taken in ascending id order (whatever the batching), each dequantized once. With
+    per_pair, every (token, expert) pair is its own one-row matmul, so a token's result does not
+    depend on how many tokens are computed together (CPU BLAS picks other kernels for other row
+    counts); otherwise each expert's tokens go through one matmul (prefill)."""
+
+    def __init__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, fields, quant, *,
+                 per_pair: bool = False):
+        self.x, self.ids, self.weights, self.fields, self.quant = x, ids, weights, fields, quant
+        self.per_pair = per_pair
+        self.out = torch.zeros_like(x)  # [T, H]
+
+    def run(self, pool: torch.Tensor, experts: Sequence[int], slots: Sequence[int]) -> None:
+        for e, slot in sorted(zip(experts, slots)):
+            record = decode_record(self.fields, pool[slot])
+            g, u, d = (projection(record, p, self.quant[p], self.x.dtype) for p in ("gate_proj", "up_proj", "down_proj"))
+            tok, pick = torch.where(self.ids == e)
+            if self.per_pair:
+                y = torch.cat([swiglu(self.x[t:t + 1], g, u, d) for t in tok.tolist()])
+            else:
+                y = swiglu(self.x[tok], g, u, d)
+            self.out.index_add_(0, tok, (y * self.weights[tok, pick, None]).to(self.out.dtype))
+
+    def run_table(self, pool: torch.Tensor, table: torch.Tensor) -> None:
+        experts = torch.unique(self.ids).tolist()
+        slots = table[experts].tolist()
+        self.run(pool, experts, slots)
+
+    def finish(self, residual: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        y = self.out if residual is None else residual + self.out
+        if out is not None:
+            out.copy_(y)
+            return out
+        return y
+
+
+class RoutedExperts:
+    """Computes every MoE layer's routed experts from the provider's slot pool (see the module doc)."""
+
+    def __init__(self, provider: ExpertProvider, moe_layers: Mapping[int, int], *, device: torch.device,
+                 kernels: str = "auto"):
+        """moe_layers: layer index -> number of experts. kernels: "auto" (Triton where the layout
+        allows on CUDA), "torch" (always the reference) or "triton" (an error where it cannot run)."""
+        if kernels not in KERNELS:
+            raise ValueError(f"expert kernels {kernels!r} (choose from {', '.join(KERNELS)})")
+        self.provider, self.num_experts, self.device = provider, dict(moe_layers), torch.device(device)
+        self.kernels = kernels
+        self.layouts = {layer: self._layout(layer) for layer in self.num_experts}
+        self.tables = {layer: torch.full((e,), -1, dtype=torch.int32, device=self.device)
+                       for layer, e in self.num_experts.items()}  # the decoder's per-layer slot tables
+        pin = self.device.type == "cuda"
+        # host copies the tables are written from (pinned on CUDA: the copy runs without waiting)
+        self._host_tables = {layer: (t.cpu().pin_memory() if pin else t.cpu()) for layer, t in self.tables.items()}
+        self.resident = False
+        # hooks: on_route(layer, ids) sees every layer's chosen ids (traces); after_fetch(layer, x)
+        # runs once a layer's experts are pinned (early reads for later layers start there)
+        self.on_route: Callable[[int, torch.Tensor], None] | None = None
+        self.after_fetch: Callable[[int, torch.Tensor], None] | None = None
+
+    # -- which kernels -------------------------------------------------------------------------
+    def _layout(self, layer: int):
+        """The Triton SlotLayout of `layer`'s records, or None where the torch reference runs them."""
+        if self.kernels == "torch" or self.device.type != "cuda":
+            return None
+        reason = None
+        try:
+            from moestream.kernels import triton_moe
+        except ImportError as exc:
+            triton_moe, reason = None, f"Triton is not installed ({exc})"
+        if triton_moe is not None:
+            try:
+                return triton_moe.SlotLayout.from_fields(self.provider.record_fields(layer), self.provider.quant(layer))
+            except triton_moe.UnsupportedLayout as exc:
+                reason = str(exc)
+        if self.kernels == "triton":
+            raise RuntimeError(f"layer {layer}: the Triton expert kernels cannot run: {reason}")
+        log.info("layer %d: torch reference for routed experts (%s)", layer, reason)
+        return None
+
+    def uses_triton(self, layer: int, dtype: torch.dtype) -> bool:
+        from moestream.kernels import triton_moe
+
+        return self.layouts[layer] is not None and dtype in triton_moe.ACT_DTYPES
+
+    def plan(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, *, per_pair: bool = False):
+        """The device half's work for one layer call: Triton's MoEPlan or the torch reference.
+        per_pair: a token's bits must not depend on how many tokens are computed together."""
+        if self.uses_triton(layer, x.dtype):
+            from moestream.kernels import triton_moe
+
+            return triton_moe.MoEPlan(x, ids, weights, self.num_experts[layer], self.layouts[layer],
+                                      mode="gemv" if per_pair else "auto")
+        return TorchPlan(x, ids, weights, self.provider.record_fields(layer), self.provider.quant(layer),
+                         per_pair=per_pair)
+
+    # -- both halves, eagerly ------------------------------------------------------------------
+    def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, *,
+                 residual: torch.Tensor | None = None, per_pair: bool = False, notify: bool = True) -> torch.Tensor:
+        """sum_a weights[t, a] * FFN_{ids[t, a]}(x[t]) (+ residual), for x [T, H], ids/weights [T, A].
+
+        Where every expert is resident the kernels index the resident table (no lookup, no sync).
+        Else the distinct ids come to the host (the one sync) and are pinned in batches of at most
+        `batch_limit`; each batch computes only its own pairs, so batching never changes the bits."""
+        if notify and self.on_route is not None:
+            self.on_route(layer, ids)
+        plan = self.plan(layer, x, ids, weights, per_pair=per_pair)
+        pool = self.provider.slot_pool(layer)
+        table = self.provider.resident_table(layer)
+        if table is not None:
+            plan.run_table(pool, table)
+            self.provider.count_resident(layer, ids)
+            return plan.finish(residual)
+        experts = torch.unique(ids).tolist()  # sorted
+        limit = max(1, self.provider.batch_limit(layer))
+        for i in range(0, len(experts), limit):
+            batch = experts[i:i + limit]
+            self.provider.fetch(layer, batch, views=False)
+            if i == 0 and self.after_fetch is not None:
+                self.after_fetch(layer, x)
+            try:
+                plan.run(pool, batch, self.provider.slots_of(layer, batch))
+            finally:  # a victim slot is rewritten only after the work queued above (stream order)
+                self.provider.release(layer)
+        return plan.finish(residual)
+
+    # -- the halves apart (the decoder) --------------------------------------------------------
+    def make_resident(self) -> bool:
+        """Where the pool holds every expert: load them all and fill the slot tables for good (then
+        `load` is never needed and a whole step can be one CUDA graph)."""
+        if not self.resident and self.provider.can_hold_all() and self.provider.make_resident():
+            for layer, table in self.tables.items():
+                table.copy_(self.provider.resident_table(layer))
+            self.resident = True
+        return self.resident
+
+    def load(self, layer: int, ids_host: list[int], x: torch.Tensor | None = None) -> bool:
+        """Host half for the decoder: pin the distinct `ids_host` and write their slots into the
+        layer's table. False (nothing pinned) where they exceed the batch limit: then the caller
+        computes the layer eagerly (`__call__`), in batches."""
+        experts = sorted(set(ids_host))
+        if len(experts) > self.provider.batch_limit(layer):
+            return False
+        self.provider.fetch(layer, experts, views=False)
+        if self.after_fetch is not None and x is not None:
+            self.after_fetch(layer, x)
+        slots = self.provider.slots_of(layer, experts)
+        # the previous step's copy from this host table was queued before the ids just read, so it is done
+        host = self._host_tables[layer]
+        host.fill_(-1)
+        host[experts] = torch.tensor(slots, dtype=torch.int32)
+        self.tables[layer].copy_(host, non_blocking=True)
+        return True
+
+    def release(self, layer: int) -> None:
+        if not self.resident:
+            self.provider.release(layer)
+
+    def count_resident(self, layer: int, ids: torch.Tensor) -> None:
+        """A resident layer ran without the host half: book its hits and tell the trace."""
+        self.provider.count_resident(layer, ids)
+        if self.on_route is not None:
+            self.on_route(layer, ids)
+
+    def compute(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, *,
+                residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                per_pair: bool = True) -> torch.Tensor:
+        """Device half: the routed experts from the layer's slot table (set by `load` or resident)."""
+        plan = self.plan(layer, x, ids, weights, per_pair=per_pair)
+        plan.run_table(self.provider.slot_pool(layer), self.tables[layer])
+        return plan.finish(residual, out=out) if out is not None else plan.finish(residual)
