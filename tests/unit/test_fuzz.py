@@ -6,7 +6,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
