@@ -55,3 +55,24 @@ def tiny_packed_model(tiny_checkpoint, tmp_path_factory):
         return cache[key]
 
     return make
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _private_digest_cache(tmp_path_factory):
+    """Resident-file digests go to a folder of the test session, not the user's ~/.cache: in this
+    process through the library's default, in subprocesses through the CLI's environment variable."""
+    import os
+
+    from moestream.engine.options import CACHE_DIR_ENV
+    from moestream.format import integrity
+
+    folder = tmp_path_factory.mktemp("digest-cache")
+    saved_default, saved_env = integrity.default_cache_dir, os.environ.get(CACHE_DIR_ENV)
+    integrity.default_cache_dir = lambda: folder
+    os.environ[CACHE_DIR_ENV] = str(folder)
+    yield folder
+    integrity.default_cache_dir = saved_default
+    if saved_env is None:
+        os.environ.pop(CACHE_DIR_ENV, None)
+    else:
+        os.environ[CACHE_DIR_ENV] = saved_env

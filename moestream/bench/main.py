@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from moestream.bench.machine import machine_info
+from moestream.cli_args import Parser, at_least, check_output_paths
 from moestream.engine.options import EngineOptions, add_engine_arguments
 from moestream.errors import MoestreamError
 
@@ -137,12 +138,12 @@ def plot(results: dict, path: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="moestream bench", description="Benchmark prefill, decode and expert streaming.")
+    p = Parser(prog="moestream bench", description="Benchmark prefill, decode and expert streaming.")
     p.add_argument("--model", help="packed model directory (default: the built-in demo model)")
     p.add_argument("--cache-sizes", default=None, help="comma-separated cache sizes to sweep, e.g. 10%%,25%%,50%%,100%% "
                                                       "(default: --cache-size)")
     p.add_argument("--prefill-tokens", default="512,2048", help="prompt lengths to time (default 512,2048)")
-    p.add_argument("--decode-tokens", type=int, default=128, help="tokens to decode (default 128)")
+    p.add_argument("--decode-tokens", type=at_least(1), default=128, help="tokens to decode (default 128)")
     p.add_argument("--cold", action="store_true", help="drop the OS page cache before each run (needs root)")
     p.add_argument("--warmup", action="store_true",
                    help="first fill the host tier (every record it can hold), prefill 2048 tokens and each measured length, "
@@ -156,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run(args) -> dict:
-    from moestream.engine.engine import Engine
+    from moestream.engine.plan import load_engine, run_facts
 
     base = EngineOptions.from_args(args)
     sizes = [x.strip() for x in args.cache_sizes.split(",") if x.strip()] if args.cache_sizes else [base.cache_size]
@@ -175,7 +176,7 @@ def run(args) -> dict:
     for size in sizes:
         if args.cold and not drop_page_cache():
             log.warning("could not drop the page cache (not root?); reads may come from RAM")
-        engine = Engine.load(args.model, options=replace(base, cache_size=size))
+        engine = load_engine(args.model, replace(base, cache_size=size))
         try:
             if args.warmup:  # the host tier filled with every record it can hold, a long prefill, a short decode
                 engine.provider.fill_host_tier()
@@ -189,6 +190,7 @@ def run(args) -> dict:
                                          stop_at_eos=False):
                     pass
             run_result = {"cache_size": size, "slots": engine.plan.slots, "total_experts": engine.plan.total_experts,
+                          **run_facts(engine.options),
                           **measure(engine, prefill_sizes=prefill_sizes, decode_tokens=args.decode_tokens, seed=args.seed)}
         finally:
             engine.close()
@@ -213,7 +215,9 @@ def run(args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_output_paths(parser, args, {"out": "--out", "plot": "--plot", "trace_routing": "--trace-routing"})
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     try:
         results = run(args)

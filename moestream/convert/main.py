@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from moestream.cli_args import Parser, at_least
 from moestream.convert.layout import LayoutError, check_expert_layers, expert_layer_of, find_expert_layers
 from moestream.convert.source import TOKENIZER_FILES, CheckpointSource, open_source
 from moestream.convert.state import STATE_NAME, ConvertState, ResumeError
@@ -385,7 +386,7 @@ def convert(src: str | Path, out: str | Path, *, quant: str = "q4", group_size: 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="moestream convert", description="Pack a Hugging Face MoE checkpoint into moestream's format.")
+    p = Parser(prog="moestream convert", description="Pack a Hugging Face MoE checkpoint into moestream's format.")
     p.add_argument("src", help="checkpoint folder (config.json + *.safetensors) or a Hub repo id")
     p.add_argument("out", help="output directory")
     p.add_argument("--quant", choices=list(QUANT_BITS), default="q4", help="expert and matrix quantization (default q4)")
@@ -393,7 +394,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--revision", help="Hub revision (branch, tag or commit) when SRC is a repo id")
     p.add_argument("--resume", action="store_true", help="continue an unfinished conversion into OUT")
     p.add_argument("--force", action="store_true", help="overwrite a non-empty OUT")
-    p.add_argument("--workers", type=int, default=min(os.cpu_count() or 1, 8),
+    p.add_argument("--workers", type=at_least(1), default=min(os.cpu_count() or 1, 8),
                    help="threads building expert records, each running torch single-threaded (default: CPUs, at most 8)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p

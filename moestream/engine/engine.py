@@ -84,7 +84,7 @@ class Engine:
         if options.threads > 0:
             torch.set_num_threads(options.threads)
         source = open_source(options.expert_source, packed, io_threads=options.io_threads,
-                             check_records=options.check_records)
+                             check_records=options.verify)
         self.provider = ExpertCache(packed, self.device, slots=self.plan.slots, source=source,
                                     policy=self.plan.cache_policy, partition=options.cache_partition,
                                     host_slots=self.plan.host_slots, host_policy=options.host_cache_policy,
@@ -265,7 +265,8 @@ class Engine:
                                      generated=len(state["tokens"]), finish=state["finish"],
                                      prefill_s=state["prefill_s"], decode_s=state["decode_s"], before=before,
                                      after=self.expert_stats(), memory=self.memory_ledger(),
-                                     device=str(self.device), model=self.model_name)
+                                     device=str(self.device), model=self.model_name,
+                                     threads=torch.get_num_threads(), verify=self.options.verify)
             return GenerationResult(list(state["tokens"]), state["finish"], receipt)
 
         return Generation(steps(), finish)

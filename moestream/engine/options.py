@@ -2,7 +2,14 @@
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass, fields
+
+from moestream.cli_args import at_least
+
+# where digests of checked resident files are remembered (default ~/.cache/moestream); read here,
+# in the command-line layer, so the library itself never looks at the environment for it
+CACHE_DIR_ENV = "MOESTREAM_CACHE_DIR"
 
 
 @dataclass
@@ -11,7 +18,7 @@ class EngineOptions:
     dtype: str = "auto"  # auto: bfloat16 on cuda, float32 on cpu
     max_context: int = 0  # 0: the model's max_position_embeddings (at most 32768)
     prefill_chunk_tokens: int = 2048  # each pass streams the experts it routes to once
-    threads: int = 0  # CPU compute threads; 0: torch's default
+    threads: int = 0  # CPU compute threads; 0: torch's default (the CLI resolves it: plan.choose_threads)
     cuda_graphs: bool = True  # CUDA decode steps replay as CUDA graphs (one per step when all experts are resident)
     cache_size: str = "auto"
     cache_policy: str = "auto"  # clock, or lfu where the pool is smaller than one token's experts
@@ -22,13 +29,18 @@ class EngineOptions:
     host_cache_policy: str = "clock"
     prefetch: str = "next-layer"  # start reading the next MoE layer's likely experts early (CPU, one-token steps)
     memory_budget: str | None = None
-    check_records: bool = False
+    verify: bool = True  # crc32 of every expert record read, sha256 of the resident files at load
+    verify_cache_dir: str | None = None  # where resident files' digests are remembered; None: ~/.cache/moestream
     trace_routing: str | None = None
     expert_kernels: str = "auto"  # auto: Triton where the record layout allows on CUDA; torch; triton (error if not)
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "EngineOptions":
-        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
+    def from_args(cls, args: argparse.Namespace, environ: dict | None = None) -> "EngineOptions":
+        environ = os.environ if environ is None else environ
+        values = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
+        if values.get("verify_cache_dir") is None and environ.get(CACHE_DIR_ENV):
+            values["verify_cache_dir"] = environ[CACHE_DIR_ENV]
+        return cls(**values)
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,11 +48,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="auto", help="cpu, cuda or cuda:N (default: cuda when available)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="compute dtype (default: bfloat16 on cuda, float32 on cpu)")
-    g.add_argument("--max-context", type=int, default=0, help="prompt + completion limit in tokens (default: the model's, at most 32768)")
-    g.add_argument("--prefill-chunk-tokens", type=int, default=2048,
+    g.add_argument("--max-context", type=at_least(2), default=0, help="prompt + completion limit in tokens (default: the model's, at most 32768)")
+    g.add_argument("--prefill-chunk-tokens", type=at_least(1), default=2048,
                    help="prompt tokens per prefill pass (default 2048; each pass streams its experts once)")
-    g.add_argument("--threads", type=int, default=0,
-                   help="CPU compute threads (default 0: torch's choice; 1 is often fastest for small models on a busy machine)")
+    g.add_argument("--threads", type=at_least(1), default=0,
+                   help="CPU compute threads (default: the cores this process may use, less the machine's load and "
+                        "a core for the expert readers when experts stream)")
     g.add_argument("--expert-kernels", default="auto", choices=["auto", "torch", "triton"],
                    help="routed-expert kernels: auto (Triton on CUDA where the record layout allows, else the torch "
                         "reference), torch (always the reference), triton (an error where Triton cannot run)")
@@ -57,12 +70,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="one pool for all layers (default) or a fixed share per layer")
     c.add_argument("--expert-source", default="direct", choices=["direct", "mmap"],
                    help="direct: O_DIRECT reads by a thread pool (default); mmap: the page cache is the host tier")
-    c.add_argument("--io-threads", type=int, default=32, help="parallel record reads (default 32)")
+    c.add_argument("--io-threads", type=at_least(1), default=32, help="parallel record reads (default 32)")
     c.add_argument("--host-cache-size", default="0", help="pinned host RAM tier between disk and device slots (bytes or %%; default 0: none)")
     c.add_argument("--host-cache-policy", default="clock", choices=["clock", "lru", "arc", "lfu"], help="host tier policy (default clock)")
     c.add_argument("--prefetch", default="next-layer", choices=["next-layer", "none"],
                    help="next-layer (default): while a layer computes, read the experts the next layer's router "
                         "picks for the current hidden state; none: read only on demand. CPU only for now")
     c.add_argument("--memory-budget", default=None, metavar="SIZE", help="size everything to fit SIZE of device memory; refuse if impossible")
-    c.add_argument("--check-records", action="store_true", help="verify each expert record's checksum as it is read")
+    c.add_argument("--no-verify", dest="verify", action="store_false",
+                   help="skip the integrity checks (on by default: each expert record's crc32 as it is read, the "
+                        f"resident files' sha256 at load, remembered in ${CACHE_DIR_ENV} or ~/.cache/moestream)")
     c.add_argument("--trace-routing", default=None, metavar="FILE", help="record (layer, position, experts) of every token to FILE (.npz)")

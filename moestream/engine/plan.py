@@ -1,7 +1,10 @@
 """Deciding a run's shape before loading anything: device, dtype, context, slots, host tier, ledger."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 import psutil
 import torch
@@ -10,8 +13,11 @@ from moestream.engine.budget import Ledger, plan_ledger, slots_within
 from moestream.engine.options import EngineOptions
 from moestream.errors import MoestreamError
 from moestream.experts.sizing import parse_bytes, slots_for
+from moestream.format.integrity import check_resident_files
 from moestream.format.reader import PackedModel
 from moestream.models.registry import family_module
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MAX_DEFAULT_CONTEXT = 32768
@@ -65,6 +71,12 @@ def free_memory(device: torch.device) -> int:
 
 
 def plan_run(packed: PackedModel, options: EngineOptions, *, default_cache_size: str = "auto") -> RunPlan:
+    """The run's shape. Every Engine starts here, so this is also where the resident files are
+    checked against the manifest (unless options.verify is off): no engine runs on damaged weights."""
+    if options.verify:
+        check = check_resident_files(packed.directory, packed.manifest, cache_dir=options.verify_cache_dir)
+        if check.hashed:
+            log.info("checked %d resident files (%d hashed, %.1f MB)", check.files, check.hashed, check.bytes_hashed / 1e6)
     device = resolve_device(options.device)
     dtype = resolve_dtype(options.dtype, device)
     args = family_module(packed.family).ModelArgs.from_dict(packed.config)
@@ -116,3 +128,54 @@ def resolve_policy(name: str, *, slots: int, working_set: int, partition: str) -
     if name != "auto":
         return name
     return "lfu" if partition == "shared" and slots < working_set else "clock"
+
+
+def choose_threads(*, cores: int, load: float, streaming: bool) -> int:
+    """Compute threads for the CPU: the cores this process may run on, less one for the expert
+    readers when experts stream (they read, copy and check records while the layers compute), less
+    the machine's load (other processes' runnable threads); at least 1. On a busy machine more
+    compute threads than free cores only wait on each other at every operation's barrier."""
+    readers = 1 if streaming else 0
+    return max(1, cores - readers - int(load + 0.5))
+
+
+def machine_cores_and_load() -> tuple[int, float]:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):
+        load = 0.0
+    return cores, load
+
+
+def resolve_options(packed: PackedModel, options: EngineOptions, *, default_cache_size: str = "auto") -> EngineOptions:
+    """Options with the defaults that depend on the machine and the model decided (threads: 0 ->
+    `choose_threads`). The one place generate, serve and bench resolve them, before an Engine exists."""
+    if options.threads > 0:
+        return options
+    plan = plan_run(packed, options, default_cache_size=default_cache_size)
+    cores, load = machine_cores_and_load()
+    streaming = plan.slots < plan.total_experts
+    threads = choose_threads(cores=cores, load=load, streaming=streaming)
+    log.info("compute threads: %d (%d cores, load %.2f, experts %s)", threads, cores, load,
+             "streaming" if streaming else "all resident")
+    return replace(options, threads=threads)
+
+
+def load_engine(model: str | os.PathLike | None, options: EngineOptions):
+    """Open a packed model (default: the demo model), resolve the options, build the Engine."""
+    from moestream.engine.engine import DEMO_CACHE_SIZE, DEMO_MODEL, Engine
+
+    if model is None:
+        if not (DEMO_MODEL / "moestream.json").is_file():
+            raise MoestreamError(f"no --model given and the built-in demo model is missing at {DEMO_MODEL}")
+        packed, default_size = PackedModel(DEMO_MODEL), DEMO_CACHE_SIZE
+    else:
+        packed, default_size = PackedModel(Path(model)), "auto"
+    options = resolve_options(packed, options, default_cache_size=default_size)
+    return Engine(packed, options, default_cache_size=default_size)
+
+
+def run_facts(options: EngineOptions) -> dict:
+    """What a receipt records about how the run was set up, beyond the engine's own figures."""
+    return {"threads": torch.get_num_threads(), "verify": options.verify}

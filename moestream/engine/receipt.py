@@ -30,6 +30,8 @@ class Receipt(Mapping):
     memory: dict = field(default_factory=dict)  # the memory ledger
     device: str = ""
     model: str = ""
+    threads: int = 0  # CPU compute threads
+    verify: bool = True  # records and resident files checked against the manifest
 
     @classmethod
     def of_run(cls, *, prompt_tokens: int, reused: int, generated: int, finish: str, prefill_s: float,

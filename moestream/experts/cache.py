@@ -453,7 +453,8 @@ class ExpertCache:
         per_layer = {str(l): round(st.layer_hits.get(l, 0) / max(1, st.layer_hits.get(l, 0) + st.layer_misses.get(l, 0)), 4)
                      for l in self.moe_layers if st.layer_hits.get(l, 0) + st.layer_misses.get(l, 0)}
         return {
-            "source": getattr(self.source, "name", "?"), "policy": self.directory.policy_name,
+            "source": getattr(self.source, "name", "?"), "verify": bool(getattr(self.source, "check_records", False)),
+            "policy": self.directory.policy_name,
             "partition": self.directory.partition, "slots": self.num_slots, "slot_bytes": self.num_slots * self.slot_bytes,
             "total_experts": self.total_experts, "host_slots": self.host.slots if self.host else 0,
             "hits": st.hits, "misses": st.misses, "hit_rate": round(st.hits / lookups, 6) if lookups else 1.0,

@@ -5,6 +5,12 @@ Both sources serve whole records (one aligned read per miss) through one interfa
 flight at once. ``direct`` bypasses the page cache, so the slot cache is the only copy and reads
 cost exactly what the disk does; ``mmap`` lets the kernel's page cache be the host tier, with
 ``mincore`` saying what is already in RAM and ``madvise(WILLNEED)`` asking for early reads.
+
+By default every record is checked against the crc32 the manifest holds for it, on the I/O
+thread that read it, before anyone may use it: a damaged record is an ExpertReadError naming the
+file, layer and expert, never a wrong answer. Checking costs about 8 us per 57 KB record and
+0.36 ms per 2.6 MB record (7.5 GB/s on one core, docs/bench/crc32.json), against 66 us and 1.2 ms
+for the O_DIRECT read itself.
 """
 from __future__ import annotations
 
@@ -75,7 +81,7 @@ class RecordSource(Protocol):
     def close(self) -> None: ...
 
 
-def open_source(kind: str, packed: PackedModel, *, io_threads: int = 32, check_records: bool = False,
+def open_source(kind: str, packed: PackedModel, *, io_threads: int = 32, check_records: bool = True,
                 fault_read_after: int | None = None) -> RecordSource:
     """A record source of ``kind`` ("direct" or "mmap") over ``packed``'s expert files."""
     if kind == "direct":
@@ -109,7 +115,7 @@ class _SourceBase:
 
     name = "?"
 
-    def __init__(self, packed: PackedModel, *, io_threads: int = 32, check_records: bool = False,
+    def __init__(self, packed: PackedModel, *, io_threads: int = 32, check_records: bool = True,
                  fault_read_after: int | None = None):
         if io_threads < 1:
             raise ValueError(f"io_threads must be at least 1, not {io_threads}")
@@ -120,7 +126,8 @@ class _SourceBase:
             for entry in self._entries.values():
                 if len(entry.crc32) != entry.num_experts:
                     raise FormatError(f"{self.directory}: layer {entry.layer} has {len(entry.crc32)} record checksums "
-                                      f"for {entry.num_experts} records, so records cannot be checked")
+                                      f"for {entry.num_experts} records, so records cannot be checked "
+                                      "(--no-verify runs without the checks)")
         self._fault_after = _fault_setting(fault_read_after)
         self._lock = threading.Lock()
         self._attempts = 0
@@ -214,8 +221,8 @@ class _SourceBase:
             if self.check_records:
                 crc = zlib.crc32(_bytes_of(dest))
                 if crc != entry.crc32[expert]:
-                    raise ExpertReadError(f"record {where} fails its checksum (file {entry.file}: crc32 {crc:08x}, "
-                                          f"manifest says {entry.crc32[expert]:08x})")
+                    raise ExpertReadError(f"{self._path(entry)}: {where} is corrupt (crc32 {crc:08x}, the manifest "
+                                          f"says {entry.crc32[expert]:08x}; `moestream verify` checks every file)")
         except _Truncated as exc:
             self._count(start, 0, failed=True)
             end = (expert + 1) * entry.record_size
@@ -320,7 +327,7 @@ class DirectSource(_SourceBase):
 
     name = "direct"
 
-    def __init__(self, packed: PackedModel, *, io_threads: int = 32, check_records: bool = False,
+    def __init__(self, packed: PackedModel, *, io_threads: int = 32, check_records: bool = True,
                  fault_read_after: int | None = None, direct_io: bool = True):
         super().__init__(packed, io_threads=io_threads, check_records=check_records, fault_read_after=fault_read_after)
         self._local = threading.local()
@@ -452,7 +459,7 @@ class MmapSource(_SourceBase):
 
     name = "mmap"
 
-    def __init__(self, packed: PackedModel, *, io_threads: int = 32, check_records: bool = False,
+    def __init__(self, packed: PackedModel, *, io_threads: int = 32, check_records: bool = True,
                  fault_read_after: int | None = None):
         super().__init__(packed, io_threads=io_threads, check_records=check_records, fault_read_after=fault_read_after)
         self._maps: dict[int, _Mapping] = {}
@@ -485,7 +492,11 @@ class MmapSource(_SourceBase):
         ctypes.memmove(dest.data_ptr(), m.tensor.data_ptr() + offset, size)
 
     def view(self, layer: int, expert: int) -> torch.Tensor | None:
-        """The mapped record, zero-copy and read-only (writing to it faults); None past the file's end."""
+        """The mapped record, zero-copy and read-only (writing to it faults); None past the file's end,
+        and always None while records are checked: a mapped record would reach its user unchecked, so
+        it goes through ``submit`` (copy and crc32 on an I/O thread) instead."""
+        if self.check_records:
+            return None
         m, offset, size = self._span(layer, expert)
         if offset + size > min(m.length, os.fstat(m.fd).st_size):
             return None

@@ -44,9 +44,17 @@ class PackedModel:
             if size != info["size"]:
                 kind = "truncated" if size < info["size"] else "longer than recorded"
                 raise FormatError(f"{path}: {kind} ({size} bytes, manifest says {info['size']})")
+        from moestream.format.verify import check_layout
+
         for entry in self.manifest.expert_layers:
+            problems = check_layout(entry, checksums=False)  # the record sources check those, when they verify
+            if problems:
+                raise FormatError(f"{self.directory / 'moestream.json'}: {problems[0]}")
             expected = entry.num_experts * entry.record_size
-            size = (self.directory / entry.file).stat().st_size
+            try:
+                size = (self.directory / entry.file).stat().st_size
+            except OSError as exc:
+                raise FormatError(f"{self.directory / entry.file}: {exc.strerror} (layer {entry.layer}'s expert file)") from None
             if size != expected:
                 raise FormatError(f"{self.directory / entry.file}: {size} bytes, but {entry.num_experts} records of "
                                   f"{entry.record_size} bytes need {expected}")

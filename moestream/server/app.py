@@ -273,10 +273,10 @@ def create_app(worker: Worker, *, api_key: str | None = None, model_id: str | No
 
     @router.get("/models/{name:path}")
     async def get_model(name: str) -> Response:
-        if name != current_model_id():
-            raise APIError(404, f"The model {name!r} does not exist; this server has {current_model_id()!r}.",
-                           param="model", code="model_not_found")
-        return JSONResponse(ModelCard(id=name, created=created, max_context=context_limit() or None).model_dump())
+        # The completion routes accept any model name and answer with the one model served, so a
+        # lookup by any name does the same: a client that checks its model first then finds it.
+        return JSONResponse(ModelCard(id=current_model_id(), created=created,
+                                      max_context=context_limit() or None).model_dump())
 
     @router.post("/chat/completions")
     async def chat_completions(request: Request) -> Response:

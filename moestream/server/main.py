@@ -17,6 +17,8 @@ from typing import Any, Callable
 
 import uvicorn
 
+from moestream.cli_args import Parser, check_output_paths, finite_float, probability_mass
+from moestream.errors import MoestreamError
 from moestream.server.app import DEFAULT_MAX_BODY_BYTES, RequestDefaults, create_app
 from moestream.server.worker import Worker
 
@@ -40,7 +42,7 @@ def _non_negative_int(text: str) -> int:
 
 
 def build_parser(*, engine_arguments: bool = True) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="moestream serve",
         description="Serve a packed MoE model over the OpenAI HTTP API (/v1/chat/completions, /v1/completions, "
                     "/v1/models; also under /api/v1) with /health. One generation runs at a time.")
@@ -57,11 +59,11 @@ def build_parser(*, engine_arguments: bool = True) -> argparse.ArgumentParser:
     parser.add_argument("--model-id", default=None,
                         help="the id /v1/models advertises (default: the model's name); requests may name any model")
     defaults = RequestDefaults()
-    parser.add_argument("--temperature", type=float, default=defaults.temperature,
+    parser.add_argument("--temperature", type=finite_float, default=defaults.temperature,
                         help=f"default temperature for requests without one (default {defaults.temperature})")
     parser.add_argument("--top-k", type=int, default=defaults.top_k,
                         help=f"default top-k (default {defaults.top_k}; 0 off)")
-    parser.add_argument("--top-p", type=float, default=defaults.top_p,
+    parser.add_argument("--top-p", type=probability_mass, default=defaults.top_p,
                         help=f"default top-p (default {defaults.top_p})")
     parser.add_argument("--max-tokens", type=_positive_int, default=None,
                         help="default completion limit (default: the rest of the context)")
@@ -80,11 +82,10 @@ def build_parser(*, engine_arguments: bool = True) -> argparse.ArgumentParser:
     return parser
 
 
-def defaults_from_args(args: argparse.Namespace) -> RequestDefaults:
+def defaults_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> RequestDefaults:
+    parser = parser or build_parser(engine_arguments=False)
     if not 0.0 <= args.temperature <= 2.0:
-        raise SystemExit("moestream serve: --temperature must be between 0 and 2")
-    if not 0.0 < args.top_p <= 1.0:
-        raise SystemExit("moestream serve: --top-p must be in (0, 1]")
+        parser.error(f"argument --temperature: must be between 0 and 2, not {args.temperature}")
     return RequestDefaults(temperature=args.temperature, top_k=max(0, args.top_k), top_p=args.top_p,
                            max_tokens=args.max_tokens)
 
@@ -96,11 +97,20 @@ def api_key_from(args: argparse.Namespace, environ: dict | None = None) -> str |
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
-    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                         flags=socket.AI_PASSIVE)[0]
+    """Listen on host:port; a port in use or an address that cannot be had is a MoestreamError."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as exc:
+        raise MoestreamError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
     sock = socket.socket(family, kind, proto)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(address)
+    try:
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        raise MoestreamError(f"cannot listen on {host}:{port}: {exc.strerror or exc} (is another server running "
+                             "there? choose another --port)") from None
     sock.listen(2048)
     sock.set_inheritable(True)
     return sock
@@ -179,26 +189,31 @@ def _absorb_signal(signum: int, frame: Any) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    check_output_paths(parser, args, {"trace_routing": "--trace-routing"})
+    defaults = defaults_from_args(args, parser)
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from moestream.engine.options import EngineOptions
 
     options = EngineOptions.from_args(args)
     api_key = api_key_from(args)
-    defaults = defaults_from_args(args)
 
     def load_engine():
-        from moestream.engine.engine import Engine
-        return Engine.load(args.model, options=options)
+        from moestream.engine.plan import load_engine as load
+        return load(args.model, options)
 
     def announce(url: str) -> None:
         shown = args.model_id or (os.path.basename(os.path.normpath(args.model)) if args.model else "the demo model")
         print(f"[server] listening on {url}/v1 (model {shown}; loading, /health says 503 until ready)", flush=True)
 
-    return serve(load_engine, host=args.host, port=args.port, api_key=api_key, model_id=args.model_id,
-                 max_queue=args.max_queue, max_context=args.max_context or None, defaults=defaults,
-                 max_body_bytes=args.max_body_bytes, shutdown_grace=args.shutdown_grace,
-                 log_level=args.log_level, on_listening=announce)
+    try:
+        return serve(load_engine, host=args.host, port=args.port, api_key=api_key, model_id=args.model_id,
+                     max_queue=args.max_queue, max_context=args.max_context or None, defaults=defaults,
+                     max_body_bytes=args.max_body_bytes, shutdown_grace=args.shutdown_grace,
+                     log_level=args.log_level, on_listening=announce)
+    except MoestreamError as exc:
+        print(f"moestream serve: error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -3,44 +3,92 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
+import zipfile
 
+import numpy as np
+
+from moestream.cli_args import Parser
 from moestream.errors import MoestreamError
 from moestream.experts.policy import POLICY_NAMES
 from moestream.sim.simulate import simulate, total_experts
 from moestream.sim.trace import RoutingTrace
 
 
-def parse_sizes(text: str, total: int, floor: int) -> list[tuple[str, int]]:
+NOT_A_TRACE = "not a routing trace (the .npz file --trace-routing writes)"
+
+
+def parse_size_spec(text: str) -> list[str]:
+    """"10%,25%,8" -> the items; each a share in (0, 100] % or a slot count >= 1 (else ArgumentTypeError)."""
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError("no sizes given")
+    for item in items:
+        share = item.endswith("%")
+        try:
+            value = float(item[:-1]) if share else int(item)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{item!r} is neither a share (25%) nor a slot count (64)") from None
+        if share and not (math.isfinite(value) and 0 < value <= 100):
+            raise argparse.ArgumentTypeError(f"{item!r}: a share must be more than 0% and at most 100%")
+        if not share and value < 1:
+            raise argparse.ArgumentTypeError(f"{item!r}: a slot count must be at least 1")
+    return items
+
+
+def parse_sizes(items: list[str] | str, total: int, floor: int) -> list[tuple[str, int]]:
+    """Each item as slots, never below the floor (one token's experts)."""
     out = []
-    for item in text.split(","):
-        item = item.strip()
+    for item in parse_size_spec(items) if isinstance(items, str) else items:
         slots = round(float(item[:-1]) / 100 * total) if item.endswith("%") else int(item)
         out.append((item, max(slots, floor)))
     return out
 
 
+def parse_policies(text: str) -> list[str]:
+    policies = [p.strip() for p in text.split(",") if p.strip()]
+    for policy in policies:
+        if policy not in POLICY_NAMES:
+            raise argparse.ArgumentTypeError(f"unknown policy {policy!r} (choose from {', '.join(POLICY_NAMES)})")
+    if not policies:
+        raise argparse.ArgumentTypeError("no policies given")
+    return policies
+
+
+def load_trace(path: str) -> RoutingTrace:
+    """A routing trace, or a MoestreamError saying why the file is not one."""
+    try:
+        trace = RoutingTrace.load(path)
+    except FileNotFoundError:
+        raise MoestreamError(f"{path}: no such file") from None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, EOFError, zipfile.BadZipFile):
+        raise MoestreamError(f"{path}: {NOT_A_TRACE}") from None
+    n = len(trace.layer)
+    if (trace.experts.ndim != 2 or trace.layer.ndim != 1 or trace.experts.shape[0] != n or n == 0
+            or not np.issubdtype(trace.experts.dtype, np.integer) or int(trace.experts.min()) < 0):
+        raise MoestreamError(f"{path}: {NOT_A_TRACE}")
+    return trace
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="moestream simulate", description=__doc__)
+    p = Parser(prog="moestream simulate", description=__doc__)
     p.add_argument("traces", nargs="+", help="routing trace files (.npz, from --trace-routing)")
-    p.add_argument("--sizes", default="10%,25%,50%", help="cache sizes: shares of all experts or slot counts (default 10%%,25%%,50%%)")
-    p.add_argument("--policies", default="clock,lru", help=f"comma-separated, from {', '.join(POLICY_NAMES)} (default clock,lru)")
+    p.add_argument("--sizes", type=parse_size_spec, default="10%,25%,50%",
+                   help="cache sizes: shares of all experts or slot counts (default 10%%,25%%,50%%)")
+    p.add_argument("--policies", type=parse_policies, default="clock,lru",
+                   help=f"comma-separated, from {', '.join(POLICY_NAMES)} (default clock,lru)")
     p.add_argument("--partition", default="shared", choices=["shared", "per-layer"])
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = p.parse_args(argv)
     rows = []
     try:
-        for path in args.traces:
-            try:
-                trace = RoutingTrace.load(path)
-            except (OSError, ValueError, KeyError) as exc:
-                raise MoestreamError(f"{path}: not a routing trace ({exc})") from None
+        traces = [(path, load_trace(path)) for path in args.traces]  # every file checked before any work
+        for path, trace in traces:
             total = total_experts(trace)
             floor = trace.experts.shape[1] * (len(set(trace.layer.tolist())) if args.partition == "per-layer" else 1)
             for label, slots in parse_sizes(args.sizes, total, floor):
-                for policy in args.policies.split(","):
-                    if policy not in POLICY_NAMES:
-                        raise MoestreamError(f"unknown policy {policy!r} (choose from {', '.join(POLICY_NAMES)})")
+                for policy in args.policies:
                     r = simulate(trace, slots=slots, policy=policy, partition=args.partition)
                     rows.append({"trace": path, "size": label, "slots": slots, "policy": policy,
                                  "hit_rate": round(r.hit_rate, 4), "hits": r.hits, "misses": r.misses})

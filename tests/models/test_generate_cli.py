@@ -14,7 +14,9 @@ def test_json_output_and_receipt(tiny_packed_model, tmp_path):
     out = run("--model", str(model), "--prompt", "def f", "--max-new", "6", "--json", "--logprobs", "3",
               "--receipt", str(receipt), "--device", "cpu")
     assert out.returncode == 0, out.stderr
-    obj = json.loads(out.stdout.strip().splitlines()[-1])
+    assert len(out.stdout.strip().splitlines()) == 1  # the JSON object alone
+    obj = json.loads(out.stdout)
+    assert "expert hit rate" in out.stderr
     assert set(obj) >= {"token_ids", "text", "logprobs", "receipt"}
     assert len(obj["logprobs"]) == len(obj["token_ids"]) and all(len(x) == 3 for x in obj["logprobs"])
     saved = json.loads(receipt.read_text())
@@ -27,7 +29,8 @@ def test_plain_output_streams_text_then_stats(tiny_packed_model):
     out = run("--model", str(tiny_packed_model("mixtral", "q4")), "--prompt", "import", "--max-new", "4")
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("import")
-    assert "expert hit rate" in out.stdout.strip().splitlines()[-1]
+    assert "expert hit rate" not in out.stdout  # stdout is the text alone
+    assert "expert hit rate" in out.stderr.strip().splitlines()[-1]
 
 
 def one_line_error(out, needle):

@@ -176,7 +176,18 @@ def test_not_found_and_method_not_allowed(http):
     assert_error(http.get(CHAT), 405, None, "method_not_allowed")
     assert_error(http.post("/v1/models", json={}), 405, None, "method_not_allowed")
     assert_error(http.delete("/api/v1/completions"), 405, None, "method_not_allowed")
-    assert_error(http.get("/v1/models/other"), 404, "model", "model_not_found")
+
+
+
+def test_model_lookup_accepts_what_completions_accept(http):
+    """POST accepts any model name and answers as the served model; GET /v1/models/{name} agrees."""
+    served = http.get(f"/v1/models/{MODEL_ID}").json()
+    assert served["id"] == MODEL_ID
+    for name in ("other", "gpt-4o", "org/some-model"):
+        card = http.get(f"/v1/models/{name}")
+        assert card.status_code == 200 and card.json() == served
+        answer = http.post("/v1/completions", json=completion(temperature=0, model=name))
+        assert answer.status_code == 200 and answer.json()["model"] == MODEL_ID
 
 
 def test_api_v1_prefix_serves_the_same_routes(http):

@@ -168,7 +168,7 @@ def test_io_error_mid_read_fails_that_request_and_the_next_one_works(model, refe
     assert [(e.token_id, e.top_logprobs) for e in again] == reference
 
 
-def test_check_records_names_a_corrupt_record(model, tmp_path):
+def test_a_corrupt_record_is_named_by_default(model, tmp_path):
     bad = tmp_path / "bad"
     shutil.copytree(model, bad)
     path = bad / "experts-002.bin"
@@ -176,7 +176,7 @@ def test_check_records_names_a_corrupt_record(model, tmp_path):
     data[3 * 8192 + 100] ^= 0xFF  # layer 2, expert 3
     path.write_bytes(bytes(data))
     # the file size is right, so it loads; the checksum finds the record when it is read
-    engine = Engine.load(bad, options=EngineOptions(device="cpu", cache_size="all", check_records=True))
+    engine = Engine.load(bad, options=EngineOptions(device="cpu", cache_size="all", verify_cache_dir=str(tmp_path)))
     with pytest.raises(ExpertReadError, match=r"layer 2 expert 3"):
         engine.provider.fetch(2, list(range(8)))
     records = engine.provider.fetch(2, [0, 1, 2, 4])  # the others still load

@@ -125,6 +125,11 @@ def test_generate_cli_takes_prompt_ids_on_a_synth_model(tmp_path, capsys):
     assert generate_cli.main(base + ["--prompt-ids", "1,2,3", "--max-new", "4", "--json"]) == 0
     obj = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert 1 <= len(obj["token_ids"]) <= 4 and obj["text"] == ""
+    # without --json, stdout is the generated ids (there is no text to show), the stats on stderr
+    assert generate_cli.main(base + ["--prompt-ids", "1,2,3", "--max-new", "4"]) == 0
+    shown = capsys.readouterr()
+    assert shown.out.strip() == ",".join(map(str, obj["token_ids"]))
+    assert "expert hit rate" in shown.err
     assert generate_cli.main(base + ["--prompt", "hello"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("moestream generate: error:") and "--prompt-ids" in err[0]

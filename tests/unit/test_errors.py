@@ -1,0 +1,115 @@
+"""Every bad command-line input: one line on stderr naming the problem, the documented exit code,
+no traceback, before any work. docs/ERRORS.md is this table; the test fails if they differ
+(MOESTREAM_WRITE_ERRORS_DOC=1 rewrites the file)."""
+import os
+import socket
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from moestream.bench.main import main as bench_main
+from moestream.convert.main import main as convert_main
+from moestream.engine.cli import main as generate_main
+from moestream.server.main import main as serve_main
+from moestream.sim.main import main as simulate_main
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "ERRORS.md"
+MAINS = {"generate": generate_main, "serve": serve_main, "bench": bench_main, "convert": convert_main,
+         "simulate": simulate_main}
+
+# (command, arguments, exit code, the exact stderr line); {missing}, {port}, {file}, {trace} are
+# filled in per run and shown as such in the document
+CASES = [
+    ("generate", "--io-threads 0", 2, "moestream generate: error: argument --io-threads: must be at least 1, not 0"),
+    ("generate", "--threads 0", 2, "moestream generate: error: argument --threads: must be at least 1, not 0"),
+    ("generate", "--logprobs -1", 2, "moestream generate: error: argument --logprobs: must be at least 0, not -1"),
+    ("generate", "--prefill-chunk-tokens 0", 2,
+     "moestream generate: error: argument --prefill-chunk-tokens: must be at least 1, not 0"),
+    ("generate", "--max-context 0", 2, "moestream generate: error: argument --max-context: must be at least 2, not 0"),
+    ("generate", "--max-new 0", 2, "moestream generate: error: argument --max-new: must be at least 1, not 0"),
+    ("generate", "--temperature nan", 2, "moestream generate: error: argument --temperature: must be a finite number, not nan"),
+    ("generate", "--temperature inf", 2, "moestream generate: error: argument --temperature: must be a finite number, not inf"),
+    ("generate", "--temperature -0.5", 2, "moestream generate: error: argument --temperature: must be at least 0, not -0.5"),
+    ("generate", "--top-p 0", 2, "moestream generate: error: argument --top-p: must be in (0, 1], not 0"),
+    ("generate", "--top-p 1.5", 2, "moestream generate: error: argument --top-p: must be in (0, 1], not 1.5"),
+    ("generate", "--receipt {missing}/r.json", 2,
+     "moestream generate: error: argument --receipt: the folder {missing} does not exist"),
+    ("generate", "--trace-routing {missing}/t.npz", 2,
+     "moestream generate: error: argument --trace-routing: the folder {missing} does not exist"),
+    ("bench", "--out {missing}/b.json", 2, "moestream bench: error: argument --out: the folder {missing} does not exist"),
+    ("bench", "--io-threads -3", 2, "moestream bench: error: argument --io-threads: must be at least 1, not -3"),
+    ("convert", "SRC OUT --workers 0", 2, "moestream convert: error: argument --workers: must be at least 1, not 0"),
+    ("serve", "--top-p 2", 2, "moestream serve: error: argument --top-p: must be in (0, 1], not 2"),
+    ("serve", "--temperature 3", 2, "moestream serve: error: argument --temperature: must be between 0 and 2, not 3.0"),
+    ("serve", "--threads 0", 2, "moestream serve: error: argument --threads: must be at least 1, not 0"),
+    ("serve", "--port {port}", 1, "moestream serve: error: cannot listen on 127.0.0.1:{port}: Address already in use "
+                                  "(is another server running there? choose another --port)"),
+    ("simulate", "{file}", 1,
+     "moestream simulate: error: {file}: not a routing trace (the .npz file --trace-routing writes)"),
+    ("simulate", "{trace} --sizes 0%", 2,
+     "moestream simulate: error: argument --sizes: '0%': a share must be more than 0% and at most 100%"),
+    ("simulate", "{trace} --sizes 10%,-4", 2,
+     "moestream simulate: error: argument --sizes: '-4': a slot count must be at least 1"),
+]
+
+
+def render() -> str:
+    lines = ["# Errors for bad input", "",
+             "Every bad input is refused with one line on stderr that names the problem, before any work "
+             "starts (no model is opened, nothing is generated), and no traceback. Exit code 2: the command line "
+             "is wrong (a flag's value, an output file's folder); exit code 1: the command line is fine but what "
+             "it points at is not (a port in use, a file that is not a trace, a model that fails its checks).", "",
+             "Generated from `tests/unit/test_errors.py`, which runs every row and fails if this file differs "
+             "(`MOESTREAM_WRITE_ERRORS_DOC=1 pytest tests/unit/test_errors.py` rewrites it). `{missing}` is a "
+             "folder that does not exist, `{port}` a port in use, `{file}` a file that is not a trace.", "",
+             "| command | input | exit | message |", "|---|---|---|---|"]
+    for command, argv, code, message in CASES:
+        lines.append(f"| `{command}` | `{argv}` | {code} | `{message}` |")
+    lines += ["", "Damaged model files (checked by default; `--no-verify` skips the checks):", "",
+              "| what | exit | message |", "|---|---|---|",
+              "| a byte of an expert record flipped | 1 | `moestream generate: error: DIR/experts-LLL.bin: layer L "
+              "expert E is corrupt (crc32 …, the manifest says …; `moestream verify` checks every file)` |",
+              "| a byte of `dense.safetensors`, a tokenizer file or another resident file changed | 1 | "
+              "`moestream generate: error: DIR/FILE: sha256 differs from the manifest (the file is corrupt or was "
+              "changed; `moestream verify DIR` checks every file)` |",
+              "| the server meets a damaged record | HTTP 500 | the same line as the message of that request's "
+              "error; other requests are served |", ""]
+    return "\n".join(lines)
+
+
+@pytest.fixture(scope="module")
+def places(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("errors")
+    not_a_trace = tmp / "notes.npz"
+    not_a_trace.write_text("not an archive\n")
+    trace = tmp / "t.npz"
+    np.savez(trace, layer=np.zeros(2, np.int16), position=np.arange(2, dtype=np.int32),
+             experts=np.array([[0, 1], [1, 2]], np.int16), meta=np.array('{"num_experts": 4}'))
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    yield {"missing": str(tmp / "no-such-folder"), "port": str(taken.getsockname()[1]), "file": str(not_a_trace),
+           "trace": str(trace)}
+    taken.close()
+
+
+@pytest.mark.parametrize("command,argv,code,message", CASES, ids=[f"{c} {a}" for c, a, _, _ in CASES])
+def test_bad_input_is_one_line(command, argv, code, message, places, capsys):
+    args = [part.format(**places) for part in argv.split()]
+    try:
+        rc = MAINS[command](args)
+    except SystemExit as exc:
+        rc = exc.code
+    out, err = capsys.readouterr()
+    assert rc == code
+    assert out == ""
+    assert err.splitlines() == [message.format(**places)], err
+    assert "Traceback" not in err
+
+
+def test_errors_doc_is_the_table():
+    text = render()
+    if os.environ.get("MOESTREAM_WRITE_ERRORS_DOC"):
+        DOC.write_text(text)
+    assert DOC.read_text() == text, "docs/ERRORS.md is stale: MOESTREAM_WRITE_ERRORS_DOC=1 pytest tests/unit/test_errors.py"
