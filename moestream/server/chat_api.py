@@ -88,8 +88,10 @@ def register(router: APIRouter, rt: Runtime, read_json: ReadJSON) -> None:
             logprobs = chat_logprobs(sub.sink.logprobs.get(i, [])) if req.logprobs_k is not None else None
             choices.append(ChatChoice(index=i, message=message, logprobs=logprobs, finish_reason=reason))
         body = ChatCompletion(**sub.meta, choices=choices, usage=usage(ends, len(ends)),
-                              timings=timings_from_receipt(end.receipt, queue_s=end.queue_s))
-        return JSONResponse(body.model_dump(exclude_none=False))
+                              timings=timings_from_receipt(end.receipt, queue_s=end.queue_s)).model_dump()
+        for choice in body["choices"]:  # the spec has tool_calls absent, not null, when there are none
+            without_nulls(choice["message"], "tool_calls")
+        return JSONResponse(body)
 
     @router.post("/completions")
     async def completions(request: Request) -> Response:
@@ -107,7 +109,7 @@ def register(router: APIRouter, rt: Runtime, read_json: ReadJSON) -> None:
                     raise invalid(f"Token id {bad[0]} is outside the vocabulary (0..{(vocab or 0) - 1}).", "prompt")
                 ids = prompt
                 texts.append(await run_in_threadpool(tokenizer.decode, ids))
-            if req.suffix is not None:
+            if req.suffix:  # an empty suffix is no suffix
                 fim = [tokenizer.token_id(t) for t in FIM_TOKENS]
                 if None in fim:
                     raise invalid("suffix needs fill-in-the-middle tokens (<|fim_prefix|>, <|fim_suffix|>, "

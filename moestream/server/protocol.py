@@ -147,7 +147,7 @@ class JSONSchemaFormat(_Strict):
 
 
 class ResponseFormat(_Strict):
-    type: Literal["text", "json_object", "json_schema"] = "text"
+    type: Literal["text", "json_object", "json_schema"]
     json_schema: Optional[JSONSchemaFormat] = None
 
 
@@ -160,7 +160,7 @@ class ChatCompletionRequest(_CommonRequest):
     tool_choice: Union[Literal["none", "auto", "required"], dict[str, Any], None] = None
     parallel_tool_calls: bool = True
     functions: list[Any] = Field(default_factory=list)
-    response_format: ResponseFormat = Field(default_factory=ResponseFormat)
+    response_format: ResponseFormat = Field(default_factory=lambda: ResponseFormat(type="text"))
 
     def check(self) -> None:
         self.check_common()
@@ -302,8 +302,8 @@ class CompletionRequest(_CommonRequest):
         prompts = self.prompts()
         if not prompts:
             raise invalid("The prompt list is empty.", "prompt")
-        if len(prompts) * (self.n or 1) > MAX_PROMPTS:
-            raise invalid(f"At most {MAX_PROMPTS} choices (prompts times n) per request.", "prompt")
+        if len(prompts) > MAX_PROMPTS:
+            raise invalid(f"At most {MAX_PROMPTS} prompts per request.", "prompt")
 
     @property
     def max_new_tokens(self) -> int | None:

@@ -117,11 +117,11 @@ class ToolCallParser:
                 end = self._held.find(CLOSE)
                 if end < 0:
                     return out
-                call = self._parse_one(self._held[:end])
+                body = self._held[:end]
+                call = self._parse_one(body)
                 self._held = self._held[end + len(CLOSE):].lstrip("\n")
                 self._in_call = False
-                if call is not None:
-                    out.append(call)
+                out.append(call if call is not None else OPEN + body + CLOSE)  # not a call: it stays text
                 continue
             starts = [(i, m) for m in (OPEN, MISTRAL) if (i := self._held.find(m)) >= 0]
             if starts:
