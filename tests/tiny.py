@@ -60,9 +60,9 @@ def build_checkpoint(folder: Path, family: str, *, seed: int = 0, dtype: str = "
     from tokenizers import Tokenizer
     tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
     eos = tok.token_to_id("<|im_end|>")
-    cfg = AutoConfig.for_model(family, vocab_size=vocab, max_position_embeddings=256, rope_theta=10000.0,
+    cfg = AutoConfig.for_model(family, vocab_size=vocab, rope_theta=10000.0,
                                eos_token_id=eos, bos_token_id=None, pad_token_id=tok.token_to_id("<|endoftext|>"),
-                               **{**FAMILY_CONFIGS[family], **overrides})
+                               **{"max_position_embeddings": 256, **FAMILY_CONFIGS[family], **overrides})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg)
     with torch.no_grad():  # random init is tiny; widen it so routing and logits are not near-ties

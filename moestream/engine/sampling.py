@@ -3,6 +3,8 @@ tokens the filters allow, where the noise depends only on (seed, position, token
 fixes the text whatever the batching or chunking, and a verifier can reproduce any draw exactly."""
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 from moestream.engine.types import SamplingParams
@@ -60,17 +62,51 @@ def allowed_mask(scaled: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return allowed
 
 
-def choose_token(logits: torch.Tensor, params: SamplingParams, *, position: int,
-                 previous: torch.Tensor | None = None) -> int:
-    """logits [V] float32 -> token id. `position` is the index the token will have in the sequence."""
+def apply_penalties(logits: torch.Tensor, generated: Sequence[int], params: SamplingParams) -> torch.Tensor:
+    """OpenAI's frequency and presence penalties over the generated tokens, then logit_bias."""
+    if (params.frequency_penalty or params.presence_penalty) and len(generated):
+        ids, counts = torch.unique(torch.tensor(list(generated), dtype=torch.long, device=logits.device),
+                                   return_counts=True)
+        logits = logits.clone()
+        penalty = params.frequency_penalty * counts.to(logits.dtype) + params.presence_penalty
+        logits[ids] -= penalty
+    if params.logit_bias:
+        logits = logits.clone()
+        ids = torch.tensor([i for i, _ in params.logit_bias], dtype=torch.long, device=logits.device)
+        bias = torch.tensor([b for _, b in params.logit_bias], dtype=logits.dtype, device=logits.device)
+        logits[ids] += bias
+    return logits
+
+
+def adjusted_logits(logits: torch.Tensor, params: SamplingParams, *, position: int,
+                    previous: torch.Tensor | None = None, generated: Sequence[int] | None = None) -> torch.Tensor:
+    """The logits choose_token picks from: repetition penalty (over `previous`), frequency and
+    presence penalties (over `generated`), logit_bias, then the logits processor."""
     if previous is not None:
         logits = apply_repetition_penalty(logits, previous, params.repetition_penalty)
+    if params.uses_generated and generated is None:
+        generated = params.history.before(position) if params.history is not None else []
+    logits = apply_penalties(logits, generated or (), params)
+    if params.logits_processor is not None:
+        logits = params.logits_processor(logits, list(generated or ()))
+    return logits
+
+
+def choose_token(logits: torch.Tensor, params: SamplingParams, *, position: int,
+                 previous: torch.Tensor | None = None, generated: Sequence[int] | None = None) -> int:
+    """logits [V] float32 -> token id. `position` is the index the token will have in the sequence;
+    `generated` the tokens generated before it (when None: `params.history`, which this records)."""
+    logits = adjusted_logits(logits, params, position=position, previous=previous, generated=generated)
     if params.greedy:
-        return int(torch.argmax(logits))
-    scaled = logits.to(torch.float64) / params.temperature
-    allowed = allowed_mask(scaled, params)
-    noisy = scaled + gumbel_noise(params.seed, position, scaled.numel(), scaled.device)
-    return int(torch.argmax(torch.where(allowed, noisy, torch.full_like(noisy, -torch.inf))))
+        token = int(torch.argmax(logits))
+    else:
+        scaled = logits.to(torch.float64) / params.temperature
+        allowed = allowed_mask(scaled, params)
+        noisy = scaled + gumbel_noise(params.seed, position, scaled.numel(), scaled.device)
+        token = int(torch.argmax(torch.where(allowed, noisy, torch.full_like(noisy, -torch.inf))))
+    if params.history is not None:
+        params.history.record(position, token)
+    return token
 
 
 def filtered_distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -49,13 +49,30 @@ class TextTokenizer:
         return self._tok.decode(ids, skip_special_tokens=False)
 
     @property
+    def backend(self):
+        """The transformers tokenizer underneath (for grammar libraries that read its vocabulary)."""
+        return self._tok
+
+    @property
     def has_chat_template(self) -> bool:
         return bool(getattr(self._tok, "chat_template", None))
 
-    def chat_ids(self, messages: list[dict], *, add_generation_prompt: bool = True) -> list[int]:
+    @property
+    def chat_template(self) -> str | None:
+        template = getattr(self._tok, "chat_template", None)
+        return template if isinstance(template, str) else None
+
+    def token_id(self, text: str) -> int | None:
+        """The id of a token spelled exactly `text` (e.g. a special token), or None."""
+        tid = self._tok.convert_tokens_to_ids(text)
+        return tid if isinstance(tid, int) and tid != self._tok.unk_token_id else None
+
+    def chat_ids(self, messages: list[dict], *, add_generation_prompt: bool = True,
+                 tools: list[dict] | None = None) -> list[int]:
         if not self.has_chat_template:
             raise FormatError("this model has no chat template; use a plain prompt")
-        text = self._tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+        text = self._tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False,
+                                             tools=tools or None)
         return self.encode(text, add_special_tokens=False)
 
 

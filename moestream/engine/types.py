@@ -1,16 +1,49 @@
 """Plain data the engine takes and gives: sampling settings, per-token events, the result of a run.
 
-These types cross to the server's worker thread, so they hold only Python values, never tensors.
+These types cross to the server's worker thread, so they hold only Python values, never tensors
+(a logits processor is a callable the sampler calls; it may use tensors inside).
 """
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+# logits [V] (a tensor), tokens generated so far -> logits [V]; e.g. a grammar's mask (-inf where
+# a token is not allowed). Called after the penalties and the bias, before the sampling filters.
+LogitsProcessor = Callable[[Any, Sequence[int]], Any]
+
+
+class TokenHistory:
+    """The tokens a sampler chose, by position, for the settings that depend on them (frequency
+    and presence penalties, logits processors) when the caller does not pass them. Re-choosing a
+    position (a rollback) forgets everything from there on."""
+
+    def __init__(self) -> None:
+        self._start: int | None = None
+        self._tokens: list[int] = []
+
+    def before(self, position: int) -> list[int]:
+        """The generated tokens at positions before `position` (the first call fixes where
+        generation started)."""
+        if self._start is None:
+            self._start = position
+        return self._tokens[: max(0, position - self._start)]
+
+    def record(self, position: int, token: int) -> None:
+        if self._start is None:
+            self._start = position
+        del self._tokens[max(0, position - self._start):]
+        self._tokens.append(int(token))
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How the next token is chosen. temperature 0 is greedy; top_k 0 and top_p 1 mean off."""
+    """How the next token is chosen. temperature 0 is greedy; top_k 0 and top_p 1 mean off.
+
+    frequency_penalty and presence_penalty follow OpenAI: over the tokens generated so far (not the
+    prompt), logit -= frequency_penalty * count + presence_penalty * (count > 0). logit_bias adds a
+    bias to a token id's logit (-100 bans it, 100 all but forces it)."""
 
     temperature: float = 0.0
     top_k: int = 0
@@ -18,10 +51,21 @@ class SamplingParams:
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     seed: int = 0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    logits_processor: Optional[LogitsProcessor] = field(default=None, compare=False, repr=False)
+    # where the generated tokens come from when the caller of choose_token does not pass them
+    history: Optional[TokenHistory] = field(default=None, compare=False, repr=False)
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0
+
+    @property
+    def uses_generated(self) -> bool:
+        """Whether choosing a token depends on the tokens generated before it."""
+        return bool(self.frequency_penalty or self.presence_penalty or self.logits_processor is not None)
 
 
 @dataclass

@@ -1,22 +1,24 @@
 """The OpenAI request and response shapes the server speaks, as pydantic models.
 
 Requests are validated strictly (a string where a number belongs is a 400, not a conversion),
-unknown fields are ignored, and ranges follow OpenAI's published spec. Fields that the spec has
-but this server cannot honour (tools, JSON mode, n > 1, penalties, logit_bias, echo, images) are
-refused with a 400 that names the field, rather than silently ignored.
+unknown fields are ignored, JSON null means "not given" for every optional field, and ranges
+follow OpenAI's published spec. Fields that the spec has but this server cannot honour (images,
+audio, best_of > 1) are refused with a 400 that names the field, rather than silently ignored.
 This module never imports torch: it is plain data and checks.
 """
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
 MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 5
+MAX_LOGIT_BIAS = 300
+MAX_PROMPTS = 64
 
 
 class APIError(Exception):
@@ -58,9 +60,16 @@ Int = Annotated[int, BeforeValidator(_integral)]
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_absent(cls, data: Any) -> Any:
+        # clients (and SDKs) send null for "not given"; a required field keeps its null
+        if isinstance(data, dict):
+            fields = cls.model_fields
+            return {k: v for k, v in data.items()
+                    if v is not None or (k in fields and fields[k].is_required())}
+        return data
 
-# Fields the spec allows to be null are Optional; the others have a non-null default, so that
-# leaving them out is fine but an explicit null is refused as the wrong type.
 
 class StreamOptions(_Strict):
     include_usage: bool = False
@@ -72,6 +81,7 @@ class ChatMessage(_Strict):
     content: Union[str, list[Any], None] = None
     name: str = ""
     tool_calls: Optional[list[Any]] = None
+    tool_call_id: str = ""
 
 
 class _CommonRequest(_Strict):
@@ -93,16 +103,19 @@ class _CommonRequest(_Strict):
     user: str = ""
 
     def check_common(self) -> None:
-        if self.n not in (None, 1):
-            raise unsupported("Only n=1 is supported: one completion per request.", "n")
-        for name in ("frequency_penalty", "presence_penalty"):
-            if getattr(self, name) not in (None, 0):
-                raise unsupported(f"{name} is not supported; use repetition_penalty.", name)
-        if self.logit_bias:
-            raise unsupported("logit_bias is not supported.", "logit_bias")
         stops = self.stop_list()
         if len(stops) > MAX_STOP_STRINGS:
             raise invalid(f"At most {MAX_STOP_STRINGS} stop strings are supported.", "stop")
+        if self.logit_bias and len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise invalid(f"At most {MAX_LOGIT_BIAS} logit_bias entries are supported.", "logit_bias")
+        for key, value in (self.logit_bias or {}).items():
+            if not key.lstrip("-").isdigit():
+                raise invalid(f"logit_bias keys are token ids; {key!r} is not an integer.", "logit_bias")
+            if not -100 <= value <= 100:
+                raise invalid(f"logit_bias values lie in -100..100; token {key} has {value}.", "logit_bias")
+
+    def bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        return tuple(sorted((int(k), float(v)) for k, v in (self.logit_bias or {}).items()))
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -114,23 +127,81 @@ class _CommonRequest(_Strict):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+class FunctionDef(_Strict):
+    name: str = Field(..., min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str = ""
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+    strict: Optional[bool] = None
+
+
+class ToolDef(_Strict):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class JSONSchemaFormat(_Strict):
+    name: str = Field("response", max_length=64)
+    description: str = ""
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: Optional[bool] = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JSONSchemaFormat] = None
+
+
 class ChatCompletionRequest(_CommonRequest):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_completion_tokens: Optional[Int] = Field(None, ge=0)
     logprobs: Optional[bool] = None
     top_logprobs: Optional[Int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    tools: list[Any] = Field(default_factory=list)
+    tools: list[ToolDef] = Field(default_factory=list)
+    tool_choice: Union[Literal["none", "auto", "required"], dict[str, Any], None] = None
+    parallel_tool_calls: bool = True
     functions: list[Any] = Field(default_factory=list)
-    response_format: dict[str, Any] = Field(default_factory=lambda: {"type": "text"})
+    response_format: ResponseFormat = Field(default_factory=lambda: ResponseFormat(type="text"))
 
     def check(self) -> None:
         self.check_common()
-        if self.tools:
-            raise unsupported("Tool calling is not supported.", "tools")
         if self.functions:
-            raise unsupported("Function calling is not supported.", "functions")
-        if self.response_format.get("type") != "text":
-            raise unsupported("Only response_format type 'text' is supported.", "response_format")
+            raise unsupported("The legacy 'functions' field is not supported; use 'tools'.", "functions")
+        names = [t.function.name for t in self.tools]
+        if len(set(names)) != len(names):
+            raise invalid("Tool names must be unique.", "tools")
+        choice = self.tool_choice
+        if isinstance(choice, dict):
+            name = (choice.get("function") or {}).get("name") if isinstance(choice.get("function"), dict) else None
+            if choice.get("type") != "function" or not isinstance(name, str):
+                raise invalid("tool_choice must be 'none', 'auto', 'required' or "
+                              '{"type": "function", "function": {"name": ...}}.', "tool_choice")
+            if name not in names:
+                raise invalid(f"tool_choice names {name!r}, which is not among the tools.", "tool_choice")
+        elif choice == "required" and not self.tools:
+            raise invalid("tool_choice 'required' needs at least one tool.", "tool_choice")
+        if self.response_format.type == "json_schema" and self.response_format.json_schema is None:
+            raise invalid("response_format of type 'json_schema' needs a 'json_schema' object.",
+                          "response_format.json_schema", code="missing_required_parameter")
+        if self.forced_tool is not None and self.response_format.type != "text":
+            raise invalid("A required tool call and a response_format cannot both constrain the reply.",
+                          "response_format")
+
+    @property
+    def tool_mode(self) -> str:
+        """none | auto | required | named (tool_choice, defaulting to auto when tools are given)."""
+        if not self.tools or self.tool_choice == "none":
+            return "none"
+        if isinstance(self.tool_choice, dict):
+            return "named"
+        return self.tool_choice or "auto"
+
+    @property
+    def forced_tool(self) -> Optional[str]:
+        """The tools a call must come from: a name, "*" for any (required), None when not forced."""
+        mode = self.tool_mode
+        if mode == "named":
+            return self.tool_choice["function"]["name"]  # type: ignore[index]
+        return "*" if mode == "required" else None
 
     @property
     def max_new_tokens(self) -> int | None:
@@ -143,16 +214,15 @@ class ChatCompletionRequest(_CommonRequest):
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def chat_messages(self) -> list[dict]:
-        """The conversation as plain {role, content} dicts for the chat template."""
+        """The conversation as plain dicts for the chat template: {role, content}, plus
+        tool_calls on assistant messages and tool_call_id on tool results."""
         out = []
         for i, message in enumerate(self.messages):
             param = f"messages[{i}]"
             role = message.role
-            if role not in ("system", "developer", "user", "assistant"):
-                raise invalid(f"Unsupported message role {role!r}: use system, developer, user or assistant.",
+            if role not in ("system", "developer", "user", "assistant", "tool"):
+                raise invalid(f"Unsupported message role {role!r}: use system, developer, user, assistant or tool.",
                               f"{param}.role")
-            if message.tool_calls:
-                raise unsupported("Tool calls in messages are not supported.", f"{param}.tool_calls")
             content = message.content
             if content is None:
                 if role != "assistant":
@@ -163,8 +233,39 @@ class ChatCompletionRequest(_CommonRequest):
             else:
                 text = _join_text_parts(content, f"{param}.content")
             # templates rarely know "developer"; it is OpenAI's newer name for system
-            out.append({"role": "system" if role == "developer" else role, "content": text})
+            item: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": text}
+            if message.tool_calls:
+                if role != "assistant":
+                    raise invalid("Only assistant messages carry tool_calls.", f"{param}.tool_calls")
+                item["tool_calls"] = [_history_call(c, f"{param}.tool_calls[{j}]")
+                                      for j, c in enumerate(message.tool_calls)]
+            if role == "tool":
+                if not message.tool_call_id:
+                    raise invalid("A tool message needs the tool_call_id it answers.", f"{param}.tool_call_id",
+                                  code="missing_required_parameter")
+                item["tool_call_id"] = message.tool_call_id
+                if message.name:
+                    item["name"] = message.name
+            out.append(item)
         return out
+
+
+def _history_call(call: Any, param: str) -> dict:
+    """An earlier assistant tool call, for the template: arguments as an object (what chat
+    templates expect), the id and name as given."""
+    import json
+
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise invalid("A tool call needs a function with a name.", param)
+    arguments = function.get("arguments", "{}")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments or "{}")
+        except ValueError:
+            raise invalid("A tool call's arguments must be a JSON string.", f"{param}.function.arguments") from None
+    return {"id": str(call.get("id") or ""), "type": "function",
+            "function": {"name": function["name"], "arguments": arguments}}
 
 
 def _join_text_parts(parts: list[Any], param: str) -> str:
@@ -196,15 +297,13 @@ class CompletionRequest(_CommonRequest):
 
     def check(self) -> None:
         self.check_common()
-        if self.echo:
-            raise unsupported("echo is not supported.", "echo")
         if self.best_of not in (None, 0, 1):
             raise unsupported("Only best_of=1 is supported.", "best_of")
-        if self.suffix:
-            raise unsupported("suffix is not supported.", "suffix")
-        if isinstance(self.prompt, list) and len(self.prompt) != 1 and (
-                not self.prompt or not isinstance(self.prompt[0], int)):
-            raise unsupported("Exactly one prompt per request is supported.", "prompt")
+        prompts = self.prompts()
+        if not prompts:
+            raise invalid("The prompt list is empty.", "prompt")
+        if len(prompts) > MAX_PROMPTS:
+            raise invalid(f"At most {MAX_PROMPTS} prompts per request.", "prompt")
 
     @property
     def max_new_tokens(self) -> int | None:
@@ -214,17 +313,16 @@ class CompletionRequest(_CommonRequest):
     def logprobs_k(self) -> int | None:
         return self.logprobs
 
-    def prompt_value(self) -> str | list[int]:
-        """The one prompt: text, or token ids."""
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, each text or token ids, in order (one choice each, times n)."""
         p = self.prompt
         if p is None:
-            return ""
+            return [""]
         if isinstance(p, str):
-            return p
+            return [p]
         if p and isinstance(p[0], int):
-            return list(p)  # type: ignore[arg-type]
-        only = p[0]
-        return only if isinstance(only, str) else list(only)
+            return [list(p)]  # type: ignore[arg-type]
+        return [q if isinstance(q, str) else list(q) for q in p]  # type: ignore[union-attr]
 
 
 _TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "none", "is-instance"}
@@ -342,17 +440,32 @@ class ChoiceLogprobs(BaseModel):
     refusal: Optional[list[TokenLogprob]] = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # a JSON object, as text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: Optional[str] = None
     refusal: Optional[str] = None
+    tool_calls: Optional[list[ToolCall]] = None
+
+
+FinishReason = Literal["stop", "length", "tool_calls"]
 
 
 class ChatChoice(BaseModel):
     index: int = 0
     message: ResponseMessage
     logprobs: Optional[ChoiceLogprobs] = None
-    finish_reason: Literal["stop", "length"]
+    finish_reason: FinishReason
 
 
 class ChatCompletion(BaseModel):
@@ -368,9 +481,10 @@ class ChatCompletion(BaseModel):
 
 class ChatChunkChoice(BaseModel):
     index: int = 0
-    delta: dict[str, str]  # {"role": "assistant", "content": ""} first, then {"content": ...}, {} at the end
+    delta: dict[str, Any]  # {"role": "assistant", "content": ""} first, then {"content": ...} or
+    # {"tool_calls": [...]}, {} at the end
     logprobs: Optional[ChoiceLogprobs] = None
-    finish_reason: Optional[Literal["stop", "length"]] = None
+    finish_reason: Optional[FinishReason] = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -386,8 +500,8 @@ class ChatCompletionChunk(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    token_logprobs: list[Optional[float]] = Field(default_factory=list)
+    top_logprobs: list[Optional[dict[str, float]]] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
 
 

@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class TokenLogprobInfo:
     token: str
-    logprob: float
+    logprob: Optional[float]  # None: the prompt's first token (nothing predicts it)
     top: list[tuple[str, float]] = field(default_factory=list)
 
 
@@ -43,6 +43,16 @@ class Started:
 class TextDelta:
     text: str
     logprobs: list[TokenLogprobInfo] = field(default_factory=list)
+    index: int = 0  # the choice
+
+
+@dataclass
+class PromptLogprobs:
+    """The prompt's tokens with their log-probabilities (echo), before the choice's text."""
+
+    text: str
+    logprobs: list[TokenLogprobInfo]
+    index: int = 0
 
 
 @dataclass
@@ -53,6 +63,9 @@ class Finished:
     receipt: dict
     queue_s: float
     logprobs: list[TokenLogprobInfo] = field(default_factory=list)  # tokens whose text was not shown
+    index: int = 0
+    last: bool = True  # the job's last choice
+    stop_string: Optional[str] = None  # the stop string that ended it, if one did
 
 
 @dataclass
@@ -61,16 +74,24 @@ class Failed:
     code: str = "engine_error"
 
 
-Event = Any  # Started | TextDelta | Finished | Failed
+Event = Any  # Started | PromptLogprobs | TextDelta | Finished | Failed
 
 
 # ---------------------------------------------------------------------------------------- the job
 
 @dataclass
-class Job:
+class Choice:
+    """One generation of a job: a request with n > 1 or several prompts has several, run in order."""
+
     prompt_ids: list[int]
     max_new_tokens: int
     sampling: SamplingParams
+    echo: bool = False  # report the prompt's logprobs (PromptLogprobs) first
+
+
+@dataclass
+class Job:
+    choices: list[Choice]
     sink: Callable[[Event], None]  # called on the worker thread; must be thread-safe and quick
     stops: list[str] = field(default_factory=list)
     logprobs: Optional[int] = None  # None: off; K: each token's logprob and the K most likely
@@ -120,8 +141,25 @@ class LockedTokenizer:
         with self._lock:
             return self._tokenizer.decode(list(ids))
 
-    def chat_ids(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    @property
+    def chat_template(self) -> str | None:
+        template = getattr(self._tokenizer, "chat_template", None)
+        return template if isinstance(template, str) else None
+
+    def token_id(self, text: str) -> int | None:
+        """The id of the token spelled `text` (a special token such as <|fim_prefix|>), or None."""
+        lookup = getattr(self._tokenizer, "token_id", None)
+        if lookup is None:
+            return None
         with self._lock:
+            return lookup(text)
+
+    def chat_ids(self, messages: list[dict], add_generation_prompt: bool = True,
+                 tools: list[dict] | None = None) -> list[int]:
+        with self._lock:
+            if tools:
+                return list(self._tokenizer.chat_ids(messages, add_generation_prompt=add_generation_prompt,
+                                                     tools=tools))
             return list(self._tokenizer.chat_ids(messages, add_generation_prompt=add_generation_prompt))
 
 
@@ -287,12 +325,28 @@ class Worker:
         if job.cancelled.is_set():
             return
         self._deliver(job, Started(queue_s=queue_s))
+        for index, choice in enumerate(job.choices):
+            last = index == len(job.choices) - 1
+            if not self._run_choice(job, choice, index, last, queue_s) or job.cancelled.is_set():
+                return
+
+    def _run_choice(self, job: Job, choice: Choice, index: int, last: bool, queue_s: float) -> bool:
+        """One choice; False when the job ended (failed or cancelled)."""
         engine, tokenizer = self.engine, self.tokenizer
-        prompt_tokens = len(job.prompt_ids)
-        if job.max_new_tokens <= 0:
+        prompt_tokens = len(choice.prompt_ids)
+        if choice.echo:
+            from moestream.server.scoring import prompt_logprobs  # torch, on this thread only
+            k = job.logprobs or 0
+            scored = prompt_logprobs(engine, choice.prompt_ids, k, should_stop=job.cancelled.is_set)
+            if scored is None:
+                return False
+            infos = [TokenLogprobInfo(tokenizer.decode([tid]), lp, [(tokenizer.decode([t]), v) for t, v in top])
+                     for tid, lp, top in scored]
+            self._deliver(job, PromptLogprobs(tokenizer.decode(choice.prompt_ids), infos, index))
+        if choice.max_new_tokens <= 0:
             receipt = {"prompt_tokens": prompt_tokens, "prefill_tokens": 0, "reused_tokens": 0, "generated_tokens": 0}
-            self._deliver(job, Finished("length", prompt_tokens, 0, receipt, queue_s))
-            return
+            self._deliver(job, Finished("length", prompt_tokens, 0, receipt, queue_s, index=index, last=last))
+            return True
         decoder = IncrementalDecoder(tokenizer.decode)
         matcher = StopMatcher(job.stops)
         pending: list[TokenLogprobInfo] = []
@@ -300,11 +354,11 @@ class Worker:
         # the engine's logprobs=K gives the chosen token's logprob and the top K (0: none)
         engine_logprobs = max(1, job.logprobs) if job.logprobs is not None else 0
         try:
-            gen = engine.generate(job.prompt_ids, max_new_tokens=job.max_new_tokens, sampling=job.sampling,
+            gen = engine.generate(choice.prompt_ids, max_new_tokens=choice.max_new_tokens, sampling=choice.sampling,
                                   logprobs=engine_logprobs, should_stop=job.cancelled.is_set)
         except MoestreamError as exc:  # the engine refused the request before starting it
             self._deliver(job, Failed(_one_line(exc), code="invalid_request"))
-            return
+            return False
         try:
             for event in gen:
                 generated += 1
@@ -312,7 +366,7 @@ class Worker:
                     pending.append(self._logprob_info(event, job.logprobs))
                 text = matcher.feed(decoder.push(event.token_id))
                 if text:
-                    self._deliver(job, TextDelta(text, pending))
+                    self._deliver(job, TextDelta(text, pending, index))
                     pending = []
                 if matcher.stopped or job.cancelled.is_set():
                     break
@@ -320,7 +374,7 @@ class Worker:
                 tail = matcher.feed(decoder.flush())
                 tail += matcher.flush()
                 if tail:
-                    self._deliver(job, TextDelta(tail, pending))
+                    self._deliver(job, TextDelta(tail, pending, index))
                     pending = []
         finally:
             gen.close()
@@ -337,15 +391,18 @@ class Worker:
             if self._stopping:
                 self._deliver(job, Failed("the server is shutting down", code="server_shutdown"))
             else:
-                self._deliver(job, Finished("cancelled", prompt_tokens, generated, receipt, queue_s, pending))
+                self._deliver(job, Finished("cancelled", prompt_tokens, generated, receipt, queue_s, pending,
+                                            index=index, last=True))
             log.info("request %s cancelled after %d tokens", job.request_id, generated)
-            return
+            return False
         if reason not in ("stop", "length"):
             raise RuntimeError(f"the engine ended with finish_reason {reason!r}")
-        self._deliver(job, Finished(reason, prompt_tokens, generated, receipt, queue_s, pending))
-        log.info("request %s: %d prompt tokens (%s prefilled), %d generated, %s, %.1f tok/s",
-                 job.request_id, prompt_tokens, receipt.get("prefill_tokens", "?"), generated, reason,
+        self._deliver(job, Finished(reason, prompt_tokens, generated, receipt, queue_s, pending, index=index, last=last,
+                                    stop_string=matcher.matched if matcher.stopped else None))
+        log.info("request %s choice %d: %d prompt tokens (%s prefilled), %d generated, %s, %.1f tok/s",
+                 job.request_id, index, prompt_tokens, receipt.get("prefill_tokens", "?"), generated, reason,
                  float(receipt.get("decode_tok_s", 0.0) or 0.0))
+        return True
 
     def _logprob_info(self, event: Any, k: int) -> TokenLogprobInfo:
         decode = self.tokenizer.decode

@@ -138,6 +138,10 @@ class FakeGeneration:
         if len(self._generated) >= self._max_new:
             self._finish("length")
             raise StopIteration
+        if not self._pending and self._engine.script is not None:  # a fixed reply, then EOS
+            done = FakeTokenizer().decode(self._generated)
+            rest = self._engine.script[len(done):]
+            self._pending = list(rest[:1].encode("utf-8")) if rest else [EOS]
         if not self._pending:
             self._pending = next_tokens(self._state, self._sampling, self._engine.eos_every, not self._generated)
         token = self._pending.pop(0)
@@ -207,6 +211,7 @@ class FakeEngine:
         self.prefill_delay = prefill_delay
         self.eos_every = eos_every
         self.fail_on_prompt: int | None = None  # a token id whose presence in a prompt raises
+        self.script: str | None = None  # when set, every reply is this text
         self.requests = 0
         self.last_sampling: SamplingParams | None = None
         self._kv_tokens: list[int] = []

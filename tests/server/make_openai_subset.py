@@ -111,14 +111,16 @@ COMPLETION_FIELDS = ["model", "prompt", "max_tokens", "temperature", "top_p", "s
                      "frequency_penalty", "presence_penalty", "user"]
 
 
+def null_is_absent(props: dict, required: list[str]) -> dict:
+    """The server reads null as "not given" for every optional field."""
+    return {name: schema if name in required else {**schema, "nullable": True} for name, schema in props.items()}
+
+
 def apply_contract(spec: dict) -> None:
     schemas = spec["components"]["schemas"]
-    refused_penalty = {"type": "number", "enum": [0], "nullable": True, "default": 0}
 
     # -- chat requests
     props = only(all_properties(schemas, "CreateChatCompletionRequest"), CHAT_FIELDS)
-    props["n"] = {"type": "integer", "enum": [1], "nullable": True, "default": 1}
-    props["frequency_penalty"] = props["presence_penalty"] = refused_penalty
     props["tools"] = {"type": "array", "maxItems": 0, "items": {}}
     props["response_format"] = {"$ref": "#/components/schemas/ResponseFormatText"}
     props["logit_bias"] = {"type": "object", "maxProperties": 0, "nullable": True}
@@ -133,17 +135,19 @@ def apply_contract(spec: dict) -> None:
         {"$ref": "#/components/schemas/ChatCompletionRequestAssistantMessage"}],
         "discriminator": {"propertyName": "role"}}  # no tool or function messages
     # model is optional and ignored: the server has one model
-    schemas["CreateChatCompletionRequest"] = {"type": "object", "properties": props, "required": ["messages"]}
+    schemas["CreateChatCompletionRequest"] = {"type": "object", "properties": null_is_absent(props, ["messages"]),
+                                              "required": ["messages"]}
     # text only: no image, audio or file parts; assistants without tool calls
     schemas["ChatCompletionRequestUserMessageContentPart"] = {"oneOf": [TEXT_PART]}
     schemas["ChatCompletionRequestAssistantMessageContentPart"] = {"oneOf": [TEXT_PART]}
     for role in ("Developer", "System", "User", "Assistant"):
         message = schemas[f"ChatCompletionRequest{role}Message"]
-        message["properties"] = only(message["properties"], ["role", "content", "name"])
+        message["properties"] = null_is_absent(only(message["properties"], ["role", "content", "name"]),
+                                               message.get("required", []))
     text = schemas["ChatCompletionRequestMessageContentPartText"]
     text["properties"] = only(text["properties"], ["type", "text"])
     options = schemas["ChatCompletionStreamOptions"]["anyOf"][0]
-    options["properties"] = only(options["properties"], ["include_usage"])
+    options["properties"] = null_is_absent(only(options["properties"], ["include_usage"]), [])
     # 0 to 16 stop strings (the spec says 1 to 4; chat apps send more, and some send [])
     for option in schemas["StopConfiguration"]["oneOf"]:
         if option.get("type") == "array":
@@ -154,18 +158,17 @@ def apply_contract(spec: dict) -> None:
     ids = {"type": "integer", "minimum": 0, "maximum": VOCAB_SIZE - 1}
     props["prompt"] = {"nullable": True, "oneOf": [
         {"type": "string"},
-        {"type": "array", "minItems": 1, "maxItems": 1, "items": {"type": "string"}},
+        {"type": "array", "minItems": 1, "maxItems": 64, "items": {"type": "string"}},
         {"type": "array", "minItems": 1, "items": ids},
-        {"type": "array", "minItems": 1, "maxItems": 1, "items": {"type": "array", "minItems": 1, "items": ids}}]}
-    props["n"] = {"type": "integer", "enum": [1], "nullable": True, "default": 1}
+        {"type": "array", "minItems": 1, "maxItems": 64, "items": {"type": "array", "minItems": 1, "items": ids}}]}
     props["best_of"] = {"type": "integer", "minimum": 0, "maximum": 1, "nullable": True}
     props["echo"] = {"type": "boolean", "enum": [False], "nullable": True}
-    props["suffix"] = {"type": "string", "maxLength": 0, "nullable": True}
-    props["frequency_penalty"] = props["presence_penalty"] = refused_penalty
+    props["suffix"] = {"type": "string", "maxLength": 0, "nullable": True}  # the test model has no FIM tokens
     props["logit_bias"] = {"type": "object", "maxProperties": 0, "nullable": True}
     props["seed"] = {"type": "integer", "nullable": True, **INT64}
     props.update(EXTENSIONS)
-    schemas["CreateCompletionRequest"] = {"type": "object", "properties": props, "required": ["prompt"]}
+    schemas["CreateCompletionRequest"] = {"type": "object", "properties": null_is_absent(props, ["prompt"]),
+                                          "required": ["prompt"]}
 
     # -- responses: streamed completions are events too, and the errors this server answers with.
     # The official file puts the chunk's schema where OpenAPI < 3.2 describes a whole event

@@ -39,24 +39,24 @@ def assert_error(response, status: int, param=..., code=...) -> dict:
 
 
 REFUSED = [
-    # unsupported features
-    (CHAT, chat(n=2), "n", "unsupported_parameter"),
-    (COMPLETIONS, completion(n=3), "n", "unsupported_parameter"),
-    (CHAT, chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), "tools",
-     "unsupported_parameter"),
+    # unsupported features, and what the new ones refuse
     (CHAT, chat(functions=[{"name": "f"}]), "functions", "unsupported_parameter"),
-    (CHAT, chat(response_format={"type": "json_object"}), "response_format", "unsupported_parameter"),
-    (CHAT, chat(response_format={"type": "json_schema", "json_schema": {"name": "x"}}), "response_format",
-     "unsupported_parameter"),
-    (CHAT, chat(frequency_penalty=0.5), "frequency_penalty", "unsupported_parameter"),
-    (CHAT, chat(presence_penalty=-1), "presence_penalty", "unsupported_parameter"),
-    (COMPLETIONS, completion(frequency_penalty=1), "frequency_penalty", "unsupported_parameter"),
-    (CHAT, chat(logit_bias={"5": 10}), "logit_bias", "unsupported_parameter"),
-    (COMPLETIONS, completion(echo=True), "echo", "unsupported_parameter"),
     (COMPLETIONS, completion(best_of=2), "best_of", "unsupported_parameter"),
-    (COMPLETIONS, completion(suffix="end"), "suffix", "unsupported_parameter"),
-    (COMPLETIONS, completion(prompt=["a", "b"]), "prompt", "unsupported_parameter"),
-    (COMPLETIONS, completion(prompt=[[1, 2], [3]]), "prompt", "unsupported_parameter"),
+    (COMPLETIONS, completion(suffix="end"), "suffix", "unsupported_parameter"),  # the fake model has no FIM tokens
+    (CHAT, chat(logit_bias={"abc": 1}), "logit_bias", "invalid_value"),
+    (CHAT, chat(logit_bias={"5": 101}), "logit_bias", "invalid_value"),
+    (CHAT, chat(logit_bias={"99999": 1}), "logit_bias", "invalid_value"),
+    (CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}],
+                tool_choice={"type": "function", "function": {"name": "g"}}), "tool_choice", "invalid_value"),
+    (CHAT, chat(tool_choice="required"), "tool_choice", "invalid_value"),
+    (CHAT, chat(tools=[{"type": "function", "function": {"name": "bad name!"}}]), "tools[0].function.name",
+     "invalid_value"),
+    (CHAT, chat(response_format={"type": "json_schema"}), "response_format.json_schema",
+     "missing_required_parameter"),
+    (CHAT, chat(response_format={"type": "xml"}), "response_format.type", "invalid_value"),
+    (CHAT, chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}),
+     "response_format", "invalid_value"),
+    (COMPLETIONS, completion(prompt=[]), "prompt", "invalid_value"),
     # image and other non-text parts
     (CHAT, chat(messages=[{"role": "user", "content": [
         {"type": "text", "text": "what is this"},
@@ -69,11 +69,12 @@ REFUSED = [
     (CHAT, chat(messages=[{"role": "user", "content": [{"type": "text"}]}]), "messages[0].content[0].text",
      "invalid_type"),
     (CHAT, chat(messages=[{"role": "user", "content": []}]), "messages[0].content", "invalid_value"),
-    (CHAT, chat(messages=[{"role": "tool", "content": "x", "tool_call_id": "1"}]), "messages[0].role",
-     "invalid_value"),
+    (CHAT, chat(messages=[{"role": "function", "content": "x"}]), "messages[0].role", "invalid_value"),
+    (CHAT, chat(messages=[{"role": "tool", "content": "x"}]), "messages[0].tool_call_id",
+     "missing_required_parameter"),
     (CHAT, chat(messages=[{"role": "assistant", "content": None,
-                           "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f", "arguments": ""}}]}]),
-     "messages[0].tool_calls", "unsupported_parameter"),
+                           "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f", "arguments": "{"}}]}]),
+     "messages[0].tool_calls[0].function.arguments", "invalid_value"),
     (CHAT, chat(messages=[{"role": "user", "content": None}]), "messages[0].content", "invalid_value"),
     # values outside the spec's ranges
     (CHAT, chat(temperature=2.5), "temperature", "invalid_value"),
@@ -129,6 +130,11 @@ ACCEPTED = [
     chat(tools=[]),
     chat(response_format={"type": "text"}),
     chat(frequency_penalty=0, presence_penalty=0.0, logit_bias={}),
+    chat(frequency_penalty=0.5, presence_penalty=-1, logit_bias={"5": 10}, n=2),
+    # null means "not given" for every optional field
+    chat(n=None, tools=None, tool_choice=None, response_format=None, user=None, logit_bias=None, stop=None,
+         parallel_tool_calls=None, functions=None, max_completion_tokens=None, stream_options=None, seed=None),
+    chat(messages=[{"role": "user", "content": "hi", "name": None, "tool_calls": None}]),
     chat(n=1, top_k=0, min_p=0.0, repetition_penalty=1.0),
     chat(some_unknown_field={"x": 1}, user="u", metadata={"a": "b"}, store=False, parallel_tool_calls=True),
     chat(stop="x", seed=-5, temperature=0, top_p=1, top_logprobs=None),
@@ -156,18 +162,18 @@ def test_context_length_exceeded(http, server):
 
 
 def test_stream_refusals_come_before_the_stream(http):
-    response = http.post(CHAT, json=chat(n=2, stream=True))
+    response = http.post(CHAT, json=chat(n=0, stream=True))
     assert response.headers["content-type"].startswith("application/json")
     assert_error(response, 400, "n")
 
 
 def test_sdk_raises_bad_request(client):
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model=MODEL_ID, messages=USER, n=2)
+        client.chat.completions.create(model=MODEL_ID, messages=USER, n=0)
     assert info.value.status_code == 400 and info.value.body["param"] == "n"
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model=MODEL_ID, messages=USER, response_format={"type": "json_object"})
-    assert info.value.body["param"] == "response_format"
+        client.chat.completions.create(model=MODEL_ID, messages=USER, logit_bias={"5": 500})
+    assert info.value.body["param"] == "logit_bias"
 
 
 def test_not_found_and_method_not_allowed(http):

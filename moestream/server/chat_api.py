@@ -1,0 +1,249 @@
+"""OpenAI's /chat/completions and /completions: requests to Jobs, events to answers (whole or
+streamed), with n choices, tool calls, constrained output and echo."""
+from __future__ import annotations
+
+from typing import Any, AsyncIterator, Awaitable, Callable, Optional
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
+
+from moestream.server.generation import (JobStream, Runtime, Submitted, events, finish_reason, make_choices,
+                                         wait_whole)
+from moestream.server.protocol import (ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk,
+                                       ChatCompletionRequest, Completion, CompletionChoice, CompletionRequest,
+                                       FunctionCall, ResponseMessage, ToolCall, invalid, parse_request,
+                                       timings_from_receipt)
+from moestream.server.render import (chat_logprobs, completion_logprobs, error_event, sse, usage,
+                                     without_nulls)
+from moestream.server.tools import ParsedCall, ToolCallParser, parse_tool_calls, tool_schemas
+from moestream.server.worker import Failed, Finished, PromptLogprobs, Started, TextDelta
+
+FIM_TOKENS = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")
+
+ReadJSON = Callable[[Request], Awaitable[Any]]
+
+
+async def constraint(rt: Runtime, req: ChatCompletionRequest, tools: Optional[list[dict]]):
+    """A factory of fresh grammar processors for a forced tool call or a response_format, or None."""
+    from moestream.server import grammar as g
+
+    try:
+        if req.forced_tool is not None:
+            text = g.tool_call_grammar(tools or [], req.forced_tool, parallel=req.parallel_tool_calls)
+            param = "tool_choice"
+        elif req.response_format.type == "json_object":
+            text, param = g.json_object_grammar(), "response_format"
+        elif req.response_format.type == "json_schema":
+            text, param = g.json_schema_grammar(req.response_format.json_schema.schema_), "response_format"
+        else:
+            return None
+    except g.GrammarError as exc:
+        raise invalid(f"The response_format cannot be enforced: {exc}.", "response_format") from None
+    matcher = await rt.grammar_matcher(text, param)
+    return lambda: g.GrammarProcessor(matcher.deep_copy())
+
+
+async def start_chat(rt: Runtime, request: Request, req: ChatCompletionRequest) -> Submitted:
+    """Validate, render and queue a chat request (also what the other APIs translate into)."""
+    rt.tokenizer()
+    messages = req.chat_messages()
+    tools = tool_schemas(req.tools) if req.tool_mode != "none" else None
+    prompt_ids = await rt.chat_ids(messages, tools)
+    processor = await constraint(rt, req, tools)
+    max_new, base = rt.plan(req, prompt_ids, "messages")
+    choices = make_choices([prompt_ids], req.n or 1, [max_new], [base], processor=processor)
+    sub = rt.submit(request, choices, stream=bool(req.stream), stops=req.stop_list(), logprobs=req.logprobs_k,
+                    prefix="chatcmpl-")
+    sub.extra["parse_tools"] = req.tool_mode != "none"
+    return sub
+
+
+def tool_call_model(call: ParsedCall) -> ToolCall:
+    return ToolCall(id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments))
+
+
+def chat_message(text: str, parse_tools: bool, reason: str) -> tuple[ResponseMessage, str]:
+    if parse_tools:
+        content, calls = parse_tool_calls(text)
+        if calls:
+            return ResponseMessage(content=content or None, tool_calls=[tool_call_model(c) for c in calls]), "tool_calls"
+    return ResponseMessage(content=text), reason
+
+
+def register(router: APIRouter, rt: Runtime, read_json: ReadJSON) -> None:
+    @router.post("/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        req: ChatCompletionRequest = parse_request(ChatCompletionRequest, await read_json(request))
+        sub = await start_chat(rt, request, req)
+        if req.stream:
+            return JobStream(sub.job, chat_stream(sub, req.include_usage))
+        end = await wait_whole(request, sub, "messages")
+        if end is None:  # the client left; nobody reads this
+            return Response(status_code=499)
+        ends = [sub.sink.ends[i] for i in range(sub.choices) if i in sub.sink.ends]
+        choices = []
+        for i, e in enumerate(ends):
+            message, reason = chat_message(sub.sink.text(i), sub.extra["parse_tools"], finish_reason(e))
+            logprobs = chat_logprobs(sub.sink.logprobs.get(i, [])) if req.logprobs_k is not None else None
+            choices.append(ChatChoice(index=i, message=message, logprobs=logprobs, finish_reason=reason))
+        body = ChatCompletion(**sub.meta, choices=choices, usage=usage(ends, len(ends)),
+                              timings=timings_from_receipt(end.receipt, queue_s=end.queue_s)).model_dump()
+        for choice in body["choices"]:  # the spec has tool_calls absent, not null, when there are none
+            without_nulls(choice["message"], "tool_calls")
+        return JSONResponse(body)
+
+    @router.post("/completions")
+    async def completions(request: Request) -> Response:
+        req: CompletionRequest = parse_request(CompletionRequest, await read_json(request))
+        tokenizer = rt.tokenizer()
+        texts, prompts = [], []
+        for i, prompt in enumerate(req.prompts()):
+            if isinstance(prompt, str):
+                ids = await run_in_threadpool(tokenizer.encode, prompt, True)
+                texts.append(prompt)
+            else:
+                vocab = tokenizer.vocab_size
+                bad = [t for t in prompt if t < 0 or (vocab is not None and t >= vocab)]
+                if bad:
+                    raise invalid(f"Token id {bad[0]} is outside the vocabulary (0..{(vocab or 0) - 1}).", "prompt")
+                ids = prompt
+                texts.append(await run_in_threadpool(tokenizer.decode, ids))
+            if req.suffix:  # an empty suffix is no suffix
+                fim = [tokenizer.token_id(t) for t in FIM_TOKENS]
+                if None in fim:
+                    raise invalid("suffix needs fill-in-the-middle tokens (<|fim_prefix|>, <|fim_suffix|>, "
+                                  "<|fim_middle|>), and this model has none.", "suffix", code="unsupported_parameter")
+                middle = await run_in_threadpool(tokenizer.encode, req.suffix, False)
+                body = ids if not isinstance(prompt, str) else await run_in_threadpool(tokenizer.encode, prompt, False)
+                ids = [fim[0], *body, fim[1], *middle, fim[2]]
+            prompts.append(ids)
+        plans = [rt.plan(req, ids, "prompt") for ids in prompts]
+        n = req.n or 1
+        echo_scores = bool(req.echo) and req.logprobs_k is not None
+        choices = make_choices(prompts, n, [m for m, _ in plans], [s for _, s in plans], echo=echo_scores)
+        sub = rt.submit(request, choices, stream=bool(req.stream), stops=req.stop_list(), logprobs=req.logprobs_k,
+                        prefix="cmpl-")
+        echoes = [texts[i // n] if req.echo else "" for i in range(len(choices))]
+        if req.stream:
+            return JobStream(sub.job, completion_stream(sub, req.include_usage, echoes, n))
+        end = await wait_whole(request, sub, "prompt")
+        if end is None:
+            return Response(status_code=499)
+        ends = [sub.sink.ends[i] for i in range(sub.choices) if i in sub.sink.ends]
+        out = []
+        for i, e in enumerate(ends):
+            logprobs = None
+            if req.logprobs_k is not None:
+                scored = sub.sink.prompts.get(i)
+                infos = (scored.logprobs if scored else []) + sub.sink.logprobs.get(i, [])
+                logprobs = completion_logprobs(infos, 0)
+            out.append(CompletionChoice(index=i, text=echoes[i] + sub.sink.text(i), logprobs=logprobs,
+                                        finish_reason=finish_reason(e)))
+        body = Completion(**sub.meta, choices=out, usage=usage(ends, n),
+                          timings=timings_from_receipt(end.receipt, queue_s=end.queue_s))
+        return JSONResponse(body.model_dump())
+
+
+async def chat_stream(sub: Submitted, include_usage: bool) -> AsyncIterator[str]:
+    meta, wants_logprobs = sub.meta, sub.job.logprobs is not None
+    parsers = {i: ToolCallParser() for i in range(sub.choices)} if sub.extra.get("parse_tools") else {}
+    calls: dict[int, int] = {}
+    ends: list[Finished] = []
+
+    def chunk(index: int, delta: dict, *, finish: str | None = None, logprobs=None, **extra) -> str:
+        choice = ChatChunkChoice(index=index, delta=delta, finish_reason=finish, logprobs=logprobs)
+        return sse(ChatCompletionChunk(**meta, choices=[choice], **extra))
+
+    def pieces(index: int, parts: list) -> list[str]:
+        out = []
+        for part in parts:
+            if isinstance(part, str):
+                if part:
+                    out.append(chunk(index, {"content": part}))
+                continue
+            k = calls.get(index, 0)
+            calls[index] = k + 1
+            # like OpenAI: the call's id and name first, then its arguments
+            out.append(chunk(index, {"tool_calls": [{"index": k, "id": part.id, "type": "function",
+                                                     "function": {"name": part.name, "arguments": ""}}]}))
+            out.append(chunk(index, {"tool_calls": [{"index": k, "function": {"arguments": part.arguments}}]}))
+        return out
+
+    async for event in events(sub):
+        if isinstance(event, Started):
+            for i in range(sub.choices):
+                yield chunk(i, {"role": "assistant", "content": ""})
+        elif isinstance(event, TextDelta):
+            logprobs = chat_logprobs(event.logprobs) if wants_logprobs else None
+            if event.index in parsers:
+                out = pieces(event.index, parsers[event.index].feed(event.text))
+                for j, text in enumerate(out):
+                    yield text
+                if logprobs is not None and event.logprobs:
+                    yield chunk(event.index, {}, logprobs=logprobs)
+            else:
+                yield chunk(event.index, {"content": event.text}, logprobs=logprobs)
+        elif isinstance(event, Finished):
+            ends.append(event)
+            if event.index in parsers:
+                for text in pieces(event.index, parsers[event.index].finish()):
+                    yield text
+            reason = "tool_calls" if calls.get(event.index) else finish_reason(event)
+            logprobs = chat_logprobs(event.logprobs) if wants_logprobs and event.logprobs else None
+            if not event.last or include_usage:
+                yield chunk(event.index, {}, finish=reason, logprobs=logprobs)
+            if event.last:
+                total, timings = usage(ends, len(ends)), timings_from_receipt(event.receipt, queue_s=event.queue_s)
+                if include_usage:
+                    yield sse(ChatCompletionChunk(**meta, choices=[], usage=total, timings=timings))
+                else:
+                    yield chunk(event.index, {}, finish=reason, logprobs=logprobs, usage=total, timings=timings)
+                yield "data: [DONE]\n\n"
+        elif isinstance(event, Failed):
+            yield error_event(event)
+            yield "data: [DONE]\n\n"
+
+
+async def completion_stream(sub: Submitted, include_usage: bool, echoes: list[str], n: int) -> AsyncIterator[str]:
+    meta, wants_logprobs = sub.meta, sub.job.logprobs is not None
+    offsets = {i: 0 for i in range(sub.choices)}
+    ends: list[Finished] = []
+
+    def chunk(index: int, text: str, *, finish: str | None = None, logprobs=None, **extra) -> str:
+        choice = CompletionChoice(index=index, text=text, finish_reason=finish, logprobs=logprobs)
+        # a completion's usage is an object when present (no nulls, unlike chat chunks)
+        return sse(without_nulls(Completion(**meta, choices=[choice], **extra).model_dump(), "usage", "timings"))
+
+    def logged(index: int, infos) -> Any:
+        if not wants_logprobs:
+            return None
+        out = completion_logprobs(infos, offsets[index])
+        offsets[index] += sum(len(i.token) for i in infos)
+        return out
+
+    async for event in events(sub):
+        if isinstance(event, Started):
+            for i, echo in enumerate(echoes):
+                if echo and not wants_logprobs:
+                    yield chunk(i, echo)
+        elif isinstance(event, PromptLogprobs):
+            yield chunk(event.index, echoes[event.index], logprobs=logged(event.index, event.logprobs))
+        elif isinstance(event, TextDelta):
+            yield chunk(event.index, event.text, logprobs=logged(event.index, event.logprobs))
+        elif isinstance(event, Finished):
+            ends.append(event)
+            logprobs = logged(event.index, event.logprobs) if event.logprobs else None
+            if not event.last or include_usage:
+                yield chunk(event.index, "", finish=finish_reason(event), logprobs=logprobs)
+            if event.last:
+                total, timings = usage(ends, n), timings_from_receipt(event.receipt, queue_s=event.queue_s)
+                if include_usage:
+                    yield sse(Completion(**meta, choices=[], usage=total, timings=timings))
+                else:
+                    yield chunk(event.index, "", finish=finish_reason(event), logprobs=logprobs, usage=total,
+                                timings=timings)
+                yield "data: [DONE]\n\n"
+        elif isinstance(event, Failed):
+            yield error_event(event)
+            yield "data: [DONE]\n\n"

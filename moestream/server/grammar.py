@@ -1,0 +1,133 @@
+"""Constrained decoding with llguidance: JSON mode, JSON schemas and forced tool calls.
+
+A grammar is compiled per request (on the HTTP side, so a bad schema is a 400 before anything is
+queued); the worker's sampler calls a GrammarProcessor with the logits and the tokens generated so
+far, and it sets every token the grammar does not allow next to -inf. When the grammar is complete
+only the end-of-sequence token is allowed, so the engine stops there.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from typing import Any, Optional, Sequence
+
+import llguidance
+
+from moestream.server.tools import CLOSE, OPEN
+
+log = logging.getLogger(__name__)
+
+
+class GrammarError(ValueError):
+    """The grammar (or the schema it came from) cannot be compiled; the message says why."""
+
+
+# compact JSON: free whitespace lets a weak model pad forever instead of finishing the object
+JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def _styled(schema: dict) -> dict:
+    return {**schema, "x-guidance": {**JSON_STYLE, **(schema.get("x-guidance") or {})}}
+
+
+def json_object_grammar() -> str:
+    return llguidance.LLMatcher.grammar_from_json_schema(_styled({"type": "object"}))
+
+
+def json_schema_grammar(schema: dict) -> str:
+    if not isinstance(schema, dict):
+        raise GrammarError("the JSON schema must be an object")
+    try:
+        return llguidance.LLMatcher.grammar_from_json_schema(_styled(schema))
+    except (ValueError, TypeError) as exc:
+        raise GrammarError(f"the JSON schema cannot be used: {exc}") from None
+
+
+def _call_schema(tool: dict) -> dict:
+    function = tool["function"]
+    parameters = function.get("parameters") or {"type": "object", "properties": {}}
+    return {"type": "object", "properties": {"name": {"const": function["name"]}, "arguments": parameters},
+            "required": ["name", "arguments"], "additionalProperties": False}
+
+
+def tool_call_grammar(tools: list[dict], name: str, *, parallel: bool) -> str:
+    """One call (or several, when parallel) in the Hermes format, to the named tool or ("*") any."""
+    chosen = [t for t in tools if name == "*" or t["function"]["name"] == name]
+    schema = _call_schema(chosen[0]) if len(chosen) == 1 else {"anyOf": [_call_schema(t) for t in chosen]}
+    repeat = "+" if parallel else ""
+    lark = (f"start: call{repeat}\n"
+            f"call: {json.dumps(OPEN + chr(10))} body {json.dumps(chr(10) + CLOSE + chr(10))}\n"
+            f"body: %json {json.dumps(_styled(schema))}\n")
+    return llguidance.LLMatcher.grammar_from_lark(lark)
+
+
+class GrammarTokenizer:
+    """llguidance's view of the model's vocabulary, built once (about a second on a large one)."""
+
+    def __init__(self, tokenizer: Any, eos_ids: Sequence[int], vocab_size: Optional[int] = None) -> None:
+        backend = getattr(tokenizer, "backend", None)
+        eos = sorted(eos_ids) or None
+        if backend is not None:
+            import llguidance.hf
+            self.ll = llguidance.hf.from_tokenizer(backend, n_vocab=vocab_size, eos_token=eos)
+        elif hasattr(tokenizer, "token_bytes"):
+            self.ll = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_BytesVocab(tokenizer, eos)),
+                                             n_vocab=vocab_size, eos_token=eos)
+        else:
+            raise GrammarError("this model's tokenizer cannot be used for constrained decoding")
+        self.vocab_size = self.ll.vocab_size
+
+    def matcher(self, grammar: str) -> "llguidance.LLMatcher":
+        error = llguidance.LLMatcher.validate_grammar(grammar, self.ll)
+        if error and not error.startswith("WARNING"):
+            raise GrammarError(error.splitlines()[0])
+        matcher = llguidance.LLMatcher(self.ll, grammar, log_level=0)
+        if matcher.is_error():
+            raise GrammarError(matcher.get_error().splitlines()[0])
+        return matcher
+
+
+class _BytesVocab:
+    """A tokenizer that lists each token's bytes (token_bytes()), in the shape llguidance wraps."""
+
+    def __init__(self, tokenizer: Any, eos: Optional[list[int]]) -> None:
+        self._tokenizer = tokenizer
+        self.tokens = tokenizer.token_bytes()
+        self.eos_token_id = eos[0] if eos else None
+        self.bos_token_id = getattr(tokenizer, "bos_token_id", None)
+        self.special_token_ids = list(getattr(tokenizer, "special_token_ids", []))
+
+    def __call__(self, text: bytes) -> list[int]:
+        return list(self._tokenizer.encode(text.decode("utf-8", errors="replace"), add_special_tokens=False))
+
+
+class GrammarProcessor:
+    """The logits processor: logits [V], generated tokens -> logits with disallowed tokens at -inf.
+    It follows the generated tokens itself (consuming new ones, rolling back on a shorter list), so
+    it needs no other channel than what the sampler passes."""
+
+    def __init__(self, matcher: "llguidance.LLMatcher") -> None:
+        self._matcher = matcher
+        self._consumed = 0
+        self._lock = threading.Lock()
+
+    def __call__(self, logits: Any, generated: Sequence[int]) -> Any:
+        import numpy as np
+        import torch
+
+        with self._lock:
+            if len(generated) < self._consumed:
+                self._matcher.rollback(self._consumed - len(generated))
+                self._consumed = len(generated)
+            new = list(generated[self._consumed:])
+            if new and not self._matcher.consume_tokens(new):
+                raise RuntimeError(f"the grammar refused a generated token: {self._matcher.get_error()}")
+            self._consumed = len(generated)
+            bits = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8)
+        allowed = np.unpackbits(bits, bitorder="little")
+        vocab = logits.shape[-1]
+        if allowed.size < vocab:
+            allowed = np.concatenate([allowed, np.zeros(vocab - allowed.size, dtype=np.uint8)])
+        mask = torch.from_numpy(allowed[:vocab].astype(bool)).to(logits.device)
+        return logits.masked_fill(~mask, float("-inf"))

@@ -1,0 +1,201 @@
+"""Anthropic's Messages API (POST /messages): translated into a chat request, answered in
+Anthropic's shapes, whole or as its stream of named events."""
+from __future__ import annotations
+
+import json
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from moestream.server.generation import JobStream, Runtime, Submitted, events, wait_whole
+from moestream.server.protocol import APIError, ChatCompletionRequest, invalid, parse_request
+from moestream.server.render import named_sse
+from moestream.server.tools import ToolCallParser, parse_tool_calls
+from moestream.server.worker import Failed, Finished, Started, TextDelta
+
+ReadJSON = Callable[[Request], Awaitable[Any]]
+
+
+def _anthropic_error(exc: APIError) -> JSONResponse:
+    kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+            413: "request_too_large", 503: "overloaded_error"}.get(exc.status, "api_error")
+    return JSONResponse({"type": "error", "error": {"type": kind, "message": exc.message}},
+                        status_code=exc.status, headers=exc.headers)
+
+
+def _text_of(content: Any, param: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise invalid("content must be a string or a list of blocks.", param)
+    texts = []
+    for j, block in enumerate(content):
+        if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
+            raise invalid("Only text blocks are supported here.", f"{param}[{j}]")
+        texts.append(block["text"])
+    return "\n".join(texts)
+
+
+def to_chat(body: Any) -> dict:
+    """The Messages request as an OpenAI chat request body."""
+    if not isinstance(body, dict):
+        raise invalid("The request body must be a JSON object.", code="invalid_type")
+    if not isinstance(body.get("max_tokens"), int) or isinstance(body.get("max_tokens"), bool):
+        raise invalid("max_tokens is required: an integer.", "max_tokens", code="missing_required_parameter")
+    messages: list[dict] = []
+    if body.get("system") is not None:
+        messages.append({"role": "system", "content": _text_of(body["system"], "system")})
+    raw = body.get("messages")
+    if not isinstance(raw, list) or not raw:
+        raise invalid("messages must be a non-empty list.", "messages")
+    for i, m in enumerate(raw):
+        param = f"messages[{i}]"
+        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
+            raise invalid("Each message needs role 'user' or 'assistant'.", f"{param}.role")
+        content = m.get("content")
+        if isinstance(content, str):
+            messages.append({"role": m["role"], "content": content})
+            continue
+        if not isinstance(content, list):
+            raise invalid("content must be a string or a list of blocks.", f"{param}.content")
+        texts, calls = [], []
+        for j, block in enumerate(content):
+            where = f"{param}.content[{j}]"
+            kind = block.get("type") if isinstance(block, dict) else None
+            if kind == "text" and isinstance(block.get("text"), str):
+                texts.append(block["text"])
+            elif kind == "tool_use" and m["role"] == "assistant":
+                calls.append({"id": str(block.get("id", "")), "type": "function",
+                              "function": {"name": block.get("name"), "arguments": json.dumps(block.get("input", {}))}})
+            elif kind == "tool_result" and m["role"] == "user":
+                result = block.get("content", "")
+                messages.append({"role": "tool", "tool_call_id": str(block.get("tool_use_id", "")),
+                                 "content": _text_of(result, f"{where}.content")})
+            else:
+                raise invalid(f"Unsupported content block {kind!r} in a {m['role']} message.", where)
+        if texts or calls:
+            message: dict = {"role": m["role"], "content": "\n".join(texts)}
+            if calls:
+                message["tool_calls"] = calls
+            messages.append(message)
+    out = {"messages": messages, "max_tokens": body["max_tokens"], "stream": bool(body.get("stream"))}
+    for name in ("temperature", "top_p", "top_k"):
+        if body.get(name) is not None:
+            out[name] = body[name]
+    if body.get("stop_sequences"):
+        out["stop"] = body["stop_sequences"]
+    tools = body.get("tools") or []
+    if tools:
+        out["tools"] = [{"type": "function", "function": {"name": t.get("name"), "description": t.get("description", ""),
+                                                          "parameters": t.get("input_schema") or {"type": "object"}}}
+                        for t in tools if isinstance(t, dict)]
+        choice = body.get("tool_choice") or {"type": "auto"}
+        kind = choice.get("type") if isinstance(choice, dict) else None
+        mapped = {"auto": "auto", "any": "required", "none": "none"}.get(kind)
+        if kind == "tool":
+            mapped = {"type": "function", "function": {"name": choice.get("name")}}
+        if mapped is None:
+            raise invalid("tool_choice type must be auto, any, tool or none.", "tool_choice")
+        out["tool_choice"] = mapped
+        if isinstance(choice, dict) and choice.get("disable_parallel_tool_use"):
+            out["parallel_tool_calls"] = False
+    return out
+
+
+def _stop_reason(end: Finished, has_calls: bool) -> tuple[str, Any]:
+    if has_calls:
+        return "tool_use", None
+    if end.stop_string is not None:
+        return "stop_sequence", end.stop_string
+    return ("max_tokens", None) if end.finish_reason == "length" else ("end_turn", None)
+
+
+def register(router: APIRouter, rt: Runtime, read_json: ReadJSON) -> None:
+    from moestream.server.chat_api import start_chat
+
+    @router.post("/messages")
+    async def messages(request: Request) -> Response:
+        try:
+            req = parse_request(ChatCompletionRequest, to_chat(await read_json(request)))
+            sub = await start_chat(rt, request, req)
+            if req.stream:
+                return JobStream(sub.job, _stream(sub))
+            end = await wait_whole(request, sub, "messages")
+        except APIError as exc:
+            return _anthropic_error(exc)
+        if end is None:
+            return Response(status_code=499)
+        text = sub.sink.text(0)
+        content, calls = parse_tool_calls(text) if sub.extra["parse_tools"] else (text, [])
+        blocks: list[dict] = [{"type": "text", "text": content}] if content or not calls else []
+        blocks += [{"type": "tool_use", "id": c.id, "name": c.name, "input": json.loads(c.arguments)} for c in calls]
+        reason, sequence = _stop_reason(end, bool(calls))
+        return JSONResponse({"id": "msg_" + sub.meta["id"].split("-", 1)[1], "type": "message", "role": "assistant",
+                             "model": sub.meta["model"], "content": blocks, "stop_reason": reason,
+                             "stop_sequence": sequence,
+                             "usage": {"input_tokens": end.prompt_tokens, "output_tokens": end.completion_tokens}})
+
+
+async def _stream(sub: Submitted) -> AsyncIterator[str]:
+    parser = ToolCallParser() if sub.extra["parse_tools"] else None
+    block = -1
+    open_text = False
+    calls = 0
+
+    def text_piece(text: str) -> list[str]:
+        nonlocal block, open_text
+        out = []
+        if not open_text:
+            block += 1
+            open_text = True
+            out.append(named_sse("content_block_start", {"type": "content_block_start", "index": block,
+                                                          "content_block": {"type": "text", "text": ""}}))
+        out.append(named_sse("content_block_delta", {"type": "content_block_delta", "index": block,
+                                                      "delta": {"type": "text_delta", "text": text}}))
+        return out
+
+    def close_text() -> list[str]:
+        nonlocal open_text
+        if not open_text:
+            return []
+        open_text = False
+        return [named_sse("content_block_stop", {"type": "content_block_stop", "index": block})]
+
+    def pieces(parts: list) -> list[str]:
+        nonlocal block, calls
+        out: list[str] = []
+        for part in parts:
+            if isinstance(part, str):
+                out += text_piece(part) if part else []
+                continue
+            out += close_text()
+            block += 1
+            calls += 1
+            out.append(named_sse("content_block_start", {"type": "content_block_start", "index": block, "content_block": {
+                "type": "tool_use", "id": part.id, "name": part.name, "input": {}}}))
+            out.append(named_sse("content_block_delta", {"type": "content_block_delta", "index": block, "delta": {
+                "type": "input_json_delta", "partial_json": part.arguments}}))
+            out.append(named_sse("content_block_stop", {"type": "content_block_stop", "index": block}))
+        return out
+
+    prompt_tokens = len(sub.job.choices[0].prompt_ids)
+    async for event in events(sub):
+        if isinstance(event, Started):
+            yield named_sse("message_start", {"type": "message_start", "message": {
+                "id": "msg_" + sub.meta["id"].split("-", 1)[1], "type": "message", "role": "assistant",
+                "model": sub.meta["model"], "content": [], "stop_reason": None, "stop_sequence": None,
+                "usage": {"input_tokens": prompt_tokens, "output_tokens": 0}}})
+        elif isinstance(event, TextDelta):
+            for text in pieces(parser.feed(event.text) if parser else [event.text]):
+                yield text
+        elif isinstance(event, Finished):
+            for text in pieces(parser.finish() if parser else []) + close_text():
+                yield text
+            reason, sequence = _stop_reason(event, calls > 0)
+            yield named_sse("message_delta", {"type": "message_delta",
+                                              "delta": {"stop_reason": reason, "stop_sequence": sequence},
+                                              "usage": {"output_tokens": event.completion_tokens}})
+            yield named_sse("message_stop", {"type": "message_stop"})
+        elif isinstance(event, Failed):
+            yield named_sse("error", {"type": "error", "error": {"type": "api_error", "message": event.message}})
