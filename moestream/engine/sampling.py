@@ -19,11 +19,17 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def gumbel_noise(seed: int, position: int, vocab_size: int, device: torch.device) -> torch.Tensor:
-    """Standard Gumbel noise [V] in float64 for one (seed, position)."""
+def gumbel_noise(seed: int | torch.Tensor, position: int, vocab_size: int, device: torch.device) -> torch.Tensor:
+    """Standard Gumbel noise [V] in float64 for one (seed, position); for int64 seeds [N], the
+    noise of each seed at once, [N, V] (row i equals the noise of seed i alone)."""
     tokens = torch.arange(vocab_size, dtype=torch.int64, device=device)
-    key = _mix32(torch.tensor([seed & MASK32], dtype=torch.int64, device=device) ^ _mix32(
-        torch.tensor([(seed >> 32) & MASK32], dtype=torch.int64, device=device) + position))
+    if isinstance(seed, torch.Tensor):
+        seed = seed.to(device=device, dtype=torch.int64).reshape(-1, 1)  # [N, 1]: broadcasts over tokens
+        low, high = seed & MASK32, (seed >> 32) & MASK32
+    else:
+        low = torch.tensor([seed & MASK32], dtype=torch.int64, device=device)
+        high = torch.tensor([(seed >> 32) & MASK32], dtype=torch.int64, device=device)
+    key = _mix32(low ^ _mix32(high + position))
     bits = _mix32(_mix32(tokens * 0x9E3779B + key) ^ key)
     u = (bits.to(torch.float64) + 0.5) / 4294967296.0  # in (0, 1)
     return -torch.log(-torch.log(u))
