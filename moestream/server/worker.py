@@ -164,7 +164,8 @@ class Worker:
         return self.state == "ready"
 
     def shutdown(self, timeout: float = 5.0) -> bool:
-        """Cancel every waiting and running job and stop the thread. True if it ended in time."""
+        """Cancel every waiting and running job and stop the thread, which then closes the engine.
+        True if it ended in time."""
         with self._cond:
             self._stopping = True
             waiting = list(self._waiting)
@@ -268,6 +269,18 @@ class Worker:
                 self._avg_job_s = 0.8 * self._avg_job_s + 0.2 * (time.monotonic() - started)
                 self._refresh_stats()
         self.state = "stopped"
+        self._close_engine()
+
+    def _close_engine(self) -> None:
+        """Close the engine on the thread that owns it, once nothing runs: its reader threads end."""
+        close = getattr(self.engine, "close", None)
+        if close is None:
+            return
+        try:
+            close()
+        except Exception as exc:  # the server is stopping anyway; say why the engine did not close cleanly
+            log.warning("closing the engine failed: %s", exc)
+        log.info("engine closed")
 
     def _refresh_stats(self) -> None:
         try:
