@@ -71,7 +71,7 @@ def test_first_token_frequencies_match_the_filtered_softmax(engine, params, shar
     # random weights give nearly flat logits; a sharpened copy also tests a peaked distribution
     row = logits[-1] * sharpen
     probs = filtered_distribution(row, params)
-    n = 20000
+    n = 8000
     drawn = draws_for_seeds(row, params, len(prompt), torch.arange(n))
     # the batched draws are choose_token's own, seed by seed (checked on a spread of seeds)
     for seed in range(0, n, n // 200):
