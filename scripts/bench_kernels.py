@@ -26,14 +26,39 @@ HIDDEN, INTER, EXPERTS, TOP_K = 2048, 768, 128, 8
 DEVICE = "cuda"
 
 
+def record_layout(bits: int):
+    """The packed record layout (fields, record size) and quantization of one expert at `bits`."""
+    from moestream.format.records import plan_record
+    from moestream.quant.affine import QuantSpec
+
+    shapes = {"gate_proj": (INTER, HIDDEN), "up_proj": (INTER, HIDDEN), "down_proj": (HIDDEN, INTER)}
+    tensors = {}
+    for proj, (out_f, in_f) in shapes.items():
+        tensors[f"{proj}.weight"] = torch.empty((out_f, in_f * bits // 32), dtype=torch.uint32)
+        tensors[f"{proj}.scales"] = torch.empty((out_f, in_f // 64), dtype=torch.bfloat16)
+        tensors[f"{proj}.biases"] = torch.empty((out_f, in_f // 64), dtype=torch.bfloat16)
+    return (*plan_record(tensors), {proj: QuantSpec(bits, 64) for proj in shapes})
+
+
+def reference_moe(x, pool, fields, quant, ids, weights, slot_of, *, dtype=None):
+    """The per-expert torch path: decode each chosen expert's record, dequantize, SwiGLU, weight,
+    index_add (dtype: compute dtype, default x's)."""
+    from moestream.format.records import decode_record
+    from moestream.kernels.reference import expert_ffn
+
+    dtype = dtype or x.dtype
+    out = torch.zeros(x.shape, dtype=dtype, device=x.device)
+    for e in torch.unique(ids).tolist():
+        tok, k = torch.where(ids == e)
+        y = expert_ffn(x[tok].to(dtype), decode_record(fields, pool[slot_of[e]]), quant)
+        out.index_add_(0, tok, y * weights[tok, k, None].to(dtype))
+    return out
+
+
 def build_pool(bits: int, slots: int, device: str):
     """Random records for EXPERTS experts in the packed layout, made on the device (fast at this size).
     Codes are random bytes; scales/biases are drawn so the expert outputs have unit scale."""
-    from moestream.format.records import plan_record
-    from moestream.kernels.dispatch import random_expert
-
-    first, quant = random_expert(HIDDEN, INTER, bits=bits)
-    fields, record_size = plan_record(first)
+    fields, record_size, quant = record_layout(bits)
     gen = torch.Generator(device=device).manual_seed(0)
     pool = torch.randint(0, 256, (slots, record_size), dtype=torch.uint8, device=device, generator=gen)
     levels = (1 << bits) - 1
@@ -79,7 +104,6 @@ def bench(fn, ms: int = 200) -> float:
 
 def one_case(pool_set, bits: int, tokens: int, config, *, reference_ms: bool, check: bool) -> dict:
     from moestream.kernels import triton_moe as tm
-    from moestream.kernels.dispatch import reference_moe
     from moestream.kernels.reference import projection
 
     pool, fields, quant, slot_of = pool_set

@@ -25,6 +25,22 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def one_torch_thread():
+    """The tests' models are tiny: torch's intra-op threads only add barrier waits, which on a
+    shared 2-core CI machine stall each op for many times its work. (Tests of --threads restore
+    the count they change; subprocesses keep torch's default.)"""
+    try:
+        import torch
+    except ImportError:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory):
     """tiny_checkpoint(family, **overrides) -> HF folder (cached per arguments for the session)."""

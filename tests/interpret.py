@@ -18,9 +18,16 @@ def run_file_interpreted(path: str) -> None:
     if INTERPRETED:
         pytest.skip("this process interprets: the tests below run here")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", path],
-                          env=env, capture_output=True, text=True, timeout=900)
+    try:  # below the suite's per-test timeout, so a stuck child is reported with its output
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", path],
+                              env=env, capture_output=True, text=True, timeout=200)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"the interpreted run of {path} took over {exc.timeout} s: {_text(exc.stdout)[-6000:]}")
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+
+
+def _text(output) -> str:
+    return output.decode(errors="replace") if isinstance(output, bytes) else (output or "")
 
 
 def interpreted_module(name: str):

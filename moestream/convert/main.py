@@ -36,8 +36,6 @@ log = logging.getLogger(__name__)
 QUANT_BITS = {"q4": 4, "q8": 8, "none": None}
 GROUP_SIZES = (32, 64, 128)
 FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
-# Testing aid: exit abruptly partway through the expert layer after this many finished ones.
-FAIL_ENV = "MOESTREAM_CONVERT_FAIL_AFTER_LAYER"
 __all__ = ["convert", "main", "expert_layer_of"]
 
 
@@ -167,8 +165,9 @@ class Conversion:
     """One run of `convert`: the checked source, the plan, and OUT with its resume state."""
 
     def __init__(self, source: CheckpointSource, out: Path, *, quant: str, group_size: int, progress: bool,
-                 workers: int = 1):
+                 workers: int = 1, kill_after_layers: int | None = None):
         self.source, self.out, self.quant, self.group_size = source, out, quant, group_size
+        self.kill_after_layers = kill_after_layers
         self.bits = QUANT_BITS[quant]
         self.progress = progress
         self.workers = max(1, workers)
@@ -239,14 +238,13 @@ class Conversion:
             else:
                 bar.update(sum(d.source_bytes for d in self.dense))
             entries, digests = [], {DENSE_NAME: FileDigest(dense_record["size"], dense_record["sha256"])}
-            fail_after = os.environ.get(FAIL_ENV)
             executor = ThreadPoolExecutor(self.workers, thread_name_prefix="convert") if self.workers > 1 else None
             try:
                 for done, layer in enumerate(sorted(self.layers)):
                     step = f"layer-{layer:03d}"
                     record = self.state.finished(step)
                     if record is None:
-                        abort_at = 1 if fail_after is not None and done == int(fail_after) else None
+                        abort_at = 1 if done == self.kill_after_layers else None
                         record = self._write_layer(layer, bar, abort_at, executor)
                     else:
                         bar.update(expert_bytes[layer])
@@ -356,11 +354,14 @@ class Conversion:
 
 
 def convert(src: str | Path, out: str | Path, *, quant: str = "q4", group_size: int = 64, force: bool = False,
-            resume: bool = False, revision: str | None = None, progress: bool = True, workers: int = 1) -> Path:
+            resume: bool = False, revision: str | None = None, progress: bool = True, workers: int = 1,
+            kill_after_layers: int | None = None) -> Path:
     """Pack the checkpoint at `src` (folder or Hub repo id) into `out`; returns `out`.
 
     `workers` > 1 builds expert records on that many threads (the output is the same bytes); each
-    worker's torch ops are best run single-threaded (the CLI sets that), else the pools compete."""
+    worker's torch ops are best run single-threaded (the CLI sets that), else the pools compete.
+    `kill_after_layers=N` ends the process abruptly (exit 75, nothing flushed) inside expert layer
+    N once N layers are finished: how resume is tested against a real kill."""
     if quant not in QUANT_BITS:
         raise MoestreamError(f"quantization {quant!r} is not supported (supported: {', '.join(QUANT_BITS)})")
     if group_size not in GROUP_SIZES:
@@ -370,7 +371,8 @@ def convert(src: str | Path, out: str | Path, *, quant: str = "q4", group_size: 
     out = Path(out)
     source = open_source(src, revision=revision)
     try:
-        job = Conversion(source, out, quant=quant, group_size=group_size, progress=progress, workers=workers)
+        job = Conversion(source, out, quant=quant, group_size=group_size, progress=progress, workers=workers,
+                         kill_after_layers=kill_after_layers)
         if source.mlx is not None and quant != "q4":
             log.info("the source is MLX-quantized: its quantization is kept as it is (--quant %s does not apply)", quant)
         log.info("converting %s (%s, %d MoE layers, %d resident tensors) into %s", src, source.family, len(job.layers),
@@ -397,6 +399,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=at_least(1), default=min(os.cpu_count() or 1, 8),
                    help="threads building expert records, each running torch single-threaded (default: CPUs, at most 8)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    # for tests of --resume: die abruptly inside expert layer N (not a user option, so not shown)
+    p.add_argument("--kill-after-layers", type=int, default=None, help=argparse.SUPPRESS)
     return p
 
 
@@ -407,7 +411,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(1)  # parallel over experts: per-op thread teams only add barrier waits
     try:
         out = convert(args.src, args.out, quant=args.quant, group_size=args.group_size, force=args.force,
-                      resume=args.resume, revision=args.revision, progress=not args.no_progress, workers=args.workers)
+                      resume=args.resume, revision=args.revision, progress=not args.no_progress, workers=args.workers,
+                      kill_after_layers=args.kill_after_layers)
     except MoestreamError as exc:
         print(f"moestream convert: error: {exc}", file=sys.stderr)
         return 1

@@ -271,6 +271,25 @@ class Engine:
 
         return Generation(steps(), finish)
 
+    def prompt_logprobs(self, prompt_ids: list[int], k: int, *, should_stop: Callable[[], bool] | None = None
+                        ) -> list[tuple[int, float | None, list[tuple[int, float]]]] | None:
+        """[(token id, its logprob given the tokens before it, the k most likely there)] for every
+        prompt token (what evaluation harnesses score); the first has no logprob (None) and no
+        alternatives. None if should_stop interrupted the prefill."""
+        logits, _ = self.prefill(list(prompt_ids), should_stop=should_stop, all_logits=True)
+        if logits is None:
+            return None
+        logp = torch.log_softmax(logits.float(), dim=-1)  # [T, V]: row i predicts token i + 1
+        out: list = [(int(prompt_ids[0]), None, [])]
+        if len(prompt_ids) > 1:
+            targets = torch.tensor(prompt_ids[1:], dtype=torch.long, device=logp.device)
+            chosen = logp[:-1].gather(1, targets[:, None])[:, 0].tolist()
+            tops = torch.topk(logp[:-1], min(k, logp.shape[-1])) if k else None
+            for i, token in enumerate(prompt_ids[1:]):
+                top = [] if tops is None else list(zip(tops.indices[i].tolist(), tops.values[i].tolist()))
+                out.append((int(token), float(chosen[i]), top))
+        return out
+
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

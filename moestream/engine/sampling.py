@@ -21,11 +21,17 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def gumbel_noise(seed: int, position: int, vocab_size: int, device: torch.device) -> torch.Tensor:
-    """Standard Gumbel noise [V] in float64 for one (seed, position)."""
+def gumbel_noise(seed: int | torch.Tensor, position: int, vocab_size: int, device: torch.device) -> torch.Tensor:
+    """Standard Gumbel noise [V] in float64 for one (seed, position); for int64 seeds [N], the
+    noise of each seed at once, [N, V] (row i equals the noise of seed i alone)."""
     tokens = torch.arange(vocab_size, dtype=torch.int64, device=device)
-    key = _mix32(torch.tensor([seed & MASK32], dtype=torch.int64, device=device) ^ _mix32(
-        torch.tensor([(seed >> 32) & MASK32], dtype=torch.int64, device=device) + position))
+    if isinstance(seed, torch.Tensor):
+        seed = seed.to(device=device, dtype=torch.int64).reshape(-1, 1)  # [N, 1]: broadcasts over tokens
+        low, high = seed & MASK32, (seed >> 32) & MASK32
+    else:
+        low = torch.tensor([seed & MASK32], dtype=torch.int64, device=device)
+        high = torch.tensor([(seed >> 32) & MASK32], dtype=torch.int64, device=device)
+    key = _mix32(low ^ _mix32(high + position))
     bits = _mix32(_mix32(tokens * 0x9E3779B + key) ^ key)
     u = (bits.to(torch.float64) + 0.5) / 4294967296.0  # in (0, 1)
     return -torch.log(-torch.log(u))
@@ -81,14 +87,19 @@ def apply_penalties(logits: torch.Tensor, generated: Sequence[int], params: Samp
 def adjusted_logits(logits: torch.Tensor, params: SamplingParams, *, position: int,
                     previous: torch.Tensor | None = None, generated: Sequence[int] | None = None) -> torch.Tensor:
     """The logits choose_token picks from: repetition penalty (over `previous`), frequency and
-    presence penalties (over `generated`), logit_bias, then the logits processor."""
+    presence penalties (over `generated`), logit_bias, then the allowed-token mask."""
     if previous is not None:
         logits = apply_repetition_penalty(logits, previous, params.repetition_penalty)
     if params.uses_generated and generated is None:
         generated = params.history.before(position) if params.history is not None else []
     logits = apply_penalties(logits, generated or (), params)
-    if params.logits_processor is not None:
-        logits = params.logits_processor(logits, list(generated or ()))
+    if params.allowed_tokens is not None:
+        allowed = params.allowed_tokens(list(generated or ()))
+        if allowed is not None:
+            mask = torch.zeros(logits.shape[-1], dtype=torch.bool)
+            n = min(len(allowed), logits.shape[-1])
+            mask[:n] = torch.from_numpy(allowed[:n].astype(bool))
+            logits = logits.masked_fill(~mask.to(logits.device), float("-inf"))
     return logits
 
 

@@ -1,7 +1,6 @@
 """Plain data the engine takes and gives: sampling settings, per-token events, the result of a run.
 
-These types cross to the server's worker thread, so they hold only Python values, never tensors
-(a logits processor is a callable the sampler calls; it may use tensors inside).
+These types cross to the server's worker thread, so they hold only Python values, never tensors.
 """
 from __future__ import annotations
 
@@ -9,14 +8,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
-# logits [V] (a tensor), tokens generated so far -> logits [V]; e.g. a grammar's mask (-inf where
-# a token is not allowed). Called after the penalties and the bias, before the sampling filters.
-LogitsProcessor = Callable[[Any, Sequence[int]], Any]
+# tokens generated so far -> which tokens may come next (a numpy bool array [V], or None: any); e.g. a
+# grammar. The sampler applies it after the penalties and the bias, before the sampling filters.
+AllowedTokens = Callable[[Sequence[int]], Any]
 
 
 class TokenHistory:
     """The tokens a sampler chose, by position, for the settings that depend on them (frequency
-    and presence penalties, logits processors) when the caller does not pass them. Re-choosing a
+    and presence penalties, allowed-token masks) when the caller does not pass them. Re-choosing a
     position (a rollback) forgets everything from there on."""
 
     def __init__(self) -> None:
@@ -54,7 +53,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
-    logits_processor: Optional[LogitsProcessor] = field(default=None, compare=False, repr=False)
+    allowed_tokens: Optional[AllowedTokens] = field(default=None, compare=False, repr=False)
     # where the generated tokens come from when the caller of choose_token does not pass them
     history: Optional[TokenHistory] = field(default=None, compare=False, repr=False)
 
@@ -65,7 +64,7 @@ class SamplingParams:
     @property
     def uses_generated(self) -> bool:
         """Whether choosing a token depends on the tokens generated before it."""
-        return bool(self.frequency_penalty or self.presence_penalty or self.logits_processor is not None)
+        return bool(self.frequency_penalty or self.presence_penalty or self.allowed_tokens is not None)
 
 
 @dataclass

@@ -36,13 +36,11 @@ from moestream.experts.buffers import PAGE_SIZE, aligned_buffer, is_page_aligned
 from moestream.format.manifest import ExpertLayer
 from moestream.format.reader import PackedModel
 
-__all__ = ["FAULT_ENV", "SOURCE_KINDS", "DirectSource", "MmapSource", "RecordSource", "open_source"]
+__all__ = ["SOURCE_KINDS", "DirectSource", "MmapSource", "RecordSource", "open_source"]
 
 log = logging.getLogger(__name__)
 
 SOURCE_KINDS = ("direct", "mmap")
-# For fault tests: the read after the first N reads of a source fails once with EIO.
-FAULT_ENV = "MOESTREAM_FAULT_READ_AFTER"
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _no_direct_warned = False
@@ -94,15 +92,10 @@ def open_source(kind: str, packed: PackedModel, *, io_threads: int = 32, check_r
 
 
 def _fault_setting(value: int | None) -> int | None:
-    if value is not None:
-        return int(value)
-    raw = os.environ.get(FAULT_ENV, "").strip()
-    if not raw:
-        return None
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(f"{FAULT_ENV} must be a whole number of reads, not {raw!r}") from None
+    """For fault tests: the read after the first `value` reads of a source fails once with EIO."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise ValueError(f"fault_read_after must be a whole number of reads, not {value!r}")
+    return value
 
 
 class _Truncated(Exception):
@@ -243,7 +236,7 @@ class _SourceBase:
             attempt = self._attempts
             self._attempts += 1
         if attempt == self._fault_after:
-            raise OSError(errno.EIO, f"{os.strerror(errno.EIO)} (injected by {FAULT_ENV}={self._fault_after})")
+            raise OSError(errno.EIO, f"{os.strerror(errno.EIO)} (injected after {self._fault_after} reads)")
 
     def _count(self, start: float, nbytes: int, *, failed: bool) -> None:
         elapsed = time.perf_counter() - start

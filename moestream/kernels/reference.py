@@ -4,9 +4,14 @@ The Triton kernels must agree with these; on CPU these are the kernels."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from moestream.layers.mlp import swiglu
 from moestream.quant.affine import QuantSpec, dequantize
+
+
+def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """down(silu(gate x) * up x); x [T, H], gate/up [I, H], down [H, I]."""
+    return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
 
 
 def projection(tensors: dict[str, torch.Tensor], proj: str, spec: QuantSpec, dtype: torch.dtype) -> torch.Tensor:

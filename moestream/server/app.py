@@ -8,16 +8,18 @@ events come back through a thread-safe sink. This module never imports torch.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import json
 import logging
 import time
 import uuid
-from typing import Any
+from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -137,12 +139,20 @@ async def _read_json(request: Request, max_bytes: int) -> Any:
 
 def create_app(worker: Worker, *, api_key: str | None = None, model_id: str | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, defaults: RequestDefaults | None = None,
-               max_context: int | None = None) -> FastAPI:
+               max_context: int | None = None, shutdown_timeout: float = 5.0) -> FastAPI:
     """The ASGI app around a started Worker. `model_id` defaults to the engine's model name;
-    `max_context` (prompt plus completion) is capped at the engine's."""
+    `max_context` (prompt plus completion) is capped at the engine's. When the ASGI server's
+    lifespan ends, the worker stops (within `shutdown_timeout` seconds) and closes the engine."""
     defaults = defaults or RequestDefaults()
     created = int(time.time())
-    app = FastAPI(title="moestream", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        if not await run_in_threadpool(worker.shutdown, shutdown_timeout):
+            log.warning("the engine did not stop within %.1f s", shutdown_timeout)
+
+    app = FastAPI(title="moestream", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.worker = worker
 
     def current_model_id() -> str:

@@ -25,7 +25,7 @@ ReadJSON = Callable[[Request], Awaitable[Any]]
 
 
 async def constraint(rt: Runtime, req: ChatCompletionRequest, tools: Optional[list[dict]]):
-    """A factory of fresh grammar processors for a forced tool call or a response_format, or None."""
+    """A factory of fresh grammar masks for a forced tool call or a response_format, or None."""
     from moestream.server import grammar as g
 
     try:
@@ -41,7 +41,7 @@ async def constraint(rt: Runtime, req: ChatCompletionRequest, tools: Optional[li
     except g.GrammarError as exc:
         raise invalid(f"The response_format cannot be enforced: {exc}.", "response_format") from None
     matcher = await rt.grammar_matcher(text, param)
-    return lambda: g.GrammarProcessor(matcher.deep_copy())
+    return lambda: g.GrammarMask(matcher.deep_copy())
 
 
 async def start_chat(rt: Runtime, request: Request, req: ChatCompletionRequest) -> Submitted:

@@ -205,14 +205,14 @@ class Runtime:
 def make_choices(prompts: list[list[int]], n: int, max_new: list[int], base: list[SamplingParams], *,
                  echo: bool = False, processor: Optional[Callable[[], Any]] = None) -> list[Choice]:
     """n choices per prompt, in order (prompt 0's n, then prompt 1's ...), each with its own seed
-    and, when constrained, its own logits processor (they keep state)."""
+    and, when constrained, its own allowed-token mask (they keep state)."""
     out = []
     for p, ids in enumerate(prompts):
         for i in range(n):
             extra: dict[str, Any] = {"seed": choice_seed(base[p].seed, i)}
             proc = processor() if processor is not None else None
             if proc is not None:
-                extra["logits_processor"] = proc
+                extra["allowed_tokens"] = proc
             if proc is not None or base[p].frequency_penalty or base[p].presence_penalty:
                 extra["history"] = TokenHistory()
             sampling = SamplingParams(**{**base[p].__dict__, **extra})

@@ -1,7 +1,7 @@
 """Constrained decoding with llguidance: JSON mode, JSON schemas and forced tool calls.
 
 A grammar is compiled per request (on the HTTP side, so a bad schema is a 400 before anything is
-queued); the worker's sampler calls a GrammarProcessor with the logits and the tokens generated so
+queued); the worker's sampler calls a GrammarMask with the tokens generated so
 far, and it sets every token the grammar does not allow next to -inf. When the grammar is complete
 only the end-of-sequence token is allowed, so the engine stops there.
 """
@@ -102,19 +102,18 @@ class _BytesVocab:
         return list(self._tokenizer.encode(text.decode("utf-8", errors="replace"), add_special_tokens=False))
 
 
-class GrammarProcessor:
-    """The logits processor: logits [V], generated tokens -> logits with disallowed tokens at -inf.
-    It follows the generated tokens itself (consuming new ones, rolling back on a shorter list), so
-    it needs no other channel than what the sampler passes."""
+class GrammarMask:
+    """The allowed-token mask: generated tokens -> a numpy bool array [V] of the tokens the grammar
+    allows next. It follows the generated tokens itself (consuming new ones, rolling back on a
+    shorter list), so it needs no other channel than what the sampler passes."""
 
     def __init__(self, matcher: "llguidance.LLMatcher") -> None:
         self._matcher = matcher
         self._consumed = 0
         self._lock = threading.Lock()
 
-    def __call__(self, logits: Any, generated: Sequence[int]) -> Any:
+    def __call__(self, generated: Sequence[int]) -> Any:
         import numpy as np
-        import torch
 
         with self._lock:
             if len(generated) < self._consumed:
@@ -125,9 +124,4 @@ class GrammarProcessor:
                 raise RuntimeError(f"the grammar refused a generated token: {self._matcher.get_error()}")
             self._consumed = len(generated)
             bits = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8)
-        allowed = np.unpackbits(bits, bitorder="little")
-        vocab = logits.shape[-1]
-        if allowed.size < vocab:
-            allowed = np.concatenate([allowed, np.zeros(vocab - allowed.size, dtype=np.uint8)])
-        mask = torch.from_numpy(allowed[:vocab].astype(bool)).to(logits.device)
-        return logits.masked_fill(~mask, float("-inf"))
+        return np.unpackbits(bits, bitorder="little").astype(bool)  # tokens past its length: not allowed

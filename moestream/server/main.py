@@ -2,7 +2,8 @@
 
 The listening socket is bound first, so /health answers (503) while the engine loads on the
 worker thread. SIGTERM or Ctrl+C stops accepting connections, lets running requests finish for
-up to --shutdown-grace seconds, cancels what is left, and exits 0.
+up to --shutdown-grace seconds, cancels what is left, closes the engine (its reader threads end),
+and exits 0.
 """
 from __future__ import annotations
 
@@ -127,8 +128,9 @@ def serve(load_engine: Callable[[], Any], *, host: str = "127.0.0.1", port: int 
     bound_host, bound_port = sock.getsockname()[:2]
     worker = Worker(load_engine, max_queue=max_queue)
     app = create_app(worker, api_key=api_key, model_id=model_id, max_body_bytes=max_body_bytes,
-                     defaults=defaults, max_context=max_context)
-    config = uvicorn.Config(app, host=bound_host, port=bound_port, log_level=log_level, lifespan="off",
+                     defaults=defaults, max_context=max_context, shutdown_timeout=max(1.0, shutdown_grace))
+    # the lifespan's end stops the worker, which closes the engine (its reader threads end)
+    config = uvicorn.Config(app, host=bound_host, port=bound_port, log_level=log_level, lifespan="on",
                             timeout_graceful_shutdown=shutdown_grace, log_config=None)
     server = _Server(config, on_exit=lambda: _cancel_later(worker, shutdown_grace))
     # a model that cannot load makes a server that can never answer: stop, and exit non-zero
@@ -146,7 +148,7 @@ def serve(load_engine: Callable[[], Any], *, host: str = "127.0.0.1", port: int 
             restore[sig] = signal.signal(sig, _absorb_signal)
     try:
         server.run(sockets=[sock])
-    finally:
+    finally:  # also where uvicorn stopped before its lifespan ended
         if not worker.shutdown(timeout=max(1.0, shutdown_grace)):
             log.warning("the engine did not stop in time; exiting anyway")
         sock.close()

@@ -202,7 +202,8 @@ class Worker:
         return self.state == "ready"
 
     def shutdown(self, timeout: float = 5.0) -> bool:
-        """Cancel every waiting and running job and stop the thread. True if it ended in time."""
+        """Cancel every waiting and running job and stop the thread, which then closes the engine.
+        True if it ended in time."""
         with self._cond:
             self._stopping = True
             waiting = list(self._waiting)
@@ -306,6 +307,18 @@ class Worker:
                 self._avg_job_s = 0.8 * self._avg_job_s + 0.2 * (time.monotonic() - started)
                 self._refresh_stats()
         self.state = "stopped"
+        self._close_engine()
+
+    def _close_engine(self) -> None:
+        """Close the engine on the thread that owns it, once nothing runs: its reader threads end."""
+        close = getattr(self.engine, "close", None)
+        if close is None:
+            return
+        try:
+            close()
+        except Exception as exc:  # the server is stopping anyway; say why the engine did not close cleanly
+            log.warning("closing the engine failed: %s", exc)
+        log.info("engine closed")
 
     def _refresh_stats(self) -> None:
         try:
@@ -335,9 +348,7 @@ class Worker:
         engine, tokenizer = self.engine, self.tokenizer
         prompt_tokens = len(choice.prompt_ids)
         if choice.echo:
-            from moestream.server.scoring import prompt_logprobs  # torch, on this thread only
-            k = job.logprobs or 0
-            scored = prompt_logprobs(engine, choice.prompt_ids, k, should_stop=job.cancelled.is_set)
+            scored = engine.prompt_logprobs(choice.prompt_ids, job.logprobs or 0, should_stop=job.cancelled.is_set)
             if scored is None:
                 return False
             infos = [TokenLogprobInfo(tokenizer.decode([tid]), lp, [(tokenizer.decode([t]), v) for t, v in top])

@@ -7,8 +7,8 @@ import torch
 pytestmark = pytest.mark.gpu
 pytest.importorskip("triton")
 
+from kernel_helpers import build_pool, reference_moe  # noqa: E402
 from moestream.kernels import triton_moe as tm  # noqa: E402
-from moestream.kernels.dispatch import build_pool, reference_moe  # noqa: E402
 from moestream.layers.moe import MoEBlock  # noqa: E402
 
 DEV = "cuda"

@@ -18,15 +18,6 @@ GREEDY = [283, 421, 2429, 4478, 1109, 359, 340, 1071, 1297, 270, 409, 327, 16, 3
 pytestmark = pytest.mark.skipif(not (DEMO_MODEL / "moestream.json").is_file(), reason="the demo model is not in the tree")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # two-core CI machines: intra-op threads only add contention for a model this small
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """transformers' greedy tokens and their log-probabilities on the packed model's dequantized

@@ -2,10 +2,24 @@
 import json
 import subprocess
 import sys
+from types import SimpleNamespace
+
+from moestream.cli import main
 
 
 def run(*args):
     return subprocess.run([sys.executable, "-m", "moestream", "generate", *args], capture_output=True, text=True)
+
+
+def run_here(capfd, *args):
+    """The same command in this process (no interpreter and torch start-up per error case); an
+    exception escaping main fails the test, as a traceback would."""
+    try:
+        code = main(["generate", *args])
+    except SystemExit as exc:  # argparse's usage errors
+        code = exc.code
+    out, err = capfd.readouterr()
+    return SimpleNamespace(returncode=code, stdout=out, stderr=err)
 
 
 def test_json_output_and_receipt(tiny_packed_model, tmp_path):
@@ -40,24 +54,24 @@ def one_line_error(out, needle):
     assert len(lines) == 1 and needle in lines[0], out.stderr
 
 
-def test_prompt_longer_than_context(tiny_packed_model):
-    out = run("--model", str(tiny_packed_model("qwen3_moe", "none")), "--prompt", "x " * 50, "--max-context", "16")
+def test_prompt_longer_than_context(tiny_packed_model, capfd):
+    out = run_here(capfd, "--model", str(tiny_packed_model("qwen3_moe", "none")), "--prompt", "x " * 50, "--max-context", "16")
     one_line_error(out, "context")
 
 
-def test_bad_prompt_ids(tiny_packed_model):
+def test_bad_prompt_ids(tiny_packed_model, capfd):
     model = str(tiny_packed_model("qwen3_moe", "none"))
-    one_line_error(run("--model", model, "--prompt-ids", "1,two,3"), "--prompt-ids")
-    one_line_error(run("--model", model, "--prompt-ids", "1,99999"), "vocabulary")
+    one_line_error(run_here(capfd, "--model", model, "--prompt-ids", "1,two,3"), "--prompt-ids")
+    one_line_error(run_here(capfd, "--model", model, "--prompt-ids", "1,99999"), "vocabulary")
 
 
-def test_model_directory_that_fails_its_manifest(tiny_packed_model, tmp_path):
+def test_model_directory_that_fails_its_manifest(tiny_packed_model, tmp_path, capfd):
     import shutil
     bad = tmp_path / "bad"
     shutil.copytree(tiny_packed_model("qwen3_moe", "none"), bad)
     experts = sorted(bad.glob("experts-*.bin"))[0]
     experts.write_bytes(experts.read_bytes()[:-4096])
-    one_line_error(run("--model", str(bad)), "experts-")
+    one_line_error(run_here(capfd, "--model", str(bad)), "experts-")
     (bad / "moestream.json").write_text("{not json")
-    one_line_error(run("--model", str(bad)), "manifest")
-    one_line_error(run("--model", str(tmp_path / "nowhere")), "no such directory")
+    one_line_error(run_here(capfd, "--model", str(bad)), "manifest")
+    one_line_error(run_here(capfd, "--model", str(tmp_path / "nowhere")), "no such directory")

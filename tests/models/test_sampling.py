@@ -4,7 +4,7 @@ import torch
 
 from moestream.engine.engine import Engine
 from moestream.engine.options import EngineOptions
-from moestream.engine.sampling import choose_token, filtered_distribution
+from moestream.engine.sampling import allowed_mask, choose_token, filtered_distribution, gumbel_noise
 from moestream.engine.types import SamplingParams
 
 
@@ -42,21 +42,42 @@ def chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), stat / 2))
 
 
+def draws_for_seeds(row: torch.Tensor, params: SamplingParams, position: int, seeds: torch.Tensor) -> torch.Tensor:
+    """choose_token's draw for every seed in one tensor op: Gumbel-max over the allowed tokens
+    with each seed's noise row [N, V]."""
+    scaled = row.to(torch.float64) / params.temperature
+    noisy = scaled + gumbel_noise(seeds, position, row.numel(), row.device)
+    return torch.argmax(torch.where(allowed_mask(scaled, params), noisy, -torch.inf), dim=-1)
+
+
+def test_noise_for_many_seeds_is_each_seeds_noise():
+    seeds = torch.tensor([0, 1, 7, 2**31 + 5, 2**40 + 3, -2], dtype=torch.int64)
+    many = gumbel_noise(seeds, 11, 300, torch.device("cpu"))
+    assert many.shape == (6, 300)
+    for i, seed in enumerate(seeds.tolist()):
+        assert torch.equal(many[i], gumbel_noise(seed, 11, 300, torch.device("cpu")))
+
+
 @pytest.mark.parametrize("params", [
     SamplingParams(temperature=1.0),
     SamplingParams(temperature=0.7, top_k=5),
     SamplingParams(temperature=1.3, top_p=0.8),
     SamplingParams(temperature=1.0, min_p=0.05),
 ])
-def test_first_token_frequencies_match_the_filtered_softmax(engine, params):
+@pytest.mark.parametrize("sharpen", [1.0, 12.0], ids=["model", "sharpened"])
+def test_first_token_frequencies_match_the_filtered_softmax(engine, params, sharpen):
     prompt = engine.tokenizer.encode("def ")
     logits, _ = engine.prefill(prompt)
-    row = logits[-1]
+    # random weights give nearly flat logits; a sharpened copy also tests a peaked distribution
+    row = logits[-1] * sharpen
     probs = filtered_distribution(row, params)
-    n = 6000
-    counts = torch.zeros_like(probs)
-    for seed in range(n):
-        counts[choose_token(row, SamplingParams(**{**params.__dict__, "seed": seed}), position=len(prompt))] += 1
+    n = 8000
+    drawn = draws_for_seeds(row, params, len(prompt), torch.arange(n))
+    # the batched draws are choose_token's own, seed by seed (checked on a spread of seeds)
+    for seed in range(0, n, n // 200):
+        chosen = choose_token(row, SamplingParams(**{**params.__dict__, "seed": seed}), position=len(prompt))
+        assert chosen == int(drawn[seed]), seed
+    counts = torch.bincount(drawn, minlength=probs.numel()).to(probs.dtype)
     assert counts[probs == 0].sum() == 0  # filtered tokens are never drawn
     # merge rare tokens so the chi-square approximation holds
     big = probs * n >= 5

@@ -219,6 +219,9 @@ class FakeEngine:
         self.max_active = 0  # the most generations ever running at once (must stay 1)
         self._lock = threading.Lock()
         self.owner_thread: int | None = None  # the thread that called generate, checked by tests
+        self.closed_by: int | None = None  # the thread that called close (None: still open)
+        self.closed_while_active = False
+        self.on_close: Callable[[], None] | None = None
 
     @classmethod
     def load(cls, model_dir=None, *, options=None, load_delay: float = 0.0, **knobs) -> "FakeEngine":
@@ -247,6 +250,14 @@ class FakeEngine:
         with self._lock:
             self._active += 1 if on else -1
             self.max_active = max(self.max_active, self._active)
+
+    def close(self) -> None:
+        if self.closed_by is not None:
+            raise RuntimeError("the engine was closed twice")
+        self.closed_by = threading.get_ident()
+        self.closed_while_active = self.active
+        if self.on_close is not None:
+            self.on_close()
 
     def stats(self) -> dict:
         return {"requests": self.requests, "hit_rate": 0.75, "slots": 16, "kv_tokens": len(self._kv_tokens)}

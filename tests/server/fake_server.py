@@ -1,7 +1,7 @@
 """`moestream serve` around the fake engine, as a real process (for signal tests and the soak).
 
 Same flags as `moestream serve` without the engine's, plus the fake engine's knobs. Prints the
-URL it listens on as its first line of output.
+URL it listens on as its first line of output, and "engine closed" when the engine is closed.
 """
 from __future__ import annotations
 
@@ -30,8 +30,10 @@ def main(argv: list[str] | None = None) -> int:
     def load() -> FakeEngine:
         if args.fail_load:
             raise MoestreamError("the fake model was told not to load")
-        return FakeEngine(max_context=args.max_context or 4096, token_delay=args.token_delay,
-                          prefill_delay=args.prefill_delay, eos_every=args.eos_every)
+        engine = FakeEngine(max_context=args.max_context or 4096, token_delay=args.token_delay,
+                            prefill_delay=args.prefill_delay, eos_every=args.eos_every)
+        engine.on_close = lambda: print("engine closed", flush=True)
+        return engine
 
     return serve(load, host=args.host, port=args.port, api_key=api_key_from(args), model_id=args.model_id,
                  max_queue=args.max_queue, defaults=defaults_from_args(args), max_body_bytes=args.max_body_bytes,

@@ -108,6 +108,7 @@ def test_sigterm_lets_running_requests_finish_and_exits_0():
         httpx.get(url + "/health", timeout=2)
     reader.join(15)
     assert proc.wait(15) == 0
+    assert proc.stdout.read().splitlines() == ["engine closed"]  # once, after the last request
     assert out["status"] == 200 and out["events"][-1] == "[DONE]"
     finish = json.loads(out["events"][-2])
     assert finish["choices"][0]["finish_reason"] == "length" and finish["usage"]["completion_tokens"] == 30
@@ -127,6 +128,7 @@ def test_sigterm_cancels_work_past_the_grace_period():
     exited = time.monotonic() - signalled
     reader.join(5)
     assert exited < 4, exited
+    assert proc.stdout.read().splitlines() == ["engine closed"]
     # cancelled just before the grace period ended, with an error event rather than a cut connection
     assert out["events"][-1] == "[DONE]"
     assert json.loads(out["events"][-2])["error"]["code"] == "server_shutdown"

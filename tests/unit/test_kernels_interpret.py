@@ -13,7 +13,7 @@ pytest.importorskip("triton")
 
 from interpret import interpreted_module, run_file_interpreted  # noqa: E402
 
-from moestream.kernels.dispatch import build_pool, reference_moe  # noqa: E402
+from kernel_helpers import build_pool, reference_moe  # noqa: E402
 from moestream.quant.affine import QuantSpec  # noqa: E402
 
 H, I, E, A = 128, 64, 8, 2

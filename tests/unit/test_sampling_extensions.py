@@ -27,21 +27,22 @@ def test_history_records_choices_and_rolls_back():
     assert history.before(10) == [0, 2] and history.before(8) == [0]
 
 
-def test_logits_processor_sees_generated_tokens_and_masks():
+def test_allowed_tokens_sees_generated_tokens_and_masks():
+    import numpy as np
+
     seen = []
 
-    def only_even(logits, generated):
+    def only_even(generated):
         seen.append(list(generated))
-        mask = torch.arange(logits.numel()) % 2 == 0
-        return logits.masked_fill(~mask, float("-inf"))
+        return np.arange(4) % 2 == 0
 
-    params = SamplingParams(temperature=1.0, seed=3, logits_processor=only_even, history=TokenHistory())
+    params = SamplingParams(temperature=1.0, seed=3, allowed_tokens=only_even, history=TokenHistory())
     logits = torch.tensor([0.0, 5.0, 0.1, 5.0])
     tokens = [choose_token(logits, params, position=p) for p in range(4)]
     assert all(t % 2 == 0 for t in tokens)
     assert seen == [tokens[:i] for i in range(4)]
     # an explicit generated list wins over the history
-    choose_token(logits, SamplingParams(logits_processor=only_even), position=0, generated=[9, 9])
+    choose_token(logits, SamplingParams(allowed_tokens=only_even), position=0, generated=[9, 9])
     assert seen[-1] == [9, 9]
 
 

@@ -13,7 +13,7 @@ import torch
 from moestream.errors import ExpertReadError, FormatError
 from moestream.experts import sources
 from moestream.experts.buffers import PAGE_SIZE, aligned_buffer, is_page_aligned, pin_if_cuda
-from moestream.experts.sources import FAULT_ENV, RecordSource, open_source
+from moestream.experts.sources import RecordSource, open_source
 from moestream.format.reader import PackedModel
 
 KINDS = ("direct", "mmap")
@@ -31,11 +31,6 @@ def copy_dir(model_dir, tmp_path) -> Path:
     out = tmp_path / "model"
     shutil.copytree(model_dir, out)
     return out
-
-
-@pytest.fixture(autouse=True)
-def _no_fault_env(monkeypatch):
-    monkeypatch.delenv(FAULT_ENV, raising=False)
 
 
 def all_records(packed: PackedModel) -> list[tuple[int, int]]:
@@ -329,12 +324,10 @@ def test_check_records_needs_checksums_in_the_manifest(model_dir):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_injected_read_fault_is_an_expert_read_error_and_the_next_read_works(model_dir, kind, monkeypatch):
-    monkeypatch.setenv(FAULT_ENV, "2")
+def test_injected_read_fault_is_an_expert_read_error_and_the_next_read_works(model_dir, kind):
     packed = PackedModel(model_dir)
     keys = all_records(packed)[:4]
-    with open_source(kind, packed, io_threads=2) as source:
-        monkeypatch.delenv(FAULT_ENV)  # read once, at open
+    with open_source(kind, packed, io_threads=2, fault_read_after=2) as source:
         assert read_one(source, packed, *keys[0]) == packed.read_record(*keys[0])
         assert read_one(source, packed, *keys[1]) == packed.read_record(*keys[1])
         layer, expert = keys[2]
@@ -349,16 +342,16 @@ def test_injected_read_fault_is_an_expert_read_error_and_the_next_read_works(mod
         assert source.stats()["errors"] == 1 and source.stats()["reads"] == 4
 
 
-def test_fault_hook_through_the_constructor_and_a_bad_setting(model_dir, monkeypatch):
+def test_fault_hook_through_the_constructor_and_a_bad_setting(model_dir):
     packed = PackedModel(model_dir)
     layer = packed.manifest.expert_layers[0].layer
     with open_source("direct", packed, io_threads=2, fault_read_after=0) as source:
         with pytest.raises(ExpertReadError, match="Input/output error"):
             source.read(layer, 0, aligned_buffer(record_size(packed, layer)))
         read_one(source, packed, layer, 0)
-    monkeypatch.setenv(FAULT_ENV, "soon")
-    with pytest.raises(ValueError, match=FAULT_ENV):
-        open_source("mmap", packed)
+    for bad in (-1, "2", 1.5):
+        with pytest.raises(ValueError, match="fault_read_after must be a whole number of reads"):
+            open_source("mmap", packed, fault_read_after=bad)
 
 
 @pytest.mark.parametrize("kind", KINDS)
