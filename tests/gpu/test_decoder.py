@@ -1,0 +1,96 @@
+"""The generic decoder on CUDA for every family: the Triton expert kernels and fused attention
+kernels (not a fallback), greedy tokens equal to the torch reference, bf16 log-probabilities within
+tolerance, the same bits for every cache size, and step(T tokens) = T one-token steps bit for bit."""
+import pytest
+import torch
+
+from moestream.engine.engine import Engine
+from moestream.engine.options import EngineOptions
+
+pytestmark = pytest.mark.gpu
+FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"]
+PROMPT = "def fibonacci(n):\n    if n < 2:"
+STEPS = 32
+# bf16 against the float32 reference, teacher-forced on the reference's tokens: the largest
+# log-probability difference of the chosen token (the README states the same figure)
+BF16_LOGPROB_TOLERANCE = 0.15
+
+
+def load(packed, **opts):
+    return Engine.load(packed, options=EngineOptions(**{"device": "cuda", "max_context": 256, **opts}))
+
+
+def greedy_with_logprobs(engine, prompt, steps):
+    events = list(engine.generate(prompt, max_new_tokens=steps, logprobs=1, stop_at_eos=False))
+    return [e.token_id for e in events], [e.logprob for e in events]
+
+
+def forced_logprobs(engine, prompt, tokens):
+    """Log-probability of each of `tokens` fed one step at a time after the prompt."""
+    logits, _ = engine.prefill(prompt)
+    out = []
+    for t in tokens:
+        out.append(float(torch.log_softmax(logits[-1].float(), -1)[t]))
+        logits = engine.step([t])
+    return out
+
+
+def takes_the_fast_path(engine):
+    layers = engine.args.moe_layers()
+    return layers and all(engine.experts.uses_triton(i, engine.dtype) for i in layers)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_decodes_through_the_decoder_like_the_reference(family, tiny_packed_model):
+    packed = tiny_packed_model(family, "q4", dtype="bfloat16")  # bf16 scales, 4-bit: the Triton layout
+    cpu = Engine.load(packed, options=EngineOptions(device="cpu", threads=1))
+    prompt = cpu.tokenizer.encode(PROMPT)
+    ref_tokens, ref_lp = greedy_with_logprobs(cpu, prompt, STEPS)
+    cpu.close()
+
+    fp32 = load(packed, dtype="float32", cache_size="all")
+    assert takes_the_fast_path(fp32), "the Triton expert kernels were not taken"
+    assert fp32.decoder.use_graphs and fp32.decoder.resident
+    tokens, lp = greedy_with_logprobs(fp32, prompt, STEPS)
+    assert ("step", 1) in fp32.decoder.graphs  # the whole step ran as one captured graph
+    fp32.close()
+    assert tokens == ref_tokens
+    assert max(abs(a - b) for a, b in zip(lp, ref_lp)) < 1e-3
+
+    bf16 = load(packed, dtype="bfloat16", cache_size="50%")
+    assert takes_the_fast_path(bf16)
+    forced = forced_logprobs(bf16, prompt, ref_tokens)
+    assert not bf16.decoder.resident and any(k[0] == "experts" for k in bf16.decoder.graphs)
+    bf16.close()
+    assert max(abs(a - b) for a, b in zip(forced, ref_lp)) < BF16_LOGPROB_TOLERANCE
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_same_bits_for_every_cache_size_and_graphs_on_or_off(family, tiny_packed_model):
+    packed = tiny_packed_model(family, "q4", dtype="bfloat16")
+    runs = {}
+    for size, graphs, host in (("min", True, "0"), ("25%", True, "all"), ("all", True, "0"), ("all", False, "0"),
+                               ("50%", False, "all")):
+        engine = load(packed, dtype="bfloat16", cache_size=size, cuda_graphs=graphs, host_cache_size=host)
+        prompt = engine.tokenizer.encode(PROMPT)
+        runs[(size, graphs, host)] = greedy_with_logprobs(engine, prompt, STEPS)
+        engine.close()
+    first = next(iter(runs.values()))
+    for key, value in runs.items():
+        assert value == first, key
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("size", ["all", "25%"])
+def test_step_of_t_tokens_equals_t_single_steps_on_cuda(family, size, tiny_packed_model):
+    engine = load(tiny_packed_model(family, "q4", dtype="bfloat16"), dtype="bfloat16", cache_size=size)
+    prompt = engine.tokenizer.encode(PROMPT)
+    draft = [5, 17, 300, 42, 9, 250, 77, 3]
+    engine.prefill(prompt)
+    for T in (len(draft), 3, 1):  # each T its own graphs; repeated to replay them
+        engine.rollback(len(prompt))
+        together = engine.step(draft[:T])
+        engine.rollback(len(prompt))
+        singles = torch.cat([engine.step([t]) for t in draft[:T]])
+        assert torch.equal(together, singles), T
+    engine.close()
