@@ -76,6 +76,9 @@ def measure(engine, *, prefill_sizes: list[int], decode_tokens: int, seed: int) 
                      "disk_gb_s_while_waiting": round(r["bytes_read_disk"] / r["read_wait_s"] / 1e9, 3) if r["read_wait_s"] > 0 else None,
                      "host_gb_s_while_waiting": round(host_gb_s, 3) if host_gb_s else None}
     out["experts"] = engine.expert_stats()
+    if engine.device.type == "cuda":  # what the run really held, beside the ledger's plan
+        out["device_memory"] = {"max_reserved": torch.cuda.max_memory_reserved(engine.device),
+                                "max_allocated": torch.cuda.max_memory_allocated(engine.device)}
     out["memory"] = engine.memory_ledger()
     return out
 
@@ -149,6 +152,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="first fill the host tier (every record it can hold), prefill 2048 tokens and each measured length, "
                         "decode 32: caches start warm and kernels are compiled")
     p.add_argument("--compare-transformers", action="store_true", help="also run the same weights through transformers (bf16, all on the device)")
+    p.add_argument("--routing", default="model", metavar="KIND",
+                   help="model (the router's choice, default), uniform, zipf:S[:L] or trace:FILE: replace the chosen "
+                        "experts after each router so streamed speed is measured at a known hit rate "
+                        "(random weights collapse onto a few experts); see moestream/bench/routing.py")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write the JSON results to this file")
     p.add_argument("--plot", default=None, help="write a PNG of decode tok/s and hit rate per cache size")
@@ -159,7 +166,10 @@ def build_parser() -> argparse.ArgumentParser:
 def run(args) -> dict:
     from moestream.engine.plan import load_engine, run_facts
 
+    from moestream.bench.routing import attach as attach_routing, parse_routing
+
     base = EngineOptions.from_args(args)
+    routing = parse_routing(args.routing)
     sizes = [x.strip() for x in args.cache_sizes.split(",") if x.strip()] if args.cache_sizes else [base.cache_size]
     prefill_sizes = parse_lengths(args.prefill_tokens)
     if args.compare_transformers and not prefill_sizes:
@@ -172,12 +182,13 @@ def run(args) -> dict:
         packed = PackedModel(args.model or DEMO_MODEL)
         for size in sizes:  # a bad size is named now, not after the sizes before it have run
             plan_run(packed, replace(base, cache_size=size))
-    results = {"machine": machine_info(), "model": str(args.model or "demo"), "runs": []}
+    results = {"machine": machine_info(), "model": str(args.model or "demo"), **routing.to_json(), "runs": []}
     for size in sizes:
         if args.cold and not drop_page_cache():
             log.warning("could not drop the page cache (not root?); reads may come from RAM")
         engine = load_engine(args.model, replace(base, cache_size=size))
         try:
+            attach_routing(engine, routing, seed=args.seed)
             if args.warmup:  # the host tier filled with every record it can hold, a long prefill, a short decode
                 engine.provider.fill_host_tier()
                 vocab = engine.args.vocab_size

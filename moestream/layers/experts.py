@@ -135,6 +135,8 @@ class RoutedExperts:
         # runs once a layer's experts are pinned (early reads for later layers start there)
         self.on_route: Callable[[int, torch.Tensor], None] | None = None
         self.after_fetch: Callable[[int, torch.Tensor], None] | None = None
+        # benchmarks only (moestream.bench.routing): (layer, weights, ids) -> replaced weights, ids
+        self.reroute: Callable | None = None
 
     # -- which kernels -------------------------------------------------------------------------
     def _layout(self, layer: int):

@@ -42,7 +42,10 @@ class MoEBlock:
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> routing weights [T, A], expert ids [T, A]."""
-        return self.route_fn(F.linear(x, self.router))
+        weights, ids = self.route_fn(F.linear(x, self.router))
+        if self.experts.reroute is not None:  # benchmarks only: routing at a known hit rate
+            weights, ids = self.experts.reroute(self.layer, weights, ids)
+        return weights, ids
 
     def shared_out(self, x: torch.Tensor) -> torch.Tensor | None:
         return self.shared(x) if self.shared is not None else None
