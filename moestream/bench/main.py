@@ -65,6 +65,11 @@ def measure(engine, *, prefill_sizes: list[int], decode_tokens: int, seed: int) 
         out["prefill"].append({"tokens": n, "s": round(dt, 4), "tok_s": round(n / dt, 2),
                                "hit_rate": _hit_rate(before, after)})
     engine.reset()
+    cuda = engine.device.type == "cuda"
+    if cuda:
+        run_peak = torch.cuda.max_memory_reserved(engine.device)
+        engine.release_workspace()
+        torch.cuda.reset_peak_memory_stats(engine.device)
     gen = engine.generate(random_prompt(16, vocab, seed), max_new_tokens=decode_tokens, stop_at_eos=False)
     for _ in gen:
         pass
@@ -76,9 +81,10 @@ def measure(engine, *, prefill_sizes: list[int], decode_tokens: int, seed: int) 
                      "disk_gb_s_while_waiting": round(r["bytes_read_disk"] / r["read_wait_s"] / 1e9, 3) if r["read_wait_s"] > 0 else None,
                      "host_gb_s_while_waiting": round(host_gb_s, 3) if host_gb_s else None}
     out["experts"] = engine.expert_stats()
-    if engine.device.type == "cuda":  # what the run really held, beside the ledger's plan
-        out["device_memory"] = {"max_reserved": torch.cuda.max_memory_reserved(engine.device),
-                                "max_allocated": torch.cuda.max_memory_allocated(engine.device)}
+    if cuda:  # what the run really held (prefills included), and what the decode alone held
+        decode_peak = torch.cuda.max_memory_reserved(engine.device)
+        out["device_memory"] = {"max_reserved": max(run_peak, decode_peak), "decode_max_reserved": decode_peak,
+                                "decode_max_allocated": torch.cuda.max_memory_allocated(engine.device)}
     out["memory"] = engine.memory_ledger()
     return out
 

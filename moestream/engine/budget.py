@@ -52,15 +52,26 @@ def plan_ledger(packed: PackedModel, args, *, dtype: torch.dtype, max_context: i
                 slot_bytes: int, host_slots: int, staging: int) -> Ledger:
     item = torch.finfo(dtype).bits // 8
     kv = 2 * args.num_hidden_layers * args.num_key_value_heads * args.head_dim * max_context * item
-    inter = max(getattr(args, "moe_intermediate_size", 0) or 0, args.intermediate_size or 0,
-                getattr(args, "shared_expert_intermediate_size", 0) or 0)
-    tokens = min(chunk, max_context)
-    # activations of one prefill chunk, attention scores, one dequantized expert, the logits row
-    workspace = (tokens * (8 * args.hidden_size + 3 * inter) * 4
-                 + tokens * args.num_attention_heads * max_context * 4
-                 + 3 * inter * args.hidden_size * item + args.vocab_size * 4 * 2)
+    workspace = prefill_workspace(args, tokens=min(chunk, max_context), context=max_context, item=item)
     return Ledger(resident_weights=resident_bytes(packed, dtype), kv_cache=kv, workspace=workspace,
                   expert_slots=slots * slot_bytes, host_tier=host_slots * slot_bytes, read_buffers=staging * slot_bytes)
+
+
+def prefill_workspace(args, *, tokens: int, context: int, item: int) -> int:
+    """Peak transient bytes of one prefill chunk of `tokens` at a context of `context` (the largest
+    layer's working set; decode needs far less). Attention runs in flash / memory-efficient kernels,
+    which never hold the [T, S] scores, but grouped K/V are expanded to every query head."""
+    H, A = args.hidden_size, args.num_experts_per_tok
+    inter = max(args.expert_intermediate_size or 0, args.intermediate_size or 0,
+                getattr(args, "shared_expert_intermediate_size", 0) or 0)
+    heads, kv_heads, D = args.num_attention_heads, args.num_key_value_heads, args.head_dim
+    activations = tokens * (10 * H + 3 * heads * D) * item  # residual, norms, q/k/v, attention output
+    experts = tokens * A * (inter * item + 4 * H + 16)  # the expert kernels' [P, I] and float32 [P, H] rows
+    dense = tokens * 3 * inter * item
+    expanded_kv = 2 * heads * context * D * item if heads != kv_heads else 0
+    mask = tokens * context  # the boolean mask of a later chunk
+    logits = 2 * args.vocab_size * 4
+    return activations + experts + dense + expanded_kv + mask + logits
 
 
 def slots_within(budget: int, ledger: Ledger, *, slot_bytes: int, min_slots: int, total_experts: int) -> int:

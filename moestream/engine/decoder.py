@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 from moestream.layers.experts import RoutedExperts
 from moestream.layers.kv_cache import KVCache
@@ -45,6 +46,8 @@ class _Routed:
     h: list = field(default_factory=list)  # [1, H] residual stream after attention
     hn: list = field(default_factory=list)  # [1, H] its normed copy, the experts' input
     shared: list = field(default_factory=list)  # [1, H] the shared expert's output (or None)
+    guesses: list = field(default_factory=list)  # [1, depth * A'] later MoE layers' router top-k (lookahead)
+    guesses_host: torch.Tensor | None = None
 
     def rows(self, name: str, T: int) -> torch.Tensor | None:
         parts = getattr(self, name)[:T]
@@ -54,8 +57,10 @@ class _Routed:
 
 
 class Decoder:
-    def __init__(self, model, cache: KVCache, experts: RoutedExperts, *, graphs: bool = True):
-        self.model, self.cache, self.experts = model, cache, experts
+    def __init__(self, model, cache: KVCache, experts: RoutedExperts, *, graphs: bool = True, lookahead=None):
+        """lookahead: a moestream.experts.predict.Lookahead, or None: streamed one-token steps then
+        guess the next MoE layers' experts on the device and start their copies early."""
+        self.model, self.cache, self.experts, self.lookahead = model, cache, experts, lookahead
         dev, dtype = model.device, model.dtype
         self.cuda = dev.type == "cuda"
         self.use_graphs = graphs and self.cuda
@@ -64,6 +69,9 @@ class Decoder:
         self.pos = torch.zeros(T, dtype=torch.long, device=dev)
         self.x = torch.zeros((T, model.hidden_size), dtype=dtype, device=dev)  # the residual stream
         self.logits = torch.zeros((T, model.vocab_size), dtype=torch.float32, device=dev)
+        moe = [i for i, layer in enumerate(model.layers) if isinstance(layer.ffn, MoEBlock)]
+        depth = lookahead.depth if lookahead is not None else 0
+        self.ahead = {i: moe[n + 1:n + 1 + depth] for n, i in enumerate(moe)}  # layer -> the next MoE layers
         # per mode (segment graphs, or one whole-step graph per T): each graph has its own outputs
         self._modes: dict = {}
         self.routed: dict[int, _Routed] = self._mode("segments")
@@ -79,8 +87,11 @@ class Decoder:
                 if isinstance(layer.ffn, MoEBlock):
                     ids_host = torch.zeros(MAX_STEP_TOKENS * layer.ffn.top_k, dtype=torch.long)
                     routed[i] = _Routed(ids_host.pin_memory() if self.cuda else ids_host)
-                    for name in ("weights", "ids", "h", "hn", "shared"):
+                    for name in ("weights", "ids", "h", "hn", "shared", "guesses"):
                         setattr(routed[i], name, [None] * MAX_STEP_TOKENS)
+                    ahead = sum(self.model.layers[j].ffn.top_k for j in self.ahead[i])
+                    if ahead:
+                        routed[i].guesses_host = torch.zeros(ahead, dtype=torch.long, pin_memory=self.cuda)
             self._modes[key] = routed
         return self._modes[key]
 
@@ -102,6 +113,9 @@ class Decoder:
         block = layer.ffn
         r.weights[t], r.ids[t] = block.route(hn)
         r.h[t], r.hn[t], r.shared[t] = h, hn, block.shared_out(hn)
+        if self.ahead.get(i) and not self.resident:  # the later layers' routers on this input (top-k of logits)
+            nxt = [self.model.layers[j].ffn for j in self.ahead[i]]
+            r.guesses[t] = torch.cat([torch.topk(F.linear(hn, b.router), b.top_k, dim=-1).indices for b in nxt], dim=-1)
 
     def _experts(self, i: int, T: int) -> None:
         r, block = self.routed[i], self.model.layers[i].ffn
@@ -187,14 +201,26 @@ class Decoder:
         A = ids.shape[1]
         host = r.ids_host[:T * A]
         host.copy_(ids.view(-1), non_blocking=True)
+        guessing = T == 1 and r.guesses_host is not None and r.guesses[0] is not None
+        if guessing:
+            r.guesses_host.copy_(r.guesses[0].view(-1), non_blocking=True)
         if self.cuda:  # the one host sync of a streamed layer
             self.ready.record(self.stream)
             self.ready.synchronize()
         if self.experts.on_route is not None:
             self.experts.on_route(block.layer, ids)
-        if not self.experts.load(block.layer, host.tolist(), r.rows("hn", T)):
+        chosen = host.tolist()
+        if self.lookahead is not None and T == 1:
+            self.lookahead.score(block.layer, chosen)
+        if not self.experts.load(block.layer, chosen, r.rows("hn", T)):
             self._experts_in_batches(i, T)  # more distinct experts than the pool can pin at once
             return
+        if guessing:  # this layer's experts are pinned: early copies cannot evict them
+            flat, at = r.guesses_host.tolist(), 0
+            for depth, j in enumerate(self.ahead[i], start=1):
+                k = self.model.layers[j].ffn.top_k
+                self.lookahead.guess(self.model.layers[j].ffn.layer, depth, flat[at:at + k])
+                at += k
         try:
             self._replay(("experts", i, T), lambda: self._experts(i, T), capture=capture)
         finally:  # a victim slot is rewritten only after the kernels queued above (stream order)

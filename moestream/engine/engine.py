@@ -24,7 +24,8 @@ from moestream.models.registry import build_model
 
 log = logging.getLogger(__name__)
 DEMO_MODEL = Path(__file__).resolve().parent.parent / "demo" / "model"
-DEMO_CACHE_SIZE = "30%"  # smaller than the demo model, so its first run really streams experts
+DEMO_CACHE_SIZE = "30%"
+WORKSPACE_SLACK = 256 << 20  # cached-but-free device bytes kept after a prefill  # smaller than the demo model, so its first run really streams experts
 
 
 class PromptTooLongError(MoestreamError):
@@ -74,7 +75,7 @@ class Engine:
         from moestream.engine.decoder import Decoder
         from moestream.engine.plan import plan_run
         from moestream.experts.cache import ExpertCache
-        from moestream.experts.predict import attach
+        from moestream.experts.predict import Lookahead, attach
         from moestream.experts.sources import open_source
         from moestream.layers.experts import RoutedExperts
 
@@ -96,9 +97,11 @@ class Engine:
 
             self.args, self.experts, self.model = build_model(packed, make_experts, device=self.device,
                                                               dtype=self.dtype)
-            # CPU for now: on CUDA the decoder's host half does not predict yet
-            self.prefetcher = attach(self.model, self.experts, self.provider,
-                                     options.prefetch if self.device.type == "cpu" else "none")
+            # CPU: a hook after each layer's fetch; CUDA: the decoder guesses on the device (Lookahead)
+            cpu = self.device.type == "cpu"
+            self.prefetcher = attach(self.model, self.experts, self.provider, options.prefetch if cpu else "none")
+            lookahead = None if cpu or options.prefetch == "none" else \
+                Lookahead(self.provider, depth=2 if options.prefetch == "two-layers" else 1)
             self.tokenizer = load_tokenizer(packed.directory, packed.config)
         except BaseException:
             self.provider.close()
@@ -106,7 +109,7 @@ class Engine:
         self.model_name = packed.directory.name if packed.directory != DEMO_MODEL else "moestream-demo"
         layers, kv_heads, head_dim = self.args.kv_layout()
         self.cache = KVCache(layers, kv_heads, head_dim, self.max_context, dtype=self.dtype, device=self.device)
-        self.decoder = Decoder(self.model, self.cache, self.experts, graphs=options.cuda_graphs)
+        self.decoder = Decoder(self.model, self.cache, self.experts, graphs=options.cuda_graphs, lookahead=lookahead)
         self._resident_checked = False
         self._position = 0  # first position of the chunk being run (for routing traces)
         self.trace = None
@@ -164,7 +167,7 @@ class Engine:
         reuse = 0 if all_logits else min(common_prefix(self.cache.tokens, prompt_ids), len(prompt_ids) - 1)
         self.cache.truncate(reuse)
         self._check_room(len(prompt_ids) - reuse)
-        chunk = max(1, self.options.prefill_chunk_tokens)
+        chunk = max(1, self.plan.prefill_chunk)
         outputs = []
         with torch.inference_mode():
             self._make_resident()
@@ -176,7 +179,16 @@ class Engine:
                 ids = torch.tensor(piece, dtype=torch.long, device=self.device)
                 outputs.append(self.model.forward(ids, start, self.cache, all_logits=all_logits))
                 self.cache.append(piece)
+        self.release_workspace()
         return (torch.cat(outputs) if all_logits else outputs[-1]), reuse
+
+    def release_workspace(self) -> None:
+        """Give the prefill's transient memory back to the device (decode needs a small part of it),
+        where the allocator keeps more than WORKSPACE_SLACK of it cached."""
+        if self.device.type == "cuda":
+            cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+            if cached > WORKSPACE_SLACK:
+                torch.cuda.empty_cache()
 
     def step(self, tokens: list[int]) -> torch.Tensor:
         """Run `tokens` at the next positions of the cached sequence; logits [T, V] (float32), row t
@@ -266,7 +278,8 @@ class Engine:
                                      prefill_s=state["prefill_s"], decode_s=state["decode_s"], before=before,
                                      after=self.expert_stats(), memory=self.memory_ledger(),
                                      device=str(self.device), model=self.model_name,
-                                     threads=torch.get_num_threads(), verify=self.options.verify)
+                                     threads=torch.get_num_threads(), verify=self.options.verify,
+                                     lookahead=self.decoder.lookahead.stats() if self.decoder.lookahead else {})
             return GenerationResult(list(state["tokens"]), state["finish"], receipt)
 
         return Generation(steps(), finish)

@@ -27,7 +27,7 @@ class EngineOptions:
     io_threads: int = 32
     host_cache_size: str = "0"
     host_cache_policy: str = "clock"
-    prefetch: str = "next-layer"  # start reading the next MoE layer's likely experts early (CPU, one-token steps)
+    prefetch: str = "next-layer"  # start loading the next MoE layer(s)' likely experts early (one-token steps)
     memory_budget: str | None = None
     verify: bool = True  # crc32 of every expert record read, sha256 of the resident files at load
     verify_cache_dir: str | None = None  # where resident files' digests are remembered; None: ~/.cache/moestream
@@ -73,9 +73,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--io-threads", type=at_least(1), default=32, help="parallel record reads (default 32)")
     c.add_argument("--host-cache-size", default="0", help="pinned host RAM tier between disk and device slots (bytes or %%; default 0: none)")
     c.add_argument("--host-cache-policy", default="clock", choices=["clock", "lru", "arc", "lfu"], help="host tier policy (default clock)")
-    c.add_argument("--prefetch", default="next-layer", choices=["next-layer", "none"],
-                   help="next-layer (default): while a layer computes, read the experts the next layer's router "
-                        "picks for the current hidden state; none: read only on demand. CPU only for now")
+    c.add_argument("--prefetch", default="next-layer", choices=["next-layer", "two-layers", "none"],
+                   help="next-layer (default): while a layer computes, start copying the experts the next MoE layer's "
+                        "router picks for the current hidden state; two-layers: also the one after (CUDA); copies "
+                        "for a layer whose guesses prove wrong stop (accuracy per layer in the receipt); none: on demand only")
     c.add_argument("--memory-budget", default=None, metavar="SIZE", help="size everything to fit SIZE of device memory; refuse if impossible")
     c.add_argument("--no-verify", dest="verify", action="store_false",
                    help="skip the integrity checks (on by default: each expert record's crc32 as it is read, the "

@@ -21,6 +21,11 @@ log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MAX_DEFAULT_CONTEXT = 32768
+# under --memory-budget without --max-context: a KV cache for 8k tokens leaves the rest to experts
+BUDGET_DEFAULT_CONTEXT = 8192
+# under --memory-budget the prefill chunk is halved until its workspace takes at most this share
+BUDGET_WORKSPACE_SHARE = 0.08
+MIN_BUDGET_CHUNK = 128
 STAGING_BUFFERS = 8  # pinned buffers for disk -> GPU on CUDA
 
 
@@ -36,11 +41,13 @@ class RunPlan:
     min_slots: int
     staging: int
     ledger: Ledger
+    prefill_chunk: int = 2048  # prompt tokens per prefill pass (a memory budget may lower it)
     cache_policy: str = "clock"  # the device cache's policy, "auto" resolved
 
     def describe(self) -> str:
         return (f"device {self.device}, {str(self.dtype).replace('torch.', '')}, context {self.max_context} tokens, "
-                f"slot {self.slot_bytes} B, floor {self.min_slots} slots, policy {self.cache_policy}\n"
+                f"prefill chunk {self.prefill_chunk} tokens, slot {self.slot_bytes} B, floor {self.min_slots} slots, "
+                f"policy {self.cache_policy}\n"
                 + self.ledger.table(slots=self.slots, slot_bytes=self.slot_bytes, total_experts=self.total_experts))
 
 
@@ -80,7 +87,8 @@ def plan_run(packed: PackedModel, options: EngineOptions, *, default_cache_size:
     device = resolve_device(options.device)
     dtype = resolve_dtype(options.dtype, device)
     args = family_module(packed.family).ModelArgs.from_dict(packed.config)
-    max_context = options.max_context or min(args.max_position_embeddings, MAX_DEFAULT_CONTEXT)
+    default_context = BUDGET_DEFAULT_CONTEXT if options.memory_budget else MAX_DEFAULT_CONTEXT
+    max_context = options.max_context or min(args.max_position_embeddings, default_context)
     if max_context < 2:
         raise MoestreamError(f"--max-context must be at least 2, got {max_context}")
     layers = packed.manifest.expert_layers
@@ -99,14 +107,18 @@ def plan_run(packed: PackedModel, options: EngineOptions, *, default_cache_size:
         host_slots = slots_for(options.host_cache_size, slot_bytes=slot_bytes, total_experts=total, min_slots=1,
                                flag="--host-cache-size")
 
+    chunk = options.prefill_chunk_tokens
+
     def ledger(slots: int) -> Ledger:
-        return plan_ledger(packed, args, dtype=dtype, max_context=max_context, chunk=options.prefill_chunk_tokens,
+        return plan_ledger(packed, args, dtype=dtype, max_context=max_context, chunk=chunk,
                            slots=slots, slot_bytes=slot_bytes, host_slots=host_slots, staging=staging)
 
     size = options.cache_size if options.cache_size != "auto" else default_cache_size
     if options.memory_budget:
-        slots = slots_within(parse_bytes(options.memory_budget), ledger(0), slot_bytes=slot_bytes, min_slots=floor,
-                             total_experts=total)
+        budget = parse_bytes(options.memory_budget)
+        while chunk > MIN_BUDGET_CHUNK and ledger(0).workspace > BUDGET_WORKSPACE_SHARE * budget:
+            chunk //= 2  # a smaller prefill pass: slower prefill, more experts resident for decode
+        slots = slots_within(budget, ledger(0), slot_bytes=slot_bytes, min_slots=floor, total_experts=total)
         if size != "auto":
             slots = min(slots, slots_for(size, slot_bytes=slot_bytes, total_experts=total, min_slots=floor))
     elif size == "auto":
@@ -117,6 +129,7 @@ def plan_run(packed: PackedModel, options: EngineOptions, *, default_cache_size:
     working_set = args.num_experts_per_tok * len(layers)  # (layer, expert) pairs one token touches
     return RunPlan(device=device, dtype=dtype, max_context=max_context, slots=slots, host_slots=host_slots,
                    slot_bytes=slot_bytes, total_experts=total, min_slots=floor, staging=staging, ledger=ledger(slots),
+                   prefill_chunk=chunk,
                    cache_policy=resolve_policy(options.cache_policy, slots=slots, working_set=working_set,
                                                partition=options.cache_partition))
 
