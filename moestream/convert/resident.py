@@ -90,7 +90,7 @@ def check_dense(plan: list[DenseTensor], source) -> None:
     missing, or one of another shape is refused, naming the tensor (and how many more there are)."""
     have = {d.name: d.shape for d in plan}
     want = weight_shapes(source.family, source.config, present=have)
-    model = f"a {source.family} model with this config.json"
+    model = f"the {source.family} model of this config.json"
     unused = sorted(set(have) - set(want))
     if unused:
         more = f"; {len(unused) - 1} more like it" if len(unused) > 1 else ""

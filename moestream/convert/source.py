@@ -17,8 +17,7 @@ from moestream.convert.hub import INDEX_NAME, blob_sha256, download, looks_like_
 from moestream.errors import MoestreamError, UnsupportedModelError
 from moestream.format.safetensors_io import SafetensorsFile, TensorInfo
 from moestream.format.writer import sha256_file
-from moestream.models import SUPPORTED_FAMILIES
-from moestream.models.registry import family_module
+from moestream.models.registry import family_module, supported
 from moestream.quant.mlx import MlxQuantization
 
 log = logging.getLogger(__name__)
@@ -45,7 +44,7 @@ class CheckpointSource:
         self.config = self._read_config()
         family = self.config.get("model_type")
         if family is None:
-            raise UnsupportedModelError(f"{self.folder / 'config.json'}: no model_type (supported: {', '.join(SUPPORTED_FAMILIES)})")
+            raise UnsupportedModelError(f"{self.folder / 'config.json'}: no model_type (supported: {supported()})")
         self.family: str = family
         self.family_module = family_module(family)  # refuses a family that is not supported
         self.mlx: MlxQuantization | None = MlxQuantization.from_config(self.config)

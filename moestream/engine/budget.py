@@ -9,6 +9,7 @@ import torch
 from moestream.errors import MoestreamError
 from moestream.experts.sizing import format_bytes
 from moestream.format.reader import PackedModel
+from moestream.layers.kv_cache import KVCache
 
 
 @dataclass
@@ -51,9 +52,9 @@ def resident_bytes(packed: PackedModel, dtype: torch.dtype) -> int:
 def plan_ledger(packed: PackedModel, args, *, dtype: torch.dtype, max_context: int, chunk: int, slots: int,
                 slot_bytes: int, host_slots: int, staging: int) -> Ledger:
     item = torch.finfo(dtype).bits // 8
-    kv = 2 * args.num_hidden_layers * args.num_key_value_heads * args.head_dim * max_context * item
-    inter = max(getattr(args, "moe_intermediate_size", 0) or 0, args.intermediate_size or 0,
-                getattr(args, "shared_expert_intermediate_size", 0) or 0)
+    kv_layers, kv_heads, head_dim = args.kv_layout()
+    kv = KVCache.nbytes_for(kv_layers, kv_heads, head_dim, max_context, dtype)
+    inter = args.largest_intermediate()
     tokens = min(chunk, max_context)
     # activations of one prefill chunk, attention scores, one dequantized expert, the logits row
     workspace = (tokens * (8 * args.hidden_size + 3 * inter) * 4

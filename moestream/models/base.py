@@ -21,6 +21,7 @@ from moestream.layers.rope import Rope, rope_theta
 # transformers 4 and 5 spell some fields differently; the first name is ModelArgs' field.
 ALIASES = {"num_experts": ("num_local_experts",)}
 EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+EMBEDDING = "model.embed_tokens.weight"  # the token embedding `embeddings` takes
 
 
 @dataclass
@@ -190,7 +191,7 @@ def norms(loader, prefix: str, hidden: int) -> tuple[torch.Tensor, torch.Tensor]
 def embeddings(loader, args: BaseModelArgs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(embed, final norm, lm_head); lm_head is the embedding where the config ties them."""
     V, H = args.vocab_size, args.hidden_size
-    embed = loader.take("model.embed_tokens.weight", (V, H))
+    embed = loader.take(EMBEDDING, (V, H))
     tied = args.tie_word_embeddings and not loader.has("lm_head.weight")
     lm_head = embed if tied else loader.take("lm_head.weight", (V, H))
     return embed, loader.take("model.norm.weight", (H,)), lm_head

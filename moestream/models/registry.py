@@ -17,13 +17,18 @@ from __future__ import annotations
 
 import importlib
 
+from moestream import models
 from moestream.errors import UnsupportedModelError
-from moestream.models import SUPPORTED_FAMILIES
+
+
+def supported() -> str:
+    return ", ".join(models.SUPPORTED_FAMILIES)
 
 
 def family_module(model_type: str):
-    if model_type not in SUPPORTED_FAMILIES:
-        raise UnsupportedModelError(f"model_type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_FAMILIES)})")
+    # SUPPORTED_FAMILIES is read at each call: the one list of families (tests extend it)
+    if not isinstance(model_type, str) or model_type not in models.SUPPORTED_FAMILIES:
+        raise UnsupportedModelError(f"model_type {model_type!r} is not supported (supported: {supported()})")
     return importlib.import_module(f"moestream.models.{model_type}")
 
 
