@@ -15,7 +15,10 @@ import torch
 from tqdm import tqdm
 
 from moestream.errors import MoestreamError
+from moestream.format.manifest import EXPERT_PROJECTIONS
 from moestream.format.writer import ExpertFileWriter, finish_model
+from moestream.models.base import EMBEDDING
+from moestream.models.registry import family_module, weight_shapes
 from moestream.quant.affine import QuantSpec, packed_shape
 
 SHAPES = {
@@ -64,8 +67,20 @@ class RandomWeights:
         base = name[: -len(".weight")]
         return {name: words, base + ".scales": scales, base + ".biases": biases}, QuantSpec(bits, self.group_size)
 
-    def ones(self, name: str, n: int) -> dict:
-        return {name: torch.ones(n, dtype=self.dtype)}
+    def ones(self, shape: tuple[int, ...]) -> torch.Tensor:
+        return torch.ones(shape, dtype=self.dtype)
+
+
+def _spread(family, name: str, bits: int | None) -> dict:
+    """How a resident matrix is drawn: the bits the family's quant_predicate keeps for it, the
+    embedding at unit spread, and the matrices the family keeps at more bits than the rest (routers
+    and gates) wider, so random routing is not near-uniform; the others about 0.02."""
+    spec = {"bits": None if bits is None else family.quant_predicate(name, bits)}
+    if name == EMBEDDING:
+        return {**spec, "std": 1.0}
+    if family.quant_predicate(name, 4) != 4:
+        return {**spec, "std": 0.5}
+    return spec
 
 
 def synth(shape: str, out: Path, *, layers: int | None = None, quant: str = "q4", group_size: int = 64,
@@ -87,45 +102,27 @@ def synth(shape: str, out: Path, *, layers: int | None = None, quant: str = "q4"
             stale.unlink(missing_ok=True)
     out.mkdir(parents=True, exist_ok=True)
     rw = RandomWeights(BITS[quant], group_size, seed)
-    H, L = cfg["hidden_size"], cfg["num_hidden_layers"]
-    D = cfg.get("head_dim", H // cfg["num_attention_heads"])
-    Nq, Nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    E = cfg.get("num_experts", cfg.get("num_local_experts"))
-    I = cfg.get("moe_intermediate_size", cfg["intermediate_size"])
-    moe = "block_sparse_moe" if cfg["model_type"] == "mixtral" else "mlp"
+    family = family_module(cfg["model_type"])
+    args = family.ModelArgs.from_dict(cfg)
     dense, specs = {}, {}
-
-    def add(parts_spec, name):
-        parts, spec = parts_spec
-        dense.update(parts)
-        specs[name] = spec.to_json()
-
-    add(rw.matrix("model.embed_tokens.weight", cfg["vocab_size"], H, std=1.0), "model.embed_tokens.weight")
-    add(rw.matrix("lm_head.weight", cfg["vocab_size"], H), "lm_head.weight")
-    for name, n in (("model.norm.weight", H),):
-        dense.update(rw.ones(name, n))
-        specs[name] = None
+    for name, dims in weight_shapes(cfg["model_type"], cfg).items():  # what the family's model takes
+        if len(dims) == 2:
+            parts, spec = rw.matrix(name, *dims, **_spread(family, name, rw.bits))
+            dense.update(parts)
+            specs[name] = spec.to_json()
+        else:  # norm weights 1, biases 0
+            dense[name] = torch.zeros(dims, dtype=rw.dtype) if name.endswith(".bias") else rw.ones(dims)
+            specs[name] = None
     expert_layers = []
-    with tqdm(total=L * E, desc=f"synth {shape}", unit="expert", file=sys.stderr) as bar:
-        for i in range(L):
-            p = f"model.layers.{i}."
-            for proj, o, n in (("q_proj", Nq * D, H), ("k_proj", Nkv * D, H), ("v_proj", Nkv * D, H), ("o_proj", H, Nq * D)):
-                add(rw.matrix(p + f"self_attn.{proj}.weight", o, n), p + f"self_attn.{proj}.weight")
-            norms = [("input_layernorm.weight", H), ("post_attention_layernorm.weight", H)]
-            if cfg["model_type"] == "qwen3_moe":
-                norms += [("self_attn.q_norm.weight", D), ("self_attn.k_norm.weight", D)]
-            if cfg["model_type"] == "olmoe":
-                norms += [("self_attn.q_norm.weight", Nq * D), ("self_attn.k_norm.weight", Nkv * D)]
-            for name, n in norms:
-                dense.update(rw.ones(p + name, n))
-                specs[p + name] = None
-            router_bits = None if rw.bits is None else max(8, rw.bits)
-            add(rw.matrix(p + f"{moe}.gate.weight", E, H, std=0.5, bits=router_bits), p + f"{moe}.gate.weight")
+    moe_layers, shapes = args.moe_layers(), args.expert_shapes()
+    E = args.num_experts
+    with tqdm(total=len(moe_layers) * E, desc=f"synth {shape}", unit="expert", file=sys.stderr) as bar:
+        for i in moe_layers:
             writer = None
             for e in range(E):
                 record, quant_specs = {}, {}
-                for proj, o, n in (("gate_proj", I, H), ("up_proj", I, H), ("down_proj", H, I)):
-                    parts, spec = rw.matrix(f"{proj}.weight", o, n)
+                for proj in EXPERT_PROJECTIONS:
+                    parts, spec = rw.matrix(f"{proj}.weight", *shapes[proj])
                     record.update(parts)
                     quant_specs[proj] = spec
                 if writer is None:

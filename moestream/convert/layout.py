@@ -16,67 +16,62 @@ from moestream.format.writer import expert_record_tensors
 from moestream.quant.affine import QuantSpec, can_quantize
 from moestream.quant.mlx import MlxQuantization, mlx_input_size
 
-# Mixtral's w1/w3/w2 are gate/up/down.
-PROJ_ALIASES = {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj",
-                "w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
-MIXTRAL_NAMES = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
-
-PER_EXPERT = re.compile(r"^(?P<prefix>.*layers\.(?P<layer>\d+)\.(?:mlp|block_sparse_moe))\.experts\.(?P<expert>\d+)\."
-                        r"(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
-FUSED = re.compile(r"^(?P<prefix>.*layers\.(?P<layer>\d+)\.(?:mlp|block_sparse_moe))\.experts\.(?P<part>gate_up_proj|down_proj)(?:\.weight)?$")
-MLX_STACK = re.compile(r"^(?P<prefix>.*layers\.(?P<layer>\d+)\.(?:mlp|block_sparse_moe))\.switch_mlp\."
-                       r"(?P<proj>gate_proj|up_proj|down_proj)\.(?P<part>weight|scales|biases)$")
 
 
 class LayoutError(MoestreamError):
     """Expert tensors that disagree with config.json or with each other."""
 
 
-def expert_layer_of(name: str) -> int | None:
-    """The layer index if `name` is a routed-expert tensor in any known layout, else None."""
-    for pattern in (PER_EXPERT, FUSED, MLX_STACK):
-        m = pattern.match(name)
-        if m:
-            return int(m.group("layer"))
-    return None
+class ExpertNames:
+    """A family's routed-expert tensor names in each layout convert reads, from the family's
+    EXPERT_MODULE and EXPERT_NAMES: per-expert (`experts.E.<name>.weight`), fused 3-D stacks
+    (`experts.gate_up_proj`), and MLX stacks (`switch_mlp.gate_proj`, MLX's own names)."""
+
+    def __init__(self, family):
+        self.module, self.names = family.EXPERT_MODULE, dict(family.EXPERT_NAMES)
+        self.ours = {theirs: ours for ours, theirs in self.names.items()}
+        prefix = rf"^(?P<prefix>.*layers\.(?P<layer>\d+)\.{re.escape(self.module)})"
+        theirs = "|".join(re.escape(n) for n in self.ours)
+        self.per_expert = re.compile(prefix + rf"\.experts\.(?P<expert>\d+)\.(?P<proj>{theirs})\.weight$")
+        self.fused = re.compile(prefix + r"\.experts\.(?P<part>gate_up_proj|down_proj)(?:\.weight)?$")
+        self.mlx = re.compile(prefix + r"\.switch_mlp\.(?P<proj>gate_proj|up_proj|down_proj)\.(?P<part>weight|scales|biases)$")
+
+    def expert(self, name: str) -> tuple[int, int, str] | None:
+        """(layer, expert, our projection name) of a per-expert tensor, else None."""
+        m = self.per_expert.match(name)
+        return (int(m["layer"]), int(m["expert"]), self.ours[m["proj"]]) if m else None
+
+    def name(self, prefix: str, expert: int, proj: str) -> str:
+        return f"{prefix}.experts.{expert}.{self.names[proj]}.weight"
 
 
 @dataclass(frozen=True)
 class ExpertShapes:
-    """What config.json says the routed experts look like."""
+    """What config.json says the routed experts look like (the family's ModelArgs reads it)."""
 
     num_experts: int
-    intermediate: int
-    hidden: int
+    shapes: dict[str, tuple[int, int]]  # [out, in] of each projection
     intermediate_key: str
     experts_key: str
 
     @staticmethod
-    def from_config(config: dict, family: str) -> "ExpertShapes":
-        experts_key = next((k for k in ("num_experts", "num_local_experts") if config.get(k) is not None), None)
-        inter_key = "moe_intermediate_size" if family in ("qwen3_moe", "qwen2_moe") else "intermediate_size"
-        for key in (experts_key, inter_key, "hidden_size"):
-            if key is None or not isinstance(config.get(key), int):
-                raise LayoutError(f"config.json: {key or 'num_experts (or num_local_experts)'} is missing or not an integer")
-        return ExpertShapes(config[experts_key], config[inter_key], config["hidden_size"], inter_key, experts_key)
+    def from_args(args, config: dict) -> "ExpertShapes":
+        experts_key = args.config_key(config, "num_experts")
+        shapes = args.expert_shapes()
+        checks = ((experts_key, args.num_experts), (args.EXPERT_INTERMEDIATE, args.expert_intermediate_size),
+                  ("hidden_size", args.hidden_size))
+        for key, value in checks:
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise LayoutError(f"config.json: {key} is missing or not an integer")
+        return ExpertShapes(args.num_experts, shapes, args.EXPERT_INTERMEDIATE, experts_key)
 
     def projection(self, proj: str) -> tuple[int, int]:
         """[out, in] of one expert's projection."""
-        return (self.hidden, self.intermediate) if proj == "down_proj" else (self.intermediate, self.hidden)
+        return tuple(self.shapes[proj])
 
     def describe(self, proj: str) -> str:
         return (f"hidden_size × {self.intermediate_key}" if proj == "down_proj" else f"{self.intermediate_key} × hidden_size")
-
-
-def moe_layers(config: dict, family: str) -> set[int]:
-    """The layers config.json gives routed experts."""
-    layers = range(int(config.get("num_hidden_layers", 0)))
-    if family in ("qwen3_moe", "qwen2_moe"):
-        step = int(config.get("decoder_sparse_step", 1) or 1)
-        dense_only = set(config.get("mlp_only_layers") or [])
-        return {i for i in layers if i not in dense_only and (i + 1) % step == 0}
-    return set(layers)
 
 
 def float_expert_spec(shape: tuple[int, ...], bits: int | None, group_size: int) -> QuantSpec:
@@ -119,16 +114,14 @@ def _float_record(projections: dict[str, torch.Tensor], bits: int | None, group_
 
 
 class PerExpertLayer(LayerExperts):
-    """`experts.E.gate_proj.weight` (Mixtral: `experts.E.w1.weight`), one tensor per expert and projection."""
+    """`experts.E.<name>.weight` (the family's names: Mixtral's `w1`), one tensor per expert and projection."""
 
-    def __init__(self, source, layer: int, prefix: str, names: dict[tuple[int, str], str]):
-        self.source, self.layer, self.prefix, self.names = source, layer, prefix, names
+    def __init__(self, source, layer: int, prefix: str, names: dict[tuple[int, str], str], spelling: ExpertNames):
+        self.source, self.layer, self.prefix, self.names, self.spelling = source, layer, prefix, names, spelling
         self.num_experts = len({e for e, _ in names})
-        self.mixtral_names = any(".w1.weight" in n or ".w2.weight" in n or ".w3.weight" in n for n in names.values())
 
     def name(self, expert: int, proj: str) -> str:
-        return self.names.get((expert, proj)) or \
-            f"{self.prefix}.experts.{expert}.{MIXTRAL_NAMES[proj] if self.mixtral_names else proj}.weight"
+        return self.names.get((expert, proj)) or self.spelling.name(self.prefix, expert, proj)
 
     def check(self, expect: ExpertShapes) -> None:
         ids = sorted({e for e, _ in self.names})
@@ -162,9 +155,10 @@ class FusedLayer(LayerExperts):
         for part in ("gate_up_proj", "down_proj"):
             if part not in self.names:
                 raise LayoutError(f"{self.prefix}.experts.{part} is missing (the layer has only {next(iter(self.names.values()))})")
-        E, I, H = expect.num_experts, expect.intermediate, expect.hidden
-        for part, want, what in (("gate_up_proj", (E, 2 * I, H), f"{expect.experts_key} × 2·{expect.intermediate_key} × hidden_size"),
-                                 ("down_proj", (E, H, I), f"{expect.experts_key} × hidden_size × {expect.intermediate_key}")):
+        E, (gate, up, down) = expect.num_experts, (expect.projection(p) for p in EXPERT_PROJECTIONS)
+        gate_up = (E, gate[0] + up[0], gate[1])
+        for part, want, what in (("gate_up_proj", gate_up, f"{expect.experts_key} × 2·{expect.intermediate_key} × hidden_size"),
+                                 ("down_proj", (E, *down), f"{expect.experts_key} × hidden_size × {expect.intermediate_key}")):
             name = self.names[part]
             info = self.source.info(name)
             if len(info.shape) == 3 and info.shape[0] != E:
@@ -245,18 +239,20 @@ class MlxStackLayer(LayerExperts):
 
 
 def find_expert_layers(source) -> tuple[dict[int, LayerExperts], list[str]]:
-    """Group the checkpoint's tensors: routed experts by layer (one layout per layer) and the rest."""
+    """Group the checkpoint's tensors: routed experts by layer (one layout per layer, named as the
+    source's family names them) and the rest."""
+    spelling = ExpertNames(source.family_module)
     per_expert: dict[int, dict] = defaultdict(dict)
     fused: dict[int, dict] = defaultdict(dict)
     mlx: dict[int, dict] = defaultdict(dict)
     prefixes: dict[int, str] = {}
     dense = []
     for name in source.names():
-        if m := PER_EXPERT.match(name):
-            per_expert[int(m["layer"])][(int(m["expert"]), PROJ_ALIASES[m["proj"]])] = name
-        elif m := FUSED.match(name):
+        if m := spelling.per_expert.match(name):
+            per_expert[int(m["layer"])][(int(m["expert"]), spelling.ours[m["proj"]])] = name
+        elif m := spelling.fused.match(name):
             fused[int(m["layer"])][m["part"]] = name
-        elif m := MLX_STACK.match(name):
+        elif m := spelling.mlx.match(name):
             mlx[int(m["layer"])][(m["proj"], m["part"])] = name
         else:
             dense.append(name)
@@ -268,7 +264,7 @@ def find_expert_layers(source) -> tuple[dict[int, LayerExperts], list[str]]:
         if len(kinds) > 1:
             raise LayoutError(f"{prefixes[layer]}: routed experts stored in two layouts ({' and '.join(kinds)})")
         if layer in per_expert:
-            layers[layer] = PerExpertLayer(source, layer, prefixes[layer], per_expert[layer])
+            layers[layer] = PerExpertLayer(source, layer, prefixes[layer], per_expert[layer], spelling)
         elif layer in fused:
             layers[layer] = FusedLayer(source, layer, prefixes[layer], fused[layer])
         else:
@@ -277,21 +273,16 @@ def find_expert_layers(source) -> tuple[dict[int, LayerExperts], list[str]]:
 
 
 def check_expert_layers(layers: dict[int, LayerExperts], source) -> ExpertShapes:
-    """Every routed-expert tensor against config.json; the first disagreement is raised, naming the tensor."""
-    expect = ExpertShapes.from_config(source.config, source.family)
-    wanted = moe_layers(source.config, source.family)
+    """Every routed-expert tensor against config.json as the family reads it; the first
+    disagreement is raised, naming the tensor. (Routers are resident tensors, checked with them.)"""
+    args = source.family_module.ModelArgs.from_dict(source.config)
+    expect = ExpertShapes.from_args(args, source.config)
+    wanted = set(args.moe_layers())
     for layer in sorted(set(layers) - wanted):
-        raise LayoutError(f"{layers[layer].prefix}: routed-expert tensors in layer {layer}, which config.json "
-                          "(num_hidden_layers, mlp_only_layers, decoder_sparse_step) makes a dense layer")
+        raise LayoutError(f"{layers[layer].prefix}: routed-expert tensors in layer {layer}, which config.json makes "
+                          f"a dense layer ({source.family}: {len(wanted)} of {args.num_hidden_layers} layers have experts)")
     for layer in sorted(wanted - set(layers)):
         raise LayoutError(f"layer {layer}: no routed-expert tensors, but config.json makes it an MoE layer")
     for layer in sorted(layers):
-        entry = layers[layer]
-        entry.check(expect)
-        router = f"{entry.prefix}.gate.weight"
-        if router in source:
-            shape = source.shape(router)
-            if not shape or shape[0] != expect.num_experts:
-                raise LayoutError(f"{router}: shape {shape}, but config.json says {expect.experts_key}="
-                                  f"{expect.num_experts} (one router row per expert)")
+        layers[layer].check(expect)
     return expect

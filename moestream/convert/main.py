@@ -1,7 +1,7 @@
 """`moestream convert SRC OUT`: pack a Hugging Face checkpoint into moestream's format.
 
-The source is checked completely (headers, layouts, shapes against config.json) before OUT is
-touched. Then the resident tensors are streamed into dense.safetensors, each MoE layer's experts
+The source is checked completely (headers, layouts, every tensor's shape against what the
+family's model takes for config.json) before OUT is touched. Then the resident tensors are streamed into dense.safetensors, each MoE layer's experts
 into its records file one expert at a time, and the manifest is written last. Memory stays near
 one expert plus the largest resident tensor, whatever the model's size."""
 from __future__ import annotations
@@ -13,107 +13,27 @@ import os
 import sys
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from moestream.cli_args import Parser, at_least
-from moestream.convert.layout import LayoutError, check_expert_layers, expert_layer_of, find_expert_layers
+from moestream.convert.layout import LayoutError, check_expert_layers, find_expert_layers
+from moestream.convert.resident import DenseTensor, check_dense, plan_dense
 from moestream.convert.source import TOKENIZER_FILES, CheckpointSource, open_source
 from moestream.convert.state import STATE_NAME, ConvertState, ResumeError
 from moestream.errors import MoestreamError
 from moestream.format.manifest import (DENSE_NAME, FORMAT_VERSION, MANIFEST_NAME, ExpertLayer, Manifest, RecordField,
                                        read_manifest, write_manifest)
-from moestream.format.safetensors_io import TensorEntry
 from moestream.format.writer import (ExpertFileWriter, FileDigest, OutputFile, SafetensorsWriter, WriteError,
                                      stored_tensors, write_error)
-from moestream.quant.affine import QuantSpec, can_quantize, packed_shape
-from moestream.quant.mlx import mlx_input_size
 
 log = logging.getLogger(__name__)
 QUANT_BITS = {"q4": 4, "q8": 8, "none": None}
 GROUP_SIZES = (32, 64, 128)
-FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
-__all__ = ["convert", "main", "expert_layer_of"]
-
-
-def is_router(name: str) -> bool:
-    return name.endswith((".gate.weight", ".shared_expert_gate.weight"))
-
-
-def dense_spec(name: str, shape: list[int], bits: int | None, group_size: int) -> QuantSpec:
-    """Norms, biases and odd-sized matrices stay float; routers keep at least 8 bits."""
-    if bits is None or not name.endswith(".weight") or not can_quantize(tuple(shape), group_size):
-        return QuantSpec()
-    return QuantSpec(max(bits, 8) if is_router(name) else bits, group_size)
-
-
-def expert_spec(shape: list[int], bits: int | None, group_size: int) -> QuantSpec:
-    if bits is None or not can_quantize(tuple(shape), group_size):
-        return QuantSpec()
-    return QuantSpec(bits, group_size)
-
-
-@dataclass
-class DenseTensor:
-    """One resident tensor as the checkpoint names it, and how it is stored."""
-
-    name: str
-    spec: QuantSpec
-    parts: list[TensorEntry]  # what dense.safetensors holds for it, in order
-    quantize: bool  # quantize a float source tensor, or copy the source's tensors as they are
-    source_bytes: int
-
-
-def plan_dense(source: CheckpointSource, names: list[str], bits: int | None, group_size: int) -> list[DenseTensor]:
-    if source.mlx is not None:
-        return _plan_dense_mlx(source, names)
-    plan = []
-    for name in names:
-        info = source.info(name)
-        spec = dense_spec(name, list(info.shape), bits, group_size) if info.dtype in FLOAT_DTYPES else QuantSpec()
-        if spec.quantized:
-            base = name[: -len(".weight")]
-            w_shape, s_shape = packed_shape(info.shape[0], info.shape[1], spec.bits, spec.group_size)
-            parts = [TensorEntry(name, "U32", w_shape), TensorEntry(base + ".scales", info.dtype, s_shape),
-                     TensorEntry(base + ".biases", info.dtype, s_shape)]
-        else:
-            parts = [TensorEntry(name, info.dtype, info.shape)]
-        plan.append(DenseTensor(name, spec, parts, spec.quantized, info.nbytes))
-    return plan
-
-
-def _plan_dense_mlx(source: CheckpointSource, names: list[str]) -> list[DenseTensor]:
-    """MLX checkpoints are imported as they are: quantized modules keep their packed words."""
-    quantized = {n[: -len(".weight")] for n in names if n.endswith(".weight") and n[: -len(".weight")] + ".scales" in source}
-    plan = []
-    for name in names:
-        base, _, suffix = name.rpartition(".")
-        if base in quantized and suffix in ("scales", "biases"):
-            continue  # stored with its weight
-        info = source.info(name)
-        if base in quantized and suffix == "weight":
-            spec = source.mlx.spec_for(base)
-            if not spec.quantized:
-                raise LayoutError(f"{base} has scales, but config.json's quantization leaves it float")
-            if base + ".biases" not in source:
-                raise LayoutError(f"{base}.biases is missing")
-            scales, biases = source.info(base + ".scales"), source.info(base + ".biases")
-            if info.dtype not in ("U32", "I32") or len(info.shape) != 2:
-                raise LayoutError(f"{name}: {info.dtype} {list(info.shape)}, MLX packs quantized weights as 2-D U32")
-            if biases.shape != scales.shape or biases.dtype != scales.dtype:
-                raise LayoutError(f"{biases.name}: {biases.dtype} {list(biases.shape)} differs from its scales "
-                                  f"{scales.dtype} {list(scales.shape)}")
-            mlx_input_size(name, info.shape, scales.shape, spec)
-            parts = [TensorEntry(name, "U32", info.shape), TensorEntry(scales.name, scales.dtype, scales.shape),
-                     TensorEntry(biases.name, biases.dtype, biases.shape)]
-            nbytes = info.nbytes + scales.nbytes + biases.nbytes
-        else:
-            spec, parts, nbytes = QuantSpec(), [TensorEntry(name, info.dtype, info.shape)], info.nbytes
-        plan.append(DenseTensor(name, spec, parts, False, nbytes))
-    return plan
+__all__ = ["convert", "main"]
 
 
 BLOCK_BYTES = 32 << 20  # resident tensors are read, quantized and written this many source bytes at a time
@@ -174,6 +94,7 @@ class Conversion:
         self.layers, dense_names = find_expert_layers(source)
         check_expert_layers(self.layers, source)
         self.dense = plan_dense(source, dense_names, self.bits, group_size)
+        check_dense(self.dense, source)
         self.options = {"source": source.origin, "source_files": source.file_sizes(), "quant": quant,
                         "group_size": group_size, "format_version": FORMAT_VERSION}
         self.state: ConvertState | None = None

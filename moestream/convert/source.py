@@ -1,6 +1,9 @@
 """A Hugging Face checkpoint read lazily: config, tensor index, tokenizer files.
 
-Tensors are read with positional reads into fresh buffers (never mapped), so what a conversion
+Tensors are named as the packed model names them: the family's sanitize maps each checkpoint
+name (and drops what is not a weight), so the rest of convert sees only packed names.
+
+They are read with positional reads into fresh buffers (never mapped), so what a conversion
 keeps resident is what it holds, not the pages of the checkpoint it has looked at."""
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ from moestream.convert.hub import INDEX_NAME, blob_sha256, download, looks_like_
 from moestream.errors import MoestreamError, UnsupportedModelError
 from moestream.format.safetensors_io import SafetensorsFile, TensorInfo
 from moestream.format.writer import sha256_file
-from moestream.models import SUPPORTED_FAMILIES
+from moestream.models.registry import family_module, supported
 from moestream.quant.mlx import MlxQuantization
 
 log = logging.getLogger(__name__)
@@ -41,16 +44,17 @@ class CheckpointSource:
         self.config = self._read_config()
         family = self.config.get("model_type")
         if family is None:
-            raise UnsupportedModelError(f"{self.folder / 'config.json'}: no model_type (supported: {', '.join(SUPPORTED_FAMILIES)})")
-        if family not in SUPPORTED_FAMILIES:
-            raise UnsupportedModelError(f"model_type {family!r} is not supported (supported: {', '.join(SUPPORTED_FAMILIES)})")
+            raise UnsupportedModelError(f"{self.folder / 'config.json'}: no model_type (supported: {supported()})")
         self.family: str = family
+        self.family_module = family_module(family)  # refuses a family that is not supported
         self.mlx: MlxQuantization | None = MlxQuantization.from_config(self.config)
         self.files = self._shard_names()
         self._handles: dict[str, SafetensorsFile] = {}
-        self.index: dict[str, str] = {}
+        self.index: dict[str, str] = {}  # checkpoint name -> shard file
+        self.packed_names: dict[str, str] = {}  # packed name -> checkpoint name
         try:
             self._build_index()
+            self._sanitize()
         except BaseException:
             self.close()
             raise
@@ -100,20 +104,39 @@ class CheckpointSource:
                 if key not in self.index:
                     raise CheckpointError(f"{self.folder / file}: tensor {key} is missing (listed in {INDEX_NAME})")
 
+    def _sanitize(self) -> None:
+        dropped = 0
+        for key in sorted(self.index):
+            name = self.family_module.sanitize(key)
+            if name is None:
+                dropped += 1
+            elif name in self.packed_names:
+                raise CheckpointError(f"{self.folder}: tensors {self.packed_names[name]} and {key} are both {name} "
+                                      f"in a {self.family} model")
+            else:
+                self.packed_names[name] = key
+        if dropped:
+            log.info("%d checkpoint tensors are not weights of a %s model (left out)", dropped, self.family)
+
     def _open(self, file: str) -> SafetensorsFile:
         if file not in self._handles:
             self._handles[file] = SafetensorsFile(self.folder / file)
         return self._handles[file]
 
-    # -- tensors ----------------------------------------------------------------
+    # -- tensors, by packed name -------------------------------------------------
     def names(self) -> list[str]:
-        return sorted(self.index)
+        return sorted(self.packed_names)
 
     def __contains__(self, name: str) -> bool:
-        return name in self.index
+        return name in self.packed_names
+
+    def _locate(self, name: str) -> tuple[SafetensorsFile, str]:
+        key = self.packed_names[name]
+        return self._open(self.index[key]), key
 
     def info(self, name: str) -> TensorInfo:
-        return self._open(self.index[name]).info(name)
+        handle, key = self._locate(name)
+        return handle.info(key)
 
     def shape(self, name: str) -> list[int]:
         return list(self.info(name).shape)
@@ -122,10 +145,12 @@ class CheckpointSource:
         return self.info(name).nbytes
 
     def get(self, name: str) -> torch.Tensor:
-        return self._open(self.index[name]).read(name)
+        handle, key = self._locate(name)
+        return handle.read(key)
 
     def get_rows(self, name: str, start: int, count: int = 1) -> torch.Tensor:
-        return self._open(self.index[name]).read_rows(name, start, count)
+        handle, key = self._locate(name)
+        return handle.read_rows(key, start, count)
 
     # -- other files ----------------------------------------------------------
     def tokenizer_files(self) -> list[Path]:

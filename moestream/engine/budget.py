@@ -9,6 +9,7 @@ import torch
 from moestream.errors import MoestreamError
 from moestream.experts.sizing import format_bytes
 from moestream.format.reader import PackedModel
+from moestream.layers.kv_cache import KVCache
 
 
 @dataclass
@@ -51,7 +52,8 @@ def resident_bytes(packed: PackedModel, dtype: torch.dtype) -> int:
 def plan_ledger(packed: PackedModel, args, *, dtype: torch.dtype, max_context: int, chunk: int, slots: int,
                 slot_bytes: int, host_slots: int, staging: int) -> Ledger:
     item = torch.finfo(dtype).bits // 8
-    kv = 2 * args.num_hidden_layers * args.num_key_value_heads * args.head_dim * max_context * item
+    kv_layers, kv_heads, head_dim = args.kv_layout()
+    kv = KVCache.nbytes_for(kv_layers, kv_heads, head_dim, max_context, dtype)
     workspace = prefill_workspace(args, tokens=min(chunk, max_context), context=max_context, item=item)
     return Ledger(resident_weights=resident_bytes(packed, dtype), kv_cache=kv, workspace=workspace,
                   expert_slots=slots * slot_bytes, host_tier=host_slots * slot_bytes, read_buffers=staging * slot_bytes)
@@ -62,8 +64,7 @@ def prefill_workspace(args, *, tokens: int, context: int, item: int) -> int:
     layer's working set; decode needs far less). Attention runs in flash / memory-efficient kernels,
     which never hold the [T, S] scores, but grouped K/V are expanded to every query head."""
     H, A = args.hidden_size, args.num_experts_per_tok
-    inter = max(args.expert_intermediate_size or 0, args.intermediate_size or 0,
-                getattr(args, "shared_expert_intermediate_size", 0) or 0)
+    inter = args.largest_intermediate()
     heads, kv_heads, D = args.num_attention_heads, args.num_key_value_heads, args.head_dim
     activations = tokens * (10 * H + 3 * heads * D) * item  # residual, norms, q/k/v, attention output
     experts = tokens * A * (inter * item + 4 * H + 16)  # the expert kernels' [P, I] and float32 [P, H] rows

@@ -10,9 +10,7 @@ import torch
 from safetensors.torch import save_file
 
 from moestream.format.reader import PackedModel
-
-# Mixtral names its expert projections w1/w3/w2 and its MoE module block_sparse_moe.
-EXPERT_NAMES = {"mixtral": ("block_sparse_moe", {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"})}
+from moestream.models.registry import family_module
 
 
 def export_hf(packed_dir: str | Path, out_dir: str | Path, *, dtype: torch.dtype = torch.float32) -> Path:
@@ -20,7 +18,8 @@ def export_hf(packed_dir: str | Path, out_dir: str | Path, *, dtype: torch.dtype
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {name: packed.dense(name, dtype).contiguous() for name in packed.logical_dense_names()}
-    module, names = EXPERT_NAMES.get(packed.family, ("mlp", {p: p for p in ("gate_proj", "up_proj", "down_proj")}))
+    family = family_module(packed.family)  # experts are named as the family's checkpoints name them
+    module, names = family.EXPERT_MODULE, family.EXPERT_NAMES
     for entry in packed.manifest.expert_layers:
         for e in range(entry.num_experts):
             for proj, w in packed.dequantized_expert(entry.layer, e, dtype).items():

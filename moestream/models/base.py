@@ -1,13 +1,14 @@
 """What every family shares: config reading, the strict weight loader, and builders for the usual pieces.
 
 A family file (one per Hugging Face model_type) holds its ModelArgs, the rules the rest of the
-project asks of it (see `registry.Family`), and `build`, which assembles its layers from
+project asks of it (see the `registry` docstring), and `build`, which assembles its layers from
 moestream.layers with these helpers. Checkpoint names are the family's own, kept verbatim in the
 packed model."""
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -20,6 +21,7 @@ from moestream.layers.rope import Rope, rope_theta
 # transformers 4 and 5 spell some fields differently; the first name is ModelArgs' field.
 ALIASES = {"num_experts": ("num_local_experts",)}
 EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+EMBEDDING = "model.embed_tokens.weight"  # the token embedding `embeddings` takes
 
 
 @dataclass
@@ -39,6 +41,8 @@ class BaseModelArgs:
     max_position_embeddings: int = 4096
     rope_theta: float = 10000.0
     attention_bias: bool = False
+    # the config field sizing routed experts (named in convert's messages about expert shapes)
+    EXPERT_INTERMEDIATE: ClassVar[str] = "intermediate_size"
 
     @classmethod
     def from_dict(cls, config: dict):
@@ -58,6 +62,11 @@ class BaseModelArgs:
             args.head_dim = args.hidden_size // args.num_attention_heads
         return args
 
+    @staticmethod
+    def config_key(config: dict, field: str) -> str:
+        """How config.json spells a field (transformers 4 and 5 differ for some)."""
+        return next((k for k in (field, *ALIASES.get(field, ())) if config.get(k) is not None), field)
+
     # -- what the rest of the project asks (a family overrides where it differs) ---------------
     def is_moe_layer(self, i: int) -> bool:
         return self.num_experts > 0
@@ -68,7 +77,11 @@ class BaseModelArgs:
     @property
     def expert_intermediate_size(self) -> int:
         """The routed experts' intermediate size."""
-        return self.intermediate_size
+        return getattr(self, self.EXPERT_INTERMEDIATE)
+
+    def largest_intermediate(self) -> int:
+        """The widest FFN intermediate any layer computes (sizes the engine's workspace)."""
+        return max(self.intermediate_size or 0, self.expert_intermediate_size or 0)
 
     def expert_shapes(self) -> dict[str, tuple[int, int]]:
         """[out, in] of each projection of one routed expert."""
@@ -108,14 +121,16 @@ class WeightLoader:
 class ShapeRecorder:
     """A loader that records what `build` takes (name -> shape) and hands out meta tensors: the
     family's build is the one list of its resident tensors (synth, the memory ledger and convert
-    ask it)."""
+    ask it). `present`: the names a checkpoint has, for tensors a build takes only if present
+    (an untied lm_head beside tie_word_embeddings)."""
 
-    def __init__(self):
+    def __init__(self, present=()):
         self.device, self.dtype = torch.device("meta"), torch.float32
+        self.present = frozenset(present)
         self.shapes: dict[str, tuple[int, ...]] = {}
 
     def has(self, name: str) -> bool:
-        return False
+        return name in self.present
 
     def take(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         self.shapes[name] = tuple(shape)
@@ -176,7 +191,7 @@ def norms(loader, prefix: str, hidden: int) -> tuple[torch.Tensor, torch.Tensor]
 def embeddings(loader, args: BaseModelArgs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(embed, final norm, lm_head); lm_head is the embedding where the config ties them."""
     V, H = args.vocab_size, args.hidden_size
-    embed = loader.take("model.embed_tokens.weight", (V, H))
+    embed = loader.take(EMBEDDING, (V, H))
     tied = args.tie_word_embeddings and not loader.has("lm_head.weight")
     lm_head = embed if tied else loader.take("lm_head.weight", (V, H))
     return embed, loader.take("model.norm.weight", (H,)), lm_head

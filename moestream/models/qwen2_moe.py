@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import partial
+from typing import ClassVar
 
 from moestream.layers.experts import RoutedExperts
 from moestream.layers.moe import MoEBlock
@@ -18,6 +19,7 @@ EXPERT_NAMES = {p: p for p in base.EXPERT_PROJECTIONS}
 
 @dataclass
 class ModelArgs(base.BaseModelArgs):
+    EXPERT_INTERMEDIATE: ClassVar[str] = "moe_intermediate_size"
     moe_intermediate_size: int = 1408
     shared_expert_intermediate_size: int = 5632
     norm_topk_prob: bool = False
@@ -28,9 +30,8 @@ class ModelArgs(base.BaseModelArgs):
     def is_moe_layer(self, i: int) -> bool:
         return i not in self.mlp_only_layers and self.num_experts > 0 and (i + 1) % self.decoder_sparse_step == 0
 
-    @property
-    def expert_intermediate_size(self) -> int:
-        return self.moe_intermediate_size
+    def largest_intermediate(self) -> int:
+        return max(super().largest_intermediate(), self.shared_expert_intermediate_size)
 
 
 def sanitize(name: str) -> str | None:

@@ -2,24 +2,33 @@
 
 What the project asks of a family module (each file in moestream/models/ has all of it):
   ModelArgs        dataclass read from config.json (`ModelArgs.from_dict`), with `is_moe_layer(i)`,
-                   `moe_layers()`, `expert_shapes()` and `kv_layout()`
+                   `moe_layers()`, `expert_shapes()`, `kv_layout()`, `largest_intermediate()` and
+                   EXPERT_INTERMEDIATE (the config field sizing routed experts)
   EXPERT_MODULE    the module holding routed experts in checkpoint names ("mlp", "block_sparse_moe")
   EXPERT_NAMES     our projection name -> the checkpoint's ({"gate_proj": "w1", ...} for Mixtral)
   sanitize(name)   a checkpoint tensor's packed name, or None for tensors that are not weights
   quant_predicate(name, bits)  the bits a resident matrix keeps (None: float)
   build(args, loader, experts) the model (moestream.layers.transformer.MoETransformer)
+
+Nothing outside the family's file knows these rules: convert, synth, export_hf and the memory
+ledger ask the module, so a new family is its file, its tests and a SUPPORTED_FAMILIES entry.
 """
 from __future__ import annotations
 
 import importlib
 
+from moestream import models
 from moestream.errors import UnsupportedModelError
-from moestream.models import SUPPORTED_FAMILIES
+
+
+def supported() -> str:
+    return ", ".join(models.SUPPORTED_FAMILIES)
 
 
 def family_module(model_type: str):
-    if model_type not in SUPPORTED_FAMILIES:
-        raise UnsupportedModelError(f"model_type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_FAMILIES)})")
+    # SUPPORTED_FAMILIES is read at each call: the one list of families (tests extend it)
+    if not isinstance(model_type, str) or model_type not in models.SUPPORTED_FAMILIES:
+        raise UnsupportedModelError(f"model_type {model_type!r} is not supported (supported: {supported()})")
     return importlib.import_module(f"moestream.models.{model_type}")
 
 
@@ -28,12 +37,13 @@ def model_args(model_type: str, config: dict):
     return family_module(model_type).ModelArgs.from_dict(config)
 
 
-def weight_shapes(model_type: str, config: dict) -> dict[str, tuple[int, ...]]:
-    """Every resident tensor the family's model takes (name -> shape), as its build takes them."""
+def weight_shapes(model_type: str, config: dict, present=()) -> dict[str, tuple[int, ...]]:
+    """Every resident tensor the family's model takes (name -> shape), as its build takes them;
+    `present` names the tensors a checkpoint has, for those a build takes only when present."""
     from moestream.models.base import ShapeRecorder
 
     module = family_module(model_type)
-    recorder = ShapeRecorder()
+    recorder = ShapeRecorder(present)
     module.build(module.ModelArgs.from_dict(config), recorder, None)
     return recorder.shapes
 

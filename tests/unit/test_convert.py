@@ -9,10 +9,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from moestream.convert.layout import PER_EXPERT, PROJ_ALIASES
+from moestream.convert.layout import ExpertNames
 from moestream.convert.main import convert
 from moestream.format.manifest import MANIFEST_NAME
 from moestream.format.reader import PackedModel
+from moestream.models.registry import family_module
 from tiny import load_all
 
 FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"]
@@ -20,12 +21,10 @@ FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"]
 
 
 
-def expert_sources(tensors: dict) -> dict[tuple[int, int, str], torch.Tensor]:
-    out = {}
-    for name, t in tensors.items():
-        if m := PER_EXPERT.match(name):
-            out[(int(m["layer"]), int(m["expert"]), PROJ_ALIASES[m["proj"]])] = t
-    return out
+def expert_sources(tensors: dict, family: str) -> dict[tuple[int, int, str], torch.Tensor]:
+    """(layer, expert, projection) -> tensor of the per-expert tensors, named as `family` names them."""
+    names = ExpertNames(family_module(family))
+    return {key: t for name, t in tensors.items() if (key := names.expert(name))}
 
 
 def file_hashes(folder: Path, skip=()) -> dict[str, str]:
@@ -44,7 +43,7 @@ def assert_within_half_step(w: torch.Tensor, deq: torch.Tensor, scales: torch.Te
 def test_q4_experts_and_dense_within_half_a_step(family, tiny_checkpoint, tiny_packed_model):
     src = load_all(tiny_checkpoint(family))
     packed = PackedModel(tiny_packed_model(family, "q4"))
-    experts = expert_sources(src)
+    experts = expert_sources(src, family)
     assert experts, "the tiny checkpoint has per-expert tensors"
     for (layer, expert, proj), w in experts.items():
         stored = packed.expert_tensors(layer, expert)
@@ -52,7 +51,7 @@ def test_q4_experts_and_dense_within_half_a_step(family, tiny_checkpoint, tiny_p
         assert packed.expert_layer(layer).quant[proj] == {"bits": 4, "group_size": 64}
         assert_within_half_step(w, deq, stored[f"{proj}.scales"], 64, f"layer {layer} expert {expert} {proj}")
     for name, w in src.items():
-        if name in {n for n in src if PER_EXPERT.match(n)}:
+        if ExpertNames(family_module(family)).expert(name):
             continue
         spec = packed.tensor_spec(name)
         if spec.quantized:
@@ -72,11 +71,11 @@ def test_none_round_trips_every_tensor_bit_exactly(family, tiny_checkpoint, tiny
     src = load_all(folder)
     out = tiny_packed_model(family, "none")
     packed = PackedModel(out)
-    experts = expert_sources(src)
+    experts = expert_sources(src, family)
     for (layer, expert, proj), w in experts.items():
         assert torch.equal(packed.expert_tensors(layer, expert)[f"{proj}.weight"], w)
         assert torch.equal(packed.dequantized_expert(layer, expert, w.dtype)[proj], w)
-    dense = {n: t for n, t in src.items() if not PER_EXPERT.match(n)}
+    dense = {n: t for n, t in src.items() if not ExpertNames(family_module(family)).expert(n)}
     assert set(packed.logical_dense_names()) == set(dense)
     for name, w in dense.items():
         got = packed.dense(name)
@@ -95,7 +94,7 @@ def test_none_keeps_bf16_bit_exactly(tiny_checkpoint, tmp_path):
     folder = tiny_checkpoint("mixtral", dtype="bfloat16")
     src = load_all(folder)
     packed = PackedModel(convert(folder, tmp_path / "m", quant="none", progress=False))
-    for (layer, expert, proj), w in expert_sources(src).items():
+    for (layer, expert, proj), w in expert_sources(src, "mixtral").items():
         got = packed.expert_tensors(layer, expert)[f"{proj}.weight"]
         assert got.dtype == torch.bfloat16 and torch.equal(got, w)
     assert packed.dense("model.embed_tokens.weight").dtype == torch.bfloat16
@@ -105,7 +104,7 @@ def test_q8_group_32(tiny_checkpoint, tmp_path):
     folder = tiny_checkpoint("olmoe")
     src = load_all(folder)
     packed = PackedModel(convert(folder, tmp_path / "m", quant="q8", group_size=32, progress=False))
-    for (layer, expert, proj), w in list(expert_sources(src).items())[:6]:
+    for (layer, expert, proj), w in list(expert_sources(src, "olmoe").items())[:6]:
         assert packed.expert_layer(layer).quant[proj] == {"bits": 8, "group_size": 32}
         stored = packed.expert_tensors(layer, expert)
         assert_within_half_step(w, packed.dequantized_expert(layer, expert)[proj], stored[f"{proj}.scales"], 32, proj)
@@ -114,7 +113,7 @@ def test_q8_group_32(tiny_checkpoint, tmp_path):
 
 def test_matrix_with_odd_input_size_stays_float(tiny_checkpoint, tmp_path):
     folder = tiny_checkpoint("qwen3_moe", moe_intermediate_size=96)  # down_proj input 96 is not a multiple of 64
-    src = expert_sources(load_all(folder))
+    src = expert_sources(load_all(folder), "qwen3_moe")
     packed = PackedModel(convert(folder, tmp_path / "m", quant="q4", progress=False))
     entry = packed.expert_layer(0)
     assert entry.quant["down_proj"] is None and entry.quant["gate_proj"] == {"bits": 4, "group_size": 64}
@@ -128,8 +127,9 @@ def fuse_checkpoint(folder: Path, out: Path) -> Path:
         if not p.name.endswith(".safetensors"):
             shutil.copy(p, out / p.name)
     tensors = load_all(folder)
-    experts = expert_sources(tensors)
-    fused = {n: t for n, t in tensors.items() if not PER_EXPERT.match(n)}
+    experts = expert_sources(tensors, "qwen3_moe")
+    names = ExpertNames(family_module("qwen3_moe"))
+    fused = {n: t for n, t in tensors.items() if not names.expert(n)}
     for layer in sorted({k[0] for k in experts}):
         count = len({k[1] for k in experts if k[0] == layer})
         prefix = f"model.layers.{layer}.mlp.experts"

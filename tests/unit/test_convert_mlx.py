@@ -8,10 +8,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from moestream.convert.layout import PER_EXPERT, PROJ_ALIASES
+from moestream.convert.layout import ExpertNames
 from moestream.convert.main import convert
 from moestream.errors import MoestreamError
 from moestream.format.reader import PackedModel
+from moestream.models.registry import family_module
 from moestream.quant.affine import quantize
 from tiny import load_all
 
@@ -35,9 +36,11 @@ def build_mlx_checkpoint(folder: Path, out: Path, overrides: dict) -> Path:
     tensors = load_all(folder)
     modules: dict[str, torch.Tensor] = {}
     stacks: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
+    family = json.loads((folder / "config.json").read_text())["model_type"]
+    names = ExpertNames(family_module(family))
     for name, t in tensors.items():
-        if m := PER_EXPERT.match(name):
-            stacks.setdefault((m["prefix"], PROJ_ALIASES[m["proj"]]), {})[int(m["expert"])] = t
+        if m := names.per_expert.match(name):
+            stacks.setdefault((m["prefix"], names.ours[m["proj"]]), {})[int(m["expert"])] = t
         elif name.endswith(".weight") and t.dim() == 2 and t.shape[1] % GROUP == 0:
             modules[name[: -len(".weight")]] = t
         else:
