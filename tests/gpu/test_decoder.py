@@ -94,3 +94,22 @@ def test_step_of_t_tokens_equals_t_single_steps_on_cuda(family, size, tiny_packe
         singles = torch.cat([engine.step([t]) for t in draft[:T]])
         assert torch.equal(together, singles), T
     engine.close()
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_lookahead_changes_no_bits_and_reports_its_accuracy(family, tiny_packed_model):
+    packed = tiny_packed_model(family, "q4", dtype="bfloat16")
+    outs = {}
+    for prefetch in ("none", "next-layer", "two-layers"):
+        engine = load(packed, dtype="bfloat16", cache_size="min", prefetch=prefetch, host_cache_size="all")
+        prompt = engine.tokenizer.encode(PROMPT)
+        gen = engine.generate(prompt, max_new_tokens=STEPS, logprobs=1, stop_at_eos=False)
+        outs[prefetch] = [(e.token_id, e.logprob) for e in gen]
+        receipt = gen.result.receipt
+        if prefetch == "none":
+            assert receipt["lookahead"] == {}
+        else:
+            assert engine.decoder.lookahead is not None and receipt["lookahead"]["accuracy"]["depth1"] is not None
+            assert receipt["experts"]["prefetch_issued"] > 0
+        engine.close()
+    assert outs["next-layer"] == outs["none"] and outs["two-layers"] == outs["none"]
