@@ -67,7 +67,8 @@ class Rerouter:
     def __init__(self, spec: RoutingSpec, moe_layers: list[int], num_experts: int, top_k: int, *,
                  device: torch.device, seed: int = 0):
         self.spec, self.E, self.A, self.device = spec, num_experts, top_k, device
-        self.generator = torch.Generator(device=device).manual_seed(seed)
+        # the default generator: CUDA graphs capture its draws (a generator of our own would need registering)
+        torch.manual_seed(seed)
         g = torch.Generator().manual_seed(seed)
         self.log_weights, self.previous, self.replay, self.cursor = {}, {}, {}, {}
         if spec.kind == "zipf":
@@ -109,10 +110,10 @@ class Rerouter:
             return weights, ids
         T = ids.shape[0]
         if kind == "uniform":
-            noise = torch.rand((T, self.E), device=ids.device, generator=self.generator)
+            noise = torch.rand((T, self.E), device=ids.device)
             return weights, noise.topk(self.A, dim=-1).indices.to(ids.dtype)
         if kind == "zipf":
-            u = torch.rand((T, self.E), device=ids.device, generator=self.generator).clamp_(1e-20, 1.0)
+            u = torch.rand((T, self.E), device=ids.device).clamp_(1e-20, 1.0)
             gumbel = -torch.log(-torch.log(u))
             prev = self.previous[layer]
             if T > 16:  # a prefill chunk: every token sees the previous step's choice (one op, not T)

@@ -158,7 +158,8 @@ class Decoder:
             self.stream.wait_stream(stream)
             self.x.copy_(saved)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.graph_pool):
+            # thread_local: reader threads may start copies (early reads) while this thread captures
+            with torch.cuda.graph(graph, pool=self.graph_pool, capture_error_mode="thread_local"):
                 fn()
             self.graphs[key] = graph
         graph.replay()

@@ -75,6 +75,8 @@ class ExpertCache:
         if self.cuda:
             self.pool = torch.empty((slots, self.slot_bytes), dtype=torch.uint8, device=self.device)
             self.copy_stream = torch.cuda.Stream(self.device)
+            # early copies on their own stream, so a layer's demand copies never queue behind guesses
+            self.early_stream = torch.cuda.Stream(self.device)
             # the stream compute runs on (the default one), kept: torch.cuda.current_stream() costs ~25 us
             # of CPU per call on a GPU machine, and a streamed layer would ask several times
             self.compute_stream = torch.cuda.current_stream(self.device)
@@ -88,7 +90,8 @@ class ExpertCache:
         self.pending: dict = {}  # device key -> Future that completes when the slot holds the record
         self._victim_events: dict = {}  # slot -> event after the last compute that may read it (CUDA)
         self._pinned: dict[int, list] = {}
-        self._prefetched: set = set()
+        self._prefetched: set = set()  # early reads not yet used (counted when a fetch finds them)
+        self._prefetch_loading: set = set()  # those of them still loading
         self._deferred: list = []  # (copy event, callback): host tier slots to unpin once their copy is done
         self.resident_tables: dict[int, torch.Tensor] = {}  # layer -> int32 [E] slots, once all are resident
         self._device_hits: torch.Tensor | None = None  # per MoE layer, counted by resident layers
@@ -189,8 +192,9 @@ class ExpertCache:
                 self._reserve(key, wait=False)
             except CacheFullError:
                 break
-            self._start_load(key)
+            self._start_load(key, early=True)
             self._prefetched.add(key)
+            self._prefetch_loading.add(key)
             issued += 1
         self.stats_.prefetch_issued += issued
         return issued
@@ -310,7 +314,7 @@ class ExpertCache:
         event.record(self.compute_stream)
         self._victim_events[slot] = event
 
-    def _start_load(self, key) -> None:
+    def _start_load(self, key, *, early: bool = False) -> None:
         li, expert = key
         layer = self.moe_layers[li]
         slot = self.directory.lookup(key)
@@ -321,13 +325,13 @@ class ExpertCache:
         if host is not None:  # in host RAM already: only a copy
             view, after = host
             self._add(bytes_read_host=size)
-            self._copy_into_slot(key, slot, view, size, done, after=after, defer=True)
+            self._copy_into_slot(key, slot, view, size, done, after=after, defer=True, early=early)
             return
         if self.cuda:
             staging = self.staging.get()
             read = self.source.submit(layer, expert, staging[:size])
             read.add_done_callback(lambda f: self._after_read(f, key, slot, staging[:size], size, done,
-                                                              after=lambda: self.staging.put(staging)))
+                                                              after=lambda: self.staging.put(staging), early=early))
         else:
             target = self.pool[slot][:size]
             read = self.source.submit(layer, expert, target)
@@ -351,7 +355,8 @@ class ExpertCache:
 
     def _reap_prefetches(self) -> None:
         """Mark early reads that have landed as ready, so that a guess nobody used can be evicted."""
-        for key in [k for k in self._prefetched if k in self.pending and self.pending[k].done()]:
+        for key in [k for k in self._prefetch_loading if k not in self.pending or self.pending[k].done()]:
+            self._prefetch_loading.discard(key)  # only loading ones are looked at: this runs at every fetch
             try:
                 self._finish(key)
             except ExpertReadError:  # the slot is freed; a later fetch reads the expert again
@@ -372,7 +377,8 @@ class ExpertCache:
         with self._lock:
             self.host.directory.unpin(hkey)
 
-    def _after_read(self, read: Future, key, slot: int, data: torch.Tensor, size: int, done: Future, after) -> None:
+    def _after_read(self, read: Future, key, slot: int, data: torch.Tensor, size: int, done: Future, after, *,
+                    early: bool = False) -> None:
         """Runs on a reader thread when a disk read finishes."""
         layer, expert = self.moe_layers[key[0]], key[1]
         try:
@@ -380,7 +386,7 @@ class ExpertCache:
             self._add(bytes_read_disk=size)
             if self.host is not None:
                 self._fill_host(layer, expert, data, size)
-            self._copy_into_slot(key, slot, data, size, done, after=after)
+            self._copy_into_slot(key, slot, data, size, done, after=after, early=early)
         except BaseException as exc:  # hand the failure to whoever waits on this slot
             if after is not None:
                 after()
@@ -401,18 +407,19 @@ class ExpertCache:
             self.host.directory.mark_ready(hkey)
 
     def _copy_into_slot(self, key, slot: int, data: torch.Tensor, size: int, done: Future, after, *,
-                        defer: bool = False) -> None:
+                        defer: bool = False, early: bool = False) -> None:
         """Copy a host record into its device slot; `after` runs once the source buffer is free again:
         at once after waiting for the copy, or (defer, main thread only) when a later call finds the
         copy done, so that many copies queue back to back on the link."""
         if self.cuda:
-            with torch.cuda.stream(self.copy_stream):
+            stream = self.early_stream if early else self.copy_stream
+            with torch.cuda.stream(stream):
                 victim = self._victim_events.pop(slot, None)
                 if victim is not None:
-                    self.copy_stream.wait_event(victim)
+                    stream.wait_event(victim)
                 self.pool[slot][:size].copy_(data, non_blocking=True)
                 event = torch.cuda.Event()
-                event.record(self.copy_stream)
+                event.record(stream)
             self.ready_events[key] = event
             if after is not None and defer:
                 self._deferred.append((event, after))
