@@ -192,6 +192,9 @@ def run(args) -> dict:
     for size in sizes:
         if args.cold and not drop_page_cache():
             log.warning("could not drop the page cache (not root?); reads may come from RAM")
+        if torch.cuda.is_available():  # each run's peak is its own
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
         engine = load_engine(args.model, replace(base, cache_size=size))
         try:
             attach_routing(engine, routing, seed=args.seed)

@@ -54,7 +54,8 @@ def plan_ledger(packed: PackedModel, args, *, dtype: torch.dtype, max_context: i
     item = torch.finfo(dtype).bits // 8
     kv_layers, kv_heads, head_dim = args.kv_layout()
     kv = KVCache.nbytes_for(kv_layers, kv_heads, head_dim, max_context, dtype)
-    workspace = prefill_workspace(args, tokens=min(chunk, max_context), context=max_context, item=item)
+    workspace = max(prefill_workspace(args, tokens=min(chunk, max_context), context=max_context, item=item),
+                    decode_workspace(args, context=max_context))
     return Ledger(resident_weights=resident_bytes(packed, dtype), kv_cache=kv, workspace=workspace,
                   expert_slots=slots * slot_bytes, host_tier=host_slots * slot_bytes, read_buffers=staging * slot_bytes)
 
@@ -73,6 +74,15 @@ def prefill_workspace(args, *, tokens: int, context: int, item: int) -> int:
     mask = tokens * context  # the boolean mask of a later chunk
     logits = 2 * args.vocab_size * 4
     return activations + experts + dense + expanded_kv + mask + logits
+
+
+def decode_workspace(args, *, context: int) -> int:
+    """What a decode step keeps while it runs, measured on the H200: the CUDA graphs hold every
+    layer's split-attention partials (float32 [heads, context / 64, head_dim + 2]) and small
+    per-layer buffers, and the allocator rounds blocks up (~2 % of what it holds; a fixed 160 MiB
+    covers both at the 30B shape)."""
+    layers, heads, D = args.num_hidden_layers, args.num_attention_heads, args.head_dim
+    return layers * heads * -(-context // 64) * (D + 2) * 4 + (160 << 20)
 
 
 def slots_within(budget: int, ledger: Ledger, *, slot_bytes: int, min_slots: int, total_experts: int) -> int:

@@ -101,7 +101,7 @@ def test_lookahead_changes_no_bits_and_reports_its_accuracy(family, tiny_packed_
     packed = tiny_packed_model(family, "q4", dtype="bfloat16")
     outs = {}
     for prefetch in ("none", "next-layer", "two-layers"):
-        engine = load(packed, dtype="bfloat16", cache_size="min", prefetch=prefetch, host_cache_size="all")
+        engine = load(packed, dtype="bfloat16", cache_size="50%", prefetch=prefetch, host_cache_size="all")
         prompt = engine.tokenizer.encode(PROMPT)
         gen = engine.generate(prompt, max_new_tokens=STEPS, logprobs=1, stop_at_eos=False)
         outs[prefetch] = [(e.token_id, e.logprob) for e in gen]
