@@ -111,7 +111,8 @@ def plan_run(packed: PackedModel, options: EngineOptions, *, default_cache_size:
 
     def ledger(slots: int) -> Ledger:
         return plan_ledger(packed, args, dtype=dtype, max_context=max_context, chunk=chunk,
-                           slots=slots, slot_bytes=slot_bytes, host_slots=host_slots, staging=staging)
+                           slots=slots, slot_bytes=slot_bytes, host_slots=host_slots, staging=staging,
+                           cuda=device.type == "cuda")
 
     size = options.cache_size if options.cache_size != "auto" else default_cache_size
     if options.memory_budget:
