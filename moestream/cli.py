@@ -7,6 +7,7 @@ import sys
 # subcommand -> (module, one-line help)
 COMMANDS = {
     "convert": ("moestream.convert.main", "pack a Hugging Face checkpoint (folder or Hub repo) into a moestream model"),
+    "pull": ("moestream.convert.pull", "download a Hub repo and pack it shard by shard (extra disk: the largest shard)"),
     "verify": ("moestream.format.verify", "check a packed model's files and expert records against its manifest"),
     "generate": ("moestream.engine.cli", "generate text with a packed model, streaming experts from disk"),
     "serve": ("moestream.server.main", "OpenAI-compatible HTTP server"),

@@ -276,8 +276,8 @@ class Conversion:
 
 def convert(src: str | Path, out: str | Path, *, quant: str = "q4", group_size: int = 64, force: bool = False,
             resume: bool = False, revision: str | None = None, progress: bool = True, workers: int = 1,
-            kill_after_layers: int | None = None) -> Path:
-    """Pack the checkpoint at `src` (folder or Hub repo id) into `out`; returns `out`.
+            kill_after_layers: int | None = None, tokenizer: str | Path | None = None) -> Path:
+    """Pack the checkpoint at `src` (folder, .gguf file or Hub repo id) into `out`; returns `out`.
 
     `workers` > 1 builds expert records on that many threads (the output is the same bytes); each
     worker's torch ops are best run single-threaded (the CLI sets that), else the pools compete.
@@ -290,7 +290,7 @@ def convert(src: str | Path, out: str | Path, *, quant: str = "q4", group_size: 
     if force and resume:
         raise MoestreamError("--force and --resume exclude each other (--force starts over, --resume continues)")
     out = Path(out)
-    source = open_source(src, revision=revision)
+    source = open_source(src, revision=revision, tokenizer=tokenizer)
     try:
         job = Conversion(source, out, quant=quant, group_size=group_size, progress=progress, workers=workers,
                          kill_after_layers=kill_after_layers)
@@ -315,6 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quant", choices=list(QUANT_BITS), default="q4", help="expert and matrix quantization (default q4)")
     p.add_argument("--group-size", type=int, choices=GROUP_SIZES, default=64, help="quantization group size (default 64)")
     p.add_argument("--revision", help="Hub revision (branch, tag or commit) when SRC is a repo id")
+    p.add_argument("--tokenizer", help="for a .gguf SRC: a folder whose tokenizer files to copy")
     p.add_argument("--resume", action="store_true", help="continue an unfinished conversion into OUT")
     p.add_argument("--force", action="store_true", help="overwrite a non-empty OUT")
     p.add_argument("--workers", type=at_least(1), default=min(os.cpu_count() or 1, 8),
@@ -333,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         out = convert(args.src, args.out, quant=args.quant, group_size=args.group_size, force=args.force,
                       resume=args.resume, revision=args.revision, progress=not args.no_progress, workers=args.workers,
-                      kill_after_layers=args.kill_after_layers)
+                      kill_after_layers=args.kill_after_layers, tokenizer=args.tokenizer)
     except MoestreamError as exc:
         print(f"moestream convert: error: {exc}", file=sys.stderr)
         return 1

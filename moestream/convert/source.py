@@ -168,10 +168,15 @@ class CheckpointSource:
         self._handles.clear()
 
 
-def open_source(src: str | Path, *, revision: str | None = None) -> CheckpointSource:
-    """A local checkpoint folder, or a Hub repo id fetched into the Hugging Face cache."""
+def open_source(src: str | Path, *, revision: str | None = None, tokenizer: str | Path | None = None) -> CheckpointSource:
+    """A local checkpoint folder, a .gguf file, or a Hub repo id fetched into the Hugging Face cache."""
     text = str(src)
     path = Path(text).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        from moestream.convert.gguf_source import GgufSource
+        return GgufSource(path, tokenizer=tokenizer)
+    if tokenizer is not None:
+        raise CheckpointError("--tokenizer applies to GGUF files only")
     if path.exists():
         if revision is not None:
             raise CheckpointError(f"{text}: --revision applies to Hub repos, and this is a local folder")

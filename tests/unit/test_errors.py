@@ -10,13 +10,14 @@ import pytest
 
 from moestream.bench.main import main as bench_main
 from moestream.convert.main import main as convert_main
+from moestream.convert.pull import main as pull_main
 from moestream.engine.cli import main as generate_main
 from moestream.server.main import main as serve_main
 from moestream.sim.main import main as simulate_main
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "ERRORS.md"
 MAINS = {"generate": generate_main, "serve": serve_main, "bench": bench_main, "convert": convert_main,
-         "simulate": simulate_main}
+         "pull": pull_main, "simulate": simulate_main}
 
 # (command, arguments, exit code, the exact stderr line); {missing}, {port}, {file}, {trace} are
 # filled in per run and shown as such in the document
@@ -40,6 +41,8 @@ CASES = [
     ("bench", "--out {missing}/b.json", 2, "moestream bench: error: argument --out: the folder {missing} does not exist"),
     ("bench", "--io-threads -3", 2, "moestream bench: error: argument --io-threads: must be at least 1, not -3"),
     ("convert", "SRC OUT --workers 0", 2, "moestream convert: error: argument --workers: must be at least 1, not 0"),
+    ("pull", "./folder OUT", 1, "moestream pull: error: './folder' is not a Hub repo id (owner/name); to pack a local "
+                                "folder use moestream convert"),
     ("serve", "--top-p 2", 2, "moestream serve: error: argument --top-p: must be in (0, 1], not 2"),
     ("serve", "--temperature 3", 2, "moestream serve: error: argument --temperature: must be between 0 and 2, not 3.0"),
     ("serve", "--threads 0", 2, "moestream serve: error: argument --threads: must be at least 1, not 0"),

@@ -1,0 +1,200 @@
+"""A GGUF file read as a Hugging Face checkpoint: config.json from its metadata, tensors under
+transformers' names, dequantized exactly to float32 by the gguf package.
+
+Expert stacks (`blk.N.ffn_{gate,up,down}_exps`, [E, out, in]) are offered as per-expert tensors,
+one expert dequantized at a time. llama.cpp stores the q and k projections of "llama"-arch models
+(Mixtral) with the rotary halves interleaved; they are permuted back. The other MoE archs are
+stored unpermuted. Re-quantizing a K-quant or Q8_0 file to our format loses the original codes:
+the values are dequantized, then quantized again."""
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from moestream.models.registry import family_module
+from moestream.convert.source import TOKENIZER_FILES, CheckpointError, CheckpointSource
+from moestream.errors import UnsupportedModelError
+from moestream.format.safetensors_io import TensorInfo
+
+log = logging.getLogger(__name__)
+
+ARCH_FAMILY = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "olmoe": "olmoe", "llama": "mixtral"}
+TOP = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+       "output.weight": "lm_head.weight"}
+BLOCK = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj",
+         "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+         "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj",
+         "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj", "ffn_gate_inp": "mlp.gate",
+         "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
+         "ffn_down_shexp": "mlp.shared_expert.down_proj", "ffn_gate_inp_shexp": "mlp.shared_expert_gate"}
+EXPERT_STACKS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+MIXTRAL_PROJ = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+BLOCK_NAME = re.compile(r"^blk\.(?P<layer>\d+)\.(?P<what>[a-z_]+)\.(?P<kind>weight|bias)$")
+
+
+class GgufSource(CheckpointSource):
+    """CheckpointSource's interface over one .gguf file (tokenizer files from `tokenizer`, a folder)."""
+
+    def __init__(self, path: str | Path, *, tokenizer: str | Path | None = None):
+        import gguf
+
+        self.folder = Path(path)  # OUT must not be this file or contain it
+        self.origin = {"path": str(self.folder.resolve()), "format": "gguf"}
+        try:
+            self.reader = gguf.GGUFReader(self.folder)
+        except (ValueError, OSError, IndexError) as exc:
+            raise CheckpointError(f"{self.folder}: not a readable GGUF file ({exc})") from None
+        self.arch = self._str("general.architecture")
+        family = ARCH_FAMILY.get(self.arch)
+        if family is None or (self.arch == "llama" and not self._int(f"{self.arch}.expert_count", 0)):
+            raise UnsupportedModelError(f"{self.folder}: GGUF architecture {self.arch!r} is not a supported MoE "
+                                        f"(supported: {', '.join(ARCH_FAMILY)} with experts)")
+        self.family, self.mlx = family, None
+        self.family_module = family_module(family)
+        self.tokenizer_dir = Path(tokenizer) if tokenizer is not None else None
+        if self.tokenizer_dir is not None and not self.tokenizer_dir.is_dir():
+            raise CheckpointError(f"{self.tokenizer_dir}: --tokenizer must be a folder with tokenizer.json")
+        self.tensors = {t.name: t for t in self.reader.tensors}
+        self.files = [self.folder.name]
+        self._handles = {}
+        self.index, self._virtual = {}, {}
+        self._map_names()
+        self.config = self._config()
+        self.packed_names = {name: name for name in self.index}  # transformers' names already
+
+    # -- metadata ----------------------------------------------------------------
+    def _field(self, key: str):
+        field = self.reader.fields.get(key)
+        return None if field is None else field.contents()
+
+    def _str(self, key: str) -> str:
+        value = self._field(key)
+        if not isinstance(value, str):
+            raise CheckpointError(f"{self.folder}: GGUF metadata {key} is missing")
+        return value
+
+    def _int(self, key: str, default: int | None = None) -> int:
+        value = self._field(key)
+        if value is None:
+            if default is None:
+                raise CheckpointError(f"{self.folder}: GGUF metadata {key} is missing")
+            return default
+        return int(value)
+
+    def _config(self) -> dict:
+        a = self.arch
+        hidden = self._int(f"{a}.embedding_length")
+        heads = self._int(f"{a}.attention.head_count")
+        moe_layers = sorted({int(m["layer"]) for n in self.tensors if (m := BLOCK_NAME.match(n)) and m["what"] == "ffn_gate_exps"})
+        layers = self._int(f"{a}.block_count")
+        config = {"model_type": self.family, "architectures": [], "hidden_size": hidden, "num_hidden_layers": layers,
+                  "num_attention_heads": heads, "num_key_value_heads": self._int(f"{a}.attention.head_count_kv", heads),
+                  "head_dim": self._int(f"{a}.attention.key_length", hidden // heads),
+                  "rms_norm_eps": float(self._field(f"{a}.attention.layer_norm_rms_epsilon") or 1e-6),
+                  "rope_theta": float(self._field(f"{a}.rope.freq_base") or 10000.0),
+                  "max_position_embeddings": self._int(f"{a}.context_length", 4096),
+                  "vocab_size": int(self.tensors["token_embd.weight"].shape[1]),
+                  "num_experts_per_tok": self._int(f"{a}.expert_used_count"),
+                  "tie_word_embeddings": "output.weight" not in self.tensors}
+        experts = self._int(f"{a}.expert_count")
+        dense_ff = self._int(f"{a}.feed_forward_length", 0)
+        expert_ff = self._int(f"{a}.expert_feed_forward_length", 0) or dense_ff
+        if self.family == "mixtral":
+            config.update(num_local_experts=experts, intermediate_size=expert_ff)
+        elif self.family == "olmoe":
+            config.update(num_experts=experts, intermediate_size=expert_ff, norm_topk_prob=False)
+        else:
+            config.update(num_experts=experts, moe_intermediate_size=expert_ff, intermediate_size=dense_ff or expert_ff,
+                          decoder_sparse_step=1, mlp_only_layers=[i for i in range(layers) if i not in moe_layers],
+                          norm_topk_prob=self.family == "qwen3_moe")
+            if self.family == "qwen2_moe":
+                config["shared_expert_intermediate_size"] = self._int(f"{a}.expert_shared_feed_forward_length", dense_ff)
+        for key, gguf_key in (("bos_token_id", "tokenizer.ggml.bos_token_id"), ("eos_token_id", "tokenizer.ggml.eos_token_id")):
+            if self._field(gguf_key) is not None:
+                config[key] = int(self._field(gguf_key))
+        return config
+
+    # -- tensors -------------------------------------------------------------------
+    def _map_names(self) -> None:
+        for name, t in self.tensors.items():
+            if name in TOP:
+                self._add(TOP[name], name, None)
+                continue
+            m = BLOCK_NAME.match(name)
+            if m is None:
+                raise CheckpointError(f"{self.folder}: GGUF tensor {name} is not one moestream maps")
+            layer, what, kind = int(m["layer"]), m["what"], m["kind"]
+            prefix = f"model.layers.{layer}"
+            if what in EXPERT_STACKS and kind == "weight":
+                proj = EXPERT_STACKS[what]
+                moe = "block_sparse_moe" if self.family == "mixtral" else "mlp"
+                proj_name = MIXTRAL_PROJ[proj] if self.family == "mixtral" else proj
+                for e in range(int(t.shape[2])):
+                    self._add(f"{prefix}.{moe}.experts.{e}.{proj_name}.weight", name, e)
+            elif what in BLOCK:
+                target = BLOCK[what]
+                if self.family == "mixtral" and target == "mlp.gate":
+                    target = "block_sparse_moe.gate"
+                self._add(f"{prefix}.{target}.{kind}", name, None)
+            else:
+                raise CheckpointError(f"{self.folder}: GGUF tensor {name} is not one moestream maps")
+
+    def _add(self, hf_name: str, gguf_name: str, expert: int | None) -> None:
+        t = self.tensors[gguf_name]
+        # GGUF lists dimensions fastest first; numpy order is the reverse ([out, in] for a matrix)
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        if expert is not None:
+            shape = shape[1:]
+        if hf_name.endswith("mlp.shared_expert_gate.weight") and len(shape) == 1:
+            shape = (1, shape[0])
+        self.index[hf_name] = self.folder.name
+        self._virtual[hf_name] = (gguf_name, expert, TensorInfo(hf_name, "F32", shape, -1, 4 * int(np.prod(shape))))
+
+    def info(self, name: str) -> TensorInfo:
+        return self._virtual[name][2]
+
+    def get(self, name: str) -> torch.Tensor:
+        import gguf
+
+        gguf_name, expert, info = self._virtual[name]
+        t = self.tensors[gguf_name]
+        data = t.data if expert is None else t.data[expert]
+        values = gguf.quants.dequantize(np.asarray(data), t.tensor_type)
+        out = torch.from_numpy(np.array(values, dtype=np.float32)).reshape(info.shape)  # a copy: not the file's pages
+        if self.arch == "llama" and gguf_name.endswith((".attn_q.weight", ".attn_k.weight")):
+            heads = self.config["num_attention_heads" if ".attn_q." in gguf_name else "num_key_value_heads"]
+            out = unpermute(out, heads)
+        return out
+
+    def get_rows(self, name: str, start: int, count: int = 1) -> torch.Tensor:
+        return self.get(name)[start:start + count]
+
+    # -- other files ---------------------------------------------------------------
+    def tokenizer_files(self) -> list[Path]:
+        if self.tokenizer_dir is None:
+            return []
+        return [self.tokenizer_dir / n for n in TOKENIZER_FILES if (self.tokenizer_dir / n).is_file()]
+
+    def file_sizes(self) -> dict[str, int]:
+        return {self.folder.name: self.folder.stat().st_size}
+
+    def file_hash(self, name: str) -> str:
+        digest = hashlib.sha256()
+        with open(self.folder, "rb") as fh:
+            while block := fh.read(8 << 20):
+                digest.update(block)
+        return digest.hexdigest()
+
+    def close(self) -> None:
+        self.tensors.clear()
+
+
+def unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row order for llama-arch models (rotary halves interleaved per head)."""
+    rows = w.shape[0]
+    return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)

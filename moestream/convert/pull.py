@@ -1,0 +1,482 @@
+"""`moestream pull REPO OUT`: convert a Hub repository while downloading it, one shard at a time.
+
+The plan (every tensor's place in dense.safetensors and every expert record's layout) comes from
+the shards' headers, read with byte ranges, so the output files are laid out before any weight
+arrives. Then each shard is downloaded into OUT/.pull-download, every piece of output that it
+completes is written at its final offset, and the shard is deleted before the next one is fetched:
+the extra disk a pull needs is the largest shard (plus the small metadata files). A piece that
+needs tensors from two shards (an expert whose projections straddle a shard boundary) keeps the
+tensors from the first shard in memory until the second arrives.
+
+Resume: a shard is marked done in convert-state.json once every piece that needs it is written
+and fsynced. After a kill, every piece that needs only unfinished shards is written again (the
+same bytes at the same offsets), so the result is byte-identical to an uninterrupted pull."""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from tqdm import tqdm
+
+from moestream.cli_args import Parser
+from moestream.convert.hub import HubError, looks_like_repo_id
+from moestream.convert.layout import FusedLayer, MlxStackLayer, PerExpertLayer, check_expert_layers, find_expert_layers
+from moestream.convert.main import GROUP_SIZES, QUANT_BITS, Conversion, _our_files, _row_blocks
+from moestream.convert.pulled_source import PulledSource, ZeroSource
+from moestream.convert.remote import HubRepo
+from moestream.convert.state import STATE_NAME, ConvertState, ResumeError
+from moestream.errors import MoestreamError
+from moestream.format.manifest import DENSE_NAME, EXPERT_PROJECTIONS, MANIFEST_NAME, ExpertLayer, Manifest, write_manifest
+from moestream.format.records import encode_record, plan_record
+from moestream.format.safetensors_io import plan_safetensors, tensor_bytes
+from moestream.format.verify import verify
+from moestream.format.writer import FileDigest, WriteError, stored_tensors, write_error
+
+log = logging.getLogger(__name__)
+DOWNLOAD_DIR = ".pull-download"
+META_DIR = "meta"  # config, index and tokenizer files, kept until the end (small)
+SHARD_DIR = "shard"  # the one shard on disk
+
+
+@dataclass
+class Piece:
+    """Output bytes that depend on `deps` (source tensor names) and are written by `write`."""
+
+    deps: tuple[str, ...]
+    write: Callable[[], None]
+    what: str
+
+
+@dataclass
+class PlanSizes:
+    """What a pull downloads and writes, known from the headers alone."""
+
+    downloads: dict[str, int]  # file -> bytes
+    packed_bytes: int
+    largest_shard: int
+    files: dict[str, int] = field(default_factory=dict)  # output file -> bytes
+
+
+class OutputFiles:
+    """The packed model's data files, created at their final size and written at offsets."""
+
+    def __init__(self, out: Path, sizes: dict[str, int]):
+        self.out, self.sizes = out, sizes
+        self.fds: dict[str, int] = {}
+
+    def open(self, *, fresh: bool) -> None:
+        for name, size in self.sizes.items():
+            path = self.out / name
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | (os.O_TRUNC if fresh else 0), 0o644)
+                if fresh:
+                    os.ftruncate(fd, size)
+            except OSError as exc:
+                raise write_error(path, exc) from None
+            self.fds[name] = fd
+
+    def intact(self) -> bool:
+        return all((self.out / n).is_file() and (self.out / n).stat().st_size == s for n, s in self.sizes.items())
+
+    def pwrite(self, name: str, data, offset: int) -> None:
+        view = memoryview(data).cast("B")
+        try:
+            while view:
+                done = os.pwrite(self.fds[name], view, offset)
+                view, offset = view[done:], offset + done
+        except OSError as exc:
+            raise write_error(self.out / name, exc) from None
+
+    def sync(self) -> None:
+        for name, fd in self.fds.items():
+            try:
+                os.fsync(fd)
+            except OSError as exc:
+                raise write_error(self.out / name, exc) from None
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
+
+
+def record_deps(experts, expert: int) -> tuple[str, ...]:
+    """The source tensors one expert's record is built from."""
+    if isinstance(experts, PerExpertLayer):
+        return tuple(experts.name(expert, p) for p in EXPERT_PROJECTIONS)
+    if isinstance(experts, FusedLayer):
+        return tuple(experts.names[p] for p in ("gate_up_proj", "down_proj"))
+    if isinstance(experts, MlxStackLayer):
+        parts = []
+        for p in EXPERT_PROJECTIONS:
+            kinds = ("weight", "scales", "biases") if experts.specs[p].quantized else ("weight",)
+            parts += [experts.names[(p, k)] for k in kinds]
+        return tuple(parts)
+    raise TypeError(f"{type(experts).__name__}: no dependency rule for this expert layout")
+
+
+class Pull(Conversion):
+    """One run of `pull`: the plan from the headers, OUT with its state, the shard loop."""
+
+    def __init__(self, source: PulledSource, out: Path, *, quant: str, group_size: int, progress: bool,
+                 kill_after_shards: int | None = None):
+        super().__init__(source, out, quant=quant, group_size=group_size, progress=progress)
+        self.options["pull"] = True  # a `convert --resume` of this OUT is refused, and the other way round
+        self.kill_after_shards = kill_after_shards
+        self.dense_order, self.dense_header, offsets = plan_safetensors([d.parts for d in self.dense], {"format": "pt"})
+        self.dense_offsets = {name: len(self.dense_header) + begin for name, (begin, _) in offsets.items()}
+        self.dense_size = len(self.dense_header) + sum(e.nbytes for g in self.dense_order for e in g)
+        zero = ZeroSource(source)  # the record layouts, from zeros of the right shapes
+        zero_layers, _ = find_expert_layers(zero)
+        check_expert_layers(zero_layers, zero)
+        self.entries: dict[int, ExpertLayer] = {}
+        for layer in sorted(self.layers):
+            tensors, specs = zero_layers[layer].record(0, self.bits, group_size)
+            fields, record_size = plan_record(tensors)
+            self.entries[layer] = ExpertLayer(layer=layer, file=f"experts-{layer:03d}.bin",
+                                              num_experts=self.layers[layer].num_experts, record_size=record_size,
+                                              fields=fields, quant={k: v.to_json() for k, v in specs.items()})
+        sizes = {DENSE_NAME: self.dense_size}
+        sizes.update({e.file: e.num_experts * e.record_size for e in self.entries.values()})
+        self.outputs = OutputFiles(out, sizes)
+
+    def sizes(self) -> PlanSizes:
+        repo = self.source.repo
+        meta = {n: repo.files[n].size for n in repo.files if (self.source.folder / n).is_file()}
+        shards = {n: repo.files[n].size for n in self.source.files}
+        tokenizer = sum(p.stat().st_size for p in self.source.tokenizer_files())
+        return PlanSizes({**meta, **shards}, sum(self.outputs.sizes.values()) + tokenizer, max(shards.values()),
+                         dict(self.outputs.sizes))
+
+    # -- pieces ------------------------------------------------------------------
+    def pieces(self) -> list[Piece]:
+        out = []
+        for item in self.dense:
+            if item.quantize:
+                out.append(Piece((item.name,), lambda item=item: self._write_quantized(item), item.name))
+            else:
+                for part in item.parts:
+                    out.append(Piece((part.name,), lambda part=part: self._write_copy(part), part.name))
+        for layer in sorted(self.layers):
+            experts = self.layers[layer]
+            for expert in range(experts.num_experts):
+                out.append(Piece(record_deps(experts, expert), lambda layer=layer, expert=expert: self._write_record(layer, expert),
+                                 f"layer {layer} expert {expert}"))
+        return out
+
+    def _write_copy(self, part) -> None:
+        offset = self.dense_offsets[part.name]
+        for block in _row_blocks(self.source, part.name):
+            data = tensor_bytes(block)
+            self.outputs.pwrite(DENSE_NAME, data, offset)
+            offset += len(data)
+
+    def _write_quantized(self, item) -> None:
+        offsets = {p.name: self.dense_offsets[p.name] for p in item.parts}
+        for block in _row_blocks(self.source, item.name):
+            stored = stored_tensors(item.name, block, item.spec)
+            for part in item.parts:
+                data = tensor_bytes(stored[part.name])
+                self.outputs.pwrite(DENSE_NAME, data, offsets[part.name])
+                offsets[part.name] += len(data)
+
+    def _write_record(self, layer: int, expert: int) -> None:
+        entry = self.entries[layer]
+        tensors, _ = self.layers[layer].record(expert, self.bits, self.group_size)
+        try:
+            record = encode_record(entry.fields, entry.record_size, tensors)
+        except (ValueError, KeyError) as exc:
+            raise MoestreamError(f"{self.layers[layer].prefix}: expert {expert} differs from expert 0 ({exc})") from None
+        self.outputs.pwrite(entry.file, record, expert * entry.record_size)
+
+    # -- OUT -----------------------------------------------------------------------
+    @property
+    def download_dir(self) -> Path:
+        return self.out / DOWNLOAD_DIR
+
+    def prepare(self, *, force: bool, resume: bool) -> bool:
+        out = self.out
+        if out.exists() and not out.is_dir():
+            raise MoestreamError(f"{out}: exists and is not a directory")
+        has_state = (out / STATE_NAME).is_file()
+        if resume and has_state:
+            self.state = ConvertState.load(out)
+            if not self.state.options.get("pull"):
+                raise ResumeError(f"{out}: holds an unfinished `moestream convert`, not a pull (resume it with convert "
+                                  "--resume, or use --force to start over)")
+            self.state.check_options(self.options)
+            log.info("resuming the pull in %s", out)
+            return True
+        if resume and (out / MANIFEST_NAME).is_file():
+            self._check_finished(out)
+            log.info("%s already holds this model, finished", out)
+            return False
+        existing = [p for p in out.iterdir() if p.name != DOWNLOAD_DIR] if out.is_dir() else []
+        if existing:
+            if resume:
+                raise ResumeError(f"{out}: nothing to resume ({STATE_NAME} is missing); use --force to start over")
+            if not force:
+                hint = " or --resume to continue the unfinished pull" if has_state else ""
+                raise MoestreamError(f"{out}: exists and is not empty (use --force to overwrite it{hint})")
+            for path in _our_files(out):
+                path.unlink()
+            shutil.rmtree(self.download_dir, ignore_errors=True)
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise write_error(out, exc) from None
+        self.state = ConvertState(out, self.options)
+        self.state.save()
+        return True
+
+    # -- the shard loop ---------------------------------------------------------------
+    def run(self) -> Manifest:
+        source: PulledSource = self.source
+        fresh = not self.outputs.intact()
+        if fresh and any(k.startswith("shard:") for k in self.state.steps):
+            log.warning("%s: the output files changed since the last run; converting every shard again", self.out)
+            self.state.steps = {k: v for k, v in self.state.steps.items() if not k.startswith("shard:")}
+            self.state.save()
+        self.outputs.open(fresh=fresh)
+        try:
+            if fresh:
+                self.outputs.pwrite(DENSE_NAME, self.dense_header, 0)
+            done = {s for s in source.files if f"shard:{s}" in self.state.steps}
+            pending = [p for p in self.pieces() if not any(source.index[d] in done for d in p.deps)]
+            todo = [s for s in source.files if s not in done]
+            total = sum(source.repo.files[s].size for s in todo)
+            with tqdm(total=total, desc="pull", unit="B", unit_scale=True, unit_divisor=1024, disable=not self.progress,
+                      file=sys.stderr, dynamic_ncols=True) as bar:
+                for k, shard in enumerate(todo):
+                    bar.set_postfix_str(f"shard {len(done) + k + 1}/{len(source.files)}: download")
+                    path = self._fetch(shard, bar)
+                    source.open_shard(shard, path)
+                    bar.set_postfix_str(f"shard {len(done) + k + 1}/{len(source.files)}: convert")
+                    ready = [p for p in pending if all(source.available(d) for d in p.deps)]
+                    kill_at = len(ready) // 2 if k == self.kill_after_shards else -1
+                    for i, piece in enumerate(ready):
+                        if i == kill_at:
+                            os._exit(75)  # simulate a kill: nothing flushed, no cleanup
+                        piece.write()
+                    if kill_at == 0:
+                        os._exit(75)
+                    taken = set(map(id, ready))
+                    pending = [p for p in pending if id(p) not in taken]
+                    for piece in pending:  # what later pieces need from this shard stays in memory
+                        for dep in piece.deps:
+                            if source.index[dep] == shard:
+                                source.keep(dep)
+                    source.close_shard()
+                    self._delete(shard)
+                    needed = {d for p in pending for d in p.deps}
+                    source.release([n for n in list(source.kept) if n not in needed])
+                    self.outputs.sync()
+                    busy = {source.index[d] for d in needed}
+                    for finished in todo[: k + 1]:
+                        if finished not in busy and f"shard:{finished}" not in self.state.steps:
+                            self.state.finish(f"shard:{finished}", {})
+            if pending:
+                raise MoestreamError(f"{len(pending)} pieces were never written (first: {pending[0].what})")
+            manifest = self._finish()
+        finally:
+            self.outputs.close()
+        shutil.rmtree(self.download_dir, ignore_errors=True)
+        return manifest
+
+    def _fetch(self, shard: str, bar) -> Path:
+        """Download one shard and check it against the Hub's sha256 (recorded for the manifest)."""
+        repo = self.source.repo
+        for attempt in (1, 2):
+            path = repo.download(shard, self.download_dir / SHARD_DIR, bar=bar)
+            digest = hashlib.sha256()
+            with open(path, "rb") as fh:
+                while block := fh.read(8 << 20):
+                    digest.update(block)
+            sha = digest.hexdigest()
+            want = repo.files[shard].sha256
+            if want is None or sha == want:
+                self.state.finish(f"sha:{shard}", {"sha256": sha})
+                return path
+            self._delete(shard)
+            log.warning("%s: sha256 %s differs from the Hub's %s (attempt %d)", shard, sha[:12], want[:12], attempt)
+        raise HubError(f"{repo.repo_id}: {shard} downloaded twice with a sha256 that differs from the Hub's")
+
+    def _delete(self, shard: str) -> None:
+        folder = self.download_dir / SHARD_DIR
+        (folder / shard).unlink(missing_ok=True)
+        for meta in (folder / ".cache" / "huggingface" / "download").glob(f"{shard}.*"):
+            meta.unlink(missing_ok=True)
+
+    def _finish(self) -> Manifest:
+        """Record checksums and file hashes from the written files, copy the tokenizer, manifest last."""
+        digests = {DENSE_NAME: _digest(self.out / DENSE_NAME)}
+        entries = []
+        for layer in sorted(self.entries):
+            entry = self.entries[layer]
+            sha, crcs = hashlib.sha256(), []
+            with open(self.out / entry.file, "rb") as fh:
+                for _ in range(entry.num_experts):
+                    record = fh.read(entry.record_size)
+                    sha.update(record)
+                    crcs.append(zlib.crc32(record))
+            entry.crc32 = crcs
+            entries.append(entry)
+            digests[entry.file] = FileDigest(entry.num_experts * entry.record_size, sha.hexdigest())
+        for path in self.source.tokenizer_files():
+            digests[path.name] = self._copy(path)
+        hashes = {s: self.state.steps[f"sha:{s}"]["sha256"] for s in self.source.files}
+        manifest = Manifest(family=self.source.family, config=self.source.config,
+                            source={**self.source.origin, "files": hashes}, quantization=self._quantization(),
+                            expert_layers=entries, files={name: d.to_json() for name, d in digests.items()})
+        try:
+            write_manifest(self.out, manifest)
+        except OSError as exc:
+            raise write_error(self.out / MANIFEST_NAME, exc) from None
+        self.state.path.unlink(missing_ok=True)
+        return manifest
+
+
+def _digest(path: Path) -> FileDigest:
+    sha = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(8 << 20):
+            sha.update(block)
+    return FileDigest(path.stat().st_size, sha.hexdigest())
+
+
+def _resume_revision(out: Path, revision: str | None) -> tuple[str | None, str | None]:
+    """An unfinished pull continues at the commit it started from, even if the branch has moved."""
+    try:
+        state = ConvertState.load(out)
+    except ResumeError:
+        return revision, None
+    source = state.options.get("source") or {}
+    if not state.options.get("pull") or "revision" not in source:
+        return revision, None
+    if revision is not None and revision not in (source.get("requested_revision"), source["revision"]):
+        raise ResumeError(f"{out}: the unfinished pull is of revision {source.get('requested_revision')!r}, not "
+                          f"{revision!r}; resume without --revision, or use --force to start over")
+    return source["revision"], source.get("requested_revision")
+
+
+def _check_args(repo_id: str, quant: str, group_size: int, force: bool, resume: bool) -> None:
+    if not looks_like_repo_id(repo_id):
+        raise MoestreamError(f"{repo_id!r} is not a Hub repo id (owner/name); to pack a local folder use moestream convert")
+    if quant not in QUANT_BITS:
+        raise MoestreamError(f"quantization {quant!r} is not supported (supported: {', '.join(QUANT_BITS)})")
+    if group_size not in GROUP_SIZES:
+        raise MoestreamError(f"group size {group_size} is not supported (supported: {', '.join(map(str, GROUP_SIZES))})")
+    if force and resume:
+        raise MoestreamError("--force and --resume exclude each other (--force starts over, --resume continues)")
+
+
+def pull(repo_id: str, out: str | Path, *, revision: str | None = None, quant: str = "q4", group_size: int = 64,
+         force: bool = False, resume: bool = False, progress: bool = True, endpoint: str | None = None,
+         kill_after_shards: int | None = None) -> Path:
+    """Download and pack `repo_id` into `out`, one shard on disk at a time; verified at the end.
+
+    `kill_after_shards=N` ends the process abruptly (exit 75) half-way through converting the
+    (N+1)-th shard of this run: how resume is tested against a real kill."""
+    _check_args(repo_id, quant, group_size, force, resume)
+    out = Path(out)
+    requested = revision
+    if resume and (out / STATE_NAME).is_file():
+        revision, requested = _resume_revision(out, revision)
+    repo = HubRepo(repo_id, revision, endpoint=endpoint, requested=requested)
+    # config, index and tokenizer files wait in the system's temp folder: OUT is not touched before it is checked
+    with tempfile.TemporaryDirectory(prefix="moestream-pull-") as meta:
+        source = PulledSource(repo, Path(meta))
+        try:
+            job = Pull(source, out, quant=quant, group_size=group_size, progress=progress,
+                       kill_after_shards=kill_after_shards)
+            sizes = job.sizes()
+            log.info("pulling %s@%s (%s, %d MoE layers, %d shards, %s) into %s; extra disk at most %s (the largest "
+                     "shard)", repo_id, repo.commit[:12], source.family, len(job.layers), len(source.files),
+                     _gib(sum(sizes.downloads.values())), out, _gib(sizes.largest_shard))
+            if job.prepare(force=force, resume=resume):
+                try:
+                    job.run()
+                except WriteError as exc:
+                    raise WriteError(f"{exc} (what is finished is kept: free space, then run again with --resume)") from None
+        finally:
+            source.close()
+    report = verify(out, progress=progress)
+    if not report.ok:
+        raise MoestreamError(f"{out}: the pulled model fails verification: {report.problems[0]}")
+    return out
+
+
+def plan_pull(repo_id: str, *, revision: str | None = None, quant: str = "q4", group_size: int = 64,
+              endpoint: str | None = None) -> tuple[HubRepo, PlanSizes]:
+    """What a pull would download and write, from config, index and shard headers only."""
+    _check_args(repo_id, quant, group_size, False, False)
+    repo = HubRepo(repo_id, revision, endpoint=endpoint)
+    with tempfile.TemporaryDirectory(prefix="moestream-plan-") as tmp:
+        source = PulledSource(repo, Path(tmp))
+        try:
+            job = Pull(source, Path(tmp) / "out", quant=quant, group_size=group_size, progress=False)
+            return repo, job.sizes()
+        finally:
+            source.close()
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = Parser(prog="moestream pull",
+               description="Download a Hub MoE checkpoint and pack it shard by shard (extra disk: the largest shard).")
+    p.add_argument("repo", help="Hub repo id (owner/name)")
+    p.add_argument("out", help="output directory")
+    p.add_argument("--revision", help="branch, tag or commit (default main)")
+    p.add_argument("--quant", choices=list(QUANT_BITS), default="q4", help="expert and matrix quantization (default q4)")
+    p.add_argument("--group-size", type=int, choices=GROUP_SIZES, default=64, help="quantization group size (default 64)")
+    p.add_argument("--dry-run", action="store_true", help="print the files, their size and the packed size; download no weights")
+    p.add_argument("--resume", action="store_true", help="continue an unfinished pull into OUT")
+    p.add_argument("--force", action="store_true", help="overwrite a non-empty OUT")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    # for tests of --resume: die abruptly half-way through the (N+1)-th shard (not a user option)
+    p.add_argument("--kill-after-shards", type=int, default=None, help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    logging.getLogger("httpx2").setLevel(logging.WARNING)
+    try:
+        if args.dry_run:
+            repo, sizes = plan_pull(args.repo, revision=args.revision, quant=args.quant, group_size=args.group_size)
+            print(f"{args.repo}@{repo.commit}: would download {len(sizes.downloads)} files, "
+                  f"{_gib(sum(sizes.downloads.values()))}:")
+            for name, size in sizes.downloads.items():
+                print(f"  {name:<48} {_gib(size):>12}")
+            print(f"packed size ({args.quant}): {_gib(sizes.packed_bytes)} (plus the manifest); "
+                  f"extra disk while pulling: {_gib(sizes.largest_shard)} (the largest shard)")
+            return 0
+        out = pull(args.repo, args.out, revision=args.revision, quant=args.quant, group_size=args.group_size,
+                   force=args.force, resume=args.resume, progress=not args.no_progress,
+                   kill_after_shards=args.kill_after_shards)
+    except MoestreamError as exc:
+        print(f"moestream pull: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("moestream pull: interrupted (run again with --resume to continue)", file=sys.stderr)
+        return 130
+    except OSError as exc:
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"moestream pull: error: {where}{exc.strerror or exc}", file=sys.stderr)
+        return 1
+    print(f"wrote {out} (verified)")
+    return 0

@@ -1,0 +1,140 @@
+"""`moestream convert model.gguf OUT`: a tiny Qwen3-MoE written as GGUF (F32, experts in Q8_0)
+converts to the same model as its safetensors original, within Q8_0's error."""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from moestream.convert.main import convert
+from moestream.engine.engine import Engine
+from moestream.engine.options import EngineOptions
+from moestream.errors import MoestreamError
+from moestream.format.reader import PackedModel
+from tiny import load_all
+
+gguf = pytest.importorskip("gguf")  # pinned in requirements-ci.txt; absent only outside CI
+
+BLOCK = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+         "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+         "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate": "ffn_gate_inp",
+         "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+
+
+def write_gguf(hf_folder, path, *, expert_type):
+    """The checkpoint as llama.cpp's converter lays it out for arch qwen3moe (no q/k permutation)."""
+    config = json.loads((hf_folder / "config.json").read_text())
+    tensors = {k: v.float().numpy() for k, v in load_all(hf_folder).items()}
+    w = gguf.GGUFWriter(str(path), "qwen3moe")
+    a = "qwen3moe"
+    w.add_uint32(f"{a}.block_count", config["num_hidden_layers"])
+    w.add_uint32(f"{a}.embedding_length", config["hidden_size"])
+    w.add_uint32(f"{a}.feed_forward_length", config["intermediate_size"])
+    w.add_uint32(f"{a}.expert_feed_forward_length", config["moe_intermediate_size"])
+    w.add_uint32(f"{a}.attention.head_count", config["num_attention_heads"])
+    w.add_uint32(f"{a}.attention.head_count_kv", config["num_key_value_heads"])
+    w.add_uint32(f"{a}.attention.key_length", config["head_dim"])
+    w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", config["rms_norm_eps"])
+    w.add_float32(f"{a}.rope.freq_base", 10000.0)
+    w.add_uint32(f"{a}.context_length", config["max_position_embeddings"])
+    w.add_uint32(f"{a}.expert_count", (config.get("num_experts") or config["num_local_experts"]))
+    w.add_uint32(f"{a}.expert_used_count", config["num_experts_per_tok"])
+    w.add_uint32("tokenizer.ggml.eos_token_id", config["eos_token_id"])
+    w.add_tensor("token_embd.weight", tensors["model.embed_tokens.weight"])
+    w.add_tensor("output_norm.weight", tensors["model.norm.weight"])
+    w.add_tensor("output.weight", tensors["lm_head.weight"])
+    for layer in range(config["num_hidden_layers"]):
+        prefix = f"model.layers.{layer}."
+        for hf, name in BLOCK.items():
+            if prefix + hf + ".weight" in tensors:
+                w.add_tensor(f"blk.{layer}.{name}.weight", tensors[prefix + hf + ".weight"])
+        if prefix + "mlp.experts.0.gate_proj.weight" not in tensors:
+            continue
+        for proj, name in (("gate_proj", "ffn_gate_exps"), ("up_proj", "ffn_up_exps"), ("down_proj", "ffn_down_exps")):
+            stack = np.stack([tensors[f"{prefix}mlp.experts.{e}.{proj}.weight"] for e in range((config.get("num_experts") or config["num_local_experts"]))])
+            if expert_type == gguf.GGMLQuantizationType.F32:
+                w.add_tensor(f"blk.{layer}.{name}.weight", stack)
+            else:
+                w.add_tensor(f"blk.{layer}.{name}.weight", gguf.quants.quantize(stack, expert_type), raw_dtype=expert_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def logits(model_dir, tokens):
+    engine = Engine.load(model_dir, options=EngineOptions(device="cpu", threads=1, prefetch="none"))
+    try:
+        return engine.prefill(tokens, all_logits=True)[0]
+    finally:
+        engine.close()
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_checkpoint, tmp_path_factory):
+    src = tiny_checkpoint("qwen3_moe")
+    return src, convert(src, tmp_path_factory.mktemp("hf") / "m", quant="none", progress=False)
+
+
+def test_f32_gguf_converts_to_the_same_weights(hf_model, tmp_path):
+    src, reference = hf_model
+    path = write_gguf(src, tmp_path / "tiny.gguf", expert_type=gguf.GGMLQuantizationType.F32)
+    out = convert(path, tmp_path / "m", quant="none", progress=False, tokenizer=src)
+    a, b = PackedModel(out), PackedModel(reference)
+    assert a.manifest.config["num_experts"] == b.manifest.config["num_local_experts"] == 8
+    assert a.manifest.config["mlp_only_layers"] == [1]
+    for layer in (0, 2):
+        for expert in range(8):
+            for proj, t in a.dequantized_expert(layer, expert).items():
+                assert torch.equal(t, b.dequantized_expert(layer, expert)[proj])
+    prompt = [5, 17, 42, 99, 3, 250]
+    assert torch.equal(logits(out, prompt), logits(reference, prompt))
+    assert (out / "tokenizer.json").read_bytes() == (src / "tokenizer.json").read_bytes()
+
+
+def test_q8_0_experts_match_within_quantization_error(hf_model, tmp_path):
+    src, reference = hf_model
+    path = write_gguf(src, tmp_path / "tiny-q8.gguf", expert_type=gguf.GGMLQuantizationType.Q8_0)
+    out = convert(path, tmp_path / "m", quant="none", progress=False, tokenizer=src)
+    a, b = PackedModel(out), PackedModel(reference)
+    for expert in range(8):
+        got, want = a.dequantized_expert(0, expert)["gate_proj"], b.dequantized_expert(0, expert)["gate_proj"]
+        # exactly Q8_0's dequantized values (the gguf package's own round trip), within a step of the original
+        q8 = gguf.GGMLQuantizationType.Q8_0
+        assert torch.equal(got, torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(want.numpy(), q8), q8)))
+        step = want.abs().reshape(-1, 32).amax(1) / 127
+        assert ((got - want).abs().reshape(-1, 32) <= step[:, None] * 1.01).all()
+        assert not torch.equal(got, want)  # the experts really went through Q8_0
+    prompt = [5, 17, 42, 99, 3, 250]
+    la, lb = logits(out, prompt), logits(reference, prompt)
+    pa, pb = torch.log_softmax(la, -1), torch.log_softmax(lb, -1)
+    assert (pa - pb).abs().max() < 0.05
+    assert torch.equal(la.argmax(-1), lb.argmax(-1))
+
+
+def test_unsupported_gguf_is_one_line(tmp_path):
+    w = gguf.GGUFWriter(str(tmp_path / "dense.gguf"), "llama")
+    w.add_uint32("llama.block_count", 1)
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(MoestreamError, match="GGUF architecture 'llama' is not a supported MoE"):
+        convert(tmp_path / "dense.gguf", tmp_path / "m", progress=False)
+    (tmp_path / "junk.gguf").write_bytes(b"not a gguf file at all")
+    with pytest.raises(MoestreamError, match="not a readable GGUF file"):
+        convert(tmp_path / "junk.gguf", tmp_path / "m2", progress=False)
+
+
+def test_llama_arch_q_k_rows_are_put_back():
+    """llama.cpp interleaves the two rotary halves of each head's rows for llama-arch q/k."""
+    from moestream.convert.gguf_source import unpermute
+
+    heads, head_dim, hidden = 4, 8, 16
+    w = torch.randn(heads * head_dim, hidden)
+    # GGUF row order within a head: 0, half, 1, half+1, ...
+    order = torch.arange(head_dim).reshape(2, head_dim // 2).T.reshape(-1)
+    stored = w.reshape(heads, head_dim, hidden)[:, order].reshape(w.shape)
+    assert torch.equal(unpermute(stored, heads), w)
