@@ -32,6 +32,7 @@ class Receipt(Mapping):
     model: str = ""
     threads: int = 0  # CPU compute threads
     verify: bool = True  # records and resident files checked against the manifest
+    speculative: dict | None = None  # drafter, drafted, accepted, accept_rate, tokens_per_step (None: off)
 
     @classmethod
     def of_run(cls, *, prompt_tokens: int, reused: int, generated: int, finish: str, prefill_s: float,
