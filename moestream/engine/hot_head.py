@@ -133,7 +133,7 @@ def run_hot_head(engine, seq: list[int], logits: torch.Tensor, *, budget: int, s
             stats.verify_steps += 1
             stats.drafted += n - 1  # the last guess is never run ahead on
             for i, h in enumerate(hidden):
-                event = emit(model.head(h))  # the decoder's own head on one row: plain decoding's bits
+                event = emit(model.head(h)[0])  # the decoder's own head on one row: plain decoding's bits
                 if event is None:
                     return
                 produced += 1
