@@ -126,7 +126,8 @@ class AdaptivePolicy:
     The model: each drafted token is kept with probability a (independently, an estimate), so a
     verification of k drafted tokens yields E(k) = 1 + a + ... + a^k = (1 - a^(k+1)) / (1 - a)
     tokens (the accepted run plus the model's own token) and costs step(k + 1) + draft(k) seconds.
-    The policy picks the k in 0..max_draft with the most E(k) / cost(k); k = 0 is a plain step.
+    The policy picks the k in 0..max_draft with the most E(k) / cost(k); k = 0 is a plain step,
+    kept unless drafting is expected to gain more than `min_gain` (2 %: below timing noise).
 
     step(T) is measured online (an exponential moving average per T): with MoE every extra token
     may route to other experts, so its cost grows with T by an amount only measurement tells. An
@@ -137,11 +138,11 @@ class AdaptivePolicy:
     the acceptance estimate current (text that starts repeating turns speculation back on)."""
 
     def __init__(self, max_draft: int = 8, *, smoothing: float = 0.25, accept_decay: float = 0.9,
-                 prior_accept: float = 0.5, probe_every: int = 16):
+                 prior_accept: float = 0.5, probe_every: int = 16, min_gain: float = 0.02):
         if max_draft < 0:
             raise ValueError("max_draft must be >= 0")
         self.max_draft, self.smoothing, self.accept_decay = max_draft, smoothing, accept_decay
-        self.probe_every = probe_every
+        self.probe_every, self.min_gain = probe_every, min_gain
         self.step_cost: dict[int, float] = {}  # T -> EMA seconds of step(T)
         self.draft_cost: dict[int, float] = {}  # k -> EMA seconds of proposing k tokens
         # acceptance as decayed counts of kept and rejected draft tokens (the prior weighs 2 tokens)
@@ -191,8 +192,8 @@ class AdaptivePolicy:
     def choose(self, limit: int | None = None) -> int:
         """Draft length for the next verification, at most `limit` (room left in budget/context)."""
         top = self.max_draft if limit is None else max(0, min(self.max_draft, limit))
-        best, best_rate = 0, -1.0
-        for k in range(top + 1):  # ties keep the shorter draft
+        best, best_rate = 0, self.estimated_rate(0) * (1.0 + self.min_gain)
+        for k in range(1, top + 1):  # ties keep the shorter draft
             rate = self.estimated_rate(k)
             if rate > best_rate:
                 best, best_rate = k, rate
