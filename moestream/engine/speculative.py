@@ -123,39 +123,61 @@ class DraftModelDrafter(Drafter):
 class AdaptivePolicy:
     """How many tokens to draft next, from measurements, to maximize expected tokens per second.
 
-    The model: each drafted token is kept with probability a (independently, an estimate), so a
-    verification of k drafted tokens yields E(k) = 1 + a + ... + a^k = (1 - a^(k+1)) / (1 - a)
-    tokens (the accepted run plus the model's own token) and costs step(k + 1) + draft(k) seconds.
-    The policy picks the k in 0..max_draft with the most E(k) / cost(k); k = 0 is a plain step,
-    kept unless drafting is expected to gain more than `min_gain` (2 %: below timing noise).
+    The model: the i-th drafted token (i = 1..k) is kept, given that the ones before it were, with
+    probability a_i, so a verification of k drafted tokens yields
+        E(k) = 1 + a_1 + a_1 a_2 + ... + a_1 ... a_k
+    tokens (the kept run plus the model's own token) and costs step(k + 1) + draft(k) seconds. With
+    one a for every position this is E(k) = (1 - a^(k+1)) / (1 - a); a per position matters for
+    prompt lookup, whose drafts are all wrong (no match) or right for a long run (a copy), so a_1 is
+    low and the later a_i high. The policy picks the k in 0..max_draft with the most E(k) / cost(k);
+    k = 0 is a plain step, kept unless drafting is expected to gain more than `min_gain` (5 %:
+    below timing noise).
 
     step(T) is measured online (an exponential moving average per T): with MoE every extra token
     may route to other experts, so its cost grows with T by an amount only measurement tells. An
     unmeasured T is costed optimistically, at the largest cost measured for a smaller T (nothing
     assumed but that a longer step is not cheaper), or 0 when none is: so each length is tried
-    once and then priced at what it really costs. a is a decayed ratio of kept to tried draft
-    tokens. While plain steps win, a probe of one drafted token every `probe_every` steps keeps
-    the acceptance estimate current (text that starts repeating turns speculation back on)."""
+    once and then priced at what it really costs. Each a_i is a ratio of decayed counts (kept,
+    tried; decayed each time the position is verified) with a prior of `prior_accept` weighing
+    `prior_weight` tokens. While plain steps win, a probe of one drafted token every `probe_every`
+    steps keeps a_1 current (text that starts repeating turns speculation back on)."""
 
-    def __init__(self, max_draft: int = 8, *, smoothing: float = 0.25, accept_decay: float = 0.9,
-                 prior_accept: float = 0.5, probe_every: int = 16, min_gain: float = 0.02):
+    def __init__(self, max_draft: int = 8, *, smoothing: float = 0.25, accept_decay: float = 0.95,
+                 prior_accept: float = 0.5, prior_weight: float = 1.0, probe_every: int = 16,
+                 min_gain: float = 0.05):
         if max_draft < 0:
             raise ValueError("max_draft must be >= 0")
         self.max_draft, self.smoothing, self.accept_decay = max_draft, smoothing, accept_decay
         self.probe_every, self.min_gain = probe_every, min_gain
+        self.prior_accept, self.prior_weight = prior_accept, prior_weight
         self.step_cost: dict[int, float] = {}  # T -> EMA seconds of step(T)
         self.draft_cost: dict[int, float] = {}  # k -> EMA seconds of proposing k tokens
-        # acceptance as decayed counts of kept and rejected draft tokens (the prior weighs 2 tokens)
-        self.kept, self.rejected = 2 * prior_accept, 2 * (1 - prior_accept)
+        self.kept = [0.0] * max_draft  # per draft position: decayed count of tokens kept there
+        self.tried = [0.0] * max_draft  # ... and of tokens verified there (the ones before it all kept)
         self._plain_run = 0
+
+    def acceptance_at(self, i: int) -> float:
+        """a_(i+1): the chance that draft position i (from 0) is kept, given all before it were."""
+        w = self.prior_weight
+        return (self.kept[i] + w * self.prior_accept) / (self.tried[i] + w)
 
     @property
     def acceptance(self) -> float:
-        return self.kept / (self.kept + self.rejected)
+        """The share of verified draft tokens that were kept (decayed), for receipts."""
+        tried = sum(self.tried)
+        return sum(self.kept) / tried if tried else self.prior_accept
+
+    def expected(self, k: int) -> float:
+        """E(k) from the per-position estimates."""
+        total, run = 1.0, 1.0
+        for i in range(k):
+            run *= self.acceptance_at(i)
+            total += run
+        return total
 
     @staticmethod
     def expected_tokens(a: float, k: int) -> float:
-        """Tokens one verification of k drafts yields: the kept run plus the model's token."""
+        """E(k) for one acceptance a at every position: (1 - a^(k+1)) / (1 - a)."""
         if a >= 1.0:
             return k + 1.0
         return (1.0 - a ** (k + 1)) / (1.0 - a)
@@ -174,8 +196,10 @@ class AdaptivePolicy:
     def record_accept(self, drafted: int, accepted: int) -> None:
         if drafted <= 0:
             return
-        self.kept = self.accept_decay * self.kept + accepted
-        self.rejected = self.accept_decay * self.rejected + (1 if accepted < drafted else 0)
+        d = self.accept_decay
+        for i in range(min(accepted + 1, drafted, self.max_draft)):  # the positions verified
+            self.tried[i] = d * self.tried[i] + 1.0
+            self.kept[i] = d * self.kept[i] + (1.0 if i < accepted else 0.0)
 
     def estimated_step(self, tokens: int) -> float:
         if tokens in self.step_cost:
@@ -186,7 +210,7 @@ class AdaptivePolicy:
     def estimated_rate(self, k: int) -> float:
         """Expected tokens per second of drafting k (inf for a cost not yet known to be > 0)."""
         cost = self.estimated_step(k + 1) + self.draft_cost.get(k, 0.0)
-        tokens = self.expected_tokens(self.acceptance, k)
+        tokens = self.expected(k)
         return math.inf if cost <= 0 else tokens / cost
 
     def choose(self, limit: int | None = None) -> int:
@@ -239,6 +263,7 @@ class SpeculativeStats:
     draft_s: float = 0.0
     verify_s: float = 0.0
     draft_lengths: dict = field(default_factory=dict)  # k -> verifications that drafted k
+    policy: "AdaptivePolicy | None" = None  # its learned step costs go in the receipt
 
     def to_json(self) -> dict:
         return {"drafter": self.drafter, "draft_tokens": self.mode, "verify_steps": self.verify_steps,
@@ -246,7 +271,10 @@ class SpeculativeStats:
                 "accept_rate": round(self.accepted / self.drafted, 6) if self.drafted else None,
                 "tokens_per_step": round(self.step_tokens / self.verify_steps, 6) if self.verify_steps else None,
                 "draft_s": round(self.draft_s, 6), "verify_s": round(self.verify_s, 6),
-                "draft_lengths": {str(k): v for k, v in sorted(self.draft_lengths.items())}}
+                "draft_lengths": {str(k): v for k, v in sorted(self.draft_lengths.items())},
+                "step_s_by_tokens": None if self.policy is None else
+                {str(t): round(c, 6) for t, c in sorted(self.policy.step_cost.items())},
+                "acceptance_estimate": None if self.policy is None else round(self.policy.acceptance, 4)}
 
 
 def run(engine, seq: list[int], logits: torch.Tensor, *, budget: int, sampling: SamplingParams, logprobs: int,
@@ -266,7 +294,8 @@ def run(engine, seq: list[int], logits: torch.Tensor, *, budget: int, sampling: 
     from moestream.engine.engine import top_logprobs
 
     drafter, policy = options.drafter, options.policy
-    stats = SpeculativeStats(drafter.name, "auto" if options.draft_tokens is None else str(options.draft_tokens))
+    stats = SpeculativeStats(drafter.name, "auto" if options.draft_tokens is None else str(options.draft_tokens),
+                             policy=policy)
     state["speculative"] = stats
     drafter.begin(sampling)
     seq = list(seq)

@@ -119,3 +119,17 @@ def test_hot_vocabulary_and_settings():
     assert usable(SamplingParams()) is None
     assert usable(SamplingParams(temperature=0.5)) is not None
     assert usable(SamplingParams(repetition_penalty=1.2)) is not None
+
+
+def test_acceptance_per_position_favours_long_drafts_for_copies():
+    # prompt lookup: the first token is a coin flip (a match or not), a match then copies a long run
+    policy = AdaptivePolicy(8)
+    for _ in range(50):
+        policy.record_accept(8, 0)
+        policy.record_accept(8, 8)
+    assert policy.acceptance_at(0) == pytest.approx(0.5, abs=0.05)
+    assert policy.acceptance_at(5) > 0.9
+    assert policy.expected(8) > 4.0  # geometric with a = 0.5 would give under 2
+    for T in range(1, 10):
+        policy.record_step(T, 1.0 + 0.1 * (T - 1))
+    assert policy.choose() == 8
