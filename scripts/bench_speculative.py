@@ -2,7 +2,9 @@
 
 Runs `moestream generate` on a code prompt that repeats itself and on the quick-start prompt,
 interleaving the settings run by run, and reads decode tok/s, accept rate and tokens per
-verification step from each run's JSON; checks every setting generated the same tokens. Writes JSON.
+verification step from each run's JSON, and the CPU seconds of the whole process (load, prefill and
+decode: steadier than wall time on a shared machine); checks every setting generated the same
+tokens. Writes JSON.
 
     python scripts/bench_speculative.py --out docs/bench/cpu-demo-speculative.json
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shlex
 import statistics
 import subprocess
@@ -27,7 +30,7 @@ PROMPTS = {
 }
 SETTINGS = {"plain": [], "ngram auto": ["--speculative", "ngram"],
             "ngram k=4": ["--speculative", "ngram", "--draft-tokens", "4"]}
-COMMON = ["--max-new", "128", "--threads", "1", "--json"]
+COMMON = ["--max-new", "128", "--device", "cpu", "--threads", "1", "--json"]
 
 
 def main() -> None:
@@ -41,14 +44,18 @@ def main() -> None:
         for prompt, text in PROMPTS.items():
             for name, extra in SETTINGS.items():
                 load = os.getloadavg()[0]
+                before = resource.getrusage(resource.RUSAGE_CHILDREN)
                 cmd = [sys.executable, "-m", "moestream", "generate", "--prompt", text, *COMMON, *extra]
                 out = subprocess.run(cmd, check=True, capture_output=True, text=True)
+                after = resource.getrusage(resource.RUSAGE_CHILDREN)
+                cpu_s = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
                 obj = json.loads(out.stdout.strip().splitlines()[-1])
                 tokens[prompt].add(tuple(obj["token_ids"]))
                 r, spec = obj["receipt"], obj["receipt"]["speculative"] or {}
                 results[prompt][name].append({
                     "decode_tok_s": r["decode_tok_s"], "generated": r["generated_tokens"],
                     "hit_rate": r["hit_rate"], "misses": r["misses"], "load_before": round(load, 2),
+                    "process_cpu_s": round(cpu_s, 3),
                     **{k: spec.get(k) for k in ("accept_rate", "tokens_per_step", "drafted", "accepted",
                                                  "draft_lengths", "step_s_by_tokens")}})
                 print(prompt, name, results[prompt][name][-1]["decode_tok_s"], spec.get("accept_rate"), flush=True)
@@ -59,6 +66,7 @@ def main() -> None:
         for name, runs in by_setting.items():
             median = statistics.median(x["decode_tok_s"] for x in runs)
             summary[prompt][name] = {"median_decode_tok_s": median, "speedup": round(median / plain, 3),
+                                     "median_process_cpu_s": statistics.median(x["process_cpu_s"] for x in runs),
                                      "min": min(x["decode_tok_s"] for x in runs),
                                      "max": max(x["decode_tok_s"] for x in runs)}
             if name != "plain":

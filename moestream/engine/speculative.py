@@ -235,7 +235,7 @@ class AdaptivePolicy:
 class SpeculativeOptions:
     """How `Engine.generate` speculates: a drafter, and a fixed draft length or the adaptive policy
     (draft_tokens None) drafting at most max_draft_tokens. hot_head: greedy decoding through the
-    hot-vocabulary head instead (moestream.engine.hot_head), verified every hot_head_verify steps."""
+    hot-vocabulary head instead (moestream.engine.hot_head; greedy only)."""
 
     drafter: Drafter | None = None
     draft_tokens: int | None = None
