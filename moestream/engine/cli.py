@@ -32,8 +32,51 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object (token_ids, text, logprobs, receipt) as the last line")
     p.add_argument("--receipt", metavar="FILE", help="write the run's receipt JSON to FILE")
     p.add_argument("--plan", action="store_true", help="print the memory ledger and slot plan, then exit")
+    add_speculative_arguments(p)
     add_engine_arguments(p)
     return p
+
+
+def speculative_value(text: str) -> tuple[str, str | None]:
+    from moestream.engine.speculative import parse_speculative
+
+    try:
+        return parse_speculative(text)
+    except MoestreamError as exc:
+        raise argparse.ArgumentTypeError(f"must be off, ngram or draft:PATH, not {text!r}") from exc
+
+
+def draft_tokens_value(text: str) -> int | None:
+    """`auto` (None: the adaptive policy) or a whole number >= 0."""
+    return None if text == "auto" else at_least(0)(text)
+
+
+def add_speculative_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("speculative decoding (the same tokens as without it)")
+    g.add_argument("--speculative", type=speculative_value, default=("off", None), metavar="off|ngram|draft:PATH",
+                   help="ngram: draft from earlier text of the context (prompt lookup); draft:PATH: a small packed "
+                        "model sharing the tokenizer; off (default)")
+    g.add_argument("--draft-tokens", type=draft_tokens_value, default=None, metavar="K|auto",
+                   help="tokens drafted per verification: a number, or auto (default): chosen each step from "
+                        "measured step times and acceptance")
+    g.add_argument("--max-draft-tokens", type=at_least(1), default=8, help="most tokens auto drafts (default 8)")
+    g.add_argument("--ngram", type=at_least(1), default=3, help="longest n-gram the ngram drafter matches (default 3)")
+    g.add_argument("--hot-head", action="store_true",
+                   help="greedy decoding through the hot-vocabulary head, verified by the full head (exact; no "
+                        "faster until the decoder can stop before its head)")
+
+
+def speculative_options(args, engine):
+    """SpeculativeOptions from the flags (None: plain decoding); may load a draft model."""
+    from moestream.engine.speculative import SpeculativeOptions, make_options
+
+    if args.hot_head:
+        from moestream.engine.hot_head import HotHeadOptions
+
+        return SpeculativeOptions(hot_head=HotHeadOptions())
+    kind, path = args.speculative
+    return make_options(kind, path, draft_tokens=args.draft_tokens, max_draft_tokens=args.max_draft_tokens,
+                        max_ngram=args.ngram, main_engine=engine, engine_options=EngineOptions.from_args(args))
 
 
 def prompt_ids(args, tokenizer) -> list[int]:
@@ -55,6 +98,14 @@ def check_args(parser: argparse.ArgumentParser, args) -> None:
     if not args.repetition_penalty > 0 or args.repetition_penalty == float("inf"):
         parser.error(f"argument --repetition-penalty: must be a positive finite number, not {args.repetition_penalty}")
     check_output_paths(parser, args, {"receipt": "--receipt", "trace_routing": "--trace-routing"})
+    if args.hot_head:
+        from moestream.engine.hot_head import usable
+
+        if args.speculative[0] != "off":
+            parser.error("argument --hot-head: not with --speculative (choose one)")
+        reason = usable(SamplingParams(temperature=args.temperature, repetition_penalty=args.repetition_penalty))
+        if reason is not None:
+            parser.error(f"argument --hot-head: {reason}")
 
 
 def stats_line(receipt: dict) -> str:
@@ -65,7 +116,17 @@ def stats_line(receipt: dict) -> str:
             f"prefill {rate(receipt['prefill_tok_s'])} tok/s, decode {rate(receipt['decode_tok_s'])} tok/s | "
             f"expert hit rate {receipt['hit_rate']:.3f}, misses {receipt['misses']}, read {mb:.1f} MB "
             f"(disk {receipt['bytes_read_disk'] / 1e6:.1f} MB), read wait {receipt['read_wait_s']:.3f} s | "
-            f"threads {receipt['threads']}, verify {'on' if receipt['verify'] else 'off'}")
+            f"threads {receipt['threads']}, verify {'on' if receipt['verify'] else 'off'}" + speculative_stats(receipt))
+
+
+def speculative_stats(receipt: dict) -> str:
+    spec = receipt.get("speculative")
+    if not spec:
+        return ""
+    rate = "-" if spec["accept_rate"] is None else f"{spec['accept_rate']:.3f}"
+    per = "-" if spec["tokens_per_step"] is None else f"{spec['tokens_per_step']:.2f}"
+    return (f" | speculative {spec['drafter']} ({spec['draft_tokens']}): drafted {spec['drafted']}, "
+            f"accepted {spec['accepted']} ({rate}), {per} tok/step")
 
 
 def run(args) -> int:
@@ -82,13 +143,17 @@ def run(args) -> int:
         print(f"{packed.directory} ({packed.family})\n{plan.describe()}")
         return 0
     engine = load_engine(args.model, options)
+    speculative = None
     try:
-        return generate(args, engine)
+        speculative = speculative_options(args, engine)
+        return generate(args, engine, speculative)
     finally:
+        if speculative is not None and speculative.drafter is not None:
+            speculative.drafter.close()
         engine.close()
 
 
-def generate(args, engine) -> int:
+def generate(args, engine, speculative=None) -> int:
     """Generated text (or the JSON object) on stdout, the stats line on stderr. The prompt is echoed
     only once the prefill has succeeded, so a run that fails there prints nothing on stdout."""
     from moestream.engine.tokenizer import NoTokenizer
@@ -96,7 +161,8 @@ def generate(args, engine) -> int:
     ids = prompt_ids(args, engine.tokenizer)
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                               repetition_penalty=args.repetition_penalty, seed=args.seed)
-    gen = engine.generate(ids, max_new_tokens=args.max_new, sampling=sampling, logprobs=args.logprobs)
+    gen = engine.generate(ids, max_new_tokens=args.max_new, sampling=sampling, logprobs=args.logprobs,
+                          speculative=speculative)
     as_ids = isinstance(engine.tokenizer, NoTokenizer)  # no text to show: the generated ids, comma-separated
     decoder = IncrementalDecoder(engine.tokenizer.decode)
     echo = "" if args.prompt_ids is not None or args.chat_prompt is not None else engine.tokenizer.decode(ids)

@@ -33,6 +33,7 @@ class Receipt(Mapping):
     threads: int = 0  # CPU compute threads
     verify: bool = True  # records and resident files checked against the manifest
     lookahead: dict = field(default_factory=dict)  # CUDA guesses of later layers' experts: accuracy per layer
+    speculative: dict | None = None  # drafter, drafted, accepted, accept_rate, tokens_per_step (None: off)
 
     @classmethod
     def of_run(cls, *, prompt_tokens: int, reused: int, generated: int, finish: str, prefill_s: float,

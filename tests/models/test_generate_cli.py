@@ -75,3 +75,26 @@ def test_model_directory_that_fails_its_manifest(tiny_packed_model, tmp_path, ca
     (bad / "moestream.json").write_text("{not json")
     one_line_error(run_here(capfd, "--model", str(bad)), "manifest")
     one_line_error(run_here(capfd, "--model", str(tmp_path / "nowhere")), "no such directory")
+
+
+def test_speculative_flags_give_the_plain_tokens(tiny_packed_model, capfd):
+    model = str(tiny_packed_model("qwen3_moe", "q4"))
+    base = ["--model", model, "--prompt", "def fibonacci(n):", "--max-new", "24", "--json", "--device", "cpu",
+            "--threads", "1", "--temperature", "0.8", "--seed", "5"]
+    plain = run_here(capfd, *base)
+    assert plain.returncode == 0, plain.stderr
+    expected = json.loads(plain.stdout)["token_ids"]
+    assert json.loads(plain.stdout)["receipt"]["speculative"] is None
+    for flags in (["--speculative", "ngram"], ["--speculative", "ngram", "--draft-tokens", "3", "--ngram", "2"],
+                  ["--speculative", f"draft:{model}", "--draft-tokens", "auto"]):
+        out = run_here(capfd, *base, *flags)
+        assert out.returncode == 0, out.stderr
+        obj = json.loads(out.stdout)
+        assert obj["token_ids"] == expected
+        spec = obj["receipt"]["speculative"]
+        assert set(spec) >= {"drafter", "drafted", "accepted", "accept_rate", "tokens_per_step"}
+        assert "speculative" in out.stderr
+    greedy = [a for a in base if a not in ("--temperature", "0.8")]
+    hot = run_here(capfd, *greedy, "--hot-head")
+    assert hot.returncode == 0, hot.stderr
+    assert json.loads(hot.stdout)["token_ids"] == json.loads(run_here(capfd, *greedy).stdout)["token_ids"]

@@ -1,0 +1,146 @@
+"""The hot-vocabulary head: greedy decoding that scores only a list of common tokens, made exact by
+verification.
+
+Each step scores the final hidden state against the rows of the head for a short list of tokens
+(the prompt's most frequent tokens and the tokenizer's first ids, which byte-pair merges order
+roughly by frequency) and feeds the best of them to the next step as a guess. Every
+`verify_every` steps the full head runs over the saved hidden rows; the output takes the full
+head's token at each position, and from the first wrong guess on the later steps are discarded
+(the KV cache rolled back) and redone. So the tokens are exactly plain greedy decoding's; the list
+changes only how often a guess must be redone.
+
+The saving is the full head's weight read on the steps between verifications, which needs a step
+that stops before the head: the decoder computes the logits of every step today, so in the engine
+this runs for its exactness only (`--hot-head`, off by default) until the decoder can skip its head."""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from moestream.engine.types import SamplingParams, TokenEvent
+from moestream.errors import MoestreamError
+from moestream.layers.norm import rms_norm
+
+
+@dataclass(frozen=True)
+class HotHeadOptions:
+    prompt_tokens: int = 256  # the prompt's most frequent tokens in the list
+    base_tokens: int = 4096  # and the tokenizer's first ids
+    verify_every: int = 4  # guesses between full-head passes
+
+    def __post_init__(self):
+        if self.verify_every < 1:
+            raise MoestreamError(f"the hot head verifies every >= 1 steps, not {self.verify_every}")
+        if self.prompt_tokens < 0 or self.base_tokens < 0 or self.prompt_tokens + self.base_tokens == 0:
+            raise MoestreamError("the hot-vocabulary list needs prompt or base tokens")
+
+
+def hot_vocabulary(prompt_ids: Sequence[int], vocab_size: int, *, prompt_tokens: int = 256,
+                   base_tokens: int = 4096) -> torch.Tensor:
+    """Sorted unique token ids [N]: the prompt's `prompt_tokens` most frequent and ids 0..base_tokens-1."""
+    frequent = [t for t, _ in Counter(int(t) for t in prompt_ids).most_common(prompt_tokens)]
+    ids = set(range(min(base_tokens, vocab_size))) | {t for t in frequent if 0 <= t < vocab_size}
+    return torch.tensor(sorted(ids), dtype=torch.long)
+
+
+class HotHead:
+    """The head restricted to `hot_ids`: guesses from final hidden rows (before the final norm)."""
+
+    def __init__(self, final_norm: torch.Tensor, lm_head: torch.Tensor, eps: float, hot_ids: torch.Tensor):
+        self.final_norm, self.eps = final_norm, eps
+        self.hot_ids = hot_ids.to(lm_head.device)
+        self.weight = lm_head.index_select(0, self.hot_ids).contiguous()  # [N, H]
+
+    @classmethod
+    def of_model(cls, model, hot_ids: torch.Tensor) -> "HotHead":
+        return cls(model.final_norm, model.lm_head, model.eps, hot_ids)
+
+    def guess(self, hidden: torch.Tensor) -> list[int]:
+        """hidden [T, H] -> the best hot token of each row."""
+        scores = F.linear(rms_norm(hidden, self.final_norm, self.eps), self.weight)  # [T, N]
+        return self.hot_ids[scores.argmax(dim=-1)].tolist()
+
+
+def usable(sampling: SamplingParams) -> str | None:
+    """Why the hot head cannot decode with these settings (None: it can)."""
+    if not sampling.greedy:
+        return "the hot-vocabulary head decodes greedily only (temperature 0)"
+    if (sampling.repetition_penalty != 1.0 or sampling.uses_generated or sampling.logit_bias):
+        return "the hot-vocabulary head takes no penalties, logit bias or allowed-token mask"
+    return None
+
+
+def step_hidden(engine, token: int) -> torch.Tensor:
+    """Run one token through the engine; its final hidden row [1, H] (the decoder's residual stream
+    after the last layer, what its head reads)."""
+    engine.step([token])
+    return engine.decoder.x[:1].clone()
+
+
+def run_hot_head(engine, seq: list[int], logits: torch.Tensor, *, budget: int, sampling: SamplingParams,
+                 logprobs: int, should_stop, stop_at_eos: bool, options: HotHeadOptions,
+                 state: dict) -> Iterator[TokenEvent]:
+    """Engine.generate's decode loop through the hot head (greedy): the plain loop's tokens."""
+    from moestream.engine.engine import top_logprobs
+    from moestream.engine.sampling import choose_token
+    from moestream.engine.speculative import SpeculativeStats
+
+    reason = usable(sampling)
+    if reason is not None:
+        raise MoestreamError(reason)
+    model = engine.model
+    hot = HotHead.of_model(model, hot_vocabulary(seq, model.vocab_size, prompt_tokens=options.prompt_tokens,
+                                                 base_tokens=options.base_tokens))
+    stats = SpeculativeStats("hot-head", str(options.verify_every))
+    state["speculative"] = stats
+    seq = list(seq)
+    produced = 0
+
+    def emit(row: torch.Tensor):
+        if should_stop is not None and should_stop():
+            state["finish"] = "cancelled"
+            return None
+        token = choose_token(row, sampling, position=len(seq))
+        if stop_at_eos and token in engine.tokenizer.eos_token_ids:
+            state["finish"] = "stop"
+            return None
+        event = TokenEvent(token)
+        if logprobs:
+            event.logprob, event.top_logprobs = top_logprobs(row, token, logprobs)
+        seq.append(token)
+        state["tokens"].append(token)
+        return event
+
+    if budget <= 0:
+        return
+    event = emit(logits[-1])
+    if event is None:
+        return
+    produced += 1
+    yield event
+    while produced < budget:
+        # the cache holds seq[:-1]; guesses run ahead of seq, saving each step's hidden row
+        work, hidden = list(seq), []
+        n = min(options.verify_every, budget - produced, engine.max_context - len(seq))
+        with torch.inference_mode():
+            for _ in range(n):
+                hidden.append(step_hidden(engine, work[-1]))
+                work.append(hot.guess(hidden[-1])[0])
+            stats.verify_steps += 1
+            stats.drafted += n - 1  # the last guess is never run ahead on
+            for i, h in enumerate(hidden):
+                event = emit(model.head(h)[0])  # the decoder's own head on one row: plain decoding's bits
+                if event is None:
+                    return
+                produced += 1
+                stats.step_tokens += 1
+                yield event
+                if event.token_id != work[len(seq) - 1]:
+                    break
+                if i < n - 1:
+                    stats.accepted += 1
+        engine.rollback(len(seq) - 1)

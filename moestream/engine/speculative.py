@@ -1,0 +1,393 @@
+"""Speculative decoding: a drafter proposes k tokens, the model verifies them in one step.
+
+One verification runs `engine.step([last] + draft)`: row i of its logits predicts the token after
+draft[:i], and a token's logits are the same bits whatever the step's length, so choosing row i's
+token (argmax, or the Gumbel-max draw keyed by (seed, position)) gives exactly the token plain
+decoding chooses there. The loop keeps drafted tokens while they equal the model's own choice,
+takes the model's token at the first difference (or the bonus token after the last draft) and
+rolls the KV cache back over the rejected ones. The text is therefore plain `generate`'s text,
+greedy or sampled with a seed; the drafter and the policy change only the speed.
+
+How many tokens to draft is a choice (`draft_tokens`) or the AdaptivePolicy's (see there)."""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field, replace
+from typing import Iterator, Sequence
+
+import torch
+
+from moestream.engine.sampling import choose_token
+from moestream.engine.types import SamplingParams, TokenEvent
+from moestream.errors import MoestreamError
+
+log = logging.getLogger(__name__)
+
+
+class Drafter:
+    """Proposes the tokens likely to follow a context. It never changes the output, only the speed."""
+
+    name = "drafter"
+
+    def propose(self, context: Sequence[int], k: int) -> list[int]:
+        """Up to k tokens likely to follow `context` (fewer, or none, when it has no guess)."""
+        raise NotImplementedError
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        """How many of the last proposal's tokens were drafted and how many of them were kept."""
+
+    def begin(self, sampling: SamplingParams) -> None:
+        """A generation starts with these sampling settings."""
+
+    def reset(self) -> None:
+        """Forget any state kept between generations."""
+
+    def close(self) -> None:
+        pass
+
+
+class NGramDrafter(Drafter):
+    """Prompt lookup: find the latest earlier occurrence of the context's last n tokens (n from
+    `max_ngram` down to `min_ngram`) and propose what followed it. No model; strong wherever the
+    text repeats itself (code, edits, quoting the prompt)."""
+
+    name = "ngram"
+
+    def __init__(self, *, max_ngram: int = 3, min_ngram: int = 1):
+        if not 1 <= min_ngram <= max_ngram:
+            raise MoestreamError(f"n-gram sizes must satisfy 1 <= min ({min_ngram}) <= max ({max_ngram})")
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+
+    def propose(self, context: Sequence[int], k: int) -> list[int]:
+        ctx = list(context)
+        L = len(ctx)
+        if k <= 0:
+            return []
+        for n in range(min(self.max_ngram, L - 1), self.min_ngram - 1, -1):
+            pattern = ctx[L - n:]
+            first = pattern[0]
+            # latest start i < L - n with ctx[i:i + n] == pattern (the suffix itself excluded)
+            for i in range(L - n - 1, -1, -1):
+                if ctx[i] == first and ctx[i:i + n] == pattern:
+                    return ctx[i + n:i + n + k]
+        return []
+
+
+class DraftModelDrafter(Drafter):
+    """A small model that shares the main model's tokenizer, run as its own Engine (its own KV
+    cache). Each proposal brings its cache to the context (the engine's prefill reuses the common
+    prefix, which is the rollback after rejected drafts) and drafts greedily, or with the main
+    sampler's seed and temperature so that a draft matches the main model's draw when they agree."""
+
+    name = "draft"
+
+    def __init__(self, engine, *, main_vocab_size: int | None = None):
+        self.engine = engine
+        if main_vocab_size is not None and engine.args.vocab_size != main_vocab_size:
+            raise MoestreamError(f"the draft model's vocabulary ({engine.args.vocab_size}) differs from the "
+                                 f"model's ({main_vocab_size}): it must share the tokenizer")
+        self.sampling = SamplingParams()
+
+    def begin(self, sampling: SamplingParams) -> None:
+        # the draw only, never the main sampler's history, penalties or grammar
+        self.sampling = SamplingParams(temperature=sampling.temperature, top_k=sampling.top_k,
+                                       top_p=sampling.top_p, min_p=sampling.min_p, seed=sampling.seed)
+
+    def _choose(self, row: torch.Tensor, position: int) -> int:
+        if self.sampling.greedy:
+            return int(torch.argmax(row))
+        return choose_token(row, self.sampling, position=position)
+
+    def propose(self, context: Sequence[int], k: int) -> list[int]:
+        ctx = list(context)
+        room = self.engine.max_context - len(ctx)
+        k = min(k, room)
+        if k <= 0:
+            return []
+        logits, _ = self.engine.prefill(ctx)
+        draft = [self._choose(logits[-1], len(ctx))]
+        while len(draft) < k:
+            logits = self.engine.step([draft[-1]])
+            draft.append(self._choose(logits[-1], len(ctx) + len(draft)))
+        return draft
+
+    def reset(self) -> None:
+        self.engine.reset()
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+class AdaptivePolicy:
+    """How many tokens to draft next, from measurements, to maximize expected tokens per second.
+
+    The model: the i-th drafted token (i = 1..k) is kept, given that the ones before it were, with
+    probability a_i, so a verification of k drafted tokens yields
+        E(k) = 1 + a_1 + a_1 a_2 + ... + a_1 ... a_k
+    tokens (the kept run plus the model's own token) and costs step(k + 1) + draft(k) seconds. With
+    one a for every position this is E(k) = (1 - a^(k+1)) / (1 - a); a per position matters for
+    prompt lookup, whose drafts are all wrong (no match) or right for a long run (a copy), so a_1 is
+    low and the later a_i high. The policy picks the k in 0..max_draft with the most E(k) / cost(k);
+    k = 0 is a plain step, kept unless drafting is expected to gain more than `min_gain` (5 %:
+    below timing noise).
+
+    step(T) is measured online (an exponential moving average per T): with MoE every extra token
+    may route to other experts, so its cost grows with T by an amount only measurement tells. An
+    unmeasured T is costed optimistically, at the largest cost measured for a smaller T (nothing
+    assumed but that a longer step is not cheaper), or 0 when none is: so each length is tried
+    once and then priced at what it really costs. Each a_i is a ratio of decayed counts (kept,
+    tried; decayed each time the position is verified) with a prior of `prior_accept` weighing
+    `prior_weight` tokens. While plain steps win, a probe of one drafted token every `probe_every`
+    steps keeps a_1 current (text that starts repeating turns speculation back on)."""
+
+    def __init__(self, max_draft: int = 8, *, smoothing: float = 0.25, accept_decay: float = 0.95,
+                 prior_accept: float = 0.5, prior_weight: float = 1.0, probe_every: int = 16,
+                 min_gain: float = 0.05):
+        if max_draft < 0:
+            raise ValueError("max_draft must be >= 0")
+        self.max_draft, self.smoothing, self.accept_decay = max_draft, smoothing, accept_decay
+        self.probe_every, self.min_gain = probe_every, min_gain
+        self.prior_accept, self.prior_weight = prior_accept, prior_weight
+        self.step_cost: dict[int, float] = {}  # T -> EMA seconds of step(T)
+        self.draft_cost: dict[int, float] = {}  # k -> EMA seconds of proposing k tokens
+        self.kept = [0.0] * max_draft  # per draft position: decayed count of tokens kept there
+        self.tried = [0.0] * max_draft  # ... and of tokens verified there (the ones before it all kept)
+        self._plain_run = 0
+
+    def acceptance_at(self, i: int) -> float:
+        """a_(i+1): the chance that draft position i (from 0) is kept, given all before it were."""
+        w = self.prior_weight
+        return (self.kept[i] + w * self.prior_accept) / (self.tried[i] + w)
+
+    @property
+    def acceptance(self) -> float:
+        """The share of verified draft tokens that were kept (decayed), for receipts."""
+        tried = sum(self.tried)
+        return sum(self.kept) / tried if tried else self.prior_accept
+
+    def expected(self, k: int) -> float:
+        """E(k) from the per-position estimates."""
+        total, run = 1.0, 1.0
+        for i in range(k):
+            run *= self.acceptance_at(i)
+            total += run
+        return total
+
+    @staticmethod
+    def expected_tokens(a: float, k: int) -> float:
+        """E(k) for one acceptance a at every position: (1 - a^(k+1)) / (1 - a)."""
+        if a >= 1.0:
+            return k + 1.0
+        return (1.0 - a ** (k + 1)) / (1.0 - a)
+
+    def _ema(self, table: dict[int, float], key: int, seconds: float) -> None:
+        old = table.get(key)
+        table[key] = seconds if old is None else old + self.smoothing * (seconds - old)
+
+    def record_step(self, tokens: int, seconds: float) -> None:
+        self._ema(self.step_cost, tokens, seconds)
+
+    def record_draft(self, k: int, seconds: float) -> None:
+        if k > 0:
+            self._ema(self.draft_cost, k, seconds)
+
+    def record_accept(self, drafted: int, accepted: int) -> None:
+        if drafted <= 0:
+            return
+        d = self.accept_decay
+        for i in range(min(accepted + 1, drafted, self.max_draft)):  # the positions verified
+            self.tried[i] = d * self.tried[i] + 1.0
+            self.kept[i] = d * self.kept[i] + (1.0 if i < accepted else 0.0)
+
+    def estimated_step(self, tokens: int) -> float:
+        if tokens in self.step_cost:
+            return self.step_cost[tokens]
+        below = [c for t, c in self.step_cost.items() if t < tokens]
+        return max(below) if below else 0.0
+
+    def estimated_rate(self, k: int) -> float:
+        """Expected tokens per second of drafting k (inf for a cost not yet known to be > 0)."""
+        cost = self.estimated_step(k + 1) + self.draft_cost.get(k, 0.0)
+        tokens = self.expected(k)
+        return math.inf if cost <= 0 else tokens / cost
+
+    def choose(self, limit: int | None = None) -> int:
+        """Draft length for the next verification, at most `limit` (room left in budget/context)."""
+        top = self.max_draft if limit is None else max(0, min(self.max_draft, limit))
+        best, best_rate = 0, self.estimated_rate(0) * (1.0 + self.min_gain)
+        for k in range(1, top + 1):  # ties keep the shorter draft
+            rate = self.estimated_rate(k)
+            if rate > best_rate:
+                best, best_rate = k, rate
+        if best == 0 and top > 0:
+            self._plain_run += 1
+            if self._plain_run >= self.probe_every:
+                self._plain_run = 0
+                return 1
+        else:
+            self._plain_run = 0
+        return best
+
+
+@dataclass
+class SpeculativeOptions:
+    """How `Engine.generate` speculates: a drafter, and a fixed draft length or the adaptive policy
+    (draft_tokens None) drafting at most max_draft_tokens. hot_head: greedy decoding through the
+    hot-vocabulary head instead (moestream.engine.hot_head; greedy only)."""
+
+    drafter: Drafter | None = None
+    draft_tokens: int | None = None
+    max_draft_tokens: int = 8
+    hot_head: object | None = None  # a hot_head.HotHeadOptions
+    policy: AdaptivePolicy | None = field(default=None, repr=False)  # kept across generations
+
+    def __post_init__(self):
+        if self.draft_tokens is not None and self.draft_tokens < 0:
+            raise MoestreamError(f"draft tokens must be >= 0, not {self.draft_tokens}")
+        if self.max_draft_tokens < 1:
+            raise MoestreamError(f"the most draft tokens must be >= 1, not {self.max_draft_tokens}")
+        if self.drafter is not None and self.draft_tokens is None and self.policy is None:
+            self.policy = AdaptivePolicy(self.max_draft_tokens)
+
+
+@dataclass
+class SpeculativeStats:
+    drafter: str
+    mode: str  # "auto" or the fixed draft length
+    verify_steps: int = 0  # engine.step calls of the loop (plain ones included)
+    drafted: int = 0
+    accepted: int = 0
+    step_tokens: int = 0  # tokens emitted from those steps' logits
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    draft_lengths: dict = field(default_factory=dict)  # k -> verifications that drafted k
+    policy: "AdaptivePolicy | None" = None  # its learned step costs go in the receipt
+
+    def to_json(self) -> dict:
+        return {"drafter": self.drafter, "draft_tokens": self.mode, "verify_steps": self.verify_steps,
+                "drafted": self.drafted, "accepted": self.accepted,
+                "accept_rate": round(self.accepted / self.drafted, 6) if self.drafted else None,
+                "tokens_per_step": round(self.step_tokens / self.verify_steps, 6) if self.verify_steps else None,
+                "draft_s": round(self.draft_s, 6), "verify_s": round(self.verify_s, 6),
+                "draft_lengths": {str(k): v for k, v in sorted(self.draft_lengths.items())},
+                "step_s_by_tokens": None if self.policy is None else
+                {str(t): round(c, 6) for t, c in sorted(self.policy.step_cost.items())},
+                "acceptance_estimate": None if self.policy is None else round(self.policy.acceptance, 4)}
+
+
+def run(engine, seq: list[int], logits: torch.Tensor, *, budget: int, sampling: SamplingParams, logprobs: int,
+        should_stop, stop_at_eos: bool, options: SpeculativeOptions, state: dict) -> Iterator[TokenEvent]:
+    """The decode loop of Engine.generate with speculation (after the prefill whose last logits
+    are `logits`); fills state["tokens"], state["finish"] and state["speculative"] (the receipt's
+    fields) like the plain loop does."""
+    if options.hot_head is not None:
+        from moestream.engine.hot_head import run_hot_head
+
+        yield from run_hot_head(engine, seq, logits, budget=budget, sampling=sampling, logprobs=logprobs,
+                                should_stop=should_stop, stop_at_eos=stop_at_eos, options=options.hot_head,
+                                state=state)
+        return
+    if options.drafter is None:
+        raise MoestreamError("speculative decoding needs a drafter")
+    from moestream.engine.engine import top_logprobs
+
+    drafter, policy = options.drafter, options.policy
+    stats = SpeculativeStats(drafter.name, "auto" if options.draft_tokens is None else str(options.draft_tokens),
+                             policy=policy)
+    state["speculative"] = stats
+    drafter.begin(sampling)
+    seq = list(seq)
+    produced = 0
+
+    def emit(row: torch.Tensor):
+        """The token plain decoding chooses at len(seq) from `row`, as an event; None: stop."""
+        if should_stop is not None and should_stop():
+            state["finish"] = "cancelled"
+            return None
+        previous = torch.tensor(seq, device=row.device) if sampling.repetition_penalty != 1.0 else None
+        token = choose_token(row, sampling, position=len(seq), previous=previous)
+        if stop_at_eos and token in engine.tokenizer.eos_token_ids:
+            state["finish"] = "stop"
+            return None
+        event = TokenEvent(token)
+        if logprobs:
+            event.logprob, event.top_logprobs = top_logprobs(row, token, logprobs)
+        seq.append(token)
+        state["tokens"].append(token)
+        return event
+
+    if budget <= 0:
+        return
+    event = emit(logits[-1])
+    if event is None:
+        return
+    produced += 1
+    yield event
+    while produced < budget:
+        # the cache holds seq[:-1]; seq[-1] is the next token to run
+        limit = min(budget - produced - 1, engine.max_context - len(seq))
+        k = min(options.draft_tokens, limit) if policy is None else policy.choose(limit)
+        t0 = time.perf_counter()
+        draft = drafter.propose(seq, k)[:k] if k > 0 else []
+        t1 = time.perf_counter()
+        rows = engine.step([seq[-1]] + draft)
+        engine._sync()
+        t2 = time.perf_counter()
+        stats.verify_steps += 1
+        stats.drafted += len(draft)
+        stats.draft_s += t1 - t0
+        stats.verify_s += t2 - t1
+        stats.draft_lengths[len(draft)] = stats.draft_lengths.get(len(draft), 0) + 1
+        if policy is not None:
+            policy.record_draft(k, t1 - t0)
+            policy.record_step(len(draft) + 1, t2 - t1)
+        accepted = 0
+        for i in range(len(draft) + 1):
+            event = emit(rows[i])
+            if event is None:
+                return
+            produced += 1
+            stats.step_tokens += 1
+            yield event
+            if i == len(draft) or event.token_id != draft[i]:
+                break
+            accepted += 1
+            if produced >= budget:
+                break
+        stats.accepted += accepted
+        drafter.observe(len(draft), accepted)
+        if policy is not None:
+            policy.record_accept(len(draft), accepted)
+        engine.rollback(len(seq) - 1)  # forget the rejected drafts
+
+
+def parse_speculative(value: str) -> tuple[str, str | None]:
+    """`off`, `ngram` or `draft:PATH` -> (kind, path)."""
+    if value in ("off", "ngram"):
+        return value, None
+    if value.startswith("draft:") and len(value) > len("draft:"):
+        return "draft", value[len("draft:"):]
+    raise MoestreamError(f"--speculative must be off, ngram or draft:PATH, not {value!r}")
+
+
+def make_options(kind: str, path: str | None, *, draft_tokens: int | None, max_draft_tokens: int = 8,
+                 max_ngram: int = 3, main_engine=None, engine_options=None) -> SpeculativeOptions | None:
+    """SpeculativeOptions for a `--speculative` value (None for off); loads a draft model's Engine."""
+    if kind == "off":
+        return None
+    if kind == "ngram":
+        drafter: Drafter = NGramDrafter(max_ngram=max_ngram)
+    else:
+        from moestream.engine.engine import Engine
+
+        opts = replace(engine_options, trace_routing=None) if engine_options is not None else None
+        draft_engine = Engine.load(path, options=opts)
+        try:
+            drafter = DraftModelDrafter(draft_engine, main_vocab_size=main_engine.args.vocab_size
+                                        if main_engine is not None else None)
+        except BaseException:
+            draft_engine.close()
+            raise
+    return SpeculativeOptions(drafter=drafter, draft_tokens=draft_tokens, max_draft_tokens=max_draft_tokens)
