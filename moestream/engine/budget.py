@@ -57,8 +57,7 @@ def resident_bytes(packed: PackedModel, dtype: torch.dtype) -> int:
 def plan_ledger(packed: PackedModel, args, *, dtype: torch.dtype, max_context: int, chunk: int, slots: int,
                 slot_bytes: int, host_slots: int, staging: int, cuda: bool = False) -> Ledger:
     item = torch.finfo(dtype).bits // 8
-    kv_layers, kv_heads, head_dim = args.kv_layout()
-    kv = KVCache.nbytes_for(kv_layers, kv_heads, head_dim, max_context, dtype)
+    kv = KVCache.bytes_for_layout(args.kv_layout(), max_context, dtype)
     workspace = prefill_workspace(args, tokens=min(chunk, max_context), context=max_context, item=item)
     if cuda:
         workspace = max(workspace, decode_workspace(args, context=max_context))

@@ -110,8 +110,7 @@ class Engine:
             self.provider.close()
             raise
         self.model_name = packed.directory.name if packed.directory != DEMO_MODEL else "moestream-demo"
-        layers, kv_heads, head_dim = self.args.kv_layout()
-        self.cache = KVCache(layers, kv_heads, head_dim, self.max_context, dtype=self.dtype, device=self.device)
+        self.cache = KVCache.for_layout(self.args.kv_layout(), self.max_context, dtype=self.dtype, device=self.device)
         self.decoder = Decoder(self.model, self.cache, self.experts, graphs=options.cuda_graphs, lookahead=lookahead)
         self._resident_checked = False
         self._position = 0  # first position of the chunk being run (for routing traces)

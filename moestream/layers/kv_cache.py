@@ -1,10 +1,39 @@
 """Preallocated KV cache for one sequence, and the token ids whose K/V it holds.
 
 It is the one record of what is cached: `tokens` are the ids at positions 0..length-1, so prefix
-reuse and rollback (speculative decoding rejects drafted tokens) only ever ask it."""
+reuse and rollback (speculative decoding rejects drafted tokens) only ever ask it.
+
+A family describes its cache per layer (`ModelArgs.kv_layout()` -> [LayerKV]): where every layer
+has the same shape, keys/values are one [layers, heads, tokens, dim] tensor; otherwise (other head
+sizes per layer, a compressed latent instead of K/V, a layer with no cache) a list with one
+[heads, tokens, dim] tensor per layer. `keys[layer]` is that layer's tensor either way."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+
+@dataclass(frozen=True)
+class LayerKV:
+    """One layer's cache: `heads` rows of `k_dim` keys and `v_heads` rows of `v_dim` values per
+    token (v_dim 0: no values, e.g. a latent cache; heads 0: no cache at all)."""
+
+    heads: int
+    k_dim: int
+    v_heads: int = -1  # -1: as many as key heads
+    v_dim: int = -1  # -1: as wide as keys
+
+    @property
+    def value_heads(self) -> int:
+        return self.heads if self.v_heads < 0 else self.v_heads
+
+    @property
+    def value_dim(self) -> int:
+        return self.k_dim if self.v_dim < 0 else self.v_dim
+
+    def bytes_per_token(self, item: int) -> int:
+        return (self.heads * self.k_dim + self.value_heads * self.value_dim) * item
 
 
 class KVCache:
@@ -16,13 +45,32 @@ class KVCache:
         self.max_tokens = max_tokens
         self.tokens: list[int] = []  # ids whose K/V are stored (all layers), position i at index i
 
+    @classmethod
+    def for_layout(cls, layout: list[LayerKV], max_tokens: int, *, dtype: torch.dtype,
+                   device: torch.device) -> "KVCache":
+        first = layout[0]
+        if all(spec == first for spec in layout) and first.value_heads == first.heads and first.value_dim == first.k_dim:
+            return cls(len(layout), first.heads, first.k_dim, max_tokens, dtype=dtype, device=device)
+        cache = cls.__new__(cls)
+        cache.keys = [torch.zeros((s.heads, max_tokens, s.k_dim), dtype=dtype, device=device) for s in layout]
+        cache.values = [torch.zeros((s.value_heads, max_tokens, s.value_dim), dtype=dtype, device=device)
+                        for s in layout]
+        cache.max_tokens, cache.tokens = max_tokens, []
+        return cache
+
+    @staticmethod
+    def bytes_for_layout(layout: list[LayerKV], max_tokens: int, dtype: torch.dtype) -> int:
+        item = torch.finfo(dtype).bits // 8
+        return sum(spec.bytes_per_token(item) for spec in layout) * max_tokens
+
     @property
     def length(self) -> int:
         return len(self.tokens)
 
     @property
     def nbytes(self) -> int:
-        return 2 * self.keys.numel() * self.keys.element_size()
+        tensors = [self.keys, self.values] if isinstance(self.keys, torch.Tensor) else [*self.keys, *self.values]
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     @staticmethod
     def nbytes_for(num_layers: int, num_kv_heads: int, head_dim: int, max_tokens: int, dtype: torch.dtype) -> int:
@@ -31,9 +79,9 @@ class KVCache:
     def update(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v [N_kv, T, D] at positions start.. and return all K/V up to them."""
         end = start + k.shape[1]
-        self.keys[layer, :, start:end] = k
-        self.values[layer, :, start:end] = v
-        return self.keys[layer, :, :end], self.values[layer, :, :end]
+        self.keys[layer][:, start:end] = k
+        self.values[layer][:, start:end] = v
+        return self.keys[layer][:, :end], self.values[layer][:, :end]
 
     def append(self, ids: list[int]) -> None:
         """Record that the K/V of `ids` (at the next positions) are now stored in every layer."""

@@ -32,9 +32,9 @@ class SharedExpert:
 
 class MoEBlock:
     def __init__(self, layer: int, router: torch.Tensor, route_fn: Router, experts: RoutedExperts, *,
-                 top_k: int, shared: SharedExpert | None = None):
+                 top_k: int, shared: SharedExpert | None = None, router_bias: torch.Tensor | None = None):
         self.layer, self.router, self.route_fn, self.experts = layer, router, route_fn, experts
-        self.top_k, self.shared = top_k, shared
+        self.top_k, self.shared, self.router_bias = top_k, shared, router_bias
 
     @property
     def num_experts(self) -> int:
@@ -42,7 +42,7 @@ class MoEBlock:
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> routing weights [T, A], expert ids [T, A]."""
-        weights, ids = self.route_fn(F.linear(x, self.router))
+        weights, ids = self.route_fn(F.linear(x, self.router, self.router_bias))
         if self.experts.reroute is not None:  # benchmarks only: routing at a known hit rate
             weights, ids = self.experts.reroute(self.layer, weights, ids)
         return weights, ids

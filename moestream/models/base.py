@@ -14,6 +14,7 @@ import torch
 
 from moestream.errors import FormatError
 from moestream.layers.attention import Attention, AttentionWeights
+from moestream.layers.kv_cache import LayerKV
 from moestream.layers.mlp import DenseMLP
 from moestream.layers.moe import SharedExpert
 from moestream.layers.rope import Rope, rope_theta
@@ -88,9 +89,9 @@ class BaseModelArgs:
         H, I = self.hidden_size, self.expert_intermediate_size
         return {"gate_proj": (I, H), "up_proj": (I, H), "down_proj": (H, I)}
 
-    def kv_layout(self) -> tuple[int, int, int]:
-        """(layers with a KV cache, KV heads, head size): every layer full attention, one shape."""
-        return self.num_hidden_layers, self.num_key_value_heads, self.head_dim
+    def kv_layout(self) -> list[LayerKV]:
+        """Each layer's KV cache (moestream.layers.kv_cache): here every layer full attention, one shape."""
+        return [LayerKV(self.num_key_value_heads, self.head_dim)] * self.num_hidden_layers
 
 
 class WeightLoader:
