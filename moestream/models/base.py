@@ -18,6 +18,8 @@ from moestream.layers.kv_cache import LayerKV
 from moestream.layers.mlp import DenseMLP
 from moestream.layers.moe import SharedExpert
 from moestream.layers.rope import Rope, rope_theta
+from moestream.layers.routers import softmax_topk
+from moestream.layers.transformer import DecoderLayer, MoETransformer
 
 # transformers 4 and 5 spell some fields differently; the first name is ModelArgs' field.
 ALIASES = {"num_experts": ("num_local_experts",)}
@@ -201,3 +203,29 @@ def embeddings(loader, args: BaseModelArgs) -> tuple[torch.Tensor, torch.Tensor,
 def router_bits(bits: int | None) -> int | None:
     """Routers keep at least 8 bits (their top-k choice is sensitive to rounding)."""
     return None if bits is None else max(bits, 8)
+
+
+def sanitize(name: str) -> str | None:
+    """The usual key map: checkpoint names are kept; rotary buffers (not weights) are left out."""
+    return None if name.endswith("rotary_emb.inv_freq") else name
+
+
+def softmax_router(args: BaseModelArgs, *, normalize: bool, float32_weights: bool = False):
+    """logits -> (weights, ids): softmax over all experts, top-k, renormalized if asked; the
+    weights in the activations' dtype, or float32 (Mixtral)."""
+    def route(logits):
+        return softmax_topk(logits, args.num_experts_per_tok, normalize=normalize,
+                            out_dtype=torch.float32 if float32_weights else logits.dtype)
+    return route
+
+
+def decoder_layer(loader, prefix: str, args: BaseModelArgs, attn, ffn) -> DecoderLayer:
+    """A pre-norm layer: input_layernorm -> attention -> post_attention_layernorm -> ffn."""
+    return DecoderLayer(attn, ffn, *norms(loader, prefix, args.hidden_size), args.rms_norm_eps)
+
+
+def transformer(loader, args: BaseModelArgs, rope: Rope, layers: list[DecoderLayer]) -> MoETransformer:
+    """The model around `layers`: embeddings, final norm and head (tied where the config says)."""
+    embed, final_norm, lm_head = embeddings(loader, args)
+    return MoETransformer(embed=embed, layers=layers, final_norm=final_norm, lm_head=lm_head, rope=rope,
+                          eps=args.rms_norm_eps)

@@ -3,14 +3,11 @@ layers by mlp_only_layers / decoder_sparse_step, softmax top-k routing."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import partial
 from typing import ClassVar
 
 from moestream.layers.experts import RoutedExperts
 from moestream.layers.moe import MoEBlock
 from moestream.layers.rope import Rope
-from moestream.layers.routers import softmax_topk
-from moestream.layers.transformer import DecoderLayer, MoETransformer
 from moestream.models import base
 
 EXPERT_MODULE = "mlp"
@@ -34,8 +31,7 @@ class ModelArgs(base.BaseModelArgs):
         return max(super().largest_intermediate(), self.shared_expert_intermediate_size)
 
 
-def sanitize(name: str) -> str | None:
-    return None if name.endswith("rotary_emb.inv_freq") else name
+sanitize = base.sanitize  # checkpoint names kept, rotary buffers left out
 
 
 def quant_predicate(name: str, bits: int | None) -> int | None:
@@ -43,13 +39,10 @@ def quant_predicate(name: str, bits: int | None) -> int | None:
     return base.router_bits(bits) if name.endswith((".mlp.gate.weight", ".shared_expert_gate.weight")) else bits
 
 
-def route(args: ModelArgs, logits):
-    return softmax_topk(logits, args.num_experts_per_tok, normalize=args.norm_topk_prob, out_dtype=logits.dtype)
-
-
-def build(args: ModelArgs, loader, experts: RoutedExperts) -> MoETransformer:
+def build(args: ModelArgs, loader, experts: RoutedExperts) -> base.MoETransformer:
     H = args.hidden_size
     rope = Rope(args.head_dim, args.rope_theta, loader.device)
+    route = base.softmax_router(args, normalize=args.norm_topk_prob)
     layers = []
     for i in range(args.num_hidden_layers):
         p = f"model.layers.{i}."
@@ -58,11 +51,9 @@ def build(args: ModelArgs, loader, experts: RoutedExperts) -> MoETransformer:
             m = p + "mlp."
             shared = base.shared_expert(loader, m + "shared_expert.", H, args.shared_expert_intermediate_size,
                                         gate=m + "shared_expert_gate.weight")
-            ffn = MoEBlock(i, loader.take(m + "gate.weight", (args.num_experts, H)), partial(route, args), experts,
+            ffn = MoEBlock(i, loader.take(m + "gate.weight", (args.num_experts, H)), route, experts,
                            top_k=args.num_experts_per_tok, shared=shared)
         else:
             ffn = base.dense_mlp(loader, p + "mlp.", H, args.intermediate_size)
-        layers.append(DecoderLayer(attn, ffn, *base.norms(loader, p, H), args.rms_norm_eps))
-    embed, final_norm, lm_head = base.embeddings(loader, args)
-    return MoETransformer(embed=embed, layers=layers, final_norm=final_norm, lm_head=lm_head, rope=rope,
-                          eps=args.rms_norm_eps)
+        layers.append(base.decoder_layer(loader, p, args, attn, ffn))
+    return base.transformer(loader, args, rope, layers)
