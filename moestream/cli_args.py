@@ -9,7 +9,7 @@ import argparse
 import math
 import sys
 from pathlib import Path
-from typing import NoReturn
+from typing import Callable, NoReturn
 
 USAGE_EXIT = 2
 
@@ -90,3 +90,22 @@ def fail(prog: str, message: str, code: int = 1) -> int:
     """Print a one-line error for a problem found after parsing; returns the exit code."""
     print(f"{prog}: error: {message}", file=sys.stderr)
     return code
+
+
+def run_resumable(prog: str, work: Callable[[], object], done: str) -> int:
+    """Run a long, resumable job (convert, pull): its result printed as `done.format(result)`, exit 0;
+    a MoestreamError or OS error one line, exit 1; Ctrl+C one line naming --resume, exit 130."""
+    from moestream.errors import MoestreamError
+
+    try:
+        result = work()
+    except MoestreamError as exc:
+        return fail(prog, str(exc))
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted (run again with --resume to continue)", file=sys.stderr)
+        return 130
+    except OSError as exc:
+        where = f"{exc.filename}: " if exc.filename else ""
+        return fail(prog, f"{where}{exc.strerror or exc}")
+    print(done.format(result))
+    return 0

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from moestream.cli_args import Parser, at_least
+from moestream.cli_args import Parser, at_least, run_resumable
 from moestream.convert.layout import LayoutError, check_expert_layers, find_expert_layers
 from moestream.convert.resident import DenseTensor, check_dense, plan_dense
 from moestream.convert.source import TOKENIZER_FILES, CheckpointSource, open_source
@@ -331,19 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.workers > 1:
         torch.set_num_threads(1)  # parallel over experts: per-op thread teams only add barrier waits
-    try:
-        out = convert(args.src, args.out, quant=args.quant, group_size=args.group_size, force=args.force,
-                      resume=args.resume, revision=args.revision, progress=not args.no_progress, workers=args.workers,
-                      kill_after_layers=args.kill_after_layers, tokenizer=args.tokenizer)
-    except MoestreamError as exc:
-        print(f"moestream convert: error: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("moestream convert: interrupted (run again with --resume to continue)", file=sys.stderr)
-        return 130
-    except OSError as exc:
-        where = f"{exc.filename}: " if exc.filename else ""
-        print(f"moestream convert: error: {where}{exc.strerror or exc}", file=sys.stderr)
-        return 1
-    print(f"wrote {out}")
-    return 0
+    return run_resumable("moestream convert", lambda: convert(
+        args.src, args.out, quant=args.quant, group_size=args.group_size, force=args.force, resume=args.resume,
+        revision=args.revision, progress=not args.no_progress, workers=args.workers,
+        kill_after_layers=args.kill_after_layers, tokenizer=args.tokenizer), "wrote {}")

@@ -27,7 +27,7 @@ from typing import Callable
 
 from tqdm import tqdm
 
-from moestream.cli_args import Parser
+from moestream.cli_args import Parser, run_resumable
 from moestream.convert.hub import HubError, looks_like_repo_id
 from moestream.convert.layout import FusedLayer, MlxStackLayer, PerExpertLayer, check_expert_layers, find_expert_layers
 from moestream.convert.main import GROUP_SIZES, QUANT_BITS, Conversion, _our_files, _row_blocks
@@ -455,28 +455,20 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     logging.getLogger("httpx2").setLevel(logging.WARNING)
-    try:
-        if args.dry_run:
-            repo, sizes = plan_pull(args.repo, revision=args.revision, quant=args.quant, group_size=args.group_size)
-            print(f"{args.repo}@{repo.commit}: would download {len(sizes.downloads)} files, "
-                  f"{_gib(sum(sizes.downloads.values()))}:")
-            for name, size in sizes.downloads.items():
-                print(f"  {name:<48} {_gib(size):>12}")
-            print(f"packed size ({args.quant}): {_gib(sizes.packed_bytes)} (plus the manifest); "
-                  f"extra disk while pulling: {_gib(sizes.largest_shard)} (the largest shard)")
-            return 0
-        out = pull(args.repo, args.out, revision=args.revision, quant=args.quant, group_size=args.group_size,
-                   force=args.force, resume=args.resume, progress=not args.no_progress,
-                   kill_after_shards=args.kill_after_shards)
-    except MoestreamError as exc:
-        print(f"moestream pull: error: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("moestream pull: interrupted (run again with --resume to continue)", file=sys.stderr)
-        return 130
-    except OSError as exc:
-        where = f"{exc.filename}: " if exc.filename else ""
-        print(f"moestream pull: error: {where}{exc.strerror or exc}", file=sys.stderr)
-        return 1
-    print(f"wrote {out} (verified)")
-    return 0
+    if args.dry_run:
+        return run_resumable("moestream pull", lambda: dry_run(args), "{}")
+    return run_resumable("moestream pull", lambda: pull(
+        args.repo, args.out, revision=args.revision, quant=args.quant, group_size=args.group_size, force=args.force,
+        resume=args.resume, progress=not args.no_progress, kill_after_shards=args.kill_after_shards),
+        "wrote {} (verified)")
+
+
+def dry_run(args) -> str:
+    """What a pull would download and write, as text (nothing is downloaded but headers)."""
+    repo, sizes = plan_pull(args.repo, revision=args.revision, quant=args.quant, group_size=args.group_size)
+    lines = [f"{args.repo}@{repo.commit}: would download {len(sizes.downloads)} files, "
+             f"{_gib(sum(sizes.downloads.values()))}:"]
+    lines += [f"  {name:<48} {_gib(size):>12}" for name, size in sizes.downloads.items()]
+    lines.append(f"packed size ({args.quant}): {_gib(sizes.packed_bytes)} (plus the manifest); "
+                 f"extra disk while pulling: {_gib(sizes.largest_shard)} (the largest shard)")
+    return "\n".join(lines)
