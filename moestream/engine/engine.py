@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING, Callable, Iterator
 import torch
 
 from moestream.layers.kv_cache import KVCache
+from moestream.engine.emitter import Emitter
 from moestream.engine.options import EngineOptions
 from moestream.engine.receipt import Receipt
-from moestream.engine.sampling import choose_token
 from moestream.engine.tokenizer import load_tokenizer
 from moestream.engine.types import GenerationResult, SamplingParams, TokenEvent
 from moestream.errors import MoestreamError
@@ -260,24 +260,15 @@ class Engine:
                                         should_stop=should_stop, stop_at_eos=stop_at_eos, options=speculative,
                                         state=state)
                     return
+                emit = Emitter(seq, state, sampling=sampling, logprobs=logprobs, eos_ids=self.tokenizer.eos_token_ids,
+                               should_stop=should_stop, stop_at_eos=stop_at_eos)
                 for n in range(budget):
-                    if should_stop is not None and should_stop():
-                        state["finish"] = "cancelled"
+                    event = emit(logits[-1])
+                    if event is None:
                         return
-                    row = logits[-1]
-                    previous = torch.tensor(seq, device=row.device) if sampling.repetition_penalty != 1.0 else None
-                    token = choose_token(row, sampling, position=len(seq), previous=previous)
-                    if stop_at_eos and token in self.tokenizer.eos_token_ids:
-                        state["finish"] = "stop"
-                        return
-                    event = TokenEvent(token)
-                    if logprobs:
-                        event.logprob, event.top_logprobs = top_logprobs(row, token, logprobs)
-                    seq.append(token)
-                    state["tokens"].append(token)
                     yield event
                     if n + 1 < budget:
-                        logits = self.step([token])
+                        logits = self.step([event.token_id])
             finally:
                 state["decode_s"] = time.perf_counter() - t1
 
@@ -329,10 +320,3 @@ class Engine:
 
     def memory_ledger(self) -> dict:
         return self.plan.ledger.to_json()
-
-
-def top_logprobs(row: torch.Tensor, token: int, n: int) -> tuple[float, list[tuple[int, float]]]:
-    """The chosen token's log-probability and the n most likely (token, logprob) of the raw distribution."""
-    lp = torch.log_softmax(row, dim=-1)
-    top = torch.topk(lp, min(n, lp.numel()))
-    return float(lp[token]), [(int(i), float(v)) for v, i in zip(top.values, top.indices)]

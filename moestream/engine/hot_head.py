@@ -21,6 +21,7 @@ from typing import Iterator, Sequence
 import torch
 import torch.nn.functional as F
 
+from moestream.engine.emitter import Emitter
 from moestream.engine.types import SamplingParams, TokenEvent
 from moestream.errors import MoestreamError
 from moestream.layers.norm import rms_norm
@@ -85,8 +86,6 @@ def run_hot_head(engine, seq: list[int], logits: torch.Tensor, *, budget: int, s
                  logprobs: int, should_stop, stop_at_eos: bool, options: HotHeadOptions,
                  state: dict) -> Iterator[TokenEvent]:
     """Engine.generate's decode loop through the hot head (greedy): the plain loop's tokens."""
-    from moestream.engine.engine import top_logprobs
-    from moestream.engine.sampling import choose_token
     from moestream.engine.speculative import SpeculativeStats
 
     reason = usable(sampling)
@@ -100,20 +99,8 @@ def run_hot_head(engine, seq: list[int], logits: torch.Tensor, *, budget: int, s
     seq = list(seq)
     produced = 0
 
-    def emit(row: torch.Tensor):
-        if should_stop is not None and should_stop():
-            state["finish"] = "cancelled"
-            return None
-        token = choose_token(row, sampling, position=len(seq))
-        if stop_at_eos and token in engine.tokenizer.eos_token_ids:
-            state["finish"] = "stop"
-            return None
-        event = TokenEvent(token)
-        if logprobs:
-            event.logprob, event.top_logprobs = top_logprobs(row, token, logprobs)
-        seq.append(token)
-        state["tokens"].append(token)
-        return event
+    emit = Emitter(seq, state, sampling=sampling, logprobs=logprobs, eos_ids=engine.tokenizer.eos_token_ids,
+                   should_stop=should_stop, stop_at_eos=stop_at_eos)
 
     if budget <= 0:
         return

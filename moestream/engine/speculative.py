@@ -20,6 +20,7 @@ from typing import Iterator, Sequence
 import torch
 
 from moestream.engine.sampling import choose_token
+from moestream.engine.emitter import Emitter
 from moestream.engine.types import SamplingParams, TokenEvent
 from moestream.errors import MoestreamError
 
@@ -291,7 +292,6 @@ def run(engine, seq: list[int], logits: torch.Tensor, *, budget: int, sampling: 
         return
     if options.drafter is None:
         raise MoestreamError("speculative decoding needs a drafter")
-    from moestream.engine.engine import top_logprobs
 
     drafter, policy = options.drafter, options.policy
     stats = SpeculativeStats(drafter.name, "auto" if options.draft_tokens is None else str(options.draft_tokens),
@@ -301,22 +301,8 @@ def run(engine, seq: list[int], logits: torch.Tensor, *, budget: int, sampling: 
     seq = list(seq)
     produced = 0
 
-    def emit(row: torch.Tensor):
-        """The token plain decoding chooses at len(seq) from `row`, as an event; None: stop."""
-        if should_stop is not None and should_stop():
-            state["finish"] = "cancelled"
-            return None
-        previous = torch.tensor(seq, device=row.device) if sampling.repetition_penalty != 1.0 else None
-        token = choose_token(row, sampling, position=len(seq), previous=previous)
-        if stop_at_eos and token in engine.tokenizer.eos_token_ids:
-            state["finish"] = "stop"
-            return None
-        event = TokenEvent(token)
-        if logprobs:
-            event.logprob, event.top_logprobs = top_logprobs(row, token, logprobs)
-        seq.append(token)
-        state["tokens"].append(token)
-        return event
+    emit = Emitter(seq, state, sampling=sampling, logprobs=logprobs, eos_ids=engine.tokenizer.eos_token_ids,
+                   should_stop=should_stop, stop_at_eos=stop_at_eos)
 
     if budget <= 0:
         return

@@ -1,0 +1,46 @@
+"""Plain decoding's choice at one position: the token, its event, and the stop checks.
+
+`generate`, speculative verification and the hot-vocabulary head all choose through one Emitter,
+so that they give the same tokens (and log-probabilities) as each other for the same logits."""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from moestream.engine.sampling import choose_token
+from moestream.engine.types import SamplingParams, TokenEvent
+
+
+def top_logprobs(row: torch.Tensor, token: int, n: int) -> tuple[float, list[tuple[int, float]]]:
+    """The chosen token's log-probability and the n most likely (token, logprob) of the raw distribution."""
+    lp = torch.log_softmax(row, dim=-1)
+    top = torch.topk(lp, min(n, lp.numel()))
+    return float(lp[token]), [(int(i), float(v)) for v, i in zip(top.values, top.indices)]
+
+
+class Emitter:
+    """Appends each chosen token to `seq` and to state["tokens"]; sets state["finish"] when it stops."""
+
+    def __init__(self, seq: list[int], state: dict, *, sampling: SamplingParams, logprobs: int,
+                 eos_ids, should_stop: Callable[[], bool] | None, stop_at_eos: bool):
+        self.seq, self.state, self.sampling, self.logprobs = seq, state, sampling, logprobs
+        self.eos_ids, self.should_stop, self.stop_at_eos = eos_ids, should_stop, stop_at_eos
+
+    def __call__(self, row: torch.Tensor) -> TokenEvent | None:
+        """The token plain decoding chooses at len(seq) from logits `row`, as an event; None: stop."""
+        if self.should_stop is not None and self.should_stop():
+            self.state["finish"] = "cancelled"
+            return None
+        seq, sampling = self.seq, self.sampling
+        previous = torch.tensor(seq, device=row.device) if sampling.repetition_penalty != 1.0 else None
+        token = choose_token(row, sampling, position=len(seq), previous=previous)
+        if self.stop_at_eos and token in self.eos_ids:
+            self.state["finish"] = "stop"
+            return None
+        event = TokenEvent(token)
+        if self.logprobs:
+            event.logprob, event.top_logprobs = top_logprobs(row, token, self.logprobs)
+        seq.append(token)
+        self.state["tokens"].append(token)
+        return event
