@@ -308,19 +308,24 @@ def convert(src: str | Path, out: str | Path, *, quant: str = "q4", group_size: 
     return out
 
 
+def add_packing_arguments(p: argparse.ArgumentParser, job: str) -> None:
+    """The flags convert and pull share: quantization, resume, force, progress."""
+    p.add_argument("--quant", choices=list(QUANT_BITS), default="q4", help="expert and matrix quantization (default q4)")
+    p.add_argument("--group-size", type=int, choices=GROUP_SIZES, default=64, help="quantization group size (default 64)")
+    p.add_argument("--resume", action="store_true", help=f"continue an unfinished {job} into OUT")
+    p.add_argument("--force", action="store_true", help="overwrite a non-empty OUT")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="moestream convert", description="Pack a Hugging Face MoE checkpoint into moestream's format.")
     p.add_argument("src", help="checkpoint folder (config.json + *.safetensors) or a Hub repo id")
     p.add_argument("out", help="output directory")
-    p.add_argument("--quant", choices=list(QUANT_BITS), default="q4", help="expert and matrix quantization (default q4)")
-    p.add_argument("--group-size", type=int, choices=GROUP_SIZES, default=64, help="quantization group size (default 64)")
+    add_packing_arguments(p, "conversion")
     p.add_argument("--revision", help="Hub revision (branch, tag or commit) when SRC is a repo id")
     p.add_argument("--tokenizer", help="for a .gguf SRC: a folder whose tokenizer files to copy")
-    p.add_argument("--resume", action="store_true", help="continue an unfinished conversion into OUT")
-    p.add_argument("--force", action="store_true", help="overwrite a non-empty OUT")
     p.add_argument("--workers", type=at_least(1), default=min(os.cpu_count() or 1, 8),
                    help="threads building expert records, each running torch single-threaded (default: CPUs, at most 8)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     # for tests of --resume: die abruptly inside expert layer N (not a user option, so not shown)
     p.add_argument("--kill-after-layers", type=int, default=None, help=argparse.SUPPRESS)
     return p

@@ -30,7 +30,7 @@ from tqdm import tqdm
 from moestream.cli_args import Parser, run_resumable
 from moestream.convert.hub import HubError, looks_like_repo_id
 from moestream.convert.layout import FusedLayer, MlxStackLayer, PerExpertLayer, check_expert_layers, find_expert_layers
-from moestream.convert.main import GROUP_SIZES, QUANT_BITS, Conversion, _our_files, _row_blocks
+from moestream.convert.main import QUANT_BITS, Conversion, _our_files, _row_blocks, add_packing_arguments
 from moestream.convert.pulled_source import PulledSource, ZeroSource
 from moestream.convert.remote import HubRepo
 from moestream.convert.state import STATE_NAME, ConvertState, ResumeError
@@ -439,12 +439,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("repo", help="Hub repo id (owner/name)")
     p.add_argument("out", help="output directory")
     p.add_argument("--revision", help="branch, tag or commit (default main)")
-    p.add_argument("--quant", choices=list(QUANT_BITS), default="q4", help="expert and matrix quantization (default q4)")
-    p.add_argument("--group-size", type=int, choices=GROUP_SIZES, default=64, help="quantization group size (default 64)")
+    add_packing_arguments(p, "pull")
     p.add_argument("--dry-run", action="store_true", help="print the files, their size and the packed size; download no weights")
-    p.add_argument("--resume", action="store_true", help="continue an unfinished pull into OUT")
-    p.add_argument("--force", action="store_true", help="overwrite a non-empty OUT")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     # for tests of --resume: die abruptly half-way through the (N+1)-th shard (not a user option)
     p.add_argument("--kill-after-shards", type=int, default=None, help=argparse.SUPPRESS)
     return p
