@@ -30,7 +30,7 @@ from tqdm import tqdm
 from moestream.cli_args import Parser, run_resumable
 from moestream.convert.hub import HubError, looks_like_repo_id
 from moestream.convert.layout import FusedLayer, MlxStackLayer, PerExpertLayer, check_expert_layers, find_expert_layers
-from moestream.convert.main import QUANT_BITS, Conversion, _our_files, _row_blocks, add_packing_arguments
+from moestream.convert.main import GROUP_SIZES, QUANT_BITS, Conversion, _our_files, _row_blocks, add_packing_arguments
 from moestream.convert.pulled_source import PulledSource, ZeroSource
 from moestream.convert.remote import HubRepo
 from moestream.convert.state import STATE_NAME, ConvertState, ResumeError
