@@ -111,8 +111,8 @@ class Attention:
             start = int(pos)
             cos, sin = self.rope.cos_sin(pos.view(1), x.dtype)
             return self(x, cos, sin, cache, layer, start)
-        td = _fused_kernels()
-        if td is None:
+        td = _fused_kernels() if self.rope.plain else None
+        if td is None:  # no Triton, or a rotary embedding the fused kernel does not compute
             return self._step_masked(x, pos, cache, layer)
         w = self.w
         q, k, v = self._project(x, td.rms_norm)
