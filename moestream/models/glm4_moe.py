@@ -4,7 +4,6 @@ shared experts beside the routed ones, the first `first_k_dense_replace` layers 
 rotary (partial_rotary_factor, 0.5 by default), q/k biases, optional per-head q/k RMSNorm."""
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from functools import partial
 from typing import ClassVar
@@ -21,8 +20,6 @@ from moestream.models import base
 EXPERT_MODULE = "mlp"  # model.layers.N.mlp.experts.E.gate_proj.weight
 EXPERT_NAMES = {p: p for p in base.EXPERT_PROJECTIONS}
 CORRECTION_BIAS = "mlp.gate.e_score_correction_bias"
-# the multi-token-prediction layer's own modules: a drafting head transformers does not load either
-MTP_PARTS = re.compile(r"\.(eh_proj|enorm|hnorm|shared_head)\.")
 
 
 @dataclass
@@ -56,8 +53,9 @@ class ModelArgs(base.BaseModelArgs):
 
 
 def sanitize(name: str) -> str | None:
-    """Rotary buffers and the multi-token-prediction head's own tensors are not weights we load."""
-    return None if name.endswith("rotary_emb.inv_freq") or MTP_PARTS.search(name) else name
+    """Rotary buffers are not weights (the multi-token-prediction layer past num_hidden_layers is
+    left out by convert for every family)."""
+    return None if name.endswith("rotary_emb.inv_freq") else name
 
 
 def quant_predicate(name: str, bits: int | None) -> int | None:
