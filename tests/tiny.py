@@ -29,6 +29,12 @@ FAMILY_CONFIGS = {
                     num_key_value_heads=2, head_dim=16, num_local_experts=6, num_experts_per_tok=2, tie_word_embeddings=False),
     "olmoe": dict(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
                   num_experts=8, num_experts_per_tok=2, norm_topk_prob=False, tie_word_embeddings=False),
+    # two dense layers' worth of shapes kept small: 8 experts in 4 groups of which the best 2 are eligible
+    "glm4_moe": dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=64, num_hidden_layers=3,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, n_routed_experts=8, num_experts_per_tok=2,
+                     n_shared_experts=1, first_k_dense_replace=1, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                     norm_topk_prob=True, use_qk_norm=True, attention_bias=True, partial_rotary_factor=0.5,
+                     tie_word_embeddings=False),
 }
 
 
@@ -69,6 +75,9 @@ def build_checkpoint(folder: Path, family: str, *, seed: int = 0, dtype: str = "
         for p in model.parameters():
             if p.dim() >= 2:
                 p.normal_(0.0, 0.08)
+        for name, b in model.named_buffers():  # a zero correction bias would leave the choice untested
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.05)
     model = model.to(getattr(torch, dtype))
     model.save_pretrained(folder)
     return folder

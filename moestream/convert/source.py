@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from pathlib import Path
 
 import torch
@@ -21,6 +22,8 @@ from moestream.models.registry import family_module, supported
 from moestream.quant.mlx import MlxQuantization
 
 log = logging.getLogger(__name__)
+
+LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "chat_template.json", "generation_config.json", "vocab.json", "merges.txt", "tokenizer.model",
@@ -105,8 +108,15 @@ class CheckpointSource:
                     raise CheckpointError(f"{self.folder / file}: tensor {key} is missing (listed in {INDEX_NAME})")
 
     def _sanitize(self) -> None:
-        dropped = 0
+        dropped, beyond = 0, 0
+        layers = self.config.get("num_hidden_layers")
         for key in sorted(self.index):
+            # layers past num_hidden_layers are multi-token-prediction heads (GLM-4.5, DeepSeek-V3):
+            # drafting modules the model does not run (transformers leaves them out as well)
+            index = LAYER_INDEX.search(key)
+            if isinstance(layers, int) and index and int(index[1]) >= layers:
+                beyond += 1
+                continue
             name = self.family_module.sanitize(key)
             if name is None:
                 dropped += 1
@@ -117,6 +127,8 @@ class CheckpointSource:
                 self.packed_names[name] = key
         if dropped:
             log.info("%d checkpoint tensors are not weights of a %s model (left out)", dropped, self.family)
+        if beyond:
+            log.info("%d checkpoint tensors of layers past num_hidden_layers=%d (prediction heads) left out", beyond, layers)
 
     def _open(self, file: str) -> SafetensorsFile:
         if file not in self._handles:

@@ -29,6 +29,8 @@ class AttentionWeights:
     k_norm: torch.Tensor | None = None
     qkv: torch.Tensor | None = None  # [q; k; v] rows in one tensor (q, k, v are views of it): one matmul in decode
     qkv_bias: torch.Tensor | None = None
+    o_bias: torch.Tensor | None = None
+    sinks: torch.Tensor | None = None  # [Nq]: a learned logit per head that takes part in the softmax, no value
 
     def fuse_qkv(self) -> None:
         """Store q, k, v as row blocks of one tensor, so that a decode step projects with one matmul."""
@@ -50,14 +52,40 @@ def _fused_kernels():
     return triton_decode
 
 
+def visible(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """[T, S] bool: a query sees keys at or before it, and with a sliding window only the last `window`."""
+    seen = key_pos[None, :] <= query_pos[:, None]
+    if window is not None:
+        seen = seen & (key_pos[None, :] > query_pos[:, None] - window)
+    return seen
+
+
+def attend_with_sinks(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                      sinks: torch.Tensor | None) -> torch.Tensor:
+    """q [N, T, D], keys/values [N, S, D], mask [T, S] bool -> [N, T, D]. Each head's sink logit joins
+    the softmax and is then dropped, so a head may give less than all its weight to the keys."""
+    scores = torch.matmul(q, keys.transpose(1, 2)) * q.shape[-1] ** -0.5  # [N, T, S]
+    scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is not None:
+        scores = torch.cat([scores, sinks.to(scores.dtype)[:, None, None].expand(-1, q.shape[1], 1)], dim=-1)
+    probs = torch.softmax(scores - scores.amax(dim=-1, keepdim=True), dim=-1)
+    return torch.matmul(probs[..., :keys.shape[1]].to(values.dtype), values)
+
+
 class Attention:
-    """qk_norm: "head" (Qwen3: per head over head_dim), "full" (OLMoE: over the whole projection) or None."""
+    """qk_norm: "head" (Qwen3: per head over head_dim), "full" (OLMoE: over the whole projection) or None.
+    window: a sliding window of that many keys (None: full causal); weights.sinks: per-head sink logits."""
 
     def __init__(self, weights: AttentionWeights, rope: Rope, *, num_heads: int, num_kv_heads: int, head_dim: int,
-                 qk_norm: str | None, eps: float, clip_qkv: float | None = None):
+                 qk_norm: str | None, eps: float, clip_qkv: float | None = None, window: int | None = None):
         self.w, self.rope = weights, rope
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.qk_norm, self.eps, self.clip_qkv = qk_norm, eps, clip_qkv
+        self.qk_norm, self.eps, self.clip_qkv, self.window = qk_norm, eps, clip_qkv, window
+
+    @property
+    def plain(self) -> bool:
+        """No sinks, no window: SDPA and the fused decode kernels compute it."""
+        return self.w.sinks is None and self.window is None
 
     def _project(self, x: torch.Tensor, norm) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [T, Nq*D], k, v [T, Nkv*D] after the full-projection norm and clipping (if any)."""
@@ -91,6 +119,11 @@ class Attention:
         if groups > 1:
             keys = keys.repeat_interleave(groups, dim=0)
             values = values.repeat_interleave(groups, dim=0)
+        if not self.plain:  # the KV cache stays full length; the window is a mask
+            positions = torch.arange(keys.shape[1], device=x.device)
+            mask = visible(positions[start:], positions, self.window)
+            out = attend_with_sinks(q, keys, values, mask, self.w.sinks)
+            return F.linear(out.transpose(0, 1).reshape(T, self.num_heads * self.head_dim), w.o, w.o_bias)
         with sdpa_kernel(SDPA_BACKENDS):
             if T == 1:
                 out = F.scaled_dot_product_attention(q[None], keys[None], values[None])
@@ -101,7 +134,7 @@ class Attention:
                 mask = torch.arange(S, device=x.device)[None, :] <= (start + torch.arange(T, device=x.device))[:, None]
                 out = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask)
         out = out[0].transpose(0, 1).reshape(T, self.num_heads * self.head_dim)
-        return F.linear(out, w.o)
+        return F.linear(out, w.o, w.o_bias)
 
     def step(self, x: torch.Tensor, pos: torch.Tensor, cache: KVCache, layer: int) -> torch.Tensor:
         """One token x [1, H] at position `pos` (a one-element tensor on x's device). On CUDA it reads
@@ -111,8 +144,8 @@ class Attention:
             start = int(pos)
             cos, sin = self.rope.cos_sin(pos.view(1), x.dtype)
             return self(x, cos, sin, cache, layer, start)
-        td = _fused_kernels()
-        if td is None:
+        td = _fused_kernels() if self.rope.plain and self.plain and self.w.o_bias is None else None
+        if td is None:  # no Triton, or a rotary embedding / sinks / a window the fused kernels do not compute
             return self._step_masked(x, pos, cache, layer)
         w = self.w
         q, k, v = self._project(x, td.rms_norm)
@@ -136,7 +169,10 @@ class Attention:
         groups = self.num_heads // self.num_kv_heads
         keys = cache.keys[layer].repeat_interleave(groups, dim=0)
         values = cache.values[layer].repeat_interleave(groups, dim=0)
-        mask = torch.arange(cache.max_tokens, device=x.device)[None, :] <= pos.view(1, 1)
+        mask = visible(pos.view(1), torch.arange(cache.max_tokens, device=x.device), self.window)
+        if not self.plain:
+            out = attend_with_sinks(q, keys, values, mask, self.w.sinks)
+            return F.linear(out.transpose(0, 1).reshape(1, self.num_heads * D), w.o, w.o_bias)
         with sdpa_kernel(SDPA_BACKENDS):
             out = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask)
-        return F.linear(out[0].transpose(0, 1).reshape(1, self.num_heads * D), w.o)
+        return F.linear(out[0].transpose(0, 1).reshape(1, self.num_heads * D), w.o, w.o_bias)

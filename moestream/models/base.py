@@ -7,7 +7,7 @@ packed model."""
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
@@ -17,12 +17,12 @@ from moestream.layers.attention import Attention, AttentionWeights
 from moestream.layers.kv_cache import LayerKV
 from moestream.layers.mlp import DenseMLP
 from moestream.layers.moe import SharedExpert
-from moestream.layers.rope import Rope, rope_theta
+from moestream.layers.rope import Rope, rope_parameters, rope_theta
 from moestream.layers.routers import softmax_topk
 from moestream.layers.transformer import DecoderLayer, MoETransformer
 
 # transformers 4 and 5 spell some fields differently; the first name is ModelArgs' field.
-ALIASES = {"num_experts": ("num_local_experts",)}
+ALIASES = {"num_experts": ("num_local_experts", "n_routed_experts")}
 EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 EMBEDDING = "model.embed_tokens.weight"  # the token embedding `embeddings` takes
 
@@ -44,8 +44,10 @@ class BaseModelArgs:
     max_position_embeddings: int = 4096
     rope_theta: float = 10000.0
     attention_bias: bool = False
+    rope_parameters: dict = field(default_factory=dict)  # every rotary setting (moestream.layers.rope)
     # the config field sizing routed experts (named in convert's messages about expert shapes)
     EXPERT_INTERMEDIATE: ClassVar[str] = "intermediate_size"
+    ROPE_TYPES: ClassVar[tuple[str, ...]] = ("default",)  # the rope types the family's build computes
 
     @classmethod
     def from_dict(cls, config: dict):
@@ -54,7 +56,8 @@ class BaseModelArgs:
             for other in others:
                 if values.get(name) is None and other in values:
                     values[name] = values[other]
-        values["rope_theta"] = rope_theta(config)
+        values["rope_theta"] = rope_theta(config, supported=cls.ROPE_TYPES)
+        values["rope_parameters"] = rope_parameters(config)
         names = {f.name for f in dataclasses.fields(cls)}
         missing = [f.name for f in dataclasses.fields(cls)
                    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING and f.name not in values]
@@ -106,10 +109,11 @@ class WeightLoader:
     def has(self, name: str) -> bool:
         return name in self.unused or name in self.packed.dense_names
 
-    def take(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    def take(self, name: str, shape: tuple[int, ...], *, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The tensor in the model's dtype, or in `dtype` (a resident vector kept in float32)."""
         if not self.has(name):
             raise FormatError(f"{self.packed.directory}: weight {name!r} is missing")
-        t = self.packed.dense(name, self.dtype)
+        t = self.packed.dense(name, dtype or self.dtype)
         if tuple(t.shape) != tuple(shape):
             raise FormatError(f"{self.packed.directory}: weight {name!r} has shape {list(t.shape)}, config implies {list(shape)}")
         self.unused.discard(name)
@@ -135,7 +139,7 @@ class ShapeRecorder:
     def has(self, name: str) -> bool:
         return name in self.present
 
-    def take(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    def take(self, name: str, shape: tuple[int, ...], *, dtype: torch.dtype | None = None) -> torch.Tensor:
         self.shapes[name] = tuple(shape)
         return torch.empty(shape, device="meta")
 
