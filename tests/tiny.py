@@ -29,6 +29,12 @@ FAMILY_CONFIGS = {
                     num_key_value_heads=2, head_dim=16, num_local_experts=6, num_experts_per_tok=2, tie_word_embeddings=False),
     "olmoe": dict(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
                   num_experts=8, num_experts_per_tok=2, norm_topk_prob=False, tie_word_embeddings=False),
+    # latent attention with a query low-rank; 8 experts in 4 groups, the best 2 groups eligible
+    "deepseek_v3": dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=64, num_hidden_layers=3,
+                        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2,
+                        n_group=4, topk_group=2, n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=64,
+                        q_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32,
+                        routed_scaling_factor=2.5, norm_topk_prob=True, rope_interleave=True, tie_word_embeddings=False),
 }
 
 
@@ -69,6 +75,9 @@ def build_checkpoint(folder: Path, family: str, *, seed: int = 0, dtype: str = "
         for p in model.parameters():
             if p.dim() >= 2:
                 p.normal_(0.0, 0.08)
+        for name, b in model.named_buffers():  # routers' score corrections start at zero: make them count
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.05)
     model = model.to(getattr(torch, dtype))
     model.save_pretrained(folder)
     return folder

@@ -20,7 +20,7 @@ from moestream.layers.moe import SharedExpert
 from moestream.layers.rope import Rope, rope_theta
 
 # transformers 4 and 5 spell some fields differently; the first name is ModelArgs' field.
-ALIASES = {"num_experts": ("num_local_experts",)}
+ALIASES = {"num_experts": ("num_local_experts", "n_routed_experts")}
 EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 EMBEDDING = "model.embed_tokens.weight"  # the token embedding `embeddings` takes
 
@@ -44,6 +44,8 @@ class BaseModelArgs:
     attention_bias: bool = False
     # the config field sizing routed experts (named in convert's messages about expert shapes)
     EXPERT_INTERMEDIATE: ClassVar[str] = "intermediate_size"
+    # the rope kinds the family computes (moestream.layers.rope); config.json's others are refused
+    ROPE_TYPES: ClassVar[tuple[str, ...]] = ("default",)
 
     @classmethod
     def from_dict(cls, config: dict):
@@ -52,7 +54,7 @@ class BaseModelArgs:
             for other in others:
                 if values.get(name) is None and other in values:
                     values[name] = values[other]
-        values["rope_theta"] = rope_theta(config)
+        values["rope_theta"] = rope_theta(config, supported=cls.ROPE_TYPES)
         names = {f.name for f in dataclasses.fields(cls)}
         missing = [f.name for f in dataclasses.fields(cls)
                    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING and f.name not in values]
