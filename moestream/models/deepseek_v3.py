@@ -49,6 +49,8 @@ class ModelArgs(base.BaseModelArgs):
 
     @classmethod
     def from_dict(cls, config: dict):
+        if config.get("num_key_value_heads") is None:  # unused by latent attention; transformers defaults it so
+            config = {**config, "num_key_value_heads": config.get("num_attention_heads")}
         args = super().from_dict(config)
         args.rope = rope_scaling(config)
         args.max_position_embeddings = config.get("max_position_embeddings", args.max_position_embeddings)
