@@ -35,6 +35,18 @@ FAMILY_CONFIGS = {
                      n_shared_experts=1, first_k_dense_replace=1, n_group=4, topk_group=2, routed_scaling_factor=2.5,
                      norm_topk_prob=True, use_qk_norm=True, attention_bias=True, partial_rotary_factor=0.5,
                      tie_word_embeddings=False),
+    # latent attention with a query low-rank; 8 experts in 4 groups, the best 2 groups eligible
+    "deepseek_v3": dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=64, num_hidden_layers=3,
+                        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2,
+                        n_group=4, topk_group=2, n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=64,
+                        q_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32,
+                        routed_scaling_factor=2.5, norm_topk_prob=True, rope_interleave=True, tie_word_embeddings=False),
+    # the same architecture, dense layers by mlp_layer_types, one expert group
+    "glm4_moe_lite": dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=64, num_hidden_layers=3,
+                          num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2,
+                          n_group=1, topk_group=1, n_shared_experts=2, mlp_layer_types=["dense", "sparse", "sparse"],
+                          kv_lora_rank=64, q_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=64,
+                          routed_scaling_factor=1.8, norm_topk_prob=True, tie_word_embeddings=False),
 }
 
 

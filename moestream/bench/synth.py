@@ -40,6 +40,15 @@ SHAPES = {
                         num_key_value_heads=16, num_experts=64, num_experts_per_tok=8, intermediate_size=1024,
                         vocab_size=50304, rope_theta=10000.0, max_position_embeddings=4096, rms_norm_eps=1e-5,
                         norm_topk_prob=False, tie_word_embeddings=False, eos_token_id=50279),
+    "deepseek-v3": dict(model_type="deepseek_v3", hidden_size=7168, num_hidden_layers=61, num_attention_heads=128,
+                        num_key_value_heads=128, n_routed_experts=256, num_experts_per_tok=8, moe_intermediate_size=2048,
+                        intermediate_size=18432, vocab_size=129280, n_group=8, topk_group=4, n_shared_experts=1,
+                        first_k_dense_replace=3, kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64,
+                        qk_nope_head_dim=128, v_head_dim=128, routed_scaling_factor=2.5, norm_topk_prob=True,
+                        rope_theta=10000.0, max_position_embeddings=163840, rms_norm_eps=1e-6,
+                        rope_scaling=dict(type="yarn", factor=40, original_max_position_embeddings=4096, mscale=1.0,
+                                          mscale_all_dim=1.0, beta_fast=32, beta_slow=1),
+                        tie_word_embeddings=False, eos_token_id=1),
 }
 BITS = {"q4": 4, "q8": 8, "none": None}
 

@@ -70,7 +70,9 @@ class Rope:
     head (partial rotary); `scale` multiplies cos and sin (YaRN's attention factor)."""
 
     def __init__(self, head_dim: int, theta: float, device: torch.device, *, rotary_dim: int | None = None,
-                 inv_freq: torch.Tensor | None = None, scale: float = 1.0):
+                 inv_freq: torch.Tensor | None = None, scale: float = 1.0, attention_factor: float | None = None):
+        if attention_factor is not None:  # transformers' name for the scale
+            scale = attention_factor
         dim = head_dim if rotary_dim is None else rotary_dim
         if inv_freq is None:
             inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim))
@@ -119,3 +121,43 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
         return x * cos + rotate_half(x) * sin
     rot = x[..., :r]
     return torch.cat((rot * cos + rotate_half(rot) * sin, x[..., r:]), dim=-1)
+
+
+def rope_scaling(config: dict) -> dict:
+    """The rope parameters with their kind under "rope_type" (see rope_parameters)."""
+    return rope_parameters(config)
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    # YaRN's attention temperature: 0.1 * m * ln(s) + 1 for a stretch s > 1
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn_inv_freq_and_scale(config: dict, dim: int, theta: float) -> tuple[torch.Tensor, float]:
+    """YaRN for `dim` rotary dimensions of a config.json: (inverse frequencies [dim/2], the factor
+    cos and sin are scaled by)."""
+    params = rope_parameters(config)
+    if "original_max_position_embeddings" not in params:
+        raise UnsupportedModelError("yarn rope parameters lack original_max_position_embeddings")
+    return _yarn(theta, dim, params, config.get("max_position_embeddings", params["original_max_position_embeddings"]))
+
+
+def yarn_softmax_scale(config: dict) -> float:
+    """DeepSeek's extra softmax temperature under YaRN: mscale(factor, mscale_all_dim)², 1 without
+    YaRN or without mscale_all_dim."""
+    params = rope_parameters(config)
+    if params["rope_type"] == "default" or not params.get("mscale_all_dim"):
+        return 1.0
+    factor = params.get("factor")
+    if factor is None:
+        factor = config.get("max_position_embeddings", 0) / params["original_max_position_embeddings"]
+    return _yarn_mscale(float(factor), params["mscale_all_dim"]) ** 2
+
+
+def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary on pairs (x0, x1), (x2, x3), ... (DeepSeek's layout), x [N, T, D], cos/sin [T, D] as
+    cos_sin gives them. The result lists the pairs' first members, then their second members:
+    applied to queries and keys alike, the permutation leaves every dot product unchanged."""
+    cos, sin = cos[..., :cos.shape[-1] // 2], sin[..., :sin.shape[-1] // 2]
+    even, odd = x[..., 0::2], x[..., 1::2]
+    return torch.cat((even * cos - odd * sin, odd * cos + even * sin), dim=-1)

@@ -46,3 +46,6 @@ def sigmoid_topk(logits: torch.Tensor, top_k: int, *, correction_bias: torch.Ten
     if normalize:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     return (weights * scaling).to(out_dtype), ids
+
+
+sigmoid_group_topk = sigmoid_topk  # DeepSeek-V3's name for the same routing

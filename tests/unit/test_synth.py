@@ -26,6 +26,10 @@ TINY = {
                        intermediate_size=256),
     "tiny-mixtral": dict(SHAPES["mixtral-8x7b"], **SMALL, head_dim=32, num_local_experts=8, intermediate_size=64),
     "tiny-olmoe": dict(SHAPES["olmoe-1b-7b"], **dict(SMALL, num_key_value_heads=4), num_experts=8, intermediate_size=64),
+    "tiny-deepseek-v3": dict(SHAPES["deepseek-v3"], **dict(SMALL, num_key_value_heads=4), n_routed_experts=8,
+                             moe_intermediate_size=64, intermediate_size=256, n_group=4, topk_group=2,
+                             first_k_dense_replace=0, kv_lora_rank=64, q_lora_rank=64, qk_rope_head_dim=16,
+                             qk_nope_head_dim=32, v_head_dim=32),
 }
 PROMPT = [5, 17, 42, 99, 300]
 
@@ -40,14 +44,15 @@ def tiny_shapes(monkeypatch):
 
 
 def sizes(cfg):
-    experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+    experts = cfg.get("num_experts", cfg.get("num_local_experts", cfg.get("n_routed_experts")))
     inter = cfg.get("moe_intermediate_size", cfg["intermediate_size"])
     return experts, inter, cfg["hidden_size"]
 
 
 def test_tiny_shapes_keep_the_real_entries_keys():
     """The tiny shapes are the real entries with smaller numbers, so they take the same code paths."""
-    for name, real in (("tiny-qwen3", "qwen3-30b-a3b"), ("tiny-mixtral", "mixtral-8x7b"), ("tiny-olmoe", "olmoe-1b-7b")):
+    for name, real in (("tiny-qwen3", "qwen3-30b-a3b"), ("tiny-mixtral", "mixtral-8x7b"), ("tiny-olmoe", "olmoe-1b-7b"),
+                       ("tiny-deepseek-v3", "deepseek-v3")):
         assert set(TINY[name]) == set(SHAPES[real])
         assert TINY[name]["model_type"] == SHAPES[real]["model_type"]
 

@@ -1,0 +1,40 @@
+"""Latent-attention families on CUDA through the generic decoder: greedy tokens equal to the CPU
+reference (float32, whole steps captured as graphs), bf16 log-probabilities within the decoder's
+tolerance, and step(T tokens) = T one-token steps bit for bit."""
+import pytest
+import torch
+
+from gpu.test_decoder import BF16_LOGPROB_TOLERANCE, PROMPT, STEPS, forced_logprobs, greedy_with_logprobs, load
+
+from moestream.engine.engine import Engine
+from moestream.engine.options import EngineOptions
+
+pytestmark = pytest.mark.gpu
+FAMILIES = ["deepseek_v3", "glm4_moe_lite"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_latent_attention_decodes_on_cuda_like_the_cpu(family, tiny_packed_model):
+    packed = tiny_packed_model(family, "q4", dtype="bfloat16")
+    cpu = Engine.load(packed, options=EngineOptions(device="cpu", threads=1))
+    prompt = cpu.tokenizer.encode(PROMPT)
+    ref_tokens, ref_lp = greedy_with_logprobs(cpu, prompt, STEPS)
+    cpu.close()
+
+    fp32 = load(packed, dtype="float32", cache_size="all")
+    tokens, lp = greedy_with_logprobs(fp32, prompt, STEPS)
+    assert ("step", 1) in fp32.decoder.graphs  # the whole step ran as one captured graph
+    fp32.close()
+    assert tokens == ref_tokens
+    assert max(abs(a - b) for a, b in zip(lp, ref_lp)) < 1e-3
+
+    bf16 = load(packed, dtype="bfloat16", cache_size="50%")
+    forced = forced_logprobs(bf16, prompt, ref_tokens)
+    assert max(abs(a - b) for a, b in zip(forced, ref_lp)) < BF16_LOGPROB_TOLERANCE
+    bf16.reset()
+    bf16.prefill(prompt)
+    draft = [5, 17, 300, 42, 9]
+    together = bf16.step(draft).clone()
+    bf16.rollback(len(prompt))
+    assert torch.equal(together, torch.cat([bf16.step([t]).clone() for t in draft]))
+    bf16.close()
