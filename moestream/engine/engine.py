@@ -15,6 +15,7 @@ import torch
 from moestream.layers.kv_cache import KVCache
 from moestream.engine.options import EngineOptions
 from moestream.engine.receipt import Receipt
+from moestream.engine import timeline
 from moestream.engine.sampling import choose_token
 from moestream.engine.tokenizer import load_tokenizer
 from moestream.engine.types import GenerationResult, SamplingParams, TokenEvent
@@ -179,7 +180,8 @@ class Engine:
                 piece = prompt_ids[start:start + chunk]
                 self._position = start
                 ids = torch.tensor(piece, dtype=torch.long, device=self.device)
-                outputs.append(self.model.forward(ids, start, self.cache, all_logits=all_logits))
+                with timeline.span("prefill_chunk", position=start, tokens=len(piece)):
+                    outputs.append(self.model.forward(ids, start, self.cache, all_logits=all_logits))
                 self.cache.append(piece)
         self.release_workspace()
         return (torch.cat(outputs) if all_logits else outputs[-1]), reuse
@@ -207,7 +209,8 @@ class Engine:
             for i in range(0, len(tokens), MAX_STEP_TOKENS):
                 piece = tokens[i:i + MAX_STEP_TOKENS]
                 self._position = self.cache.length
-                rows.append(self.decoder.step(piece, self.cache.length).clone())
+                with timeline.span("step", position=self.cache.length, tokens=len(piece)):
+                    rows.append(self.decoder.step(piece, self.cache.length).clone())
                 self.cache.append(piece)
         return rows[0] if len(rows) == 1 else torch.cat(rows)
 
@@ -266,7 +269,8 @@ class Engine:
                         return
                     row = logits[-1]
                     previous = torch.tensor(seq, device=row.device) if sampling.repetition_penalty != 1.0 else None
-                    token = choose_token(row, sampling, position=len(seq), previous=previous)
+                    with timeline.span("sample", position=len(seq)):
+                        token = choose_token(row, sampling, position=len(seq), previous=previous)
                     if stop_at_eos and token in self.tokenizer.eos_token_ids:
                         state["finish"] = "stop"
                         return
