@@ -12,6 +12,7 @@ COMMANDS = {
     "generate": ("moestream.engine.cli", "generate text with a packed model, streaming experts from disk"),
     "serve": ("moestream.server.main", "OpenAI-compatible HTTP server"),
     "bench": ("moestream.bench.main", "benchmark prefill/decode speed, hit rate and read bandwidth"),
+    "ab": ("moestream.bench.ab", "A B B A runs of two commands: ratio B/A, 95 % CI, A-A noise floor"),
     "synth": ("moestream.bench.synth", "write a packed model with random weights in a real model's shapes"),
     "simulate": ("moestream.sim.main", "replay routing traces through cache policies"),
 }

@@ -15,6 +15,7 @@ import torch
 
 from moestream.bench.machine import machine_info
 from moestream.cli_args import Parser, at_least, check_output_paths
+from moestream.engine import timeline
 from moestream.engine.options import EngineOptions, add_engine_arguments
 from moestream.errors import MoestreamError
 
@@ -165,8 +166,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write the JSON results to this file")
     p.add_argument("--plot", default=None, help="write a PNG of decode tok/s and hit rate per cache size")
+    p.add_argument("--timeline", default=None, metavar="FILE.json",
+                   help="write a Chrome/Perfetto trace of the measured prefills and decode (one file per cache size "
+                        "in a sweep: FILE-SIZE.json)")
     add_engine_arguments(p)
     return p
+
+
+def timeline_path(path: str | None, size: str, sizes: int) -> str | None:
+    """FILE.json for one cache size; FILE-SIZE.json for each size of a sweep."""
+    if path is None or sizes == 1:
+        return path
+    p = Path(path)
+    return str(p.with_name(f"{p.stem}-{size}{p.suffix}"))
 
 
 def run(args) -> dict:
@@ -209,9 +221,10 @@ def run(args) -> dict:
                 for _ in engine.generate(random_prompt(32, engine.args.vocab_size, args.seed + 1), max_new_tokens=32,
                                          stop_at_eos=False):
                     pass
+            with timeline.recording(timeline_path(args.timeline, size, len(sizes)), device=engine.device):
+                measured = measure(engine, prefill_sizes=prefill_sizes, decode_tokens=args.decode_tokens, seed=args.seed)
             run_result = {"cache_size": size, "slots": engine.plan.slots, "total_experts": engine.plan.total_experts,
-                          **run_facts(engine.options),
-                          **measure(engine, prefill_sizes=prefill_sizes, decode_tokens=args.decode_tokens, seed=args.seed)}
+                          **run_facts(engine.options), **measured}
         finally:
             engine.close()
             del engine
@@ -237,7 +250,8 @@ def run(args) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    check_output_paths(parser, args, {"out": "--out", "plot": "--plot", "trace_routing": "--trace-routing"})
+    check_output_paths(parser, args, {"out": "--out", "plot": "--plot", "trace_routing": "--trace-routing",
+                                      "timeline": "--timeline"})
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     try:
         results = run(args)

@@ -31,6 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--logprobs", type=at_least(0), default=0, metavar="N", help="report the top N logprobs of every generated token")
     p.add_argument("--json", action="store_true", help="print one JSON object (token_ids, text, logprobs, receipt) as the last line")
     p.add_argument("--receipt", metavar="FILE", help="write the run's receipt JSON to FILE")
+    p.add_argument("--timeline", metavar="FILE.json",
+                   help="write a Chrome/Perfetto trace of the run (ui.perfetto.dev): steps, expert loads, read waits, "
+                        "reads and copies, and the device segments")
     p.add_argument("--plan", action="store_true", help="print the memory ledger and slot plan, then exit")
     add_speculative_arguments(p)
     add_engine_arguments(p)
@@ -97,7 +100,8 @@ def check_args(parser: argparse.ArgumentParser, args) -> None:
     """Refusals that need more than one flag's value, before any model is opened (exit 2)."""
     if not args.repetition_penalty > 0 or args.repetition_penalty == float("inf"):
         parser.error(f"argument --repetition-penalty: must be a positive finite number, not {args.repetition_penalty}")
-    check_output_paths(parser, args, {"receipt": "--receipt", "trace_routing": "--trace-routing"})
+    check_output_paths(parser, args, {"receipt": "--receipt", "trace_routing": "--trace-routing",
+                                      "timeline": "--timeline"})
     if args.hot_head:
         from moestream.engine.hot_head import usable
 
@@ -146,7 +150,10 @@ def run(args) -> int:
     speculative = None
     try:
         speculative = speculative_options(args, engine)
-        return generate(args, engine, speculative)
+        from moestream.engine import timeline
+
+        with timeline.recording(args.timeline, device=engine.device):
+            return generate(args, engine, speculative)
     finally:
         if speculative is not None and speculative.drafter is not None:
             speculative.drafter.close()

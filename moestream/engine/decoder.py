@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from moestream.engine import timeline
 from moestream.layers.experts import RoutedExperts
 from moestream.layers.kv_cache import KVCache
 from moestream.layers.moe import MoEBlock
@@ -146,7 +147,8 @@ class Decoder:
     def _replay(self, key: tuple, fn, *, capture: bool = True) -> None:
         """Run fn (a segment); with graphs, capture it on first use under `key` and replay it."""
         if not (self.use_graphs and capture):
-            fn()
+            with timeline.segment(key):
+                fn()
             return
         graph = self.graphs.get(key)
         if graph is None:
@@ -162,7 +164,8 @@ class Decoder:
             with torch.cuda.graph(graph, pool=self.graph_pool, capture_error_mode="thread_local"):
                 fn()
             self.graphs[key] = graph
-        graph.replay()
+        with timeline.segment(key):
+            graph.replay()
 
     def step(self, tokens: list[int], start: int) -> torch.Tensor:
         """Logits [T, V] (float32, a static buffer: copy before the next step) of `tokens` at
@@ -207,7 +210,8 @@ class Decoder:
             r.guesses_host.copy_(r.guesses[0].view(-1), non_blocking=True)
         if self.cuda:  # the one host sync of a streamed layer
             self.ready.record(self.stream)
-            self.ready.synchronize()
+            with timeline.span("sync", layer=block.layer):
+                self.ready.synchronize()
         if self.experts.on_route is not None:
             self.experts.on_route(block.layer, ids)
         chosen = host.tolist()

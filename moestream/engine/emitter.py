@@ -8,6 +8,7 @@ from typing import Callable
 
 import torch
 
+from moestream.engine import timeline
 from moestream.engine.sampling import choose_token
 from moestream.engine.types import SamplingParams, TokenEvent
 
@@ -34,7 +35,8 @@ class Emitter:
             return None
         seq, sampling = self.seq, self.sampling
         previous = torch.tensor(seq, device=row.device) if sampling.repetition_penalty != 1.0 else None
-        token = choose_token(row, sampling, position=len(seq), previous=previous)
+        with timeline.span("sample", position=len(seq)):
+            token = choose_token(row, sampling, position=len(seq), previous=previous)
         if self.stop_at_eos and token in self.eos_ids:
             self.state["finish"] = "stop"
             return None

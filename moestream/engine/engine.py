@@ -16,6 +16,7 @@ from moestream.layers.kv_cache import KVCache
 from moestream.engine.emitter import Emitter
 from moestream.engine.options import EngineOptions
 from moestream.engine.receipt import Receipt
+from moestream.engine import timeline
 from moestream.engine.tokenizer import load_tokenizer
 from moestream.engine.types import GenerationResult, SamplingParams, TokenEvent
 from moestream.errors import MoestreamError
@@ -179,7 +180,8 @@ class Engine:
                 piece = prompt_ids[start:start + chunk]
                 self._position = start
                 ids = torch.tensor(piece, dtype=torch.long, device=self.device)
-                outputs.append(self.model.forward(ids, start, self.cache, all_logits=all_logits))
+                with timeline.span("prefill_chunk", position=start, tokens=len(piece)):
+                    outputs.append(self.model.forward(ids, start, self.cache, all_logits=all_logits))
                 self.cache.append(piece)
         self.release_workspace()
         return (torch.cat(outputs) if all_logits else outputs[-1]), reuse
@@ -207,7 +209,8 @@ class Engine:
             for i in range(0, len(tokens), MAX_STEP_TOKENS):
                 piece = tokens[i:i + MAX_STEP_TOKENS]
                 self._position = self.cache.length
-                rows.append(self.decoder.step(piece, self.cache.length).clone())
+                with timeline.span("step", position=self.cache.length, tokens=len(piece)):
+                    rows.append(self.decoder.step(piece, self.cache.length).clone())
                 self.cache.append(piece)
         return rows[0] if len(rows) == 1 else torch.cat(rows)
 

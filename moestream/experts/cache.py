@@ -22,6 +22,7 @@ from typing import Sequence
 
 import torch
 
+from moestream.engine import timeline
 from moestream.errors import ExpertReadError
 from moestream.experts.buffers import aligned_buffer, pin_if_cuda
 from moestream.experts.directory import CacheFullError, SlotDirectory
@@ -108,6 +109,7 @@ class ExpertCache:
         entry, li = self.entries[layer], self._index[layer]
         pinned, waits = [], []
         st = self.stats_
+        started, missed = time.perf_counter(), st.misses
         self._run_deferred()
         self._reap_prefetches()
         try:
@@ -140,6 +142,7 @@ class ExpertCache:
                     error = error or exc
             if waits:
                 st.read_wait_s += time.perf_counter() - t0
+                timeline.complete("wait_reads", t0, time.perf_counter(), layer=layer, reads=len(waits))
             if error is not None:
                 raise error
         except BaseException:
@@ -154,6 +157,8 @@ class ExpertCache:
                 event = self.ready_events.pop(key, None)
                 if event is not None:
                     current.wait_event(event)
+        timeline.complete("load", started, time.perf_counter(), layer=layer, experts=len(experts),
+                          misses=st.misses - missed)
         if not views:
             return {}
         return {e: decode_record(entry.fields, self.pool[self.directory.lookup((li, e))][: entry.record_size])
@@ -327,6 +332,7 @@ class ExpertCache:
             self._add(bytes_read_host=size)
             self._copy_into_slot(key, slot, view, size, done, after=after, defer=True, early=early)
             return
+        timeline.instant("read", layer=layer, expert=expert, early=early)
         if self.cuda:
             staging = self.staging.get()
             read = self.source.submit(layer, expert, staging[:size])
@@ -383,6 +389,7 @@ class ExpertCache:
         layer, expert = self.moe_layers[key[0]], key[1]
         try:
             read.result()
+            timeline.instant("read_done", layer=layer, expert=expert)
             self._add(bytes_read_disk=size)
             if self.host is not None:
                 self._fill_host(layer, expert, data, size)
@@ -411,6 +418,8 @@ class ExpertCache:
         """Copy a host record into its device slot; `after` runs once the source buffer is free again:
         at once after waiting for the copy, or (defer, main thread only) when a later call finds the
         copy done, so that many copies queue back to back on the link."""
+        if self.cuda or data.data_ptr() != self.pool[slot].data_ptr():  # a CPU read lands in its slot: no copy
+            timeline.instant("copy", layer=self.moe_layers[key[0]], expert=key[1], early=early)
         if self.cuda:
             stream = self.early_stream if early else self.copy_stream
             with torch.cuda.stream(stream):

@@ -26,6 +26,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from moestream.server import chat_api, messages_api, responses_api
 from moestream.server.generation import SYSTEM_FINGERPRINT, RequestDefaults, Runtime  # noqa: F401 (re-exported)
+from moestream.server.metrics import RequestCounter, ServerMetrics
 from moestream.server.protocol import APIError, ModelCard, ModelList, invalid
 from moestream.server.worker import Worker
 
@@ -154,6 +155,9 @@ def create_app(worker: Worker, *, api_key: str | None = None, model_id: str | No
 
     app = FastAPI(title="moestream", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.worker = worker
+    metrics = ServerMetrics(worker)
+    worker.observers.append(metrics)
+    app.state.metrics = metrics
 
     def current_model_id() -> str:
         return model_id or worker.model_name or "moestream"
@@ -221,15 +225,23 @@ def create_app(worker: Worker, *, api_key: str | None = None, model_id: str | No
             body["error"] = worker.error
         return JSONResponse(body, status_code=503, headers={"Retry-After": "5"})
 
-    return _wrap(app, api_key)
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        body, content_type = metrics.exposition()
+        return Response(body, media_type=content_type)
+
+    templates = [prefix + route.path for prefix in API_PREFIXES for route in router.routes] + ["/health", "/metrics"]
+    return _wrap(app, api_key, metrics, templates)
 
 
-def _wrap(app: FastAPI, api_key: str | None) -> FastAPI:
-    # Outermost first: CORS answers preflights before the key is checked and adds its header to
-    # every answer, errors included; every answer, refusals too, carries x-request-id.
+def _wrap(app: FastAPI, api_key: str | None, metrics: ServerMetrics, templates: list[str]) -> FastAPI:
+    # Outermost first: the request counter sees every answer; CORS answers preflights before the
+    # key is checked and adds its header to every answer, errors included; every answer, refusals
+    # too, carries x-request-id.
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     app.add_middleware(RequestIdMiddleware)
     app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_credentials=False, allow_methods=["*"],
                        allow_headers=["*"], expose_headers=["Retry-After", "x-request-id"], max_age=600)
+    app.add_middleware(RequestCounter, metrics=metrics, templates=templates)
     return app

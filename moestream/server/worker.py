@@ -183,6 +183,8 @@ class Worker:
         self.stats_snapshot: dict = {}
         self.last_receipt: dict = {}
         self.jobs_done = 0
+        # told of every job's start and every choice's end, on this thread (e.g. the server's metrics)
+        self.observers: list[Any] = []
         self._waiting: collections.deque[Job] = collections.deque()
         self._current: Job | None = None
         self._cond = threading.Condition()
@@ -326,6 +328,13 @@ class Worker:
         except Exception as exc:  # stats are informative; never let them stop the server
             log.warning("engine.stats() failed: %s", exc)
 
+    def _observe(self, name: str, *args: Any) -> None:
+        for observer in self.observers:
+            try:
+                getattr(observer, name)(*args)
+            except Exception as exc:  # figures are informative; never let them fail a request
+                log.warning("observer %s failed: %s", name, exc)
+
     def _deliver(self, job: Job, event: Event) -> None:
         try:
             job.sink(event)
@@ -338,6 +347,7 @@ class Worker:
         if job.cancelled.is_set():
             return
         self._deliver(job, Started(queue_s=queue_s))
+        self._observe("job_started", queue_s)
         for index, choice in enumerate(job.choices):
             last = index == len(job.choices) - 1
             if not self._run_choice(job, choice, index, last, queue_s) or job.cancelled.is_set():
@@ -356,6 +366,7 @@ class Worker:
             self._deliver(job, PromptLogprobs(tokenizer.decode(choice.prompt_ids), infos, index))
         if choice.max_new_tokens <= 0:
             receipt = {"prompt_tokens": prompt_tokens, "prefill_tokens": 0, "reused_tokens": 0, "generated_tokens": 0}
+            self._observe("choice_done", prompt_tokens, 0, "length", receipt)
             self._deliver(job, Finished("length", prompt_tokens, 0, receipt, queue_s, index=index, last=last))
             return True
         decoder = IncrementalDecoder(tokenizer.decode)
@@ -398,6 +409,7 @@ class Worker:
             reason = "cancelled"
         else:
             reason = result.finish_reason if result is not None else "length"
+        self._observe("choice_done", prompt_tokens, generated, reason, receipt)
         if reason == "cancelled":
             if self._stopping:
                 self._deliver(job, Failed("the server is shutting down", code="server_shutdown"))

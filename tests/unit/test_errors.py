@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from moestream.bench.ab import main as ab_main
 from moestream.bench.main import main as bench_main
 from moestream.convert.main import main as convert_main
 from moestream.convert.pull import main as pull_main
@@ -17,7 +18,8 @@ from moestream.sim.main import main as simulate_main
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "ERRORS.md"
 MAINS = {"generate": generate_main, "serve": serve_main, "bench": bench_main, "convert": convert_main,
-         "pull": pull_main, "simulate": simulate_main}
+         "pull": pull_main, "simulate": simulate_main,
+         "ab": ab_main}
 
 # (command, arguments, exit code, the exact stderr line); {missing}, {port}, {file}, {trace} are
 # filled in per run and shown as such in the document
@@ -45,6 +47,8 @@ CASES = [
      "moestream generate: error: argument --hot-head: the hot-vocabulary head decodes greedily only (temperature 0)"),
     ("bench", "--out {missing}/b.json", 2, "moestream bench: error: argument --out: the folder {missing} does not exist"),
     ("bench", "--io-threads -3", 2, "moestream bench: error: argument --io-threads: must be at least 1, not -3"),
+    ("ab", "true true --rounds 1", 2, "moestream ab: error: argument --rounds: must be at least 2, not 1"),
+    ("ab", "true true", 1, "moestream ab: error: command A printed no number on its last line (true)"),
     ("convert", "SRC OUT --workers 0", 2, "moestream convert: error: argument --workers: must be at least 1, not 0"),
     ("pull", "./folder OUT", 1, "moestream pull: error: './folder' is not a Hub repo id (owner/name); to pack a local "
                                 "folder use moestream convert"),

@@ -1,0 +1,169 @@
+"""`GET /metrics` in Prometheus's text format: requests by route and status, tokens, the queue,
+time per phase, and what the expert cache did.
+
+Three kinds of figures, each from where it is known:
+- requests by route and status: an ASGI middleware, on the event loop;
+- tokens, phase times and the cache's per-request work (bytes read per tier, read wait, misses):
+  the receipts the worker thread reports as each choice ends, summed into counters;
+- the queue, the running request and the cache's hit rate since load: read from the worker at
+  scrape time (its stats snapshot, refreshed after every job, so no scrape ever calls the engine).
+
+Each app owns its registry, so two servers in one process (tests) never share counters. Plain
+numbers only: this module never imports torch.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterator
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+from starlette.routing import compile_path
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+log = logging.getLogger(__name__)
+
+PREFIX = "moestream"
+# Phases last from milliseconds (a queue wait, a reused prompt) to minutes (a long decode).
+PHASE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+UNMATCHED_ROUTE = "unmatched"  # any path no route serves: one label, so scanners cannot grow the series
+
+
+class ServerMetrics:
+    """The app's metrics. The worker calls `job_started` and `choice_done` on its thread;
+    prometheus_client's metrics are safe to update from any thread."""
+
+    def __init__(self, worker: Any) -> None:
+        self.worker = worker
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(f"{PREFIX}_http_requests", "HTTP requests answered, by route and status code.",
+                                ["method", "route", "status"], registry=r)
+        self.prompt_tokens = Counter(f"{PREFIX}_prompt_tokens", "Prompt tokens of finished choices.", registry=r)
+        self.prefill_tokens = Counter(f"{PREFIX}_prefill_tokens",
+                                      "Prompt tokens computed (not reused from the KV cache).", registry=r)
+        self.generated_tokens = Counter(f"{PREFIX}_generated_tokens", "Tokens generated.", registry=r)
+        self.choices = Counter(f"{PREFIX}_choices", "Generations ended, by finish reason.", ["finish_reason"],
+                               registry=r)
+        self.queue_seconds = Histogram(f"{PREFIX}_queue_seconds", "Time a request waited in the queue.",
+                                       buckets=PHASE_BUCKETS, registry=r)
+        self.prefill_seconds = Histogram(f"{PREFIX}_prefill_seconds", "Prefill time of one choice.",
+                                         buckets=PHASE_BUCKETS, registry=r)
+        self.decode_seconds = Histogram(f"{PREFIX}_decode_seconds", "Decode time of one choice.",
+                                        buckets=PHASE_BUCKETS, registry=r)
+        self.bytes_read = Counter(f"{PREFIX}_expert_read_bytes", "Expert bytes read for requests, by tier.",
+                                  ["tier"], registry=r)
+        self.read_wait = Counter(f"{PREFIX}_expert_read_wait_seconds",
+                                 "Time requests waited on expert reads.", registry=r)
+        self.misses = Counter(f"{PREFIX}_expert_misses", "Expert cache misses during requests.", registry=r)
+        r.register(_WorkerCollector(worker))
+
+    # ---- the worker's side (its thread)
+
+    def job_started(self, queue_s: float) -> None:
+        self.queue_seconds.observe(max(0.0, queue_s))
+
+    def choice_done(self, prompt_tokens: int, generated: int, finish_reason: str, receipt: dict) -> None:
+        self.prompt_tokens.inc(max(0, prompt_tokens))
+        self.generated_tokens.inc(max(0, generated))
+        self.choices.labels(finish_reason).inc()
+        self.prefill_tokens.inc(max(0, _number(receipt.get("prefill_tokens"))))
+        if "prefill_s" in receipt:
+            self.prefill_seconds.observe(max(0.0, _number(receipt["prefill_s"])))
+        if "decode_s" in receipt and generated:
+            self.decode_seconds.observe(max(0.0, _number(receipt["decode_s"])))
+        for tier in ("disk", "host"):
+            self.bytes_read.labels(tier).inc(max(0, _number(receipt.get(f"bytes_read_{tier}"))))
+        self.read_wait.inc(max(0.0, _number(receipt.get("read_wait_s"))))
+        self.misses.inc(max(0, _number(receipt.get("misses"))))
+
+    # ---- the HTTP side
+
+    def exposition(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class _WorkerCollector(Collector):
+    """Figures read at scrape time: the queue, the running request, the engine's cache since load."""
+
+    def __init__(self, worker: Any) -> None:
+        self.worker = worker
+
+    def collect(self) -> Iterator[Any]:
+        w = self.worker
+        yield _gauge("queue_length", "Requests waiting in the queue.", w.queue_depth)
+        yield _gauge("queue_capacity", "Requests that may wait (--max-queue).", w.max_queue)
+        yield _gauge("requests_running", "Requests the engine is generating now (at most 1).", 1 if w.busy else 0)
+        ready = GaugeMetricFamily(f"{PREFIX}_engine_state", "1 for the engine's current state.", labels=["state"])
+        for state in ("loading", "ready", "failed", "stopped"):
+            ready.add_metric([state], 1.0 if w.state == state else 0.0)
+        yield ready
+        done = CounterMetricFamily(f"{PREFIX}_jobs", "Requests the engine finished (any outcome).")
+        done.add_metric([], float(w.jobs_done))
+        yield done
+        stats = w.stats_snapshot or {}
+        experts = stats.get("experts") if isinstance(stats.get("experts"), dict) else {}
+        hit_rate = experts.get("hit_rate", stats.get("hit_rate"))
+        if hit_rate is not None:
+            yield _gauge("expert_hit_rate", "The expert cache's hit rate since the engine loaded.", hit_rate)
+        for key, name, text in (("hits", "expert_cache_hits", "Expert cache hits since load."),
+                                ("misses", "expert_cache_misses", "Expert cache misses since load."),
+                                ("evictions", "expert_cache_evictions", "Experts evicted since load."),
+                                ("read_wait_s", "expert_cache_read_wait_seconds",
+                                 "Time waited on expert reads since load.")):
+            if key in experts:
+                family = CounterMetricFamily(f"{PREFIX}_{name}", text)
+                family.add_metric([], _number(experts[key]))
+                yield family
+        if "bytes_read_disk" in experts or "bytes_read_host" in experts:
+            family = CounterMetricFamily(f"{PREFIX}_expert_cache_read_bytes", "Expert bytes read since load, by tier.",
+                                         labels=["tier"])
+            for tier in ("disk", "host"):
+                family.add_metric([tier], _number(experts.get(f"bytes_read_{tier}")))
+            yield family
+        if "slots" in experts:
+            yield _gauge("expert_cache_slots", "Expert slots in the device pool.", experts["slots"])
+
+
+def _gauge(name: str, text: str, value: Any) -> GaugeMetricFamily:
+    return GaugeMetricFamily(f"{PREFIX}_{name}", text, value=_number(value))
+
+
+def _number(value: Any) -> float:
+    try:
+        return float(value) if value is not None else 0.0
+    except (TypeError, ValueError):
+        return 0.0
+
+
+class RequestCounter:
+    """Counts every answer by method, route template (`/v1/models/{name:path}`, never the raw
+    path) and status. Outermost, so refusals by the other middlewares (401, CORS preflights) count
+    too: that is why the route is matched here, against the app's templates, and not taken from
+    the router (which never sees a refused request)."""
+
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics, templates: list[str]) -> None:
+        self.app = app
+        self.metrics = metrics
+        self.routes = [(template, compile_path(template)[0]) for template in templates]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = [500]  # an exception before any answer is a 500
+
+        async def send_status(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = int(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            self.metrics.requests.labels(scope.get("method", "?"), self.route_label(scope.get("path", "")),
+                                         str(status[0])).inc()
+
+    def route_label(self, path: str) -> str:
+        return next((template for template, regex in self.routes if regex.match(path)), UNMATCHED_ROUTE)
