@@ -29,7 +29,18 @@ FAMILY_CONFIGS = {
                     num_key_value_heads=2, head_dim=16, num_local_experts=6, num_experts_per_tok=2, tie_word_embeddings=False),
     "olmoe": dict(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
                   num_experts=8, num_experts_per_tok=2, norm_topk_prob=False, tie_word_embeddings=False),
+    # sliding (window 5: shorter than the test prompts) and full layers with their own head size,
+    # KV heads and proportional rotary; keys as values on full layers; experts beside the dense MLP
+    "gemma4_text": dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=64, num_hidden_layers=4,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32,
+                        num_global_key_value_heads=1, attention_k_eq_v=True, enable_moe_block=True, num_experts=8,
+                        top_k_experts=2, hidden_size_per_layer_input=0, sliding_window=5,
+                        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+                        final_logit_softcapping=30.0, tie_word_embeddings=True),
 }
+# families whose vectors (norm weights, router and per-expert scales, layer scalars) start at 1 and
+# multiply: drawn around 1 instead, so a misplaced or missing one changes the logits
+SCALED_VECTORS = {"gemma4_text"}
 
 
 def build_tokenizer(folder: Path, vocab_size: int = 320) -> int:
@@ -69,6 +80,12 @@ def build_checkpoint(folder: Path, family: str, *, seed: int = 0, dtype: str = "
         for p in model.parameters():
             if p.dim() >= 2:
                 p.normal_(0.0, 0.08)
+            elif family in SCALED_VECTORS:
+                p.uniform_(0.5, 1.5)
+        if family in SCALED_VECTORS:
+            for name, b in model.named_buffers():
+                if name.endswith("layer_scalar"):  # a saved buffer (embed_scale is not saved: left alone)
+                    b.uniform_(0.5, 1.5)
     model = model.to(getattr(torch, dtype))
     model.save_pretrained(folder)
     return folder

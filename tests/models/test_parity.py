@@ -7,7 +7,7 @@ from moestream.engine.engine import Engine
 from moestream.engine.options import EngineOptions
 from moestream.format.export_hf import export_hf
 
-FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"]
+FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "gemma4_text"]
 STEPS = 24
 
 

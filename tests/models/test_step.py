@@ -6,7 +6,7 @@ import torch
 from moestream.engine.engine import Engine
 from moestream.engine.options import EngineOptions
 
-FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"]
+FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "gemma4_text"]
 PROMPT = "def fibonacci(n):\n    if n < 2:"
 
 
