@@ -38,9 +38,23 @@ FAMILY_CONFIGS = {
                         layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
                         final_logit_softcapping=30.0, tie_word_embeddings=True),
 }
+# the multimodal checkpoint: the language model above beside a small vision tower
+FAMILY_CONFIGS["gemma4"] = dict(
+    text_config=FAMILY_CONFIGS["gemma4_text"], audio_config=None, tie_word_embeddings=True,
+    vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                       num_key_value_heads=2, head_dim=16))
+TEXT_FIELDS = ("vocab_size", "rope_theta", "max_position_embeddings", "eos_token_id", "bos_token_id", "pad_token_id")
+
+
+def nest_text_fields(config: dict) -> dict:
+    """A config with a text_config gets the language model's fields there."""
+    if "text_config" not in config:
+        return config
+    text = {**config["text_config"], **{k: config[k] for k in TEXT_FIELDS if k in config}}
+    return {**{k: v for k, v in config.items() if k not in TEXT_FIELDS}, "text_config": text}
 # families whose vectors (norm weights, router and per-expert scales, layer scalars) start at 1 and
 # multiply: drawn around 1 instead, so a misplaced or missing one changes the logits
-SCALED_VECTORS = {"gemma4_text"}
+SCALED_VECTORS = {"gemma4_text", "gemma4"}
 
 
 def build_tokenizer(folder: Path, vocab_size: int = 320) -> int:
@@ -71,9 +85,10 @@ def build_checkpoint(folder: Path, family: str, *, seed: int = 0, dtype: str = "
     from tokenizers import Tokenizer
     tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
     eos = tok.token_to_id("<|im_end|>")
-    cfg = AutoConfig.for_model(family, vocab_size=vocab, rope_theta=10000.0,
-                               eos_token_id=eos, bos_token_id=None, pad_token_id=tok.token_to_id("<|endoftext|>"),
-                               **{"max_position_embeddings": 256, **FAMILY_CONFIGS[family], **overrides})
+    cfg = AutoConfig.for_model(family, **nest_text_fields(dict(
+        vocab_size=vocab, rope_theta=10000.0, eos_token_id=eos, bos_token_id=None,
+        pad_token_id=tok.token_to_id("<|endoftext|>"),
+        **{"max_position_embeddings": 256, **FAMILY_CONFIGS[family], **overrides})))
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg)
     with torch.no_grad():  # random init is tiny; widen it so routing and logits are not near-ties

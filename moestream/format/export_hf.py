@@ -1,6 +1,6 @@
 """Write a packed model back out as a float Hugging Face checkpoint (per-expert tensor names, or
 fused `experts.gate_up_proj` / `experts.down_proj` stacks where the family sets
-EXPERT_EXPORT = "fused"), so transformers can run exactly the weights moestream runs: the
+EXPERT_EXPORT = "fused"; a family's `checkpoint_name` undoes its sanitize's renaming), so transformers can run exactly the weights moestream runs: the
 reference for quantized models."""
 from __future__ import annotations
 
@@ -34,6 +34,9 @@ def export_hf(packed_dir: str | Path, out_dir: str | Path, *, dtype: torch.dtype
         for e, weights in enumerate(experts):
             for proj, w in weights.items():
                 tensors[f"{prefix}experts.{e}.{names[proj]}.weight"] = w.contiguous()
+    rename = getattr(family, "checkpoint_name", None)  # packed name -> the checkpoint's, where they differ
+    if rename is not None:
+        tensors = {rename(name): t for name, t in tensors.items()}
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     config = dict(packed.config)
     config.pop("quantization", None)

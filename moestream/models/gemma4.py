@@ -32,3 +32,8 @@ def sanitize(name: str) -> str | None:
     if name.startswith(LANGUAGE_MODEL):
         return gemma4_text.sanitize("model." + name[len(LANGUAGE_MODEL):])
     return name if name == "lm_head.weight" else None
+
+
+def checkpoint_name(name: str) -> str:
+    """The inverse of sanitize for the tensors it keeps (export_hf writes checkpoint names)."""
+    return LANGUAGE_MODEL + name[len("model."):] if name.startswith("model.") else name
