@@ -47,7 +47,32 @@ FAMILY_CONFIGS = {
                           n_group=1, topk_group=1, n_shared_experts=2, mlp_layer_types=["dense", "sparse", "sparse"],
                           kv_lora_rank=64, q_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=64,
                           routed_scaling_factor=1.8, norm_topk_prob=True, tie_word_embeddings=False),
+    # sliding (window 5: shorter than the test prompts) and full layers with their own head size,
+    # KV heads and proportional rotary; keys as values on full layers; experts beside the dense MLP
+    "gemma4_text": dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=64, num_hidden_layers=4,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32,
+                        num_global_key_value_heads=1, attention_k_eq_v=True, enable_moe_block=True, num_experts=8,
+                        top_k_experts=2, hidden_size_per_layer_input=0, sliding_window=5,
+                        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+                        final_logit_softcapping=30.0, tie_word_embeddings=True),
 }
+# the multimodal checkpoint: the language model above beside a small vision tower
+FAMILY_CONFIGS["gemma4"] = dict(
+    text_config=FAMILY_CONFIGS["gemma4_text"], audio_config=None, tie_word_embeddings=True,
+    vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                       num_key_value_heads=2, head_dim=16))
+TEXT_FIELDS = ("vocab_size", "rope_theta", "max_position_embeddings", "eos_token_id", "bos_token_id", "pad_token_id")
+
+
+def nest_text_fields(config: dict) -> dict:
+    """A config with a text_config gets the language model's fields there."""
+    if "text_config" not in config:
+        return config
+    text = {**config["text_config"], **{k: config[k] for k in TEXT_FIELDS if k in config}}
+    return {**{k: v for k, v in config.items() if k not in TEXT_FIELDS}, "text_config": text}
+# families whose vectors (norm weights, router and per-expert scales, layer scalars) start at 1 and
+# multiply: drawn around 1 instead, so a misplaced or missing one changes the logits
+SCALED_VECTORS = {"gemma4_text", "gemma4"}
 
 
 def build_tokenizer(folder: Path, vocab_size: int = 320) -> int:
@@ -78,9 +103,10 @@ def build_checkpoint(folder: Path, family: str, *, seed: int = 0, dtype: str = "
     from tokenizers import Tokenizer
     tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
     eos = tok.token_to_id("<|im_end|>")
-    cfg = AutoConfig.for_model(family, vocab_size=vocab, rope_theta=10000.0,
-                               eos_token_id=eos, bos_token_id=None, pad_token_id=tok.token_to_id("<|endoftext|>"),
-                               **{"max_position_embeddings": 256, **FAMILY_CONFIGS[family], **overrides})
+    cfg = AutoConfig.for_model(family, **nest_text_fields(dict(
+        vocab_size=vocab, rope_theta=10000.0, eos_token_id=eos, bos_token_id=None,
+        pad_token_id=tok.token_to_id("<|endoftext|>"),
+        **{"max_position_embeddings": 256, **FAMILY_CONFIGS[family], **overrides})))
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg)
     with torch.no_grad():  # random init is tiny; widen it so routing and logits are not near-ties
@@ -90,6 +116,12 @@ def build_checkpoint(folder: Path, family: str, *, seed: int = 0, dtype: str = "
         for name, b in model.named_buffers():  # a zero correction bias would leave the choice untested
             if name.endswith("e_score_correction_bias"):
                 b.normal_(0.0, 0.05)
+            elif family in SCALED_VECTORS:
+                p.uniform_(0.5, 1.5)
+        if family in SCALED_VECTORS:
+            for name, b in model.named_buffers():
+                if name.endswith("layer_scalar"):  # a saved buffer (embed_scale is not saved: left alone)
+                    b.uniform_(0.5, 1.5)
     model = model.to(getattr(torch, dtype))
     model.save_pretrained(folder)
     return folder

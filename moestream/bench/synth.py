@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from moestream.convert.layout import expert_activation, with_activation
 from moestream.errors import MoestreamError
 from moestream.format.manifest import EXPERT_PROJECTIONS
 from moestream.format.writer import ExpertFileWriter, finish_model
@@ -134,6 +135,7 @@ def synth(shape: str, out: Path, *, layers: int | None = None, quant: str = "q4"
                     parts, spec = rw.matrix(f"{proj}.weight", *shapes[proj])
                     record.update(parts)
                     quant_specs[proj] = spec
+                quant_specs = with_activation(quant_specs, expert_activation(family))
                 if writer is None:
                     writer = ExpertFileWriter(out / f"experts-{i:03d}.bin", i, E, record, quant_specs)
                 writer.write(e, record)

@@ -4,6 +4,7 @@ Each layer's experts are found by name, checked against config.json before anyth
 and then read one expert at a time: a record is built from exactly one expert's bytes."""
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections import defaultdict
 from dataclasses import dataclass
@@ -31,7 +32,8 @@ class ExpertNames:
     def __init__(self, family):
         self.module, self.names = family.EXPERT_MODULE, dict(family.EXPERT_NAMES)
         self.ours = {theirs: ours for ours, theirs in self.names.items()}
-        prefix = rf"^(?P<prefix>.*layers\.(?P<layer>\d+)\.{re.escape(self.module)})"
+        module = rf"\.{re.escape(self.module)}" if self.module else ""  # "": experts hang off the layer itself
+        prefix = rf"^(?P<prefix>.*layers\.(?P<layer>\d+){module})"
         theirs = "|".join(re.escape(n) for n in self.ours)
         self.per_expert = re.compile(prefix + rf"\.experts\.(?P<expert>\d+)\.(?P<proj>{theirs})\.weight$")
         self.fused = re.compile(prefix + r"\.experts\.(?P<part>gate_up_proj|down_proj)(?:\.weight)?$")
@@ -80,12 +82,23 @@ def float_expert_spec(shape: tuple[int, ...], bits: int | None, group_size: int)
     return QuantSpec(bits, group_size)
 
 
+def expert_activation(family) -> str:
+    """The gate activation a family's routed experts use (QuantSpec.activation): "silu" unless the
+    family module sets EXPERT_ACTIVATION."""
+    return getattr(family, "EXPERT_ACTIVATION", "silu")
+
+
+def with_activation(specs: dict[str, QuantSpec], activation: str) -> dict[str, QuantSpec]:
+    return {p: dataclasses.replace(s, activation=activation) for p, s in specs.items()}
+
+
 class LayerExperts:
     """One layer's routed experts in some source layout."""
 
     layer: int
     prefix: str
     num_experts: int
+    activation: str = "silu"  # recorded in every projection's QuantSpec (find_expert_layers sets it)
 
     def check(self, expect: ExpertShapes) -> None:
         raise NotImplementedError
@@ -95,6 +108,10 @@ class LayerExperts:
 
     def record(self, expert: int, bits: int | None, group_size: int) -> tuple[dict[str, torch.Tensor], dict[str, QuantSpec]]:
         """The record's named tensors for one expert and each projection's QuantSpec."""
+        tensors, specs = self._record(expert, bits, group_size)
+        return tensors, with_activation(specs, self.activation)
+
+    def _record(self, expert: int, bits: int | None, group_size: int):
         raise NotImplementedError
 
     def _check_count(self, what: str, count: int, expect: ExpertShapes) -> None:
@@ -140,7 +157,7 @@ class PerExpertLayer(LayerExperts):
     def source_bytes(self) -> int:
         return sum(self.source.nbytes(n) for n in self.names.values())
 
-    def record(self, expert, bits, group_size):
+    def _record(self, expert, bits, group_size):
         return _float_record({p: self.source.get(self.name(expert, p)) for p in EXPERT_PROJECTIONS}, bits, group_size)
 
 
@@ -171,7 +188,7 @@ class FusedLayer(LayerExperts):
     def source_bytes(self) -> int:
         return sum(self.source.nbytes(n) for n in self.names.values())
 
-    def record(self, expert, bits, group_size):
+    def _record(self, expert, bits, group_size):
         gate_up = self.source.get_rows(self.names["gate_up_proj"], expert)[0]  # [2I, H]
         half = gate_up.shape[0] // 2
         projections = {"gate_proj": gate_up[:half], "up_proj": gate_up[half:],
@@ -228,7 +245,7 @@ class MlxStackLayer(LayerExperts):
     def source_bytes(self) -> int:
         return sum(self.source.nbytes(n) for n in self.names.values())
 
-    def record(self, expert, bits, group_size):
+    def _record(self, expert, bits, group_size):
         tensors = {}
         for proj in EXPERT_PROJECTIONS:
             parts = ("weight", "scales", "biases") if self.specs[proj].quantized else ("weight",)
@@ -269,6 +286,7 @@ def find_expert_layers(source) -> tuple[dict[int, LayerExperts], list[str]]:
             layers[layer] = FusedLayer(source, layer, prefixes[layer], fused[layer])
         else:
             layers[layer] = MlxStackLayer(source, layer, prefixes[layer], mlx[layer], source.mlx)
+        layers[layer].activation = expert_activation(source.family_module)
     return layers, dense
 
 

@@ -1,5 +1,7 @@
-"""Write a packed model back out as a float Hugging Face checkpoint (per-expert tensor names), so
-transformers can run exactly the weights moestream runs: the reference for quantized models."""
+"""Write a packed model back out as a float Hugging Face checkpoint (per-expert tensor names, or
+fused `experts.gate_up_proj` / `experts.down_proj` stacks where the family sets
+EXPERT_EXPORT = "fused"; a family's `checkpoint_name` undoes its sanitize's renaming), so transformers can run exactly the weights moestream runs: the
+reference for quantized models."""
 from __future__ import annotations
 
 import json
@@ -20,10 +22,21 @@ def export_hf(packed_dir: str | Path, out_dir: str | Path, *, dtype: torch.dtype
     tensors = {name: packed.dense(name, dtype).contiguous() for name in packed.logical_dense_names()}
     family = family_module(packed.family)  # experts are named as the family's checkpoints name them
     module, names = family.EXPERT_MODULE, family.EXPERT_NAMES
+    fused = getattr(family, "EXPERT_EXPORT", "per_expert") == "fused"
     for entry in packed.manifest.expert_layers:
-        for e in range(entry.num_experts):
-            for proj, w in packed.dequantized_expert(entry.layer, e, dtype).items():
-                tensors[f"model.layers.{entry.layer}.{module}.experts.{e}.{names[proj]}.weight"] = w.contiguous()
+        prefix = f"model.layers.{entry.layer}." + (f"{module}." if module else "")
+        experts = [packed.dequantized_expert(entry.layer, e, dtype) for e in range(entry.num_experts)]
+        if fused:  # [E, 2I, H] gate rows then up rows, and [E, H, I]
+            tensors[prefix + "experts.gate_up_proj"] = torch.stack(
+                [torch.cat([w["gate_proj"], w["up_proj"]]) for w in experts]).contiguous()
+            tensors[prefix + "experts.down_proj"] = torch.stack([w["down_proj"] for w in experts]).contiguous()
+            continue
+        for e, weights in enumerate(experts):
+            for proj, w in weights.items():
+                tensors[f"{prefix}experts.{e}.{names[proj]}.weight"] = w.contiguous()
+    rename = getattr(family, "checkpoint_name", None)  # packed name -> the checkpoint's, where they differ
+    if rename is not None:
+        tensors = {rename(name): t for name, t in tensors.items()}
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     config = dict(packed.config)
     config.pop("quantization", None)

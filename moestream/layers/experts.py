@@ -28,11 +28,21 @@ import torch
 
 from moestream.format.records import decode_record
 from moestream.kernels.reference import projection
+from moestream.layers.gelu_mlp import gelu_glu
 from moestream.layers.mlp import swiglu
 from moestream.quant.affine import QuantSpec
 
 log = logging.getLogger(__name__)
 KERNELS = ("auto", "torch", "triton")
+# a record's gate activation (QuantSpec.activation) -> its gated FFN; the Triton kernels compute "silu" only
+ACTIVATIONS = {"silu": swiglu, "gelu_tanh": gelu_glu}
+
+
+def activation_of(quant: Mapping[str, QuantSpec]) -> str:
+    name = quant["gate_proj"].activation
+    if name not in ACTIVATIONS:
+        raise ValueError(f"routed experts with activation {name!r} (known: {', '.join(ACTIVATIONS)})")
+    return name
 
 
 class ExpertProvider(Protocol):
@@ -87,6 +97,7 @@ class TorchPlan:
                  per_pair: bool = False):
         self.x, self.ids, self.weights, self.fields, self.quant = x, ids, weights, fields, quant
         self.per_pair = per_pair
+        self.ffn = ACTIVATIONS[activation_of(quant)]
         self.out = torch.zeros_like(x)  # [T, H]
 
     def run(self, pool: torch.Tensor, experts: Sequence[int], slots: Sequence[int]) -> None:
@@ -95,9 +106,9 @@ class TorchPlan:
             g, u, d = (projection(record, p, self.quant[p], self.x.dtype) for p in ("gate_proj", "up_proj", "down_proj"))
             tok, pick = torch.where(self.ids == e)
             if self.per_pair:
-                y = torch.cat([swiglu(self.x[t:t + 1], g, u, d) for t in tok.tolist()])
+                y = torch.cat([self.ffn(self.x[t:t + 1], g, u, d) for t in tok.tolist()])
             else:
-                y = swiglu(self.x[tok], g, u, d)
+                y = self.ffn(self.x[tok], g, u, d)
             self.out.index_add_(0, tok, (y * self.weights[tok, pick, None]).to(self.out.dtype))
 
     def run_table(self, pool: torch.Tensor, table: torch.Tensor) -> None:
@@ -143,12 +154,13 @@ class RoutedExperts:
         """The Triton SlotLayout of `layer`'s records, or None where the torch reference runs them."""
         if self.kernels == "torch" or self.device.type != "cuda":
             return None
-        reason = None
+        activation = activation_of(self.provider.quant(layer))
+        reason = None if activation == "silu" else f"the Triton expert kernels compute SwiGLU only, not {activation}"
         try:
             from moestream.kernels import triton_moe
         except ImportError as exc:
             triton_moe, reason = None, f"Triton is not installed ({exc})"
-        if triton_moe is not None:
+        if triton_moe is not None and reason is None:
             try:
                 return triton_moe.SlotLayout.from_fields(self.provider.record_fields(layer), self.provider.quant(layer))
             except triton_moe.UnsupportedLayout as exc:

@@ -17,21 +17,29 @@ SUPPORTED_BITS = (2, 4, 8)
 
 @dataclass(frozen=True)
 class QuantSpec:
-    """How one tensor is stored: bits None means unquantized float."""
+    """How one tensor is stored: bits None means unquantized float. `activation` (routed experts'
+    projections only) is the gate's activation the record is computed with: "silu" (SwiGLU) or
+    "gelu_tanh"; it is written to the manifest only where it is not the default."""
 
     bits: int | None = None
     group_size: int = 64
+    activation: str = "silu"
 
     @property
     def quantized(self) -> bool:
         return self.bits is not None
 
     def to_json(self) -> dict | None:
-        return {"bits": self.bits, "group_size": self.group_size} if self.bits else None
+        obj = {"bits": self.bits, "group_size": self.group_size} if self.bits else None
+        if self.activation != "silu":
+            obj = {"bits": self.bits, "group_size": self.group_size, "activation": self.activation}
+        return obj
 
     @staticmethod
     def from_json(obj: dict | None) -> "QuantSpec":
-        return QuantSpec(obj["bits"], obj["group_size"]) if obj else QuantSpec()
+        if not obj:
+            return QuantSpec()
+        return QuantSpec(obj["bits"], obj["group_size"], obj.get("activation", "silu"))
 
 
 def check_bits(bits: int) -> None:

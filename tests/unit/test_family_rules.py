@@ -28,7 +28,7 @@ from moestream.format.reader import PackedModel
 from moestream.models import qwen3_moe
 from moestream.models.registry import family_module, weight_shapes
 from moestream.quant.affine import QuantSpec, can_quantize
-from tiny import FAMILY_CONFIGS, load_all
+from tiny import FAMILY_CONFIGS, load_all, nest_text_fields
 
 FAMILIES = list(models.SUPPORTED_FAMILIES)
 PROMPT = [5, 17, 42, 99, 200]
@@ -79,9 +79,10 @@ def test_convert_takes_the_family_rules(family, tiny_checkpoint, tiny_packed_mod
     resident tensor the family's build takes; q4 keeps each at the family's bits."""
     names = ExpertNames(family_module(family))
     src = load_all(tiny_checkpoint(family))
-    experts = {n for n in src if names.expert(n)}
+    experts = {n for n in src if names.expert(n) or names.fused.match(family_module(family).sanitize(n) or "")}
     packed = PackedModel(tiny_packed_model(family, "q4"))
-    assert experts and set(src) - experts == set(packed.logical_dense_names())
+    sanitize = family_module(family).sanitize  # checkpoint names -> packed names (None: not kept)
+    assert experts and {sanitize(n) for n in set(src) - experts} - {None} == set(packed.logical_dense_names())
     assert_follows_the_family(packed, 4)
     assert_follows_the_family(PackedModel(tiny_packed_model(family, "none")), None)
 
@@ -97,8 +98,8 @@ def test_export_then_convert_gives_the_same_model(family, tiny_packed_model, tmp
 
 
 def tiny_shape(family: str, **extra) -> dict:
-    return dict(model_type=family, vocab_size=256, rope_theta=10000.0, max_position_embeddings=128, eos_token_id=0,
-                **FAMILY_CONFIGS[family], **extra)
+    return nest_text_fields(dict(model_type=family, vocab_size=256, rope_theta=10000.0, max_position_embeddings=128,
+                                 eos_token_id=0, **FAMILY_CONFIGS[family], **extra))
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -1,0 +1,33 @@
+"""A MoETransformer whose embedding is scaled (Gemma: by sqrt(hidden), rounded to the weights'
+dtype as the reference does), whose final norm scales in float32, and whose logits are
+soft-capped: cap * tanh(logits / cap). Layers bring their own rotary tables."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from moestream.layers.kv_cache import KVCache
+from moestream.layers.norm_f32 import rms_norm_f32
+from moestream.layers.transformer import MoETransformer
+
+
+class SoftcapTransformer(MoETransformer):
+    def __init__(self, *, embed_scale: float, softcap: float | None, **kwargs):
+        super().__init__(rope=None, **kwargs)
+        self.embed_scale, self.softcap = embed_scale, softcap
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        w = self.embed_weight
+        return F.embedding(ids, w) * torch.tensor(self.embed_scale, dtype=w.dtype, device=w.device)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(rms_norm_f32(x, self.final_norm, self.eps), self.lm_head).to(torch.float32)
+        if self.softcap is None:
+            return logits
+        return torch.tanh(logits / self.softcap) * self.softcap
+
+    def forward(self, ids: torch.Tensor, start: int, cache: KVCache, *, all_logits: bool = False) -> torch.Tensor:
+        x = self.embed(ids)  # [T, H]
+        for i, layer in enumerate(self.layers):
+            x = layer(x, None, None, cache, i, start)
+        return self.head(x if all_logits else x[-1:])
