@@ -1,0 +1,279 @@
+"""The README's measured numbers, rendered from the committed benchmark JSON.
+
+Every number in README.md that a file under docs/bench/ backs sits between a pair of markers,
+
+    <!-- numbers:begin NAME --> ... <!-- numbers:end -->
+
+and this script renders what belongs between them from the JSON, so the README cannot drift from
+the measurements. A block whose begin marker ends its line is a block of lines (a table, a
+paragraph), set off by blank lines; otherwise it is a phrase inside a sentence, and may not begin a
+line (markdown would show that line as raw HTML).
+
+    python scripts/readme_numbers.py           # rewrite README.md in place
+    python scripts/readme_numbers.py --check   # exit 1 naming each block that differs from the JSON
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shlex
+import sys
+import textwrap
+from pathlib import Path
+from typing import Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "docs" / "bench"
+H200 = BENCH / "h200"
+
+MARKER = re.compile(r"<!-- numbers:begin ([A-Za-z0-9_-]+) -->(.*?)<!-- numbers:end -->", re.DOTALL)
+BEGIN = re.compile(r"<!-- numbers:begin\b")
+END = "<!-- numbers:end -->"
+WIDTH = 100  # the README's line length
+
+
+class NumbersError(Exception):
+    """A problem with the README's markers or the JSON they name: one line for the user."""
+
+
+def load(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise NumbersError(f"{path.relative_to(ROOT)}: missing") from None
+    except json.JSONDecodeError as exc:
+        raise NumbersError(f"{path.relative_to(ROOT)}: not JSON ({exc.msg}, line {exc.lineno})") from None
+
+
+def run_at(data: dict, cache_size: str, path: Path) -> dict:
+    for run in data["runs"]:
+        if run["cache_size"] == cache_size:
+            return run
+    raise NumbersError(f"{path.relative_to(ROOT)}: no run at cache size {cache_size}")
+
+
+def only_run(path: Path) -> dict:
+    runs = load(path)["runs"]
+    if len(runs) != 1:
+        raise NumbersError(f"{path.relative_to(ROOT)}: expected one run, found {len(runs)}")
+    return runs[0]
+
+
+def prefill_tok_s(run: dict, tokens: int) -> float:
+    for p in run["prefill"]:
+        if p["tokens"] == tokens:
+            return p["tok_s"]
+    raise NumbersError(f"no prefill of {tokens} tokens in the {run['cache_size']} run")
+
+
+def command(data: dict) -> str:
+    """The bench command as a reader types it: `moestream ...`, without where its output went."""
+    words = shlex.split(data["machine"]["command"])
+    words[0] = "moestream"  # recorded as the script path or the console script
+    kept, skip = [], False
+    for word in words:
+        if skip:
+            skip = False
+        elif word in ("--out", "--plot"):
+            skip = True
+        else:
+            kept.append(word)
+    return " ".join(kept)
+
+
+def share(cache_size: str) -> str:
+    return cache_size.replace("%", " %")
+
+
+def tok_s(x: float) -> str:
+    return f"{x:,.1f}"
+
+
+def wrap(text: str) -> str:
+    return textwrap.fill(text, WIDTH, break_long_words=False, break_on_hyphens=False)
+
+
+# --- the blocks ---------------------------------------------------------------------------------
+
+
+def demo_cache_sweep() -> str:
+    path = BENCH / "cpu-demo-cache-sizes.json"
+    data = load(path)
+    runs = data["runs"]
+    sizes = "/".join(r["cache_size"].rstrip("%") for r in runs)
+    speeds = " / ".join(tok_s(r["decode"]["tok_s"]) for r in runs)
+    hits = " / ".join(f"{r['decode']['hit_rate']:.2f}" for r in runs)
+    return (f"Decode on the CPU at {sizes} % cache: {speeds} tok/s\n"
+            f"(decode hit rate {hits}):\n`{command(data)}`")
+
+
+def h200_q30_cache_sizes() -> str:
+    path = H200 / "qwen3-30b-a3b-decoder.json"
+    data = load(path)
+    intro = wrap(f"**Qwen3-30B-A3B shape** (random weights, 4-bit, one {data['machine']['gpu']}; "
+                 f"`moestream synth --shape qwen3-30b-a3b /tmp/q30`, then `{command(data)}`; "
+                 f"the rest of the experts in a pinned host tier):")
+    rows = ["| device cache | decode | hit rate | prefill 2048 |", "|---|---|---|---|"]
+    for run in data["runs"]:
+        rows.append(f"| {share(run['cache_size'])} | {tok_s(run['decode']['tok_s'])} tok/s "
+                    f"| {run['decode']['hit_rate']:.3f} | {prefill_tok_s(run, 2048):,.0f} tok/s |")
+    cold = only_run(H200 / "qwen3-30b-a3b-cold.json")
+    rows.append(f"| {share(cold['cache_size'])}, cold from disk | {tok_s(cold['decode']['tok_s'])} tok/s "
+                f"| {cold['decode']['hit_rate']:.3f} "
+                f"| reads at {cold['decode']['disk_gb_s_while_waiting']:.2f} GB/s while waiting (disk-bound) |")
+    return intro + "\n\n" + "\n".join(rows)
+
+
+def aba_25() -> list[dict]:
+    """The A-B-A runs at 25 % with uniform routing: lookahead off, on, off."""
+    names = ("off1", "on", "off2")
+    return [only_run(H200 / f"stream-25pct-uniform-lookahead-{n}.json") for n in names]
+
+
+def h200_uniform() -> str:
+    sizes = load(H200 / "stream-uniform-sizes.json")
+    by = {r["cache_size"]: r for r in sizes["runs"]}
+    missing = {"100%", "50%", "10%"} - by.keys()
+    if missing:
+        raise NumbersError(f"docs/bench/h200/stream-uniform-sizes.json: no run at {', '.join(sorted(missing))}")
+    aba = aba_25()
+    speeds = [r["decode"]["tok_s"] for r in aba]
+    hits = {f"{r['decode']['hit_rate']:.2f}" for r in aba}
+    budget_path = H200 / "stream-budget8-uniform.json"
+    budget_data = load(budget_path)
+    budget = only_run(budget_path)
+    words = shlex.split(budget_data["machine"]["command"])
+    limit = words[words.index("--memory-budget") + 1]
+    return (f"100 % {tok_s(by['100%']['decode']['tok_s'])} tok/s, "
+            f"50 % {tok_s(by['50%']['decode']['tok_s'])} (hit rate {by['50%']['decode']['hit_rate']:.2f}), "
+            f"25 % {min(speeds):.1f}–{max(speeds):.1f} ({'/'.join(sorted(hits))}; A-B-A runs,\n"
+            f"lookahead off / on / off), 10 % {tok_s(by['10%']['decode']['tok_s'])} "
+            f"({by['10%']['decode']['hit_rate']:.2f}); under `--memory-budget {limit}` "
+            f"({100 * budget['slots'] / budget['total_experts']:.1f} % of the experts,\n"
+            f"{budget['device_memory']['max_reserved'] / 2**30:.3f} GiB reserved) "
+            f"{tok_s(budget['decode']['tok_s'])} tok/s")
+
+
+def h200_uniform_25() -> str:
+    speeds = [r["decode"]["tok_s"] for r in aba_25()]
+    return f"{min(speeds):.0f}–{max(speeds):.0f} tok/s"
+
+
+def h200_decoder_ab() -> str:
+    after = run_at(load(H200 / "arch-after.json"), "100%", H200 / "arch-after.json")
+    before = run_at(load(H200 / "arch-before.json"), "100%", H200 / "arch-before.json")
+    return f"{tok_s(after['decode']['tok_s'])} vs {tok_s(before['decode']['tok_s'])} tok/s before it"
+
+
+def h200_vs_transformers() -> str:
+    path = H200 / "qwen3-30b-a3b-4layers-vs-transformers-decoder.json"
+    data = load(path)
+    ours, theirs = only_run(path), data["transformers"]
+    tokens = theirs["prefill_tokens"]
+    decode = ours["decode"]["tok_s"]
+    return (f"decode {decode / theirs['decode_tok_s']:.0f}× ({decode:,.0f} vs {theirs['decode_tok_s']:.1f} tok/s), "
+            f"prefill of {tokens:,} tokens {prefill_tok_s(ours, tokens) / theirs['prefill_tok_s']:.1f}×")
+
+
+def h200_4layers_25() -> str:
+    path = H200 / "qwen3-30b-a3b-4layers-100-25.json"
+    run = run_at(load(path), "25%", path)
+    return f"hit rate {run['decode']['hit_rate']:.2f}, {run['decode']['tok_s']:.0f} tok/s"
+
+
+def synth_hit_25() -> str:
+    path = H200 / "qwen3-30b-a3b-decoder.json"
+    run = run_at(load(path), "25%", path)
+    return f"a 25 % cache hits about {100 * run['decode']['hit_rate']:.0f} %"
+
+
+def crc32_cost() -> str:
+    demo = load(BENCH / "crc32.json")["results"]["demo"]
+    return (f"about {demo['crc32']['median_us']:.0f} µs per {demo['record_bytes'] / 1000:.0f} KB record, "
+            f"{demo['crc32']['gb_s']:.1f} GB/s per core, against {demo['read_o_direct']['median_us']:.0f} µs "
+            f"for its O_DIRECT read")
+
+
+BLOCKS: dict[str, Callable[[], str]] = {
+    "demo-cache-sweep": demo_cache_sweep,
+    "h200-q30-cache-sizes": h200_q30_cache_sizes,
+    "h200-uniform": h200_uniform,
+    "h200-uniform-25": h200_uniform_25,
+    "h200-decoder-ab": h200_decoder_ab,
+    "h200-vs-transformers": h200_vs_transformers,
+    "h200-4layers-25": h200_4layers_25,
+    "synth-hit-25": synth_hit_25,
+    "crc32-cost": crc32_cost,
+}
+
+
+# --- the README ---------------------------------------------------------------------------------
+
+
+def render(readme: str) -> tuple[str, list[str]]:
+    """(README with every block rendered from the JSON, names of the blocks that changed)."""
+    begins = len(BEGIN.findall(readme))
+    matches = list(MARKER.finditer(readme))
+    if begins != len(matches) or readme.count(END) != len(matches):
+        raise NumbersError(f"unbalanced numbers markers: {begins} begin, {readme.count(END)} end, {len(matches)} pairs")
+    seen = [m.group(1) for m in matches]
+    unknown = sorted(set(seen) - BLOCKS.keys())
+    if unknown:
+        raise NumbersError(f"unknown numbers block(s): {', '.join(unknown)} (known: {', '.join(BLOCKS)})")
+    twice = sorted({n for n in seen if seen.count(n) > 1})
+    if twice:
+        raise NumbersError(f"numbers block(s) more than once: {', '.join(twice)}")
+    absent = [n for n in BLOCKS if n not in seen]
+    if absent:
+        raise NumbersError(f"numbers block(s) missing from the README: {', '.join(absent)}")
+
+    changed: list[str] = []
+
+    def replace(m: re.Match) -> str:
+        name, old = m.group(1), m.group(2)
+        text = BLOCKS[name]()
+        if old.startswith("\n"):
+            # blank lines around the lines, so the markers never join a paragraph or a table
+            new = f"\n\n{text}\n\n"
+        else:
+            line_start = readme.rfind("\n", 0, m.start()) + 1
+            if not readme[line_start:m.start()].strip():
+                # markdown reads a line that begins with "<!--" as raw HTML, and would show the text raw
+                raise NumbersError(f"inline numbers block '{name}' begins a line: put a word before it")
+            new = text
+        if new != old:
+            changed.append(name)
+        return f"<!-- numbers:begin {name} -->{new}{END}"
+
+    return MARKER.sub(replace, readme), changed
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 if a block differs from the JSON; change nothing")
+    parser.add_argument("--readme", type=Path, default=ROOT / "README.md", help="the file to render (default README.md)")
+    args = parser.parse_args(argv)
+    try:
+        try:
+            readme = args.readme.read_text(encoding="utf-8")
+        except OSError as exc:
+            raise NumbersError(f"{args.readme}: cannot read ({exc.strerror})") from None
+        new, changed = render(readme)
+    except (NumbersError, KeyError, ValueError) as exc:
+        detail = f"missing key {exc}" if isinstance(exc, KeyError) else str(exc)
+        print(f"readme_numbers: {detail}", file=sys.stderr)
+        return 2
+    if args.check:
+        for name in changed:
+            print(f"{args.readme.name}: block '{name}' differs from the JSON "
+                  f"(run python scripts/readme_numbers.py)", file=sys.stderr)
+        return 1 if changed else 0
+    if changed:
+        args.readme.write_text(new, encoding="utf-8")
+        print(f"rewrote {', '.join(changed)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
