@@ -8,45 +8,13 @@ from moestream.engine.engine import Engine
 from moestream.engine.options import EngineOptions
 from moestream.errors import MoestreamError
 
+from batching_helpers import PROMPTS, SCHEDULE, STEPS, alone, together
+
 FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"]
-PROMPTS = ["def fibonacci(n):\n    if n < 2:", "The quick brown fox", "import os\nclass Thing:", "Hello world! 12"]
-STEPS = 16
-# (first step, last step + 1) each sequence takes part in: one joins late, one leaves early, and
-# the last takes the slot it left
-SCHEDULE = [(0, STEPS), (3, STEPS), (0, 10), (12, STEPS)]
 
 
 def load(packed, **opts):
     return Engine.load(packed, options=EngineOptions(device="cpu", threads=1, prefetch="none", **opts))
-
-
-def alone(engine, prompt, steps):
-    """Logits of prefill then `steps` greedy steps, one sequence (slot 0)."""
-    engine.reset()
-    logits, _ = engine.prefill(prompt)
-    out = [logits[-1]]
-    for _ in range(steps):
-        out.append(engine.step([int(out[-1].argmax())])[-1])
-    return out
-
-
-def together(engine, prompts, schedule):
-    """The same greedy decoding of every prompt, their steps taken together through step_many;
-    a sequence is prefilled when it joins and its slot closed when it leaves."""
-    slots, outs = {}, {n: [] for n in range(len(prompts))}
-    for step in range(max(end for _, end in schedule)):
-        for n, (begin, end) in enumerate(schedule):
-            if step == end:
-                engine.close_sequence(slots.pop(n))
-        for n, (begin, end) in enumerate(schedule):
-            if step == begin:
-                slots[n] = engine.open_sequence()
-                logits, _ = engine.prefill(prompts[n], seq=slots[n])
-                outs[n].append(logits[-1])
-        logits = engine.step_many({slot: [int(outs[n][-1].argmax())] for n, slot in slots.items()})
-        for n, slot in slots.items():
-            outs[n].append(logits[slot][-1])
-    return outs
 
 
 @pytest.mark.parametrize("family", FAMILIES)
