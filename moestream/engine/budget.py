@@ -34,7 +34,7 @@ class Ledger:
         return {**asdict(self), "device_total": self.device_total}
 
     def table(self, *, slots: int, slot_bytes: int, total_experts: int) -> str:
-        rows = [("resident weights", self.resident_weights), ("KV cache (max context)", self.kv_cache),
+        rows = [("resident weights", self.resident_weights), ("KV caches (max context each)", self.kv_cache),
                 ("workspace (estimate)", self.workspace),
                 (f"expert slots ({slots} of {total_experts}, {100 * slots / total_experts:.0f}%)", self.expert_slots),
                 ("read buffers", self.read_buffers), ("device total", self.device_total),
@@ -55,9 +55,10 @@ def resident_bytes(packed: PackedModel, dtype: torch.dtype) -> int:
 
 
 def plan_ledger(packed: PackedModel, args, *, dtype: torch.dtype, max_context: int, chunk: int, slots: int,
-                slot_bytes: int, host_slots: int, staging: int, cuda: bool = False) -> Ledger:
+                slot_bytes: int, host_slots: int, staging: int, cuda: bool = False, sequences: int = 1) -> Ledger:
+    """sequences: KV caches allocated (one per sequence slot, each for the whole context)."""
     item = torch.finfo(dtype).bits // 8
-    kv = KVCache.bytes_for_layout(args.kv_layout(), max_context, dtype)
+    kv = sequences * KVCache.bytes_for_layout(args.kv_layout(), max_context, dtype)
     workspace = prefill_workspace(args, tokens=min(chunk, max_context), context=max_context, item=item)
     if cuda:
         workspace = max(workspace, decode_workspace(args, context=max_context))

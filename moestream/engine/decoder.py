@@ -49,6 +49,10 @@ class _Routed:
     shared: list = field(default_factory=list)  # [1, H] the shared expert's output (or None)
     guesses: list = field(default_factory=list)  # [1, depth * A'] later MoE layers' router top-k (lookahead)
     guesses_host: torch.Tensor | None = None
+    # per row t, the sequence slot whose attention graph owns the tensors above (segment graphs
+    # only): another slot's graph for row t copies its outputs into them, so one experts graph
+    # serves rows of any slot
+    owner: list = field(default_factory=list)
 
     def rows(self, name: str, T: int) -> torch.Tensor | None:
         parts = getattr(self, name)[:T]
@@ -58,10 +62,13 @@ class _Routed:
 
 
 class Decoder:
-    def __init__(self, model, cache: KVCache, experts: RoutedExperts, *, graphs: bool = True, lookahead=None):
-        """lookahead: a moestream.experts.predict.Lookahead, or None: streamed one-token steps then
+    def __init__(self, model, cache: KVCache | list[KVCache], experts: RoutedExperts, *, graphs: bool = True,
+                 lookahead=None):
+        """cache: one KV cache, or one per sequence slot (a step's rows may come from several).
+        lookahead: a moestream.experts.predict.Lookahead, or None: streamed one-token steps then
         guess the next MoE layers' experts on the device and start their copies early."""
-        self.model, self.cache, self.experts, self.lookahead = model, cache, experts, lookahead
+        self.caches = list(cache) if isinstance(cache, (list, tuple)) else [cache]
+        self.model, self.cache, self.experts, self.lookahead = model, self.caches[0], experts, lookahead
         dev, dtype = model.device, model.dtype
         self.cuda = dev.type == "cuda"
         self.use_graphs = graphs and self.cuda
@@ -70,6 +77,7 @@ class Decoder:
         self.pos = torch.zeros(T, dtype=torch.long, device=dev)
         self.x = torch.zeros((T, model.hidden_size), dtype=dtype, device=dev)  # the residual stream
         self.logits = torch.zeros((T, model.vocab_size), dtype=torch.float32, device=dev)
+        self.row_slots = [0] * T  # the sequence slot (KV cache) of each row of the current step
         moe = [i for i, layer in enumerate(model.layers) if isinstance(layer.ffn, MoEBlock)]
         depth = lookahead.depth if lookahead is not None else 0
         self.ahead = {i: moe[n + 1:n + 1 + depth] for n, i in enumerate(moe)}  # layer -> the next MoE layers
@@ -88,7 +96,7 @@ class Decoder:
                 if isinstance(layer.ffn, MoEBlock):
                     ids_host = torch.zeros(MAX_STEP_TOKENS * layer.ffn.top_k, dtype=torch.long)
                     routed[i] = _Routed(ids_host.pin_memory() if self.cuda else ids_host)
-                    for name in ("weights", "ids", "h", "hn", "shared", "guesses"):
+                    for name in ("weights", "ids", "h", "hn", "shared", "guesses", "owner"):
                         setattr(routed[i], name, [None] * MAX_STEP_TOKENS)
                     ahead = sum(self.model.layers[j].ffn.top_k for j in self.ahead[i])
                     if ahead:
@@ -105,18 +113,27 @@ class Decoder:
         self.x[:T].copy_(self.model.embed(self.tokens[:T]))
 
     def _attention(self, i: int, t: int) -> None:
-        layer, x = self.model.layers[i], self.x[t:t + 1]
-        h, hn = layer.attention_step(x, self.pos[t:t + 1], self.cache, i)
+        layer, x, slot = self.model.layers[i], self.x[t:t + 1], self.row_slots[t]
+        h, hn = layer.attention_step(x, self.pos[t:t + 1], self.caches[slot], i)
         r = self.routed.get(i)
         if r is None:  # a dense FFN layer: finish it here
             x.copy_(layer.ffn(hn, residual=h))
             return
         block = layer.ffn
-        r.weights[t], r.ids[t] = block.route(hn)
-        r.h[t], r.hn[t], r.shared[t] = h, hn, block.shared_out(hn)
+        weights, ids = block.route(hn)
+        guesses = None
         if self.ahead.get(i) and not self.resident:  # the later layers' routers on this input (top-k of logits)
             nxt = [self.model.layers[j].ffn for j in self.ahead[i]]
-            r.guesses[t] = torch.cat([torch.topk(F.linear(hn, b.router), b.top_k, dim=-1).indices for b in nxt], dim=-1)
+            guesses = torch.cat([torch.topk(F.linear(hn, b.router), b.top_k, dim=-1).indices for b in nxt], dim=-1)
+        outs = {"weights": weights, "ids": ids, "h": h, "hn": hn, "shared": block.shared_out(hn), "guesses": guesses}
+        owner = r.owner[t]
+        if owner is None or owner == slot:
+            for name, value in outs.items():
+                getattr(r, name)[t] = value
+        else:  # row t's tensors belong to another slot's graph, which the experts graph reads
+            for name, value in outs.items():
+                if value is not None:
+                    getattr(r, name)[t].copy_(value)
 
     def _experts(self, i: int, T: int) -> None:
         r, block = self.routed[i], self.model.layers[i].ffn
@@ -167,27 +184,43 @@ class Decoder:
         with timeline.segment(key):
             graph.replay()
 
-    def step(self, tokens: list[int], start: int) -> torch.Tensor:
+    def step(self, tokens: list[int], start: int, *, slot: int = 0) -> torch.Tensor:
         """Logits [T, V] (float32, a static buffer: copy before the next step) of `tokens` at
-        positions start.., T <= MAX_STEP_TOKENS. The caller records the tokens in the KV cache."""
+        positions start.. of sequence `slot`, T <= MAX_STEP_TOKENS. The caller records the tokens
+        in the KV cache."""
+        return self.step_rows(tokens, [start + t for t in range(len(tokens))], [slot] * len(tokens))
+
+    def step_rows(self, tokens: list[int], positions: list[int], slots: list[int]) -> torch.Tensor:
+        """Logits [T, V] as `step`, row t being token tokens[t] at positions[t] of sequence slots[t]
+        (a sequence's rows in order of position). The layers' experts run once for all rows; a
+        row's bits are those it gets in a step of its own."""
         T = len(tokens)
         if not 1 <= T <= MAX_STEP_TOKENS:
             raise ValueError(f"a step takes 1..{MAX_STEP_TOKENS} tokens, not {T}")
         for t, token in enumerate(tokens):  # fills from host values: no sync
             self.tokens[t].fill_(token)
-            self.pos[t].fill_(start + t)
-        if self.resident and self.use_graphs and all(self._capturable(i) for i in self.routed):
-            self.routed = self._mode(("step", T))
-            self._replay(("step", T), lambda: self._whole(T))
+            self.pos[t].fill_(positions[t])
+            self.row_slots[t] = slots[t]
+        first = slots[0]
+        # the resident whole-step graph binds one sequence's cache; a step of several runs in segments
+        if self.resident and self.use_graphs and all(s == first for s in slots) and \
+                all(self._capturable(i) for i in self.routed):
+            key = ("step", T) if first == 0 else ("step", T, first)
+            self.routed = self._mode(key)
+            self._replay(key, lambda: self._whole(T))
             for i, r in self.routed.items():
                 self.experts.count_resident(self.model.layers[i].ffn.layer, r.rows("ids", T))
             return self.logits[:T]
         self.routed = self._mode("segments")
         self._replay(("start", T), lambda: self._start(T))
         for i in range(len(self.model.layers)):
+            r = self.routed.get(i)
             for t in range(T):
-                self._replay(("attention", i, t), lambda i=i, t=t: self._attention(i, t))
-            if i in self.routed:
+                slot = slots[t]
+                self._replay(("attention", i, t, slot), lambda i=i, t=t: self._attention(i, t))
+                if r is not None and self.use_graphs and r.owner[t] is None:
+                    r.owner[t] = slot
+            if r is not None:
                 self._run_experts(i, T)
         for t in range(T):
             self._replay(("head", t), lambda t=t: self._head(t))

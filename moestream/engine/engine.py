@@ -1,8 +1,10 @@
 """The engine: a packed model, its expert provider, a KV cache and the generation loop.
 
-One Engine serves one sequence at a time. It keeps the last sequence's KV cache and reuses the
-longest common token prefix of the next prompt, so a chat that re-sends its history prefills only
-the new part."""
+An Engine has `max_sequences` sequence slots, each with its own KV cache; slot 0 is the default
+sequence that prefill/step/rollback work on. Several slots decode together through `step_many`:
+the experts one step routes to are loaded once for all of them, and each sequence gets the bits it
+gets alone. A slot keeps its KV cache and reuses the longest common token prefix of the next
+prompt, so a chat that re-sends its history prefills only the new part."""
 from __future__ import annotations
 
 import logging
@@ -73,7 +75,8 @@ class Engine:
     """A packed model ready to run: prefill a prompt, step T tokens, roll the KV cache back.
 
     `generate` is a small loop over these; speculative decoding and batching build on the same
-    pieces. One sequence at a time: the KV cache holds it (and is the record of its tokens)."""
+    pieces. Each sequence slot's KV cache holds its sequence (and is the record of its tokens);
+    `cache` is slot 0's."""
 
     def __init__(self, packed: PackedModel, options: EngineOptions, *, default_cache_size: str = "auto"):
         from moestream.engine.decoder import Decoder
@@ -111,8 +114,11 @@ class Engine:
             self.provider.close()
             raise
         self.model_name = packed.directory.name if packed.directory != DEMO_MODEL else "moestream-demo"
-        self.cache = KVCache.for_layout(self.args.kv_layout(), self.max_context, dtype=self.dtype, device=self.device)
-        self.decoder = Decoder(self.model, self.cache, self.experts, graphs=options.cuda_graphs, lookahead=lookahead)
+        # every slot's cache exists from the start: CUDA graphs bind to it, and the ledger counts it
+        self.caches = [KVCache.for_layout(self.args.kv_layout(), self.max_context, dtype=self.dtype, device=self.device)
+                       for _ in range(options.max_sequences)]
+        self._open = {0}  # slot 0, the default sequence, is open from the start
+        self.decoder = Decoder(self.model, self.caches, self.experts, graphs=options.cuda_graphs, lookahead=lookahead)
         self._resident_checked = False
         self._position = 0  # first position of the chunk being run (for routing traces)
         self.trace = None
@@ -127,6 +133,11 @@ class Engine:
                                     "num_experts": self.args.num_experts, "top_k": self.args.num_experts_per_tok,
                                     "moe_layers": moe_layers, "num_layers": self.args.num_hidden_layers})
         self.experts.on_route = lambda layer, ids: self.trace.record(layer, self._position, ids.cpu().numpy())
+
+    @property
+    def cache(self) -> KVCache:
+        """Slot 0's KV cache (the default sequence)."""
+        return self.caches[0]
 
     def save_trace(self) -> None:
         if self.trace is not None:
@@ -158,18 +169,51 @@ class Engine:
             log.info("all %d experts resident on %s (%.1f s)", self.provider.total_experts, self.device,
                      time.perf_counter() - t0)
 
-    def _check_room(self, n: int) -> None:
-        if self.cache.length + n > self.max_context:
-            raise PromptTooLongError(f"{self.cache.length + n} tokens exceed the context of {self.max_context}")
+    def _check_room(self, n: int, cache: KVCache | None = None) -> None:
+        cache = self.cache if cache is None else cache
+        if cache.length + n > self.max_context:
+            raise PromptTooLongError(f"{cache.length + n} tokens exceed the context of {self.max_context}")
 
-    def prefill(self, prompt_ids: list[int], *, should_stop: Callable[[], bool] | None = None,
+    # -- sequence slots ------------------------------------------------------------------------
+    def _slot(self, seq: int) -> KVCache:
+        """The KV cache of open slot `seq`, or a clear error."""
+        if not isinstance(seq, int) or not 0 <= seq < len(self.caches):
+            raise ValueError(f"sequence slot {seq!r} does not exist (slots 0..{len(self.caches) - 1})")
+        if seq not in self._open:
+            raise ValueError(f"sequence slot {seq} is not open (open_sequence() opens one)")
+        return self.caches[seq]
+
+    @property
+    def open_sequences(self) -> list[int]:
+        return sorted(self._open)
+
+    def open_sequence(self, prefix: list[int] | None = None) -> int:
+        """Open a free slot and return its id. With `prefix` (the prompt to come), the free slot
+        whose cache shares the longest start with it, that start kept (prefill reuses it); else
+        the lowest free slot, emptied."""
+        free = [s for s in range(len(self.caches)) if s not in self._open]
+        if not free:
+            raise MoestreamError(f"all {len(self.caches)} sequence slots are open (max_sequences)")
+        shared = {s: common_prefix(self.caches[s].tokens, prefix) if prefix else 0 for s in free}
+        slot = max(free, key=lambda s: (shared[s], -s))
+        self.caches[slot].truncate(shared[slot])
+        self._open.add(slot)
+        return slot
+
+    def close_sequence(self, seq: int) -> None:
+        """Free slot `seq` for open_sequence (its cached tokens stay, for a later prompt's prefix)."""
+        self._slot(seq)
+        self._open.discard(seq)
+
+    def prefill(self, prompt_ids: list[int], *, seq: int = 0, should_stop: Callable[[], bool] | None = None,
                 all_logits: bool = False) -> tuple[torch.Tensor | None, int]:
-        """Bring the KV cache to `prompt_ids`, reusing the cached prefix, in chunks of
+        """Bring sequence `seq`'s KV cache to `prompt_ids`, reusing the cached prefix, in chunks of
         `prefill_chunk_tokens`; returns (logits [T, V] of the computed positions with all_logits, else
         of the last one [1, V]; tokens reused). (None, reused) if should_stop interrupted it."""
-        reuse = 0 if all_logits else min(common_prefix(self.cache.tokens, prompt_ids), len(prompt_ids) - 1)
-        self.cache.truncate(reuse)
-        self._check_room(len(prompt_ids) - reuse)
+        cache = self._slot(seq)
+        reuse = 0 if all_logits else min(common_prefix(cache.tokens, prompt_ids), len(prompt_ids) - 1)
+        cache.truncate(reuse)
+        self._check_room(len(prompt_ids) - reuse, cache)
         chunk = max(1, self.plan.prefill_chunk)
         outputs = []
         with torch.inference_mode():
@@ -181,8 +225,8 @@ class Engine:
                 self._position = start
                 ids = torch.tensor(piece, dtype=torch.long, device=self.device)
                 with timeline.span("prefill_chunk", position=start, tokens=len(piece)):
-                    outputs.append(self.model.forward(ids, start, self.cache, all_logits=all_logits))
-                self.cache.append(piece)
+                    outputs.append(self.model.forward(ids, start, cache, all_logits=all_logits))
+                cache.append(piece)
         self.release_workspace()
         return (torch.cat(outputs) if all_logits else outputs[-1]), reuse
 
@@ -194,35 +238,70 @@ class Engine:
             if cached > WORKSPACE_SLACK:
                 torch.cuda.empty_cache()
 
-    def step(self, tokens: list[int]) -> torch.Tensor:
-        """Run `tokens` at the next positions of the cached sequence; logits [T, V] (float32), row t
+    def step(self, tokens: list[int], *, seq: int = 0) -> torch.Tensor:
+        """Run `tokens` at the next positions of sequence `seq`; logits [T, V] (float32), row t
         predicting the token after tokens[t]. A token's logits are the same bits whatever T is:
         step([a, b]) gives what step([a]) then step([b]) give (speculative verification needs it)."""
         from moestream.engine.decoder import MAX_STEP_TOKENS
 
+        cache = self._slot(seq)
         if not tokens:
             raise ValueError("step needs at least one token")
-        self._check_room(len(tokens))
+        self._check_room(len(tokens), cache)
         rows = []
         with torch.inference_mode():
             self._make_resident()
             for i in range(0, len(tokens), MAX_STEP_TOKENS):
                 piece = tokens[i:i + MAX_STEP_TOKENS]
-                self._position = self.cache.length
-                with timeline.span("step", position=self.cache.length, tokens=len(piece)):
-                    rows.append(self.decoder.step(piece, self.cache.length).clone())
-                self.cache.append(piece)
+                self._position = cache.length
+                with timeline.span("step", position=cache.length, tokens=len(piece)):
+                    rows.append(self.decoder.step(piece, cache.length, slot=seq).clone())
+                cache.append(piece)
         return rows[0] if len(rows) == 1 else torch.cat(rows)
 
-    def rollback(self, length: int) -> None:
-        """Forget the cached tokens from position `length` on (rejected draft tokens, a new prompt)."""
-        if not 0 <= length <= self.cache.length:
-            raise ValueError(f"cannot roll back to {length}: the cache holds {self.cache.length} tokens")
-        self.cache.truncate(length)
+    def step_many(self, batch: dict[int, list[int]]) -> dict[int, torch.Tensor]:
+        """`step` for several sequences at once: {slot: tokens} -> {slot: logits [T_s, V]}. Their
+        rows share decoder steps, so each MoE layer loads the union of the experts they route to
+        once; each sequence's logits are the bits `step` gives it alone."""
+        from moestream.engine.decoder import MAX_STEP_TOKENS
 
-    def reset(self) -> None:
-        """Forget the cached sequence (the next prompt is prefilled whole)."""
-        self.cache.truncate(0)
+        if not batch:
+            raise ValueError("step_many needs at least one sequence")
+        for seq, tokens in batch.items():
+            if not tokens:
+                raise ValueError(f"sequence slot {seq}: step needs at least one token")
+            self._check_room(len(tokens), self._slot(seq))
+        rows = [(seq, token) for seq in sorted(batch) for token in batch[seq]]
+        out: dict[int, list[torch.Tensor]] = {seq: [] for seq in batch}
+        with torch.inference_mode():
+            self._make_resident()
+            for i in range(0, len(rows), MAX_STEP_TOKENS):
+                piece = rows[i:i + MAX_STEP_TOKENS]
+                slots, tokens = [s for s, _ in piece], [t for _, t in piece]
+                positions, seen = [], {}
+                for s in slots:  # a sequence's rows take its next positions in order
+                    positions.append(self.caches[s].length + seen.get(s, 0))
+                    seen[s] = seen.get(s, 0) + 1
+                self._position = positions if len(seen) > 1 else positions[0]
+                logits = self.decoder.step_rows(tokens, positions, slots)
+                at = 0
+                for s, n in seen.items():  # rows are grouped by slot
+                    out[s].append(logits[at:at + n].clone())
+                    self.caches[s].append(tokens[at:at + n])
+                    at += n
+        return {seq: parts[0] if len(parts) == 1 else torch.cat(parts) for seq, parts in out.items()}
+
+    def rollback(self, length: int, *, seq: int = 0) -> None:
+        """Forget sequence `seq`'s cached tokens from position `length` on (rejected draft tokens,
+        a new prompt)."""
+        cache = self._slot(seq)
+        if not 0 <= length <= cache.length:
+            raise ValueError(f"cannot roll back to {length}: the cache holds {cache.length} tokens")
+        cache.truncate(length)
+
+    def reset(self, *, seq: int = 0) -> None:
+        """Forget sequence `seq`'s cached tokens (the next prompt is prefilled whole)."""
+        self._slot(seq).truncate(0)
 
     def check_prompt(self, prompt_ids: list[int]) -> None:
         if not prompt_ids:

@@ -32,6 +32,7 @@ class EngineOptions:
     verify: bool = True  # crc32 of every expert record read, sha256 of the resident files at load
     verify_cache_dir: str | None = None  # where resident files' digests are remembered; None: ~/.cache/moestream
     trace_routing: str | None = None
+    max_sequences: int = 1  # sequence slots decoding together (Engine.step_many), each with its own KV cache
     expert_kernels: str = "auto"  # auto: Triton where the record layout allows on CUDA; torch; triton (error if not)
 
     @classmethod

@@ -91,6 +91,8 @@ def plan_run(packed: PackedModel, options: EngineOptions, *, default_cache_size:
     max_context = options.max_context or min(args.max_position_embeddings, default_context)
     if max_context < 2:
         raise MoestreamError(f"--max-context must be at least 2, got {max_context}")
+    if options.max_sequences < 1:
+        raise MoestreamError(f"max_sequences must be at least 1, got {options.max_sequences}")
     layers = packed.manifest.expert_layers
     if not layers:
         raise MoestreamError(f"{packed.directory}: the model has no routed experts")
@@ -112,7 +114,7 @@ def plan_run(packed: PackedModel, options: EngineOptions, *, default_cache_size:
     def ledger(slots: int) -> Ledger:
         return plan_ledger(packed, args, dtype=dtype, max_context=max_context, chunk=chunk,
                            slots=slots, slot_bytes=slot_bytes, host_slots=host_slots, staging=staging,
-                           cuda=device.type == "cuda")
+                           cuda=device.type == "cuda", sequences=options.max_sequences)
 
     size = options.cache_size if options.cache_size != "auto" else default_cache_size
     if options.memory_budget:

@@ -144,11 +144,11 @@ class Timeline:
 
 
 def segment_name(key: tuple) -> tuple[str, dict]:
-    """("attention", 3, 0) -> ("attention", {"layer": 3, "token": 0}); ("experts", 3, T) ->
-    ("experts", {"layer": 3, "tokens": T}); ("head", t); ("start", T); ("step", T)."""
+    """("attention", 3, 0, slot) -> ("attention", {"layer": 3, "token": 0, "sequence": slot});
+    ("experts", 3, T) -> ("experts", {"layer": 3, "tokens": T}); ("head", t); ("start", T); ("step", T[, slot])."""
     kind, rest = str(key[0]), key[1:]
-    if kind == "attention" and len(rest) == 2:
-        return kind, {"layer": rest[0], "token": rest[1]}
+    if kind == "attention" and len(rest) >= 2:
+        return kind, {"layer": rest[0], "token": rest[1], **({"sequence": rest[2]} if len(rest) > 2 else {})}
     if kind == "experts" and len(rest) == 2:
         return kind, {"layer": rest[0], "tokens": rest[1]}
     if kind == "head" and rest:

@@ -46,10 +46,15 @@ class TraceRecorder:
         self.meta = meta
         self._layers, self._positions, self._experts = [], [], []
 
-    def record(self, layer: int, start: int, ids) -> None:
+    def record(self, layer: int, start, ids) -> None:
+        """ids [T, A] at positions start.. (an int), or at the given positions (a list: rows of a
+        step of several sequences)."""
         ids = np.asarray(ids, dtype=np.int16)  # [T, A]
         self._layers.append(np.full(ids.shape[0], layer, dtype=np.int16))
-        self._positions.append(np.arange(start, start + ids.shape[0], dtype=np.int32))
+        if isinstance(start, int):
+            self._positions.append(np.arange(start, start + ids.shape[0], dtype=np.int32))
+        else:
+            self._positions.append(np.asarray(start, dtype=np.int32))
         self._experts.append(ids)
 
     def to_trace(self) -> RoutingTrace:

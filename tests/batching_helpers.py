@@ -1,0 +1,35 @@
+"""Decoding several prompts alone and together (step_many), for the CPU and GPU batching tests."""
+PROMPTS = ["def fibonacci(n):\n    if n < 2:", "The quick brown fox", "import os\nclass Thing:", "Hello world! 12"]
+STEPS = 16
+# (first step, last step + 1) each sequence takes part in: one joins late, one leaves early, and
+# the last takes the slot it left
+SCHEDULE = [(0, STEPS), (3, STEPS), (0, 10), (12, STEPS)]
+
+
+def alone(engine, prompt, steps):
+    """Logits of prefill then `steps` greedy steps, one sequence (slot 0)."""
+    engine.reset()
+    logits, _ = engine.prefill(prompt)
+    out = [logits[-1]]
+    for _ in range(steps):
+        out.append(engine.step([int(out[-1].argmax())])[-1])
+    return out
+
+
+def together(engine, prompts, schedule):
+    """The same greedy decoding of every prompt, their steps taken together through step_many;
+    a sequence is prefilled when it joins and its slot closed when it leaves."""
+    slots, outs = {}, {n: [] for n in range(len(prompts))}
+    for step in range(max(end for _, end in schedule)):
+        for n, (begin, end) in enumerate(schedule):
+            if step == end:
+                engine.close_sequence(slots.pop(n))
+        for n, (begin, end) in enumerate(schedule):
+            if step == begin:
+                slots[n] = engine.open_sequence()
+                logits, _ = engine.prefill(prompts[n], seq=slots[n])
+                outs[n].append(logits[-1])
+        logits = engine.step_many({slot: [int(outs[n][-1].argmax())] for n, slot in slots.items()})
+        for n, slot in slots.items():
+            outs[n].append(logits[slot][-1])
+    return outs

@@ -1,0 +1,61 @@
+"""Sequence slots on CUDA: sequences decoded together through step_many get exactly the bits each
+gets alone, for every family, streamed (segment graphs: a row of another slot copies into the
+experts graph's inputs) and resident (a whole-step graph per slot; steps of several sequences run
+in segments), with graphs on and off."""
+import pytest
+import torch
+
+from moestream.engine.engine import Engine
+from moestream.engine.options import EngineOptions
+
+from batching_helpers import PROMPTS, SCHEDULE, alone, together
+
+pytestmark = pytest.mark.gpu
+FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"]
+
+
+def load(packed, **opts):
+    return Engine.load(packed, options=EngineOptions(**{"device": "cuda", "dtype": "bfloat16", "max_context": 256,
+                                                        **opts}))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("cache_size,graphs", [("50%", True), ("all", True), ("50%", False)])
+def test_sequences_decoded_together_get_the_bits_each_gets_alone(family, cache_size, graphs, tiny_packed_model):
+    packed = tiny_packed_model(family, "q4", dtype="bfloat16")  # the Triton layout
+    single = load(packed, cache_size=cache_size, cuda_graphs=graphs)
+    prompts = [single.tokenizer.encode(p) for p in PROMPTS]
+    expected = [alone(single, p, end - begin) for p, (begin, end) in zip(prompts, SCHEDULE)]
+    single.close()
+
+    engine = load(packed, cache_size=cache_size, cuda_graphs=graphs, max_sequences=3)
+    engine.close_sequence(0)
+    got = together(engine, prompts, SCHEDULE)
+    for n in range(len(prompts)):
+        assert len(got[n]) == len(expected[n])
+        for step, (a, b) in enumerate(zip(got[n], expected[n])):
+            assert torch.equal(a, b), f"sequence {n} differs at step {step}"
+    if graphs:  # rows of other slots ran their own attention graphs (bound to their caches)
+        assert any(k[0] == "attention" and k[3] != 0 for k in engine.decoder.graphs)
+        if cache_size == "all":
+            assert engine.decoder.resident and ("step", 1) in engine.decoder.graphs
+    engine.close()
+
+
+def test_rollback_of_one_sequence_leaves_the_others_alone(tiny_packed_model):
+    packed = tiny_packed_model("qwen3_moe", "q4", dtype="bfloat16")
+    engine = load(packed, cache_size="50%", max_sequences=2)
+    a, b = engine.tokenizer.encode(PROMPTS[0]), engine.tokenizer.encode(PROMPTS[1])
+    other = engine.open_sequence()
+    engine.prefill(a)
+    engine.prefill(b, seq=other)
+    first = engine.step_many({0: [11, 12, 13], other: [21, 22]})
+    engine.rollback(len(a) + 1)
+    second = engine.step_many({0: [12, 99], other: [23]})
+    assert torch.equal(second[0][0], first[0][1])
+    engine.close()
+
+    ref = load(packed, cache_size="50%")
+    ref.prefill(b)
+    assert torch.equal(torch.cat([first[other], second[other]]), ref.step([21, 22, 23]))
+    ref.close()
