@@ -33,6 +33,10 @@ class EngineOptions:
     verify_cache_dir: str | None = None  # where resident files' digests are remembered; None: ~/.cache/moestream
     trace_routing: str | None = None
     expert_kernels: str = "auto"  # auto: Triton where the record layout allows on CUDA; torch; triton (error if not)
+    # expert parallelism: a moestream.layers.expert_parallel.ExpertGroup (the CLI initializes the
+    # process group); each rank holds and computes its share of the experts. None: one process
+    expert_parallel: object = None
+    expert_placement: str | None = None  # a routing trace (.npz): experts balanced over ranks by its counts
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, environ: dict | None = None) -> "EngineOptions":
