@@ -108,12 +108,12 @@ class ExpertPlacement:
             trace = RoutingTrace.load(path)
         except (OSError, ValueError, KeyError) as exc:
             raise MoestreamError(f"expert placement: cannot read the routing trace {path}: {exc}") from None
+        if len(trace) == 0:
+            raise MoestreamError(f"expert placement: the routing trace {path} is empty")
         owners = {}
         for layer, e in num_experts.items():
-            chosen = trace.experts[trace.layer == layer].ravel()
-            if chosen.size == 0:
-                raise MoestreamError(f"expert placement: the routing trace {path} has no rows for MoE layer {layer}")
-            if int(chosen.min()) < 0 or int(chosen.max()) >= e:
+            chosen = trace.experts[trace.layer == layer].ravel()  # a layer the trace lacks: all counts 0
+            if chosen.size and (int(chosen.min()) < 0 or int(chosen.max()) >= e):
                 raise MoestreamError(f"expert placement: the routing trace {path} names expert {int(chosen.max())} "
                                      f"of layer {layer}, which has {e} experts (a trace of another model?)")
             owners[layer] = owners_balanced(np.bincount(chosen, minlength=e).tolist(), world_size)
