@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 
 from moestream.cli_args import (Parser, at_least, check_output_paths, non_negative_float, probability_mass,
@@ -112,6 +113,8 @@ def check_args(parser: argparse.ArgumentParser, args) -> None:
         parser.error("argument --speculative/--hot-head: not with expert parallelism (--devices, torchrun)")
     if args.expert_placement is not None and not parallel:
         parser.error("argument --expert-placement: only with expert parallelism (--devices with 2 or more, torchrun)")
+    if args.expert_placement is not None and not os.path.isfile(args.expert_placement):
+        parser.error(f"argument --expert-placement: no routing trace at {args.expert_placement}")
     if args.hot_head:
         from moestream.engine.hot_head import usable
 
