@@ -4,11 +4,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 
 from moestream.cli_args import (Parser, at_least, check_output_paths, non_negative_float, probability_mass,
                                 unit_interval)
 from moestream.engine.detok import IncrementalDecoder
+from moestream.engine.launch import add_parallel_arguments, init_group, leave_group, spawn_ranks, torchrun_rank
 from moestream.engine.options import EngineOptions, add_engine_arguments
 from moestream.engine.types import SamplingParams
 from moestream.errors import MoestreamError
@@ -37,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plan", action="store_true", help="print the memory ledger and slot plan, then exit")
     add_speculative_arguments(p)
     add_engine_arguments(p)
+    add_parallel_arguments(p)
     return p
 
 
@@ -102,6 +105,20 @@ def check_args(parser: argparse.ArgumentParser, args) -> None:
         parser.error(f"argument --repetition-penalty: must be a positive finite number, not {args.repetition_penalty}")
     check_output_paths(parser, args, {"receipt": "--receipt", "trace_routing": "--trace-routing",
                                       "timeline": "--timeline"})
+    if args.devices is not None and args.device != "auto":
+        parser.error("argument --devices: not with --device (--devices lists every rank's device)")
+    try:
+        ranked = torchrun_rank()
+    except MoestreamError as exc:
+        parser.error(str(exc))
+    parallel = (args.devices is not None and len(args.devices) > 1) or ranked is not None
+    if parallel and (args.hot_head or args.speculative[0] != "off"):
+        # every rank must run the same steps; the adaptive drafter times steps, so ranks could differ
+        parser.error("argument --speculative/--hot-head: not with expert parallelism (--devices, torchrun)")
+    if args.expert_placement is not None and not parallel:
+        parser.error("argument --expert-placement: only with expert parallelism (--devices with 2 or more, torchrun)")
+    if args.expert_placement is not None and not os.path.isfile(args.expert_placement):
+        parser.error(f"argument --expert-placement: no routing trace at {args.expert_placement}")
     if args.hot_head:
         from moestream.engine.hot_head import usable
 
@@ -133,10 +150,13 @@ def speculative_stats(receipt: dict) -> str:
             f"accepted {spec['accepted']} ({rate}), {per} tok/step")
 
 
-def run(args) -> int:
+def run(args, group=None) -> int:
+    """One process's run; `group`: this rank's ExpertGroup under expert parallelism (only rank 0 prints)."""
+    from dataclasses import replace
+
     from moestream.engine.plan import load_engine
 
-    options = EngineOptions.from_args(args)
+    options = replace(EngineOptions.from_args(args), expert_parallel=group)
     if args.plan:
         from moestream.engine.engine import DEMO_CACHE_SIZE, DEMO_MODEL
         from moestream.engine.plan import plan_run
@@ -153,16 +173,17 @@ def run(args) -> int:
         from moestream.engine import timeline
 
         with timeline.recording(args.timeline, device=engine.device):
-            return generate(args, engine, speculative)
+            return generate(args, engine, speculative, quiet=group is not None and group.rank != 0)
     finally:
         if speculative is not None and speculative.drafter is not None:
             speculative.drafter.close()
         engine.close()
 
 
-def generate(args, engine, speculative=None) -> int:
+def generate(args, engine, speculative=None, *, quiet: bool = False) -> int:
     """Generated text (or the JSON object) on stdout, the stats line on stderr. The prompt is echoed
-    only once the prefill has succeeded, so a run that fails there prints nothing on stdout."""
+    only once the prefill has succeeded, so a run that fails there prints nothing on stdout.
+    quiet: run without printing or writing anything (expert-parallel ranks other than 0)."""
     from moestream.engine.tokenizer import NoTokenizer
 
     ids = prompt_ids(args, engine.tokenizer)
@@ -181,10 +202,12 @@ def generate(args, engine, speculative=None) -> int:
         if first and not args.json:
             text = echo + text
         first = False
-        if text and not args.json:
+        if text and not args.json and not quiet:
             sys.stdout.write(text)
             sys.stdout.flush()
     result = gen.result
+    if quiet:
+        return 0
     tail = "" if as_ids else decoder.flush()
     if not args.json:
         sys.stdout.write((echo if first else "") + tail + "\n")
@@ -196,7 +219,46 @@ def generate(args, engine, speculative=None) -> int:
         print(json.dumps({"token_ids": result.token_ids, "text": engine.tokenizer.decode(result.token_ids),
                           "logprobs": logprobs, "finish_reason": result.finish_reason, "receipt": receipt}))
     print(stats_line(receipt), file=sys.stderr)
+    if receipt.get("parallel"):
+        print(parallel_line(receipt["parallel"]), file=sys.stderr)
     return 0
+
+
+def parallel_line(parallel: dict) -> str:
+    ranks = " | ".join(f"rank {r['rank']}: {r['experts_owned']} experts, hit rate {r['hit_rate']:.3f}, read "
+                       f"{(r['bytes_read_disk'] + r['bytes_read_host']) / 1e6:.1f} MB, exchanges "
+                       f"{r['collective_s']:.3f} s" for r in parallel["ranks"])
+    return f"[moestream] expert parallel over {parallel['world_size']} ranks ({parallel['placement']}) | {ranks}"
+
+
+def _rank_main(rank: int, devices: list[str], init_method: str, args) -> None:
+    """One spawned rank of `--devices`: join the group, run, exit non-zero on failure."""
+    code = _run_rank(args, rank=rank, world_size=len(devices), device=devices[rank], init_method=init_method)
+    if code:
+        sys.exit(code)
+
+
+def _run_rank(args, *, rank: int, world_size: int, device: str, init_method: str) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    args.device = device
+    try:
+        group = init_group(rank, world_size, device=device, init_method=init_method, timeout_s=args.dist_timeout)
+        try:
+            return run(args, group)
+        finally:
+            leave_group()
+    except MoestreamError as exc:
+        where = "" if str(exc).startswith(f"rank {rank}") else f"rank {rank}: "
+        print(f"moestream generate: error: {where}{exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+def torch_cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -204,6 +266,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     check_args(parser, args)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    ranked = torchrun_rank()  # checked by check_args
+    if ranked is not None and not args.plan:  # started by torchrun: one rank of its group
+        rank, world, local = ranked
+        device = args.devices[local] if args.devices else args.device
+        if device in ("auto", "cuda"):
+            device = f"cuda:{local}" if torch_cuda_available() else "cpu"
+        return _run_rank(args, rank=rank, world_size=world, device=device, init_method="env://")
+    if args.devices is not None and len(args.devices) > 1 and not args.plan:
+        return spawn_ranks(args.devices, _rank_main, args)
+    if args.devices is not None:
+        args.device = args.devices[0]
     try:
         return run(args)
     except MoestreamError as exc:

@@ -91,16 +91,25 @@ class Engine:
         self.device, self.dtype, self.max_context = self.plan.device, self.plan.dtype, self.plan.max_context
         if options.threads > 0:
             torch.set_num_threads(options.threads)
+        self.parallel = self._expert_parallel(packed, options)
+        slots = self.plan.slots
+        if self.parallel is not None:  # a rank never needs more slots than the experts it owns
+            slots = max(1, min(slots, self.parallel.placement.count(self.parallel.group.rank)))
         source = open_source(options.expert_source, packed, io_threads=options.io_threads,
                              check_records=options.verify)
-        self.provider = ExpertCache(packed, self.device, slots=self.plan.slots, source=source,
+        self.provider = ExpertCache(packed, self.device, slots=slots, source=source,
                                     policy=self.plan.cache_policy, partition=options.cache_partition,
                                     host_slots=self.plan.host_slots, host_policy=options.host_cache_policy,
                                     staging_buffers=self.plan.staging)
+        if self.parallel is not None:
+            from moestream.layers.expert_parallel import OwnedExperts
+
+            self.provider = OwnedExperts(self.provider, self.parallel.placement, self.parallel.group.rank)
         try:
             def make_experts(args):
                 moe = {i: args.num_experts for i in args.moe_layers()}
-                return RoutedExperts(self.provider, moe, device=self.device, kernels=options.expert_kernels)
+                return RoutedExperts(self.provider, moe, device=self.device, kernels=options.expert_kernels,
+                                     parallel=self.parallel)
 
             self.args, self.experts, self.model = build_model(packed, make_experts, device=self.device,
                                                               dtype=self.dtype)
@@ -124,6 +133,40 @@ class Engine:
         self.trace = None
         if options.trace_routing:
             self._start_trace()
+
+    @staticmethod
+    def _expert_parallel(packed: PackedModel, options: EngineOptions):
+        """The ExpertParallel of this rank (group and placement), or None for one process."""
+        group = options.expert_parallel
+        if group is None or group.world_size <= 1:
+            return None
+        from moestream.layers.expert_parallel import ExpertParallel, ExpertPlacement
+
+        counts = {e.layer: e.num_experts for e in packed.manifest.expert_layers}
+        if options.expert_placement:
+            placement = ExpertPlacement.from_trace(options.expert_placement, counts, group.world_size)
+        else:
+            placement = ExpertPlacement.modulo(counts, group.world_size)
+        log.info("rank %d of %d: %d experts (%s placement)", group.rank, group.world_size,
+                 placement.count(group.rank), placement.source)
+        return ExpertParallel(group, placement)
+
+    def parallel_stats(self, before: dict, after: dict) -> dict | None:
+        """Every rank's expert-cache figures for a run (from its stats before and after), gathered
+        from all ranks (a collective: every rank calls it at the same point). None for one process."""
+        if self.parallel is None:
+            return None
+        group = self.parallel.group
+        hits, misses = (after.get(k, 0) - before.get(k, 0) for k in ("hits", "misses"))
+        mine = {"rank": group.rank, "experts_owned": self.parallel.placement.count(group.rank),
+                "hit_rate": round(hits / (hits + misses), 6) if hits + misses else 1.0, "hits": hits,
+                "misses": misses,
+                **{k: after.get(k, 0) - before.get(k, 0) for k in ("bytes_read_disk", "bytes_read_host")},
+                "read_wait_s": round(after.get("read_wait_s", 0.0) - before.get("read_wait_s", 0.0), 6),
+                "collective_s": round(after.get("collective_s", 0.0) - before.get("collective_s", 0.0), 6),
+                "exchanges": after.get("exchanges", 0) - before.get("exchanges", 0)}
+        return {"world_size": group.world_size, "placement": self.parallel.placement.source,
+                "ranks": group.all_gather_object(mine)}
 
     def _start_trace(self) -> None:
         from moestream.sim.trace import TraceRecorder
@@ -356,10 +399,12 @@ class Engine:
 
         def finish() -> GenerationResult:
             self.save_trace()
+            after = self.expert_stats()
             receipt = Receipt.of_run(prompt_tokens=len(prompt_ids), reused=state["reused"],
                                      generated=len(state["tokens"]), finish=state["finish"],
                                      prefill_s=state["prefill_s"], decode_s=state["decode_s"], before=before,
-                                     after=self.expert_stats(), memory=self.memory_ledger(),
+                                     after=after, memory=self.memory_ledger(),
+                                     parallel=self.parallel_stats(before, after),
                                      device=str(self.device), model=self.model_name,
                                      threads=torch.get_num_threads(), verify=self.options.verify,
                                      lookahead=self.decoder.lookahead.stats() if self.decoder.lookahead else {},
@@ -393,7 +438,10 @@ class Engine:
 
     # -- statistics -------------------------------------------------------------
     def expert_stats(self) -> dict:
-        return dict(self.provider.stats())
+        stats = dict(self.provider.stats())
+        if self.parallel is not None:
+            stats.update(collective_s=self.parallel.group.collective_s, exchanges=self.parallel.group.exchanges)
+        return stats
 
     def stats(self) -> dict:
         return {"model": self.model_name, "family": self.packed.family, "device": str(self.device),

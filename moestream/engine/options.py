@@ -34,6 +34,10 @@ class EngineOptions:
     trace_routing: str | None = None
     max_sequences: int = 1  # sequence slots decoding together (Engine.step_many), each with its own KV cache
     expert_kernels: str = "auto"  # auto: Triton where the record layout allows on CUDA; torch; triton (error if not)
+    # expert parallelism: a moestream.layers.expert_parallel.ExpertGroup (the CLI initializes the
+    # process group); each rank holds and computes its share of the experts. None: one process
+    expert_parallel: object = None
+    expert_placement: str | None = None  # a routing trace (.npz): experts balanced over ranks by its counts
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, environ: dict | None = None) -> "EngineOptions":

@@ -34,6 +34,9 @@ class Receipt(Mapping):
     verify: bool = True  # records and resident files checked against the manifest
     lookahead: dict = field(default_factory=dict)  # CUDA guesses of later layers' experts: accuracy per layer
     speculative: dict | None = None  # drafter, drafted, accepted, accept_rate, tokens_per_step (None: off)
+    # expert parallel: world_size, placement, and per rank its hit rate, bytes read and time in
+    # collectives (None: one process; the figures above are then this rank's own)
+    parallel: dict | None = None
 
     @classmethod
     def of_run(cls, *, prompt_tokens: int, reused: int, generated: int, finish: str, prefill_s: float,

@@ -102,14 +102,20 @@ class TorchPlan:
 
     def run(self, pool: torch.Tensor, experts: Sequence[int], slots: Sequence[int]) -> None:
         for e, slot in sorted(zip(experts, slots)):
-            record = decode_record(self.fields, pool[slot])
-            g, u, d = (projection(record, p, self.quant[p], self.x.dtype) for p in ("gate_proj", "up_proj", "down_proj"))
-            tok, pick = torch.where(self.ids == e)
-            if self.per_pair:
-                y = torch.cat([self.ffn(self.x[t:t + 1], g, u, d) for t in tok.tolist()])
-            else:
-                y = self.ffn(self.x[tok], g, u, d)
-            self.out.index_add_(0, tok, (y * self.weights[tok, pick, None]).to(self.out.dtype))
+            tok, _, rows = self.expert_rows(pool, e, slot)
+            self.out.index_add_(0, tok, rows)
+
+    def expert_rows(self, pool: torch.Tensor, e: int, slot: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Expert e's weighted output rows (in `out`'s dtype) for the pairs that chose it: (tok, pick,
+        rows), rows[i] for token tok[i] at its pick[i]-th choice. Expert parallelism adds them elsewhere."""
+        record = decode_record(self.fields, pool[slot])
+        g, u, d = (projection(record, p, self.quant[p], self.x.dtype) for p in ("gate_proj", "up_proj", "down_proj"))
+        tok, pick = torch.where(self.ids == e)
+        if self.per_pair:
+            y = torch.cat([self.ffn(self.x[t:t + 1], g, u, d) for t in tok.tolist()])
+        else:
+            y = self.ffn(self.x[tok], g, u, d)
+        return tok, pick, (y * self.weights[tok, pick, None]).to(self.out.dtype)
 
     def run_table(self, pool: torch.Tensor, table: torch.Tensor) -> None:
         experts = torch.unique(self.ids).tolist()
@@ -128,13 +134,18 @@ class RoutedExperts:
     """Computes every MoE layer's routed experts from the provider's slot pool (see the module doc)."""
 
     def __init__(self, provider: ExpertProvider, moe_layers: Mapping[int, int], *, device: torch.device,
-                 kernels: str = "auto"):
+                 kernels: str = "auto", parallel=None):
         """moe_layers: layer index -> number of experts. kernels: "auto" (Triton where the layout
-        allows on CUDA), "torch" (always the reference) or "triton" (an error where it cannot run)."""
+        allows on CUDA), "torch" (always the reference) or "triton" (an error where it cannot run).
+        parallel: a moestream.layers.expert_parallel.ExpertParallel: this rank computes only its own
+        experts, and the ranks exchange their rows (the torch reference's arithmetic, exactly)."""
         if kernels not in KERNELS:
             raise ValueError(f"expert kernels {kernels!r} (choose from {', '.join(KERNELS)})")
+        if parallel is not None and kernels == "triton":
+            raise RuntimeError("the Triton expert kernels do not run expert parallel (use --expert-kernels auto or torch)")
         self.provider, self.num_experts, self.device = provider, dict(moe_layers), torch.device(device)
-        self.kernels = kernels
+        self.kernels = "torch" if parallel is not None else kernels
+        self.parallel = parallel
         self.layouts = {layer: self._layout(layer) for layer in self.num_experts}
         self.tables = {layer: torch.full((e,), -1, dtype=torch.int32, device=self.device)
                        for layer, e in self.num_experts.items()}  # the decoder's per-layer slot tables
@@ -178,6 +189,11 @@ class RoutedExperts:
     def plan(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, *, per_pair: bool = False):
         """The device half's work for one layer call: Triton's MoEPlan or the torch reference.
         per_pair: a token's bits must not depend on how many tokens are computed together."""
+        if self.parallel is not None:
+            from moestream.layers.expert_parallel import ExpertParallelPlan
+
+            return ExpertParallelPlan(x, ids, weights, self.provider.record_fields(layer), self.provider.quant(layer),
+                                      per_pair=per_pair, parallel=self.parallel, layer=layer)
         if self.uses_triton(layer, x.dtype):
             from moestream.kernels import triton_moe
 
@@ -204,6 +220,10 @@ class RoutedExperts:
             self.provider.count_resident(layer, ids)
             return plan.finish(residual)
         experts = torch.unique(ids).tolist()  # sorted
+        if self.parallel is not None:  # this rank's share; the plan's finish brings the others' rows
+            experts = self.parallel.mine(layer, experts)
+            if not experts and self.after_fetch is not None:
+                self.after_fetch(layer, x)
         limit = max(1, self.provider.batch_limit(layer))
         for i in range(0, len(experts), limit):
             batch = experts[i:i + limit]
@@ -231,6 +251,8 @@ class RoutedExperts:
         layer's table. False (nothing pinned) where they exceed the batch limit: then the caller
         computes the layer eagerly (`__call__`), in batches."""
         experts = sorted(set(ids_host))
+        if self.parallel is not None:
+            experts = self.parallel.mine(layer, experts)
         if len(experts) > self.provider.batch_limit(layer):
             return False
         self.provider.fetch(layer, experts, views=False)
