@@ -259,6 +259,17 @@ class FakeEngine:
         if self.on_close is not None:
             self.on_close()
 
+    def prompt_logprobs(self, prompt_ids: list[int], k: int, *, should_stop: Callable[[], bool] | None = None):
+        """Echo scoring: each prompt token after the first at a logprob that depends only on it (the
+        real engine's shape: (token, logprob or None, [(token, logprob)] * k))."""
+        if not prompt_ids:
+            raise MoestreamError("empty prompt")
+        out = [(prompt_ids[0], None, [])]
+        for t in prompt_ids[1:]:
+            lp = -1.0 - (t % 7) / 10
+            out.append((t, lp, [(t, lp)] + [((t + j) % 256, lp - j) for j in range(1, k)]))
+        return out
+
     def stats(self) -> dict:
         return {"requests": self.requests, "hit_rate": 0.75, "slots": 16, "kv_tokens": len(self._kv_tokens)}
 

@@ -162,7 +162,7 @@ def apply_contract(spec: dict) -> None:
         {"type": "array", "minItems": 1, "items": ids},
         {"type": "array", "minItems": 1, "maxItems": 64, "items": {"type": "array", "minItems": 1, "items": ids}}]}
     props["best_of"] = {"type": "integer", "minimum": 0, "maximum": 1, "nullable": True}
-    props["echo"] = {"type": "boolean", "enum": [False], "nullable": True}
+    props["echo"] = {"type": "boolean", "nullable": True}
     props["suffix"] = {"type": "string", "maxLength": 0, "nullable": True}  # the test model has no FIM tokens
     props["logit_bias"] = {"type": "object", "maxProperties": 0, "nullable": True}
     props["seed"] = {"type": "integer", "nullable": True, **INT64}
@@ -176,6 +176,13 @@ def apply_contract(spec: dict) -> None:
     # an error, when the stream fails after it started).
     # The spec has no chunk schema for streamed completions: a chunk is a completion whose
     # finish_reason is null until the last one (as OpenAI sends them).
+    # With echo, OpenAI's API gives the prompt's first token no logprob and no alternatives (null),
+    # which the official file does not model: allow null items there.
+    echo_logprobs = schemas["CreateCompletionResponse"]["properties"]["choices"]["items"]["properties"]["logprobs"]
+    for option in echo_logprobs.get("anyOf", [echo_logprobs]):
+        for name in ("token_logprobs", "top_logprobs"):
+            if name in option.get("properties", {}):
+                option["properties"][name]["items"]["nullable"] = True
     chunk = copy.deepcopy(schemas["CreateCompletionResponse"])
     reason = chunk["properties"]["choices"]["items"]["properties"]["finish_reason"]
     reason["nullable"] = True
