@@ -69,14 +69,15 @@ def plan_ledger(packed: PackedModel, args, *, dtype: torch.dtype, max_context: i
 def prefill_workspace(args, *, tokens: int, context: int, item: int) -> int:
     """Peak transient bytes of one prefill chunk of `tokens` at a context of `context` (the largest
     layer's working set; decode needs far less). Attention runs in flash / memory-efficient kernels,
-    which never hold the [T, S] scores, but grouped K/V are expanded to every query head."""
+    which never hold the [T, S] scores, but K/V are expanded to every query head (`expanded_kv_width`:
+    grouped heads, a latent cache, wider heads on some layers)."""
     H, A = args.hidden_size, args.num_experts_per_tok
     inter = args.largest_intermediate()
-    heads, kv_heads, D = args.num_attention_heads, args.num_key_value_heads, args.head_dim
+    heads, D = args.num_attention_heads, args.head_dim
     activations = tokens * (10 * H + 3 * heads * D) * item  # residual, norms, q/k/v, attention output
     experts = tokens * A * (inter * item + 4 * H + 16)  # the expert kernels' [P, I] and float32 [P, H] rows
     dense = tokens * 3 * inter * item
-    expanded_kv = 2 * heads * context * D * item if heads != kv_heads else 0
+    expanded_kv = heads * context * args.expanded_kv_width() * item
     mask = tokens * context  # the boolean mask of a later chunk
     logits = 2 * args.vocab_size * 4
     return activations + experts + dense + expanded_kv + mask + logits

@@ -94,6 +94,13 @@ class BaseModelArgs:
         H, I = self.hidden_size, self.expert_intermediate_size
         return {"gate_proj": (I, H), "up_proj": (I, H), "down_proj": (H, I)}
 
+    def expanded_kv_width(self) -> int:
+        """Per query head, the key + value values prefill attention expands the cache to (0 where it
+        reads the cache as it is: one KV head per query head)."""
+        if self.num_attention_heads == self.num_key_value_heads:
+            return 0
+        return 2 * self.head_dim
+
     def kv_layout(self) -> list[LayerKV]:
         """Each layer's KV cache (moestream.layers.kv_cache): here every layer full attention, one shape."""
         return [LayerKV(self.num_key_value_heads, self.head_dim)] * self.num_hidden_layers

@@ -79,6 +79,10 @@ class ModelArgs(base.BaseModelArgs):
         return MLAShape(self.num_attention_heads, self.kv_lora_rank, self.qk_nope_head_dim, self.qk_rope_head_dim,
                         self.v_head_dim)
 
+    def expanded_kv_width(self) -> int:
+        """Prefill expands the latent to every head's key (nope + rope) and value."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim + self.v_head_dim
+
     def kv_layout(self) -> list[LayerKV]:
         """Every layer caches the latent and the rotary key, one row per token."""
         return [self.mla_shape().cache_layout()] * self.num_hidden_layers

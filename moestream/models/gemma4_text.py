@@ -96,6 +96,10 @@ class ModelArgs(base.BaseModelArgs):
     def kv_layout(self) -> list[LayerKV]:
         return [LayerKV(heads, dim) for heads, dim in self.layer_shapes]
 
+    def expanded_kv_width(self) -> int:
+        """K/V are expanded to every query head at the widest layer's head size."""
+        return 2 * max(dim for _, dim in self.layer_shapes)
+
     def head_dim_of(self, layer_type: str) -> int:
         return next(d for (_, d), t in zip(self.layer_shapes, self.layer_types) if t == layer_type)
 
