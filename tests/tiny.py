@@ -61,6 +61,11 @@ FAMILY_CONFIGS["gemma4"] = dict(
     text_config=FAMILY_CONFIGS["gemma4_text"], audio_config=None, tie_word_embeddings=True,
     vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                        num_key_value_heads=2, head_dim=16))
+# Kimi K2.5: the deepseek_v3 language model above beside a small vision tower and its projector
+FAMILY_CONFIGS["kimi_k25"] = dict(
+    text_config=FAMILY_CONFIGS["deepseek_v3"], tie_word_embeddings=False, projection_hidden_size=32,
+    vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                       pos_emb_height=4, pos_emb_width=4))
 TEXT_FIELDS = ("vocab_size", "rope_theta", "max_position_embeddings", "eos_token_id", "bos_token_id", "pad_token_id")
 
 
@@ -96,7 +101,7 @@ def build_tokenizer(folder: Path, vocab_size: int = 320) -> int:
 def build_checkpoint(folder: Path, family: str, *, seed: int = 0, dtype: str = "float32", **overrides) -> Path:
     """A random-weight checkpoint of `family` saved with save_pretrained, plus the tokenizer."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     folder = Path(folder)
     vocab = build_tokenizer(folder)
@@ -108,7 +113,7 @@ def build_checkpoint(folder: Path, family: str, *, seed: int = 0, dtype: str = "
         pad_token_id=tok.token_to_id("<|endoftext|>"),
         **{"max_position_embeddings": 256, **FAMILY_CONFIGS[family], **overrides})))
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg)
+    model = model_class(cfg).from_config(cfg)
     with torch.no_grad():  # random init is tiny; widen it so routing and logits are not near-ties
         for p in model.parameters():
             if p.dim() >= 2:
@@ -125,6 +130,15 @@ def build_checkpoint(folder: Path, family: str, *, seed: int = 0, dtype: str = "
     model = model.to(getattr(torch, dtype))
     model.save_pretrained(folder)
     return folder
+
+
+def model_class(cfg):
+    """The transformers auto class of a config: a causal LM, or an image-text model (Kimi K2.5 has no
+    causal-LM class)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    return AutoModelForCausalLM if type(cfg) in MODEL_FOR_CAUSAL_LM_MAPPING else AutoModelForImageTextToText
 
 
 def load_all(folder):

@@ -10,7 +10,7 @@ from moestream.engine.engine import Engine
 from moestream.engine.options import EngineOptions
 
 pytestmark = pytest.mark.gpu
-FAMILIES = ["deepseek_v3", "glm4_moe_lite"]
+FAMILIES = ["deepseek_v3", "glm4_moe_lite", "kimi_k25"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -79,9 +79,9 @@ def test_convert_takes_the_family_rules(family, tiny_checkpoint, tiny_packed_mod
     resident tensor the family's build takes; q4 keeps each at the family's bits."""
     names = ExpertNames(family_module(family))
     src = load_all(tiny_checkpoint(family))
-    experts = {n for n in src if names.expert(n) or names.fused.match(family_module(family).sanitize(n) or "")}
-    packed = PackedModel(tiny_packed_model(family, "q4"))
     sanitize = family_module(family).sanitize  # checkpoint names -> packed names (None: not kept)
+    experts = {n for n in src if names.expert(sanitize(n) or "") or names.fused.match(sanitize(n) or "")}
+    packed = PackedModel(tiny_packed_model(family, "q4"))
     assert experts and {sanitize(n) for n in set(src) - experts} - {None} == set(packed.logical_dense_names())
     assert_follows_the_family(packed, 4)
     assert_follows_the_family(PackedModel(tiny_packed_model(family, "none")), None)
