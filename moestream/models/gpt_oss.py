@@ -48,8 +48,6 @@ class ModelArgs(base.BaseModelArgs):
     @classmethod
     def from_dict(cls, config: dict):
         family = config.get("model_type", "gpt_oss")
-        if (config.get("quantization_config") or {}).get("quant_method") == "mxfp4":
-            raise UnsupportedModelError(f"{family}: MXFP4 experts are not read; convert a float (bf16) checkpoint")
         args = super().from_dict(config)
         L = args.num_hidden_layers
         types = list(config.get("layer_types") or [SLIDING if (i + 1) % 2 else FULL for i in range(L)])
