@@ -55,6 +55,11 @@ FAMILY_CONFIGS = {
                         top_k_experts=2, hidden_size_per_layer_input=0, sliding_window=5,
                         layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
                         final_logit_softcapping=30.0, tie_word_embeddings=True),
+    # sliding (window 5: shorter than the test prompts) and full layers, sinks, YaRN, biased router
+    # and experts; dims multiples of 64 so q4 quantizes every expert matrix
+    "gpt_oss": dict(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2, sliding_window=5,
+                    layer_types=["sliding_attention", "full_attention"], swiglu_limit=0.5, tie_word_embeddings=False),
 }
 # the multimodal checkpoint: the language model above beside a small vision tower
 FAMILY_CONFIGS["gemma4"] = dict(
@@ -78,6 +83,8 @@ def nest_text_fields(config: dict) -> dict:
 # families whose vectors (norm weights, router and per-expert scales, layer scalars) start at 1 and
 # multiply: drawn around 1 instead, so a misplaced or missing one changes the logits
 SCALED_VECTORS = {"gemma4_text", "gemma4"}
+# families whose 1-D biases and sink logits start at 0 or near it: drawn wider, so a missing one shows
+DRAWN_VECTORS = {"gpt_oss"}
 
 
 def build_tokenizer(folder: Path, vocab_size: int = 320) -> int:
@@ -118,6 +125,10 @@ def build_checkpoint(folder: Path, family: str, *, seed: int = 0, dtype: str = "
         for p in model.parameters():
             if p.dim() >= 2:
                 p.normal_(0.0, 0.08)
+        if family in DRAWN_VECTORS:
+            for name, p in model.named_parameters():
+                if p.dim() == 1 and (name.endswith((".bias", ".sinks"))):
+                    p.normal_(0.0, 0.5)
         for name, b in model.named_buffers():  # a zero correction bias would leave the choice untested
             if name.endswith("e_score_correction_bias"):
                 b.normal_(0.0, 0.05)

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from moestream.convert.layout import expert_activation, with_activation
+from moestream.convert.layout import activation_params, expert_activation, fused_layout, with_activation
 from moestream.errors import MoestreamError
 from moestream.format.manifest import EXPERT_PROJECTIONS
 from moestream.format.writer import ExpertFileWriter, finish_model
@@ -135,7 +135,9 @@ def synth(shape: str, out: Path, *, layers: int | None = None, quant: str = "q4"
                     parts, spec = rw.matrix(f"{proj}.weight", *shapes[proj])
                     record.update(parts)
                     quant_specs[proj] = spec
-                quant_specs = with_activation(quant_specs, expert_activation(family))
+                if fused_layout(family).bias:  # the experts' biases, zero like the resident ones
+                    record.update({f"{proj}.bias": torch.zeros(shapes[proj][0], dtype=rw.dtype) for proj in EXPERT_PROJECTIONS})
+                quant_specs = with_activation(quant_specs, expert_activation(family), **activation_params(family, cfg))
                 if writer is None:
                     writer = ExpertFileWriter(out / f"experts-{i:03d}.bin", i, E, record, quant_specs)
                 writer.write(e, record)

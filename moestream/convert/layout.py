@@ -24,6 +24,24 @@ class LayoutError(MoestreamError):
     """Expert tensors that disagree with config.json or with each other."""
 
 
+@dataclass(frozen=True)
+class FusedLayout:
+    """How a family's fused stacks hold one expert (its module's EXPERT_FUSED; this default if unset).
+    transposed: `gate_up_proj` [E, H, 2I] and `down_proj` [E, I, H] (x @ W) instead of [E, 2I, H] / [E, H, I];
+    interleaved: gate and up rows alternate (gate = rows 0, 2, ...) instead of all gate rows, then up;
+    bias: `gate_up_proj_bias` [E, 2I] and `down_proj_bias` [E, H] beside them (recorded as
+    gate_proj.bias, up_proj.bias, down_proj.bias)."""
+
+    transposed: bool = False
+    interleaved: bool = False
+    bias: bool = False
+
+
+def fused_layout(family) -> FusedLayout:
+    """The family module's EXPERT_FUSED (a dict of FusedLayout's fields), else the default."""
+    return FusedLayout(**getattr(family, "EXPERT_FUSED", {}))
+
+
 class ExpertNames:
     """A family's routed-expert tensor names in each layout convert reads, from the family's
     EXPERT_MODULE and EXPERT_NAMES: per-expert (`experts.E.<name>.weight`), fused 3-D stacks
@@ -36,7 +54,8 @@ class ExpertNames:
         prefix = rf"^(?P<prefix>.*layers\.(?P<layer>\d+){module})"
         theirs = "|".join(re.escape(n) for n in self.ours)
         self.per_expert = re.compile(prefix + rf"\.experts\.(?P<expert>\d+)\.(?P<proj>{theirs})\.weight$")
-        self.fused = re.compile(prefix + r"\.experts\.(?P<part>gate_up_proj|down_proj)(?:\.weight)?$")
+        parts = "gate_up_proj_bias|down_proj_bias|gate_up_proj|down_proj" if fused_layout(family).bias else "gate_up_proj|down_proj"
+        self.fused = re.compile(prefix + rf"\.experts\.(?P<part>{parts})(?:\.weight)?$")
         self.mlx = re.compile(prefix + r"\.switch_mlp\.(?P<proj>gate_proj|up_proj|down_proj)\.(?P<part>weight|scales|biases)$")
 
     def expert(self, name: str) -> tuple[int, int, str] | None:
@@ -88,8 +107,15 @@ def expert_activation(family) -> str:
     return getattr(family, "EXPERT_ACTIVATION", "silu")
 
 
-def with_activation(specs: dict[str, QuantSpec], activation: str) -> dict[str, QuantSpec]:
-    return {p: dataclasses.replace(s, activation=activation) for p, s in specs.items()}
+def activation_params(family, config: dict) -> dict:
+    """The activation's settings from config.json (clamped_swiglu's alpha and limit), from the
+    family module's `expert_activation_params(config)` where it has one."""
+    hook = getattr(family, "expert_activation_params", None)
+    return dict(hook(config)) if hook is not None else {}
+
+
+def with_activation(specs: dict[str, QuantSpec], activation: str, **params) -> dict[str, QuantSpec]:
+    return {p: dataclasses.replace(s, activation=activation, **params) for p, s in specs.items()}
 
 
 class LayerExperts:
@@ -99,6 +125,7 @@ class LayerExperts:
     prefix: str
     num_experts: int
     activation: str = "silu"  # recorded in every projection's QuantSpec (find_expert_layers sets it)
+    activation_params: dict = {}  # the activation's alpha / limit, recorded beside it
 
     def check(self, expect: ExpertShapes) -> None:
         raise NotImplementedError
@@ -109,7 +136,7 @@ class LayerExperts:
     def record(self, expert: int, bits: int | None, group_size: int) -> tuple[dict[str, torch.Tensor], dict[str, QuantSpec]]:
         """The record's named tensors for one expert and each projection's QuantSpec."""
         tensors, specs = self._record(expert, bits, group_size)
-        return tensors, with_activation(specs, self.activation)
+        return tensors, with_activation(specs, self.activation, **self.activation_params)
 
     def _record(self, expert: int, bits: int | None, group_size: int):
         raise NotImplementedError
@@ -162,20 +189,34 @@ class PerExpertLayer(LayerExperts):
 
 
 class FusedLayer(LayerExperts):
-    """`experts.gate_up_proj` [E, 2I, H] (gate rows, then up rows) and `experts.down_proj` [E, H, I]."""
+    """`experts.gate_up_proj` [E, 2I, H] (gate rows, then up rows) and `experts.down_proj` [E, H, I],
+    or as the family's FusedLayout says (transposed, interleaved rows, biases)."""
 
-    def __init__(self, source, layer: int, prefix: str, names: dict[str, str]):
-        self.source, self.layer, self.prefix, self.names = source, layer, prefix, names
+    def __init__(self, source, layer: int, prefix: str, names: dict[str, str], layout: FusedLayout = FusedLayout()):
+        self.source, self.layer, self.prefix, self.names, self.layout = source, layer, prefix, names, layout
         self.num_experts = source.shape(names["down_proj"])[0] if "down_proj" in names else 0
 
+    def _expected(self, expect: ExpertShapes):
+        """(part, shape, what) of every stack the layout holds."""
+        E, (gate, up, down) = expect.num_experts, (expect.projection(p) for p in EXPERT_PROJECTIONS)
+        n, i = expect.experts_key, expect.intermediate_key
+        if self.layout.transposed:
+            out = [("gate_up_proj", (E, gate[1], gate[0] + up[0]), f"{n} × hidden_size × 2·{i}"),
+                   ("down_proj", (E, down[1], down[0]), f"{n} × {i} × hidden_size")]
+        else:
+            out = [("gate_up_proj", (E, gate[0] + up[0], gate[1]), f"{n} × 2·{i} × hidden_size"),
+                   ("down_proj", (E, *down), f"{n} × hidden_size × {i}")]
+        if self.layout.bias:
+            out += [("gate_up_proj_bias", (E, gate[0] + up[0]), f"{n} × 2·{i}"), ("down_proj_bias", (E, down[0]), f"{n} × hidden_size")]
+        return out
+
     def check(self, expect: ExpertShapes) -> None:
-        for part in ("gate_up_proj", "down_proj"):
+        expected = self._expected(expect)
+        for part, _, _ in expected:
             if part not in self.names:
                 raise LayoutError(f"{self.prefix}.experts.{part} is missing (the layer has only {next(iter(self.names.values()))})")
-        E, (gate, up, down) = expect.num_experts, (expect.projection(p) for p in EXPERT_PROJECTIONS)
-        gate_up = (E, gate[0] + up[0], gate[1])
-        for part, want, what in (("gate_up_proj", gate_up, f"{expect.experts_key} × 2·{expect.intermediate_key} × hidden_size"),
-                                 ("down_proj", (E, *down), f"{expect.experts_key} × hidden_size × {expect.intermediate_key}")):
+        E = expect.num_experts
+        for part, want, what in expected:
             name = self.names[part]
             info = self.source.info(name)
             if len(info.shape) == 3 and info.shape[0] != E:
@@ -189,11 +230,26 @@ class FusedLayer(LayerExperts):
         return sum(self.source.nbytes(n) for n in self.names.values())
 
     def _record(self, expert, bits, group_size):
-        gate_up = self.source.get_rows(self.names["gate_up_proj"], expert)[0]  # [2I, H]
+        gate_up = self.source.get_rows(self.names["gate_up_proj"], expert)[0]
+        down = self.source.get_rows(self.names["down_proj"], expert)[0]
+        if self.layout.transposed:  # stored for x @ W: our matrices are [out, in]
+            gate_up, down = gate_up.T, down.T
+        gate, up = self._split(gate_up)  # [I, H] each
+        projections = {"gate_proj": gate.contiguous(), "up_proj": up.contiguous(), "down_proj": down.contiguous()}
+        tensors, specs = _float_record(projections, bits, group_size)
+        if self.layout.bias:
+            gate_b, up_b = self._split(self.source.get_rows(self.names["gate_up_proj_bias"], expert)[0])
+            down_b = self.source.get_rows(self.names["down_proj_bias"], expert)[0]
+            tensors.update({"gate_proj.bias": gate_b.contiguous(), "up_proj.bias": up_b.contiguous(),
+                            "down_proj.bias": down_b.contiguous()})
+        return tensors, specs
+
+    def _split(self, gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gate and up rows of a fused [2I, ...] tensor."""
+        if self.layout.interleaved:
+            return gate_up[0::2], gate_up[1::2]
         half = gate_up.shape[0] // 2
-        projections = {"gate_proj": gate_up[:half], "up_proj": gate_up[half:],
-                       "down_proj": self.source.get_rows(self.names["down_proj"], expert)[0]}
-        return _float_record(projections, bits, group_size)
+        return gate_up[:half], gate_up[half:]
 
 
 class MlxStackLayer(LayerExperts):
@@ -283,10 +339,11 @@ def find_expert_layers(source) -> tuple[dict[int, LayerExperts], list[str]]:
         if layer in per_expert:
             layers[layer] = PerExpertLayer(source, layer, prefixes[layer], per_expert[layer], spelling)
         elif layer in fused:
-            layers[layer] = FusedLayer(source, layer, prefixes[layer], fused[layer])
+            layers[layer] = FusedLayer(source, layer, prefixes[layer], fused[layer], fused_layout(source.family_module))
         else:
             layers[layer] = MlxStackLayer(source, layer, prefixes[layer], mlx[layer], source.mlx)
         layers[layer].activation = expert_activation(source.family_module)
+        layers[layer].activation_params = activation_params(source.family_module, source.config)
     return layers, dense
 
 

@@ -11,8 +11,25 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from moestream.convert.layout import fused_layout
 from moestream.format.reader import PackedModel
 from moestream.models.registry import family_module
+
+
+def _fused_stacks(experts: list[dict[str, torch.Tensor]], layout) -> dict[str, torch.Tensor]:
+    """One layer's experts as the fused stacks `layout` (convert.layout.FusedLayout) describes."""
+    def join(gate, up):  # [I, ...] twice -> [2I, ...]
+        return torch.stack([gate, up], 1).flatten(0, 1) if layout.interleaved else torch.cat([gate, up])
+
+    gate_up = torch.stack([join(w["gate_proj"], w["up_proj"]) for w in experts])  # [E, 2I, H]
+    down = torch.stack([w["down_proj"] for w in experts])  # [E, H, I]
+    if layout.transposed:
+        gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+    out = {"gate_up_proj": gate_up.contiguous(), "down_proj": down.contiguous()}
+    if layout.bias:
+        out["gate_up_proj_bias"] = torch.stack([join(w["gate_proj.bias"], w["up_proj.bias"]) for w in experts]).contiguous()
+        out["down_proj_bias"] = torch.stack([w["down_proj.bias"] for w in experts]).contiguous()
+    return out
 
 
 def export_hf(packed_dir: str | Path, out_dir: str | Path, *, dtype: torch.dtype = torch.float32) -> Path:
@@ -22,14 +39,17 @@ def export_hf(packed_dir: str | Path, out_dir: str | Path, *, dtype: torch.dtype
     tensors = {name: packed.dense(name, dtype).contiguous() for name in packed.logical_dense_names()}
     family = family_module(packed.family)  # experts are named as the family's checkpoints name them
     module, names = family.EXPERT_MODULE, family.EXPERT_NAMES
-    fused = getattr(family, "EXPERT_EXPORT", "per_expert") == "fused"
+    fused = getattr(family, "EXPERT_EXPORT", "per_expert") == "fused" or hasattr(family, "EXPERT_FUSED")
     for entry in packed.manifest.expert_layers:
         prefix = f"model.layers.{entry.layer}." + (f"{module}." if module else "")
         experts = [packed.dequantized_expert(entry.layer, e, dtype) for e in range(entry.num_experts)]
-        if fused:  # [E, 2I, H] gate rows then up rows, and [E, H, I]
-            tensors[prefix + "experts.gate_up_proj"] = torch.stack(
-                [torch.cat([w["gate_proj"], w["up_proj"]]) for w in experts]).contiguous()
-            tensors[prefix + "experts.down_proj"] = torch.stack([w["down_proj"] for w in experts]).contiguous()
+        if fused:  # [E, 2I, H] gate rows then up rows, and [E, H, I], or as the family's FusedLayout says
+            layout = fused_layout(family)
+            if layout.bias:
+                for e, w in enumerate(experts):
+                    record = packed.expert_tensors(entry.layer, e)
+                    w.update({f"{p}.bias": record[f"{p}.bias"].to(dtype) for p in ("gate_proj", "up_proj", "down_proj")})
+            tensors.update({prefix + "experts." + k: t for k, t in _fused_stacks(experts, layout).items()})
             continue
         for e, weights in enumerate(experts):
             for proj, w in weights.items():

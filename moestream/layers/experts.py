@@ -21,6 +21,7 @@ GPU, or other ranks in expert parallelism) is a `plan` whose `run` takes the exp
 expert before `run`. Nothing above this class changes."""
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Callable, Mapping, Protocol, Sequence
 
@@ -28,6 +29,7 @@ import torch
 
 from moestream.format.records import decode_record
 from moestream.kernels.reference import projection
+from moestream.layers.clamped_swiglu import clamped_swiglu
 from moestream.layers.gelu_mlp import gelu_glu
 from moestream.layers.mlp import swiglu
 from moestream.quant.affine import QuantSpec
@@ -35,13 +37,17 @@ from moestream.quant.affine import QuantSpec
 log = logging.getLogger(__name__)
 KERNELS = ("auto", "torch", "triton")
 # a record's gate activation (QuantSpec.activation) -> its gated FFN; the Triton kernels compute "silu" only
-ACTIVATIONS = {"silu": swiglu, "gelu_tanh": gelu_glu}
+ACTIVATIONS = {"silu": swiglu, "gelu_tanh": gelu_glu, "clamped_swiglu": clamped_swiglu}
+BIASED = ("clamped_swiglu",)  # activations whose records hold gate_proj.bias, up_proj.bias, down_proj.bias
 
 
 def activation_of(quant: Mapping[str, QuantSpec]) -> str:
     name = quant["gate_proj"].activation
     if name not in ACTIVATIONS:
         raise ValueError(f"routed experts with activation {name!r} (known: {', '.join(ACTIVATIONS)})")
+    spec = quant["gate_proj"]
+    if name == "clamped_swiglu" and (spec.alpha is None or spec.limit is None):
+        raise ValueError("routed experts with activation 'clamped_swiglu' need its alpha and limit in the quant spec")
     return name
 
 
@@ -98,6 +104,7 @@ class TorchPlan:
         self.x, self.ids, self.weights, self.fields, self.quant = x, ids, weights, fields, quant
         self.per_pair = per_pair
         self.ffn = ACTIVATIONS[activation_of(quant)]
+        self.biased = quant["gate_proj"].activation in BIASED
         self.out = torch.zeros_like(x)  # [T, H]
 
     def run(self, pool: torch.Tensor, experts: Sequence[int], slots: Sequence[int]) -> None:
@@ -110,11 +117,16 @@ class TorchPlan:
         rows), rows[i] for token tok[i] at its pick[i]-th choice. Expert parallelism adds them elsewhere."""
         record = decode_record(self.fields, pool[slot])
         g, u, d = (projection(record, p, self.quant[p], self.x.dtype) for p in ("gate_proj", "up_proj", "down_proj"))
+        ffn = self.ffn
+        if self.biased:
+            spec = self.quant["gate_proj"]
+            biases = tuple(record[f"{p}.bias"].to(self.x.dtype) for p in ("gate_proj", "up_proj", "down_proj"))
+            ffn = functools.partial(self.ffn, biases=biases, alpha=spec.alpha, limit=spec.limit)
         tok, pick = torch.where(self.ids == e)
         if self.per_pair:
-            y = torch.cat([self.ffn(self.x[t:t + 1], g, u, d) for t in tok.tolist()])
+            y = torch.cat([ffn(self.x[t:t + 1], g, u, d) for t in tok.tolist()])
         else:
-            y = self.ffn(self.x[tok], g, u, d)
+            y = ffn(self.x[tok], g, u, d)
         return tok, pick, (y * self.weights[tok, pick, None]).to(self.out.dtype)
 
     def run_table(self, pool: torch.Tensor, table: torch.Tensor) -> None:

@@ -9,6 +9,8 @@ What the project asks of a family module (each file in moestream/models/ has all
   sanitize(name)   a checkpoint tensor's packed name, or None for tensors that are not weights
   quant_predicate(name, bits)  the bits a resident matrix keeps (None: float)
   build(args, loader, experts) the model (moestream.layers.transformer.MoETransformer)
+Optional: EXPERT_ACTIVATION and expert_activation_params(config) (the experts' gate activation and its
+settings), EXPERT_FUSED (the fused stacks' layout, convert.layout.FusedLayout), EXPERT_EXPORT.
 
 Nothing outside the family's file knows these rules: convert, synth, export_hf and the memory
 ledger ask the module, so a new family is its file, its tests and a SUPPORTED_FAMILIES entry.

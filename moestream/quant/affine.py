@@ -18,12 +18,15 @@ SUPPORTED_BITS = (2, 4, 8)
 @dataclass(frozen=True)
 class QuantSpec:
     """How one tensor is stored: bits None means unquantized float. `activation` (routed experts'
-    projections only) is the gate's activation the record is computed with: "silu" (SwiGLU) or
-    "gelu_tanh"; it is written to the manifest only where it is not the default."""
+    projections only) is the gate's activation the record is computed with: "silu" (SwiGLU),
+    "gelu_tanh" or "clamped_swiglu" (with its `alpha` and `limit`, and bias tensors in the record);
+    it is written to the manifest only where it is not the default."""
 
     bits: int | None = None
     group_size: int = 64
     activation: str = "silu"
+    alpha: float | None = None  # clamped_swiglu: gate * sigmoid(alpha * gate)
+    limit: float | None = None  # clamped_swiglu: gate <= limit, |up| <= limit
 
     @property
     def quantized(self) -> bool:
@@ -33,13 +36,14 @@ class QuantSpec:
         obj = {"bits": self.bits, "group_size": self.group_size} if self.bits else None
         if self.activation != "silu":
             obj = {"bits": self.bits, "group_size": self.group_size, "activation": self.activation}
+            obj.update({k: v for k, v in (("alpha", self.alpha), ("limit", self.limit)) if v is not None})
         return obj
 
     @staticmethod
     def from_json(obj: dict | None) -> "QuantSpec":
         if not obj:
             return QuantSpec()
-        return QuantSpec(obj["bits"], obj["group_size"], obj.get("activation", "silu"))
+        return QuantSpec(obj["bits"], obj["group_size"], obj.get("activation", "silu"), obj.get("alpha"), obj.get("limit"))
 
 
 def check_bits(bits: int) -> None:

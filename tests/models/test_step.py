@@ -6,7 +6,7 @@ import torch
 from moestream.engine.engine import Engine
 from moestream.engine.options import EngineOptions
 
-FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "deepseek_v3", "glm4_moe_lite", "gemma4_text"]
+FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "deepseek_v3", "glm4_moe_lite", "gemma4_text", "gpt_oss"]
 PROMPT = "def fibonacci(n):\n    if n < 2:"
 
 
