@@ -12,6 +12,7 @@ import numpy as np
 from moestream.cli_args import Parser
 from moestream.errors import MoestreamError
 from moestream.experts.policy import POLICY_NAMES
+from moestream.sim.belady import belady
 from moestream.sim.simulate import simulate, total_experts
 from moestream.sim.trace import RoutingTrace
 
@@ -46,11 +47,14 @@ def parse_sizes(items: list[str] | str, total: int, floor: int) -> list[tuple[st
     return out
 
 
+SIM_POLICIES = (*POLICY_NAMES, "opt")  # opt: Belady's optimum, the bound no real policy passes
+
+
 def parse_policies(text: str) -> list[str]:
     policies = [p.strip() for p in text.split(",") if p.strip()]
     for policy in policies:
-        if policy not in POLICY_NAMES:
-            raise argparse.ArgumentTypeError(f"unknown policy {policy!r} (choose from {', '.join(POLICY_NAMES)})")
+        if policy not in SIM_POLICIES:
+            raise argparse.ArgumentTypeError(f"unknown policy {policy!r} (choose from {', '.join(SIM_POLICIES)})")
     if not policies:
         raise argparse.ArgumentTypeError("no policies given")
     return policies
@@ -77,9 +81,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sizes", type=parse_size_spec, default="10%,25%,50%",
                    help="cache sizes: shares of all experts or slot counts (default 10%%,25%%,50%%)")
     p.add_argument("--policies", type=parse_policies, default="clock,lru",
-                   help=f"comma-separated, from {', '.join(POLICY_NAMES)} (default clock,lru)")
+                   help=f"comma-separated, from {', '.join(SIM_POLICIES)} (opt: Belady's optimum, a bound; "
+                        "default clock,lru)")
     p.add_argument("--partition", default="shared", choices=["shared", "per-layer"])
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--plot", metavar="FILE.png", help="also draw hit rate against cache size, a line per policy "
+                                                       "(the mean over the traces; opt dashed, as the bound)")
     args = p.parse_args(argv)
     rows = []
     try:
@@ -89,12 +96,21 @@ def main(argv: list[str] | None = None) -> int:
             floor = trace.experts.shape[1] * (len(set(trace.layer.tolist())) if args.partition == "per-layer" else 1)
             for label, slots in parse_sizes(args.sizes, total, floor):
                 for policy in args.policies:
-                    r = simulate(trace, slots=slots, policy=policy, partition=args.partition)
+                    if policy == "opt" and args.partition != "shared":
+                        raise MoestreamError("opt (Belady's optimum) is simulated for the shared partition only")
+                    r = belady(trace, slots=slots) if policy == "opt" else \
+                        simulate(trace, slots=slots, policy=policy, partition=args.partition)
                     rows.append({"trace": path, "size": label, "slots": slots, "policy": policy,
                                  "hit_rate": round(r.hit_rate, 4), "hits": r.hits, "misses": r.misses})
     except MoestreamError as exc:
         print(f"moestream simulate: error: {exc}", file=sys.stderr)
         return 1
+    if args.plot:
+        try:
+            plot_hit_rates(rows, args.plot)
+        except ImportError:
+            print("moestream simulate: error: --plot needs matplotlib (pip install matplotlib)", file=sys.stderr)
+            return 1
     if args.json:
         print(json.dumps(rows, indent=1))
     else:
@@ -102,3 +118,29 @@ def main(argv: list[str] | None = None) -> int:
         for r in rows:
             print(f"{r['trace'][-40:]:<40} {r['size']:>6} {r['slots']:>6} {r['policy']:>6} {r['hit_rate']:>9.3f}")
     return 0
+
+
+def plot_hit_rates(rows: list[dict], path: str) -> None:
+    """Hit rate against slots, one line per policy (mean over the traces), Belady's optimum dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for policy in dict.fromkeys(r["policy"] for r in rows):
+        by_size: dict[int, list[float]] = {}
+        for r in rows:
+            if r["policy"] == policy:
+                by_size.setdefault(r["slots"], []).append(r["hit_rate"])
+        sizes = sorted(by_size)
+        ax.plot(sizes, [sum(by_size[s]) / len(by_size[s]) for s in sizes], marker="o",
+                linestyle="--" if policy == "opt" else "-", label="opt (Belady, bound)" if policy == "opt" else policy)
+    ax.set_xlabel("cache slots")
+    ax.set_ylabel("hit rate")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
