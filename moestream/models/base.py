@@ -240,3 +240,16 @@ def transformer(loader, args: BaseModelArgs, rope: Rope, layers: list[DecoderLay
     embed, final_norm, lm_head = embeddings(loader, args)
     return MoETransformer(embed=embed, layers=layers, final_norm=final_norm, lm_head=lm_head, rope=rope,
                           eps=args.rms_norm_eps)
+
+
+def text_model_config(config: dict, model_type: str, *, tie_default: bool | None = None) -> dict:
+    """A multimodal checkpoint's language model: its `text_config`, with the outer config's
+    `tie_word_embeddings` (which ties the language model's head; `tie_default` where it is absent)."""
+    text = config.get("text_config")
+    if not isinstance(text, dict):
+        raise FormatError(f"config.json of a {model_type} model has no text_config")
+    merged = {**text, "model_type": model_type}
+    tie = config.get("tie_word_embeddings", tie_default)
+    if tie is not None:
+        merged["tie_word_embeddings"] = tie
+    return merged

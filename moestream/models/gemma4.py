@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moestream.errors import FormatError
+from moestream.models import base
 from moestream.models import gemma4_text
 from moestream.models.gemma4_text import (EXPERT_ACTIVATION, EXPERT_EXPORT, EXPERT_MODULE, EXPERT_NAMES,  # noqa: F401
                                           build, quant_predicate)
@@ -18,13 +18,7 @@ LANGUAGE_MODEL = "model.language_model."
 class ModelArgs(gemma4_text.ModelArgs):
     @classmethod
     def from_dict(cls, config: dict):
-        text = config.get("text_config")
-        if not isinstance(text, dict):
-            raise FormatError("config.json of a gemma4 model has no text_config")
-        merged = {**text, "model_type": "gemma4"}
-        if "tie_word_embeddings" in config:  # the outer config ties the language model's head
-            merged["tie_word_embeddings"] = config["tie_word_embeddings"]
-        return super().from_dict(merged)
+        return super().from_dict(base.text_model_config(config, "gemma4"))
 
 
 def sanitize(name: str) -> str | None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moestream.errors import FormatError
+from moestream.models import base
 from moestream.models import deepseek_v3
 from moestream.models.deepseek_v3 import EXPERT_MODULE, EXPERT_NAMES, build, quant_predicate  # noqa: F401
 
@@ -23,12 +23,7 @@ SAVED_LAYERS = "blocks."
 class ModelArgs(deepseek_v3.ModelArgs):
     @classmethod
     def from_dict(cls, config: dict):
-        text = config.get("text_config")
-        if not isinstance(text, dict):
-            raise FormatError("config.json of a kimi_k25 model has no text_config")
-        # the outer config ties the language model's head (tied unless it says otherwise)
-        merged = {**text, "model_type": "kimi_k25", "tie_word_embeddings": config.get("tie_word_embeddings", True)}
-        return super().from_dict(merged)
+        return super().from_dict(base.text_model_config(config, "kimi_k25", tie_default=True))
 
 
 def sanitize(name: str) -> str | None:

@@ -1,7 +1,8 @@
-"""Gemma 4 (text) on CUDA through the generic decoder: its experts take the torch plan (the Triton
-expert kernels compute SwiGLU only), its attention the masked torch step (window, scale 1); the
-greedy tokens equal the CPU reference's, the bits are the same for every cache size and with graphs
-on or off, and step(T tokens) = T one-token steps bit for bit."""
+"""Families whose experts take the torch plan on CUDA (the Triton expert kernels compute SwiGLU
+only: Gemma 4's GELU-tanh, gpt-oss's clamped SwiGLU with biases) and whose attention takes the
+masked torch step (windows, sinks, scales), through the generic decoder: the greedy tokens equal the
+CPU reference's, the bits are the same for every cache size and with graphs on or off, and
+step(T tokens) = T one-token steps bit for bit."""
 import pytest
 import torch
 
@@ -9,7 +10,7 @@ from moestream.engine.engine import Engine
 from moestream.engine.options import EngineOptions
 
 pytestmark = pytest.mark.gpu
-FAMILY = "gemma4_text"
+FAMILIES = ["gemma4_text", "gpt_oss"]
 PROMPT = "def fibonacci(n):\n    if n < 2:"
 STEPS = 32
 
@@ -23,8 +24,9 @@ def greedy(engine, prompt):
     return [e.token_id for e in events], [e.logprob for e in events]
 
 
-def test_decodes_like_the_cpu_reference_on_the_torch_expert_plan(tiny_packed_model):
-    packed = tiny_packed_model(FAMILY, "q4", dtype="bfloat16")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_decodes_like_the_cpu_reference_on_the_torch_expert_plan(family, tiny_packed_model):
+    packed = tiny_packed_model(family, "q4", dtype="bfloat16")
     cpu = Engine.load(packed, options=EngineOptions(device="cpu", threads=1))
     prompt = cpu.tokenizer.encode(PROMPT)
     ref_tokens, ref_lp = greedy(cpu, prompt)
@@ -37,8 +39,9 @@ def test_decodes_like_the_cpu_reference_on_the_torch_expert_plan(tiny_packed_mod
     assert max(abs(a - b) for a, b in zip(lp, ref_lp)) < 1e-3
 
 
-def test_same_bits_for_every_cache_size_and_graphs_on_or_off(tiny_packed_model):
-    packed = tiny_packed_model(FAMILY, "q4", dtype="bfloat16")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_same_bits_for_every_cache_size_and_graphs_on_or_off(family, tiny_packed_model):
+    packed = tiny_packed_model(family, "q4", dtype="bfloat16")
     runs = {}
     for size, graphs in (("min", True), ("50%", True), ("all", True), ("all", False)):
         engine = load(packed, dtype="bfloat16", cache_size=size, cuda_graphs=graphs)
@@ -48,9 +51,10 @@ def test_same_bits_for_every_cache_size_and_graphs_on_or_off(tiny_packed_model):
     assert all(value == first for value in runs.values()), runs.keys()
 
 
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("size", ["all", "min"])
-def test_step_of_t_tokens_equals_t_single_steps_on_cuda(size, tiny_packed_model):
-    engine = load(tiny_packed_model(FAMILY, "q4", dtype="bfloat16"), dtype="bfloat16", cache_size=size)
+def test_step_of_t_tokens_equals_t_single_steps_on_cuda(family, size, tiny_packed_model):
+    engine = load(tiny_packed_model(family, "q4", dtype="bfloat16"), dtype="bfloat16", cache_size=size)
     prompt = engine.tokenizer.encode(PROMPT)
     draft = [5, 17, 300, 42, 9, 250, 77, 3]
     engine.prefill(prompt)
