@@ -224,7 +224,7 @@ def run(args) -> dict:
             with timeline.recording(timeline_path(args.timeline, size, len(sizes)), device=engine.device):
                 measured = measure(engine, prefill_sizes=prefill_sizes, decode_tokens=args.decode_tokens, seed=args.seed)
             run_result = {"cache_size": size, "slots": engine.plan.slots, "total_experts": engine.plan.total_experts,
-                          **run_facts(engine.options), **measured}
+                          "streaming": engine.streaming, **run_facts(engine.options), **measured}
         finally:
             engine.close()
             del engine

@@ -17,7 +17,9 @@ token, and the expert kernels compute each (token, expert) pair on its own (`per
 token's bits never depend on T. Speculative verification relies on this.
 
 When every expert is resident (the cache holds them all), the slot tables never change, and the
-whole step is one graph: no host work until the logits. Otherwise between a layer's attention
+whole step is one graph: no host work until the logits. The same holds with a device map
+(moestream.experts.device_map): the experts segment first brings the layer's table up to date on
+the device, copying misses from the host tier itself. Otherwise between a layer's attention
 and its experts the host reads the chosen ids (the one sync per layer), pins or loads the experts
 and writes the layer's slot table. Both ways run the same kernels on the same bytes, so the logits
 are the same bits for every cache size; with graphs off (and on the CPU) the segments run eagerly."""
@@ -122,7 +124,7 @@ class Decoder:
         block = layer.ffn
         weights, ids = block.route(hn)
         guesses = None
-        if self.ahead.get(i) and not self.resident:  # the later layers' routers on this input (top-k of logits)
+        if self.ahead.get(i) and not self.experts.device_driven:  # the later layers' routers on this input (top-k of logits)
             nxt = [self.model.layers[j].ffn for j in self.ahead[i]]
             guesses = torch.cat([torch.topk(F.linear(hn, b.router), b.top_k, dim=-1).indices for b in nxt], dim=-1)
         outs = {"weights": weights, "ids": ids, "h": h, "hn": hn, "shared": block.shared_out(hn), "guesses": guesses}
@@ -203,13 +205,13 @@ class Decoder:
             self.row_slots[t] = slots[t]
         first = slots[0]
         # the resident whole-step graph binds one sequence's cache; a step of several runs in segments
-        if self.resident and self.use_graphs and all(s == first for s in slots) and \
+        if self.experts.device_driven and self.use_graphs and all(s == first for s in slots) and \
                 all(self._capturable(i) for i in self.routed):
             key = ("step", T) if first == 0 else ("step", T, first)
             self.routed = self._mode(key)
             self._replay(key, lambda: self._whole(T))
             for i, r in self.routed.items():
-                self.experts.count_resident(self.model.layers[i].ffn.layer, r.rows("ids", T))
+                self._booked(i, T)
             return self.logits[:T]
         self.routed = self._mode("segments")
         self._replay(("start", T), lambda: self._start(T))
@@ -230,9 +232,9 @@ class Decoder:
         """Host half (unless resident), then the layer's experts segment."""
         r, block = self.routed[i], self.model.layers[i].ffn
         capture = self._capturable(i)
-        if self.resident:
+        if self.experts.device_driven:
             self._replay(("experts", i, T), lambda: self._experts(i, T), capture=capture)
-            self.experts.count_resident(block.layer, r.rows("ids", T))
+            self._booked(i, T)
             return
         ids = r.rows("ids", T)
         A = ids.shape[1]
@@ -263,6 +265,15 @@ class Decoder:
             self._replay(("experts", i, T), lambda: self._experts(i, T), capture=capture)
         finally:  # a victim slot is rewritten only after the kernels queued above (stream order)
             self.experts.release(block.layer)
+
+    def _booked(self, i: int, T: int) -> None:
+        """A layer ran with no host half: resident hits are booked here (a device map counts its
+        own); a routing trace still sees the ids."""
+        layer, ids = self.model.layers[i].ffn.layer, self.routed[i].rows("ids", T)
+        if self.experts.resident:
+            self.experts.count_resident(layer, ids)
+        elif self.experts.on_route is not None:
+            self.experts.on_route(layer, ids)
 
     def _experts_in_batches(self, i: int, T: int) -> None:
         r, block = self.routed[i], self.model.layers[i].ffn

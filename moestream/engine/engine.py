@@ -211,6 +211,45 @@ class Engine:
             self.experts.make_resident()
             log.info("all %d experts resident on %s (%.1f s)", self.provider.total_experts, self.device,
                      time.perf_counter() - t0)
+            return
+        self._start_streaming()
+
+    @property
+    def streaming(self) -> str:
+        """How routed experts reach the device: resident, device (the device map) or host."""
+        return "resident" if self.experts.resident else "device" if self.experts.device_map is not None else "host"
+
+    def _start_streaming(self) -> None:
+        """Device-driven streaming where the option allows and it can run (else the host path);
+        `--streaming device` where it cannot is an error naming why."""
+        from moestream.experts.device_map import DeviceMapUnavailable
+
+        mode = self.options.streaming
+        if mode == "host":
+            return
+        reason = None
+        if self.parallel is not None:
+            reason = "expert parallelism computes experts on several ranks"
+        elif getattr(self.options, "cpu_experts", "off") not in ("off", None):
+            reason = "a CPU share of the misses needs the host to see each layer's ids"
+        elif mode == "auto" and self.device.type != "cuda":
+            reason = "on the CPU the host drives"
+        elif mode == "auto" and not all(self.experts.uses_triton(layer, self.dtype) for layer in self.experts.num_experts):
+            reason = "some layers' experts run on the torch reference, which reads slots on the host"
+        elif mode == "auto" and self.plan.host_slots < self.provider.total_experts:
+            reason = "the host tier does not hold every expert (--host-cache-size all)"
+        if reason is None:
+            t0 = time.perf_counter()
+            try:
+                self.experts.start_device_map()
+                log.info("device-driven streaming: %d slots, the host tier holds all %d experts (%.1f s)",
+                         self.plan.slots, self.provider.total_experts, time.perf_counter() - t0)
+                return
+            except DeviceMapUnavailable as exc:
+                reason = str(exc)
+        if mode == "device":
+            raise MoestreamError(f"--streaming device cannot run: {reason}")
+        log.info("host-driven streaming: %s", reason)
 
     def _check_room(self, n: int, cache: KVCache | None = None) -> None:
         cache = self.cache if cache is None else cache

@@ -27,6 +27,7 @@ class EngineOptions:
     io_threads: int = 32
     host_cache_size: str = "0"
     host_cache_policy: str = "clock"
+    streaming: str = "auto"  # who looks up a streamed layer's experts: the device (auto where it can) or the host
     prefetch: str = "next-layer"  # start loading the next MoE layer(s)' likely experts early (one-token steps)
     memory_budget: str | None = None
     verify: bool = True  # crc32 of every expert record read, sha256 of the resident files at load
@@ -78,6 +79,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--io-threads", type=at_least(1), default=32, help="parallel record reads (default 32)")
     c.add_argument("--host-cache-size", default="0", help="pinned host RAM tier between disk and device slots (bytes or %%; default 0: none)")
     c.add_argument("--host-cache-policy", default="clock", choices=["clock", "lru", "arc", "lfu"], help="host tier policy (default clock)")
+    c.add_argument("--streaming", default="auto", choices=["auto", "device", "host"],
+                   help="who finds a streamed layer's experts: device (the GPU looks up its slots and copies misses from "
+                        "the host tier itself, no host round trip per layer; needs a host tier holding every expert, "
+                        "--host-cache-size all), host (the host reads each layer's ids, then loads); auto (default): "
+                        "device where it can run on CUDA, else host")
     c.add_argument("--prefetch", default="next-layer", choices=["next-layer", "two-layers", "none"],
                    help="next-layer (default): while a layer computes, start copying the experts the next MoE layer's "
                         "router picks for the current hidden state; two-layers: also the one after (CUDA); copies "

@@ -194,4 +194,4 @@ def load_engine(model: str | os.PathLike | None, options: EngineOptions):
 
 def run_facts(options: EngineOptions) -> dict:
     """What a receipt records about how the run was set up, beyond the engine's own figures."""
-    return {"threads": torch.get_num_threads(), "verify": options.verify}
+    return {"threads": torch.get_num_threads(), "verify": options.verify, "streaming_option": options.streaming}

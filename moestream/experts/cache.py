@@ -96,6 +96,7 @@ class ExpertCache:
         self._deferred: list = []  # (copy event, callback): host tier slots to unpin once their copy is done
         self.resident_tables: dict[int, torch.Tensor] = {}  # layer -> int32 [E] slots, once all are resident
         self._device_hits: torch.Tensor | None = None  # per MoE layer, counted by resident layers
+        self.device_map = None  # a DeviceMap once device-driven streaming started (start_device_map)
         self.stats_ = CacheStats()
         self._lock = threading.Lock()  # guards stats updated from reader threads
 
@@ -106,6 +107,8 @@ class ExpertCache:
     def fetch(self, layer: int, experts: Sequence[int], *, views: bool = True) -> dict[int, dict[str, torch.Tensor]]:
         """Pin the experts' slots, loading misses; returns record views (none with views=False, for
         kernels that index the pool through `slots_of`)."""
+        if self.device_map is not None:
+            raise RuntimeError("the device drives this cache (device-driven streaming): the host does not fetch")
         entry, li = self.entries[layer], self._index[layer]
         pinned, waits = [], []
         st = self.stats_
@@ -275,7 +278,47 @@ class ExpertCache:
         seen.scatter_(0, flat, 1)  # torch.bincount would sync with the host on CUDA
         self._device_hits[self._index[layer]] += seen.sum()
 
+    # -- device-driven streaming ----------------------------------------------------------
+    def start_device_map(self):
+        """Hand the slot pool to a DeviceMap (moestream.experts.device_map): from now on the device
+        looks up its experts and copies misses from the host tier itself. Needs a host tier that
+        holds every record (filled here, reading what it lacks) and, on CUDA, host memory the GPU
+        can read. Raises DeviceMapUnavailable naming what is missing."""
+        from moestream.experts.device_map import DeviceMap, DeviceMapUnavailable
+        from moestream.experts.uva import device_view
+
+        if self.device_map is not None:
+            return self.device_map
+        if self.host is None or self.host.slots < self.total_experts:
+            have = self.host.slots if self.host is not None else 0
+            raise DeviceMapUnavailable(f"the host tier holds {have} of the {self.total_experts} expert records "
+                                       "(device-driven streaming needs them all: --host-cache-size all)")
+        self.fill_host_tier()
+        self._run_deferred(wait=True)
+        for key in list(self.pending):
+            self._finish(key)
+        host = device_view(self.host.pool) if self.cuda else self.host.pool
+        if host is None:
+            raise DeviceMapUnavailable("this GPU cannot read the pinned host tier at its address (no unified addressing)")
+        self.device_map = DeviceMap(self.pool, host, self.host.directory.keys(),
+                                    {l: e.num_experts for l, e in self.entries.items()},
+                                    {l: e.record_size for l, e in self.entries.items()})
+        return self.device_map  # it starts empty: what the host path left in the slots is not reused
+
+    def _collect_device_map(self) -> None:
+        if self.device_map is None:
+            return
+        st, dm = self.stats_, self.device_map
+        for layer, (hits, misses) in dm.counts().items():
+            st.hits += hits
+            st.misses += misses
+            st.layer_hits[layer] = st.layer_hits.get(layer, 0) + hits
+            st.layer_misses[layer] = st.layer_misses.get(layer, 0) + misses
+            st.bytes_read_host += misses * dm.record_bytes[layer]
+        dm.reset_counts()
+
     def _collect_device_hits(self) -> None:
+        self._collect_device_map()
         if self._device_hits is not None:
             counts, self._device_hits = self._device_hits.tolist(), None
             for layer, n in zip(self.moe_layers, counts):
@@ -471,6 +514,7 @@ class ExpertCache:
         return {
             "source": getattr(self.source, "name", "?"), "verify": bool(getattr(self.source, "check_records", False)),
             "policy": self.directory.policy_name,
+            "streaming": "resident" if self.resident_tables else "device" if self.device_map is not None else "host",
             "partition": self.directory.partition, "slots": self.num_slots, "slot_bytes": self.num_slots * self.slot_bytes,
             "total_experts": self.total_experts, "host_slots": self.host.slots if self.host else 0,
             "hits": st.hits, "misses": st.misses, "hit_rate": round(st.hits / lookups, 6) if lookups else 1.0,

@@ -82,6 +82,10 @@ class ExpertProvider(Protocol):
 
     def make_resident(self) -> bool: ...
 
+    def start_device_map(self):
+        """A moestream.experts.device_map.DeviceMap over this pool (device-driven streaming)."""
+        ...
+
     def resident_table(self, layer: int) -> torch.Tensor | None: ...
 
     def count_resident(self, layer: int, ids: torch.Tensor) -> None: ...
@@ -165,6 +169,7 @@ class RoutedExperts:
         # host copies the tables are written from (pinned on CUDA: the copy runs without waiting)
         self._host_tables = {layer: (t.cpu().pin_memory() if pin else t.cpu()) for layer, t in self.tables.items()}
         self.resident = False
+        self.device_map = None  # set by start_device_map: the device looks up slots and copies misses itself
         # hooks: on_route(layer, ids) sees every layer's chosen ids (traces); after_fetch(layer, x)
         # runs once a layer's experts are pinned (early reads for later layers start there)
         self.on_route: Callable[[int, torch.Tensor], None] | None = None
@@ -226,6 +231,10 @@ class RoutedExperts:
             self.on_route(layer, ids)
         plan = self.plan(layer, x, ids, weights, per_pair=per_pair)
         pool = self.provider.slot_pool(layer)
+        if self.device_map is not None:
+            self.device_map.ensure(layer, ids)
+            plan.run_table(pool, self.tables[layer])
+            return plan.finish(residual)
         table = self.provider.resident_table(layer)
         if table is not None:
             plan.run_table(pool, table)
@@ -258,6 +267,21 @@ class RoutedExperts:
             self.resident = True
         return self.resident
 
+    def start_device_map(self) -> None:
+        """Device-driven streaming (moestream.experts.device_map): from now on each layer call finds
+        or copies its experts on the device, so a streamed step needs the host no more than a
+        resident one. Raises DeviceMapUnavailable where it cannot run."""
+        if self.device_map is None:
+            dm = self.provider.start_device_map()
+            for layer in self.tables:
+                self.tables[layer] = dm.layer_table(layer)
+            self.device_map = dm
+
+    @property
+    def device_driven(self) -> bool:
+        """Whether a layer call needs no host half: every expert resident, or the device map drives."""
+        return self.resident or self.device_map is not None
+
     def load(self, layer: int, ids_host: list[int], x: torch.Tensor | None = None) -> bool:
         """Host half for the decoder: pin the distinct `ids_host` and write their slots into the
         layer's table. False (nothing pinned) where they exceed the batch limit: then the caller
@@ -279,7 +303,7 @@ class RoutedExperts:
         return True
 
     def release(self, layer: int) -> None:
-        if not self.resident:
+        if not self.device_driven:
             self.provider.release(layer)
 
     def count_resident(self, layer: int, ids: torch.Tensor) -> None:
@@ -291,7 +315,10 @@ class RoutedExperts:
     def compute(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, *,
                 residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
                 per_pair: bool = True) -> torch.Tensor:
-        """Device half: the routed experts from the layer's slot table (set by `load` or resident)."""
+        """Device half: the routed experts from the layer's slot table (set by `load`, resident, or
+        brought up to date here by the device map)."""
+        if self.device_map is not None:
+            self.device_map.ensure(layer, ids)
         plan = self.plan(layer, x, ids, weights, per_pair=per_pair)
         plan.run_table(self.provider.slot_pool(layer), self.tables[layer])
         return plan.finish(residual, out=out) if out is not None else plan.finish(residual)

@@ -1,0 +1,123 @@
+"""Device-driven streaming: the expert -> slot map lives on the device, and so does the miss path.
+
+When the host tier holds every expert record (pinned RAM the GPU can read at its own address,
+moestream.experts.uva), a layer's experts need nothing from the host: from the router's ids the
+device looks up each expert's slot, picks victims for the misses (least recently used slots; this
+layer's own hits are never candidates), rewrites the map and pulls the missed records from the
+host tier with its own loads (moestream.kernels.triton_gather). Every step is then one CUDA graph,
+as when every expert is resident, and the host never waits for a layer. What moves never changes
+the answer: the kernels compute from a slot only after the copy into it, in stream order, and the
+bytes are the record's.
+
+State, all device tensors:
+  - table [N + 1] int32: slot of each expert (N = all experts of all MoE layers, flat; layer l's
+    expert e at offset[l] + e), -1 where not in the pool; the last entry is a scratch target for
+    masked-out writes (it keeps every update a fixed-shape scatter, so a graph can hold it).
+  - owner [S + 1] int64: the flat expert held by each slot (N: none), scratch entry last.
+  - last_used [S + 1] int64: when each slot was last used (call count << 20 | position among the
+    call's sorted experts), scratch entry last.
+  - host_slot [N] int64: the host tier slot of each expert (fixed: the host tier holds them all).
+  - hits / misses [layers] int64: counted here, read when stats are asked for.
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+
+
+class DeviceMapUnavailable(RuntimeError):
+    """Device-driven streaming cannot run here (the reason is the message)."""
+
+
+class DeviceMap:
+    def __init__(self, pool: torch.Tensor, host_pool: torch.Tensor, host_slots: Mapping[tuple[int, int], int],
+                 num_experts: Mapping[int, int], record_bytes: Mapping[int, int]):
+        """pool: the device slots [S, B]; host_pool: the host tier [R, B] as the device reads it (on
+        CPU, the host tier itself); host_slots: (layer, expert) -> host tier slot for every expert;
+        num_experts / record_bytes: per MoE layer."""
+        self.pool, self.host_pool, dev = pool, host_pool, pool.device
+        self.layers = sorted(num_experts)
+        self.offset, n = {}, 0
+        for layer in self.layers:
+            self.offset[layer] = n
+            n += num_experts[layer]
+        self.num_experts, self.total, self.slots = dict(num_experts), n, pool.shape[0]
+        self.record_bytes = dict(record_bytes)
+        most = max(num_experts.values())
+        if self.slots < 2 * most:  # a layer's hits are protected: its misses need other slots
+            raise DeviceMapUnavailable(f"the device cache has {self.slots} slots; device-driven streaming needs at "
+                                       f"least {2 * most} (twice a layer's {most} experts)")
+        missing = [key for layer in self.layers for key in ((layer, e) for e in range(num_experts[layer]))
+                   if key not in host_slots]
+        if missing:
+            raise DeviceMapUnavailable(f"the host tier lacks {len(missing)} expert records (first: layer "
+                                       f"{missing[0][0]} expert {missing[0][1]}); it must hold them all")
+        host = [host_slots[(layer, e)] for layer in self.layers for e in range(num_experts[layer])]
+        self.host_slot = torch.tensor(host, dtype=torch.int64, device=dev)
+        self.table = torch.full((n + 1,), -1, dtype=torch.int32, device=dev)
+        self.owner = torch.full((self.slots + 1,), n, dtype=torch.int64, device=dev)
+        self.last_used = torch.zeros(self.slots + 1, dtype=torch.int64, device=dev)
+        self.clock = torch.zeros((), dtype=torch.int64, device=dev)
+        self.hits = torch.zeros(len(self.layers), dtype=torch.int64, device=dev)
+        self.misses = torch.zeros(len(self.layers), dtype=torch.int64, device=dev)
+        self._index = {layer: i for i, layer in enumerate(self.layers)}
+
+    def layer_table(self, layer: int) -> torch.Tensor:
+        """int32 [E] view of `layer`'s slots (what the expert kernels index with the router's ids)."""
+        off = self.offset[layer]
+        return self.table[off:off + self.num_experts[layer]]
+
+    def ensure(self, layer: int, ids: torch.Tensor) -> None:
+        """Make every expert in `ids` (any shape, this layer's ids) hold a slot with its record, on
+        the device and in stream order: device ops only, no host sync (a CUDA graph can hold it)."""
+        n, S = self.total, self.slots
+        key, _ = torch.sort(ids.reshape(-1).to(torch.int64) + self.offset[layer])
+        first = torch.ones_like(key, dtype=torch.bool)
+        first[1:] = key[1:] != key[:-1]  # each distinct expert once
+        slot = self.table[key].to(torch.int64)
+        miss = first & (slot < 0)
+        hit = first & (slot >= 0)
+        self.clock.add_(1)
+        # stamps order slots by last use, then (within one call) by expert: strict LRU, no ties
+        now = (self.clock << 20) + torch.arange(key.shape[0], device=key.device)
+        self.last_used.scatter_(0, torch.where(hit, slot, S), now)  # this layer's hits are no victims
+        k = min(key.shape[0], self.num_experts[layer])
+        victims = torch.topk(self.last_used[:S], k, largest=False).indices  # least recently used first
+        rank = (torch.cumsum(miss, 0) - 1).clamp(min=0, max=k - 1)
+        new = victims[rank]  # the r-th miss takes the r-th victim
+        old = self.owner[new]
+        self.table.scatter_(0, torch.where(miss, old, n), torch.full_like(slot, -1, dtype=torch.int32))
+        self.table.scatter_(0, torch.where(miss, key, n), new.to(torch.int32))
+        self.owner.scatter_(0, torch.where(miss, new, S), key)
+        self.last_used.scatter_(0, torch.where(miss, new, S), now)
+        self.owner[S] = n  # scratch entries back to neutral
+        self.table[n] = -1
+        src = self.host_slot[key.clamp(max=n - 1)]
+        copy_records(self.host_pool, self.pool, src, new, miss)
+        li = self._index[layer]
+        self.hits[li] += hit.sum()
+        self.misses[li] += miss.sum()
+
+    def counts(self) -> dict[int, tuple[int, int]]:
+        """layer -> (hits, misses) so far (reads the device counters: one sync)."""
+        hits, misses = self.hits.tolist(), self.misses.tolist()
+        return {layer: (hits[i], misses[i]) for i, layer in enumerate(self.layers)}
+
+    @torch.inference_mode()  # the map's tensors are made inside the engine's inference mode
+    def reset_counts(self) -> None:
+        self.hits.zero_()
+        self.misses.zero_()
+
+
+def copy_records(source: torch.Tensor, dest: torch.Tensor, src: torch.Tensor, dst: torch.Tensor,
+                 todo: torch.Tensor) -> None:
+    """dest[dst[i]] = source[src[i]] where todo[i]: the Triton gather on CUDA, torch on the CPU."""
+    if dest.device.type == "cuda":
+        from moestream.kernels.triton_gather import gather_records
+
+        gather_records(source, dest, src, dst, todo)
+        return
+    rows = todo.nonzero().view(-1)
+    if rows.numel():
+        dest.index_copy_(0, dst[rows], source.index_select(0, src[rows]))

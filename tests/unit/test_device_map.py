@@ -1,0 +1,122 @@
+"""Device-driven streaming (moestream.experts.device_map): the map stays consistent and holds the
+right bytes under any sequence of lookups, its hit and miss counts are those of LRU, and an engine
+streaming this way gives the bits of every other way (on the CPU, where the same device ops run)."""
+from collections import OrderedDict
+
+import pytest
+import torch
+
+from moestream.engine.engine import Engine
+from moestream.engine.options import EngineOptions
+from moestream.errors import MoestreamError
+from moestream.experts.device_map import DeviceMap, DeviceMapUnavailable
+from moestream.format.reader import PackedModel
+
+FAMILY = "qwen3_moe"
+
+
+def make_map(slots=10, layers=(1, 3, 4), experts=5, width=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    keys = [(layer, e) for layer in layers for e in range(experts)]
+    order = torch.randperm(len(keys) + 3, generator=g).tolist()  # host slots in any order, some unused
+    host_slots = {key: order[i] for i, key in enumerate(keys)}
+    host = torch.randint(0, 256, (len(keys) + 3, width), dtype=torch.uint8, generator=g)
+    pool = torch.zeros((slots, width), dtype=torch.uint8)
+    dm = DeviceMap(pool, host, host_slots, {layer: experts for layer in layers}, {layer: width for layer in layers})
+    return dm, pool, host, host_slots
+
+
+def check_consistent(dm: DeviceMap, pool, host, host_slots) -> None:
+    table = dm.table[:-1].tolist()
+    owner = dm.owner[:-1].tolist()
+    flat = [(layer, e) for layer in dm.layers for e in range(dm.num_experts[layer])]
+    held = {i: s for i, s in enumerate(table) if s >= 0}
+    assert len(set(held.values())) == len(held)  # no slot holds two experts
+    for i, slot in held.items():
+        assert owner[slot] == i
+        assert torch.equal(pool[slot], host[host_slots[flat[i]]])
+    for slot, i in enumerate(owner):
+        assert i == dm.total or table[i] == slot
+
+
+def test_every_lookup_leaves_a_consistent_map_with_the_right_bytes_and_lru_counts():
+    dm, pool, host, host_slots = make_map()
+    g = torch.Generator().manual_seed(1)
+    lru: OrderedDict = OrderedDict()
+    hits = misses = 0
+    for step in range(200):
+        layer = dm.layers[step % 3]
+        tokens = 1 if step % 7 else 3  # a multi-token step repeats experts
+        ids = torch.stack([torch.randperm(5, generator=g)[:2] for _ in range(tokens)])
+        dm.ensure(layer, ids)
+        check_consistent(dm, pool, host, host_slots)
+        table = dm.layer_table(layer)
+        assert bool((table[ids] >= 0).all())
+        for e in sorted(set(ids.view(-1).tolist())):  # the reference: LRU over the same slots
+            key = (layer, e)
+            if key in lru:
+                hits += 1
+                lru.move_to_end(key)
+            else:
+                misses += 1
+        for e in sorted(set(ids.view(-1).tolist())):
+            key = (layer, e)
+            if key not in lru:
+                lru[key] = True
+            lru.move_to_end(key)
+        while len(lru) > dm.slots:
+            lru.popitem(last=False)
+    counted = dm.counts()
+    assert sum(h for h, _ in counted.values()) == hits
+    assert sum(m for _, m in counted.values()) == misses
+    assert misses > dm.slots  # evictions happened
+
+
+def test_a_pool_smaller_than_twice_a_layer_or_a_partial_host_tier_is_refused():
+    with pytest.raises(DeviceMapUnavailable, match="at least 10"):
+        make_map(slots=9)
+    pool, host = torch.zeros((10, 4), dtype=torch.uint8), torch.zeros((4, 4), dtype=torch.uint8)
+    with pytest.raises(DeviceMapUnavailable, match="lacks 1 expert records"):
+        DeviceMap(pool, host, {(0, e): e for e in range(4)}, {0: 5}, {0: 4})
+
+
+@pytest.fixture(scope="module")
+def model(tiny_packed_model):
+    return tiny_packed_model(FAMILY, "q4", num_hidden_layers=5)  # 4 MoE layers of 8 experts
+
+
+def run(model, *, max_new=12, **opts):
+    engine = Engine.load(model, options=EngineOptions(device="cpu", prefill_chunk_tokens=5, **opts))
+    prompt = engine.tokenizer.encode("def fibonacci(n):\n    if n < 2:")
+    gen = engine.generate(prompt, max_new_tokens=max_new, logprobs=4)
+    out = [(e.token_id, e.top_logprobs) for e in gen]
+    mode = engine.streaming
+    engine.close()
+    return out, gen.result.receipt, mode
+
+
+def slots(model, n: int) -> str:
+    packed = PackedModel(model)
+    return str(n * max(e.record_size for e in packed.manifest.expert_layers))
+
+
+@pytest.mark.parametrize("n", [16, 20, 31])
+def test_device_driven_streaming_gives_the_bits_of_the_host_path(model, n):
+    reference, _, _ = run(model, cache_size="all")
+    out, receipt, mode = run(model, cache_size=slots(model, n), host_cache_size="all", streaming="device")
+    assert mode == "device" and receipt["experts"]["streaming"] == "device"
+    assert out == reference  # bitwise
+    assert receipt["misses"] > 0 and 0 < receipt["hit_rate"] < 1 and receipt["bytes_read_host"] > 0
+    if n == 16:
+        assert receipt["misses"] > n  # slots were reused
+    host, _, host_mode = run(model, cache_size=slots(model, n), host_cache_size="all", streaming="host")
+    assert host_mode == "host" and host == reference
+
+
+def test_streaming_device_where_it_cannot_run_names_why(model):
+    with pytest.raises(MoestreamError, match="host tier holds 0 of the 32"):
+        run(model, cache_size=slots(model, 16), streaming="device")
+    with pytest.raises(MoestreamError, match="needs at least 16"):
+        run(model, cache_size=slots(model, 12), host_cache_size="all", streaming="device")
+    _, receipt, mode = run(model, cache_size=slots(model, 16), host_cache_size="all")  # auto on the CPU: the host
+    assert mode == "host" and receipt["experts"]["streaming"] == "host"
