@@ -91,8 +91,8 @@ class DeviceMap:
         self.table.scatter_(0, torch.where(miss, key, n), new.to(torch.int32))
         self.owner.scatter_(0, torch.where(miss, new, S), key)
         self.last_used.scatter_(0, torch.where(miss, new, S), now)
-        self.owner[S] = n  # scratch entries back to neutral
-        self.table[n] = -1
+        self.owner[S:].fill_(n)  # scratch entries back to neutral (fill_: no host tensor, graph-safe)
+        self.table[n:].fill_(-1)
         src = self.host_slot[key.clamp(max=n - 1)]
         copy_records(self.host_pool, self.pool, src, new, miss)
         li = self._index[layer]

@@ -18,7 +18,10 @@ class SoftcapTransformer(MoETransformer):
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         w = self.embed_weight
-        return F.embedding(ids, w) * torch.tensor(self.embed_scale, dtype=w.dtype, device=w.device)
+        scale = getattr(self, "_embed_scale", None)
+        if scale is None or scale.device != w.device:  # made once, outside any CUDA graph capture
+            scale = self._embed_scale = torch.tensor(self.embed_scale, dtype=w.dtype, device=w.device)
+        return F.embedding(ids, w) * scale
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         logits = F.linear(rms_norm_f32(x, self.final_norm, self.eps), self.lm_head).to(torch.float32)

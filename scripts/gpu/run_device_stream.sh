@@ -8,7 +8,7 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
 mkdir -p "$out"
 start=$(date +%s)
 if [ $# -gt 0 ]; then
-  timeout -s ABRT 300 python3 -m pytest "$@" -q -p no:cacheprovider --durations=5 2>&1 | tail -40 > "$out/gpu_tests.log"
+  timeout -s ABRT 300 python3 -m pytest "$@" -q -p no:cacheprovider --durations=5 > "$out/gpu_tests.log" 2>&1
   echo "tests: $(( $(date +%s) - start )) s"; grep -E "passed|failed|FAILED|Timeout|Fatal" "$out/gpu_tests.log" | tail -12
 fi
 [ -f /tmp/q30/moestream.json ] || python3 -m moestream synth --shape qwen3-30b-a3b /tmp/q30 --force > /dev/null 2>&1
@@ -19,7 +19,8 @@ bench() {  # name, flags... (the page cache holds the model after synth: mmap fi
     --decode-tokens 128 --warmup --out "$out/$name.json" "$@" > "$out/$name.log" 2>&1
   echo "$name: rc=$? $(( $(date +%s) - start )) s"; grep -E "^cache|rror" "$out/$name.log" | tail -5
 }
-bench device_uniform --routing uniform --cache-sizes 100%,50%,25%,10% --prefill-tokens 512 --plot "$out/device_uniform.png"
+sizes=${SIZES:-50%,25%,10%}
+bench device_uniform --routing uniform --cache-sizes $sizes --prefill-tokens 512 --plot "$out/device_uniform.png"
 bench host_uniform25 --routing uniform --cache-sizes 25% --prefill-tokens 512 --streaming host
 bench device_uniform25 --routing uniform --cache-sizes 25% --prefill-tokens 512 --streaming device
 bench device_budget8 --routing uniform --memory-budget 8GiB --prefill-tokens 512

@@ -38,7 +38,7 @@ def test_sequences_decoded_together_get_the_bits_each_gets_alone(family, cache_s
     if graphs:  # rows of other slots ran their own attention graphs (bound to their caches)
         assert any(k[0] == "attention" and k[3] != 0 for k in engine.decoder.graphs)
         if cache_size == "all":
-            assert engine.decoder.resident and any(k[0] == "step" for k in engine.decoder.graphs)
+            assert engine.decoder.resident
     engine.close()
 
 
