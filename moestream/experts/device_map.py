@@ -14,8 +14,8 @@ State, all device tensors:
     expert e at offset[l] + e), -1 where not in the pool; the last entry is a scratch target for
     masked-out writes (it keeps every update a fixed-shape scatter, so a graph can hold it).
   - owner [S + 1] int64: the flat expert held by each slot (N: none), scratch entry last.
-  - last_used [S + 1] int64: when each slot was last used (call count << 20 | position among the
-    call's sorted experts), scratch entry last.
+  - last_used [S + 1] int64: when each slot was last used (call count << 20 | expert), scratch
+    entry last; unused slots start below any use, in slot order.
   - host_slot [N] int64: the host tier slot of each expert (fixed: the host tier holds them all).
   - hits / misses [layers] int64: counted here, read when stats are asked for.
 """
@@ -57,11 +57,14 @@ class DeviceMap:
         self.host_slot = torch.tensor(host, dtype=torch.int64, device=dev)
         self.table = torch.full((n + 1,), -1, dtype=torch.int32, device=dev)
         self.owner = torch.full((self.slots + 1,), n, dtype=torch.int64, device=dev)
-        self.last_used = torch.zeros(self.slots + 1, dtype=torch.int64, device=dev)
+        # unused slots are taken first, in order (distinct stamps below any use: no ties anywhere)
+        self.last_used = torch.arange(-self.slots, 1, dtype=torch.int64, device=dev)
+        self.last_used[-1] = 0
         self.clock = torch.zeros((), dtype=torch.int64, device=dev)
         self.hits = torch.zeros(len(self.layers), dtype=torch.int64, device=dev)
         self.misses = torch.zeros(len(self.layers), dtype=torch.int64, device=dev)
         self._index = {layer: i for i, layer in enumerate(self.layers)}
+        self.kernel = True  # the one-program Triton lookup on CUDA (tests turn it off to compare)
 
     def layer_table(self, layer: int) -> torch.Tensor:
         """int32 [E] view of `layer`'s slots (what the expert kernels index with the router's ids)."""
@@ -70,9 +73,22 @@ class DeviceMap:
 
     def ensure(self, layer: int, ids: torch.Tensor) -> None:
         """Make every expert in `ids` (any shape, this layer's ids) hold a slot with its record, on
-        the device and in stream order: device ops only, no host sync (a CUDA graph can hold it)."""
+        the device and in stream order: device ops only, no host sync (a CUDA graph can hold it).
+        On CUDA one Triton program decides (moestream.kernels.triton_slot_map), else `decide`."""
+        if self.pool.device.type == "cuda" and self.kernel:
+            from moestream.kernels import triton_slot_map
+
+            if triton_slot_map.fits(ids, self.slots):
+                src, dst, todo = triton_slot_map.slot_map(self, layer, ids)
+                copy_records(self.host_pool, self.pool, src, dst, todo)
+                return
+        self.decide(layer, ids)
+
+    def decide(self, layer: int, ids: torch.Tensor) -> None:
+        """`ensure` in torch ops (the reference for the Triton program, and the CPU's way)."""
         n, S = self.total, self.slots
-        key, _ = torch.sort(ids.reshape(-1).to(torch.int64) + self.offset[layer])
+        expert, _ = torch.sort(ids.reshape(-1).to(torch.int64))
+        key = expert + self.offset[layer]
         first = torch.ones_like(key, dtype=torch.bool)
         first[1:] = key[1:] != key[:-1]  # each distinct expert once
         slot = self.table[key].to(torch.int64)
@@ -80,7 +96,7 @@ class DeviceMap:
         hit = first & (slot >= 0)
         self.clock.add_(1)
         # stamps order slots by last use, then (within one call) by expert: strict LRU, no ties
-        now = (self.clock << 20) + torch.arange(key.shape[0], device=key.device)
+        now = (self.clock << 20) + expert
         self.last_used.scatter_(0, torch.where(hit, slot, S), now)  # this layer's hits are no victims
         k = min(key.shape[0], self.num_experts[layer])
         victims = torch.topk(self.last_used[:S], k, largest=False).indices  # least recently used first
@@ -93,6 +109,7 @@ class DeviceMap:
         self.last_used.scatter_(0, torch.where(miss, new, S), now)
         self.owner[S:].fill_(n)  # scratch entries back to neutral (fill_: no host tensor, graph-safe)
         self.table[n:].fill_(-1)
+        self.last_used[S:].fill_(0)
         src = self.host_slot[key.clamp(max=n - 1)]
         copy_records(self.host_pool, self.pool, src, new, miss)
         li = self._index[layer]

@@ -63,3 +63,25 @@ def test_device_driven_decode_gives_the_bits_of_resident_and_host_paths(tiny_pac
         engine.close()
     for name, out in runs.items():
         assert out == runs["resident"], name
+
+
+def test_the_triton_lookup_decides_what_the_torch_version_decides_on_cuda():
+    layers, experts, width = (0, 1, 3), 64, 4096
+    keys = [(layer, e) for layer in layers for e in range(experts)]
+    host = pin_if_cuda(aligned_buffer(len(keys) * width).view(len(keys), width))
+    host.copy_(torch.randint(0, 256, host.shape, dtype=torch.uint8))
+    maps = []
+    for kernel in (True, False):
+        pool = torch.zeros((150, width), dtype=torch.uint8, device="cuda")
+        dm = DeviceMap(pool, device_view(host), {k: i for i, k in enumerate(keys)}, {l: experts for l in layers},
+                       {l: width for l in layers})
+        dm.kernel = kernel
+        maps.append(dm)
+    g = torch.Generator().manual_seed(3)
+    for step in range(400):
+        layer = layers[step % 3]
+        ids = torch.stack([torch.randperm(experts, generator=g)[:8] for _ in range(1 + 15 * (step % 9 == 0))]).cuda()
+        for dm in maps:
+            dm.ensure(layer, ids)
+        for name in ("table", "owner", "last_used", "clock", "hits", "misses", "pool"):
+            assert torch.equal(getattr(maps[0], name), getattr(maps[1], name)), (step, name)

@@ -1,0 +1,90 @@
+"""The device map's lookup in one Triton program (moestream.experts.device_map.DeviceMap.ensure).
+
+In torch the lookup is ~35 small kernels per MoE layer (sort, gathers, top-k, scatters), ~90 us of
+launches in a graph: as much as copying two missed records. Here one program does it all, with
+every read before any write: the distinct experts of the call, their slots, the victims (the
+least recently used slots, one argmin per miss), the rewritten table / owner / stamps and the
+hit and miss counts. It writes, per id position, what the record copy needs (source row,
+destination slot, whether to copy). Same decisions as the torch version, which the tests check."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+MAX_IDS = 256  # ids per call the program takes (a decode or verify step); more go through torch
+MAX_SLOTS = 16384  # slots it holds in registers at once
+
+
+@triton.jit
+def _slot_map(ids_ptr, P, offset, table_ptr, owner_ptr, stamp_ptr, host_slot_ptr, clock_ptr, hits_ptr, misses_ptr,
+              layer_index, S, N, src_ptr, dst_ptr, todo_ptr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr):
+    i = tl.arange(0, BLOCK_P)
+    valid = i < P
+    expert = tl.load(ids_ptr + i, mask=valid, other=0).to(tl.int64)
+    key = expert + offset
+    # the first position of each distinct expert counts; later repeats ride along
+    same = (key[:, None] == key[None, :]) & (i[None, :] < i[:, None]) & valid[None, :]
+    first = valid & (tl.sum(same.to(tl.int32), 1) == 0)
+    slot = tl.load(table_ptr + key, mask=valid, other=-1).to(tl.int64)
+    miss = first & (slot < 0)
+    hit = first & (slot >= 0)
+    # misses in order of expert (as the torch version assigns victims)
+    before = (key[None, :] < key[:, None]) & miss[None, :]
+    rank = tl.sum(before.to(tl.int32), 1)
+    clock = tl.load(clock_ptr) + 1
+    now = (clock << 20) + expert
+    s = tl.arange(0, BLOCK_S)
+    live = s < S
+    stamps = tl.load(stamp_ptr + s, mask=live, other=0)
+    big = 0x7FFFFFFFFFFFFFFF
+    # this call's hits are no victims
+    hit_slot = tl.where(hit, slot, -1)
+    protected = tl.sum(((s[:, None] == hit_slot[None, :]) & hit[None, :]).to(tl.int32), 1) > 0
+    stamps = tl.where(live & ~protected, stamps, big)
+    new = tl.zeros([BLOCK_P], dtype=tl.int64)
+    n_miss = tl.sum(miss.to(tl.int32), 0)
+    r = 0
+    while r < n_miss:  # one argmin per miss: the r-th miss takes the r-th least recently used slot
+        low = tl.min(stamps, 0)
+        victim = tl.min(tl.where(stamps == low, s, BLOCK_S), 0).to(tl.int64)
+        new = tl.where(miss & (rank == r), victim, new)
+        stamps = tl.where(s == victim, big, stamps)
+        r += 1
+    old = tl.load(owner_ptr + new, mask=miss, other=N)
+    # writes, after every read
+    tl.store(table_ptr + old, tl.full([BLOCK_P], -1, tl.int32), mask=miss & (old < N))
+    tl.store(table_ptr + key, new.to(tl.int32), mask=miss)
+    tl.store(owner_ptr + new, key, mask=miss)
+    tl.store(stamp_ptr + tl.where(miss, new, slot), now, mask=miss | hit)
+    tl.store(clock_ptr, clock)
+    tl.store(hits_ptr + layer_index, tl.load(hits_ptr + layer_index) + tl.sum(hit.to(tl.int64), 0))
+    tl.store(misses_ptr + layer_index, tl.load(misses_ptr + layer_index) + n_miss.to(tl.int64))
+    src = tl.load(host_slot_ptr + tl.minimum(key, N - 1), mask=valid, other=0)
+    tl.store(src_ptr + i, src, mask=valid)
+    tl.store(dst_ptr + i, new, mask=valid)
+    tl.store(todo_ptr + i, miss.to(tl.int8), mask=valid)
+
+
+def fits(ids: torch.Tensor, slots: int) -> bool:
+    """Whether one program takes this call (else the torch version runs)."""
+    return ids.numel() <= MAX_IDS and slots <= MAX_SLOTS
+
+
+def slot_map(dm, layer: int, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Run the lookup of `ids` (this layer's) on `dm`'s state; returns (src, dst, todo) per id for
+    the record copy."""
+    flat = ids.reshape(-1)
+    P, dev = flat.numel(), flat.device
+    src = torch.empty(P, dtype=torch.int64, device=dev)
+    dst = torch.empty(P, dtype=torch.int64, device=dev)
+    todo = torch.empty(P, dtype=torch.int8, device=dev)
+    _slot_map[(1,)](flat, P, dm.offset[layer], dm.table, dm.owner, dm.last_used, dm.host_slot, dm.clock, dm.hits,
+                    dm.misses, dm._index[layer], dm.slots, dm.total, src, dst, todo,
+                    BLOCK_P=max(16, triton.next_power_of_2(P)), BLOCK_S=triton.next_power_of_2(dm.slots),
+                    num_warps=8)
+    return src, dst, todo
+
+
+_INTERPRETED = isinstance(_slot_map, InterpretedFunction)  # under Triton's CPU interpreter (tests)
