@@ -163,3 +163,24 @@ def test_bad_cli_values_give_one_line(command, value, message):
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "--cpu-experts" in lines[0] and message in lines[0], proc.stderr
+
+
+def test_bench_json_and_generate_stats_line_report_the_cpu_share(model, tmp_path):
+    import json
+
+    out = tmp_path / "b.json"
+    env = {**__import__("os").environ, "PYTHONPATH": str(__import__("pathlib").Path(__file__).resolve().parents[2])}
+    proc = subprocess.run([sys.executable, "-m", "moestream", "bench", "--model", str(model), "--device", "cpu",
+                           "--threads", "1", "--cache-sizes", "min", "--host-cache-size", "all", "--prefill-tokens", "8",
+                           "--decode-tokens", "6", "--cpu-experts", "1", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr
+    run = json.loads(out.read_text())["runs"][0]
+    assert run["cpu_experts"] == "1.0" and run["decode"]["cpu_experts"] > 0
+    assert run["experts"]["cpu_gb_s"] > 0 and run["decode"]["cpu_fallbacks"] == 0
+    proc = subprocess.run([sys.executable, "-m", "moestream", "generate", "--model", str(model), "--device", "cpu",
+                           "--threads", "1", "--cache-size", "min", "--host-cache-size", "all", "--max-new", "6",
+                           "--prompt", "def f(", "--cpu-experts", "0.5"], capture_output=True, text=True, timeout=300,
+                          env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert "cpu experts" in proc.stderr and "fallbacks 0" in proc.stderr
