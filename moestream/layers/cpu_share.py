@@ -164,7 +164,7 @@ class CpuShare:
             if self.share == "auto" and views == {} and fresh:
                 self._warm(layer, fresh[0])
             return None
-        T, A = x.shape[0], len(ids_host) // x.shape[0]
+        A = len(ids_host) // x.shape[0]
         chosen = set(picked)
         pairs = [p for p, e in enumerate(ids_host) if e in chosen]
         x_host, w_host = x.detach().to("cpu"), weights.detach().to("cpu", torch.float32)

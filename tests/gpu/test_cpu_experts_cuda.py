@@ -69,7 +69,7 @@ def test_moe_plan_takes_rows_computed_elsewhere():
 
     torch.manual_seed(0)
     H, I, E, T, A = 128, 64, 4, 2, 2
-    fields, blobs, offset = [], [], 0
+    fields, offset = [], 0
     records = []
     for _ in range(E):
         parts = []
