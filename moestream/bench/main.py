@@ -71,16 +71,23 @@ def measure(engine, *, prefill_sizes: list[int], decode_tokens: int, seed: int) 
         run_peak = torch.cuda.max_memory_reserved(engine.device)
         engine.release_workspace()
         torch.cuda.reset_peak_memory_stats(engine.device)
+    decode_start = engine.expert_stats()
     gen = engine.generate(random_prompt(16, vocab, seed), max_new_tokens=decode_tokens, stop_at_eos=False)
     for _ in gen:
         pass
     r = gen.result.receipt
+    decode_end = engine.expert_stats()
     host_gb_s = r["bytes_read_host"] / r["read_wait_s"] / 1e9 if r["read_wait_s"] > 0 else None
     out["decode"] = {"tokens": r["generated_tokens"], "s": r["decode_s"], "tok_s": r["decode_tok_s"],
                      "hit_rate": r["hit_rate"], "misses": r["misses"], "bytes_read_disk": r["bytes_read_disk"],
                      "bytes_read_host": r["bytes_read_host"], "read_wait_s": r["read_wait_s"],
                      "disk_gb_s_while_waiting": round(r["bytes_read_disk"] / r["read_wait_s"] / 1e9, 3) if r["read_wait_s"] > 0 else None,
                      "host_gb_s_while_waiting": round(host_gb_s, 3) if host_gb_s else None}
+    if "cpu_share" in decode_end:  # --cpu-experts: what the CPU computed during the decode
+        out["decode"].update({k: decode_end[k] - decode_start[k] for k in (
+            "cpu_experts", "cpu_fallbacks", "cpu_timeouts", "cpu_repacks", "cpu_skipped_busy")})
+        out["decode"].update({k: decode_end[k] for k in ("cpu_share", "cpu_gb_s_ema", "copy_gb_s_ema",
+                                                         "cpu_repacked_bytes")})
     out["experts"] = engine.expert_stats()
     if cuda:  # what the run really held (prefills included), and what the decode alone held
         decode_peak = torch.cuda.max_memory_reserved(engine.device)

@@ -115,6 +115,8 @@ def check_args(parser: argparse.ArgumentParser, args) -> None:
     if parallel and (args.hot_head or args.speculative[0] != "off"):
         # every rank must run the same steps; the adaptive drafter times steps, so ranks could differ
         parser.error("argument --speculative/--hot-head: not with expert parallelism (--devices, torchrun)")
+    if parallel and args.cpu_experts != "off":
+        parser.error("argument --cpu-experts: not with expert parallelism (--devices, torchrun)")
     if args.expert_placement is not None and not parallel:
         parser.error("argument --expert-placement: only with expert parallelism (--devices with 2 or more, torchrun)")
     if args.expert_placement is not None and not os.path.isfile(args.expert_placement):
@@ -137,7 +139,17 @@ def stats_line(receipt: dict) -> str:
             f"prefill {rate(receipt['prefill_tok_s'])} tok/s, decode {rate(receipt['decode_tok_s'])} tok/s | "
             f"expert hit rate {receipt['hit_rate']:.3f}, misses {receipt['misses']}, read {mb:.1f} MB "
             f"(disk {receipt['bytes_read_disk'] / 1e6:.1f} MB), read wait {receipt['read_wait_s']:.3f} s | "
-            f"threads {receipt['threads']}, verify {'on' if receipt['verify'] else 'off'}" + speculative_stats(receipt))
+            f"threads {receipt['threads']}, verify {'on' if receipt['verify'] else 'off'}" + speculative_stats(receipt)
+            + cpu_share_stats(receipt))
+
+
+def cpu_share_stats(receipt: dict) -> str:
+    experts = receipt.get("experts") or {}
+    if "cpu_share" not in experts:
+        return ""
+    rate = experts.get("cpu_gb_s")
+    return (f" | cpu experts {experts['cpu_experts']} ({experts['cpu_share']}), fallbacks {experts['cpu_fallbacks']}, "
+            f"{rate if rate is not None else '-'} GB/s")
 
 
 def speculative_stats(receipt: dict) -> str:

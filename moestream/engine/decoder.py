@@ -252,7 +252,7 @@ class Decoder:
         chosen = host.tolist()
         if self.lookahead is not None and T == 1:
             self.lookahead.score(block.layer, chosen)
-        if not self.experts.load(block.layer, chosen, r.rows("hn", T)):
+        if not self.experts.load(block.layer, chosen, r.rows("hn", T), r.rows("weights", T)):
             self._experts_in_batches(i, T)  # more distinct experts than the pool can pin at once
             return
         if guessing:  # this layer's experts are pinned: early copies cannot evict them
@@ -262,6 +262,7 @@ class Decoder:
                 self.lookahead.guess(self.model.layers[j].ffn.layer, depth, flat[at:at + k])
                 at += k
         try:
+            self.experts.join_cpu(block.layer)  # a CPU share's rows (or, failing, its experts loaded here)
             self._replay(("experts", i, T), lambda: self._experts(i, T), capture=capture)
         finally:  # a victim slot is rewritten only after the kernels queued above (stream order)
             self.experts.release(block.layer)

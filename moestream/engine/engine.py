@@ -119,6 +119,7 @@ class Engine:
             lookahead = None if cpu or options.prefetch == "none" else \
                 Lookahead(self.provider, depth=2 if options.prefetch == "two-layers" else 1)
             self.tokenizer = load_tokenizer(packed.directory, packed.config)
+            self._share_with_cpu(options)
         except BaseException:
             self.provider.close()
             raise
@@ -133,6 +134,25 @@ class Engine:
         self.trace = None
         if options.trace_routing:
             self._start_trace()
+
+    def _share_with_cpu(self, options: EngineOptions) -> None:
+        """--cpu-experts: the CPU computes a share of each streamed layer's misses from host RAM.
+        Its repacked weights are kept up to the host tier's size (the device cache's without one)."""
+        from moestream.layers.cpu_share import parse_share
+
+        try:
+            share = parse_share(options.cpu_experts)
+        except ValueError as exc:
+            raise MoestreamError(f"cpu_experts: {exc}") from None
+        if share == "off":
+            return
+        if self.parallel is not None:
+            raise MoestreamError("--cpu-experts does not run with expert parallelism (--devices)")
+        if not options.cpu_experts_timeout > 0:
+            raise MoestreamError(f"cpu_experts_timeout must be more than 0 seconds, not {options.cpu_experts_timeout}")
+        capacity = (self.plan.host_slots or self.provider.num_slots) * self.provider.slot_bytes
+        self.experts.share_with_cpu(share, dtype=self.dtype, timeout_s=options.cpu_experts_timeout,
+                                    capacity_bytes=capacity)
 
     @staticmethod
     def _expert_parallel(packed: PackedModel, options: EngineOptions):
@@ -188,6 +208,8 @@ class Engine:
 
     def close(self) -> None:
         self.save_trace()
+        if self.experts.cpu is not None:
+            self.experts.cpu.close()
         self.provider.close()
 
     @classmethod
@@ -230,7 +252,7 @@ class Engine:
         reason = None
         if self.parallel is not None:
             reason = "expert parallelism computes experts on several ranks"
-        elif getattr(self.options, "cpu_experts", "off") not in ("off", None):
+        elif self.options.cpu_experts != "off":
             reason = "a CPU share of the misses needs the host to see each layer's ids"
         elif mode == "auto" and self.device.type != "cuda":
             reason = "on the CPU the host drives"
@@ -480,6 +502,8 @@ class Engine:
         stats = dict(self.provider.stats())
         if self.parallel is not None:
             stats.update(collective_s=self.parallel.group.collective_s, exchanges=self.parallel.group.exchanges)
+        if self.experts.cpu is not None:
+            stats.update(self.experts.cpu.stats())
         return stats
 
     def stats(self) -> dict:

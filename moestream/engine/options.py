@@ -5,7 +5,7 @@ import argparse
 import os
 from dataclasses import dataclass, fields
 
-from moestream.cli_args import at_least
+from moestream.cli_args import at_least, positive_float
 
 # where digests of checked resident files are remembered (default ~/.cache/moestream); read here,
 # in the command-line layer, so the library itself never looks at the environment for it
@@ -39,6 +39,9 @@ class EngineOptions:
     # process group); each rank holds and computes its share of the experts. None: one process
     expert_parallel: object = None
     expert_placement: str | None = None  # a routing trace (.npz): experts balanced over ranks by its counts
+    # the CPU computes a share of each streamed layer's misses from host RAM: "off", "auto" or "0".."1"
+    cpu_experts: str = "off"
+    cpu_experts_timeout: float = 1.0  # seconds a layer waits for its CPU share before loading those experts
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, environ: dict | None = None) -> "EngineOptions":
@@ -92,4 +95,22 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--no-verify", dest="verify", action="store_false",
                    help="skip the integrity checks (on by default: each expert record's crc32 as it is read, the "
                         f"resident files' sha256 at load, remembered in ${CACHE_DIR_ENV} or ~/.cache/moestream)")
+    c.add_argument("--cpu-experts", type=cpu_share_arg, default="off", metavar="off|auto|SHARE",
+                   help="let the CPU compute a share of each streamed layer's missed experts straight from host RAM "
+                        "(the host tier) while the device copies and computes the rest: SHARE of the misses (0..1), or "
+                        "auto (the share that makes both finish together, from measured speeds); default off. Output "
+                        "within the dtype's tolerance of off, not bit for bit")
+    c.add_argument("--cpu-experts-timeout", type=positive_float, default=1.0, metavar="SECONDS",
+                   help="a layer waits this long for its CPU share, then computes those experts on the device (default 1)")
     c.add_argument("--trace-routing", default=None, metavar="FILE", help="record (layer, position, experts) of every token to FILE (.npz)")
+
+
+def cpu_share_arg(text: str) -> str:
+    """--cpu-experts: off, auto or a share in 0..1 (kept as text: EngineOptions holds it so)."""
+    from moestream.layers.cpu_share import parse_share
+
+    try:
+        value = parse_share(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value if isinstance(value, str) else repr(value)

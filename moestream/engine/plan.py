@@ -194,4 +194,7 @@ def load_engine(model: str | os.PathLike | None, options: EngineOptions):
 
 def run_facts(options: EngineOptions) -> dict:
     """What a receipt records about how the run was set up, beyond the engine's own figures."""
-    return {"threads": torch.get_num_threads(), "verify": options.verify, "streaming_option": options.streaming}
+    facts = {"threads": torch.get_num_threads(), "verify": options.verify, "streaming_option": options.streaming}
+    if options.cpu_experts != "off":
+        facts["cpu_experts"] = options.cpu_experts
+    return facts

@@ -189,6 +189,25 @@ class ExpertCache:
         for key in self._pinned.pop(layer, []):
             self.directory.unpin(key)
 
+    # -- for a second compute unit (moestream.layers.cpu_share) ---------------------------
+    def holds(self, layer: int, expert: int) -> bool:
+        """Whether the expert has a device slot (ready or loading): a fetch would be a hit."""
+        return self.directory.lookup((self._index[layer], expert)) is not None
+
+    def host_view(self, layer: int, expert: int):
+        """(record bytes, release) if host RAM holds the record: a host tier slot, pinned until
+        release() is called (from any thread), or a resident page-cache mapping (release None)."""
+        return self._host_record(layer, expert, self.entries[layer].record_size)
+
+    def count_misses(self, layer: int, n: int) -> None:
+        """Book n misses of `layer` that another compute unit served (so hit rates stay comparable)."""
+        for _ in range(n):
+            self._count(layer, hit=False)
+
+    @property
+    def host_bytes_copied(self) -> int:
+        return self.stats_.bytes_read_host
+
     def prefetch(self, layer: int, experts: Sequence[int]) -> int:
         """Start early reads for experts not yet in a slot; never blocks, never pins. Returns reads issued."""
         li, issued = self._index[layer], 0

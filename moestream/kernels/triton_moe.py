@@ -538,6 +538,14 @@ class MoEPlan:
                                 BITS=bits, BM=self.block_m, BN=cfg.down_n, PRECISION=self.precision,
                                 DOT_F32=_INTERPRETED, num_warps=self.warps, num_stages=cfg.grouped_stages)
 
+    def take_rows(self, rows: torch.Tensor, table: torch.Tensor) -> None:
+        """o[p] = rows[p] (float32 [>= P, H]) for the pairs whose expert has no slot in `table`:
+        their weighted outputs, computed elsewhere (the CPU). Device ops only: capturable."""
+        pairs = self.ids.numel()
+        if pairs:
+            elsewhere = (table[self.ids] < 0).unsqueeze(1)  # [P, 1]
+            torch.where(elsewhere, rows[:pairs], self.o, out=self.o)
+
     def finish(self, residual: torch.Tensor | None = None, *, out: torch.Tensor | None = None) -> torch.Tensor:
         """Kernel 3: y [T, H] in x's dtype, each token's pairs summed in top-k order a = 0..A-1;
         with `residual` [T, H], returns residual + y (rounded once more, like a separate add).

@@ -113,6 +113,8 @@ class TorchPlan:
 
     def run(self, pool: torch.Tensor, experts: Sequence[int], slots: Sequence[int]) -> None:
         for e, slot in sorted(zip(experts, slots)):
+            if slot < 0:  # computed elsewhere (a CPU share): its rows come through take_rows
+                continue
             tok, _, rows = self.expert_rows(pool, e, slot)
             self.out.index_add_(0, tok, rows)
 
@@ -137,6 +139,15 @@ class TorchPlan:
         experts = torch.unique(self.ids).tolist()
         slots = table[experts].tolist()
         self.run(pool, experts, slots)
+
+    def take_rows(self, rows: torch.Tensor, table: torch.Tensor) -> None:
+        """Add rows[p] (float32 [>= T*A, H], pair p = t*A + a) for the pairs whose expert has no
+        slot in `table`: their weighted outputs, computed elsewhere."""
+        flat = self.ids.reshape(-1)
+        elsewhere = table[flat] < 0
+        if bool(elsewhere.any()):
+            pairs = torch.nonzero(elsewhere)[:, 0]
+            self.out.index_add_(0, pairs // self.ids.shape[1], rows[pairs].to(self.out.dtype))
 
     def finish(self, residual: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         y = self.out if residual is None else residual + self.out
@@ -170,6 +181,9 @@ class RoutedExperts:
         self._host_tables = {layer: (t.cpu().pin_memory() if pin else t.cpu()) for layer, t in self.tables.items()}
         self.resident = False
         self.device_map = None  # set by start_device_map: the device looks up slots and copies misses itself
+        self.cpu = None  # a moestream.layers.cpu_share.CpuShare: the CPU computes some misses
+        self._cpu_jobs: dict = {}  # layer -> its CpuJob between `load` and `join_cpu`
+        self._cpu_rows: dict = {}  # (pairs, H) -> (device float32 rows the plans take, host staging)
         # hooks: on_route(layer, ids) sees every layer's chosen ids (traces); after_fetch(layer, x)
         # runs once a layer's experts are pinned (early reads for later layers start there)
         self.on_route: Callable[[int, torch.Tensor], None] | None = None
@@ -257,6 +271,53 @@ class RoutedExperts:
                 self.provider.release(layer)
         return plan.finish(residual)
 
+    # -- a CPU share of the misses -------------------------------------------------------------
+    def share_with_cpu(self, share, *, dtype: torch.dtype, timeout_s: float, capacity_bytes: int) -> None:
+        """Let the CPU compute a share of each streamed layer's misses from host RAM (see
+        moestream.layers.cpu_share): "auto" or a float in 0..1."""
+        if self.parallel is not None:
+            raise RuntimeError("--cpu-experts does not run with expert parallelism")
+        from moestream.layers.cpu_share import CpuShare
+
+        self.cpu = CpuShare(self.provider, list(self.num_experts), share=share, dtype=dtype, timeout_s=timeout_s,
+                            capacity_bytes=capacity_bytes)
+
+    def _rows_buffers(self, pairs: int, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The device rows every layer's plan takes CPU rows from (one per shape: a CUDA graph binds
+        it), and its host staging. Layers share them: a layer's copy in is queued after the previous
+        layer's experts, and its staging is written only after the host has waited for those."""
+        key = (pairs, hidden)
+        if key not in self._cpu_rows:
+            dev = torch.zeros((pairs, hidden), dtype=torch.float32, device=self.device)
+            host = torch.zeros((pairs, hidden), dtype=torch.float32)
+            self._cpu_rows[key] = (dev, host.pin_memory() if self.device.type == "cuda" else host)
+        return self._cpu_rows[key]
+
+    def join_cpu(self, layer: int) -> None:
+        """After `load`: wait for the layer's CPU share and stage its rows for the experts segment;
+        where it failed or timed out, load its experts on the device instead. Writes the layer's table."""
+        job = self._cpu_jobs.pop(layer, None)
+        if job is None:
+            return
+        from moestream.layers.cpu_share import CpuShareFailed
+
+        host = self._host_tables[layer]
+        try:
+            rows = self.cpu.wait(job)
+        except CpuShareFailed:
+            self.provider.fetch(layer, job.experts, views=False)
+            host[job.experts] = torch.tensor(self.provider.slots_of(layer, job.experts), dtype=torch.int32)
+        else:
+            self.provider.count_misses(layer, len(job.experts))
+            dev, staging = self._rows_buffers(job.total, rows.shape[1])
+            staging[job.pairs] = rows
+            dev.copy_(staging, non_blocking=True)
+        self.tables[layer].copy_(host, non_blocking=True)
+
+    def _take_cpu_rows(self, layer: int, plan, ids: torch.Tensor, hidden: int, table: torch.Tensor) -> None:
+        if self.cpu is not None and not self.cpu.refused.get(layer):
+            plan.take_rows(self._rows_buffers(ids.numel(), hidden)[0], table)
+
     # -- the halves apart (the decoder) --------------------------------------------------------
     def make_resident(self) -> bool:
         """Where the pool holds every expert: load them all and fill the slot tables for good (then
@@ -282,16 +343,30 @@ class RoutedExperts:
         """Whether a layer call needs no host half: every expert resident, or the device map drives."""
         return self.resident or self.device_map is not None
 
-    def load(self, layer: int, ids_host: list[int], x: torch.Tensor | None = None) -> bool:
+    def load(self, layer: int, ids_host: list[int], x: torch.Tensor | None = None,
+             weights: torch.Tensor | None = None) -> bool:
         """Host half for the decoder: pin the distinct `ids_host` and write their slots into the
         layer's table. False (nothing pinned) where they exceed the batch limit: then the caller
-        computes the layer eagerly (`__call__`), in batches."""
+        computes the layer eagerly (`__call__`), in batches. With a CPU share (and x, weights
+        given), the CPU starts on its misses first; they are not loaded, and `join_cpu` finishes
+        the table."""
         experts = sorted(set(ids_host))
         if self.parallel is not None:
             experts = self.parallel.mine(layer, experts)
         if len(experts) > self.provider.batch_limit(layer):
             return False
+        job = None
+        if self.cpu is not None and x is not None and weights is not None:
+            job = self.cpu.start(layer, experts, ids_host, x, weights)
+        if job is not None:
+            job.total = len(ids_host)
+            on_cpu = set(job.experts)
+            experts = [e for e in experts if e not in on_cpu]
+        clock = self.cpu.copy_clock() if self.cpu is not None else None
+        copied = self.provider.host_bytes_copied if clock is not None else 0
         self.provider.fetch(layer, experts, views=False)
+        if clock is not None:
+            clock(self.provider.host_bytes_copied - copied)
         if self.after_fetch is not None and x is not None:
             self.after_fetch(layer, x)
         slots = self.provider.slots_of(layer, experts)
@@ -299,7 +374,10 @@ class RoutedExperts:
         host = self._host_tables[layer]
         host.fill_(-1)
         host[experts] = torch.tensor(slots, dtype=torch.int32)
-        self.tables[layer].copy_(host, non_blocking=True)
+        if job is None:
+            self.tables[layer].copy_(host, non_blocking=True)
+        else:
+            self._cpu_jobs[layer] = job
         return True
 
     def release(self, layer: int) -> None:
@@ -321,4 +399,5 @@ class RoutedExperts:
             self.device_map.ensure(layer, ids)
         plan = self.plan(layer, x, ids, weights, per_pair=per_pair)
         plan.run_table(self.provider.slot_pool(layer), self.tables[layer])
+        self._take_cpu_rows(layer, plan, ids, x.shape[1], self.tables[layer])
         return plan.finish(residual, out=out) if out is not None else plan.finish(residual)

@@ -1,0 +1,186 @@
+"""--cpu-experts: the CPU kernels against the torch reference per expert (4 and 8 bits), an engine
+with a CPU share within tolerance of the reference, fail-closed fallbacks (errors and timeouts give
+the tokens of off), layouts the CPU refuses, and one-line errors for bad values."""
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from moestream.engine.engine import Engine
+from moestream.engine.options import EngineOptions
+from moestream.errors import MoestreamError
+from moestream.format.records import RecordField
+from moestream.kernels.cpu_experts import INT8_METHODS, refusal, repack
+from moestream.kernels.reference import expert_ffn
+from moestream.layers.cpu_share import parse_share
+from moestream.quant.affine import QuantSpec, quantize
+
+PROJS = ("gate_proj", "up_proj", "down_proj")
+PROMPT = "def fibonacci(n):\n    if n < 2:"
+LOGPROB_TOLERANCE = 1e-3  # float32: the CPU kernels round differently from the reference, not more
+
+
+def make_record(hidden, inter, bits, group=64, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    rec = {}
+    for proj, (rows, cols) in {"gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter)}.items():
+        w, s, b = quantize(torch.randn(rows, cols, generator=g).to(dtype), bits, group)
+        rec.update({f"{proj}.weight": w.view(torch.int32), f"{proj}.scales": s, f"{proj}.biases": b})
+    return rec, {p: QuantSpec(bits, group) for p in PROJS}
+
+
+def fields_of(rec):
+    names = {torch.int32: "U32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
+    return [RecordField(name, names[t.dtype], list(t.shape), 0, t.nbytes) for name, t in rec.items()]
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("method", INT8_METHODS)
+@pytest.mark.parametrize("hidden,inter,group", [(128, 64, 64), (192, 96, 32), (384, 128, 128)])
+def test_cpu_kernel_matches_the_reference_per_expert(bits, method, hidden, inter, group):
+    rec, quant = make_record(hidden, inter, bits, group, seed=bits + hidden)
+    assert refusal(fields_of(rec), quant) is None
+    x = torch.randn(3, hidden, generator=torch.Generator().manual_seed(1))
+    ref = expert_ffn(x, rec, quant)  # float32
+    y = repack(rec, quant, torch.float32, int8_method=method).ffn(x)
+    assert y.dtype == torch.float32 and y.shape == ref.shape
+    assert torch.allclose(y, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+    # bf16 activations: within bf16 rounding of the bf16 reference
+    ref16 = expert_ffn(x.bfloat16(), rec, quant).float()
+    y16 = repack(rec, quant, torch.bfloat16, int8_method=method).ffn(x.bfloat16()).float()
+    assert (y16 - ref16).abs().max() <= 0.03 * ref16.abs().max()
+    # one token's row does not depend on how many rows are computed together... (per pair in use)
+    one = repack(rec, quant, torch.float32, int8_method=method).ffn(x[1:2])
+    assert torch.allclose(one[0], y[1], rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
+def test_refused_layouts_say_why():
+    rec, quant = make_record(128, 64, 4)
+    fields = fields_of(rec)
+    assert "SwiGLU only" in refusal(fields, {p: QuantSpec(4, 64, "gelu_tanh") for p in PROJS})
+    assert "group size 16" in refusal(fields, {p: QuantSpec(4, 16) for p in PROJS})
+    assert "2-bit" in refusal(fields, {p: QuantSpec(2, 64) for p in PROJS})
+    assert "not quantized" in refusal(fields, {p: QuantSpec() for p in PROJS})
+    # 40 output rows (a layout no quantizer here makes, but a record could hold): torch's int4
+    # packing takes multiples of 16
+    odd = [RecordField(f.name, f.dtype, [40, f.shape[1]] if f.name.startswith("gate_proj") else f.shape, 0, 0)
+           for f in fields]
+    assert "multiple of 16" in refusal(odd, quant)
+
+
+@pytest.mark.parametrize("bad", ["1.5", "-0.1", "half", "nan", ""])
+def test_parse_share_refuses_bad_values(bad):
+    with pytest.raises(ValueError):
+        parse_share(bad)
+    assert parse_share("AUTO") == "auto" and parse_share("0.25") == 0.25 and parse_share("off") == "off"
+
+
+@pytest.fixture(scope="module")
+def model(tiny_packed_model):
+    return tiny_packed_model("qwen3_moe", "q4")
+
+
+def run(model, steps=12, fault_after=None, fault_delay_s=0.0, **opts):
+    options = EngineOptions(device="cpu", cache_size="min", host_cache_size="all", prefill_chunk_tokens=5, **opts)
+    engine = Engine.load(model, options=options)
+    if engine.experts.cpu is not None:
+        engine.experts.cpu.fault_after = fault_after
+        engine.experts.cpu.fault_delay_s = fault_delay_s
+    try:
+        gen = engine.generate(engine.tokenizer.encode(PROMPT), max_new_tokens=steps, logprobs=1, stop_at_eos=False)
+        events = list(gen)
+        return [e.token_id for e in events], [e.logprob for e in events], engine.expert_stats(), gen.result.receipt
+    finally:
+        engine.close()
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    return run(model)
+
+
+@pytest.mark.parametrize("share", ["0.5", "1", "auto"])
+def test_engine_with_a_cpu_share_stays_within_tolerance(model, reference, share):
+    tokens, logprobs, stats, receipt = run(model, cpu_experts=share)
+    assert tokens == reference[0]
+    assert max(abs(a - b) for a, b in zip(logprobs, reference[1])) < LOGPROB_TOLERANCE
+    assert stats["cpu_fallbacks"] == 0
+    if share != "auto":  # auto computes on the CPU only what it has repacked and measured
+        assert stats["cpu_experts"] > 0 and stats["cpu_pairs"] >= stats["cpu_experts"]
+        assert stats["cpu_gb_s"] > 0 and stats["cpu_repacks"] > 0
+        assert stats["cpu_repacked_bytes"] > 0
+    assert receipt["experts"]["cpu_share"] == parse_share(share)
+    assert "cpu_experts" not in reference[2]  # off: nothing of the CPU share exists
+
+
+def test_a_half_share_gives_the_cpu_about_half_the_misses(model):
+    half = run(model, cpu_experts="0.5")[2]
+    full = run(model, cpu_experts="1")[2]
+    assert 0 < half["cpu_experts"] < full["cpu_experts"]
+
+
+def test_cpu_errors_fall_back_to_the_device_with_the_tokens_of_off(model, reference):
+    tokens, logprobs, stats, _ = run(model, cpu_experts="1", fault_after=0)
+    assert tokens == reference[0]
+    assert logprobs == reference[1]  # every expert computed on the device: the bits of off
+    assert stats["cpu_experts"] == 0 and stats["cpu_errors"] > 0
+    assert stats["cpu_fallbacks"] >= stats["cpu_errors"]
+
+
+def test_a_fault_after_some_jobs_mixes_cpu_and_fallbacks(model, reference):
+    tokens, logprobs, stats, _ = run(model, cpu_experts="1", fault_after=3)
+    assert tokens == reference[0]
+    assert max(abs(a - b) for a, b in zip(logprobs, reference[1])) < LOGPROB_TOLERANCE
+    assert stats["cpu_experts"] > 0 and stats["cpu_fallbacks"] > 0
+
+
+def test_a_cpu_timeout_falls_back_to_the_device(model, reference):
+    tokens, logprobs, stats, _ = run(model, steps=4, cpu_experts="1", cpu_experts_timeout=0.01, fault_delay_s=0.2)
+    assert tokens == reference[0][:4]
+    assert logprobs == reference[1][:4]
+    assert stats["cpu_timeouts"] > 0 and stats["cpu_fallbacks"] > 0
+    assert stats["cpu_skipped_busy"] > 0  # no new share while a timed-out worker still runs
+
+
+def test_refused_layout_never_goes_to_the_cpu(tiny_packed_model):
+    packed = tiny_packed_model("qwen3_moe", "none")  # unquantized records
+    tokens, _, stats, _ = run(packed, steps=4, cpu_experts="1")
+    assert stats["cpu_experts"] == 0 and stats["cpu_refused_layers"]
+    assert tokens == run(packed, steps=4)[0]
+
+
+def test_bad_engine_option_is_a_clear_error(model):
+    with pytest.raises(MoestreamError, match="cpu_experts"):
+        Engine.load(model, options=EngineOptions(device="cpu", cpu_experts="2"))
+
+
+@pytest.mark.parametrize("command", ["generate", "bench", "serve"])
+@pytest.mark.parametrize("value,message", [("1.5", "between 0 and 1"), ("fast", "is not off, auto or a share")])
+def test_bad_cli_values_give_one_line(command, value, message):
+    proc = subprocess.run([sys.executable, "-m", "moestream", command, "--cpu-experts", value],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--cpu-experts" in lines[0] and message in lines[0], proc.stderr
+
+
+def test_bench_json_and_generate_stats_line_report_the_cpu_share(model, tmp_path):
+    import json
+
+    out = tmp_path / "b.json"
+    env = {**__import__("os").environ, "PYTHONPATH": str(__import__("pathlib").Path(__file__).resolve().parents[2])}
+    proc = subprocess.run([sys.executable, "-m", "moestream", "bench", "--model", str(model), "--device", "cpu",
+                           "--threads", "1", "--cache-sizes", "min", "--host-cache-size", "all", "--prefill-tokens", "8",
+                           "--decode-tokens", "6", "--cpu-experts", "1", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr
+    run = json.loads(out.read_text())["runs"][0]
+    assert run["cpu_experts"] == "1.0" and run["decode"]["cpu_experts"] > 0
+    assert run["experts"]["cpu_gb_s"] > 0 and run["decode"]["cpu_fallbacks"] == 0
+    proc = subprocess.run([sys.executable, "-m", "moestream", "generate", "--model", str(model), "--device", "cpu",
+                           "--threads", "1", "--cache-size", "min", "--host-cache-size", "all", "--max-new", "6",
+                           "--prompt", "def f(", "--cpu-experts", "0.5"], capture_output=True, text=True, timeout=300,
+                          env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert "cpu experts" in proc.stderr and "fallbacks 0" in proc.stderr
