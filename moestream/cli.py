@@ -15,6 +15,7 @@ COMMANDS = {
     "ab": ("moestream.bench.ab", "A B B A runs of two commands: ratio B/A, 95 % CI, A-A noise floor"),
     "synth": ("moestream.bench.synth", "write a packed model with random weights in a real model's shapes"),
     "simulate": ("moestream.sim.main", "replay routing traces through cache policies"),
+    "heatmap": ("moestream.bench.heatmap", "plot the expert hit rate per layer of a receipt or bench JSON"),
 }
 
 

@@ -173,6 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write the JSON results to this file")
     p.add_argument("--plot", default=None, help="write a PNG of decode tok/s and hit rate per cache size")
+    p.add_argument("--heatmap", default=None, metavar="FILE.png",
+                   help="write a PNG of the hit rate per MoE layer, one row per cache size")
     p.add_argument("--timeline", default=None, metavar="FILE.json",
                    help="write a Chrome/Perfetto trace of the measured prefills and decode (one file per cache size "
                         "in a sweep: FILE-SIZE.json)")
@@ -257,7 +259,7 @@ def run(args) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    check_output_paths(parser, args, {"out": "--out", "plot": "--plot", "trace_routing": "--trace-routing",
+    check_output_paths(parser, args, {"out": "--out", "plot": "--plot", "heatmap": "--heatmap", "trace_routing": "--trace-routing",
                                       "timeline": "--timeline"})
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     try:
@@ -267,9 +269,17 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
-    if args.plot:
+    if args.plot or args.heatmap:
         try:
-            plot(results, args.plot)
+            if args.plot:
+                plot(results, args.plot)
+            if args.heatmap:
+                from moestream.bench.heatmap import ReportError, plot_heatmap
+                try:
+                    plot_heatmap(results, args.heatmap, title=f"{results['model']}: expert hit rate per layer")
+                except ReportError as exc:
+                    print(f"moestream bench: error: --heatmap: the results {exc}", file=sys.stderr)
+                    return 1
         except ImportError:
             print("moestream bench: error: --plot needs matplotlib (pip install matplotlib); the JSON was written",
                   file=sys.stderr)

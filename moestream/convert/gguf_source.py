@@ -4,19 +4,22 @@ transformers' names, dequantized exactly to float32 by the gguf package.
 Expert stacks (`blk.N.ffn_{gate,up,down}_exps`, [E, out, in]) are offered as per-expert tensors,
 one expert dequantized at a time. llama.cpp stores the q and k projections of "llama"-arch models
 (Mixtral) with the rotary halves interleaved; they are permuted back. The other MoE archs are
-stored unpermuted. Re-quantizing a K-quant or Q8_0 file to our format loses the original codes:
-the values are dequantized, then quantized again."""
+stored unpermuted. Re-quantizing a K-quant, Q8_0 or MXFP4 file to our format loses the original
+codes: the values are dequantized, then quantized again. Without a tokenizer folder, the tokenizer
+and chat template come from the metadata (gguf_tokenizer.py)."""
 from __future__ import annotations
 
 import hashlib
 import logging
 import re
+import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from moestream.models.registry import family_module
+from moestream.convert.gguf_tokenizer import tokenizer_from_metadata, write_files
 from moestream.convert.source import TOKENIZER_FILES, CheckpointError, CheckpointSource
 from moestream.errors import UnsupportedModelError
 from moestream.format.safetensors_io import TensorInfo
@@ -54,9 +57,10 @@ class GgufSource(CheckpointSource):
         if family is None or (self.arch == "llama" and not self._int(f"{self.arch}.expert_count", 0)):
             raise UnsupportedModelError(f"{self.folder}: GGUF architecture {self.arch!r} is not a supported MoE "
                                         f"(supported: {', '.join(ARCH_FAMILY)} with experts)")
-        self.family, self.mlx = family, None
+        self.family, self.mlx, self.imported = family, None, None
         self.family_module = family_module(family)
         self.tokenizer_dir = Path(tokenizer) if tokenizer is not None else None
+        self._scratch = None  # where the metadata's tokenizer is written for convert to copy
         if self.tokenizer_dir is not None and not self.tokenizer_dir.is_dir():
             raise CheckpointError(f"{self.tokenizer_dir}: --tokenizer must be a folder with tokenizer.json")
         self.tensors = {t.name: t for t in self.reader.tensors}
@@ -176,9 +180,16 @@ class GgufSource(CheckpointSource):
 
     # -- other files ---------------------------------------------------------------
     def tokenizer_files(self) -> list[Path]:
-        if self.tokenizer_dir is None:
+        """The --tokenizer folder's files, else tokenizer.json and tokenizer_config.json built from
+        the metadata (in a private temporary folder, removed at close)."""
+        if self.tokenizer_dir is not None:
+            return [self.tokenizer_dir / n for n in TOKENIZER_FILES if (self.tokenizer_dir / n).is_file()]
+        built = tokenizer_from_metadata(self._field)
+        if built is None:
             return []
-        return [self.tokenizer_dir / n for n in TOKENIZER_FILES if (self.tokenizer_dir / n).is_file()]
+        if self._scratch is None:
+            self._scratch = tempfile.TemporaryDirectory(prefix="moestream-gguf-tokenizer-")
+        return write_files(Path(self._scratch.name), built)
 
     def file_sizes(self) -> dict[str, int]:
         return {self.folder.name: self.folder.stat().st_size}
@@ -192,6 +203,9 @@ class GgufSource(CheckpointSource):
 
     def close(self) -> None:
         self.tensors.clear()
+        if self._scratch is not None:
+            self._scratch.cleanup()
+            self._scratch = None
 
 
 def unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:

@@ -192,10 +192,11 @@ class Conversion:
         tensors = {d.name: d.spec.to_json() for d in self.dense}
         requested = {"quant": self.quant, "group_size": self.group_size}
         if self.source.mlx is not None:
-            return {"mode": "affine", "imported": "mlx", "default_bits": self.source.mlx.bits,
+            return {"mode": "affine", "imported": self.source.imported, "default_bits": self.source.mlx.bits,
                     "group_size": self.source.mlx.group_size, "tensors": tensors, "requested": requested}
+        dequantized = getattr(self.source, "dequantized_from", None)  # GPTQ/AWQ codes not kept
         return {"mode": "affine", "default_bits": self.bits, "group_size": self.group_size, "tensors": tensors,
-                "requested": requested}
+                "requested": requested, **({"dequantized_from": dequantized} if dequantized else {})}
 
     def _write_dense(self, bar) -> dict:
         writer = SafetensorsWriter(self.out / DENSE_NAME, [d.parts for d in self.dense], {"format": "pt"})
@@ -290,11 +291,11 @@ def convert(src: str | Path, out: str | Path, *, quant: str = "q4", group_size: 
     if force and resume:
         raise MoestreamError("--force and --resume exclude each other (--force starts over, --resume continues)")
     out = Path(out)
-    source = open_source(src, revision=revision, tokenizer=tokenizer)
+    source = open_source(src, revision=revision, tokenizer=tokenizer, bits=QUANT_BITS[quant])
     try:
         job = Conversion(source, out, quant=quant, group_size=group_size, progress=progress, workers=workers,
                          kill_after_layers=kill_after_layers)
-        if source.mlx is not None and quant != "q4":
+        if source.imported == "mlx" and quant != "q4":
             log.info("the source is MLX-quantized: its quantization is kept as it is (--quant %s does not apply)", quant)
         log.info("converting %s (%s, %d MoE layers, %d resident tensors) into %s", src, source.family, len(job.layers),
                  len(job.dense), out)

@@ -42,7 +42,12 @@ class PulledSource(CheckpointSource):
         family = self.config.get("model_type")
         self.family_module = family_module(family)  # refuses a family that is not supported
         self.family: str = family
+        quant = self.config.get("quantization_config")
+        if isinstance(quant, dict) and quant.get("quant_method") in ("gptq", "awq"):
+            raise CheckpointError(f"{repo.repo_id}: a {quant['quant_method'].upper()} checkpoint: pull does not read it "
+                                  "yet (download it, then moestream convert the folder)")
         self.mlx = MlxQuantization.from_config(self.config)
+        self.imported = "mlx" if self.mlx is not None else None
         self.files = self._remote_shards()
         self._handles = {}
         self.index: dict[str, str] = {}

@@ -51,6 +51,7 @@ class CheckpointSource:
         self.family: str = family
         self.family_module = family_module(family)  # refuses a family that is not supported
         self.mlx: MlxQuantization | None = MlxQuantization.from_config(self.config)
+        self.imported = "mlx" if self.mlx is not None else None  # whose quantized codes are kept
         self.files = self._shard_names()
         self._handles: dict[str, SafetensorsFile] = {}
         self.index: dict[str, str] = {}  # checkpoint name -> shard file
@@ -180,8 +181,22 @@ class CheckpointSource:
         self._handles.clear()
 
 
-def open_source(src: str | Path, *, revision: str | None = None, tokenizer: str | Path | None = None) -> CheckpointSource:
-    """A local checkpoint folder, a .gguf file, or a Hub repo id fetched into the Hugging Face cache."""
+def _checkpoint(folder: Path, bits: int | None, origin: dict | None = None) -> CheckpointSource:
+    """A folder's source: GPTQ/AWQ checkpoints get theirs (which needs the requested bits)."""
+    try:
+        quant = json.loads((folder / "config.json").read_text()).get("quantization_config")
+    except (OSError, ValueError, AttributeError):
+        quant = None  # CheckpointSource says what is wrong with it
+    if isinstance(quant, dict) and quant.get("quant_method") in ("gptq", "awq"):
+        from moestream.convert.gptq_source import GroupwiseSource
+        return GroupwiseSource(folder, bits=bits, origin=origin)
+    return CheckpointSource(folder, origin=origin)
+
+
+def open_source(src: str | Path, *, revision: str | None = None, tokenizer: str | Path | None = None,
+                bits: int | None = 4) -> CheckpointSource:
+    """A local checkpoint folder, a .gguf file, or a Hub repo id fetched into the Hugging Face cache;
+    `bits` is the quantization asked for (None: unquantized), which a GPTQ/AWQ source needs."""
     text = str(src)
     path = Path(text).expanduser()
     if path.is_file() and path.suffix == ".gguf":
@@ -192,8 +207,8 @@ def open_source(src: str | Path, *, revision: str | None = None, tokenizer: str 
     if path.exists():
         if revision is not None:
             raise CheckpointError(f"{text}: --revision applies to Hub repos, and this is a local folder")
-        return CheckpointSource(path)
+        return _checkpoint(path, bits) if path.is_dir() else CheckpointSource(path)
     if looks_like_repo_id(text):
         folder, origin = download(text, revision)
-        return CheckpointSource(folder, origin=origin)
+        return _checkpoint(Path(folder), bits, origin)
     raise CheckpointError(f"{text}: no such file or directory")

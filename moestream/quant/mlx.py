@@ -30,9 +30,11 @@ class MlxQuantization:
             if not isinstance(q, dict):
                 raise UnsupportedModelError(f"config.json: {key} is not an object")
             method = q.get("quant_method")
+            if method in ("gptq", "awq"):
+                return None  # read by convert's GPTQ/AWQ source, not as MLX
             if method is not None and method != "mlx":
                 raise UnsupportedModelError(f"config.json: {key}.quant_method {method!r} is not supported (moestream "
-                                            "reads float checkpoints and MLX affine-quantized ones)")
+                                            "reads float checkpoints, MLX affine, GPTQ and AWQ ones)")
             if q.get("mode", "affine") != "affine":
                 raise UnsupportedModelError(f"config.json: {key}.mode {q['mode']!r} is not supported (only MLX affine)")
             if not isinstance(q.get("bits"), int) or not isinstance(q.get("group_size"), int):

@@ -41,14 +41,16 @@ def sweep(tmp_path_factory):
     """One warm sweep of the demo model over a 25 % and a 100 % device cache."""
     tmp = tmp_path_factory.mktemp("bench")
     argv = ["--device", "cpu", "--threads", "1", "--cache-sizes", "25%,100%", "--prefill-tokens", "16",
-            "--decode-tokens", "4", "--warmup", "--out", str(tmp / "OUT.json"), "--plot", str(tmp / "OUT.png")]
+            "--decode-tokens", "4", "--warmup", "--out", str(tmp / "OUT.json"), "--plot", str(tmp / "OUT.png"),
+            "--heatmap", str(tmp / "HEAT.png")]
     before = torch.get_num_threads()
     try:
         code, out, err = run_bench(argv)
     finally:
         torch.set_num_threads(before)
     assert code == 0, err
-    return {"argv": argv, "stdout": out, "json": json.loads((tmp / "OUT.json").read_text()), "png": tmp / "OUT.png"}
+    return {"argv": argv, "stdout": out, "json": json.loads((tmp / "OUT.json").read_text()), "png": tmp / "OUT.png",
+            "heatmap": tmp / "HEAT.png"}
 
 
 def test_machine_records_the_exact_command_and_platform(sweep):
@@ -92,6 +94,18 @@ def test_one_run_per_cache_size_with_speeds_and_hit_rates(sweep):
 def test_plot_is_a_png(sweep):
     """--plot writes a PNG of decode speed and hit rate per cache size."""
     assert sweep["png"].read_bytes()[:8] == PNG_SIGNATURE
+
+
+def test_heatmap_has_a_row_per_cache_size(sweep):
+    """--heatmap writes the hit rate per MoE layer, one row per cache size, from the JSON's cache stats."""
+    from moestream.bench.heatmap import hit_rate_rows
+
+    assert sweep["heatmap"].read_bytes()[:8] == PNG_SIGNATURE
+    labels, layers, matrix = hit_rate_rows(sweep["json"])
+    assert labels == ["cache 25%", "cache 100%"]
+    for run, row in zip(sweep["json"]["runs"], matrix):
+        assert row == [run["experts"]["hit_rate_per_layer"][str(layer)] for layer in layers]
+    assert min(matrix[0]) < 1.0 and min(matrix[1]) > min(matrix[0])  # a 25 % cache misses, all resident barely
 
 
 def test_compare_transformers(tmp_path):

@@ -21,7 +21,24 @@ BLOCK = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
          "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
 
 
-def write_gguf(hf_folder, path, *, expert_type):
+def add_tokenizer(w, hf_folder):
+    """The folder's byte-level BPE as llama.cpp's converter writes it (model gpt2, merges, types)."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(hf_folder / "tokenizer.json"))
+    vocab = tok.get_vocab(with_added_tokens=True)
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    specials = {a.content for a in tok.get_added_tokens_decoder().values() if a.special}
+    merges = json.loads(tok.to_str())["model"]["merges"]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t in specials else 1 for t in tokens])
+    w.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in merges])
+    w.add_chat_template(json.loads((hf_folder / "tokenizer_config.json").read_text())["chat_template"])
+
+
+def write_gguf(hf_folder, path, *, expert_type, tokenizer=False):
     """The checkpoint as llama.cpp's converter lays it out for arch qwen3moe (no q/k permutation)."""
     config = json.loads((hf_folder / "config.json").read_text())
     tensors = {k: v.float().numpy() for k, v in load_all(hf_folder).items()}
@@ -40,6 +57,8 @@ def write_gguf(hf_folder, path, *, expert_type):
     w.add_uint32(f"{a}.expert_count", (config.get("num_experts") or config["num_local_experts"]))
     w.add_uint32(f"{a}.expert_used_count", config["num_experts_per_tok"])
     w.add_uint32("tokenizer.ggml.eos_token_id", config["eos_token_id"])
+    if tokenizer:
+        add_tokenizer(w, hf_folder)
     w.add_tensor("token_embd.weight", tensors["model.embed_tokens.weight"])
     w.add_tensor("output_norm.weight", tensors["model.norm.weight"])
     w.add_tensor("output.weight", tensors["lm_head.weight"])
@@ -138,3 +157,56 @@ def test_llama_arch_q_k_rows_are_put_back():
     order = torch.arange(head_dim).reshape(2, head_dim // 2).T.reshape(-1)
     stored = w.reshape(heads, head_dim, hidden)[:, order].reshape(w.shape)
     assert torch.equal(unpermute(stored, heads), w)
+
+
+def test_mxfp4_experts_equal_the_gguf_dequantization(hf_model, tmp_path):
+    """MXFP4 (how llama.cpp stores gpt-oss experts): the values are gguf's own dequantization, and
+    the model equals a safetensors checkpoint holding those values."""
+    src, reference = hf_model
+    mxfp4 = gguf.GGMLQuantizationType.MXFP4
+    path = write_gguf(src, tmp_path / "tiny-mxfp4.gguf", expert_type=mxfp4)
+    out = convert(path, tmp_path / "m", quant="none", progress=False, tokenizer=src)
+    tensors = load_all(src)
+    for name, t in list(tensors.items()):
+        if ".experts." in name:  # what the MXFP4 round trip makes of each expert, by gguf's own code
+            tensors[name] = torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(t.numpy(), mxfp4), mxfp4))
+    same = tmp_path / "same"
+    same.mkdir()
+    for p in src.iterdir():
+        if not p.name.endswith(".safetensors"):
+            (same / p.name).write_bytes(p.read_bytes())
+    from safetensors.torch import save_file
+    save_file(tensors, str(same / "model.safetensors"))
+    expected = PackedModel(convert(same, tmp_path / "s", quant="none", progress=False))
+    got, original = PackedModel(out), PackedModel(reference)
+    for layer in (0, 2):
+        for expert in range(8):
+            for proj, t in got.dequantized_expert(layer, expert).items():
+                assert torch.equal(t, expected.dequantized_expert(layer, expert)[proj])
+                assert not torch.equal(t, original.dequantized_expert(layer, expert)[proj])  # really MXFP4
+    prompt = [5, 17, 42, 99, 3, 250]
+    assert torch.equal(logits(out, prompt), logits(tmp_path / "s", prompt))
+
+
+def test_tokenizer_and_chat_template_from_the_metadata(hf_model, tmp_path):
+    """Without --tokenizer the GGUF's own tokenizer is written: the same ids, text and chat prompt as
+    the Hugging Face tokenizer it was written from."""
+    from moestream.engine.tokenizer import TextTokenizer
+
+    src, reference = hf_model
+    path = write_gguf(src, tmp_path / "tok.gguf", expert_type=gguf.GGMLQuantizationType.F32, tokenizer=True)
+    out = convert(path, tmp_path / "m", quant="none", progress=False)
+    assert (out / "tokenizer.json").is_file() and PackedModel(out).manifest.files["tokenizer.json"]
+    ours, theirs = TextTokenizer(out, {}), TextTokenizer(reference, {})
+    texts = ["def fibonacci(n):\n    return n", "naïve café — 東京 😀", "<|im_start|>user\nhi<|im_end|>\n"]
+    for text in texts:
+        assert ours.encode(text) == theirs.encode(text)
+        assert ours.decode(ours.encode(text)) == text
+    messages = [{"role": "user", "content": "hello"}]
+    assert ours.chat_ids(messages) == theirs.chat_ids(messages)
+    assert ours.eos_token_ids >= {json.loads((src / "config.json").read_text())["eos_token_id"]}
+    engine = Engine.load(out, options=EngineOptions(device="cpu", threads=1, prefetch="none"))
+    try:
+        assert engine.tokenizer.encode("import os") == theirs.encode("import os")
+    finally:
+        engine.close()

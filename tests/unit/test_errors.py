@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from moestream.bench.ab import main as ab_main
+from moestream.bench.heatmap import main as heatmap_main
 from moestream.bench.main import main as bench_main
 from moestream.convert.main import main as convert_main
 from moestream.convert.pull import main as pull_main
@@ -19,7 +20,7 @@ from moestream.sim.main import main as simulate_main
 DOC = Path(__file__).resolve().parents[2] / "docs" / "ERRORS.md"
 MAINS = {"generate": generate_main, "serve": serve_main, "bench": bench_main, "convert": convert_main,
          "pull": pull_main, "simulate": simulate_main,
-         "ab": ab_main}
+         "ab": ab_main, "heatmap": heatmap_main}
 
 # (command, arguments, exit code, the exact stderr line); {missing}, {port}, {file}, {trace} are
 # filled in per run and shown as such in the document
@@ -79,6 +80,8 @@ CASES = [
      "moestream simulate: error: argument --sizes: '0%': a share must be more than 0% and at most 100%"),
     ("simulate", "{trace} --sizes 10%,-4", 2,
      "moestream simulate: error: argument --sizes: '-4': a slot count must be at least 1"),
+    ("heatmap", "{file} {missing}/h.png", 2, "moestream heatmap: error: argument OUT: the folder {missing} does not exist"),
+    ("heatmap", "{file} heat.png", 1, "moestream heatmap: error: {file}: not JSON (give a receipt or a bench JSON)"),
 ]
 
 
