@@ -417,6 +417,14 @@ class Engine:
 
         return Generation(steps(), finish)
 
+    def emitter(self, prompt_ids: list[int], state: dict, *, sampling: SamplingParams, logprobs: int = 0,
+                should_stop: Callable[[], bool] | None = None) -> Emitter:
+        """The chooser `generate` uses (one position at a time, from a logits row), for a caller that
+        runs its own decode loop over `step_many` (the server's batch scheduler). `state` as in
+        Emitter: "tokens" (appended to), "finish" (set when it stops)."""
+        return Emitter(list(prompt_ids), state, sampling=sampling, logprobs=logprobs,
+                       eos_ids=self.tokenizer.eos_token_ids, should_stop=should_stop, stop_at_eos=True)
+
     def prompt_logprobs(self, prompt_ids: list[int], k: int, *, seq: int = 0,
                         should_stop: Callable[[], bool] | None = None
                         ) -> list[tuple[int, float | None, list[tuple[int, float]]]] | None:

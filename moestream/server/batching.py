@@ -25,7 +25,6 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from moestream.engine.emitter import Emitter
 from moestream.engine.receipt import COUNTERS, Receipt
 from moestream.errors import MoestreamError
 from moestream.server.stops import IncrementalDecoder, StopMatcher
@@ -57,7 +56,7 @@ class Running:
     started: float  # when the job was admitted
     prompt: list[int]
     budget: int  # tokens it may generate
-    emit: Emitter
+    emit: Any  # the engine's Emitter: logits row -> TokenEvent, or None at the end
     state: dict  # the Emitter's: tokens, finish
     decoder: IncrementalDecoder
     matcher: StopMatcher
@@ -175,8 +174,7 @@ class BatchScheduler:
         state: dict = {"tokens": [], "finish": "length"}
         # the engine's logprobs=K gives the chosen token's logprob and the top K (0: none)
         k = max(1, job.logprobs) if job.logprobs is not None else 0
-        emit = Emitter(list(prompt), state, sampling=choice.sampling, logprobs=k,
-                       eos_ids=engine.tokenizer.eos_token_ids, should_stop=job.cancelled.is_set, stop_at_eos=True)
+        emit = engine.emitter(prompt, state, sampling=choice.sampling, logprobs=k, should_stop=job.cancelled.is_set)
         # what the slot kept of the prompt; the last prompt token is always run (its logits start decoding)
         reused = min(engine.caches[slot].length, len(prompt) - 1)
         return Running(job, index, slot, queue_s, self.job_started.get(id(job), time.monotonic()), prompt,
