@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import uvicorn
 
-from moestream.cli_args import Parser, check_output_paths, finite_float, probability_mass
+from moestream.cli_args import Parser, at_least, check_output_paths, finite_float, probability_mass
 from moestream.errors import MoestreamError
 from moestream.server.app import DEFAULT_MAX_BODY_BYTES, RequestDefaults, create_app
 from moestream.server.worker import Worker
@@ -56,7 +56,7 @@ def build_parser(*, engine_arguments: bool = True) -> argparse.ArgumentParser:
     parser.add_argument("--port", type=_non_negative_int, default=8080, help="port (default 8080; 0 picks a free one)")
     parser.add_argument("--api-key", default=None,
                         help=f"require 'Authorization: Bearer KEY' on /v1 and /api/v1 (also ${API_KEY_ENV})")
-    parser.add_argument("--parallel", type=_positive_int, default=1,
+    parser.add_argument("--parallel", type=at_least(1), default=1,
                         help="requests that generate together, each in its own sequence slot and KV cache, joining "
                              "and leaving the batch at step boundaries (default 1: one at a time)")
     parser.add_argument("--max-queue", "--queue-size", dest="max_queue", type=_non_negative_int, default=8,

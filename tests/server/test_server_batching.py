@@ -276,3 +276,15 @@ def test_moestream_serve_parallel_process(model_dir, reference):
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
+
+
+def test_parallel_and_queue_size_flags():
+    from moestream.server.main import build_parser
+
+    parser = build_parser(engine_arguments=False)
+    args = parser.parse_args([])
+    assert (args.parallel, args.max_queue) == (1, 8)
+    args = parser.parse_args(["--parallel", "16", "--queue-size", "3"])
+    assert (args.parallel, args.max_queue) == (16, 3)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--parallel", "0"])
