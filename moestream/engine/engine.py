@@ -291,15 +291,19 @@ class Engine:
     def open_sequences(self) -> list[int]:
         return sorted(self._open)
 
-    def open_sequence(self, prefix: list[int] | None = None) -> int:
+    def open_sequence(self, prefix: list[int] | None = None, *, slot: int | None = None) -> int:
         """Open a free slot and return its id. With `prefix` (the prompt to come), the free slot
         whose cache shares the longest start with it, that start kept (prefill reuses it); else
-        the lowest free slot, emptied."""
+        the lowest free slot, emptied. `slot` names the free slot to open (a caller's own choice,
+        e.g. the least recently used); its shared start with `prefix` is kept the same way."""
         free = [s for s in range(len(self.caches)) if s not in self._open]
         if not free:
             raise MoestreamError(f"all {len(self.caches)} sequence slots are open (max_sequences)")
+        if slot is not None and slot not in free:
+            raise ValueError(f"sequence slot {slot!r} is not a free slot (free: {free})")
         shared = {s: common_prefix(self.caches[s].tokens, prefix) if prefix else 0 for s in free}
-        slot = max(free, key=lambda s: (shared[s], -s))
+        if slot is None:
+            slot = max(free, key=lambda s: (shared[s], -s))
         self.caches[slot].truncate(shared[slot])
         self._open.add(slot)
         return slot
@@ -474,12 +478,21 @@ class Engine:
 
         return Generation(steps(), finish)
 
-    def prompt_logprobs(self, prompt_ids: list[int], k: int, *, should_stop: Callable[[], bool] | None = None
+    def emitter(self, prompt_ids: list[int], state: dict, *, sampling: SamplingParams, logprobs: int = 0,
+                should_stop: Callable[[], bool] | None = None) -> Emitter:
+        """The chooser `generate` uses (one position at a time, from a logits row), for a caller that
+        runs its own decode loop over `step_many` (the server's batch scheduler). `state` as in
+        Emitter: "tokens" (appended to), "finish" (set when it stops)."""
+        return Emitter(list(prompt_ids), state, sampling=sampling, logprobs=logprobs,
+                       eos_ids=self.tokenizer.eos_token_ids, should_stop=should_stop, stop_at_eos=True)
+
+    def prompt_logprobs(self, prompt_ids: list[int], k: int, *, seq: int = 0,
+                        should_stop: Callable[[], bool] | None = None
                         ) -> list[tuple[int, float | None, list[tuple[int, float]]]] | None:
         """[(token id, its logprob given the tokens before it, the k most likely there)] for every
         prompt token (what evaluation harnesses score); the first has no logprob (None) and no
         alternatives. None if should_stop interrupted the prefill."""
-        logits, _ = self.prefill(list(prompt_ids), should_stop=should_stop, all_logits=True)
+        logits, _ = self.prefill(list(prompt_ids), seq=seq, should_stop=should_stop, all_logits=True)
         if logits is None:
             return None
         logp = torch.log_softmax(logits.float(), dim=-1)  # [T, V]: row i predicts token i + 1

@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import uvicorn
 
-from moestream.cli_args import Parser, check_output_paths, finite_float, probability_mass
+from moestream.cli_args import Parser, at_least, check_output_paths, finite_float, probability_mass
 from moestream.errors import MoestreamError
 from moestream.server.app import DEFAULT_MAX_BODY_BYTES, RequestDefaults, create_app
 from moestream.server.worker import Worker
@@ -46,7 +46,8 @@ def build_parser(*, engine_arguments: bool = True) -> argparse.ArgumentParser:
     parser = Parser(
         prog="moestream serve",
         description="Serve a packed MoE model over the OpenAI HTTP API (/v1/chat/completions, /v1/completions, "
-                    "/v1/models; also under /api/v1) with /health. One generation runs at a time.")
+                    "/v1/models; also under /api/v1) with /health and /metrics. Up to --parallel requests generate "
+                    "together (continuous batching); --max-queue more may wait.")
     parser.add_argument("--model", default=None,
                         help="packed model directory (default: the built-in demo model)")
     parser.add_argument("--host", default="127.0.0.1",
@@ -55,8 +56,12 @@ def build_parser(*, engine_arguments: bool = True) -> argparse.ArgumentParser:
     parser.add_argument("--port", type=_non_negative_int, default=8080, help="port (default 8080; 0 picks a free one)")
     parser.add_argument("--api-key", default=None,
                         help=f"require 'Authorization: Bearer KEY' on /v1 and /api/v1 (also ${API_KEY_ENV})")
-    parser.add_argument("--max-queue", type=_non_negative_int, default=8,
-                        help="requests that may wait while one generates (default 8); beyond that, 503")
+    parser.add_argument("--parallel", type=at_least(1), default=1,
+                        help="requests that generate together, each in its own sequence slot and KV cache, joining "
+                             "and leaving the batch at step boundaries (default 1: one at a time)")
+    parser.add_argument("--max-queue", "--queue-size", dest="max_queue", type=_non_negative_int, default=8,
+                        help="requests that may wait beyond the --parallel running ones (default 8); beyond that, "
+                             "503 with Retry-After")
     parser.add_argument("--model-id", default=None,
                         help="the id /v1/models advertises (default: the model's name); requests may name any model")
     defaults = RequestDefaults()
@@ -118,7 +123,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 def serve(load_engine: Callable[[], Any], *, host: str = "127.0.0.1", port: int = 8080, api_key: str | None = None,
-          model_id: str | None = None, max_queue: int = 8, max_context: int | None = None,
+          model_id: str | None = None, max_queue: int = 8, parallel: int = 1, max_context: int | None = None,
           defaults: RequestDefaults | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
           shutdown_grace: float = 10.0, log_level: str = "info",
           on_listening: Callable[[str], None] | None = None) -> int:
@@ -126,7 +131,7 @@ def serve(load_engine: Callable[[], Any], *, host: str = "127.0.0.1", port: int 
     or 1 when the model could not be loaded."""
     sock = bind_socket(host, port)
     bound_host, bound_port = sock.getsockname()[:2]
-    worker = Worker(load_engine, max_queue=max_queue)
+    worker = Worker(load_engine, max_queue=max_queue, parallel=parallel)
     app = create_app(worker, api_key=api_key, model_id=model_id, max_body_bytes=max_body_bytes,
                      defaults=defaults, max_context=max_context, shutdown_timeout=max(1.0, shutdown_grace))
     # the lifespan's end stops the worker, which closes the engine (its reader threads end)
@@ -198,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     from moestream.engine.options import EngineOptions
 
     options = EngineOptions.from_args(args)
+    options.max_sequences = args.parallel  # a sequence slot (its own KV cache) per request running at once
     api_key = api_key_from(args)
 
     def load_engine():
@@ -210,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return serve(load_engine, host=args.host, port=args.port, api_key=api_key, model_id=args.model_id,
-                     max_queue=args.max_queue, max_context=args.max_context or None, defaults=defaults,
+                     max_queue=args.max_queue, parallel=args.parallel, max_context=args.max_context or None, defaults=defaults,
                      max_body_bytes=args.max_body_bytes, shutdown_grace=args.shutdown_grace,
                      log_level=args.log_level, on_listening=announce)
     except MoestreamError as exc:

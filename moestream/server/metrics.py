@@ -1,10 +1,12 @@
 """`GET /metrics` in Prometheus's text format: requests by route and status, tokens, the queue,
-time per phase, and what the expert cache did.
+the batch, prefix reuse, time per phase, and what the expert cache did.
 
 Three kinds of figures, each from where it is known:
 - requests by route and status: an ASGI middleware, on the event loop;
-- tokens, phase times and the cache's per-request work (bytes read per tier, read wait, misses):
-  the receipts the worker thread reports as each choice ends, summed into counters;
+- tokens, phase times, prefix reuse and the cache's per-request work (bytes read per tier, read
+  wait, misses): the receipts the worker thread reports as each choice ends, summed into counters;
+  when requests are batched, the cache's work is reported per engine step instead (a step shared
+  by several requests counts once), and each decode step's batch size;
 - the queue, the running request and the cache's hit rate since load: read from the worker at
   scrape time (its stats snapshot, refreshed after every job, so no scrape ever calls the engine).
 
@@ -27,6 +29,8 @@ log = logging.getLogger(__name__)
 PREFIX = "moestream"
 # Phases last from milliseconds (a queue wait, a reused prompt) to minutes (a long decode).
 PHASE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128)
+REUSE_BUCKETS = (0, 16, 64, 256, 1024, 4096, 16384, 65536)
 UNMATCHED_ROUTE = "unmatched"  # any path no route serves: one label, so scanners cannot grow the series
 
 
@@ -57,7 +61,13 @@ class ServerMetrics:
         self.read_wait = Counter(f"{PREFIX}_expert_read_wait_seconds",
                                  "Time requests waited on expert reads.", registry=r)
         self.misses = Counter(f"{PREFIX}_expert_misses", "Expert cache misses during requests.", registry=r)
-        r.register(_WorkerCollector(worker))
+        self.batch_sizes = Histogram(f"{PREFIX}_batch_size", "Sequences in each decode step (continuous batching).",
+                                     buckets=BATCH_BUCKETS, registry=r)
+        self.prefix_reuse = Histogram(f"{PREFIX}_prefix_reuse_tokens",
+                                      "Prompt tokens of each choice reused from a cached prefix.",
+                                      buckets=REUSE_BUCKETS, registry=r)
+        self.last_batch = 0
+        r.register(_WorkerCollector(worker, self))
 
     # ---- the worker's side (its thread)
 
@@ -69,14 +79,25 @@ class ServerMetrics:
         self.generated_tokens.inc(max(0, generated))
         self.choices.labels(finish_reason).inc()
         self.prefill_tokens.inc(max(0, _number(receipt.get("prefill_tokens"))))
+        if "reused_tokens" in receipt:
+            self.prefix_reuse.observe(max(0, _number(receipt["reused_tokens"])))
         if "prefill_s" in receipt:
             self.prefill_seconds.observe(max(0.0, _number(receipt["prefill_s"])))
         if "decode_s" in receipt and generated:
             self.decode_seconds.observe(max(0.0, _number(receipt["decode_s"])))
+        self.expert_work(receipt)
+
+    def batch_step(self, size: int) -> None:
+        self.batch_sizes.observe(size)
+        self.last_batch = size
+
+    def expert_work(self, delta: dict) -> None:
+        """The cache's work (bytes read per tier, read wait, misses): one choice's receipt, or one
+        engine step of the batch scheduler."""
         for tier in ("disk", "host"):
-            self.bytes_read.labels(tier).inc(max(0, _number(receipt.get(f"bytes_read_{tier}"))))
-        self.read_wait.inc(max(0.0, _number(receipt.get("read_wait_s"))))
-        self.misses.inc(max(0, _number(receipt.get("misses"))))
+            self.bytes_read.labels(tier).inc(max(0, _number(delta.get(f"bytes_read_{tier}"))))
+        self.read_wait.inc(max(0.0, _number(delta.get("read_wait_s"))))
+        self.misses.inc(max(0, _number(delta.get("misses"))))
 
     # ---- the HTTP side
 
@@ -87,14 +108,19 @@ class ServerMetrics:
 class _WorkerCollector(Collector):
     """Figures read at scrape time: the queue, the running request, the engine's cache since load."""
 
-    def __init__(self, worker: Any) -> None:
+    def __init__(self, worker: Any, metrics: ServerMetrics) -> None:
         self.worker = worker
+        self.metrics = metrics
 
     def collect(self) -> Iterator[Any]:
         w = self.worker
         yield _gauge("queue_length", "Requests waiting in the queue.", w.queue_depth)
         yield _gauge("queue_capacity", "Requests that may wait (--max-queue).", w.max_queue)
-        yield _gauge("requests_running", "Requests the engine is generating now (at most 1).", 1 if w.busy else 0)
+        running = getattr(w, "running", 1 if w.busy else 0)
+        yield _gauge("requests_running", "Requests the engine is generating now (at most --parallel).", running)
+        yield _gauge("parallel", "Requests that may generate together (--parallel).", getattr(w, "parallel", 1))
+        yield _gauge("batch_size_current", "Sequences in the latest decode step (0 when idle).",
+                     self.metrics.last_batch if running else 0)
         ready = GaugeMetricFamily(f"{PREFIX}_engine_state", "1 for the engine's current state.", labels=["state"])
         for state in ("loading", "ready", "failed", "stopped"):
             ready.add_metric([state], 1.0 if w.state == state else 0.0)

@@ -5,6 +5,10 @@ submits a Job and receives plain events (text deltas, then one end event) throug
 provides. Only this thread loads the engine, generates, detokenizes and matches stop strings, so
 a streamed reply and a whole one are made of exactly the same pieces.
 
+With `parallel` 1 it runs one job at a time through `engine.generate`; with more, the batch
+scheduler (server/batching.py) runs up to `parallel` jobs together, one sequence slot each. The
+queue holds `max_queue` jobs beyond those.
+
 A job whose client goes away is cancelled: a waiting one leaves the queue at once, a running one
 stops at the engine's next `should_stop()` check (between tokens and between prefill chunks).
 """
@@ -166,14 +170,19 @@ class LockedTokenizer:
 # ------------------------------------------------------------------------------------------ worker
 
 class Worker:
-    """Loads the engine on its own thread, then runs queued jobs one at a time, in order."""
+    """Loads the engine on its own thread, then runs queued jobs in order: one at a time, or up to
+    `parallel` together (continuous batching)."""
 
-    def __init__(self, load_engine: Callable[[], Any], *, max_queue: int = 8, name: str = "moestream-engine"):
+    def __init__(self, load_engine: Callable[[], Any], *, max_queue: int = 8, parallel: int = 1,
+                 name: str = "moestream-engine"):
         if max_queue < 0:
             raise ValueError("max_queue must be >= 0")
+        if parallel < 1:
+            raise ValueError("parallel must be >= 1")
         self._load_engine = load_engine
         self.on_load_failed: Callable[[str], None] | None = None  # e.g. stop the HTTP server
         self.max_queue = max_queue
+        self.parallel = parallel
         self.state = "loading"  # loading | ready | failed | stopped
         self.error: str | None = None
         self.engine: Any = None
@@ -186,7 +195,7 @@ class Worker:
         # told of every job's start and every choice's end, on this thread (e.g. the server's metrics)
         self.observers: list[Any] = []
         self._waiting: collections.deque[Job] = collections.deque()
-        self._current: Job | None = None
+        self._running: list[Job] = []  # admitted, not yet done (at most `parallel`)
         self._cond = threading.Condition()
         self._stopping = False
         self._ready = threading.Event()
@@ -210,14 +219,14 @@ class Worker:
             self._stopping = True
             waiting = list(self._waiting)
             self._waiting.clear()
-            current = self._current
+            running = list(self._running)
             self._cond.notify_all()
         for job in waiting:
             job.cancelled.set()
             self._deliver(job, Failed("the server is shutting down", code="server_shutdown"))
             job.done.set()
-        if current is not None:
-            current.cancelled.set()
+        for job in running:
+            job.cancelled.set()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
         return not self._thread.is_alive()
@@ -231,7 +240,12 @@ class Worker:
 
     @property
     def busy(self) -> bool:
-        return self._current is not None
+        return bool(self._running)
+
+    @property
+    def running(self) -> int:
+        """Jobs the engine is generating now (at most `parallel`)."""
+        return len(self._running)
 
     def retry_after_s(self) -> int:
         """A guess at when a slot frees up, for Retry-After: 1 to 10 seconds."""
@@ -239,9 +253,9 @@ class Worker:
             return self._retry_after_locked()
 
     def _retry_after_locked(self) -> int:
-        # about half the work ahead: a slot frees when the running job ends, not when all do
-        ahead = len(self._waiting) + (1 if self._current else 0)
-        return int(min(10, max(1, math.ceil(self._avg_job_s * max(1, ahead) / 2))))
+        # about half the work ahead: a slot frees when a running job ends, not when all do
+        ahead = (len(self._waiting) + len(self._running)) / self.parallel
+        return int(min(10, max(1, math.ceil(self._avg_job_s * max(1.0, ahead) / 2))))
 
     def submit(self, job: Job) -> Job:
         if self.state != "ready":
@@ -249,7 +263,9 @@ class Worker:
         with self._cond:
             if self._stopping:
                 raise NotReady("stopped", "the server is shutting down")
-            if len(self._waiting) >= self.max_queue and (self._current is not None or self._waiting):
+            # a job waits only for a free slot: room for max_queue beyond the slots that are free
+            free = self.parallel - len(self._running)
+            if len(self._waiting) >= self.max_queue + free:
                 raise QueueFull(self._retry_after_locked())
             job._worker = self
             job.enqueued_at = time.monotonic()
@@ -275,6 +291,11 @@ class Worker:
             self.tokenizer = LockedTokenizer(engine.tokenizer)
             self.model_name = str(getattr(engine, "model_name", "") or "") or None
             self.max_context = int(engine.max_context)
+            scheduler = None
+            if self.parallel > 1:
+                from moestream.server.batching import BatchScheduler
+
+                scheduler = BatchScheduler(self)  # refuses an engine without enough sequence slots
             self._refresh_stats()
             self.state = "ready"
             log.info("engine ready: %s, context %d tokens", self.model_name, self.max_context)
@@ -287,6 +308,21 @@ class Worker:
                 self.on_load_failed(self.error)
             return
         self._ready.set()
+        if scheduler is not None:
+            try:
+                scheduler.run()
+            except BaseException as exc:  # the scheduler itself broke: say so, fail what waits
+                log.error("the batch scheduler stopped: %s", exc, exc_info=True)
+                self.error, self.state = f"the batch scheduler stopped: {_one_line(exc)}", "failed"
+                self.shutdown(timeout=0)
+                self._close_engine()
+                return
+        else:
+            self._run_one_at_a_time()
+        self.state = "stopped"
+        self._close_engine()
+
+    def _run_one_at_a_time(self) -> None:
         while True:
             with self._cond:
                 while not self._waiting and not self._stopping:
@@ -294,7 +330,7 @@ class Worker:
                 if self._stopping:
                     break
                 job = self._waiting.popleft()
-                self._current = job
+                self._running.append(job)
             started = time.monotonic()
             try:
                 self._run_job(job)
@@ -302,14 +338,18 @@ class Worker:
                 log.error("request %s failed: %s", job.request_id, exc, exc_info=not _is_user_error(exc))
                 self._deliver(job, Failed(_one_line(exc)))
             finally:
-                with self._cond:
-                    self._current = None
-                job.done.set()
-                self.jobs_done += 1
-                self._avg_job_s = 0.8 * self._avg_job_s + 0.2 * (time.monotonic() - started)
-                self._refresh_stats()
-        self.state = "stopped"
-        self._close_engine()
+                self._job_done(job, started)
+
+    def _job_done(self, job: Job, started: float) -> None:
+        """A running job ended (any outcome): free its place, wake its waiter, update the figures."""
+        with self._cond:
+            if job in self._running:
+                self._running.remove(job)
+            self._cond.notify_all()
+        job.done.set()
+        self.jobs_done += 1
+        self._avg_job_s = 0.8 * self._avg_job_s + 0.2 * (time.monotonic() - started)
+        self._refresh_stats()
 
     def _close_engine(self) -> None:
         """Close the engine on the thread that owns it, once nothing runs: its reader threads end."""
@@ -357,17 +397,10 @@ class Worker:
         """One choice; False when the job ended (failed or cancelled)."""
         engine, tokenizer = self.engine, self.tokenizer
         prompt_tokens = len(choice.prompt_ids)
-        if choice.echo:
-            scored = engine.prompt_logprobs(choice.prompt_ids, job.logprobs or 0, should_stop=job.cancelled.is_set)
-            if scored is None:
-                return False
-            infos = [TokenLogprobInfo(tokenizer.decode([tid]), lp, [(tokenizer.decode([t]), v) for t, v in top])
-                     for tid, lp, top in scored]
-            self._deliver(job, PromptLogprobs(tokenizer.decode(choice.prompt_ids), infos, index))
+        if choice.echo and not self._echo(job, choice, index):
+            return False
         if choice.max_new_tokens <= 0:
-            receipt = {"prompt_tokens": prompt_tokens, "prefill_tokens": 0, "reused_tokens": 0, "generated_tokens": 0}
-            self._observe("choice_done", prompt_tokens, 0, "length", receipt)
-            self._deliver(job, Finished("length", prompt_tokens, 0, receipt, queue_s, index=index, last=last))
+            self._nothing_to_generate(job, choice, index, last, queue_s)
             return True
         decoder = IncrementalDecoder(tokenizer.decode)
         matcher = StopMatcher(job.stops)
@@ -402,14 +435,22 @@ class Worker:
             gen.close()
         result = gen.result
         receipt = dict(result.receipt) if result is not None else {}
-        self.last_receipt = receipt
         if matcher.stopped:
             reason = "stop"
         elif job.cancelled.is_set():
             reason = "cancelled"
         else:
             reason = result.finish_reason if result is not None else "length"
-        self._observe("choice_done", prompt_tokens, generated, reason, receipt)
+        return self._end_choice(job, index, last, queue_s, prompt_tokens, generated, reason, receipt, pending,
+                                matcher)
+
+    def _end_choice(self, job: Job, index: int, last: bool, queue_s: float, prompt_tokens: int, generated: int,
+                    reason: str, receipt: dict, pending: list[TokenLogprobInfo], matcher: StopMatcher,
+                    observed: dict | None = None) -> bool:
+        """Report a choice's end (`observed`: the receipt the metrics see, default `receipt`);
+        False when the job ends here (cancelled)."""
+        self.last_receipt = receipt
+        self._observe("choice_done", prompt_tokens, generated, reason, receipt if observed is None else observed)
         if reason == "cancelled":
             if self._stopping:
                 self._deliver(job, Failed("the server is shutting down", code="server_shutdown"))
@@ -426,6 +467,24 @@ class Worker:
                  job.request_id, index, prompt_tokens, receipt.get("prefill_tokens", "?"), generated, reason,
                  float(receipt.get("decode_tok_s", 0.0) or 0.0))
         return True
+
+    def _echo(self, job: Job, choice: Choice, index: int, *, seq: int = 0) -> bool:
+        """Score the prompt (sequence slot `seq`) and send its PromptLogprobs; False if cancelled."""
+        tokenizer = self.tokenizer
+        scored = self.engine.prompt_logprobs(choice.prompt_ids, job.logprobs or 0, should_stop=job.cancelled.is_set,
+                                             **({"seq": seq} if seq else {}))
+        if scored is None:
+            return False
+        infos = [TokenLogprobInfo(tokenizer.decode([tid]), lp, [(tokenizer.decode([t]), v) for t, v in top])
+                 for tid, lp, top in scored]
+        self._deliver(job, PromptLogprobs(tokenizer.decode(choice.prompt_ids), infos, index))
+        return True
+
+    def _nothing_to_generate(self, job: Job, choice: Choice, index: int, last: bool, queue_s: float) -> None:
+        prompt_tokens = len(choice.prompt_ids)
+        receipt = {"prompt_tokens": prompt_tokens, "prefill_tokens": 0, "reused_tokens": 0, "generated_tokens": 0}
+        self._observe("choice_done", prompt_tokens, 0, "length", receipt)
+        self._deliver(job, Finished("length", prompt_tokens, 0, receipt, queue_s, index=index, last=last))
 
     def _logprob_info(self, event: Any, k: int) -> TokenLogprobInfo:
         decode = self.tokenizer.decode

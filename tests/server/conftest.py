@@ -58,7 +58,7 @@ class LiveServer:
 
 @contextlib.contextmanager
 def live_server(engine: FakeEngine | None = None, *, load: Callable[[], Any] | None = None,
-                api_key: str | None = None, max_queue: int = 8, max_body_bytes: int = 1 << 20,
+                api_key: str | None = None, max_queue: int = 8, parallel: int = 1, max_body_bytes: int = 1 << 20,
                 max_context: int | None = None, defaults: RequestDefaults | None = None,
                 model_id: str | None = MODEL_ID, wait_ready: bool = True) -> Iterator[LiveServer]:
     import uvicorn
@@ -66,7 +66,7 @@ def live_server(engine: FakeEngine | None = None, *, load: Callable[[], Any] | N
     if load is None:
         engine = engine or FakeEngine()
         load = lambda: engine  # noqa: E731
-    worker = Worker(load, max_queue=max_queue).start()
+    worker = Worker(load, max_queue=max_queue, parallel=parallel).start()
     app = create_app(worker, api_key=api_key, model_id=model_id, max_body_bytes=max_body_bytes,
                      defaults=defaults or RequestDefaults(), max_context=max_context)
     sock = bind_socket("127.0.0.1", 0)

@@ -71,6 +71,7 @@ CASES = [
                                 "folder use moestream convert"),
     ("serve", "--top-p 2", 2, "moestream serve: error: argument --top-p: must be in (0, 1], not 2"),
     ("serve", "--temperature 3", 2, "moestream serve: error: argument --temperature: must be between 0 and 2, not 3.0"),
+    ("serve", "--parallel 0", 2, "moestream serve: error: argument --parallel: must be at least 1, not 0"),
     ("serve", "--threads 0", 2, "moestream serve: error: argument --threads: must be at least 1, not 0"),
     ("serve", "--port {port}", 1, "moestream serve: error: cannot listen on 127.0.0.1:{port}: Address already in use "
                                   "(is another server running there? choose another --port)"),

@@ -1,0 +1,308 @@
+"""Continuous batching: up to `parallel` jobs generate together, each in its own sequence slot.
+
+The scheduler runs on the worker's thread and owns the engine's slots. Each turn of its loop is
+one step boundary:
+- admit: waiting jobs take free slots, first in first out. A job's prompt goes to the free slot
+  whose cached tokens share the longest start with it (that start is not computed again); where
+  none shares any, the least recently used slot (eviction is slot reuse). So the prefix cache is
+  the slots' KV caches, shared by all requests.
+- prefill: one chunk (--prefill-chunk-tokens) of the oldest newcomer's prompt, so a long prompt
+  costs the running streams one chunk's time per token, not the whole prefill at once.
+- decode: one `step_many` for every sequence that has a token to run: each MoE layer loads the
+  experts its rows route to once, and each row gets the bits it gets alone.
+- retire: a sequence leaves at EOS, its length, a stop string or its client's disconnect (seen at
+  the next boundary); its slot keeps its tokens for a later prompt's prefix.
+
+Each sequence has its own sampler settings (seed, penalties, grammar state), detokenizer, stop
+matcher and event sink, and chooses through the same Emitter as `engine.generate`, so a request's
+text does not depend on what else runs: greedy, the tokens it gets alone; sampled, the same seeded
+draws. A job's choices (n > 1, several prompts) run one after another in its slot, in order.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from moestream.engine.receipt import COUNTERS, Receipt
+from moestream.errors import MoestreamError
+from moestream.server.stops import IncrementalDecoder, StopMatcher
+from moestream.server.worker import Failed, Job, Started, TextDelta, TokenLogprobInfo, _is_user_error, _one_line
+
+if TYPE_CHECKING:
+    from moestream.server.worker import Worker
+
+log = logging.getLogger(__name__)
+
+
+def shared_start(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+@dataclass
+class Running:
+    """One choice of a job, generating in sequence slot `slot`."""
+
+    job: Job
+    index: int
+    slot: int
+    queue_s: float
+    started: float  # when the job was admitted
+    prompt: list[int]
+    budget: int  # tokens it may generate
+    emit: Any  # the engine's Emitter: logits row -> TokenEvent, or None at the end
+    state: dict  # the Emitter's: tokens, finish
+    decoder: IncrementalDecoder
+    matcher: StopMatcher
+    before: dict  # the expert cache's counters when it started
+    computed: int = 0  # prompt tokens in the slot's KV cache so far
+    reused: int = 0
+    next_token: int | None = None  # the token the next decode step runs
+    generated: int = 0
+    pending: list[TokenLogprobInfo] = field(default_factory=list)
+    t0: float = field(default_factory=time.perf_counter)
+    prefill_s: float = 0.0
+    t_decode: float = 0.0
+
+    @property
+    def last(self) -> bool:
+        return self.index == len(self.job.choices) - 1
+
+    @property
+    def prefilling(self) -> bool:
+        return self.computed < len(self.prompt)
+
+
+class BatchScheduler:
+    def __init__(self, worker: "Worker") -> None:
+        self.worker = worker
+        self.engine = worker.engine
+        self.slots = worker.parallel
+        if len(getattr(self.engine, "caches", ())) < self.slots or not hasattr(self.engine, "step_many"):
+            raise MoestreamError(f"--parallel {self.slots} needs an engine with {self.slots} sequence slots "
+                                 "(EngineOptions.max_sequences)")
+        for seq in list(self.engine.open_sequences):  # every slot is the scheduler's to open
+            self.engine.close_sequence(seq)
+        self.chunk = max(1, int(getattr(getattr(self.engine, "plan", None), "prefill_chunk", 2048)))
+        self.active: list[Running] = []
+        self.last_used = {s: 0.0 for s in range(self.slots)}
+        self.job_started: dict[int, float] = {}  # id(job) -> when admitted
+
+    # ---- the loop
+
+    def run(self) -> None:
+        w = self.worker
+        while True:
+            with w._cond:
+                while not w._waiting and not self.active and not w._stopping:
+                    w._cond.wait()
+                if w._stopping:
+                    break
+                admitted = []
+                while w._waiting and len(w._running) < self.slots:
+                    job = w._waiting.popleft()
+                    w._running.append(job)
+                    admitted.append(job)
+            for job in admitted:
+                self._admit(job)
+            self._retire_cancelled()
+            self._prefill_one_chunk()
+            self._decode_step()
+        for r in list(self.active):  # stopping: whatever still runs is cancelled
+            r.job.cancelled.set()
+            self._finish(r, "cancelled")
+
+    # ---- admission
+
+    def _admit(self, job: Job) -> None:
+        self.job_started[id(job)] = time.monotonic()
+        queue_s = time.monotonic() - job.enqueued_at
+        if job.cancelled.is_set():
+            self._job_done(job)
+            return
+        self.worker._deliver(job, Started(queue_s=queue_s))
+        self.worker._observe("job_started", queue_s)
+        self._start_choice(job, 0, queue_s)
+
+    def _start_choice(self, job: Job, index: int, queue_s: float) -> None:
+        """Open a slot for the job's choice `index` (or end the job: no choices left, cancelled, refused)."""
+        w, engine = self.worker, self.engine
+        while index < len(job.choices) and not job.cancelled.is_set():
+            choice = job.choices[index]
+            last = index == len(job.choices) - 1
+            try:
+                engine.check_prompt(choice.prompt_ids)
+            except MoestreamError as exc:  # refused before starting, as engine.generate would
+                w._deliver(job, Failed(_one_line(exc), code="invalid_request"))
+                break
+            slot = self._open_slot(choice.prompt_ids)
+            if choice.echo:
+                try:
+                    ok = w._echo(job, choice, index, seq=slot)
+                except BaseException as exc:
+                    engine.close_sequence(slot)
+                    self._fail(job, exc)
+                    return
+                if not ok:
+                    engine.close_sequence(slot)
+                    break
+            if choice.max_new_tokens <= 0:
+                engine.close_sequence(slot)
+                w._nothing_to_generate(job, choice, index, last, queue_s)
+                index += 1
+                continue
+            self.active.append(self._running(job, index, slot, queue_s))
+            return
+        self._job_done(job)
+
+    def _open_slot(self, prompt: list[int]) -> int:
+        """The free slot sharing the longest start with `prompt`; among equals the least recently used."""
+        engine = self.engine
+        free = [s for s in range(self.slots) if s not in engine.open_sequences]
+        best = max(free, key=lambda s: (shared_start(engine.caches[s].tokens, prompt), -self.last_used[s]))
+        return engine.open_sequence(prompt, slot=best)
+
+    def _running(self, job: Job, index: int, slot: int, queue_s: float) -> Running:
+        engine, choice = self.engine, job.choices[index]
+        prompt = list(choice.prompt_ids)
+        state: dict = {"tokens": [], "finish": "length"}
+        # the engine's logprobs=K gives the chosen token's logprob and the top K (0: none)
+        k = max(1, job.logprobs) if job.logprobs is not None else 0
+        emit = engine.emitter(prompt, state, sampling=choice.sampling, logprobs=k, should_stop=job.cancelled.is_set)
+        # what the slot kept of the prompt; the last prompt token is always run (its logits start decoding)
+        reused = min(engine.caches[slot].length, len(prompt) - 1)
+        return Running(job, index, slot, queue_s, self.job_started.get(id(job), time.monotonic()), prompt,
+                       budget=min(choice.max_new_tokens, engine.max_context - len(prompt)), emit=emit, state=state,
+                       decoder=IncrementalDecoder(self.worker.tokenizer.decode), matcher=StopMatcher(job.stops),
+                       before=engine.expert_stats(), computed=reused, reused=reused)
+
+    # ---- the steps
+
+    def _prefill_one_chunk(self) -> None:
+        newcomers = [r for r in self.active if r.prefilling]
+        if not newcomers:
+            return
+        r = newcomers[0]
+        end = min(len(r.prompt), r.computed + self.chunk)
+        before = self.engine.expert_stats()
+        try:
+            # the slot holds prompt[:computed]: prefill reuses it and computes prompt[computed:end]
+            logits, _ = self.engine.prefill(r.prompt[:end], seq=r.slot)
+        except BaseException as exc:
+            self._work_since(before)
+            self._drop(r)
+            self._fail(r.job, exc)
+            return
+        self._work_since(before)
+        r.computed = end
+        if not r.prefilling:
+            r.prefill_s = time.perf_counter() - r.t0
+            r.t_decode = time.perf_counter()
+            self._take(r, logits[-1])
+
+    def _decode_step(self) -> None:
+        ready = [r for r in self.active if r.next_token is not None]
+        if not ready:
+            return
+        self.worker._observe("batch_step", len(ready))
+        before = self.engine.expert_stats()
+        try:
+            logits = self.engine.step_many({r.slot: [r.next_token] for r in ready})
+        except BaseException as exc:  # the whole step failed: so does every request in it
+            self._work_since(before)
+            for r in ready:
+                self._drop(r)
+                self._fail(r.job, exc)
+            return
+        self._work_since(before)
+        for r in ready:
+            r.next_token = None
+            self._take(r, logits[r.slot][-1])
+
+    def _take(self, r: Running, row: Any) -> None:
+        """The choice at the sequence's next position from logits `row`: deliver its text, or retire."""
+        job = r.job
+        event = r.emit(row)
+        if event is None:  # EOS, or cancelled
+            self._flush(r)
+            self._finish(r, "cancelled" if job.cancelled.is_set() else r.state["finish"])
+            return
+        r.generated += 1
+        if job.logprobs is not None:
+            r.pending.append(self.worker._logprob_info(event, job.logprobs))
+        text = r.matcher.feed(r.decoder.push(event.token_id))
+        if text:
+            self.worker._deliver(job, TextDelta(text, r.pending, r.index))
+            r.pending = []
+        if r.matcher.stopped:
+            self._finish(r, "stop")
+        elif job.cancelled.is_set():
+            self._finish(r, "cancelled")
+        elif r.generated >= r.budget:
+            self._flush(r)
+            self._finish(r, "length")
+        else:
+            r.next_token = event.token_id
+
+    def _flush(self, r: Running) -> None:
+        tail = r.matcher.feed(r.decoder.flush()) + r.matcher.flush()
+        if tail:
+            self.worker._deliver(r.job, TextDelta(tail, r.pending, r.index))
+            r.pending = []
+
+    # ---- leaving
+
+    def _retire_cancelled(self) -> None:
+        for r in [r for r in self.active if r.job.cancelled.is_set()]:
+            self._finish(r, "cancelled")
+
+    def _finish(self, r: Running, reason: str) -> None:
+        w, engine = self.worker, self.engine
+        self._drop(r)
+        now = time.perf_counter()
+        if r.prefilling:
+            r.prefill_s = now - r.t0
+        decode_s = now - r.t_decode if r.t_decode else 0.0
+        # the cache's counters over the steps this request shared with the others running then
+        receipt = dict(Receipt.of_run(prompt_tokens=len(r.prompt), reused=r.reused, generated=r.generated,
+                                      finish=reason, prefill_s=r.prefill_s, decode_s=decode_s, before=r.before,
+                                      after=engine.expert_stats(), memory=engine.memory_ledger(),
+                                      device=str(engine.device), model=engine.model_name,
+                                      verify=engine.options.verify))
+        # the metrics count the cache's work per step (_work_since), not per request, which would count a shared
+        # step once for each request in it
+        observed = {k: v for k, v in receipt.items() if k not in COUNTERS}
+        going_on = w._end_choice(r.job, r.index, r.last, r.queue_s, len(r.prompt), r.generated, reason, receipt,
+                                 r.pending, r.matcher, observed=observed)
+        if going_on and not r.last and not r.job.cancelled.is_set():
+            self._start_choice(r.job, r.index + 1, r.queue_s)
+        else:
+            self._job_done(r.job)
+
+    def _drop(self, r: Running) -> None:
+        """Take `r` out of the batch and free its slot (its tokens stay cached)."""
+        if r in self.active:
+            self.active.remove(r)
+            self.engine.close_sequence(r.slot)
+            self.last_used[r.slot] = time.monotonic()
+
+    def _fail(self, job: Job, exc: BaseException) -> None:
+        log.error("request %s failed: %s", job.request_id, exc, exc_info=not _is_user_error(exc))
+        self.worker._deliver(job, Failed(_one_line(exc)))
+        self._job_done(job)
+
+    def _job_done(self, job: Job) -> None:
+        if job.done.is_set():
+            return
+        started = self.job_started.pop(id(job), time.monotonic())
+        self.worker._job_done(job, started)
+
+    def _work_since(self, before: dict) -> None:
+        after = self.engine.expert_stats()
+        self.worker._observe("expert_work", {k: after.get(k, 0) - before.get(k, 0) for k in COUNTERS})
