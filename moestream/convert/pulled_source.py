@@ -18,6 +18,7 @@ from moestream.convert.source import TOKENIZER_FILES, CheckpointError, Checkpoin
 from moestream.format.safetensors_io import SafetensorsFile, TensorInfo
 from moestream.models.registry import family_module
 from moestream.quant.fp8 import Fp8Quantization
+from moestream.quant.mxfp4 import is_mxfp4
 from moestream.quant.mlx import MlxQuantization
 
 log = logging.getLogger(__name__)
@@ -43,10 +44,10 @@ class PulledSource(CheckpointSource):
         family = self.config.get("model_type")
         self.family_module = family_module(family)  # refuses a family that is not supported
         self.family: str = family
-        if Fp8Quantization.from_config(self.config) is not None:
-            raise CheckpointError(f"{repo.repo_id}: pull streams float and MLX checkpoints; for a block-scaled FP8 one, "
+        if Fp8Quantization.from_config(self.config) is not None or is_mxfp4(self.config):
+            raise CheckpointError(f"{repo.repo_id}: pull streams float and MLX checkpoints; for an FP8 or MXFP4 one, "
                                   "download it and run moestream convert on the folder")
-        self.fp8, self.fp8_scales = None, {}
+        self.fp8, self.fp8_scales, self.mxfp4, self.mxfp4_stacks = None, {}, False, {}
         self.mlx = MlxQuantization.from_config(self.config)
         self.files = self._remote_shards()
         self._handles = {}

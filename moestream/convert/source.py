@@ -6,7 +6,8 @@ name (and drops what is not a weight), so the rest of convert sees only packed n
 They are read with positional reads into fresh buffers (never mapped), so what a conversion
 keeps resident is what it holds, not the pages of the checkpoint it has looked at. A block-scaled
 FP8 checkpoint's matrices are handed out dequantized (float32; moestream.quant.fp8), their scale
-tensors hidden, so convert quantizes them like any float checkpoint."""
+tensors hidden, and an MXFP4 checkpoint's `X_blocks` / `X_scales` pairs as the stack `X` (bfloat16,
+exact; moestream.quant.mxfp4), so convert quantizes them like any float checkpoint."""
 from __future__ import annotations
 
 import json
@@ -21,7 +22,7 @@ from moestream.errors import MoestreamError, UnsupportedModelError
 from moestream.format.safetensors_io import SafetensorsFile, TensorInfo
 from moestream.format.writer import sha256_file
 from moestream.models.registry import family_module, supported
-from moestream.quant import fp8
+from moestream.quant import fp8, mxfp4
 from moestream.quant.mlx import MlxQuantization
 
 log = logging.getLogger(__name__)
@@ -54,15 +55,18 @@ class CheckpointSource:
         self.family: str = family
         self.family_module = family_module(family)  # refuses a family that is not supported
         self.fp8: fp8.Fp8Quantization | None = fp8.Fp8Quantization.from_config(self.config)
-        self.mlx: MlxQuantization | None = None if self.fp8 else MlxQuantization.from_config(self.config)
+        self.mxfp4 = mxfp4.is_mxfp4(self.config)
+        self.mlx: MlxQuantization | None = (None if self.fp8 or self.mxfp4 else MlxQuantization.from_config(self.config))
         self.files = self._shard_names()
         self._handles: dict[str, SafetensorsFile] = {}
         self.index: dict[str, str] = {}  # checkpoint name -> shard file
         self.packed_names: dict[str, str] = {}  # packed name -> checkpoint name
         self.fp8_scales: dict[str, tuple[str, str]] = {}  # an FP8 weight's name -> its scale's name, shard
+        self.mxfp4_stacks: dict[str, tuple[str, str]] = {}  # a stack X -> X_scales, its shard (X_blocks: index[X])
         try:
             self._build_index()
             self._pair_fp8_scales()
+            self._pair_mxfp4_blocks()
             self._sanitize()
         except BaseException:
             self.close()
@@ -135,6 +139,22 @@ class CheckpointSource:
             if self._open(file).info(key).dtype in fp8.FP8_DTYPES and key not in self.fp8_scales:
                 raise CheckpointError(f"{key}: an FP8 weight without its {fp8.scale_name(key)}")
 
+    def _pair_mxfp4_blocks(self) -> None:
+        """Each `X_blocks` with its `X_scales`, both replaced in the index by the stack `X`."""
+        blocks = sorted(k for k in self.index if k.endswith(mxfp4.BLOCKS))
+        if blocks and not self.mxfp4:
+            raise CheckpointError(f"{blocks[0]}: MXFP4 blocks, but config.json has no quantization_config with "
+                                  "quant_method mxfp4")
+        for key in blocks:
+            stack = key[: -len(mxfp4.BLOCKS)]
+            scales = stack + mxfp4.SCALES
+            if scales not in self.index:
+                raise CheckpointError(f"{key}: MXFP4 blocks without their {scales}")
+            mxfp4.check_pair(stack, self._open(self.index[key]).info(key).shape,
+                             self._open(self.index[scales]).info(scales).shape)
+            self.mxfp4_stacks[stack] = (scales, self.index.pop(scales))
+            self.index[stack] = self.index.pop(key)
+
     def _sanitize(self) -> None:
         dropped, beyond = 0, 0
         layers = self.config.get("num_hidden_layers")
@@ -176,6 +196,10 @@ class CheckpointSource:
 
     def info(self, name: str) -> TensorInfo:
         handle, key = self._locate(name)
+        if key in self.mxfp4_stacks:  # handed out dequantized: bfloat16 [E, In, Out]
+            blocks = handle.info(key + mxfp4.BLOCKS)
+            shape = mxfp4.dequantized_shape(blocks.shape)
+            return TensorInfo(key, "BF16", shape, blocks.start, 2 * blocks.nbytes * 2)
         info = handle.info(key)
         if key in self.fp8_scales:  # handed out dequantized: float32 of the same shape
             return TensorInfo(info.name, "F32", info.shape, info.start, 4 * info.nbytes // info.torch_dtype.itemsize)
@@ -189,12 +213,19 @@ class CheckpointSource:
 
     def get(self, name: str) -> torch.Tensor:
         handle, key = self._locate(name)
+        if key in self.mxfp4_stacks:
+            scales, file = self.mxfp4_stacks[key]
+            return mxfp4.dequantize(handle.read(key + mxfp4.BLOCKS), self._open(file).read(scales))
         if key in self.fp8_scales:
             return fp8.dequantize(handle.read(key), self._scale(key), self.fp8.block)
         return handle.read(key)
 
     def get_rows(self, name: str, start: int, count: int = 1) -> torch.Tensor:
         handle, key = self._locate(name)
+        if key in self.mxfp4_stacks:  # rows of a stack: whole experts
+            scales, file = self.mxfp4_stacks[key]
+            return mxfp4.dequantize(handle.read_rows(key + mxfp4.BLOCKS, start, count),
+                                    self._open(file).read_rows(scales, start, count))
         if key not in self.fp8_scales:
             return handle.read_rows(key, start, count)
         rows = handle.read_rows(key, start, count)
