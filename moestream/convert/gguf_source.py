@@ -54,7 +54,7 @@ class GgufSource(CheckpointSource):
         if family is None or (self.arch == "llama" and not self._int(f"{self.arch}.expert_count", 0)):
             raise UnsupportedModelError(f"{self.folder}: GGUF architecture {self.arch!r} is not a supported MoE "
                                         f"(supported: {', '.join(ARCH_FAMILY)} with experts)")
-        self.family, self.mlx = family, None
+        self.family, self.mlx, self.fp8, self.mxfp4 = family, None, None, False  # GGUF types: dequantized by the gguf package
         self.family_module = family_module(family)
         self.tokenizer_dir = Path(tokenizer) if tokenizer is not None else None
         if self.tokenizer_dir is not None and not self.tokenizer_dir.is_dir():

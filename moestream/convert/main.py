@@ -198,6 +198,8 @@ class Conversion:
                   "requested": requested}
         if self.source.fp8 is not None:  # dequantized to float32, then quantized as requested
             record["dequantized"] = {"quant_method": "fp8", "weight_block_size": list(self.source.fp8.block)}
+        if self.source.mxfp4:  # dequantized exactly (bfloat16), then quantized as requested
+            record["dequantized"] = {"quant_method": "mxfp4"}
         return record
 
     def _write_dense(self, bar) -> dict:
@@ -297,9 +299,9 @@ def convert(src: str | Path, out: str | Path, *, quant: str = "q4", group_size: 
     try:
         job = Conversion(source, out, quant=quant, group_size=group_size, progress=progress, workers=workers,
                          kill_after_layers=kill_after_layers)
-        if source.fp8 is not None:
-            log.info("the source is block-scaled FP8: its matrices are dequantized (float32) and stored as --quant %s",
-                     quant)
+        if source.fp8 is not None or source.mxfp4:
+            log.info("the source is %s: its scaled matrices are dequantized and stored as --quant %s",
+                     "block-scaled FP8" if source.fp8 else "MXFP4", quant)
         if source.mlx is not None and quant != "q4":
             log.info("the source is MLX-quantized: its quantization is kept as it is (--quant %s does not apply)", quant)
         log.info("converting %s (%s, %d MoE layers, %d resident tensors) into %s", src, source.family, len(job.layers),

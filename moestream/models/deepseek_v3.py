@@ -3,7 +3,8 @@ cache (moestream.layers.mla), YaRN rope, sigmoid group-limited routing with a sc
 and a routed scaling factor, shared experts beside the routed ones, dense first layers.
 
 The source's next-token-prediction layers (`model.layers.<num_hidden_layers>...`) are not part of
-the decoder and are left out. FP8 block-scaled checkpoints (`weight_scale_inv`) are not read."""
+the decoder and are left out. FP8 block-scaled checkpoints (`weight_scale_inv`) are dequantized by
+convert (moestream.quant.fp8) before they reach this family."""
 from __future__ import annotations
 
 import math

@@ -16,6 +16,7 @@ from moestream.errors import UnsupportedModelError
 
 FP8_DTYPES = ("F8_E4M3",)  # the weight dtype a scaled matrix is stored in
 SCALE_SUFFIX = "_scale_inv"
+E4M3_NAMES = ("e4m3", "float8_e4m3fn")  # how config.json files spell the format
 
 
 @dataclass(frozen=True)
@@ -29,7 +30,7 @@ class Fp8Quantization:
         if not isinstance(q, dict) or q.get("quant_method") != "fp8":
             return None
         where = "config.json: quantization_config"
-        if q.get("fmt", "e4m3") != "e4m3":
+        if q.get("fmt", "e4m3") not in E4M3_NAMES:
             raise UnsupportedModelError(f"{where}.fmt {q['fmt']!r} is not supported (only e4m3)")
         if q.get("activation_scheme", "dynamic") != "dynamic":
             raise UnsupportedModelError(f"{where}.activation_scheme {q['activation_scheme']!r} is not supported "

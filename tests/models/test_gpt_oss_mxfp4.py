@@ -15,6 +15,7 @@ from moestream.convert.source import CheckpointSource
 from moestream.engine.engine import Engine
 from moestream.engine.options import EngineOptions
 from moestream.errors import MoestreamError
+from moestream.format.reader import PackedModel
 from tests.models.test_parity import check_against, load_reference
 from tests.tiny import load_all
 
@@ -111,6 +112,7 @@ def test_mxfp4_converts_like_its_dequantized_checkpoint_and_matches_transformers
 
     a = convert(mxfp4_checkpoint, tmp_path / "from-mxfp4", quant=quant, progress=False)
     b = convert(dequantized, tmp_path / "from-float", quant=quant, progress=False)
+    assert PackedModel(a).manifest.quantization["dequantized"] == {"quant_method": "mxfp4"}
     for name in ["dense.safetensors", "experts-000.bin", "experts-001.bin"]:
         assert (a / name).read_bytes() == (b / name).read_bytes(), name
     engine = Engine.load(a, options=EngineOptions(device="cpu"))
