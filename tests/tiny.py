@@ -60,6 +60,11 @@ FAMILY_CONFIGS = {
     "gpt_oss": dict(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                     num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2, sliding_window=5,
                     layer_types=["sliding_attention", "full_attention"], swiglu_limit=0.5, tie_word_embeddings=False),
+    # sigmoid routing with a correction bias; q/k norms over all heads (4 x 32 wider than hidden),
+    # a quarter of each head rotary given as the released checkpoints give it (rotary_dim)
+    "minimax_m2": dict(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=32, num_local_experts=8, num_experts_per_tok=2, rotary_dim=8,
+                       tie_word_embeddings=False),
 }
 # the multimodal checkpoint: the language model above beside a small vision tower
 FAMILY_CONFIGS["gemma4"] = dict(

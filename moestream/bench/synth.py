@@ -50,6 +50,10 @@ SHAPES = {
                         rope_scaling=dict(type="yarn", factor=40, original_max_position_embeddings=4096, mscale=1.0,
                                           mscale_all_dim=1.0, beta_fast=32, beta_slow=1),
                         tie_word_embeddings=False, eos_token_id=1),
+    "minimax-m2": dict(model_type="minimax_m2", hidden_size=3072, num_hidden_layers=62, num_attention_heads=48,
+                       num_key_value_heads=8, head_dim=128, num_local_experts=256, num_experts_per_tok=8,
+                       intermediate_size=1536, vocab_size=200064, rotary_dim=64, rope_theta=5000000.0,
+                       max_position_embeddings=196608, rms_norm_eps=1e-6, tie_word_embeddings=False, eos_token_id=200020),
 }
 BITS = {"q4": 4, "q8": 8, "none": None}
 

@@ -57,7 +57,8 @@ class GgufSource(CheckpointSource):
         if family is None or (self.arch == "llama" and not self._int(f"{self.arch}.expert_count", 0)):
             raise UnsupportedModelError(f"{self.folder}: GGUF architecture {self.arch!r} is not a supported MoE "
                                         f"(supported: {', '.join(ARCH_FAMILY)} with experts)")
-        self.family, self.mlx, self.imported = family, None, None
+        # GGUF types: dequantized by the gguf package
+        self.family, self.mlx, self.imported, self.fp8, self.mxfp4 = family, None, None, None, False
         self.family_module = family_module(family)
         self.tokenizer_dir = Path(tokenizer) if tokenizer is not None else None
         self._scratch = None  # where the metadata's tokenizer is written for convert to copy

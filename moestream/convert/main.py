@@ -194,9 +194,16 @@ class Conversion:
         if self.source.mlx is not None:
             return {"mode": "affine", "imported": self.source.imported, "default_bits": self.source.mlx.bits,
                     "group_size": self.source.mlx.group_size, "tensors": tensors, "requested": requested}
+        record = {"mode": "affine", "default_bits": self.bits, "group_size": self.group_size, "tensors": tensors,
+                  "requested": requested}
         dequantized = getattr(self.source, "dequantized_from", None)  # GPTQ/AWQ codes not kept
-        return {"mode": "affine", "default_bits": self.bits, "group_size": self.group_size, "tensors": tensors,
-                "requested": requested, **({"dequantized_from": dequantized} if dequantized else {})}
+        if dequantized:
+            record["dequantized_from"] = dequantized
+        if self.source.fp8 is not None:  # dequantized to float32, then quantized as requested
+            record["dequantized"] = {"quant_method": "fp8", "weight_block_size": list(self.source.fp8.block)}
+        if self.source.mxfp4:  # dequantized exactly (bfloat16), then quantized as requested
+            record["dequantized"] = {"quant_method": "mxfp4"}
+        return record
 
     def _write_dense(self, bar) -> dict:
         writer = SafetensorsWriter(self.out / DENSE_NAME, [d.parts for d in self.dense], {"format": "pt"})
@@ -295,6 +302,9 @@ def convert(src: str | Path, out: str | Path, *, quant: str = "q4", group_size: 
     try:
         job = Conversion(source, out, quant=quant, group_size=group_size, progress=progress, workers=workers,
                          kill_after_layers=kill_after_layers)
+        if source.fp8 is not None or source.mxfp4:
+            log.info("the source is %s: its scaled matrices are dequantized and stored as --quant %s",
+                     "block-scaled FP8" if source.fp8 else "MXFP4", quant)
         if source.imported == "mlx" and quant != "q4":
             log.info("the source is MLX-quantized: its quantization is kept as it is (--quant %s does not apply)", quant)
         log.info("converting %s (%s, %d MoE layers, %d resident tensors) into %s", src, source.family, len(job.layers),

@@ -17,6 +17,8 @@ from moestream.convert.remote import HubRepo
 from moestream.convert.source import TOKENIZER_FILES, CheckpointError, CheckpointSource
 from moestream.format.safetensors_io import SafetensorsFile, TensorInfo
 from moestream.models.registry import family_module
+from moestream.quant.fp8 import Fp8Quantization
+from moestream.quant.mxfp4 import is_mxfp4
 from moestream.quant.mlx import MlxQuantization
 
 log = logging.getLogger(__name__)
@@ -46,6 +48,10 @@ class PulledSource(CheckpointSource):
         if isinstance(quant, dict) and quant.get("quant_method") in ("gptq", "awq"):
             raise CheckpointError(f"{repo.repo_id}: a {quant['quant_method'].upper()} checkpoint: pull does not read it "
                                   "yet (download it, then moestream convert the folder)")
+        if Fp8Quantization.from_config(self.config) is not None or is_mxfp4(self.config):
+            raise CheckpointError(f"{repo.repo_id}: pull streams float and MLX checkpoints; for an FP8 or MXFP4 one, "
+                                  "download it and run moestream convert on the folder")
+        self.fp8, self.fp8_scales, self.mxfp4, self.mxfp4_stacks = None, {}, False, {}
         self.mlx = MlxQuantization.from_config(self.config)
         self.imported = "mlx" if self.mlx is not None else None
         self.files = self._remote_shards()

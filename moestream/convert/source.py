@@ -4,7 +4,10 @@ Tensors are named as the packed model names them: the family's sanitize maps eac
 name (and drops what is not a weight), so the rest of convert sees only packed names.
 
 They are read with positional reads into fresh buffers (never mapped), so what a conversion
-keeps resident is what it holds, not the pages of the checkpoint it has looked at."""
+keeps resident is what it holds, not the pages of the checkpoint it has looked at. A block-scaled
+FP8 checkpoint's matrices are handed out dequantized (float32; moestream.quant.fp8), their scale
+tensors hidden, and an MXFP4 checkpoint's `X_blocks` / `X_scales` pairs as the stack `X` (bfloat16,
+exact; moestream.quant.mxfp4), so convert quantizes them like any float checkpoint."""
 from __future__ import annotations
 
 import json
@@ -19,6 +22,7 @@ from moestream.errors import MoestreamError, UnsupportedModelError
 from moestream.format.safetensors_io import SafetensorsFile, TensorInfo
 from moestream.format.writer import sha256_file
 from moestream.models.registry import family_module, supported
+from moestream.quant import fp8, mxfp4
 from moestream.quant.mlx import MlxQuantization
 
 log = logging.getLogger(__name__)
@@ -50,14 +54,20 @@ class CheckpointSource:
             raise UnsupportedModelError(f"{self.folder / 'config.json'}: no model_type (supported: {supported()})")
         self.family: str = family
         self.family_module = family_module(family)  # refuses a family that is not supported
-        self.mlx: MlxQuantization | None = MlxQuantization.from_config(self.config)
+        self.fp8: fp8.Fp8Quantization | None = fp8.Fp8Quantization.from_config(self.config)
+        self.mxfp4 = mxfp4.is_mxfp4(self.config)
+        self.mlx: MlxQuantization | None = (None if self.fp8 or self.mxfp4 else MlxQuantization.from_config(self.config))
         self.imported = "mlx" if self.mlx is not None else None  # whose quantized codes are kept
         self.files = self._shard_names()
         self._handles: dict[str, SafetensorsFile] = {}
         self.index: dict[str, str] = {}  # checkpoint name -> shard file
         self.packed_names: dict[str, str] = {}  # packed name -> checkpoint name
+        self.fp8_scales: dict[str, tuple[str, str]] = {}  # an FP8 weight's name -> its scale's name, shard
+        self.mxfp4_stacks: dict[str, tuple[str, str]] = {}  # a stack X -> X_scales, its shard (X_blocks: index[X])
         try:
             self._build_index()
+            self._pair_fp8_scales()
+            self._pair_mxfp4_blocks()
             self._sanitize()
         except BaseException:
             self.close()
@@ -108,6 +118,44 @@ class CheckpointSource:
                 if key not in self.index:
                     raise CheckpointError(f"{self.folder / file}: tensor {key} is missing (listed in {INDEX_NAME})")
 
+    def _pair_fp8_scales(self) -> None:
+        """Each FP8 weight with its `_scale_inv` tensor (of the grid its block size gives); the
+        scales leave the index, read only with their weights."""
+        scales = sorted(k for k in self.index if k.endswith(fp8.SCALE_SUFFIX))
+        if self.fp8 is None:
+            if scales:
+                raise CheckpointError(f"{scales[0]}: an FP8 scale, but config.json has no quantization_config with "
+                                      "quant_method fp8")
+            return
+        for key in scales:
+            weight = key[: -len(fp8.SCALE_SUFFIX)]
+            if weight not in self.index:
+                raise CheckpointError(f"{key}: a scale without its weight {weight}")
+            shape, grid = self._open(self.index[weight]).info(weight).shape, self._open(self.index[key]).info(key).shape
+            if tuple(grid) != self.fp8.scale_shape(shape):
+                raise CheckpointError(f"{key}: scale grid {list(grid)}, but a {list(shape)} weight in "
+                                      f"{list(self.fp8.block)} blocks has {list(self.fp8.scale_shape(shape))}")
+            self.fp8_scales[weight] = (key, self.index.pop(key))
+        for key, file in self.index.items():
+            if self._open(file).info(key).dtype in fp8.FP8_DTYPES and key not in self.fp8_scales:
+                raise CheckpointError(f"{key}: an FP8 weight without its {fp8.scale_name(key)}")
+
+    def _pair_mxfp4_blocks(self) -> None:
+        """Each `X_blocks` with its `X_scales`, both replaced in the index by the stack `X`."""
+        blocks = sorted(k for k in self.index if k.endswith(mxfp4.BLOCKS))
+        if blocks and not self.mxfp4:
+            raise CheckpointError(f"{blocks[0]}: MXFP4 blocks, but config.json has no quantization_config with "
+                                  "quant_method mxfp4")
+        for key in blocks:
+            stack = key[: -len(mxfp4.BLOCKS)]
+            scales = stack + mxfp4.SCALES
+            if scales not in self.index:
+                raise CheckpointError(f"{key}: MXFP4 blocks without their {scales}")
+            mxfp4.check_pair(stack, self._open(self.index[key]).info(key).shape,
+                             self._open(self.index[scales]).info(scales).shape)
+            self.mxfp4_stacks[stack] = (scales, self.index.pop(scales))
+            self.index[stack] = self.index.pop(key)
+
     def _sanitize(self) -> None:
         dropped, beyond = 0, 0
         layers = self.config.get("num_hidden_layers")
@@ -149,7 +197,14 @@ class CheckpointSource:
 
     def info(self, name: str) -> TensorInfo:
         handle, key = self._locate(name)
-        return handle.info(key)
+        if key in self.mxfp4_stacks:  # handed out dequantized: bfloat16 [E, In, Out]
+            blocks = handle.info(key + mxfp4.BLOCKS)
+            shape = mxfp4.dequantized_shape(blocks.shape)
+            return TensorInfo(key, "BF16", shape, blocks.start, 2 * blocks.nbytes * 2)
+        info = handle.info(key)
+        if key in self.fp8_scales:  # handed out dequantized: float32 of the same shape
+            return TensorInfo(info.name, "F32", info.shape, info.start, 4 * info.nbytes // info.torch_dtype.itemsize)
+        return info
 
     def shape(self, name: str) -> list[int]:
         return list(self.info(name).shape)
@@ -159,11 +214,30 @@ class CheckpointSource:
 
     def get(self, name: str) -> torch.Tensor:
         handle, key = self._locate(name)
+        if key in self.mxfp4_stacks:
+            scales, file = self.mxfp4_stacks[key]
+            return mxfp4.dequantize(handle.read(key + mxfp4.BLOCKS), self._open(file).read(scales))
+        if key in self.fp8_scales:
+            return fp8.dequantize(handle.read(key), self._scale(key), self.fp8.block)
         return handle.read(key)
 
     def get_rows(self, name: str, start: int, count: int = 1) -> torch.Tensor:
         handle, key = self._locate(name)
-        return handle.read_rows(key, start, count)
+        if key in self.mxfp4_stacks:  # rows of a stack: whole experts
+            scales, file = self.mxfp4_stacks[key]
+            return mxfp4.dequantize(handle.read_rows(key + mxfp4.BLOCKS, start, count),
+                                    self._open(file).read_rows(scales, start, count))
+        if key not in self.fp8_scales:
+            return handle.read_rows(key, start, count)
+        rows = handle.read_rows(key, start, count)
+        if rows.dim() > 2:  # rows of a stack [E, R, C] are whole matrices: their own scale grids
+            return fp8.dequantize(rows, self._scale(key, start, count), self.fp8.block)
+        return fp8.dequantize(rows, self._scale(key), self.fp8.block, first_row=start)
+
+    def _scale(self, key: str, start: int | None = None, count: int = 1) -> torch.Tensor:
+        scale, file = self.fp8_scales[key]
+        handle = self._open(file)
+        return handle.read(scale) if start is None else handle.read_rows(scale, start, count)
 
     # -- other files ----------------------------------------------------------
     def tokenizer_files(self) -> list[Path]:

@@ -28,7 +28,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from moestream.engine import timeline
 from moestream.layers.experts import RoutedExperts
@@ -126,7 +125,7 @@ class Decoder:
         guesses = None
         if self.ahead.get(i) and not self.experts.device_driven:  # the later layers' routers on this input (top-k of logits)
             nxt = [self.model.layers[j].ffn for j in self.ahead[i]]
-            guesses = torch.cat([torch.topk(F.linear(hn, b.router), b.top_k, dim=-1).indices for b in nxt], dim=-1)
+            guesses = torch.cat([torch.topk(b.router_logits(hn), b.top_k, dim=-1).indices for b in nxt], dim=-1)
         outs = {"weights": weights, "ids": ids, "h": h, "hn": hn, "shared": block.shared_out(hn), "guesses": guesses}
         owner = r.owner[t]
         if owner is None or owner == slot:

@@ -10,7 +10,6 @@ issued and used (`prefetch_issued`, `prefetch_used` in its stats)."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from moestream.layers.experts import ExpertProvider, RoutedExperts
 from moestream.layers.moe import MoEBlock
@@ -27,7 +26,7 @@ class NextLayerPrefetcher:
         nxt = self.next.get(layer)
         if nxt is None or x.shape[0] != 1:
             return
-        logits = F.linear(x, nxt.router)  # softmax keeps the order: the top-k of the logits is the router's
+        logits = nxt.router_logits(x)  # softmax keeps the order: the top-k of the logits is the router's
         ids = torch.topk(logits, nxt.top_k, dim=-1).indices.view(-1).tolist()
         self.provider.prefetch(nxt.layer, sorted(ids))
 

@@ -40,9 +40,14 @@ class MoEBlock:
     def num_experts(self) -> int:
         return self.router.shape[0]
 
+    def router_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H] -> [T, E] in the router's dtype (a family keeping its router in float32 computes
+        the logits in float32 from any activation dtype, as its reference does)."""
+        return F.linear(x.to(self.router.dtype), self.router, self.router_bias)
+
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> routing weights [T, A], expert ids [T, A]."""
-        weights, ids = self.route_fn(F.linear(x, self.router, self.router_bias))
+        weights, ids = self.route_fn(self.router_logits(x))
         if self.experts.reroute is not None:  # benchmarks only: routing at a known hit rate
             weights, ids = self.experts.reroute(self.layer, weights, ids)
         return weights, ids

@@ -3,13 +3,16 @@ cache (moestream.layers.mla), YaRN rope, sigmoid group-limited routing with a sc
 and a routed scaling factor, shared experts beside the routed ones, dense first layers.
 
 The source's next-token-prediction layers (`model.layers.<num_hidden_layers>...`) are not part of
-the decoder and are left out. FP8 block-scaled checkpoints (`weight_scale_inv`) are not read."""
+the decoder and are left out. FP8 block-scaled checkpoints (`weight_scale_inv`) are dequantized by
+convert (moestream.quant.fp8) before they reach this family."""
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
 from functools import partial
 from typing import ClassVar
+
+import torch
 
 from moestream.errors import UnsupportedModelError
 from moestream.layers.experts import RoutedExperts
@@ -144,10 +147,13 @@ def build(args: ModelArgs, loader, experts: RoutedExperts) -> MoETransformer:
         attn = mla(loader, p + "self_attn.", args, rope)
         if args.is_moe_layer(i):
             m = p + "mlp."
-            bias = loader.take(m + "gate.e_score_correction_bias", (args.num_experts,))
+            # the choice compares scores a bf16 rounding would reorder: router and bias stay float32,
+            # the logits computed in float32 (as transformers computes them)
+            bias = loader.take(m + "gate.e_score_correction_bias", (args.num_experts,), dtype=torch.float32)
             shared = (base.shared_expert(loader, m + "shared_experts.", H, args.moe_intermediate_size * args.n_shared_experts)
                       if args.n_shared_experts else None)
-            ffn = MoEBlock(i, loader.take(m + "gate.weight", (args.num_experts, H)), partial(route, args, bias),
+            router = loader.take(m + "gate.weight", (args.num_experts, H), dtype=torch.float32)
+            ffn = MoEBlock(i, router, partial(route, args, bias),
                            experts, top_k=args.num_experts_per_tok, shared=shared)
         else:
             ffn = base.dense_mlp(loader, p + "mlp.", H, args.intermediate_size)

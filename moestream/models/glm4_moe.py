@@ -79,8 +79,9 @@ def build(args: ModelArgs, loader, experts: RoutedExperts) -> MoETransformer:
                               qk_norm="head" if args.use_qk_norm else None)
         if args.is_moe_layer(i):
             m = p + "mlp."
-            router = loader.take(m + "gate.weight", (E, H))
-            # the choice compares scores that differ in the third decimal: the bias stays float32
+            # the choice compares scores that differ in the third decimal: router and bias stay float32,
+            # the logits computed in float32 (as transformers computes them)
+            router = loader.take(m + "gate.weight", (E, H), dtype=torch.float32)
             bias = loader.take(p + CORRECTION_BIAS, (E,), dtype=torch.float32)
             shared = base.shared_expert(loader, m + "shared_experts.", H, args.moe_intermediate_size * args.n_shared_experts)
             ffn = MoEBlock(i, router, partial(route, args, bias), experts, top_k=args.num_experts_per_tok, shared=shared)

@@ -4,8 +4,8 @@ experts with biases and a clamped SwiGLU (gate ≤ limit, |up| ≤ limit, gate·
 
 The experts are stored as fused stacks for x @ W with gate and up rows interleaved; convert
 de-interleaves them into gate_proj / up_proj / down_proj records with their biases (EXPERT_FUSED).
-Not supported: OpenAI's MXFP4 expert blocks (`*_blocks` / `*_scales`); convert reads the float
-(bf16) checkpoints."""
+OpenAI's MXFP4 expert blocks (`*_blocks` / `*_scales`) reach it as those stacks, dequantized by
+convert (moestream.quant.mxfp4) and re-quantized."""
 from __future__ import annotations
 
 import dataclasses

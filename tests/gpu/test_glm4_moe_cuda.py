@@ -7,8 +7,8 @@ import test_decoder as decoder_tests
 pytestmark = pytest.mark.gpu
 
 
-def test_glm4_moe_decodes_through_the_decoder_like_the_reference(tiny_packed_model):
-    decoder_tests.test_every_family_decodes_through_the_decoder_like_the_reference("glm4_moe", tiny_packed_model)
+def test_glm4_moe_decodes_through_the_decoder_like_the_reference(tiny_packed_model, tmp_path):
+    decoder_tests.test_every_family_decodes_through_the_decoder_like_the_reference("glm4_moe", tiny_packed_model, tmp_path)
 
 
 def test_glm4_moe_same_bits_for_every_cache_size(tiny_packed_model):

@@ -30,6 +30,8 @@ TINY = {
                              moe_intermediate_size=64, intermediate_size=256, n_group=4, topk_group=2,
                              first_k_dense_replace=0, kv_lora_rank=64, q_lora_rank=64, qk_rope_head_dim=16,
                              qk_nope_head_dim=32, v_head_dim=32),
+    "tiny-minimax-m2": dict(SHAPES["minimax-m2"], **SMALL, head_dim=64, num_local_experts=8, intermediate_size=64,
+                            rotary_dim=32),
 }
 PROMPT = [5, 17, 42, 99, 300]
 
@@ -52,7 +54,7 @@ def sizes(cfg):
 def test_tiny_shapes_keep_the_real_entries_keys():
     """The tiny shapes are the real entries with smaller numbers, so they take the same code paths."""
     for name, real in (("tiny-qwen3", "qwen3-30b-a3b"), ("tiny-mixtral", "mixtral-8x7b"), ("tiny-olmoe", "olmoe-1b-7b"),
-                       ("tiny-deepseek-v3", "deepseek-v3")):
+                       ("tiny-deepseek-v3", "deepseek-v3"), ("tiny-minimax-m2", "minimax-m2")):
         assert set(TINY[name]) == set(SHAPES[real])
         assert TINY[name]["model_type"] == SHAPES[real]["model_type"]
 
@@ -87,7 +89,7 @@ def test_synth_model_verifies_reads_back_and_generates(shape, quant, tmp_path, c
             assert QuantSpec.from_json(entry.quant[proj]).bits == bits
 
     # stored form: the expert and attention matrices at the chosen bits, the router at 8 bits or float
-    moe = "block_sparse_moe" if cfg["model_type"] == "mixtral" else "mlp"
+    moe = "block_sparse_moe" if cfg["model_type"] in ("mixtral", "minimax_m2") else "mlp"
     assert packed.tensor_spec("model.layers.1.self_attn.o_proj.weight").bits == bits
     assert packed.tensor_spec(f"model.layers.1.{moe}.gate.weight").bits == (8 if bits else None)
     assert packed.dense(f"model.layers.0.{moe}.gate.weight").shape == (experts, hidden)
