@@ -163,7 +163,7 @@ def test_other_quantization_methods_are_refused(tiny_checkpoint, tmp_path):
     src = tmp_path / "src"
     shutil.copytree(tiny_checkpoint("olmoe"), src)
     config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "awq", "bits": 4}
+    config["quantization_config"] = {"quant_method": "bitsandbytes", "bits": 4}
     (src / "config.json").write_text(json.dumps(config))
-    with pytest.raises(MoestreamError, match="quant_method .awq. is not supported"):
+    with pytest.raises(MoestreamError, match="quant_method .bitsandbytes. is not supported"):
         convert(src, tmp_path / "m", progress=False)
