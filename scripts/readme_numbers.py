@@ -155,9 +155,28 @@ def h200_uniform() -> str:
             f"{tok_s(budget['decode']['tok_s'])} tok/s")
 
 
-def h200_uniform_25() -> str:
-    speeds = [r["decode"]["tok_s"] for r in aba_25()]
-    return f"{min(speeds):.0f}–{max(speeds):.0f} tok/s"
+def h200_device_uniform() -> str:
+    path = H200 / "stream-device-uniform-sizes.json"
+    by = {r["cache_size"]: r for r in load(path)["runs"]}
+    missing = {"50%", "25%", "10%"} - by.keys()
+    if missing:
+        raise NumbersError(f"{path.relative_to(ROOT)}: no run at {', '.join(sorted(missing))}")
+    budget_path = H200 / "stream-device-budget8-uniform.json"
+    budget = only_run(budget_path)
+    words = shlex.split(load(budget_path)["machine"]["command"])
+    limit = words[words.index("--memory-budget") + 1]
+    parts = [f"{size.rstrip('%')} % {tok_s(by[size]['decode']['tok_s'])}" + (" tok/s" if size == "50%" else "") +
+             f" ({'hit rate ' if size == '50%' else ''}{by[size]['decode']['hit_rate']:.2f})" for size in ("50%", "25%", "10%")]
+    return (", ".join(parts) + f"; under `--memory-budget {limit}`\n"
+            f"({100 * budget['slots'] / budget['total_experts']:.1f} % of the experts, "
+            f"{budget['device_memory']['max_reserved'] / 2**30:.3f} GiB reserved) {tok_s(budget['decode']['tok_s'])} tok/s")
+
+
+def h200_device_25() -> str:
+    runs = [run_at(load(H200 / "stream-device-uniform-sizes.json"), "25%", H200 / "stream-device-uniform-sizes.json"),
+            only_run(H200 / "stream-device-25pct-uniform.json")]
+    speeds = sorted(r["decode"]["tok_s"] for r in runs)
+    return f"{speeds[0]:.1f}–{speeds[-1]:.1f} tok/s"
 
 
 def h200_decoder_ab() -> str:
@@ -199,7 +218,8 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "demo-cache-sweep": demo_cache_sweep,
     "h200-q30-cache-sizes": h200_q30_cache_sizes,
     "h200-uniform": h200_uniform,
-    "h200-uniform-25": h200_uniform_25,
+    "h200-device-uniform": h200_device_uniform,
+    "h200-device-25": h200_device_25,
     "h200-decoder-ab": h200_decoder_ab,
     "h200-vs-transformers": h200_vs_transformers,
     "h200-4layers-25": h200_4layers_25,

@@ -64,7 +64,9 @@ class DeviceMap:
         self.hits = torch.zeros(len(self.layers), dtype=torch.int64, device=dev)
         self.misses = torch.zeros(len(self.layers), dtype=torch.int64, device=dev)
         self._index = {layer: i for i, layer in enumerate(self.layers)}
-        self.kernel = True  # the one-program Triton lookup on CUDA (tests turn it off to compare)
+        # the one-program Triton lookup on CUDA (moestream.kernels.triton_slot_map): the same
+        # decisions as `decide` (tested on CUDA), not yet timed at full scale, so off by default
+        self.kernel = False
 
     def layer_table(self, layer: int) -> torch.Tensor:
         """int32 [E] view of `layer`'s slots (what the expert kernels index with the router's ids)."""
@@ -74,7 +76,8 @@ class DeviceMap:
     def ensure(self, layer: int, ids: torch.Tensor) -> None:
         """Make every expert in `ids` (any shape, this layer's ids) hold a slot with its record, on
         the device and in stream order: device ops only, no host sync (a CUDA graph can hold it).
-        On CUDA one Triton program decides (moestream.kernels.triton_slot_map), else `decide`."""
+        With `kernel` on CUDA one Triton program decides (moestream.kernels.triton_slot_map), else
+        `decide` (~35 small kernels, inside the step's graph)."""
         if self.pool.device.type == "cuda" and self.kernel:
             from moestream.kernels import triton_slot_map
 

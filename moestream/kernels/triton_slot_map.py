@@ -2,9 +2,9 @@
 
 In torch the lookup is ~35 small kernels per MoE layer (sort, gathers, top-k, scatters), ~90 us of
 launches in a graph: as much as copying two missed records. Here one program does it all, with
-every read before any write: the distinct experts of the call, their slots, the victims (the
-least recently used slots, one argmin per miss), the rewritten table / owner / stamps and the
-hit and miss counts. It writes, per id position, what the record copy needs (source row,
+the distinct experts of the call, their slots, the hits' new stamps (written first, so that they
+are never victims), the victims (the least recently used slots, one argmin per miss), the
+rewritten table / owner / stamps and the hit and miss counts. It writes, per id position, what the record copy needs (source row,
 destination slot, whether to copy). Same decisions as the torch version, which the tests check."""
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-MAX_IDS = 256  # ids per call the program takes (a decode or verify step); more go through torch
-MAX_SLOTS = 16384  # slots it holds in registers at once
+MAX_IDS = 64  # ids per call the program takes (decode, short verify steps): it compares all pairs
+MAX_SLOTS = 8192  # slots it holds in registers at once
 
 
 @triton.jit
@@ -35,14 +35,13 @@ def _slot_map(ids_ptr, P, offset, table_ptr, owner_ptr, stamp_ptr, host_slot_ptr
     rank = tl.sum(before.to(tl.int32), 1)
     clock = tl.load(clock_ptr) + 1
     now = (clock << 20) + expert
+    # this call's hits take the newest stamps first, so they are never victims (as in torch)
+    tl.store(stamp_ptr + slot, now, mask=hit)
+    tl.debug_barrier()  # the stamps just written are what every thread reads below
     s = tl.arange(0, BLOCK_S)
     live = s < S
-    stamps = tl.load(stamp_ptr + s, mask=live, other=0)
     big = 0x7FFFFFFFFFFFFFFF
-    # this call's hits are no victims
-    hit_slot = tl.where(hit, slot, -1)
-    protected = tl.sum(((s[:, None] == hit_slot[None, :]) & hit[None, :]).to(tl.int32), 1) > 0
-    stamps = tl.where(live & ~protected, stamps, big)
+    stamps = tl.load(stamp_ptr + s, mask=live, other=big)
     new = tl.zeros([BLOCK_P], dtype=tl.int64)
     n_miss = tl.sum(miss.to(tl.int32), 0)
     r = 0
@@ -57,7 +56,7 @@ def _slot_map(ids_ptr, P, offset, table_ptr, owner_ptr, stamp_ptr, host_slot_ptr
     tl.store(table_ptr + old, tl.full([BLOCK_P], -1, tl.int32), mask=miss & (old < N))
     tl.store(table_ptr + key, new.to(tl.int32), mask=miss)
     tl.store(owner_ptr + new, key, mask=miss)
-    tl.store(stamp_ptr + tl.where(miss, new, slot), now, mask=miss | hit)
+    tl.store(stamp_ptr + new, now, mask=miss)
     tl.store(clock_ptr, clock)
     tl.store(hits_ptr + layer_index, tl.load(hits_ptr + layer_index) + tl.sum(hit.to(tl.int64), 0))
     tl.store(misses_ptr + layer_index, tl.load(misses_ptr + layer_index) + n_miss.to(tl.int64))
@@ -83,7 +82,7 @@ def slot_map(dm, layer: int, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     _slot_map[(1,)](flat, P, dm.offset[layer], dm.table, dm.owner, dm.last_used, dm.host_slot, dm.clock, dm.hits,
                     dm.misses, dm._index[layer], dm.slots, dm.total, src, dst, todo,
                     BLOCK_P=max(16, triton.next_power_of_2(P)), BLOCK_S=triton.next_power_of_2(dm.slots),
-                    num_warps=8)
+                    num_warps=8 if dm.slots <= 4096 else 16)
     return src, dst, todo
 
 
