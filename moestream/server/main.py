@@ -78,6 +78,10 @@ def build_parser(*, engine_arguments: bool = True) -> argparse.ArgumentParser:
     parser.add_argument("--shutdown-grace", type=float, default=10.0,
                         help="seconds running requests may take to finish after SIGTERM (default 10)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--timeline", metavar="FILE.json", default=None,
+                        help="write a Chrome/Perfetto trace of everything the engine did while serving (host tracks: "
+                             "steps, prefill chunks, expert loads, read waits, reads and copies, the decoder's segments), "
+                             "written when the server stops")
     if engine_arguments:
         # the engine's flags (device, dtype, --max-context, prefill chunk, ...)
         from moestream.engine.options import add_engine_arguments
@@ -196,7 +200,7 @@ def _absorb_signal(signum: int, frame: Any) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    check_output_paths(parser, args, {"trace_routing": "--trace-routing"})
+    check_output_paths(parser, args, {"trace_routing": "--trace-routing", "timeline": "--timeline"})
     defaults = defaults_from_args(args, parser)
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -214,11 +218,15 @@ def main(argv: list[str] | None = None) -> int:
         shown = args.model_id or (os.path.basename(os.path.normpath(args.model)) if args.model else "the demo model")
         print(f"[server] listening on {url}/v1 (model {shown}; loading, /health says 503 until ready)", flush=True)
 
+    from moestream.engine import timeline
+
     try:
-        return serve(load_engine, host=args.host, port=args.port, api_key=api_key, model_id=args.model_id,
-                     max_queue=args.max_queue, parallel=args.parallel, max_context=args.max_context or None, defaults=defaults,
-                     max_body_bytes=args.max_body_bytes, shutdown_grace=args.shutdown_grace,
-                     log_level=args.log_level, on_listening=announce)
+        # the server's timeline has the host tracks only: its device is known once the engine has loaded
+        with timeline.recording(args.timeline):
+            return serve(load_engine, host=args.host, port=args.port, api_key=api_key, model_id=args.model_id,
+                         max_queue=args.max_queue, parallel=args.parallel, max_context=args.max_context or None,
+                         defaults=defaults, max_body_bytes=args.max_body_bytes, shutdown_grace=args.shutdown_grace,
+                         log_level=args.log_level, on_listening=announce)
     except MoestreamError as exc:
         print(f"moestream serve: error: {exc}", file=sys.stderr)
         return 1
