@@ -150,3 +150,79 @@ def experts_only(expert_type):
             return values.astype(np.float32), None
         return gguf.quants.quantize(values, expert_type), expert_type
     return encode
+
+
+GPT_OSS_BLOCK = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
+                 "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+                 "self_attn.o_proj": "attn_output", "mlp.router": "ffn_gate_inp"}
+
+
+def gpt_oss_stacks(tensors: dict[str, np.ndarray], layer: int) -> dict[str, np.ndarray]:
+    """transformers' gpt-oss experts (x @ W, gate and up interleaved) as llama.cpp splits them:
+    ffn_{gate,up,down}_exps [E, out, in] and their biases [E, out]."""
+    p = f"model.layers.{layer}.mlp.experts."
+    gate_up = tensors[p + "gate_up_proj"].transpose(0, 2, 1)  # [E, 2I, H]
+    bias = tensors[p + "gate_up_proj_bias"]
+    return {"ffn_gate_exps.weight": gate_up[:, 0::2], "ffn_up_exps.weight": gate_up[:, 1::2],
+            "ffn_down_exps.weight": tensors[p + "down_proj"].transpose(0, 2, 1), "ffn_gate_exps.bias": bias[:, 0::2],
+            "ffn_up_exps.bias": bias[:, 1::2], "ffn_down_exps.bias": tensors[p + "down_proj_bias"]}
+
+
+def write_gpt_oss(hf_folder, path, *, expert_type, fuse_gate_up: bool = False, swiglu_clamp: bool = False):
+    """The checkpoint as llama.cpp's converter lays out arch gpt-oss: F32, the expert matrices in
+    `expert_type` (by gguf), gate and up as two stacks or, with fuse_gate_up, one (gate rows, then
+    up); the SwiGLU limit written only with swiglu_clamp (llama.cpp's gpt-oss leaves it to its code).
+    Returns {GGUF name: the float32 values the file holds} for the expert stacks."""
+    config = json.loads((hf_folder / "config.json").read_text())
+    rope = config.get("rope_parameters") or config["rope_scaling"]
+    tensors = {k: v.float().numpy() for k, v in load_all(hf_folder).items()}
+    a, L = "gpt-oss", config["num_hidden_layers"]
+    w = gguf.GGUFWriter(str(path), a)
+    w.add_uint32(f"{a}.block_count", L)
+    w.add_uint32(f"{a}.context_length", config["max_position_embeddings"])
+    w.add_uint32(f"{a}.embedding_length", config["hidden_size"])
+    w.add_uint32(f"{a}.feed_forward_length", config["intermediate_size"])
+    w.add_uint32(f"{a}.expert_feed_forward_length", config["intermediate_size"])
+    w.add_uint32(f"{a}.attention.head_count", config["num_attention_heads"])
+    w.add_uint32(f"{a}.attention.head_count_kv", config["num_key_value_heads"])
+    w.add_uint32(f"{a}.attention.key_length", config["head_dim"])
+    w.add_uint32(f"{a}.attention.value_length", config["head_dim"])
+    w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", config["rms_norm_eps"])
+    w.add_uint32(f"{a}.attention.sliding_window", config["sliding_window"])
+    w.add_float32(f"{a}.rope.freq_base", rope["rope_theta"])
+    w.add_string(f"{a}.rope.scaling.type", "yarn")
+    w.add_float32(f"{a}.rope.scaling.factor", rope["factor"])
+    w.add_uint32(f"{a}.rope.scaling.original_context_length", rope["original_max_position_embeddings"])
+    w.add_uint32(f"{a}.expert_count", config["num_local_experts"])
+    w.add_uint32(f"{a}.expert_used_count", config["num_experts_per_tok"])
+    if swiglu_clamp:
+        w.add_swiglu_clamp_exp([float(config["swiglu_limit"])] * L)
+    w.add_uint32("tokenizer.ggml.eos_token_id", config["eos_token_id"])
+    add_tokenizer(w, hf_folder)
+    w.add_tensor("token_embd.weight", tensors["model.embed_tokens.weight"])
+    w.add_tensor("output_norm.weight", tensors["model.norm.weight"])
+    w.add_tensor("output.weight", tensors["lm_head.weight"])
+    held = {}
+    for layer in range(L):
+        prefix = f"model.layers.{layer}."
+        for hf, name in GPT_OSS_BLOCK.items():
+            for kind in ("weight", "bias"):
+                if prefix + hf + "." + kind in tensors:
+                    w.add_tensor(f"blk.{layer}.{name}.{kind}", tensors[prefix + hf + "." + kind])
+        w.add_tensor(f"blk.{layer}.attn_sinks.weight", tensors[prefix + "self_attn.sinks"])
+        stacks = gpt_oss_stacks(tensors, layer)
+        if fuse_gate_up:
+            for kind, axis in (("weight", 1), ("bias", 1)):
+                gate, up = stacks.pop(f"ffn_gate_exps.{kind}"), stacks.pop(f"ffn_up_exps.{kind}")
+                stacks[f"ffn_gate_up_exps.{kind}"] = np.concatenate([gate, up], axis=axis)
+        for name, values in stacks.items():
+            values = np.ascontiguousarray(values, np.float32)
+            if name.endswith(".weight") and expert_type != T.F32:
+                data = gguf.quants.quantize(values, expert_type)
+                held[f"blk.{layer}.{name}"] = gguf.quants.dequantize(data, expert_type).reshape(values.shape)
+                w.add_tensor(f"blk.{layer}.{name}", data, raw_dtype=expert_type)
+            else:
+                held[f"blk.{layer}.{name}"] = values
+                w.add_tensor(f"blk.{layer}.{name}", values)
+    finish(w)
+    return held
