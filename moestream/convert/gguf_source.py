@@ -4,9 +4,12 @@ transformers' names, dequantized exactly to float32 by the gguf package.
 Expert stacks (`blk.N.ffn_{gate,up,down}_exps`, [E, out, in]) are offered as per-expert tensors,
 one expert dequantized at a time. llama.cpp stores the q and k projections of "llama"-arch models
 (Mixtral) with the rotary halves interleaved; they are permuted back. The other MoE archs are
-stored unpermuted. Re-quantizing a K-quant, Q8_0 or MXFP4 file to our format loses the original
-codes: the values are dequantized, then quantized again. Without a tokenizer folder, the tokenizer
-and chat template come from the metadata (gguf_tokenizer.py)."""
+stored unpermuted. gpt-oss (arch `gpt-oss`) is offered as transformers stores it: fused expert
+stacks for x @ W with gate and up rows interleaved, and their biases, built from llama.cpp's
+separate (or gate-then-up fused) stacks one expert at a time. Re-quantizing a K-quant, Q8_0 or
+MXFP4 file to our format loses the original codes: the values are dequantized, then quantized
+again. Without a tokenizer folder, the tokenizer and chat template come from the metadata
+(gguf_tokenizer.py)."""
 from __future__ import annotations
 
 import hashlib
@@ -26,7 +29,8 @@ from moestream.format.safetensors_io import TensorInfo
 
 log = logging.getLogger(__name__)
 
-ARCH_FAMILY = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "olmoe": "olmoe", "llama": "mixtral"}
+ARCH_FAMILY = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "olmoe": "olmoe", "llama": "mixtral",
+               "gpt-oss": "gpt_oss"}
 TOP = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
        "output.weight": "lm_head.weight"}
 BLOCK = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj",
@@ -36,6 +40,12 @@ BLOCK = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
          "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
          "ffn_down_shexp": "mlp.shared_expert.down_proj", "ffn_gate_inp_shexp": "mlp.shared_expert_gate"}
 EXPERT_STACKS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+# gpt-oss: what differs from BLOCK (the router is `mlp.router`, a norm after attention, sink logits)
+GPT_OSS_BLOCK = {**BLOCK, "ffn_gate_inp": "mlp.router", "post_attention_norm": "post_attention_layernorm",
+                 "attn_sinks": "self_attn.sinks"}
+GPT_OSS_STACKS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "ffn_gate_up_exps")
+# gpt-oss settings llama.cpp does not write (its own code holds them): the released configs' values
+GPT_OSS_SWIGLU_LIMIT, GPT_OSS_YARN = 7.0, {"beta_fast": 32.0, "beta_slow": 1.0, "truncate": False}
 MIXTRAL_PROJ = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 BLOCK_NAME = re.compile(r"^blk\.(?P<layer>\d+)\.(?P<what>[a-z_]+)\.(?P<kind>weight|bias)$")
 
@@ -68,6 +78,7 @@ class GgufSource(CheckpointSource):
         self.files = [self.folder.name]
         self._handles = {}
         self.index, self._virtual = {}, {}
+        self._fused: dict[str, tuple[str, tuple[str, ...]]] = {}  # gpt-oss stacks: name -> (kind, GGUF names)
         self._map_names()
         self.config = self._config()
         self.packed_names = {name: name for name in self.index}  # transformers' names already
@@ -111,6 +122,8 @@ class GgufSource(CheckpointSource):
         expert_ff = self._int(f"{a}.expert_feed_forward_length", 0) or dense_ff
         if self.family == "mixtral":
             config.update(num_local_experts=experts, intermediate_size=expert_ff)
+        elif self.family == "gpt_oss":
+            config.update(self._gpt_oss_config(layers), num_local_experts=experts, intermediate_size=expert_ff)
         elif self.family == "olmoe":
             config.update(num_experts=experts, intermediate_size=expert_ff, norm_topk_prob=False)
         else:
@@ -124,8 +137,34 @@ class GgufSource(CheckpointSource):
                 config[key] = int(self._field(gguf_key))
         return config
 
+    def _gpt_oss_config(self, layers: int) -> dict:
+        """Sliding and full layers, YaRN and the SwiGLU clamp as transformers' GptOssConfig names them."""
+        a = self.arch
+        pattern = self._field(f"{a}.attention.sliding_window_pattern")
+        if isinstance(pattern, list) and len(pattern) == layers:  # true: a sliding layer
+            sliding = [bool(p) for p in pattern]
+        else:  # llama.cpp's gpt-oss: every other layer, the first one sliding
+            sliding = [i % 2 == 0 for i in range(layers)]
+        config = {"attention_bias": True, "sliding_window": self._int(f"{a}.attention.sliding_window"),
+                  "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding]}
+        limits = self._field(f"{a}.swiglu_clamp_exp")
+        limits = set(limits) if isinstance(limits, list) else {GPT_OSS_SWIGLU_LIMIT}
+        if len(limits) != 1:
+            raise UnsupportedModelError(f"{self.folder}: {a}.swiglu_clamp_exp differs between layers ({sorted(limits)})")
+        config["swiglu_limit"] = float(limits.pop())
+        if self._field(f"{a}.rope.scaling.type") == "yarn":
+            yarn = {"rope_type": "yarn", **GPT_OSS_YARN,
+                    "factor": float(self._field(f"{a}.rope.scaling.factor")),
+                    "original_max_position_embeddings": self._int(f"{a}.rope.scaling.original_context_length")}
+            for key in ("beta_fast", "beta_slow"):
+                if self._field(f"{a}.rope.scaling.yarn_{key}") is not None:
+                    yarn[key] = float(self._field(f"{a}.rope.scaling.yarn_{key}"))
+            config["rope_scaling"] = yarn
+        return config
+
     # -- tensors -------------------------------------------------------------------
     def _map_names(self) -> None:
+        block = GPT_OSS_BLOCK if self.family == "gpt_oss" else BLOCK
         for name, t in self.tensors.items():
             if name in TOP:
                 self._add(TOP[name], name, None)
@@ -135,19 +174,50 @@ class GgufSource(CheckpointSource):
                 raise CheckpointError(f"{self.folder}: GGUF tensor {name} is not one moestream maps")
             layer, what, kind = int(m["layer"]), m["what"], m["kind"]
             prefix = f"model.layers.{layer}"
-            if what in EXPERT_STACKS and kind == "weight":
+            if self.family == "gpt_oss" and what in GPT_OSS_STACKS:
+                continue  # fused below, once each layer's stacks are all known
+            if what == "attn_sinks":
+                self._add(f"{prefix}.{block[what]}", name, None)
+            elif what in EXPERT_STACKS and kind == "weight":
                 proj = EXPERT_STACKS[what]
                 moe = "block_sparse_moe" if self.family == "mixtral" else "mlp"
                 proj_name = MIXTRAL_PROJ[proj] if self.family == "mixtral" else proj
                 for e in range(int(t.shape[2])):
                     self._add(f"{prefix}.{moe}.experts.{e}.{proj_name}.weight", name, e)
-            elif what in BLOCK:
-                target = BLOCK[what]
+            elif what in block:
+                target = block[what]
                 if self.family == "mixtral" and target == "mlp.gate":
                     target = "block_sparse_moe.gate"
                 self._add(f"{prefix}.{target}.{kind}", name, None)
             else:
                 raise CheckpointError(f"{self.folder}: GGUF tensor {name} is not one moestream maps")
+        if self.family == "gpt_oss":
+            self._map_gpt_oss_stacks()
+
+    def _map_gpt_oss_stacks(self) -> None:
+        """transformers' gpt-oss stacks (x @ W, gate and up rows interleaved) over llama.cpp's:
+        gate_up_proj [E, H, 2I], down_proj [E, I, H], gate_up_proj_bias [E, 2I], down_proj_bias [E, H]."""
+        layers = sorted({int(m["layer"]) for n in self.tensors if (m := BLOCK_NAME.match(n)) and m["what"] in GPT_OSS_STACKS})
+        for layer in layers:
+            blk, prefix = f"blk.{layer}", f"model.layers.{layer}.mlp.experts"
+            for kind in ("weight", "bias"):
+                fused = f"{blk}.ffn_gate_up_exps.{kind}"
+                parts = (fused,) if fused in self.tensors else (f"{blk}.ffn_gate_exps.{kind}", f"{blk}.ffn_up_exps.{kind}")
+                down = f"{blk}.ffn_down_exps.{kind}"
+                for part in (*parts, down):
+                    if part not in self.tensors:
+                        raise CheckpointError(f"{self.folder}: GGUF tensor {part} is missing (gpt-oss experts)")
+                suffix = "" if kind == "weight" else "_bias"
+                self._add_fused(f"{prefix}.gate_up_proj{suffix}", "gate_up", parts)
+                self._add_fused(f"{prefix}.down_proj{suffix}", "down", (down,))
+
+    def _add_fused(self, hf_name: str, kind: str, parts: tuple[str, ...]) -> None:
+        shapes = [tuple(int(d) for d in reversed(self.tensors[p].shape.tolist())) for p in parts]
+        E, rows = shapes[0][0], sum(s[1] for s in shapes)  # [E, out(, in)] each
+        shape = (E, rows) if len(shapes[0]) == 2 else (E, shapes[0][2], rows)  # matrices transposed: x @ W
+        self._fused[hf_name] = (kind, parts)
+        self.index[hf_name] = self.folder.name
+        self._virtual[hf_name] = (parts[0], None, TensorInfo(hf_name, "F32", shape, -1, 4 * int(np.prod(shape))))
 
     def _add(self, hf_name: str, gguf_name: str, expert: int | None) -> None:
         t = self.tensors[gguf_name]
@@ -164,20 +234,39 @@ class GgufSource(CheckpointSource):
         return self._virtual[name][2]
 
     def get(self, name: str) -> torch.Tensor:
-        import gguf
-
         gguf_name, expert, info = self._virtual[name]
-        t = self.tensors[gguf_name]
-        data = t.data if expert is None else t.data[expert]
-        values = gguf.quants.dequantize(np.asarray(data), t.tensor_type)
-        out = torch.from_numpy(np.array(values, dtype=np.float32)).reshape(info.shape)  # a copy: not the file's pages
+        if name in self._fused:
+            return self.get_rows(name, 0, info.shape[0])
+        out = self._dequantize(gguf_name, expert).reshape(info.shape)
         if self.arch == "llama" and gguf_name.endswith((".attn_q.weight", ".attn_k.weight")):
             heads = self.config["num_attention_heads" if ".attn_q." in gguf_name else "num_key_value_heads"]
             out = unpermute(out, heads)
         return out
 
     def get_rows(self, name: str, start: int, count: int = 1) -> torch.Tensor:
-        return self.get(name)[start:start + count]
+        if name not in self._fused:
+            return self.get(name)[start:start + count]
+        kind, parts = self._fused[name]
+        stacks = [self._dequantize(p, slice(start, start + count)) for p in parts]  # [n, out(, in)] each
+        if kind == "down":
+            return stacks[0].transpose(1, 2).contiguous() if stacks[0].dim() == 3 else stacks[0]
+        gate, up = stacks if len(stacks) == 2 else stacks[0].chunk(2, dim=1)  # llama.cpp's fused: gate rows, then up
+        rows = torch.stack((gate, up), dim=2).flatten(1, 2)  # rows interleaved: gate 0, up 0, gate 1, ...
+        return rows.transpose(1, 2).contiguous() if rows.dim() == 3 else rows
+
+    def _dequantize(self, gguf_name: str, experts: int | slice | None) -> torch.Tensor:
+        """A GGUF tensor (or some experts of a stack) in float32 [.., out, in], by gguf's own code."""
+        import gguf
+
+        t = self.tensors[gguf_name]
+        data = t.data if experts is None else t.data[experts]
+        values = gguf.quants.dequantize(np.asarray(data), t.tensor_type)
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        if isinstance(experts, slice):
+            shape = (len(range(*experts.indices(shape[0]))), *shape[1:])
+        elif experts is not None:
+            shape = shape[1:]
+        return torch.from_numpy(np.array(values, dtype=np.float32)).reshape(shape)  # a copy: not the file's pages
 
     # -- other files ---------------------------------------------------------------
     def tokenizer_files(self) -> list[Path]:

@@ -3,7 +3,8 @@ tokenizer.json + tokenizer_config.json, so a .gguf converts without a tokenizer 
 
 Two models are read, the ones llama.cpp writes for the MoE families we support:
 - `gpt2`: byte-level BPE (tokens, merges); the pre-tokenizer's split pattern comes from
-  `tokenizer.ggml.pre` (the name llama.cpp gives each known pattern);
+  `tokenizer.ggml.pre` (the name llama.cpp gives each known pattern: GPT-2's, Qwen2's, Llama 3's,
+  o200k's for gpt-oss);
 - `llama`: SentencePiece BPE (tokens, scores, byte tokens `<0xXX>`): merges are every pair of
   tokens whose concatenation is a token, ranked by that token's score (what SentencePiece merges
   first), spaces as ▁ with one put before the text and after each special token, as llama.cpp
@@ -24,7 +25,12 @@ QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{
          r"\s+(?!\S)|\s+")
 LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"
           r"\s+(?!\S)|\s+")
-PRE_PATTERNS = {"default": None, "gpt-2": None, "gpt2": None, "qwen2": QWEN2, "llama-bpe": LLAMA3, "llama3": LLAMA3}
+# o200k (gpt-oss): case-aware letter runs with contractions as a suffix, a trailing / kept with punctuation
+O200K = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|"
+         r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|"
+         r"\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+PRE_PATTERNS = {"default": None, "gpt-2": None, "gpt2": None, "qwen2": QWEN2, "llama-bpe": LLAMA3, "llama3": LLAMA3,
+                "gpt-4o": O200K}
 
 
 @dataclass

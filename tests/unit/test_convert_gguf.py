@@ -14,72 +14,12 @@ from moestream.format.reader import PackedModel
 from tiny import load_all
 
 gguf = pytest.importorskip("gguf")  # pinned in requirements-ci.txt; absent only outside CI
-
-BLOCK = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
-         "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-         "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate": "ffn_gate_inp",
-         "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
-
-
-def add_tokenizer(w, hf_folder):
-    """The folder's byte-level BPE as llama.cpp's converter writes it (model gpt2, merges, types)."""
-    from tokenizers import Tokenizer
-
-    tok = Tokenizer.from_file(str(hf_folder / "tokenizer.json"))
-    vocab = tok.get_vocab(with_added_tokens=True)
-    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
-    specials = {a.content for a in tok.get_added_tokens_decoder().values() if a.special}
-    merges = json.loads(tok.to_str())["model"]["merges"]
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types([3 if t in specials else 1 for t in tokens])
-    w.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in merges])
-    w.add_chat_template(json.loads((hf_folder / "tokenizer_config.json").read_text())["chat_template"])
+from gguf_files import experts_only, write_qwen3moe  # noqa: E402 (needs gguf)
 
 
 def write_gguf(hf_folder, path, *, expert_type, tokenizer=False):
-    """The checkpoint as llama.cpp's converter lays it out for arch qwen3moe (no q/k permutation)."""
-    config = json.loads((hf_folder / "config.json").read_text())
-    tensors = {k: v.float().numpy() for k, v in load_all(hf_folder).items()}
-    w = gguf.GGUFWriter(str(path), "qwen3moe")
-    a = "qwen3moe"
-    w.add_uint32(f"{a}.block_count", config["num_hidden_layers"])
-    w.add_uint32(f"{a}.embedding_length", config["hidden_size"])
-    w.add_uint32(f"{a}.feed_forward_length", config["intermediate_size"])
-    w.add_uint32(f"{a}.expert_feed_forward_length", config["moe_intermediate_size"])
-    w.add_uint32(f"{a}.attention.head_count", config["num_attention_heads"])
-    w.add_uint32(f"{a}.attention.head_count_kv", config["num_key_value_heads"])
-    w.add_uint32(f"{a}.attention.key_length", config["head_dim"])
-    w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", config["rms_norm_eps"])
-    w.add_float32(f"{a}.rope.freq_base", 10000.0)
-    w.add_uint32(f"{a}.context_length", config["max_position_embeddings"])
-    w.add_uint32(f"{a}.expert_count", (config.get("num_experts") or config["num_local_experts"]))
-    w.add_uint32(f"{a}.expert_used_count", config["num_experts_per_tok"])
-    w.add_uint32("tokenizer.ggml.eos_token_id", config["eos_token_id"])
-    if tokenizer:
-        add_tokenizer(w, hf_folder)
-    w.add_tensor("token_embd.weight", tensors["model.embed_tokens.weight"])
-    w.add_tensor("output_norm.weight", tensors["model.norm.weight"])
-    w.add_tensor("output.weight", tensors["lm_head.weight"])
-    for layer in range(config["num_hidden_layers"]):
-        prefix = f"model.layers.{layer}."
-        for hf, name in BLOCK.items():
-            if prefix + hf + ".weight" in tensors:
-                w.add_tensor(f"blk.{layer}.{name}.weight", tensors[prefix + hf + ".weight"])
-        if prefix + "mlp.experts.0.gate_proj.weight" not in tensors:
-            continue
-        for proj, name in (("gate_proj", "ffn_gate_exps"), ("up_proj", "ffn_up_exps"), ("down_proj", "ffn_down_exps")):
-            stack = np.stack([tensors[f"{prefix}mlp.experts.{e}.{proj}.weight"] for e in range((config.get("num_experts") or config["num_local_experts"]))])
-            if expert_type == gguf.GGMLQuantizationType.F32:
-                w.add_tensor(f"blk.{layer}.{name}.weight", stack)
-            else:
-                w.add_tensor(f"blk.{layer}.{name}.weight", gguf.quants.quantize(stack, expert_type), raw_dtype=expert_type)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    """The checkpoint as llama.cpp lays out arch qwen3moe: F32, the expert stacks in `expert_type`."""
+    return write_qwen3moe(hf_folder, path, encode=experts_only(expert_type), tokenizer=tokenizer)
 
 
 def logits(model_dir, tokens):

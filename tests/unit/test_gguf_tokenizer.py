@@ -1,6 +1,6 @@
 """The tokenizer a GGUF carries in its metadata: tiny GGUFs written with the gguf package from a
 Hugging Face tokenizer built here give the same token ids as that tokenizer (byte-level BPE with
-GPT-2's and Qwen2's split patterns, SentencePiece-style BPE with byte fallback), and a .gguf
+GPT-2's, Qwen2's and o200k's split patterns, SentencePiece-style BPE with byte fallback), and a .gguf
 converted without --tokenizer decodes and applies its chat template."""
 import json
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
-from moestream.convert.gguf_tokenizer import QWEN2, tokenizer_from_metadata
+from moestream.convert.gguf_tokenizer import O200K, QWEN2, tokenizer_from_metadata
 from tiny import CHAT_TEMPLATE, TOKENIZER_TEXT
 
 gguf = pytest.importorskip("gguf")
@@ -83,7 +83,7 @@ def write(path, tok: Tokenizer, kind: str, *, pre: str | None = None) -> dict:
     return lambda key: reader.fields[key].contents() if key in reader.fields else None
 
 
-@pytest.mark.parametrize("pre,pattern", [("default", None), ("qwen2", QWEN2)])
+@pytest.mark.parametrize("pre,pattern", [("default", None), ("qwen2", QWEN2), ("gpt-4o", O200K)])
 def test_byte_level_bpe_gives_the_same_ids(tmp_path, pre, pattern):
     hf = byte_level(pattern)
     built = tokenizer_from_metadata(write(tmp_path / "t.gguf", hf, "gpt2", pre=pre))

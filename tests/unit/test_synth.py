@@ -30,6 +30,8 @@ TINY = {
                              moe_intermediate_size=64, intermediate_size=256, n_group=4, topk_group=2,
                              first_k_dense_replace=0, kv_lora_rank=64, q_lora_rank=64, qk_rope_head_dim=16,
                              qk_nope_head_dim=32, v_head_dim=32),
+    "tiny-glm-4.5-air": dict(SHAPES["glm-4.5-air"], **SMALL, head_dim=32, n_routed_experts=8, moe_intermediate_size=64,
+                             intermediate_size=256, first_k_dense_replace=0),
     "tiny-minimax-m2": dict(SHAPES["minimax-m2"], **SMALL, head_dim=64, num_local_experts=8, intermediate_size=64,
                             rotary_dim=32),
 }
@@ -54,7 +56,8 @@ def sizes(cfg):
 def test_tiny_shapes_keep_the_real_entries_keys():
     """The tiny shapes are the real entries with smaller numbers, so they take the same code paths."""
     for name, real in (("tiny-qwen3", "qwen3-30b-a3b"), ("tiny-mixtral", "mixtral-8x7b"), ("tiny-olmoe", "olmoe-1b-7b"),
-                       ("tiny-deepseek-v3", "deepseek-v3"), ("tiny-minimax-m2", "minimax-m2")):
+                       ("tiny-deepseek-v3", "deepseek-v3"), ("tiny-minimax-m2", "minimax-m2"),
+                       ("tiny-glm-4.5-air", "glm-4.5-air")):
         assert set(TINY[name]) == set(SHAPES[real])
         assert TINY[name]["model_type"] == SHAPES[real]["model_type"]
 
