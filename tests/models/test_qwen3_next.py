@@ -153,3 +153,24 @@ def test_multi_token_prediction_and_vision_weights_are_left_out(tiny_checkpoint,
     names = PackedModel(convert(tiny_checkpoint("qwen3_5_moe"), tmp_path / "packed35", quant="none")).logical_dense_names()
     assert names and all(n.startswith("model.") or n == "lm_head.weight" for n in names)
     assert not any("visual" in n or "language_model" in n for n in names)
+
+
+@pytest.mark.parametrize("family", HYBRID)
+@pytest.mark.parametrize("wrong_at", [None, 2])
+def test_speculation_gives_the_plain_tokens_and_bits(family, wrong_at, tiny_packed_model):
+    """Drafts kept and rejected: every rollback lands on a state the verification step kept."""
+    from moestream.engine.speculative import SpeculativeOptions
+    from moestream.engine.types import SamplingParams
+    from test_speculative import SAMPLED, Oracle, run
+
+    engine = load(tiny_packed_model(family, "q4"))
+    prompt = long_prompt(engine)
+    for sampling in (SamplingParams(), SAMPLED):
+        plain, plain_events, _ = run(engine, prompt, 30, sampling, logprobs=2)
+        spec = SpeculativeOptions(drafter=Oracle(prompt, plain, wrong_at), draft_tokens=5)
+        out, events, result = run(engine, prompt, 30, sampling, spec, logprobs=2)
+        assert out == plain
+        assert [e.top_logprobs for e in events] == [e.top_logprobs for e in plain_events]
+        r = result.receipt["speculative"]
+        assert r["accepted"] > 0 and (r["accepted"] < r["drafted"]) == (wrong_at is not None)
+    engine.close()

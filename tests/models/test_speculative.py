@@ -12,7 +12,7 @@ from moestream.engine.speculative import (DraftModelDrafter, Drafter, NGramDraft
 from moestream.engine.types import SamplingParams
 from moestream.errors import MoestreamError
 
-FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "qwen3_next", "qwen3_5_moe"]
+FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"]
 PROMPTS = ["def fibonacci(n):\n    if n < 2:", "import os\nimport sys\nclass Thing:\n    def __init__(self):",
            "The quick brown fox"]
 SAMPLED = SamplingParams(temperature=0.9, top_k=40, seed=1234)
