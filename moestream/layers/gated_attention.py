@@ -77,9 +77,14 @@ class GatedAttention:
     def step(self, x: torch.Tensor, pos: torch.Tensor, cache: KVCache, layer: int) -> torch.Tensor:
         """One token at the device position pos [1]. On CUDA no host read of pos (CUDA graphs): K/V
         written by index, attention over every cache row with the rows after pos masked out."""
-        cos, sin = self.rope.cos_sin(pos.view(1), x.dtype)
         if not x.is_cuda:
+            cos, sin = self.rope.cos_sin(pos.view(1), x.dtype)
             return self(x, cos, sin, cache, layer, int(pos))
+        return self.step_masked(x, pos, cache, layer)
+
+    def step_masked(self, x: torch.Tensor, pos: torch.Tensor, cache: KVCache, layer: int) -> torch.Tensor:
+        """`step` with no host read of pos (the CUDA path; any device computes it)."""
+        cos, sin = self.rope.cos_sin(pos.view(1), x.dtype)
         q, k, v, gate = self._project(x, cos, sin)
         cache.keys[layer].index_copy_(1, pos.view(1), k)
         cache.values[layer].index_copy_(1, pos.view(1), v)

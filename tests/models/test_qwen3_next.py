@@ -174,3 +174,22 @@ def test_speculation_gives_the_plain_tokens_and_bits(family, wrong_at, tiny_pack
         r = result.receipt["speculative"]
         assert r["accepted"] > 0 and (r["accepted"] < r["drafted"]) == (wrong_at is not None)
     engine.close()
+
+
+@pytest.mark.parametrize("family", HYBRID)
+def test_the_device_position_step_equals_the_host_one(family, tiny_packed_model):
+    """The CUDA decoder's step reads no position on the host (gated attention over the whole cache
+    with a mask, the recurrent state by device index): on the CPU it gives the host step's tokens."""
+    from moestream.layers.gated_attention import GatedAttention
+
+    packed = tiny_packed_model(family, "none")
+    host, device_form = load(packed), load(packed)
+    for layer in device_form.model.layers:
+        if isinstance(layer.mixer, GatedAttention):
+            layer.mixer.step = layer.mixer.step_masked
+    prompt = long_prompt(host)
+    want, want_lp = greedy(host, prompt, 12)
+    got, got_lp = greedy(device_form, prompt, 12)
+    assert got == want and max(abs(a - b) for a, b in zip(got_lp, want_lp)) < 1e-5
+    host.close()
+    device_form.close()
