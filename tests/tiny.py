@@ -65,7 +65,23 @@ FAMILY_CONFIGS = {
     "minimax_m2": dict(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                        num_key_value_heads=2, head_dim=32, num_local_experts=8, num_experts_per_tok=2, rotary_dim=8,
                        tie_word_embeddings=False),
+    # linear attention (Gated DeltaNet: 2 key heads shared by 4 value heads) every other layer, gated
+    # full attention with a quarter of each head rotary, a shared expert behind its gate, a dense layer
+    "qwen3_next": dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
+                       shared_expert_intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2, norm_topk_prob=False,
+                       mlp_only_layers=[2], full_attention_interval=2, linear_conv_kernel_dim=4,
+                       linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+                       linear_num_value_heads=4, tie_word_embeddings=False),
 }
+# Qwen3.5 MoE: a multimodal checkpoint (a small vision tower beside the language model), every layer
+# MoE, the linear attention's projections apart, three linear layers before each full one
+FAMILY_CONFIGS["qwen3_5_moe"] = dict(
+    text_config={**{k: v for k, v in FAMILY_CONFIGS["qwen3_next"].items()
+                    if k not in ("intermediate_size", "norm_topk_prob", "mlp_only_layers", "full_attention_interval")},
+                 "layer_types": ["linear_attention"] * 3 + ["full_attention"]},
+    tie_word_embeddings=False,
+    vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64))
 # the multimodal checkpoint: the language model above beside a small vision tower
 FAMILY_CONFIGS["gemma4"] = dict(
     text_config=FAMILY_CONFIGS["gemma4_text"], audio_config=None, tie_word_embeddings=True,
@@ -90,6 +106,11 @@ def nest_text_fields(config: dict) -> dict:
 SCALED_VECTORS = {"gemma4_text", "gemma4"}
 # families whose 1-D biases and sink logits start at 0 or near it: drawn wider, so a missing one shows
 DRAWN_VECTORS = {"gpt_oss"}
+# hybrid linear-attention families: zero-centered norms (0 at init) and the DeltaNet's decay and
+# convolution drawn so that a missing 1 + w, decay or convolution tap changes the logits
+HYBRID = {"qwen3_next", "qwen3_5_moe"}
+# families saved as their multimodal model (the vision tower's weights in the checkpoint)
+IMAGE_TEXT = {"qwen3_5_moe"}
 
 
 def build_tokenizer(folder: Path, vocab_size: int = 320) -> int:
@@ -125,7 +146,7 @@ def build_checkpoint(folder: Path, family: str, *, seed: int = 0, dtype: str = "
         pad_token_id=tok.token_to_id("<|endoftext|>"),
         **{"max_position_embeddings": 256, **FAMILY_CONFIGS[family], **overrides})))
     torch.manual_seed(seed)
-    model = model_class(cfg).from_config(cfg)
+    model = model_class(cfg, image_text=family in IMAGE_TEXT).from_config(cfg)
     with torch.no_grad():  # random init is tiny; widen it so routing and logits are not near-ties
         for p in model.parameters():
             if p.dim() >= 2:
@@ -139,6 +160,14 @@ def build_checkpoint(folder: Path, family: str, *, seed: int = 0, dtype: str = "
                 b.normal_(0.0, 0.05)
             elif family in SCALED_VECTORS:
                 p.uniform_(0.5, 1.5)
+        if family in HYBRID:
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.uniform_(0.5, 1.5)
+                elif name.endswith(("dt_bias", "conv1d.weight")):
+                    p.normal_(0.0, 0.5)
+                elif name.endswith("A_log"):
+                    p.uniform_(-2.0, 0.5)
         if family in SCALED_VECTORS:
             for name, b in model.named_buffers():
                 if name.endswith("layer_scalar"):  # a saved buffer (embed_scale is not saved: left alone)
@@ -148,13 +177,14 @@ def build_checkpoint(folder: Path, family: str, *, seed: int = 0, dtype: str = "
     return folder
 
 
-def model_class(cfg):
+def model_class(cfg, *, image_text: bool = False):
     """The transformers auto class of a config: a causal LM, or an image-text model (Kimi K2.5 has no
-    causal-LM class)."""
+    causal-LM class; `image_text` asks for it where both exist)."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-    return AutoModelForCausalLM if type(cfg) in MODEL_FOR_CAUSAL_LM_MAPPING else AutoModelForImageTextToText
+    causal = type(cfg) in MODEL_FOR_CAUSAL_LM_MAPPING and not image_text
+    return AutoModelForCausalLM if causal else AutoModelForImageTextToText
 
 
 def load_all(folder):

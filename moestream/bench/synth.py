@@ -62,6 +62,24 @@ SHAPES = {
                        num_key_value_heads=8, head_dim=128, num_local_experts=256, num_experts_per_tok=8,
                        intermediate_size=1536, vocab_size=200064, rotary_dim=64, rope_theta=5000000.0,
                        max_position_embeddings=196608, rms_norm_eps=1e-6, tie_word_embeddings=False, eos_token_id=200020),
+    # hybrid: three Gated DeltaNet layers before each gated full-attention layer, a gated shared expert
+    "qwen3-next-80b-a3b": dict(model_type="qwen3_next", hidden_size=2048, num_hidden_layers=48, num_attention_heads=16,
+                               num_key_value_heads=2, head_dim=256, num_experts=512, num_experts_per_tok=10,
+                               moe_intermediate_size=512, shared_expert_intermediate_size=512, intermediate_size=5120,
+                               vocab_size=151936, norm_topk_prob=True, full_attention_interval=4,
+                               linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
+                               linear_num_key_heads=16, linear_num_value_heads=32, partial_rotary_factor=0.25,
+                               rope_theta=10000000.0, max_position_embeddings=262144, rms_norm_eps=1e-6,
+                               decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False,
+                               eos_token_id=151645),
+    # the language model of a multimodal checkpoint: its settings under text_config
+    "qwen3.5-35b-a3b": dict(model_type="qwen3_5_moe", tie_word_embeddings=False, text_config=dict(
+        hidden_size=2048, num_hidden_layers=40, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+        num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512, shared_expert_intermediate_size=512,
+        vocab_size=248320, full_attention_interval=4, linear_conv_kernel_dim=4, linear_key_head_dim=128,
+        linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=32,
+        rope_parameters=dict(rope_type="default", rope_theta=10000000.0, partial_rotary_factor=0.25),
+        max_position_embeddings=262144, rms_norm_eps=1e-6, eos_token_id=248044)),
 }
 BITS = {"q4": 4, "q8": 8, "none": None}
 
@@ -110,10 +128,13 @@ def synth(shape: str, out: Path, *, layers: int | None = None, quant: str = "q4"
     if shape not in SHAPES:
         raise MoestreamError(f"unknown shape {shape!r} (known: {', '.join(SHAPES)})")
     cfg = dict(SHAPES[shape])
+    text = cfg  # the language model's settings (a multimodal family's under text_config)
+    if "text_config" in cfg:
+        text = cfg["text_config"] = dict(cfg["text_config"])
     if layers is not None:
-        if not 1 <= layers <= cfg["num_hidden_layers"]:
-            raise MoestreamError(f"--layers {layers}: {shape} has layers 1..{cfg['num_hidden_layers']}")
-        cfg["num_hidden_layers"] = layers
+        if not 1 <= layers <= text["num_hidden_layers"]:
+            raise MoestreamError(f"--layers {layers}: {shape} has layers 1..{text['num_hidden_layers']}")
+        text["num_hidden_layers"] = layers
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise MoestreamError(f"{out} exists and is not a directory")

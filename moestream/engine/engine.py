@@ -320,7 +320,7 @@ class Engine:
         of the last one [1, V]; tokens reused). (None, reused) if should_stop interrupted it."""
         cache = self._slot(seq)
         reuse = 0 if all_logits else min(common_prefix(cache.tokens, prompt_ids), len(prompt_ids) - 1)
-        cache.truncate(reuse)
+        reuse = cache.truncate(reuse)  # less where a recurrent layer keeps no state at `reuse`
         self._check_room(len(prompt_ids) - reuse, cache)
         chunk = max(1, self.plan.prefill_chunk)
         outputs = []
@@ -405,7 +405,9 @@ class Engine:
         cache = self._slot(seq)
         if not 0 <= length <= cache.length:
             raise ValueError(f"cannot roll back to {length}: the cache holds {cache.length} tokens")
-        cache.truncate(length)
+        kept = cache.tokens[:length]
+        if cache.truncate(length) < length:  # a recurrent layer's state was kept further back: recompute
+            self.prefill(kept, seq=seq)
 
     def reset(self, *, seq: int = 0) -> None:
         """Forget sequence `seq`'s cached tokens (the next prompt is prefilled whole)."""

@@ -6,12 +6,19 @@ reuse and rollback (speculative decoding rejects drafted tokens) only ever ask i
 A family describes its cache per layer (`ModelArgs.kv_layout()` -> [LayerKV]): where every layer
 has the same shape, keys/values are one [layers, heads, tokens, dim] tensor; otherwise (other head
 sizes per layer, a compressed latent instead of K/V, a layer with no cache) a list with one
-[heads, tokens, dim] tensor per layer. `keys[layer]` is that layer's tensor either way."""
+[heads, tokens, dim] tensor per layer. `keys[layer]` is that layer's tensor either way.
+
+A recurrent layer (linear attention: LayerKV with a `state` shape) keeps no per-token K/V but a
+state that every token updates; `states[layer]` holds it (moestream.layers.recurrent_state), kept
+for the last RECENT_STATES lengths and at every `snapshot_every`-th position, so truncation can
+return to those lengths (see `truncate`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+from moestream.layers.recurrent_state import RecurrentState, StateBook
 
 
 @dataclass(frozen=True)
@@ -23,6 +30,12 @@ class LayerKV:
     k_dim: int
     v_heads: int = -1  # -1: as many as key heads
     v_dim: int = -1  # -1: as wide as keys
+    state: tuple[int, ...] = ()  # a recurrent layer's float32 state (heads, k_dim, v_dim); () for attention
+    conv: tuple[int, int] = ()  # a recurrent layer's convolution history (width - 1, channels)
+
+    @property
+    def recurrent(self) -> bool:
+        return bool(self.state)
 
     @property
     def value_heads(self) -> int:
@@ -35,6 +48,12 @@ class LayerKV:
     def bytes_per_token(self, item: int) -> int:
         return (self.heads * self.k_dim + self.value_heads * self.value_dim) * item
 
+    def bytes_for(self, max_tokens: int, item: int) -> int:
+        """The layer's cache for max_tokens positions: its per-token K/V, and a recurrent layer's states."""
+        if not self.recurrent:
+            return self.bytes_per_token(item) * max_tokens
+        return RecurrentState.nbytes_for(self.state, self.conv, max_tokens, item)
+
 
 class KVCache:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_tokens: int, *,
@@ -44,24 +63,31 @@ class KVCache:
         self.values = torch.zeros(shape, dtype=dtype, device=device)
         self.max_tokens = max_tokens
         self.tokens: list[int] = []  # ids whose K/V are stored (all layers), position i at index i
+        self.states: list[RecurrentState | None] = [None] * num_layers
+        self.book: StateBook | None = None
 
     @classmethod
     def for_layout(cls, layout: list[LayerKV], max_tokens: int, *, dtype: torch.dtype,
                    device: torch.device) -> "KVCache":
         first = layout[0]
-        if all(spec == first for spec in layout) and first.value_heads == first.heads and first.value_dim == first.k_dim:
+        if all(spec == first for spec in layout) and first.value_heads == first.heads and \
+                first.value_dim == first.k_dim and not first.recurrent:
             return cls(len(layout), first.heads, first.k_dim, max_tokens, dtype=dtype, device=device)
         cache = cls.__new__(cls)
         cache.keys = [torch.zeros((s.heads, max_tokens, s.k_dim), dtype=dtype, device=device) for s in layout]
         cache.values = [torch.zeros((s.value_heads, max_tokens, s.value_dim), dtype=dtype, device=device)
                         for s in layout]
         cache.max_tokens, cache.tokens = max_tokens, []
+        book = StateBook(max_tokens) if any(s.recurrent for s in layout) else None
+        cache.book = book
+        cache.states = [RecurrentState(s.state, s.conv, book, dtype=dtype, device=device) if s.recurrent else None
+                        for s in layout]
         return cache
 
     @staticmethod
     def bytes_for_layout(layout: list[LayerKV], max_tokens: int, dtype: torch.dtype) -> int:
         item = torch.finfo(dtype).bits // 8
-        return sum(spec.bytes_per_token(item) for spec in layout) * max_tokens
+        return sum(spec.bytes_for(max_tokens, item) for spec in layout)
 
     @property
     def length(self) -> int:
@@ -70,6 +96,7 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         tensors = [self.keys, self.values] if isinstance(self.keys, torch.Tensor) else [*self.keys, *self.values]
+        tensors += [t for state in self.states if state is not None for t in state.tensors()]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     @staticmethod
@@ -87,8 +114,17 @@ class KVCache:
         """Record that the K/V of `ids` (at the next positions) are now stored in every layer."""
         if self.length + len(ids) > self.max_tokens:
             raise ValueError(f"{self.length + len(ids)} tokens exceed the KV cache's {self.max_tokens}")
+        if self.book is not None:  # the recurrent layers wrote their states for the new lengths
+            self.book.ran(self.length, self.length + len(ids))
         self.tokens.extend(ids)
 
-    def truncate(self, length: int) -> None:
-        """Forget every position from `length` on (their K/V are overwritten by the next tokens)."""
-        del self.tokens[max(0, length):]
+    def truncate(self, length: int) -> int:
+        """Forget every position from `length` on (their K/V are overwritten by the next tokens) and
+        return the length kept. With recurrent layers that is the longest length <= `length` whose
+        state is kept (one of the last RECENT_STATES, or a snapshot): the caller recomputes the
+        tokens after it (Engine.rollback does)."""
+        length = max(0, min(length, self.length))
+        if self.book is not None:
+            length = self.book.restore(length, [s for s in self.states if s is not None])
+        del self.tokens[length:]
+        return length

@@ -6,7 +6,8 @@ import torch
 from moestream.engine.engine import Engine
 from moestream.engine.options import EngineOptions
 
-FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "deepseek_v3", "glm4_moe_lite", "gemma4_text", "gpt_oss"]
+FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "deepseek_v3", "glm4_moe_lite", "gemma4_text", "gpt_oss",
+            "qwen3_next", "qwen3_5_moe"]
 PROMPT = "def fibonacci(n):\n    if n < 2:"
 
 

@@ -34,6 +34,11 @@ TINY = {
                              intermediate_size=256, first_k_dense_replace=0),
     "tiny-minimax-m2": dict(SHAPES["minimax-m2"], **SMALL, head_dim=64, num_local_experts=8, intermediate_size=64,
                             rotary_dim=32),
+    # a linear-attention layer, then a full-attention one
+    "tiny-qwen3-next": dict(SHAPES["qwen3-next-80b-a3b"], **SMALL, head_dim=32, num_experts=8, moe_intermediate_size=64,
+                            shared_expert_intermediate_size=64, intermediate_size=256, full_attention_interval=2,
+                            linear_key_head_dim=32, linear_value_head_dim=32, linear_num_key_heads=2,
+                            linear_num_value_heads=4),
 }
 PROMPT = [5, 17, 42, 99, 300]
 
@@ -57,7 +62,7 @@ def test_tiny_shapes_keep_the_real_entries_keys():
     """The tiny shapes are the real entries with smaller numbers, so they take the same code paths."""
     for name, real in (("tiny-qwen3", "qwen3-30b-a3b"), ("tiny-mixtral", "mixtral-8x7b"), ("tiny-olmoe", "olmoe-1b-7b"),
                        ("tiny-deepseek-v3", "deepseek-v3"), ("tiny-minimax-m2", "minimax-m2"),
-                       ("tiny-glm-4.5-air", "glm-4.5-air")):
+                       ("tiny-glm-4.5-air", "glm-4.5-air"), ("tiny-qwen3-next", "qwen3-next-80b-a3b")):
         assert set(TINY[name]) == set(SHAPES[real])
         assert TINY[name]["model_type"] == SHAPES[real]["model_type"]
 
@@ -221,3 +226,27 @@ def test_out_that_is_a_file_is_refused(tmp_path, capsys):
     out.write_text("x")
     assert synth_module.main(["--shape", "tiny-qwen3", "--force", str(out)]) == 1
     assert "not a directory" in capsys.readouterr().err and out.read_text() == "x"
+
+
+def test_synth_of_a_multimodal_shape_takes_its_language_models_layers(tmp_path, monkeypatch):
+    """qwen3.5-35b-a3b keeps its settings under text_config: --layers cuts the language model."""
+    text = dict(SHAPES["qwen3.5-35b-a3b"]["text_config"], hidden_size=128, num_attention_heads=4, head_dim=32,
+                num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=64,
+                vocab_size=512, linear_key_head_dim=32, linear_value_head_dim=32, linear_num_key_heads=2,
+                linear_num_value_heads=4, max_position_embeddings=256, eos_token_id=0)
+    monkeypatch.setitem(SHAPES, "tiny-qwen3.5", dict(SHAPES["qwen3.5-35b-a3b"], text_config=text))
+    out = synth("tiny-qwen3.5", tmp_path / "m", layers=4)
+    assert verify.verify(out).ok
+    packed = PackedModel(out)
+    assert packed.family == "qwen3_5_moe" and packed.config["text_config"]["num_hidden_layers"] == 4
+    assert [e.layer for e in packed.manifest.expert_layers] == [0, 1, 2, 3]
+    assert packed.tensor_spec("model.layers.3.self_attn.o_proj.weight").bits == 4  # every 4th layer full attention
+    assert packed.tensor_spec("model.layers.0.linear_attn.in_proj_b.weight").bits == 8
+    engine = Engine.load(out, options=EngineOptions(device="cpu", threads=1))
+    try:
+        tokens = [e.token_id for e in engine.generate(PROMPT, max_new_tokens=4, stop_at_eos=False)]
+        assert len(tokens) == 4
+    finally:
+        engine.close()
+    with pytest.raises(MoestreamError, match="layers 1..40"):
+        synth("qwen3.5-35b-a3b", tmp_path / "n", layers=41)

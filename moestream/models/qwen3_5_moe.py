@@ -1,0 +1,41 @@
+"""Qwen3.5 MoE checkpoints (model_type "qwen3_5_moe", a vision tower beside the language model):
+the language model only. Its settings are config.json's `text_config`; its weights are
+`model.language_model.*` (named `model.*` in the packed model, as qwen3_next names them); the
+tower and the multi-token-prediction layers (`mtp.*`) are left out. The architecture is
+qwen3_next's, with the linear attention's projections stored apart (in_proj_qkv, in_proj_z,
+in_proj_b, in_proj_a), every layer MoE and the top-k weights always renormalized. Its multimodal
+rotary (mrope) gives text positions the plain rotary."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from moestream.models import base
+from moestream.models import qwen3_next
+from moestream.models.qwen3_next import EXPERT_MODULE, EXPERT_NAMES, build, quant_predicate  # noqa: F401
+
+LANGUAGE_MODEL = "model.language_model."
+
+
+@dataclass
+class ModelArgs(qwen3_next.ModelArgs):
+    SPLIT_PROJECTIONS: ClassVar[bool] = True
+
+    @classmethod
+    def from_dict(cls, config: dict):
+        text = base.text_model_config(config, "qwen3_5_moe")
+        # Qwen3.5 has no dense layers and always renormalizes (its config has no such fields)
+        text.update(norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+        return super().from_dict(text)
+
+
+def sanitize(name: str) -> str | None:
+    """model.language_model.X -> model.X; the vision tower and mtp.* are not kept."""
+    if name.startswith(LANGUAGE_MODEL):
+        return qwen3_next.sanitize("model." + name[len(LANGUAGE_MODEL):])
+    return name if name == "lm_head.weight" else None
+
+
+def checkpoint_name(name: str) -> str:
+    """The inverse of sanitize for the tensors it keeps (export_hf writes checkpoint names)."""
+    return LANGUAGE_MODEL + name[len("model."):] if name.startswith("model.") else name
