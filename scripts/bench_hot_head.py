@@ -1,6 +1,7 @@
 """What the hot-vocabulary head can save on the demo model (CPU): the median time of a decode step
 with its head (`Engine.step`) and without (`Engine.step_hidden`), of the full head over one saved
-row (`Engine.head_rows`), and of the hot head's guess over lists of 4096 and 512 tokens, interleaved
+row (`Engine.head_rows`) and of the model's head as one product over 4 rows, and of the hot head's
+guess over lists of 4096 and 512 tokens, interleaved
 run by run, every expert resident. Writes JSON.
 
     python scripts/bench_hot_head.py --out docs/bench/cpu-demo-hot-head.json
@@ -35,7 +36,7 @@ def main() -> None:
     start = engine.cache.length
     hot = {n: HotHead.of_model(engine.model, hot_vocabulary(prompt, engine.model.vocab_size, base_tokens=n))
            for n in (4096, 512)}
-    times: dict[str, list[float]] = {"step": [], "step_hidden": [], "head_rows_1": [],
+    times: dict[str, list[float]] = {"step": [], "step_hidden": [], "head_rows_1": [], "head_product_4_rows": [],
                                      **{f"hot_guess_{n}": [] for n in hot}}
 
     def timed(name, fn):
@@ -51,6 +52,8 @@ def main() -> None:
             engine.rollback(start)
             hidden = timed("step_hidden", lambda: engine.step_hidden([11]))
             timed("head_rows_1", lambda: engine.head_rows(hidden))
+            four = hidden.expand(4, -1).contiguous()
+            timed("head_product_4_rows", lambda: engine.model.head(four))
             for n, head in hot.items():
                 timed(f"hot_guess_{n}", lambda: head.guess(hidden))
     engine.close()
