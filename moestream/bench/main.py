@@ -17,6 +17,8 @@ from moestream.bench.machine import machine_info
 from moestream.cli_args import Parser, at_least, check_output_paths
 from moestream.engine import timeline
 from moestream.engine.options import EngineOptions, add_engine_arguments
+from moestream.engine.speculative_flags import (add_speculative_arguments, check_speculative_args, speculating,
+                                                speculative_options)
 from moestream.errors import MoestreamError
 
 log = logging.getLogger(__name__)
@@ -50,7 +52,43 @@ def parse_lengths(text: str) -> list[int]:
     return lengths
 
 
-def measure(engine, *, prefill_sizes: list[int], decode_tokens: int, seed: int) -> dict:
+def decode_run(engine, prompt: list[int], tokens: int, speculative=None) -> tuple[dict, list[int]]:
+    """One decode of `tokens` tokens from `prompt` (prefilled whole): its receipt and tokens."""
+    engine.reset()
+    gen = engine.generate(prompt, max_new_tokens=tokens, stop_at_eos=False, speculative=speculative)
+    ids = [event.token_id for event in gen]
+    return gen.result.receipt, ids
+
+
+def measure_speculative(engine, prompt: list[int], tokens: int, speculative, plain: tuple[dict, list[int]]) -> dict:
+    """Decode speed with and without speculation on one prompt, in the order plain (already run:
+    `plain`), speculative, speculative, plain: a drift in the machine's speed (caches warming,
+    other load) weighs on both sides alike. Each side's tok/s is the mean of its two runs."""
+    runs = {"plain": [plain], "speculative": []}
+    runs["speculative"].append(decode_run(engine, prompt, tokens, speculative))
+    runs["speculative"].append(decode_run(engine, prompt, tokens, speculative))
+    runs["plain"].append(decode_run(engine, prompt, tokens))
+    rates = {side: [r["decode_tok_s"] or 0.0 for r, _ in pair] for side, pair in runs.items()}
+    mean = {side: sum(v) / len(v) for side, v in rates.items()}
+    specs = [r["speculative"] for r, _ in runs["speculative"]]
+    drafted, accepted = sum(s["drafted"] for s in specs), sum(s["accepted"] for s in specs)
+    steps, step_tokens = sum(s["verify_steps"] for s in specs), sum(r["generated_tokens"] for r, _ in runs["speculative"])
+    return {"drafter": specs[0]["drafter"], "draft_tokens": specs[0]["draft_tokens"],
+            "order": ["plain", "speculative", "speculative", "plain"],
+            "plain_tok_s": rates["plain"], "speculative_tok_s": rates["speculative"],
+            "plain_mean_tok_s": round(mean["plain"], 2), "speculative_mean_tok_s": round(mean["speculative"], 2),
+            "speedup": round(mean["speculative"] / mean["plain"], 3) if mean["plain"] else None,
+            # the first token comes from the prefill; each verification step yields the rest
+            "tokens_per_step": round((step_tokens - len(specs)) / steps, 3) if steps else None,
+            "accept_rate": round(accepted / drafted, 4) if drafted else None, "drafted": drafted, "accepted": accepted,
+            "hit_rate": {"plain": [r["hit_rate"] for r, _ in runs["plain"]],
+                         "speculative": [r["hit_rate"] for r, _ in runs["speculative"]]},
+            "same_tokens": len({tuple(ids) for pair in runs.values() for _, ids in pair}) == 1,
+            "receipt": specs[-1]}
+
+
+def measure(engine, *, prefill_sizes: list[int], decode_tokens: int, seed: int, prompt: list[int] | None = None,
+            speculative=None) -> dict:
     vocab = engine.args.vocab_size
     out = {"prefill": []}
     for n in prefill_sizes:
@@ -72,10 +110,9 @@ def measure(engine, *, prefill_sizes: list[int], decode_tokens: int, seed: int) 
         engine.release_workspace()
         torch.cuda.reset_peak_memory_stats(engine.device)
     decode_start = engine.expert_stats()
-    gen = engine.generate(random_prompt(16, vocab, seed), max_new_tokens=decode_tokens, stop_at_eos=False)
-    for _ in gen:
-        pass
-    r = gen.result.receipt
+    prompt = prompt or random_prompt(16, vocab, seed)
+    plain = decode_run(engine, prompt, decode_tokens)
+    r = plain[0]
     decode_end = engine.expert_stats()
     host_gb_s = r["bytes_read_host"] / r["read_wait_s"] / 1e9 if r["read_wait_s"] > 0 else None
     out["decode"] = {"tokens": r["generated_tokens"], "s": r["decode_s"], "tok_s": r["decode_tok_s"],
@@ -88,6 +125,8 @@ def measure(engine, *, prefill_sizes: list[int], decode_tokens: int, seed: int) 
             "cpu_experts", "cpu_fallbacks", "cpu_timeouts", "cpu_repacks", "cpu_skipped_busy")})
         out["decode"].update({k: decode_end[k] for k in ("cpu_share", "cpu_gb_s_ema", "copy_gb_s_ema",
                                                          "cpu_repacked_bytes")})
+    if speculative is not None:
+        out["speculative"] = measure_speculative(engine, prompt, decode_tokens, speculative, plain)
     out["experts"] = engine.expert_stats()
     if cuda:  # what the run really held (prefills included), and what the decode alone held
         decode_peak = torch.cuda.max_memory_reserved(engine.device)
@@ -161,6 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                       "(default: --cache-size)")
     p.add_argument("--prefill-tokens", default="512,2048", help="prompt lengths to time (default 512,2048)")
     p.add_argument("--decode-tokens", type=at_least(1), default=128, help="tokens to decode (default 128)")
+    p.add_argument("--prompt", default=None,
+                   help="decode after this text (default: 16 random tokens); speculation gains where the text repeats")
     p.add_argument("--cold", action="store_true", help="drop the OS page cache before each run (needs root)")
     p.add_argument("--warmup", action="store_true",
                    help="first fill the host tier (every record it can hold), prefill 2048 tokens and each measured length, "
@@ -178,6 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeline", default=None, metavar="FILE.json",
                    help="write a Chrome/Perfetto trace of the measured prefills and decode (one file per cache size "
                         "in a sweep: FILE-SIZE.json)")
+    add_speculative_arguments(p)
     add_engine_arguments(p)
     return p
 
@@ -217,7 +259,10 @@ def run(args) -> dict:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         engine = load_engine(args.model, replace(base, cache_size=size))
+        speculative = None
         try:
+            speculative = speculative_options(args, engine) if speculating(args) else None
+            prompt = engine.tokenizer.encode(args.prompt) if args.prompt is not None else None
             attach_routing(engine, routing, seed=args.seed)
             if args.warmup:  # the host tier filled with every record it can hold, a long prefill, a short decode
                 engine.provider.fill_host_tier()
@@ -231,10 +276,13 @@ def run(args) -> dict:
                                          stop_at_eos=False):
                     pass
             with timeline.recording(timeline_path(args.timeline, size, len(sizes)), device=engine.device):
-                measured = measure(engine, prefill_sizes=prefill_sizes, decode_tokens=args.decode_tokens, seed=args.seed)
+                measured = measure(engine, prefill_sizes=prefill_sizes, decode_tokens=args.decode_tokens, seed=args.seed,
+                                   prompt=prompt, speculative=speculative)
             run_result = {"cache_size": size, "slots": engine.plan.slots, "total_experts": engine.plan.total_experts,
                           "streaming": engine.streaming, **run_facts(engine.options), **measured}
         finally:
+            if speculative is not None and speculative.drafter is not None:
+                speculative.drafter.close()
             engine.close()
             del engine
         results["runs"].append(run_result)
@@ -242,6 +290,11 @@ def run(args) -> dict:
         pf = ", ".join(f"prefill {p['tokens']}: {p['tok_s']:.0f} tok/s" for p in run_result["prefill"])
         print(f"cache {size:>6} ({run_result['slots']}/{run_result['total_experts']} slots): decode {d['tok_s']} tok/s, "
               f"hit rate {d['hit_rate']:.3f}, read wait {d['read_wait_s']:.2f} s; {pf}", flush=True)
+        if "speculative" in run_result:
+            sp = run_result["speculative"]
+            print(f"  speculative {sp['drafter']} ({sp['draft_tokens']}): {sp['speculative_mean_tok_s']} tok/s against "
+                  f"plain {sp['plain_mean_tok_s']} ({sp['speedup']}x), {sp['tokens_per_step']} tok/step, accept rate "
+                  f"{sp['accept_rate']}, same tokens: {sp['same_tokens']}", flush=True)
     if args.compare_transformers:
         device = base.device if base.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         from moestream.engine.engine import DEMO_MODEL
@@ -261,6 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     check_output_paths(parser, args, {"out": "--out", "plot": "--plot", "heatmap": "--heatmap", "trace_routing": "--trace-routing",
                                       "timeline": "--timeline"})
+    check_speculative_args(parser, args, sampling=None)  # bench decodes greedily
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     try:
         results = run(args)

@@ -12,6 +12,8 @@ from moestream.cli_args import (Parser, at_least, check_output_paths, non_negati
 from moestream.engine.detok import IncrementalDecoder
 from moestream.engine.launch import add_parallel_arguments, init_group, leave_group, spawn_ranks, torchrun_rank
 from moestream.engine.options import EngineOptions, add_engine_arguments
+from moestream.engine.speculative_flags import (add_speculative_arguments, check_speculative_args, speculating,
+                                                speculative_options)
 from moestream.engine.types import SamplingParams
 from moestream.errors import MoestreamError
 
@@ -43,48 +45,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def speculative_value(text: str) -> tuple[str, str | None]:
-    from moestream.engine.speculative import parse_speculative
-
-    try:
-        return parse_speculative(text)
-    except MoestreamError as exc:
-        raise argparse.ArgumentTypeError(f"must be off, ngram or draft:PATH, not {text!r}") from exc
-
-
-def draft_tokens_value(text: str) -> int | None:
-    """`auto` (None: the adaptive policy) or a whole number >= 0."""
-    return None if text == "auto" else at_least(0)(text)
-
-
-def add_speculative_arguments(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("speculative decoding (the same tokens as without it)")
-    g.add_argument("--speculative", type=speculative_value, default=("off", None), metavar="off|ngram|draft:PATH",
-                   help="ngram: draft from earlier text of the context (prompt lookup); draft:PATH: a small packed "
-                        "model sharing the tokenizer; off (default)")
-    g.add_argument("--draft-tokens", type=draft_tokens_value, default=None, metavar="K|auto",
-                   help="tokens drafted per verification: a number, or auto (default): chosen each step from "
-                        "measured step times and acceptance")
-    g.add_argument("--max-draft-tokens", type=at_least(1), default=8, help="most tokens auto drafts (default 8)")
-    g.add_argument("--ngram", type=at_least(1), default=3, help="longest n-gram the ngram drafter matches (default 3)")
-    g.add_argument("--hot-head", action="store_true",
-                   help="greedy decoding through the hot-vocabulary head, verified by the full head (exact; no "
-                        "faster until the decoder can stop before its head)")
-
-
-def speculative_options(args, engine):
-    """SpeculativeOptions from the flags (None: plain decoding); may load a draft model."""
-    from moestream.engine.speculative import SpeculativeOptions, make_options
-
-    if args.hot_head:
-        from moestream.engine.hot_head import HotHeadOptions
-
-        return SpeculativeOptions(hot_head=HotHeadOptions())
-    kind, path = args.speculative
-    return make_options(kind, path, draft_tokens=args.draft_tokens, max_draft_tokens=args.max_draft_tokens,
-                        max_ngram=args.ngram, main_engine=engine, engine_options=EngineOptions.from_args(args))
-
-
 def prompt_ids(args, tokenizer) -> list[int]:
     if args.prompt_ids is not None:
         try:
@@ -112,7 +72,7 @@ def check_args(parser: argparse.ArgumentParser, args) -> None:
     except MoestreamError as exc:
         parser.error(str(exc))
     parallel = (args.devices is not None and len(args.devices) > 1) or ranked is not None
-    if parallel and (args.hot_head or args.speculative[0] != "off"):
+    if parallel and speculating(args):
         # every rank must run the same steps; the adaptive drafter times steps, so ranks could differ
         parser.error("argument --speculative/--hot-head: not with expert parallelism (--devices, torchrun)")
     if parallel and args.cpu_experts != "off":
@@ -121,14 +81,8 @@ def check_args(parser: argparse.ArgumentParser, args) -> None:
         parser.error("argument --expert-placement: only with expert parallelism (--devices with 2 or more, torchrun)")
     if args.expert_placement is not None and not os.path.isfile(args.expert_placement):
         parser.error(f"argument --expert-placement: no routing trace at {args.expert_placement}")
-    if args.hot_head:
-        from moestream.engine.hot_head import usable
-
-        if args.speculative[0] != "off":
-            parser.error("argument --hot-head: not with --speculative (choose one)")
-        reason = usable(SamplingParams(temperature=args.temperature, repetition_penalty=args.repetition_penalty))
-        if reason is not None:
-            parser.error(f"argument --hot-head: {reason}")
+    check_speculative_args(parser, args, sampling=SamplingParams(
+        temperature=args.temperature, repetition_penalty=args.repetition_penalty))
 
 
 def stats_line(receipt: dict) -> str:

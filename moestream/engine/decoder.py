@@ -14,7 +14,12 @@ RoutedExperts the MoE blocks share:
 Layer by layer, token t's attention reads the K/V that tokens before it wrote a moment earlier, so
 T tokens give exactly what T one-token steps give: every segment but the experts works on one
 token, and the expert kernels compute each (token, expert) pair on its own (`per_pair`), so a
-token's bits never depend on T. Speculative verification relies on this.
+token's bits never depend on T. Speculative verification relies on this. The head is the same: on
+CUDA one product over all MAX_STEP_TOKENS rows of the residual stream, whatever T (a fixed shape:
+the weights are read once, and a row's bits never depend on the rows beside it), on the CPU one
+row at a time (there a product's cost grows with its rows). A step can stop before the head
+(`head=False`, the hot-vocabulary head's guesses); `head_rows` later gives saved rows' logits with
+the bits the step's own head would have given them.
 
 When every expert is resident (the cache holds them all), the slot tables never change, and the
 whole step is one graph: no host work until the logits. The same holds with a device map
@@ -78,6 +83,9 @@ class Decoder:
         self.pos = torch.zeros(T, dtype=torch.long, device=dev)
         self.x = torch.zeros((T, model.hidden_size), dtype=dtype, device=dev)  # the residual stream
         self.logits = torch.zeros((T, model.vocab_size), dtype=torch.float32, device=dev)
+        if self.cuda:  # head_rows' own fixed-shape input and output
+            self.saved_x = torch.zeros_like(self.x)
+            self.saved_logits = torch.zeros_like(self.logits)
         self.row_slots = [0] * T  # the sequence slot (KV cache) of each row of the current step
         moe = [i for i, layer in enumerate(model.layers) if isinstance(layer.ffn, MoEBlock)]
         depth = lookahead.depth if lookahead is not None else 0
@@ -145,18 +153,37 @@ class Decoder:
         else:
             self.x[:T].copy_(block.combine(self.experts.compute(block.layer, hn, ids, weights), shared, h))
 
-    def _head(self, t: int) -> None:
-        self.logits[t:t + 1].copy_(self.model.head(self.x[t:t + 1]))
+    def _head(self, T: int) -> None:
+        if self.cuda:
+            self.logits.copy_(self.model.head(self.x))  # [MAX_STEP_TOKENS, V], whatever T
+            return
+        for t in range(T):
+            self.logits[t:t + 1].copy_(self.model.head(self.x[t:t + 1]))
 
-    def _whole(self, T: int) -> None:
+    def _saved_head(self) -> None:
+        self.saved_logits.copy_(self.model.head(self.saved_x))
+
+    def head_rows(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [n, V] (float32; a static buffer on CUDA) of saved residual-stream rows [n, H]
+        (`step(..., head=False)`'s), the bits a step's own head gives each row."""
+        n = hidden.shape[0]
+        if not 1 <= n <= MAX_STEP_TOKENS:
+            raise ValueError(f"head_rows takes 1..{MAX_STEP_TOKENS} rows, not {n}")
+        if not self.cuda:
+            return torch.cat([self.model.head(hidden[t:t + 1]).float() for t in range(n)])
+        self.saved_x[:n].copy_(hidden)
+        self._replay(("saved-head",), self._saved_head)
+        return self.saved_logits[:n]
+
+    def _whole(self, T: int, head: bool = True) -> None:
         self._start(T)
         for i in range(len(self.model.layers)):
             for t in range(T):
                 self._attention(i, t)
             if i in self.routed:
                 self._experts(i, T)
-        for t in range(T):
-            self._head(t)
+        if head:
+            self._head(T)
 
     # -- running ----------------------------------------------------------------------------------
     def _capturable(self, i: int) -> bool:
@@ -185,16 +212,18 @@ class Decoder:
         with timeline.segment(key):
             graph.replay()
 
-    def step(self, tokens: list[int], start: int, *, slot: int = 0) -> torch.Tensor:
+    def step(self, tokens: list[int], start: int, *, slot: int = 0, head: bool = True) -> torch.Tensor:
         """Logits [T, V] (float32, a static buffer: copy before the next step) of `tokens` at
         positions start.. of sequence `slot`, T <= MAX_STEP_TOKENS. The caller records the tokens
-        in the KV cache."""
-        return self.step_rows(tokens, [start + t for t in range(len(tokens))], [slot] * len(tokens))
+        in the KV cache. head=False: stop before the head and return the final residual stream
+        [T, H] (a static buffer too; `head_rows` turns saved rows into logits)."""
+        return self.step_rows(tokens, [start + t for t in range(len(tokens))], [slot] * len(tokens), head=head)
 
-    def step_rows(self, tokens: list[int], positions: list[int], slots: list[int]) -> torch.Tensor:
+    def step_rows(self, tokens: list[int], positions: list[int], slots: list[int], *,
+                  head: bool = True) -> torch.Tensor:
         """Logits [T, V] as `step`, row t being token tokens[t] at positions[t] of sequence slots[t]
         (a sequence's rows in order of position). The layers' experts run once for all rows; a
-        row's bits are those it gets in a step of its own."""
+        row's bits are those it gets in a step of its own. head=False: the rows [T, H] before the head."""
         T = len(tokens)
         if not 1 <= T <= MAX_STEP_TOKENS:
             raise ValueError(f"a step takes 1..{MAX_STEP_TOKENS} tokens, not {T}")
@@ -207,11 +236,12 @@ class Decoder:
         if self.experts.device_driven and self.use_graphs and all(s == first for s in slots) and \
                 all(self._capturable(i) for i in self.routed):
             key = ("step", T) if first == 0 else ("step", T, first)
+            key = key if head else key + ("hidden",)
             self.routed = self._mode(key)
-            self._replay(key, lambda: self._whole(T))
+            self._replay(key, lambda: self._whole(T, head))
             for i, r in self.routed.items():
                 self._booked(i, T)
-            return self.logits[:T]
+            return self.logits[:T] if head else self.x[:T]
         self.routed = self._mode("segments")
         self._replay(("start", T), lambda: self._start(T))
         for i in range(len(self.model.layers)):
@@ -223,8 +253,9 @@ class Decoder:
                     r.owner[t] = slot
             if r is not None:
                 self._run_experts(i, T)
-        for t in range(T):
-            self._replay(("head", t), lambda t=t: self._head(t))
+        if not head:
+            return self.x[:T]
+        self._replay(("head",) if self.cuda else ("head", T), lambda: self._head(T))
         return self.logits[:T]
 
     def _run_experts(self, i: int, T: int) -> None:

@@ -350,6 +350,21 @@ class Engine:
         """Run `tokens` at the next positions of sequence `seq`; logits [T, V] (float32), row t
         predicting the token after tokens[t]. A token's logits are the same bits whatever T is:
         step([a, b]) gives what step([a]) then step([b]) give (speculative verification needs it)."""
+        return self._step(tokens, seq, head=True)
+
+    def step_hidden(self, tokens: list[int], *, seq: int = 0) -> torch.Tensor:
+        """`step` without the head: the final residual stream [T, H] (before the final norm), for
+        a caller that scores rows its own way (the hot-vocabulary head); `head_rows` gives the
+        logits `step` would have given those rows, bit for bit."""
+        return self._step(tokens, seq, head=False)
+
+    def head_rows(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [n, V] (float32) of rows that `step_hidden` returned, with `step`'s bits: on CUDA
+        one pass over the weights for all of them (n <= decoder.MAX_STEP_TOKENS)."""
+        with torch.inference_mode():
+            return self.decoder.head_rows(hidden).clone()
+
+    def _step(self, tokens: list[int], seq: int, *, head: bool) -> torch.Tensor:
         from moestream.engine.decoder import MAX_STEP_TOKENS
 
         cache = self._slot(seq)
@@ -363,7 +378,7 @@ class Engine:
                 piece = tokens[i:i + MAX_STEP_TOKENS]
                 self._position = cache.length
                 with timeline.span("step", position=cache.length, tokens=len(piece)):
-                    rows.append(self.decoder.step(piece, cache.length, slot=seq).clone())
+                    rows.append(self.decoder.step(piece, cache.length, slot=seq, head=head).clone())
                 cache.append(piece)
         return rows[0] if len(rows) == 1 else torch.cat(rows)
 

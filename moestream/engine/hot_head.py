@@ -9,9 +9,12 @@ head's token at each position, and from the first wrong guess on the later steps
 (the KV cache rolled back) and redone. So the tokens are exactly plain greedy decoding's; the list
 changes only how often a guess must be redone.
 
-The saving is the full head's weight read on the steps between verifications, which needs a step
-that stops before the head: the decoder computes the logits of every step today, so in the engine
-this runs for its exactness only (`--hot-head`, off by default) until the decoder can skip its head."""
+The guess steps stop before the head (`Engine.step_hidden`), and the verification computes the
+full head of the saved rows with the bits a plain step gives them (`Engine.head_rows`). What it
+saves is the full head's weight read on all but one of each `verify_every` steps, where the
+verification reads the weights once for all its rows: on CUDA (a fixed-shape product). On the CPU
+the full head still runs once per token (a product's cost grows with its rows there), so the hot
+rows are extra work: there it is exact, not faster (docs/PERFORMANCE.md)."""
 from __future__ import annotations
 
 from collections import Counter
@@ -75,13 +78,6 @@ def usable(sampling: SamplingParams) -> str | None:
     return None
 
 
-def step_hidden(engine, token: int) -> torch.Tensor:
-    """Run one token through the engine; its final hidden row [1, H] (the decoder's residual stream
-    after the last layer, what its head reads)."""
-    engine.step([token])
-    return engine.decoder.x[:1].clone()
-
-
 def run_hot_head(engine, seq: list[int], logits: torch.Tensor, *, budget: int, sampling: SamplingParams,
                  logprobs: int, should_stop, stop_at_eos: bool, options: HotHeadOptions,
                  state: dict) -> Iterator[TokenEvent]:
@@ -114,20 +110,21 @@ def run_hot_head(engine, seq: list[int], logits: torch.Tensor, *, budget: int, s
         work, hidden = list(seq), []
         n = min(options.verify_every, budget - produced, engine.max_context - len(seq))
         with torch.inference_mode():
-            for _ in range(n):
-                hidden.append(step_hidden(engine, work[-1]))
-                work.append(hot.guess(hidden[-1])[0])
+            for i in range(n):
+                hidden.append(engine.step_hidden([work[-1]]))
+                if i < n - 1:  # the last row's guess would never be run ahead on
+                    work.append(hot.guess(hidden[-1])[0])
             stats.verify_steps += 1
-            stats.drafted += n - 1  # the last guess is never run ahead on
-            for i, h in enumerate(hidden):
-                event = emit(model.head(h)[0])  # the decoder's own head on one row: plain decoding's bits
+            stats.drafted += n - 1
+            rows = engine.head_rows(torch.cat(hidden))  # the full head once: plain decoding's bits
+            for i in range(n):
+                event = emit(rows[i])
                 if event is None:
                     return
                 produced += 1
                 stats.step_tokens += 1
                 yield event
-                if event.token_id != work[len(seq) - 1]:
+                if i == n - 1 or event.token_id != work[len(seq) - 1]:
                     break
-                if i < n - 1:
-                    stats.accepted += 1
+                stats.accepted += 1
         engine.rollback(len(seq) - 1)

@@ -252,6 +252,20 @@ class SpeculativeOptions:
         if self.drafter is not None and self.draft_tokens is None and self.policy is None:
             self.policy = AdaptivePolicy(self.max_draft_tokens)
 
+    def not_used_reason(self, sampling: SamplingParams) -> str | None:
+        """Why these options cannot decode with `sampling` (None: they can). Drafters verify through
+        the same Emitter as plain decoding, penalties, grammar and logit bias included, so they
+        serve every setting; the hot head decodes greedily only."""
+        if self.hot_head is not None:
+            from moestream.engine.hot_head import usable
+
+            return usable(sampling)
+        return None
+
+
+MAX_STEP_RECORDS = 2048  # verifications whose decision the receipt lists one by one (a long run keeps its first)
+STEP_FIELDS = ["chosen", "drafted", "accepted", "verify_ms"]
+
 
 @dataclass
 class SpeculativeStats:
@@ -265,6 +279,13 @@ class SpeculativeStats:
     verify_s: float = 0.0
     draft_lengths: dict = field(default_factory=dict)  # k -> verifications that drafted k
     policy: "AdaptivePolicy | None" = None  # its learned step costs go in the receipt
+    steps: list = field(default_factory=list)  # per verification: STEP_FIELDS
+
+    def record(self, chosen: int, drafted: int, accepted: int, verify_s: float) -> None:
+        """One verification: the length the policy (or the fixed setting) chose, the drafter's
+        proposal (it may propose fewer), the tokens kept, the step's time."""
+        if len(self.steps) < MAX_STEP_RECORDS:
+            self.steps.append([chosen, drafted, accepted, round(verify_s * 1000.0, 3)])
 
     def to_json(self) -> dict:
         return {"drafter": self.drafter, "draft_tokens": self.mode, "verify_steps": self.verify_steps,
@@ -275,7 +296,9 @@ class SpeculativeStats:
                 "draft_lengths": {str(k): v for k, v in sorted(self.draft_lengths.items())},
                 "step_s_by_tokens": None if self.policy is None else
                 {str(t): round(c, 6) for t, c in sorted(self.policy.step_cost.items())},
-                "acceptance_estimate": None if self.policy is None else round(self.policy.acceptance, 4)}
+                "acceptance_estimate": None if self.policy is None else round(self.policy.acceptance, 4),
+                "step_fields": STEP_FIELDS, "steps": self.steps,
+                "steps_truncated": self.verify_steps > len(self.steps)}
 
 
 def run(engine, seq: list[int], logits: torch.Tensor, *, budget: int, sampling: SamplingParams, logprobs: int,
@@ -343,6 +366,7 @@ def run(engine, seq: list[int], logits: torch.Tensor, *, budget: int, sampling: 
             if produced >= budget:
                 break
         stats.accepted += accepted
+        stats.record(k, len(draft), accepted, t2 - t1)
         drafter.observe(len(draft), accepted)
         if policy is not None:
             policy.record_accept(len(draft), accepted)

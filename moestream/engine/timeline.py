@@ -145,14 +145,13 @@ class Timeline:
 
 def segment_name(key: tuple) -> tuple[str, dict]:
     """("attention", 3, 0, slot) -> ("attention", {"layer": 3, "token": 0, "sequence": slot});
-    ("experts", 3, T) -> ("experts", {"layer": 3, "tokens": T}); ("head", t); ("start", T); ("step", T[, slot])."""
+    ("experts", 3, T) -> ("experts", {"layer": 3, "tokens": T}); ("head"[, T]) (CUDA: all rows at once);
+    ("start", T); ("step", T[, slot])."""
     kind, rest = str(key[0]), key[1:]
     if kind == "attention" and len(rest) >= 2:
         return kind, {"layer": rest[0], "token": rest[1], **({"sequence": rest[2]} if len(rest) > 2 else {})}
     if kind == "experts" and len(rest) == 2:
         return kind, {"layer": rest[0], "tokens": rest[1]}
-    if kind == "head" and rest:
-        return kind, {"token": rest[0]}
     return kind, {"tokens": rest[0]} if rest else {}
 
 

@@ -85,6 +85,8 @@ def build_parser(*, engine_arguments: bool = True) -> argparse.ArgumentParser:
     if engine_arguments:
         # the engine's flags (device, dtype, --max-context, prefill chunk, ...)
         from moestream.engine.options import add_engine_arguments
+        from moestream.engine.speculative_flags import add_speculative_arguments
+        add_speculative_arguments(parser)
         add_engine_arguments(parser)
     else:
         parser.add_argument("--max-context", type=int, default=0,
@@ -130,12 +132,13 @@ def serve(load_engine: Callable[[], Any], *, host: str = "127.0.0.1", port: int 
           model_id: str | None = None, max_queue: int = 8, parallel: int = 1, max_context: int | None = None,
           defaults: RequestDefaults | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
           shutdown_grace: float = 10.0, log_level: str = "info",
-          on_listening: Callable[[str], None] | None = None) -> int:
+          on_listening: Callable[[str], None] | None = None,
+          speculation: Callable[[Any], Any] | None = None) -> int:
     """Bind, start loading the engine, serve until SIGTERM/SIGINT, shut down cleanly. Returns 0,
-    or 1 when the model could not be loaded."""
+    or 1 when the model could not be loaded. speculation: engine -> SpeculativeOptions (Worker)."""
     sock = bind_socket(host, port)
     bound_host, bound_port = sock.getsockname()[:2]
-    worker = Worker(load_engine, max_queue=max_queue, parallel=parallel)
+    worker = Worker(load_engine, max_queue=max_queue, parallel=parallel, speculation=speculation)
     app = create_app(worker, api_key=api_key, model_id=model_id, max_body_bytes=max_body_bytes,
                      defaults=defaults, max_context=max_context, shutdown_timeout=max(1.0, shutdown_grace))
     # the lifespan's end stops the worker, which closes the engine (its reader threads end)
@@ -201,6 +204,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_output_paths(parser, args, {"trace_routing": "--trace-routing", "timeline": "--timeline"})
+    from moestream.engine.speculative_flags import check_speculative_args, speculating, speculative_options
+
+    check_speculative_args(parser, args, sampling=None)  # requests bring their own sampling settings
+    if speculating(args) and args.parallel > 1:
+        parser.error("argument --speculative/--hot-head: only with --parallel 1 (a batch verifies no drafts)")
     defaults = defaults_from_args(args, parser)
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -226,7 +234,8 @@ def main(argv: list[str] | None = None) -> int:
             return serve(load_engine, host=args.host, port=args.port, api_key=api_key, model_id=args.model_id,
                          max_queue=args.max_queue, parallel=args.parallel, max_context=args.max_context or None,
                          defaults=defaults, max_body_bytes=args.max_body_bytes, shutdown_grace=args.shutdown_grace,
-                         log_level=args.log_level, on_listening=announce)
+                         log_level=args.log_level, on_listening=announce,
+                         speculation=(lambda engine: speculative_options(args, engine)) if speculating(args) else None)
     except MoestreamError as exc:
         print(f"moestream serve: error: {exc}", file=sys.stderr)
         return 1

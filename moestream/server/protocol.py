@@ -363,11 +363,20 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0
 
 
+class CompletionTokensDetails(BaseModel):
+    """Speculative decoding's drafted tokens that the model kept and that it rejected (OpenAI's
+    names for a prediction's tokens); 0 without speculation."""
+
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+    completion_tokens_details: CompletionTokensDetails = Field(default_factory=CompletionTokensDetails)
 
 
 class Timings(BaseModel):
@@ -388,6 +397,13 @@ class Timings(BaseModel):
     bytes_read_host: Optional[int] = None
     read_wait_ms: Optional[float] = None
     queue_ms: float = 0.0
+    # speculative decoding (llama.cpp's draft_n, draft_n_accepted): the drafter, or why the server's
+    # speculation did not run for this request
+    speculative: Optional[str] = None
+    speculative_off: Optional[str] = None
+    draft_n: Optional[int] = None
+    draft_n_accepted: Optional[int] = None
+    tokens_per_step: Optional[float] = None
 
 
 def timings_from_receipt(receipt: dict, *, queue_s: float = 0.0) -> Timings:
@@ -403,6 +419,8 @@ def timings_from_receipt(receipt: dict, *, queue_s: float = 0.0) -> Timings:
     reused = int(num("reused_tokens"))
     wait = receipt.get("read_wait_s")
     hit = receipt.get("hit_rate")
+    spec = receipt.get("speculative") if isinstance(receipt.get("speculative"), dict) else {}
+    off = receipt.get("speculative_off")
     return Timings(
         prompt_n=prefill,
         prompt_ms=num("prefill_s") * 1000.0,
@@ -419,6 +437,11 @@ def timings_from_receipt(receipt: dict, *, queue_s: float = 0.0) -> Timings:
         bytes_read_host=opt_int("bytes_read_host"),
         read_wait_ms=float(wait) * 1000.0 if isinstance(wait, (int, float)) else None,
         queue_ms=queue_s * 1000.0,
+        speculative=spec.get("drafter") if isinstance(spec.get("drafter"), str) else None,
+        speculative_off=off if isinstance(off, str) else None,
+        draft_n=spec.get("drafted") if isinstance(spec.get("drafted"), int) else None,
+        draft_n_accepted=spec.get("accepted") if isinstance(spec.get("accepted"), int) else None,
+        tokens_per_step=float(spec["tokens_per_step"]) if isinstance(spec.get("tokens_per_step"), (int, float)) else None,
     )
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from moestream.server.protocol import (ChoiceLogprobs, CompletionLogprobs, PromptTokensDetails, TokenLogprob,
-                                       TopLogprob, Usage)
+from moestream.server.protocol import (ChoiceLogprobs, CompletionLogprobs, CompletionTokensDetails, PromptTokensDetails,
+                                       TokenLogprob, TopLogprob, Usage)
 from moestream.server.worker import Failed, Finished, TokenLogprobInfo
 
 
@@ -29,8 +29,15 @@ def usage(ends: list[Finished], n: int = 1) -> Usage:
     prompt_tokens = sum(end.prompt_tokens for end in firsts)
     completion = sum(end.completion_tokens for end in ends)
     reused = sum(int(end.receipt.get("reused_tokens", 0) or 0) for end in firsts)
+    drafted = accepted = 0
+    for end in ends:
+        spec = end.receipt.get("speculative")
+        if isinstance(spec, dict):
+            drafted, accepted = drafted + int(spec.get("drafted") or 0), accepted + int(spec.get("accepted") or 0)
     return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion, total_tokens=prompt_tokens + completion,
-                 prompt_tokens_details=PromptTokensDetails(cached_tokens=reused))
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=reused),
+                 completion_tokens_details=CompletionTokensDetails(accepted_prediction_tokens=accepted,
+                                                                   rejected_prediction_tokens=drafted - accepted))
 
 
 def chat_logprobs(infos: list[TokenLogprobInfo]) -> ChoiceLogprobs:

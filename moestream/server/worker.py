@@ -5,7 +5,8 @@ submits a Job and receives plain events (text deltas, then one end event) throug
 provides. Only this thread loads the engine, generates, detokenizes and matches stop strings, so
 a streamed reply and a whole one are made of exactly the same pieces.
 
-With `parallel` 1 it runs one job at a time through `engine.generate`; with more, the batch
+With `parallel` 1 it runs one job at a time through `engine.generate`, speculating where the
+server was started with a drafter or the hot head (the same text, faster); with more, the batch
 scheduler (server/batching.py) runs up to `parallel` jobs together, one sequence slot each. The
 queue holds `max_queue` jobs beyond those.
 
@@ -174,12 +175,18 @@ class Worker:
     `parallel` together (continuous batching)."""
 
     def __init__(self, load_engine: Callable[[], Any], *, max_queue: int = 8, parallel: int = 1,
-                 name: str = "moestream-engine"):
+                 speculation: Callable[[Any], Any] | None = None, name: str = "moestream-engine"):
+        """speculation: engine -> the engine's SpeculativeOptions (or None), made on this thread
+        once the engine is loaded (it may load a draft model); every request it can serve uses it."""
         if max_queue < 0:
             raise ValueError("max_queue must be >= 0")
         if parallel < 1:
             raise ValueError("parallel must be >= 1")
+        if speculation is not None and parallel > 1:
+            raise ValueError("speculative decoding runs with parallel 1 only")
         self._load_engine = load_engine
+        self._make_speculation = speculation
+        self.speculative: Any = None  # the SpeculativeOptions every request it can serve uses
         self.on_load_failed: Callable[[str], None] | None = None  # e.g. stop the HTTP server
         self.max_queue = max_queue
         self.parallel = parallel
@@ -291,6 +298,8 @@ class Worker:
             self.tokenizer = LockedTokenizer(engine.tokenizer)
             self.model_name = str(getattr(engine, "model_name", "") or "") or None
             self.max_context = int(engine.max_context)
+            if self._make_speculation is not None:
+                self.speculative = self._make_speculation(engine)
             scheduler = None
             if self.parallel > 1:
                 from moestream.server.batching import BatchScheduler
@@ -353,6 +362,12 @@ class Worker:
 
     def _close_engine(self) -> None:
         """Close the engine on the thread that owns it, once nothing runs: its reader threads end."""
+        drafter = getattr(self.speculative, "drafter", None)
+        if drafter is not None:
+            try:
+                drafter.close()
+            except Exception as exc:
+                log.warning("closing the draft model failed: %s", exc)
         close = getattr(self.engine, "close", None)
         if close is None:
             return
@@ -408,9 +423,11 @@ class Worker:
         generated = 0
         # the engine's logprobs=K gives the chosen token's logprob and the top K (0: none)
         engine_logprobs = max(1, job.logprobs) if job.logprobs is not None else 0
+        speculative, not_used = self._speculation_for(choice.sampling)
         try:
             gen = engine.generate(choice.prompt_ids, max_new_tokens=choice.max_new_tokens, sampling=choice.sampling,
-                                  logprobs=engine_logprobs, should_stop=job.cancelled.is_set)
+                                  logprobs=engine_logprobs, should_stop=job.cancelled.is_set,
+                                  **({"speculative": speculative} if speculative is not None else {}))
         except MoestreamError as exc:  # the engine refused the request before starting it
             self._deliver(job, Failed(_one_line(exc), code="invalid_request"))
             return False
@@ -435,6 +452,8 @@ class Worker:
             gen.close()
         result = gen.result
         receipt = dict(result.receipt) if result is not None else {}
+        if not_used is not None:
+            receipt["speculative_off"] = not_used
         if matcher.stopped:
             reason = "stop"
         elif job.cancelled.is_set():
@@ -443,6 +462,14 @@ class Worker:
             reason = result.finish_reason if result is not None else "length"
         return self._end_choice(job, index, last, queue_s, prompt_tokens, generated, reason, receipt, pending,
                                 matcher)
+
+    def _speculation_for(self, sampling: SamplingParams) -> tuple[Any, str | None]:
+        """(the SpeculativeOptions to generate with or None, why the server's speculation sits this
+        request out or None)."""
+        if self.speculative is None:
+            return None, None
+        reason = self.speculative.not_used_reason(sampling)
+        return (None, reason) if reason is not None else (self.speculative, None)
 
     def _end_choice(self, job: Job, index: int, last: bool, queue_s: float, prompt_tokens: int, generated: int,
                     reason: str, receipt: dict, pending: list[TokenLogprobInfo], matcher: StopMatcher,

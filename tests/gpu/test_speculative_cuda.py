@@ -36,3 +36,40 @@ def test_demo_model_speculation_on_cuda(cache_size):
     assert out == plain
     draft.close()
     engine.close()
+
+
+@pytest.mark.parametrize("cache_size", ["30%", "all"])
+def test_step_hidden_and_head_rows_give_the_step_bits_on_cuda(cache_size):
+    """The fixed-shape head: a step's logits, a step that stops before the head, then the head over
+    the saved rows (one pass) or a few of them: the same bits; segments (30 %) and whole-step graphs."""
+    import torch
+
+    engine = Engine.load(options=EngineOptions(device="cuda", cache_size=cache_size))
+    prompt = engine.tokenizer.encode(PROMPT)
+    tokens = [5, 17, 3, 99, 42, 7]
+    engine.reset()
+    engine.prefill(prompt)
+    for T in (1, 3, 6):
+        engine.rollback(len(prompt))
+        logits = engine.step(tokens[:T])
+        engine.rollback(len(prompt))
+        hidden = engine.step_hidden(tokens[:T])
+        assert torch.equal(engine.head_rows(hidden), logits), T
+        assert torch.equal(engine.head_rows(hidden[-1:]), logits[-1:]), T
+    engine.rollback(len(prompt))
+    singles = torch.cat([engine.step_hidden([t]) for t in tokens])
+    engine.rollback(len(prompt))
+    assert torch.equal(engine.head_rows(singles), engine.step(tokens))
+    engine.close()
+
+
+@pytest.mark.parametrize("cache_size", ["30%", "all"])
+def test_hot_head_over_200_tokens_on_cuda(cache_size):
+    engine = Engine.load(options=EngineOptions(device="cuda", cache_size=cache_size))
+    prompt = engine.tokenizer.encode("def fibonacci(n):")
+    plain, _ = run(engine, prompt, 220)
+    for options in (HotHeadOptions(), HotHeadOptions(prompt_tokens=16, base_tokens=256, verify_every=6)):
+        out, result = run(engine, prompt, 220, speculative=SpeculativeOptions(hot_head=options))
+        assert out == plain
+        assert result.receipt["speculative"]["accepted"] > 0
+    engine.close()

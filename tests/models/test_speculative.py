@@ -3,6 +3,7 @@ drafter and draft length, on the tiny families and the demo model (CPU)."""
 import random
 
 import pytest
+import torch
 
 from moestream.engine.engine import DEMO_MODEL, Engine
 from moestream.engine.hot_head import HotHeadOptions
@@ -183,4 +184,42 @@ def test_demo_model_speculation_equals_plain():
     plain, _, _ = run(engine, prompt, 32)
     out, _, _ = run(engine, prompt, 32, speculative=SpeculativeOptions(hot_head=HotHeadOptions(base_tokens=512)))
     assert out == plain
+    engine.close()
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_step_hidden_then_head_rows_gives_the_step_logits(family, tiny_packed_model):
+    """A step that stops before the head, then the head over the saved rows: step's bits and KV."""
+    engine = load(tiny_packed_model(family, "q4"), cache_size="min")
+    prompt = engine.tokenizer.encode(PROMPTS[0])
+    tokens = [5, 17, 3, 99, 42, 7]
+    engine.reset()
+    engine.prefill(prompt)
+    logits = engine.step(tokens)  # [T, V]
+    step_cache = list(engine.cache.tokens)
+    engine.rollback(len(prompt))
+    hidden = engine.step_hidden(tokens)
+    assert hidden.shape == (len(tokens), engine.args.hidden_size) and engine.cache.tokens == step_cache
+    assert torch.equal(engine.head_rows(hidden), logits)
+    engine.rollback(len(prompt))
+    singles = torch.cat([engine.step_hidden([t]) for t in tokens])  # one token a step, as the hot head runs
+    assert torch.equal(singles, hidden)
+    assert torch.equal(engine.head_rows(singles[2:5]), logits[2:5])
+    with pytest.raises(ValueError, match="rows"):
+        engine.head_rows(torch.cat([hidden] * 3))
+    engine.close()
+
+
+@pytest.mark.skipif(not (DEMO_MODEL / "moestream.json").is_file(), reason="the demo model is not in this checkout")
+def test_demo_model_hot_head_over_200_tokens_bit_for_bit():
+    engine = Engine.load(options=EngineOptions(device="cpu", threads=1))
+    for text in ("def fibonacci(n):",):
+        prompt = engine.tokenizer.encode(text)
+        plain, plain_events, _ = run(engine, prompt, 220, logprobs=2)
+        for options in (HotHeadOptions(), HotHeadOptions(prompt_tokens=16, base_tokens=256, verify_every=6)):
+            out, events, result = run(engine, prompt, 220, speculative=SpeculativeOptions(hot_head=options), logprobs=2)
+            assert out == plain and len(out) == 220
+            assert [(e.logprob, e.top_logprobs) for e in events] == [(e.logprob, e.top_logprobs) for e in plain_events]
+            r = result.receipt["speculative"]
+            assert r["drafter"] == "hot-head" and 0 < r["accepted"] <= r["drafted"]
     engine.close()

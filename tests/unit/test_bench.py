@@ -179,3 +179,36 @@ def test_bad_arguments_are_named_before_anything_runs(argv, needle, tmp_path):
     code, stdout, err = run_bench(["--device", "cpu", *argv, "--out", str(out)])
     assert code == 1 and needle in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1 and stdout == "" and not out.exists()
+
+
+CODE = ("class Vector:\n    def add(self, other):\n        return Vector(self.x + other.x, self.y + other.y)\n"
+        "    def sub(self, other):\n        return Vector(self.x - other.x, self.y - other.y)\n    def mul(self, other):\n")
+
+
+@pytest.mark.parametrize("flags,drafter", [(["--speculative", "ngram"], "ngram"),
+                                           (["--speculative", "ngram", "--draft-tokens", "3"], "ngram"),
+                                           (["--hot-head"], "hot-head")])
+def test_bench_measures_speculation_beside_plain(flags, drafter, tmp_path):
+    out = tmp_path / "OUT.json"
+    code, stdout, err = run_bench(["--device", "cpu", "--threads", "1", "--prefill-tokens", "", "--decode-tokens", "48",
+                                   "--prompt", CODE, *flags, "--out", str(out)])
+    assert code == 0, err
+    spec = json.loads(out.read_text())["runs"][0]["speculative"]
+    assert spec["drafter"] == drafter and spec["same_tokens"] is True
+    assert spec["order"] == ["plain", "speculative", "speculative", "plain"]
+    assert len(spec["plain_tok_s"]) == len(spec["speculative_tok_s"]) == 2 and spec["speedup"] > 0
+    assert spec["drafted"] > 0 and 0 < spec["accepted"] <= spec["drafted"]  # the code repeats: guesses are kept
+    assert spec["tokens_per_step"] > 1.0 and spec["accept_rate"] == round(spec["accepted"] / spec["drafted"], 4)
+    if drafter == "ngram":  # the policy's decision per verification: chosen, drafted, accepted, ms
+        steps = spec["receipt"]["steps"]
+        assert spec["receipt"]["step_fields"] == ["chosen", "drafted", "accepted", "verify_ms"]
+        assert len(steps) == spec["receipt"]["verify_steps"]
+        assert all(d <= c and a <= d for c, d, a, _ in steps)
+        assert sum(a for _, _, a, _ in steps) == spec["receipt"]["accepted"]
+    assert "speculative" in stdout
+
+
+def test_bench_refuses_hot_head_with_speculative(tmp_path):
+    with pytest.raises(SystemExit) as exc:
+        run_bench(["--hot-head", "--speculative", "ngram"])
+    assert exc.value.code == 2

@@ -120,7 +120,8 @@ def test_recorder_threads_nesting_and_names(tmp_path):
 @pytest.mark.parametrize("key,expected", [
     (("attention", 2, 1), ("attention", {"layer": 2, "token": 1})),
     (("experts", 2, 4), ("experts", {"layer": 2, "tokens": 4})),
-    (("head", 0), ("head", {"token": 0})),
+    (("head", 2), ("head", {"tokens": 2})),
+    (("head",), ("head", {})),
     (("start", 3), ("start", {"tokens": 3})),
     (("step", 1), ("step", {"tokens": 1})),
 ])

@@ -1,0 +1,113 @@
+"""`serve --speculative` on the real engine and the demo model, the official openai SDK as the
+client: every answer's text (and logprobs) is the plain server's, greedy and seeded, streamed and
+whole; usage and timings say how many drafted tokens were kept."""
+from __future__ import annotations
+
+import pytest
+
+from conftest import live_server
+
+pytest.importorskip("torch")
+from moestream.engine.engine import DEMO_MODEL, Engine  # noqa: E402
+from moestream.engine.hot_head import HotHeadOptions  # noqa: E402
+from moestream.engine.options import EngineOptions  # noqa: E402
+from moestream.engine.speculative import NGramDrafter, SpeculativeOptions  # noqa: E402
+
+pytestmark = [pytest.mark.timeout(300),
+              pytest.mark.skipif(not (DEMO_MODEL / "moestream.json").is_file(), reason="the demo model is not built")]
+
+MODEL_ID = "demo"
+CODE = ("class Vector:\n    def add(self, other):\n        return Vector(self.x + other.x, self.y + other.y)\n"
+        "    def sub(self, other):\n        return Vector(self.x - other.x, self.y - other.y)\n    def mul(self, other):\n")
+CHAT = [{"role": "user", "content": "Write a Python function that adds two vectors, then one that subtracts them."}]
+SETTINGS = [dict(temperature=0), dict(temperature=0.8, top_p=0.9, seed=7),
+            dict(temperature=0.7, seed=3, frequency_penalty=0.5, presence_penalty=0.2)]
+
+
+def load():
+    return Engine.load(options=EngineOptions(device="cpu", threads=1))
+
+
+@pytest.fixture(scope="module")
+def plain():
+    with live_server(load=load, model_id=MODEL_ID) as s, s.client() as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def ngram():
+    with live_server(load=load, model_id=MODEL_ID,
+                     speculation=lambda engine: SpeculativeOptions(drafter=NGramDrafter(), draft_tokens=None)) as s, \
+            s.client() as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def hot():
+    with live_server(load=load, model_id=MODEL_ID,
+                     speculation=lambda engine: SpeculativeOptions(hot_head=HotHeadOptions(base_tokens=512))) as s, \
+            s.client() as c:
+        yield c
+
+
+def fresh(*clients):
+    """Leave every server's KV cache holding the same unrelated text: the next prompt is then
+    prefilled whole on each (a reused prefix computes the last prompt row alone, other bits)."""
+    for client in clients:
+        client.completions.create(model=MODEL_ID, prompt="Once upon a time", max_tokens=2, temperature=0)
+
+
+def completion(client, **kw):
+    r = client.completions.create(model=MODEL_ID, prompt=CODE, max_tokens=64, logprobs=2, **kw)
+    return r, r.choices[0].text, r.choices[0].logprobs.token_logprobs, r.model_extra["timings"]
+
+
+@pytest.mark.parametrize("setting", SETTINGS, ids=["greedy", "seeded", "penalties"])
+def test_ngram_server_gives_the_plain_text(setting, plain, ngram):
+    fresh(plain, ngram)
+    _, text, logprobs, _ = completion(plain, **setting)
+    r, spec_text, spec_logprobs, timings = completion(ngram, **setting)
+    assert spec_text == text and len(text) > 0
+    assert spec_logprobs == logprobs
+    assert timings["speculative"] == "ngram" and timings["speculative_off"] is None
+    details = r.usage.completion_tokens_details
+    assert details.accepted_prediction_tokens == timings["draft_n_accepted"]
+    assert details.rejected_prediction_tokens == timings["draft_n"] - timings["draft_n_accepted"]
+    assert timings["tokens_per_step"] >= 1.0
+    if setting["temperature"] == 0:  # the code repeats itself: drafts are kept
+        assert details.accepted_prediction_tokens > 0 and timings["tokens_per_step"] > 1.0
+
+
+@pytest.mark.parametrize("setting", SETTINGS[:2], ids=["greedy", "seeded"])
+def test_ngram_chat_streamed_equals_whole_equals_plain(setting, plain, ngram):
+    fresh(plain, ngram)
+    expected = plain.chat.completions.create(model=MODEL_ID, messages=CHAT, max_tokens=48, **setting)
+    whole = ngram.chat.completions.create(model=MODEL_ID, messages=CHAT, max_tokens=48, **setting)
+    chunks = list(ngram.chat.completions.create(model=MODEL_ID, messages=CHAT, max_tokens=48, stream=True,
+                                                stream_options={"include_usage": True}, **setting))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert whole.choices[0].message.content == expected.choices[0].message.content == streamed
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert chunks[-1].model_extra["timings"]["speculative"] == "ngram"
+    # the second request reused the first's prompt from the KV cache after its drafts were rolled back
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_plain_server_reports_no_drafts(plain):
+    r, _, _, timings = completion(plain, temperature=0)
+    assert timings["speculative"] is None and timings["draft_n"] is None
+    assert r.usage.completion_tokens_details.accepted_prediction_tokens == 0
+
+
+def test_hot_head_server_greedy_and_sampled(plain, hot):
+    fresh(plain, hot)
+    _, text, logprobs, _ = completion(plain, temperature=0)
+    _, hot_text, hot_logprobs, timings = completion(hot, temperature=0)
+    assert hot_text == text and hot_logprobs == logprobs
+    assert timings["speculative"] == "hot-head"
+    # sampled: the hot head cannot decode it; the server decodes plainly and says why
+    fresh(plain, hot)
+    _, text, _, _ = completion(plain, temperature=0.8, seed=5)
+    _, hot_text, _, timings = completion(hot, temperature=0.8, seed=5)
+    assert hot_text == text
+    assert timings["speculative"] is None and "greedily only" in timings["speculative_off"]
