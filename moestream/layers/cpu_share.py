@@ -231,6 +231,13 @@ class CpuShare:
             self.st.repacks += 1
             self.st.repack_s += seconds
 
+    def set_threads(self, threads: int) -> None:
+        """The worker's intra-op threads from its next job on (a new worker thread; the old one finishes)."""
+        self._executor.shutdown(wait=True)
+        self.threads = threads
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moestream-cpu-experts",
+                                            initializer=torch.set_num_threads, initargs=(threads,))
+
     def is_repacked(self, layer: int, expert: int) -> bool:
         return (layer, expert) in self._repacked
 
