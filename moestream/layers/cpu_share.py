@@ -2,7 +2,7 @@
 
 When a layer's chosen ids reach the host, some of its misses have their records in host RAM (the
 host tier). Copying one to the device costs record bytes / link speed; the CPU can instead compute
-its (token, pick) pairs straight from those bytes with torch's int kernels
+its (token, pick) pairs from its own repacked copy of those bytes with torch's int kernels
 (moestream.kernels.cpu_experts), on a worker thread, while the device copies and computes the rest.
 Those experts are not loaded: their slot table entries stay -1, and the CPU's weighted rows take
 their pairs' places before the layer's per-token sum.
