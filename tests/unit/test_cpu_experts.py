@@ -190,6 +190,7 @@ def test_without_a_host_tier_the_cpu_gets_nothing(model, reference, caplog):
 
 
 def test_the_worker_has_its_own_threads_and_the_callers_stay(model):
+    saved = torch.get_num_threads()  # the other tests' bits depend on it: given back below
     engine = Engine.load(model, options=EngineOptions(device="cpu", cache_size="min", host_cache_size="all",
                                                        cpu_experts="1", threads=1))
     try:
@@ -202,6 +203,7 @@ def test_the_worker_has_its_own_threads_and_the_callers_stay(model):
         assert engine.experts.cpu._executor.submit(torch.get_num_threads).result() == 1  # the worker's own
     finally:
         engine.close()
+        torch.set_num_threads(saved)
 
 
 def test_available_ram_reads_proc_meminfo_without_psutil(monkeypatch):
