@@ -122,9 +122,11 @@ def measure(engine, *, prefill_sizes: list[int], decode_tokens: int, seed: int, 
                      "host_gb_s_while_waiting": round(host_gb_s, 3) if host_gb_s else None}
     if "cpu_share" in decode_end:  # --cpu-experts: what the CPU computed during the decode
         out["decode"].update({k: decode_end[k] - decode_start[k] for k in (
-            "cpu_experts", "cpu_fallbacks", "cpu_timeouts", "cpu_repacks", "cpu_skipped_busy")})
-        out["decode"].update({k: decode_end[k] for k in ("cpu_share", "cpu_gb_s_ema", "copy_gb_s_ema",
-                                                         "cpu_repacked_bytes")})
+            "cpu_experts", "cpu_fallbacks", "cpu_timeouts", "cpu_repacks", "cpu_skipped_busy", "cpu_not_repacked")})
+        out["decode"]["cpu_wait_s"] = round(decode_end["cpu_wait_s"] - decode_start["cpu_wait_s"], 6)
+        out["decode"].update({k: decode_end[k] for k in (
+            "cpu_share", "cpu_gb_s_ema", "copy_gb_s_ema", "cpu_repacked_experts", "cpu_repacked_bytes",
+            "cpu_repack_wall_s", "cpu_repack_workers", "cpu_repack_left_out")})
     if speculative is not None:
         out["speculative"] = measure_speculative(engine, prompt, decode_tokens, speculative, plain)
     out["experts"] = engine.expert_stats()

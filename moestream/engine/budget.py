@@ -9,7 +9,9 @@ import torch
 from moestream.errors import MoestreamError
 from moestream.experts.sizing import format_bytes
 from moestream.format.reader import PackedModel
+from moestream.kernels.cpu_experts import refusal, repacked_nbytes
 from moestream.layers.kv_cache import KVCache
+from moestream.quant.affine import QuantSpec
 
 
 # the CUDA caching allocator rounds blocks up: it reserved 2.5-2.8 % more than the tensors it held
@@ -25,6 +27,7 @@ class Ledger:
     expert_slots: int
     host_tier: int
     read_buffers: int
+    cpu_repacked: int = 0  # RAM: the CPU share's repacked copies of the host tier's records (--cpu-experts)
 
     @property
     def device_total(self) -> int:
@@ -39,6 +42,8 @@ class Ledger:
                 (f"expert slots ({slots} of {total_experts}, {100 * slots / total_experts:.0f}%)", self.expert_slots),
                 ("read buffers", self.read_buffers), ("device total", self.device_total),
                 ("host tier (RAM)", self.host_tier)]
+        if self.cpu_repacked:
+            rows.append(("CPU share: repacked experts (RAM)", self.cpu_repacked))
         return "\n".join(f"  {name:<40} {format_bytes(value):>12}" for name, value in rows)
 
 
@@ -54,8 +59,22 @@ def resident_bytes(packed: PackedModel, dtype: torch.dtype) -> int:
     return total
 
 
+def cpu_repacked_bytes(packed: PackedModel, dtype: torch.dtype, host_slots: int) -> int:
+    """RAM the CPU share's repacked experts take: those of the host tier's records (filled layer by
+    layer, in order) whose layout its kernels take (moestream.layers.cpu_share)."""
+    left, total = host_slots, 0
+    for entry in packed.manifest.expert_layers:
+        n = min(left, entry.num_experts)
+        left -= n
+        quant = {p: QuantSpec.from_json(s) for p, s in entry.quant.items()}
+        if n and refusal(entry.fields, quant) is None:
+            total += n * repacked_nbytes(entry.fields, quant, dtype)
+    return total
+
+
 def plan_ledger(packed: PackedModel, args, *, dtype: torch.dtype, max_context: int, chunk: int, slots: int,
-                slot_bytes: int, host_slots: int, staging: int, cuda: bool = False, sequences: int = 1) -> Ledger:
+                slot_bytes: int, host_slots: int, staging: int, cuda: bool = False, sequences: int = 1,
+                cpu_repacked: int = 0) -> Ledger:
     """sequences: KV caches allocated (one per sequence slot, each for the whole context)."""
     item = torch.finfo(dtype).bits // 8
     kv = sequences * KVCache.bytes_for_layout(args.kv_layout(), max_context, dtype)
@@ -63,7 +82,8 @@ def plan_ledger(packed: PackedModel, args, *, dtype: torch.dtype, max_context: i
     if cuda:
         workspace = max(workspace, decode_workspace(args, context=max_context))
     return Ledger(resident_weights=resident_bytes(packed, dtype), kv_cache=kv, workspace=workspace,
-                  expert_slots=slots * slot_bytes, host_tier=host_slots * slot_bytes, read_buffers=staging * slot_bytes)
+                  expert_slots=slots * slot_bytes, host_tier=host_slots * slot_bytes, read_buffers=staging * slot_bytes,
+                  cpu_repacked=cpu_repacked)
 
 
 def prefill_workspace(args, *, tokens: int, context: int, item: int) -> int:

@@ -136,8 +136,9 @@ class Engine:
             self._start_trace()
 
     def _share_with_cpu(self, options: EngineOptions) -> None:
-        """--cpu-experts: the CPU computes a share of each streamed layer's misses from host RAM.
-        Its repacked weights are kept up to the host tier's size (the device cache's without one)."""
+        """--cpu-experts: the CPU computes a share of each streamed layer's misses from host RAM,
+        on a worker with the compute threads (--threads). Its weights are repacked before the first
+        step (`_prepare_cpu_share`)."""
         from moestream.layers.cpu_share import parse_share
 
         try:
@@ -150,9 +151,21 @@ class Engine:
             raise MoestreamError("--cpu-experts does not run with expert parallelism (--devices)")
         if not options.cpu_experts_timeout > 0:
             raise MoestreamError(f"cpu_experts_timeout must be more than 0 seconds, not {options.cpu_experts_timeout}")
-        capacity = (self.plan.host_slots or self.provider.num_slots) * self.provider.slot_bytes
         self.experts.share_with_cpu(share, dtype=self.dtype, timeout_s=options.cpu_experts_timeout,
-                                    capacity_bytes=capacity)
+                                    threads=options.threads)
+
+    def _prepare_cpu_share(self) -> None:
+        """Before the first streamed step with a CPU share: fill the host tier (the records it lacks)
+        and repack every record of it the CPU kernels take, once, so that a step never repacks."""
+        if self.provider.host is None:
+            log.warning("--cpu-experts: there is no host tier (--host-cache-size), so the CPU has no "
+                        "repacked experts to compute")
+            return
+        t0 = time.perf_counter()
+        read = self.provider.fill_host_tier()
+        if read:
+            log.info("read %d records into the host tier for the CPU share (%.1f s)", read, time.perf_counter() - t0)
+        self.experts.cpu.repack_host_tier(self.provider.host_records())
 
     @staticmethod
     def _expert_parallel(packed: PackedModel, options: EngineOptions):
@@ -246,6 +259,8 @@ class Engine:
         `--streaming device` where it cannot is an error naming why."""
         from moestream.experts.device_map import DeviceMapUnavailable
 
+        if self.experts.cpu is not None:
+            self._prepare_cpu_share()
         mode = self.options.streaming
         if mode == "host":
             return

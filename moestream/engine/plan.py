@@ -9,7 +9,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from moestream.engine.budget import Ledger, plan_ledger, slots_within
+from moestream.engine.budget import Ledger, cpu_repacked_bytes, plan_ledger, slots_within
 from moestream.engine.options import EngineOptions
 from moestream.errors import MoestreamError
 from moestream.experts.sizing import parse_bytes, slots_for
@@ -110,11 +110,12 @@ def plan_run(packed: PackedModel, options: EngineOptions, *, default_cache_size:
                                flag="--host-cache-size")
 
     chunk = options.prefill_chunk_tokens
+    cpu_repacked = cpu_repacked_bytes(packed, dtype, host_slots) if options.cpu_experts != "off" else 0
 
     def ledger(slots: int) -> Ledger:
         return plan_ledger(packed, args, dtype=dtype, max_context=max_context, chunk=chunk,
                            slots=slots, slot_bytes=slot_bytes, host_slots=host_slots, staging=staging,
-                           cuda=device.type == "cuda", sequences=options.max_sequences)
+                           cuda=device.type == "cuda", sequences=options.max_sequences, cpu_repacked=cpu_repacked)
 
     size = options.cache_size if options.cache_size != "auto" else default_cache_size
     if options.memory_budget:
@@ -125,7 +126,7 @@ def plan_run(packed: PackedModel, options: EngineOptions, *, default_cache_size:
         if size != "auto":
             slots = min(slots, slots_for(size, slot_bytes=slot_bytes, total_experts=total, min_slots=floor))
     elif size == "auto":
-        budget = int(free_memory(device) * 0.85) - (host_slots * slot_bytes if device.type == "cpu" else 0)
+        budget = int(free_memory(device) * 0.85) - (host_slots * slot_bytes + cpu_repacked if device.type == "cpu" else 0)
         slots = slots_within(budget, ledger(0), slot_bytes=slot_bytes, min_slots=floor, total_experts=total)
     else:
         slots = slots_for(size, slot_bytes=slot_bytes, total_experts=total, min_slots=floor)

@@ -199,6 +199,13 @@ class ExpertCache:
         release() is called (from any thread), or a resident page-cache mapping (release None)."""
         return self._host_record(layer, expert, self.entries[layer].record_size)
 
+    def host_records(self) -> list[tuple[int, int]]:
+        """The (layer, expert) records the host tier holds, ready (not loading), in order."""
+        if self.host is None:
+            return []
+        with self._lock:
+            return sorted(k for k in self.host.directory.keys() if not self.host.directory.is_loading(k))
+
     def count_misses(self, layer: int, n: int) -> None:
         """Book n misses of `layer` that another compute unit served (so hit rates stay comparable)."""
         for _ in range(n):

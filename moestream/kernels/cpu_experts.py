@@ -64,7 +64,10 @@ def _codes(weight: torch.Tensor, bits: int) -> torch.Tensor:
     raw = weight.contiguous().view(torch.uint8)  # [N, K*b/8]
     if bits == 8:
         return raw.to(torch.int32)
-    return torch.stack([raw & 15, raw >> 4], dim=-1).reshape(raw.shape[0], -1).to(torch.int32)
+    codes = torch.empty((raw.shape[0], 2 * raw.shape[1]), dtype=torch.int32)  # written once: half the passes
+    codes[:, 0::2] = raw & 15
+    codes[:, 1::2] = raw >> 4
+    return codes
 
 
 @dataclass
@@ -137,6 +140,27 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype if dtype in COMPUTE_DTYPES else torch.float32
 
 
+def repacked_nbytes(fields, quant: dict[str, QuantSpec], dtype: torch.dtype, *,
+                    int8_method: str = DEFAULT_INT8_METHOD) -> int:
+    """The bytes `repack` keeps for one record of this layout (it must have passed `refusal`), known
+    before any record is read: the memory ledger counts them. int4: N*K/2 codes and K/G*N (scale,
+    zero) pairs; int4x2 twice the rows; "dequantized" N*K weights in the compute dtype."""
+    item = torch.finfo(compute_dtype(dtype)).bits // 8
+    by_name = {f.name: f for f in fields}
+    total = 0
+    for projs in (("gate_proj", "up_proj"), ("down_proj",)):
+        spec = quant[projs[0]]
+        rows = sum(by_name[f"{p}.weight"].shape[0] for p in projs)  # N
+        cols = by_name[f"{projs[0]}.weight"].shape[1] * 32 // spec.bits  # K
+        if spec.bits == 8 and int8_method == "dequantized":
+            total += rows * cols * item
+            continue
+        if spec.bits == 8:
+            rows *= 2  # two int4 halves
+        total += rows * cols // 2 + cols // spec.group_size * rows * 2 * item
+    return total
+
+
 def repack(record: dict[str, torch.Tensor], quant: dict[str, QuantSpec], dtype: torch.dtype, *,
            int8_method: str = DEFAULT_INT8_METHOD) -> CpuExpert:
     """An expert's record views (CPU tensors, as decode_record gives them) in the CPU kernels'
@@ -160,4 +184,4 @@ def repack(record: dict[str, torch.Tensor], quant: dict[str, QuantSpec], dtype: 
     return CpuExpert(matrix(("gate_proj", "up_proj"), gspec), matrix(("down_proj",), dspec), inter, dtype)
 
 
-__all__ = ["CpuExpert", "Int4Matrix", "refusal", "repack", "compute_dtype", "INT8_METHODS", "DEFAULT_INT8_METHOD"]
+__all__ = ["CpuExpert", "Int4Matrix", "refusal", "repack", "repacked_nbytes", "compute_dtype", "INT8_METHODS", "DEFAULT_INT8_METHOD"]

@@ -272,7 +272,7 @@ class RoutedExperts:
         return plan.finish(residual)
 
     # -- a CPU share of the misses -------------------------------------------------------------
-    def share_with_cpu(self, share, *, dtype: torch.dtype, timeout_s: float, capacity_bytes: int) -> None:
+    def share_with_cpu(self, share, *, dtype: torch.dtype, timeout_s: float, threads: int = 0) -> None:
         """Let the CPU compute a share of each streamed layer's misses from host RAM (see
         moestream.layers.cpu_share): "auto" or a float in 0..1."""
         if self.parallel is not None:
@@ -280,7 +280,7 @@ class RoutedExperts:
         from moestream.layers.cpu_share import CpuShare
 
         self.cpu = CpuShare(self.provider, list(self.num_experts), share=share, dtype=dtype, timeout_s=timeout_s,
-                            capacity_bytes=capacity_bytes)
+                            threads=threads)
 
     def _rows_buffers(self, pairs: int, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The device rows every layer's plan takes CPU rows from (one per shape: a CUDA graph binds

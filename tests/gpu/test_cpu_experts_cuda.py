@@ -1,7 +1,8 @@
 """--cpu-experts on CUDA: bf16, experts streamed through a 50 % device cache with every record in the
 host tier; with a CPU share (0.5 and auto) the greedy tokens are those of off over 16 steps and the
 log-probabilities within the bf16 tolerance, through the decoder's CUDA graphs; a failing CPU falls
-back to the device with the bits of off; MoEPlan.take_rows puts rows computed elsewhere in place."""
+back to the device with the bits of off; every host-tier record is repacked before the first step and
+none in a step; MoEPlan.take_rows puts rows computed elsewhere in place."""
 import pytest
 import torch
 
@@ -54,6 +55,24 @@ def test_cpu_share_gives_the_tokens_of_off(packed, off, share):
 def test_auto_measures_both_speeds(packed):
     stats = run(packed, cpu_experts="auto")[2]
     assert stats["copy_gb_s_ema"] and stats["copy_gb_s_ema"] > 0
+
+
+def test_the_host_tier_is_repacked_before_the_first_step_and_never_in_one(packed, monkeypatch):
+    import threading
+
+    from moestream.layers import cpu_share
+
+    names, real = [], cpu_share.repack
+
+    def counting(*args, **kwargs):
+        names.append(threading.current_thread().name)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cpu_share, "repack", counting)
+    stats = run(packed, cpu_experts="0.5")[2]
+    assert stats["cpu_repacks"] == stats["cpu_repacked_experts"] == stats["total_experts"] == len(names)
+    assert all(name.startswith("moestream-repack") for name in names)
+    assert stats["cpu_experts"] > 0 and stats["cpu_not_repacked"] == 0
 
 
 def test_failing_cpu_falls_back_with_the_bits_of_off(packed, off):

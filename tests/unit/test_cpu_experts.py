@@ -1,8 +1,12 @@
 """--cpu-experts: the CPU kernels against the torch reference per expert (4 and 8 bits), an engine
 with a CPU share within tolerance of the reference, fail-closed fallbacks (errors and timeouts give
-the tokens of off), layouts the CPU refuses, and one-line errors for bad values."""
+the tokens of off), layouts the CPU refuses, one-line errors for bad values; every host-tier record
+repacked once before the first step (never in a step), what the ledger predicts, and only what fits
+where RAM is short."""
+import logging
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -11,8 +15,9 @@ from moestream.engine.engine import Engine
 from moestream.engine.options import EngineOptions
 from moestream.errors import MoestreamError
 from moestream.format.records import RecordField
-from moestream.kernels.cpu_experts import INT8_METHODS, refusal, repack
+from moestream.kernels.cpu_experts import INT8_METHODS, refusal, repack, repacked_nbytes
 from moestream.kernels.reference import expert_ffn
+from moestream.layers import cpu_share
 from moestream.layers.cpu_share import parse_share
 from moestream.quant.affine import QuantSpec, quantize
 
@@ -55,6 +60,15 @@ def test_cpu_kernel_matches_the_reference_per_expert(bits, method, hidden, inter
     assert torch.allclose(one[0], y[1], rtol=1e-5, atol=1e-5 * ref.abs().max().item())
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("method", INT8_METHODS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_repacked_bytes_are_known_before_repacking(bits, method, dtype):
+    rec, quant = make_record(192, 96, bits, 32)
+    kept = repack(rec, quant, dtype, int8_method=method).nbytes
+    assert repacked_nbytes(fields_of(rec), quant, dtype, int8_method=method) == kept
+
+
 def test_refused_layouts_say_why():
     rec, quant = make_record(128, 64, 4)
     fields = fields_of(rec)
@@ -82,7 +96,8 @@ def model(tiny_packed_model):
 
 
 def run(model, steps=12, fault_after=None, fault_delay_s=0.0, **opts):
-    options = EngineOptions(device="cpu", cache_size="min", host_cache_size="all", prefill_chunk_tokens=5, **opts)
+    options = EngineOptions(device="cpu", cache_size="min", prefill_chunk_tokens=5,
+                            **{"host_cache_size": "all", **opts})
     engine = Engine.load(model, options=options)
     if engine.experts.cpu is not None:
         engine.experts.cpu.fault_after = fault_after
@@ -93,6 +108,109 @@ def run(model, steps=12, fault_after=None, fault_delay_s=0.0, **opts):
         return [e.token_id for e in events], [e.logprob for e in events], engine.expert_stats(), gen.result.receipt
     finally:
         engine.close()
+
+
+@pytest.fixture
+def repack_threads(monkeypatch):
+    """The names of the threads that repacked, one per repack."""
+    names = []
+    real = cpu_share.repack
+
+    def counting(*args, **kwargs):
+        names.append(threading.current_thread().name)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cpu_share, "repack", counting)
+    return names
+
+
+@pytest.mark.parametrize("share", ["1", "auto"])
+def test_every_host_tier_record_is_repacked_up_front_and_never_in_a_step(model, reference, repack_threads, share):
+    tokens, logprobs, stats, receipt = run(model, cpu_experts=share)
+    total = stats["total_experts"]
+    assert stats["host_slots"] == total
+    assert stats["cpu_repacked_experts"] == stats["cpu_repacks"] == total  # every eligible record, once
+    assert len(repack_threads) == total
+    assert all(name.startswith("moestream-repack") for name in repack_threads)  # the up-front pool, not a step
+    assert stats["cpu_repack_workers"] >= 1 and stats["cpu_repack_left_out"] == 0 and stats["cpu_not_repacked"] == 0
+    assert stats["cpu_experts"] > 0 and stats["cpu_fallbacks"] == 0
+    assert receipt["memory"]["cpu_repacked"] == stats["cpu_repacked_bytes"] > 0  # the ledger knew it
+    assert tokens == reference[0]
+    assert max(abs(a - b) for a, b in zip(logprobs, reference[1])) < LOGPROB_TOLERANCE
+
+
+def test_decode_steps_repack_nothing(model, repack_threads):
+    options = EngineOptions(device="cpu", cache_size="min", host_cache_size="all", cpu_experts="1")
+    engine = Engine.load(model, options=options)
+    try:
+        engine.prefill(engine.tokenizer.encode(PROMPT))
+        before = engine.expert_stats()
+        assert before["cpu_repacks"] == before["total_experts"]
+        for _ in engine.generate(engine.tokenizer.encode("def f("), max_new_tokens=8, stop_at_eos=False):
+            pass
+        after = engine.expert_stats()
+    finally:
+        engine.close()
+    assert after["cpu_repacks"] == before["cpu_repacks"] and len(repack_threads) == before["cpu_repacks"]
+    assert after["cpu_experts"] > before["cpu_experts"]
+
+
+def test_short_of_ram_it_repacks_what_fits_and_says_so(model, reference, monkeypatch, caplog):
+    probe = Engine.load(model, options=EngineOptions(device="cpu", cache_size="min", host_cache_size="all",
+                                                      cpu_experts="1"))
+    each, total = max(probe.experts.cpu.repacked_bytes_each.values()), probe.provider.total_experts
+    probe.close()
+    fit = total // 2
+    monkeypatch.setattr(cpu_share, "available_ram", lambda: cpu_share.RAM_KEPT_FREE + fit * each + each // 2)
+    with caplog.at_level(logging.WARNING, logger="moestream.layers.cpu_share"):
+        tokens, logprobs, stats, _ = run(model, cpu_experts="1")
+    assert stats["cpu_repacked_experts"] == stats["cpu_repacks"] == fit
+    assert stats["cpu_repack_left_out"] == total - fit
+    assert stats["cpu_not_repacked"] > 0 and stats["cpu_fallbacks"] == 0
+    assert any(f"RAM for {fit} of the {total} experts" in r.getMessage() for r in caplog.records)
+    assert tokens == reference[0]
+    assert max(abs(a - b) for a, b in zip(logprobs, reference[1])) < LOGPROB_TOLERANCE
+
+
+def test_a_partial_host_tier_repacks_its_records(model, reference, repack_threads):
+    tokens, logprobs, stats, receipt = run(model, cpu_experts="1", host_cache_size="50%")
+    assert 0 < stats["host_slots"] < stats["total_experts"]
+    assert stats["cpu_repacks"] == stats["host_slots"] == len(repack_threads)  # filled up front, then repacked
+    assert receipt["memory"]["cpu_repacked"] == stats["cpu_repacked_bytes"]
+    assert tokens == reference[0]
+    assert max(abs(a - b) for a, b in zip(logprobs, reference[1])) < LOGPROB_TOLERANCE
+
+
+def test_without_a_host_tier_the_cpu_gets_nothing(model, reference, caplog):
+    with caplog.at_level(logging.WARNING, logger="moestream.engine.engine"):
+        tokens, logprobs, stats, _ = run(model, cpu_experts="1", host_cache_size="0")
+    assert stats["cpu_repacks"] == 0 and stats["cpu_experts"] == 0
+    assert any("no host tier" in r.getMessage() for r in caplog.records)
+    assert tokens == reference[0] and logprobs == reference[1]  # every expert on the device: the bits of off
+
+
+def test_the_worker_has_its_own_threads_and_the_callers_stay(model):
+    saved = torch.get_num_threads()  # the other tests' bits depend on it: given back below
+    engine = Engine.load(model, options=EngineOptions(device="cpu", cache_size="min", host_cache_size="all",
+                                                       cpu_experts="1", threads=1))
+    try:
+        assert engine.experts.cpu.threads == 1  # the engine's --threads
+        torch.set_num_threads(2)  # the caller changes its own count after loading
+        for _ in engine.generate(engine.tokenizer.encode(PROMPT), max_new_tokens=3, stop_at_eos=False):
+            pass
+        assert torch.get_num_threads() == 2  # neither the repack pool (1 each) nor the worker changed it
+        assert engine.expert_stats()["cpu_experts"] > 0
+        assert engine.experts.cpu._executor.submit(torch.get_num_threads).result() == 1  # the worker's own
+    finally:
+        engine.close()
+        torch.set_num_threads(saved)
+
+
+def test_available_ram_reads_proc_meminfo_without_psutil(monkeypatch):
+    with_psutil = cpu_share.available_ram()
+    monkeypatch.setitem(sys.modules, "psutil", None)  # import psutil now fails
+    without = cpu_share.available_ram()
+    assert without > 0 and abs(without - with_psutil) < 0.5 * with_psutil
 
 
 @pytest.fixture(scope="module")
@@ -106,10 +224,9 @@ def test_engine_with_a_cpu_share_stays_within_tolerance(model, reference, share)
     assert tokens == reference[0]
     assert max(abs(a - b) for a, b in zip(logprobs, reference[1])) < LOGPROB_TOLERANCE
     assert stats["cpu_fallbacks"] == 0
-    if share != "auto":  # auto computes on the CPU only what it has repacked and measured
-        assert stats["cpu_experts"] > 0 and stats["cpu_pairs"] >= stats["cpu_experts"]
-        assert stats["cpu_gb_s"] > 0 and stats["cpu_repacks"] > 0
-        assert stats["cpu_repacked_bytes"] > 0
+    assert stats["cpu_experts"] > 0 and stats["cpu_pairs"] >= stats["cpu_experts"]
+    assert stats["cpu_gb_s"] > 0 and stats["cpu_repacks"] > 0
+    assert stats["cpu_repacked_bytes"] > 0
     assert receipt["experts"]["cpu_share"] == parse_share(share)
     assert "cpu_experts" not in reference[2]  # off: nothing of the CPU share exists
 
