@@ -29,6 +29,9 @@ class EngineOptions:
     host_cache_policy: str = "clock"
     streaming: str = "auto"  # who looks up a streamed layer's experts: the device (auto where it can) or the host
     prefetch: str = "next-layer"  # start loading the next MoE layer(s)' likely experts early (one-token steps)
+    # the lookahead's fitted correction (moestream fit-lookahead): auto (MODEL/lookahead.safetensors where it
+    # exists), none, or a file
+    lookahead_maps: str = "auto"
     memory_budget: str | None = None
     verify: bool = True  # crc32 of every expert record read, sha256 of the resident files at load
     verify_cache_dir: str | None = None  # where resident files' digests are remembered; None: ~/.cache/moestream
