@@ -149,50 +149,64 @@ def token_texts(tokenizer, files: list[Path], *, tokens: int, per_file: int, min
     return texts
 
 
+def share_arg(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 1, not {text}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
+    from moestream.cli_args import Parser, at_least
     from moestream.engine.engine import Engine
     from moestream.engine.options import EngineOptions
     from moestream.errors import MoestreamError
-    from moestream.cli_args import at_least
 
-    p = argparse.ArgumentParser(prog="moestream fit-lookahead", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog="moestream fit-lookahead", description=__doc__,
+               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", help="packed model directory")
     p.add_argument("out", nargs="?", help=f"maps file to write (default MODEL/{FILE_NAME}, where the engine finds it)")
     p.add_argument("--text", nargs="+", default=None, metavar="PATH",
                    help="text files or directories (*.py, *.txt, *.md, *.rst); default: the Python standard library")
     p.add_argument("--tokens", type=at_least(256), default=16384, help="tokens of text in all (default 16384)")
     p.add_argument("--file-tokens", type=at_least(64), default=1024, help="tokens from each file's start (default 1024)")
-    p.add_argument("--check-share", type=float, default=0.25,
+    p.add_argument("--check-share", type=share_arg, default=0.25,
                    help="share of the files kept out of the fit to measure the guesses on (default 0.25)")
     p.add_argument("--rank", type=at_least(0), default=0, help="rank of each correction (default 0: full, min(E, H))")
     p.add_argument("--device", default="cpu", help="where the model runs while recording (default cpu)")
     p.add_argument("--json", action="store_true", help="print the accuracy table as JSON")
     args = p.parse_args(argv)
-    if not 0 < args.check_share < 1:
-        print("moestream fit-lookahead: --check-share must be between 0 and 1", file=sys.stderr)
-        return 2
+    if not (Path(args.model) / "moestream.json").is_file():
+        p.error(f"argument MODEL: {args.model} is not a packed model (no moestream.json)")
+    out = Path(args.out) if args.out else Path(args.model) / FILE_NAME
+    if not out.parent.is_dir():
+        p.error(f"argument OUT: the folder {out.parent} does not exist")
     try:
         files = text_files(args.text or [sysconfig.get_paths()["stdlib"]])
+    except FileNotFoundError as exc:
+        p.error(f"argument --text: {exc.args[0].removeprefix('--text ')}")
+    try:
         engine = Engine.load(args.model, options=EngineOptions(device=args.device, cache_size="all",
                                                                prefill_chunk_tokens=args.file_tokens,
                                                                prefetch="none", lookahead_maps="none"))
-    except (MoestreamError, FileNotFoundError) as exc:
-        print(f"moestream fit-lookahead: {exc}", file=sys.stderr)
-        return 2
+    except MoestreamError as exc:
+        print(f"moestream fit-lookahead: error: {exc}", file=sys.stderr)
+        return 1
     try:
         texts = token_texts(engine.tokenizer, files, tokens=args.tokens, per_file=args.file_tokens)
-        if len(texts) < 2:
-            print("moestream fit-lookahead: the text gives fewer than 2 files of at least 64 tokens", file=sys.stderr)
-            return 2
-        cut = min(len(texts) - 1, max(1, round(len(texts) * (1 - args.check_share))))
         blocks = moe_blocks(engine.model)
+        depths = tuple(d for d in (1, 2) if len(blocks) > d)
+        problem = ("the text gives fewer than 2 files of at least 64 tokens" if len(texts) < 2 else
+                   "the model has fewer than 2 MoE layers: there is nothing to guess ahead" if not depths else None)
+        if problem:
+            print(f"moestream fit-lookahead: error: {problem}", file=sys.stderr)
+            return 1
+        cut = min(len(texts) - 1, max(1, round(len(texts) * (1 - args.check_share))))
         with torch.inference_mode():
             fit_cap, check_cap = capture(engine, texts[:cut]), capture(engine, texts[cut:])
-        depths = tuple(d for d in (1, 2) if len(blocks) > d)
-        if not depths:
-            print("moestream fit-lookahead: the model has one MoE layer: there is nothing to guess ahead", file=sys.stderr)
-            return 2
         maps = fit_maps(fit_cap, blocks, depths=depths, rank=args.rank)
         maps.meta.update({"model_manifest_sha256": manifest_digest(engine.packed.directory),
                           "fit_tokens": fit_cap.rows, "check_tokens": check_cap.rows})
@@ -201,14 +215,14 @@ def main(argv: list[str] | None = None) -> int:
             per_layer = evaluate(check_cap, blocks, depth=d, maps=maps)
             report[f"depth{d}"] = {"router": mean_of(per_layer, "router"), "fitted": mean_of(per_layer, "fitted"),
                                    "previous_token": mean_of(per_layer, "previous_token"),
-                                   "per_layer": {str(k): {n: round(v, 4) for n, v in r.items()} for k, r in per_layer.items()}}
+                                   "per_layer": {str(k): {n: round(v, 4) for n, v in r.items()}
+                                                 for k, r in per_layer.items()}}
         maps.meta["check_accuracy"] = {k: {n: v for n, v in r.items() if n != "per_layer"} for k, r in report.items()}
-        out = Path(args.out) if args.out else Path(args.model) / FILE_NAME
         maps.save(out)
     finally:
         engine.close()
     if args.json:
-        print(json.dumps({"out": str(out), "bytes": maps.nbytes, "accuracy": report}, indent=1))
+        print(json.dumps({"out": str(out), "maps": len(maps.maps), "bytes": maps.nbytes, "accuracy": report}, indent=1))
         return 0
     print(f"fitted on {fit_cap.rows} tokens ({cut} files), checked on {check_cap.rows} tokens ({len(texts) - cut} files)")
     for d, r in report.items():

@@ -146,7 +146,7 @@ class GuessMaps:
     @classmethod
     def load(cls, path: str | Path) -> "GuessMaps":
         """Raises ValueError (one line) for a file that is not a map file."""
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
 
         try:
             with safe_open(str(path), "pt") as f:
@@ -157,7 +157,7 @@ class GuessMaps:
                 for key in f.keys():
                     _, layer, depth, name = key.split(".")
                     parts.setdefault((int(layer), int(depth.removeprefix("depth"))), {})[name] = f.get_tensor(key)
-        except (OSError, json.JSONDecodeError, ValueError) as exc:
+        except (OSError, json.JSONDecodeError, ValueError, KeyError, SafetensorError) as exc:
             if isinstance(exc, ValueError) and str(exc).startswith(str(path)):
                 raise
             raise ValueError(f"{path}: cannot read lookahead maps ({exc})") from None
