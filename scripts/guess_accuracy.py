@@ -16,7 +16,7 @@ trained on). Evaluated on the 8 files the committed routing traces cover (data/t
 first 1024 tokens each; the captured routing is compared with those traces); the corrections
 are fitted on other test-split files (first 1024 tokens each, --fit-tokens in all).
 
-    OMP_NUM_THREADS=2 python scripts/guess_accuracy.py --out docs/results/guess_accuracy.json
+    OMP_NUM_THREADS=2 python scripts/guess_accuracy.py --out docs/bench/guess-accuracy-demo.json
 """
 from __future__ import annotations
 
@@ -145,7 +145,7 @@ def main(argv=None) -> int:
     p.add_argument("--ranks", default="4,8,16", help="low ranks of the fitted correction to measure too")
     p.add_argument("--hidden-alpha", type=float, default=0.1)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--out", default=str(ROOT / "docs" / "results" / "guess_accuracy.json"))
+    p.add_argument("--out", default=str(ROOT / "docs" / "bench" / "guess-accuracy-demo.json"))
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     command = "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:])
