@@ -14,6 +14,7 @@ COMMANDS = {
     "bench": ("moestream.bench.main", "benchmark prefill/decode speed, hit rate and read bandwidth"),
     "ab": ("moestream.bench.ab", "A B B A runs of two commands: ratio B/A, 95 % CI, A-A noise floor"),
     "synth": ("moestream.bench.synth", "write a packed model with random weights in a real model's shapes"),
+    "fit-lookahead": ("moestream.engine.fit_lookahead", "fit the lookahead's per-layer guess correction on text"),
     "simulate": ("moestream.sim.main", "replay routing traces through cache policies"),
     "heatmap": ("moestream.bench.heatmap", "plot the expert hit rate per layer of a receipt or bench JSON"),
 }
@@ -23,7 +24,7 @@ def usage() -> str:
     lines = ["usage: moestream <command> [options]   (moestream <command> --help for each)", "", "commands:"]
     for name, (module, text) in COMMANDS.items():
         if importlib.util.find_spec(module) is not None:
-            lines.append(f"  {name:<10} {text}")
+            lines.append(f"  {name:<13} {text}")
     return "\n".join(lines)
 
 

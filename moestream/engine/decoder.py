@@ -69,12 +69,14 @@ class _Routed:
 
 class Decoder:
     def __init__(self, model, cache: KVCache | list[KVCache], experts: RoutedExperts, *, graphs: bool = True,
-                 lookahead=None):
+                 lookahead=None, maps=None):
         """cache: one KV cache, or one per sequence slot (a step's rows may come from several).
         lookahead: a moestream.experts.predict.Lookahead, or None: streamed one-token steps then
-        guess the next MoE layers' experts on the device and start their copies early."""
+        guess the next MoE layers' experts on the device and start their copies early.
+        maps: moestream.experts.guess_maps.GuessMaps (on the model's device) that correct those guesses."""
         self.caches = list(cache) if isinstance(cache, (list, tuple)) else [cache]
         self.model, self.cache, self.experts, self.lookahead = model, self.caches[0], experts, lookahead
+        self.maps = maps
         dev, dtype = model.device, model.dtype
         self.cuda = dev.type == "cuda"
         self.use_graphs = graphs and self.cuda
@@ -133,7 +135,8 @@ class Decoder:
         guesses = None
         if self.ahead.get(i) and not self.experts.device_driven:  # the later layers' routers on this input (top-k of logits)
             nxt = [self.model.layers[j].ffn for j in self.ahead[i]]
-            guesses = torch.cat([torch.topk(b.router_logits(hn), b.top_k, dim=-1).indices for b in nxt], dim=-1)
+            guesses = torch.cat([torch.topk(self._guess_logits(b, depth, hn), b.top_k, dim=-1).indices
+                                 for depth, b in enumerate(nxt, start=1)], dim=-1)
         outs = {"weights": weights, "ids": ids, "h": h, "hn": hn, "shared": block.shared_out(hn), "guesses": guesses}
         owner = r.owner[t]
         if owner is None or owner == slot:
@@ -143,6 +146,10 @@ class Decoder:
             for name, value in outs.items():
                 if value is not None:
                     getattr(r, name)[t].copy_(value)
+
+    def _guess_logits(self, block: MoEBlock, depth: int, hn: torch.Tensor) -> torch.Tensor:
+        """block's router logits guessed from an expert input `depth` MoE layers earlier (fixed-shape ops)."""
+        return block.router_logits(hn) if self.maps is None else self.maps.logits(block, depth, hn)
 
     def _experts(self, i: int, T: int) -> None:
         r, block = self.routed[i], self.model.layers[i].ffn

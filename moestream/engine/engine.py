@@ -115,7 +115,9 @@ class Engine:
                                                               dtype=self.dtype)
             # CPU: a hook after each layer's fetch; CUDA: the decoder guesses on the device (Lookahead)
             cpu = self.device.type == "cpu"
-            self.prefetcher = attach(self.model, self.experts, self.provider, options.prefetch if cpu else "none")
+            self.guess_maps = self._load_guess_maps(packed, options) if options.prefetch != "none" else None
+            self.prefetcher = attach(self.model, self.experts, self.provider, options.prefetch if cpu else "none",
+                                     maps=self.guess_maps)
             lookahead = None if cpu or options.prefetch == "none" else \
                 Lookahead(self.provider, depth=2 if options.prefetch == "two-layers" else 1)
             self.tokenizer = load_tokenizer(packed.directory, packed.config)
@@ -128,12 +130,42 @@ class Engine:
         self.caches = [KVCache.for_layout(self.args.kv_layout(), self.max_context, dtype=self.dtype, device=self.device)
                        for _ in range(options.max_sequences)]
         self._open = {0}  # slot 0, the default sequence, is open from the start
-        self.decoder = Decoder(self.model, self.caches, self.experts, graphs=options.cuda_graphs, lookahead=lookahead)
+        self.decoder = Decoder(self.model, self.caches, self.experts, graphs=options.cuda_graphs, lookahead=lookahead,
+                               maps=self.guess_maps)
         self._resident_checked = False
         self._position = 0  # first position of the chunk being run (for routing traces)
         self.trace = None
         if options.trace_routing:
             self._start_trace()
+
+    def _load_guess_maps(self, packed: PackedModel, options: EngineOptions):
+        """The lookahead's fitted corrections (moestream fit-lookahead) on the device, or None."""
+        from moestream.experts.guess_maps import GuessMaps, manifest_digest, maps_path
+        from moestream.layers.moe import MoEBlock
+
+        path = maps_path(packed.directory, options.lookahead_maps)
+        if path is None:
+            return None
+        if not path.is_file():
+            raise MoestreamError(f"lookahead maps {path}: no such file")
+        try:
+            maps = GuessMaps.load(path)
+            maps.check([layer.ffn for layer in self.model.layers if isinstance(layer.ffn, MoEBlock)],
+                       self.args.hidden_size)
+        except ValueError as exc:
+            raise MoestreamError(str(exc)) from None
+        fitted_for = maps.meta.get("model_manifest_sha256")
+        if fitted_for is not None and fitted_for != manifest_digest(packed.directory):
+            raise MoestreamError(f"lookahead maps {path} were fitted for another model (its moestream.json differs)")
+        log.info("lookahead maps: %s (%d maps, %d bytes)", path, len(maps.maps), maps.nbytes)
+        return maps.to(self.device)
+
+    @property
+    def lookahead(self):
+        """The Lookahead scoring this engine's guesses (the decoder's on CUDA, the prefetcher's on the CPU), or None."""
+        if self.decoder.lookahead is not None:
+            return self.decoder.lookahead
+        return self.prefetcher.lookahead if self.prefetcher is not None else None
 
     def _share_with_cpu(self, options: EngineOptions) -> None:
         """--cpu-experts: the CPU computes a share of each streamed layer's misses from host RAM,
@@ -504,7 +536,7 @@ class Engine:
                                      parallel=self.parallel_stats(before, after),
                                      device=str(self.device), model=self.model_name,
                                      threads=torch.get_num_threads(), verify=self.options.verify,
-                                     lookahead=self.decoder.lookahead.stats() if self.decoder.lookahead else {},
+                                     lookahead=self.lookahead.stats() if self.lookahead else {},
                                      speculative=state["speculative"].to_json() if "speculative" in state else None)
             return GenerationResult(list(state["tokens"]), state["finish"], receipt)
 

@@ -29,6 +29,9 @@ class EngineOptions:
     host_cache_policy: str = "clock"
     streaming: str = "auto"  # who looks up a streamed layer's experts: the device (auto where it can) or the host
     prefetch: str = "next-layer"  # start loading the next MoE layer(s)' likely experts early (one-token steps)
+    # the lookahead's fitted correction (moestream fit-lookahead): auto (MODEL/lookahead.safetensors where it
+    # exists), none, or a file
+    lookahead_maps: str = "auto"
     memory_budget: str | None = None
     verify: bool = True  # crc32 of every expert record read, sha256 of the resident files at load
     verify_cache_dir: str | None = None  # where resident files' digests are remembered; None: ~/.cache/moestream
@@ -91,6 +94,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="next-layer (default): while a layer computes, start copying the experts the next MoE layer's "
                         "router picks for the current hidden state; two-layers: also the one after (CUDA); copies "
                         "for a layer whose guesses prove wrong stop (accuracy per layer in the receipt); none: on demand only")
+    c.add_argument("--lookahead-maps", type=maps_arg, default="auto", metavar="auto|none|FILE",
+                   help="fitted corrections of the lookahead's guesses (moestream fit-lookahead): auto (default: "
+                        "MODEL/lookahead.safetensors where it exists), none (the plain routers), or a file; they "
+                        "change which copies start early, never the output")
     c.add_argument("--memory-budget", default=None, metavar="SIZE", help="size everything to fit SIZE of device memory; refuse if impossible")
     c.add_argument("--no-verify", dest="verify", action="store_false",
                    help="skip the integrity checks (on by default: each expert record's crc32 as it is read, the "
@@ -103,6 +110,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--cpu-experts-timeout", type=positive_float, default=1.0, metavar="SECONDS",
                    help="a layer waits this long for its CPU share, then computes those experts on the device (default 1)")
     c.add_argument("--trace-routing", default=None, metavar="FILE", help="record (layer, position, experts) of every token to FILE (.npz)")
+
+
+def maps_arg(text: str) -> str:
+    """--lookahead-maps: auto, none or an existing file."""
+    if text not in ("auto", "none") and not os.path.isfile(text):
+        raise argparse.ArgumentTypeError(f"no such file: {text}")
+    return text
 
 
 def cpu_share_arg(text: str) -> str:

@@ -32,7 +32,7 @@ class Receipt(Mapping):
     model: str = ""
     threads: int = 0  # CPU compute threads
     verify: bool = True  # records and resident files checked against the manifest
-    lookahead: dict = field(default_factory=dict)  # CUDA guesses of later layers' experts: accuracy per layer
+    lookahead: dict = field(default_factory=dict)  # guesses of later layers' experts: accuracy per layer and depth
     speculative: dict | None = None  # drafter, drafted, accepted, accept_rate, tokens_per_step (None: off)
     # expert parallel: world_size, placement, and per rank its hit rate, bytes read and time in
     # collectives (None: one process; the figures above are then this rank's own)

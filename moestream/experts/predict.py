@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from moestream.experts.guess_maps import GuessMaps
 from moestream.layers.experts import ExpertProvider, RoutedExperts
 from moestream.layers.moe import MoEBlock
 
@@ -18,27 +19,38 @@ MODES = ("next-layer", "two-layers", "none")  # two-layers: CUDA guesses two MoE
 
 
 class NextLayerPrefetcher:
-    def __init__(self, blocks: list[MoEBlock], provider):
-        self.provider = provider
+    """The CPU lookahead: a hook after each layer's fetch (`RoutedExperts.after_fetch`). Its guesses
+    go through a Lookahead that scores them (the receipt's `lookahead`) and copies every one."""
+
+    def __init__(self, blocks: list[MoEBlock], provider, *, maps: GuessMaps | None = None):
+        self.provider, self.maps = provider, maps
         self.next = {a.layer: b for a, b in zip(blocks, blocks[1:])}  # MoE layer -> the next MoE block
+        self.lookahead = Lookahead(provider, depth=1, min_accuracy=0.0)
 
-    def __call__(self, layer: int, x: torch.Tensor) -> None:
-        nxt = self.next.get(layer)
-        if nxt is None or x.shape[0] != 1:
+    def __call__(self, layer: int, x: torch.Tensor, chosen: list[int] | None = None) -> None:
+        if x.shape[0] != 1:
             return
-        logits = nxt.router_logits(x)  # softmax keeps the order: the top-k of the logits is the router's
+        if chosen is not None:
+            self.lookahead.score(layer, chosen)
+        nxt = self.next.get(layer)
+        if nxt is None:
+            return
+        # softmax keeps the order: the top-k of the logits is the router's
+        logits = self.maps.logits(nxt, 1, x) if self.maps is not None else nxt.router_logits(x)
         ids = torch.topk(logits, nxt.top_k, dim=-1).indices.view(-1).tolist()
-        self.provider.prefetch(nxt.layer, sorted(ids))
+        self.lookahead.guess(nxt.layer, 1, ids)
 
 
-def attach(model, experts: RoutedExperts, provider: ExpertProvider, mode: str) -> NextLayerPrefetcher | None:
-    """Hook a predictor into the model's routed experts (mode "next-layer"), or none ("none")."""
+def attach(model, experts: RoutedExperts, provider: ExpertProvider, mode: str, *,
+           maps: GuessMaps | None = None) -> NextLayerPrefetcher | None:
+    """Hook a predictor into the model's routed experts (mode "next-layer"), or none ("none");
+    `maps` (fitted corrections, moestream.experts.guess_maps) improve its guesses."""
     if mode not in MODES:
         raise ValueError(f"prefetch mode {mode!r} (choose from {', '.join(MODES)})")
     if mode == "none":
         return None
     blocks = [layer.ffn for layer in model.layers if isinstance(layer.ffn, MoEBlock)]
-    predictor = NextLayerPrefetcher(blocks, provider)
+    predictor = NextLayerPrefetcher(blocks, provider, maps=maps)
     experts.after_fetch = predictor
     return predictor
 

@@ -184,10 +184,11 @@ class RoutedExperts:
         self.cpu = None  # a moestream.layers.cpu_share.CpuShare: the CPU computes some misses
         self._cpu_jobs: dict = {}  # layer -> its CpuJob between `load` and `join_cpu`
         self._cpu_rows: dict = {}  # (pairs, H) -> (device float32 rows the plans take, host staging)
-        # hooks: on_route(layer, ids) sees every layer's chosen ids (traces); after_fetch(layer, x)
-        # runs once a layer's experts are pinned (early reads for later layers start there)
+        # hooks: on_route(layer, ids) sees every layer's chosen ids (traces); after_fetch(layer, x,
+        # chosen) runs once a layer's experts are pinned (early reads for later layers start there;
+        # chosen: the distinct experts the layer routed to, to score earlier guesses)
         self.on_route: Callable[[int, torch.Tensor], None] | None = None
-        self.after_fetch: Callable[[int, torch.Tensor], None] | None = None
+        self.after_fetch: Callable[[int, torch.Tensor, list[int]], None] | None = None
         # benchmarks only (moestream.bench.routing): (layer, weights, ids) -> replaced weights, ids
         self.reroute: Callable | None = None
 
@@ -254,17 +255,17 @@ class RoutedExperts:
             plan.run_table(pool, table)
             self.provider.count_resident(layer, ids)
             return plan.finish(residual)
-        experts = torch.unique(ids).tolist()  # sorted
+        experts = chosen = torch.unique(ids).tolist()  # sorted
         if self.parallel is not None:  # this rank's share; the plan's finish brings the others' rows
             experts = self.parallel.mine(layer, experts)
             if not experts and self.after_fetch is not None:
-                self.after_fetch(layer, x)
+                self.after_fetch(layer, x, chosen)
         limit = max(1, self.provider.batch_limit(layer))
         for i in range(0, len(experts), limit):
             batch = experts[i:i + limit]
             self.provider.fetch(layer, batch, views=False)
             if i == 0 and self.after_fetch is not None:
-                self.after_fetch(layer, x)
+                self.after_fetch(layer, x, chosen)
             try:
                 plan.run(pool, batch, self.provider.slots_of(layer, batch))
             finally:  # a victim slot is rewritten only after the work queued above (stream order)
@@ -350,7 +351,7 @@ class RoutedExperts:
         computes the layer eagerly (`__call__`), in batches. With a CPU share (and x, weights
         given), the CPU starts on its misses first; they are not loaded, and `join_cpu` finishes
         the table."""
-        experts = sorted(set(ids_host))
+        experts = chosen = sorted(set(ids_host))
         if self.parallel is not None:
             experts = self.parallel.mine(layer, experts)
         if len(experts) > self.provider.batch_limit(layer):
@@ -368,7 +369,7 @@ class RoutedExperts:
         if clock is not None:
             clock(self.provider.host_bytes_copied - copied)
         if self.after_fetch is not None and x is not None:
-            self.after_fetch(layer, x)
+            self.after_fetch(layer, x, chosen)
         slots = self.provider.slots_of(layer, experts)
         # the previous step's copy from this host table was queued before the ids just read, so it is done
         host = self._host_tables[layer]

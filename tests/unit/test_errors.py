@@ -14,13 +14,14 @@ from moestream.bench.main import main as bench_main
 from moestream.convert.main import main as convert_main
 from moestream.convert.pull import main as pull_main
 from moestream.engine.cli import main as generate_main
+from moestream.engine.fit_lookahead import main as fit_lookahead_main
 from moestream.server.main import main as serve_main
 from moestream.sim.main import main as simulate_main
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "ERRORS.md"
 MAINS = {"generate": generate_main, "serve": serve_main, "bench": bench_main, "convert": convert_main,
          "pull": pull_main, "simulate": simulate_main,
-         "ab": ab_main, "heatmap": heatmap_main}
+         "ab": ab_main, "heatmap": heatmap_main, "fit-lookahead": fit_lookahead_main}
 
 # (command, arguments, exit code, the exact stderr line); {missing}, {port}, {file}, {trace} are
 # filled in per run and shown as such in the document
@@ -60,6 +61,8 @@ CASES = [
      "moestream generate: error: argument --cpu-experts-timeout: must be more than 0, not 0"),
     ("generate", "--devices cpu,cpu --cpu-experts auto", 2,
      "moestream generate: error: argument --cpu-experts: not with expert parallelism (--devices, torchrun)"),
+    ("generate", "--lookahead-maps {missing}/m.safetensors", 2,
+     "moestream generate: error: argument --lookahead-maps: no such file: {missing}/m.safetensors"),
     ("bench", "--cpu-experts fast", 2,
      "moestream bench: error: argument --cpu-experts: 'fast' is not off, auto or a share between 0 and 1"),
     ("bench", "--out {missing}/b.json", 2, "moestream bench: error: argument --out: the folder {missing} does not exist"),
@@ -85,6 +88,11 @@ CASES = [
      "moestream simulate: error: argument --sizes: '0%': a share must be more than 0% and at most 100%"),
     ("simulate", "{trace} --sizes 10%,-4", 2,
      "moestream simulate: error: argument --sizes: '-4': a slot count must be at least 1"),
+    ("fit-lookahead", "{missing}", 2,
+     "moestream fit-lookahead: error: argument MODEL: {missing} is not a packed model (no moestream.json)"),
+    ("fit-lookahead", "{missing} --rank -1", 2, "moestream fit-lookahead: error: argument --rank: must be at least 0, not -1"),
+    ("fit-lookahead", "{missing} --check-share 1.5", 2,
+     "moestream fit-lookahead: error: argument --check-share: must be between 0 and 1, not 1.5"),
     ("heatmap", "{file} {missing}/h.png", 2, "moestream heatmap: error: argument OUT: the folder {missing} does not exist"),
     ("heatmap", "{file} heat.png", 1, "moestream heatmap: error: {file}: not JSON (give a receipt or a bench JSON)"),
 ]
