@@ -5,7 +5,6 @@ or as its event stream (response.created, output items, text and function-argume
 response.completed). Translated into a chat request: the same template, grammar and queue."""
 from __future__ import annotations
 
-import json
 import time
 from typing import Any, AsyncIterator, Awaitable, Callable
 
