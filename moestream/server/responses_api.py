@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, Response
 
 from moestream.server.chat_api import start_chat
 from moestream.server.generation import JobStream, Runtime, Submitted, events, wait_whole
-from moestream.server.protocol import ChatCompletionRequest, invalid, parse_request, unsupported
+from moestream.server.protocol import APIError, ChatCompletionRequest, invalid, parse_request, unsupported
 from moestream.server.render import named_sse
 from moestream.server.tools import ParsedCall, ToolCallParser, parse_tool_calls
 from moestream.server.worker import Failed, Finished, Started, TextDelta
@@ -165,11 +165,29 @@ def _response(sub: Submitted, req: ChatCompletionRequest, status: str, output: l
             "tool_choice": choice, "tools": tools, "error": None, "usage": usage}
 
 
+def _responses_param(param: str | None) -> str | None:
+    """A chat field's name as the Responses request spells it (messages do not map one to one)."""
+    if param is None:
+        return None
+    for chat, ours in (("max_tokens", "max_output_tokens"), ("response_format", "text.format"), ("messages", "input")):
+        if param == chat or param.startswith(chat + ".") or param.startswith(chat + "["):
+            return ours if chat == "messages" else ours + param[len(chat):]
+    return param
+
+
 def register(router: APIRouter, rt: Runtime, read_json: ReadJSON) -> None:
     @router.post("/responses")
     async def responses(request: Request) -> Response:
-        req = parse_request(ChatCompletionRequest, to_chat(await read_json(request)))
-        sub = await start_chat(rt, request, req)
+        body = to_chat(await read_json(request))
+        try:
+            req = parse_request(ChatCompletionRequest, body)
+            sub = await start_chat(rt, request, req)
+        except APIError as exc:
+            renamed = _responses_param(exc.param)
+            if renamed != exc.param:
+                exc.message = exc.message.replace(f"'{exc.param}'", f"'{renamed}'")
+                exc.param = renamed
+            raise
         created = int(time.time())
         if req.stream:
             return JobStream(sub.job, _stream(sub, req, created))

@@ -138,6 +138,12 @@ def test_responses_refusals(sdk):
                              tool_choice={"type": "function", "name": "missing"})
     with pytest.raises(openai.BadRequestError):
         sdk.responses.create(model=MODEL_ID, input=[{"type": "reasoning", "summary": []}])
+    with pytest.raises(openai.BadRequestError) as info:  # named as the Responses API names it
+        sdk.responses.create(model=MODEL_ID, input="x", max_output_tokens=-1)
+    assert info.value.body["param"] == "max_output_tokens" and "'max_output_tokens'" in info.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as info:
+        sdk.responses.create(model=MODEL_ID, input="x", text={"format": {"type": "xml"}})
+    assert info.value.body["param"].startswith("text.format")
 
 
 # ------------------------------------------------------------------------- chat: the SDK helpers
