@@ -15,7 +15,7 @@ from moestream.server.chat_api import start_chat
 from moestream.server.generation import JobStream, Runtime, Submitted, events, wait_whole
 from moestream.server.protocol import APIError, ChatCompletionRequest, invalid, parse_request, unsupported
 from moestream.server.render import named_sse
-from moestream.server.tools import ParsedCall, ToolCallParser, parse_tool_calls
+from moestream.server.tools import ParsedCall, ToolCallParser
 from moestream.server.worker import Failed, Finished, Started, TextDelta
 
 ReadJSON = Callable[[Request], Awaitable[Any]]
@@ -106,6 +106,10 @@ def _text_format(body: dict, out: dict) -> None:
 def to_chat(body: Any) -> dict:
     if not isinstance(body, dict):
         raise invalid("The request body must be a JSON object.", code="invalid_type")
+    for name in ("previous_response_id", "conversation"):  # nothing is stored: a reply without them would mislead
+        if body.get(name) is not None:
+            raise unsupported(f"{name} is not supported (this server stores no responses): send the whole "
+                              "conversation as input.", name)
     messages: list[dict] = []
     if body.get("instructions") is not None:
         if not isinstance(body["instructions"], str):
@@ -194,11 +198,30 @@ def register(router: APIRouter, rt: Runtime, read_json: ReadJSON) -> None:
         end = await wait_whole(request, sub, "input")
         if end is None:
             return Response(status_code=499)
-        text = sub.sink.text(0)
-        content, calls = parse_tool_calls(text) if sub.extra["parse_tools"] else (text, [])
-        output = [_message("msg_" + sub.meta["id"].split("-", 1)[1], content)] if content or not calls else []
-        output += [_function_call(c) for c in calls]
+        output = _output_items(sub.sink.text(0), sub.extra["parse_tools"], "msg_" + sub.meta["id"].split("-", 1)[1])
         return JSONResponse(_response(sub, req, "completed", output, end, created))
+
+
+def _output_items(text: str, parse_tools: bool, base_id: str) -> list[dict]:
+    """The reply's output items in the order the stream sends them (text around calls kept)."""
+    parser = ToolCallParser() if parse_tools else None
+    parts = parser.feed(text) + parser.finish() if parser else [text]
+    output: list[dict] = []
+    pending: list[str] = []
+
+    def flush() -> None:
+        if pending:
+            output.append(_message(base_id if not output else f"{base_id}_{len(output)}", "".join(pending)))
+            pending.clear()
+
+    for part in parts:
+        if isinstance(part, str):
+            pending += [part] if part else []
+        else:
+            flush()
+            output.append(_function_call(part))
+    flush()
+    return output or [_message(base_id, "")]
 
 
 async def _stream(sub: Submitted, req: ChatCompletionRequest, created: int) -> AsyncIterator[str]:

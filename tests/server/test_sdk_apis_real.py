@@ -73,23 +73,28 @@ def test_responses_required_tool_call(sdk):
     assert [t.name for t in out.tools] == ["lookup", "noop"]
 
 
-def test_responses_named_tool_streamed_equals_whole(sdk):
+@pytest.mark.parametrize("one_call", [True, False])
+def test_responses_named_tool_streamed_equals_whole(sdk, one_call):
+    # parallel calls from a random model go on until max_output_tokens cuts one: the items keep
+    # their order (the cut call stays text, last), whole and streamed alike
     kw = dict(model=MODEL_ID, input=QUESTION, tools=RESPONSES_TOOLS, tool_choice={"type": "function", "name": "lookup"},
-              parallel_tool_calls=False, max_output_tokens=200, temperature=0)
+              parallel_tool_calls=not one_call, max_output_tokens=200, temperature=0)
     whole = sdk.responses.create(**kw)
-    (call,) = [item for item in whole.output if item.type == "function_call"]
-    assert call.name == "lookup" and valid_lookup(json.loads(call.arguments))
+    call = [item for item in whole.output if item.type == "function_call"][0]
+    assert whole.output[0] == call and call.name == "lookup" and valid_lookup(json.loads(call.arguments))
+    assert whole.status == ("completed" if one_call else "incomplete")
     events = list(sdk.responses.create(stream=True, **kw))
     kinds = [e.type for e in events]
     assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
     deltas = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
-    (done,) = [e for e in events if e.type == "response.function_call_arguments.done"]
-    assert deltas == done.arguments == call.arguments
+    done = [e.arguments for e in events if e.type == "response.function_call_arguments.done"]
+    calls = [i.arguments for i in whole.output if i.type == "function_call"]
+    assert deltas == "".join(done) and done == calls
     added = [e.item for e in events if e.type == "response.output_item.added" and e.item.type == "function_call"]
-    assert [a.name for a in added] == ["lookup"]
+    assert [a.name for a in added] == ["lookup"] * len(calls)
     final = events[-1].response
-    assert [(i.type, getattr(i, "arguments", None)) for i in final.output] == \
-        [(i.type, getattr(i, "arguments", None)) for i in whole.output]
+    assert [(i.type, getattr(i, "arguments", None), getattr(i, "content", None)) for i in final.output] == \
+        [(i.type, getattr(i, "arguments", None), getattr(i, "content", None)) for i in whole.output]
     assert [e.sequence_number for e in events] == list(range(len(events)))
 
 
@@ -138,6 +143,9 @@ def test_responses_refusals(sdk):
                              tool_choice={"type": "function", "name": "missing"})
     with pytest.raises(openai.BadRequestError):
         sdk.responses.create(model=MODEL_ID, input=[{"type": "reasoning", "summary": []}])
+    with pytest.raises(openai.BadRequestError) as info:  # nothing is stored to continue from
+        sdk.responses.create(model=MODEL_ID, input="x", previous_response_id="resp_123")
+    assert info.value.body["param"] == "previous_response_id"
     with pytest.raises(openai.BadRequestError) as info:  # named as the Responses API names it
         sdk.responses.create(model=MODEL_ID, input="x", max_output_tokens=-1)
     assert info.value.body["param"] == "max_output_tokens" and "'max_output_tokens'" in info.value.body["message"]
