@@ -100,6 +100,7 @@ def test_lm_eval_harness(real, engine, model_dir, tmp_path, monkeypatch):
     lm_eval = pytest.importorskip("lm_eval")  # heavy; CI installs it (requirements-ci.txt)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # caches stay in the test's folder
     from lm_eval.api.registry import get_model
     from lm_eval.tasks import TaskManager
 
@@ -108,7 +109,7 @@ def test_lm_eval_harness(real, engine, model_dir, tmp_path, monkeypatch):
     (tmp_path / "tiny_choice.yaml").write_text(
         "task: tiny_choice\n"
         "dataset_path: json\n"
-        f"dataset_kwargs:\n  data_files:\n    test: {data}\n"
+        f"dataset_kwargs:\n  cache_dir: {tmp_path / 'datasets'}\n  data_files:\n    test: {data}\n"
         "test_split: test\n"
         "output_type: multiple_choice\n"
         'doc_to_text: "{{question}}"\n'
