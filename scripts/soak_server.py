@@ -2,16 +2,19 @@
 """Soak `moestream serve`: many clients for a bounded time, some leaving mid-stream.
 
     python scripts/soak_server.py --fake --clients 16 --seconds 60
+    python scripts/soak_server.py --demo --parallel 8 --clients 64 --seconds 600 --max-queue 64 --device cpu
     python scripts/soak_server.py --model DIR --clients 16 --seconds 60 [--device cpu]
     python scripts/soak_server.py --url http://127.0.0.1:8080 --pid PID
 
-It starts the server itself (the fake engine from tests/server, or the real one on --model) on a
-free loopback port, unless --url points at one already running. Every prompt's greedy reply is
-fetched once first; during the soak every reply, whole or streamed, must equal its prompt's
-reply (nothing lost, cut or mixed up), streams must be well formed, a client that leaves early
-must have seen a prefix of its reply, and no answer may be a 5xx other than 503 server_busy. The
-server's RSS is sampled each second and must stay flat. After the soak the queue must drain and
-the server must stop on SIGTERM with exit status 0. Prints a JSON summary; exits 1 on any failure.
+It starts the server itself (the fake engine from tests/server, the demo model, or the model on
+--model) on a free loopback port, unless --url points at one already running. Every prompt's
+greedy reply is fetched once first; during the soak every reply, whole or streamed, must equal its
+prompt's reply (nothing lost, cut or mixed up), streams must be well formed, a client that leaves
+early must have seen a prefix of its reply, and no answer may be a 5xx other than 503
+server_busy. The server's RSS is sampled each second and must stay flat. After the soak the queue
+must drain, a client that leaves a long stream must leave the engine idle within --idle-limit
+seconds (measured a few times, on the otherwise idle server), and the server must stop on SIGTERM
+with exit status 0. Prints a JSON summary; exits 1 on any failure.
 """
 from __future__ import annotations
 
@@ -57,11 +60,13 @@ class Tally:
 
 
 def start_server(args) -> tuple[subprocess.Popen, str]:
-    if args.fake:
+    if args.fake:  # the fake engine has no sequence slots: one generation at a time
         cmd = [sys.executable, str(REPO / "tests" / "server" / "fake_server.py"), "--token-delay",
                str(args.token_delay), "--eos-every", "0"]
     else:
-        cmd = [sys.executable, "-m", "moestream", "serve", "--model", args.model, *args.engine_flags]
+        model = ["--model", args.model] if args.model else []  # none: the demo model
+        cmd = [sys.executable, "-m", "moestream", "serve", *model, "--parallel", str(args.parallel),
+               *args.engine_flags]
     cmd += ["--host", "127.0.0.1", "--port", "0", "--max-queue", str(args.max_queue), "--log-level", "warning"]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     line = proc.stdout.readline()
@@ -98,6 +103,8 @@ def whole_request(client: httpx.Client, url: str, prompt: str, args) -> dict:
 def check_status(status: int, payload, headers, tally: Tally, what: str) -> bool:
     if status == 200:
         return True
+    if status >= 500 and not (status == 503 and payload and payload.get("error", {}).get("code") == "server_busy"):
+        tally.count("status_5xx")
     if status == 503 and payload and payload.get("error", {}).get("code") == "server_busy":
         retry = int(headers.get("retry-after", "0"))
         if not 1 <= retry <= 10:
@@ -125,6 +132,7 @@ def client_loop(index: int, url: str, prompts: list[str], reference: dict, args,
                         continue
                     text = r["json"]["choices"][0]["message"]["content"]
                     if text != expected["text"]:
+                        tally.count("mixed")
                         tally.fail(f"whole reply differs for prompt {prompt!r}")
                     if r["json"]["usage"]["completion_tokens"] != expected["tokens"]:
                         tally.fail("whole reply: wrong completion_tokens")
@@ -133,6 +141,7 @@ def client_loop(index: int, url: str, prompts: list[str], reference: dict, args,
                 else:
                     stream_request(client, url, prompt, expected, args, leave, rng, tally)
             except httpx.HTTPError as exc:
+                tally.count("lost")
                 tally.fail(f"transport error: {type(exc).__name__}: {exc}")
             with tally.lock:
                 tally.latencies.append(time.monotonic() - started)
@@ -155,6 +164,7 @@ def stream_request(client, url, prompt, expected, args, leave, rng, tally) -> No
                 break
             chunk = json.loads(data)
             if "error" in chunk:
+                tally.count("lost")
                 tally.fail(f"stream error event: {chunk['error']}")
                 return
             ids.add(chunk["id"])
@@ -167,16 +177,41 @@ def stream_request(client, url, prompt, expected, args, leave, rng, tally) -> No
                 break  # leave mid-stream: closing the response drops the connection
     if stop_after is not None and not done:
         if not expected["text"].startswith(text):
+            tally.count("mixed")
             tally.fail(f"an abandoned stream's text is not a prefix of its reply ({prompt!r})")
         tally.count("left_mid_stream")
         return
     if not done or len(finishes) != 1 or len(ids) != 1:
+        tally.count("lost")
         tally.fail(f"malformed stream: done={done} finishes={finishes} ids={len(ids)}")
     elif text != expected["text"]:
+        tally.count("mixed")
         tally.fail(f"streamed reply differs for prompt {prompt!r}")
     else:
         tally.count("stream_ok")
         tally.add_tokens(expected["tokens"])
+
+
+def idle_after_disconnect(url: str, args) -> float:
+    """Seconds from a client leaving a long stream until the server runs and queues nothing."""
+    body = {**body_for("Count slowly from one to one thousand.", args, True), "max_tokens": args.probe_tokens}
+    with httpx.Client(timeout=120) as client:
+        with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+            if r.status_code != 200:
+                raise RuntimeError(f"status {r.status_code}")
+            events = 0
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events += 1
+                    if events >= 3:
+                        break
+        left = time.monotonic()  # the response is closed: the connection is gone
+        while time.monotonic() - left < 10:
+            queue = client.get(url + "/health").json()["queue"]
+            if queue["waiting"] == 0 and queue["running"] == 0 and not queue["busy"]:
+                return time.monotonic() - left
+            time.sleep(0.01)
+    return float("inf")
 
 
 def sample_rss(pid: int | None, samples: list, stop: threading.Event) -> None:
@@ -196,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     where = parser.add_mutually_exclusive_group(required=True)
     where.add_argument("--fake", action="store_true", help="start a server around the test suite's fake engine")
     where.add_argument("--model", help="start `moestream serve --model DIR`")
+    where.add_argument("--demo", action="store_true", help="start `moestream serve` on the built-in demo model")
     where.add_argument("--url", help="soak a server that is already running (loopback only)")
     parser.add_argument("--pid", type=int, help="with --url: the server's pid, to watch its RSS")
     parser.add_argument("--clients", type=int, default=16)
@@ -203,14 +239,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", type=int, default=24, help="distinct prompts")
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--max-queue", type=int, default=16, help="for a server this script starts")
+    parser.add_argument("--parallel", type=int, default=1, help="--demo/--model: requests generated together")
+    parser.add_argument("--idle-probes", type=int, default=5, help="disconnect probes after the soak")
+    parser.add_argument("--idle-limit", type=float, default=1.0,
+                        help="seconds the engine may take to be idle after a client leaves")
+    parser.add_argument("--probe-tokens", type=int, default=1000, help="max_tokens of a disconnect probe")
     parser.add_argument("--token-delay", type=float, default=0.002, help="--fake: seconds per token")
     parser.add_argument("--disconnect-fraction", type=float, default=0.25,
                         help="share of streams the client leaves after a few events")
     parser.add_argument("--rss-growth-mb", type=float, default=25.0, help="most RSS growth allowed")
+    parser.add_argument("--rss-every", type=float, default=30.0, help="seconds between RSS timeline points")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--json", type=Path, help="also write the summary here")
     args, engine_flags = parser.parse_known_args(argv)
     args.engine_flags = engine_flags  # e.g. --device cpu, passed to `moestream serve`
+    if engine_flags and (args.fake or args.url):
+        parser.error(f"unrecognized arguments: {' '.join(engine_flags)}")
     if args.url and not re.match(r"https?://(127\.\d+\.\d+\.\d+|localhost|\[::1\])(:\d+)?/?$", args.url):
         parser.error("--url must be a loopback address")
 
@@ -260,15 +304,29 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(0.1)
         if not drained:
             tally.fail("the queue did not drain after the soak")
+        idle = []
+        for _ in range(args.idle_probes if drained else 0):
+            try:
+                idle.append(idle_after_disconnect(url, args))
+            except (httpx.HTTPError, RuntimeError) as exc:
+                tally.fail(f"disconnect probe: {type(exc).__name__}: {exc}")
+        if idle and max(idle) > args.idle_limit:
+            tally.fail(f"the engine took {max(idle):.2f} s to be idle after a client left")
 
         summary = {
+            "server": "fake engine" if args.fake else (args.model or "demo model") if not args.url else args.url,
+            "parallel": None if args.url else 1 if args.fake else args.parallel,
+            "max_queue": None if args.url else args.max_queue, "max_tokens": args.max_tokens,
             "clients": args.clients, "seconds": round(elapsed, 1), "requests": len(tally.latencies),
             **tally.counts, "completion_tokens": tally.tokens,
             "tokens_per_second": round(tally.tokens / elapsed, 1),
             "latency_p50_s": round(statistics.median(tally.latencies), 3) if tally.latencies else None,
             "latency_p95_s": round(sorted(tally.latencies)[int(0.95 * (len(tally.latencies) - 1))], 3)
             if tally.latencies else None,
+            "idle_after_disconnect_s": [round(v, 3) for v in idle],
         }
+        for key in ("lost", "mixed", "status_5xx"):
+            summary.setdefault(key, 0)
         if rss:
             tenth = max(1, len(rss) // 10)
             early = statistics.median(v for _, v in rss[:tenth])
@@ -276,6 +334,13 @@ def main(argv: list[str] | None = None) -> int:
             growth = (late - early) / 2**20
             summary.update(rss_start_mb=round(early / 2**20, 1), rss_end_mb=round(late / 2**20, 1),
                            rss_max_mb=round(max(v for _, v in rss) / 2**20, 1), rss_growth_mb=round(growth, 1))
+            # memory over time: one sample (MB) every --rss-every seconds of the soak
+            t0, timeline, next_t = rss[0][0], [], 0.0
+            for t, v in rss:
+                if t - t0 >= next_t:
+                    timeline.append([round(t - t0), round(v / 2**20, 1)])
+                    next_t += args.rss_every
+            summary["rss_timeline_s_mb"] = timeline
             if growth > args.rss_growth_mb:
                 tally.fail(f"RSS grew by {growth:.1f} MB")
         if proc is not None:
@@ -285,6 +350,7 @@ def main(argv: list[str] | None = None) -> int:
             if code != 0:
                 tally.fail(f"the server exited with {code} after SIGTERM")
             proc = None
+        summary["command"] = "python scripts/soak_server.py " + " ".join(sys.argv[1:] if argv is None else argv)
         summary["failures"] = tally.counts.get("failures", 0)
         summary["failure_examples"] = tally.failures
         text = json.dumps(summary, indent=1)

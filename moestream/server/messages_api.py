@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse, Response
 from moestream.server.generation import JobStream, Runtime, Submitted, events, wait_whole
 from moestream.server.protocol import APIError, ChatCompletionRequest, invalid, parse_request
 from moestream.server.render import named_sse
-from moestream.server.tools import ToolCallParser, parse_tool_calls
+from moestream.server.tools import ToolCallParser
 from moestream.server.worker import Failed, Finished, Started, TextDelta
 
 ReadJSON = Callable[[Request], Awaitable[Any]]
@@ -104,11 +104,30 @@ def to_chat(body: Any) -> dict:
 
 
 def _stop_reason(end: Finished, has_calls: bool) -> tuple[str, Any]:
+    # a reply cut by max_tokens says so even after a call: the last call may be cut too
+    if end.finish_reason == "length":
+        return "max_tokens", None
     if has_calls:
         return "tool_use", None
     if end.stop_string is not None:
         return "stop_sequence", end.stop_string
-    return ("max_tokens", None) if end.finish_reason == "length" else ("end_turn", None)
+    return "end_turn", None
+
+
+def _blocks(text: str, parse_tools: bool) -> list[dict]:
+    """The reply's content blocks in the order the stream sends them (text around calls kept)."""
+    parser = ToolCallParser() if parse_tools else None
+    parts = parser.feed(text) + parser.finish() if parser else [text]
+    blocks: list[dict] = []
+    for part in parts:
+        if isinstance(part, str):
+            if blocks and blocks[-1]["type"] == "text":
+                blocks[-1]["text"] += part
+            elif part:
+                blocks.append({"type": "text", "text": part})
+        else:
+            blocks.append({"type": "tool_use", "id": part.id, "name": part.name, "input": json.loads(part.arguments)})
+    return blocks or [{"type": "text", "text": ""}]
 
 
 def register(router: APIRouter, rt: Runtime, read_json: ReadJSON) -> None:
@@ -126,11 +145,8 @@ def register(router: APIRouter, rt: Runtime, read_json: ReadJSON) -> None:
             return _anthropic_error(exc)
         if end is None:
             return Response(status_code=499)
-        text = sub.sink.text(0)
-        content, calls = parse_tool_calls(text) if sub.extra["parse_tools"] else (text, [])
-        blocks: list[dict] = [{"type": "text", "text": content}] if content or not calls else []
-        blocks += [{"type": "tool_use", "id": c.id, "name": c.name, "input": json.loads(c.arguments)} for c in calls]
-        reason, sequence = _stop_reason(end, bool(calls))
+        blocks = _blocks(sub.sink.text(0), sub.extra["parse_tools"])
+        reason, sequence = _stop_reason(end, any(b["type"] == "tool_use" for b in blocks))
         return JSONResponse({"id": "msg_" + sub.meta["id"].split("-", 1)[1], "type": "message", "role": "assistant",
                              "model": sub.meta["model"], "content": blocks, "stop_reason": reason,
                              "stop_sequence": sequence,

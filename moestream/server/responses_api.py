@@ -1,6 +1,8 @@
-"""OpenAI's Responses API (POST /responses), text in and text out: `input` as a string or a list
-of messages, `instructions` as the system message; the answer whole or as its event stream
-(response.created, output_text deltas, response.completed)."""
+"""OpenAI's Responses API (POST /responses): `input` as a string or a list of items (messages,
+function_call, function_call_output), `instructions` as the system message, function `tools` with
+`tool_choice` and `parallel_tool_calls`, `text.format` as the response format; the answer whole
+or as its event stream (response.created, output items, text and function-argument deltas,
+response.completed). Translated into a chat request: the same template, grammar and queue."""
 from __future__ import annotations
 
 import time
@@ -11,8 +13,9 @@ from fastapi.responses import JSONResponse, Response
 
 from moestream.server.chat_api import start_chat
 from moestream.server.generation import JobStream, Runtime, Submitted, events, wait_whole
-from moestream.server.protocol import ChatCompletionRequest, invalid, parse_request
+from moestream.server.protocol import APIError, ChatCompletionRequest, invalid, parse_request, unsupported
 from moestream.server.render import named_sse
+from moestream.server.tools import ParsedCall, ToolCallParser
 from moestream.server.worker import Failed, Finished, Started, TextDelta
 
 ReadJSON = Callable[[Request], Awaitable[Any]]
@@ -32,9 +35,81 @@ def _content_text(content: Any, param: str) -> str:
     return "\n".join(texts)
 
 
+def _input_messages(given: list, messages: list[dict]) -> None:
+    for i, item in enumerate(given):
+        param = f"input[{i}]"
+        kind = item.get("type", "message") if isinstance(item, dict) else None
+        if kind == "message" and item.get("role") in ("user", "assistant", "system", "developer"):
+            messages.append({"role": item["role"], "content": _content_text(item.get("content"), f"{param}.content")})
+        elif kind == "function_call":
+            if not isinstance(item.get("name"), str) or not isinstance(item.get("arguments"), str):
+                raise invalid("A function_call item needs a name and arguments (a JSON string).", param)
+            call = {"id": str(item.get("call_id") or ""), "type": "function",
+                    "function": {"name": item["name"], "arguments": item["arguments"]}}
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant" and "tool_calls" in last:
+                last["tool_calls"].append(call)  # calls of one turn stay in one assistant message
+            else:
+                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            messages.append({"role": "tool", "tool_call_id": str(item.get("call_id") or ""),
+                             "content": _content_text(item.get("output"), f"{param}.output")})
+        else:
+            raise invalid("Each input item must be a message with a role, a function_call or a "
+                          "function_call_output.", param)
+
+
+def _tools(body: dict, out: dict) -> None:
+    tools = body.get("tools")
+    if tools is None:
+        return
+    if not isinstance(tools, list):
+        raise invalid("tools must be a list.", "tools")
+    converted = []
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            raise unsupported("Only function tools are supported.", f"tools[{i}]")
+        function = {"name": tool.get("name"), "parameters": tool.get("parameters") or {"type": "object"}}
+        for name in ("description", "strict"):
+            if tool.get(name) is not None:
+                function[name] = tool[name]
+        converted.append({"type": "function", "function": function})
+    out["tools"] = converted
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict):
+        if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+            raise invalid("tool_choice must be 'none', 'auto', 'required' or "
+                          '{"type": "function", "name": ...}.', "tool_choice")
+        out["tool_choice"] = {"type": "function", "function": {"name": choice["name"]}}
+    elif choice is not None:
+        out["tool_choice"] = choice
+    if body.get("parallel_tool_calls") is not None:
+        out["parallel_tool_calls"] = body["parallel_tool_calls"]
+
+
+def _text_format(body: dict, out: dict) -> None:
+    text = body.get("text")
+    if text is None:
+        return
+    fmt = text.get("format") if isinstance(text, dict) else None
+    if fmt is None:
+        return
+    if not isinstance(fmt, dict):
+        raise invalid("text.format must be an object.", "text.format")
+    if fmt.get("type") == "json_schema":
+        schema = {name: fmt[name] for name in ("name", "description", "schema", "strict") if fmt.get(name) is not None}
+        out["response_format"] = {"type": "json_schema", "json_schema": schema}
+    else:
+        out["response_format"] = {"type": fmt.get("type")}
+
+
 def to_chat(body: Any) -> dict:
     if not isinstance(body, dict):
         raise invalid("The request body must be a JSON object.", code="invalid_type")
+    for name in ("previous_response_id", "conversation"):  # nothing is stored: a reply without them would mislead
+        if body.get(name) is not None:
+            raise unsupported(f"{name} is not supported (this server stores no responses): send the whole "
+                              "conversation as input.", name)
     messages: list[dict] = []
     if body.get("instructions") is not None:
         if not isinstance(body["instructions"], str):
@@ -44,25 +119,41 @@ def to_chat(body: Any) -> dict:
     if isinstance(given, str):
         messages.append({"role": "user", "content": given})
     elif isinstance(given, list) and given:
-        for i, item in enumerate(given):
-            if not isinstance(item, dict) or item.get("role") not in ("user", "assistant", "system", "developer"):
-                raise invalid("Each input item must be a message with a role.", f"input[{i}]")
-            messages.append({"role": item["role"], "content": _content_text(item.get("content"), f"input[{i}].content")})
+        _input_messages(given, messages)
     else:
-        raise invalid("input must be a string or a non-empty list of messages.", "input",
+        raise invalid("input must be a string or a non-empty list of items.", "input",
                       code="missing_required_parameter" if given is None else "invalid_value")
     out: dict = {"messages": messages, "stream": bool(body.get("stream"))}
     for ours, theirs in (("max_tokens", "max_output_tokens"), ("temperature", "temperature"), ("top_p", "top_p")):
         if body.get(theirs) is not None:
             out[ours] = body[theirs]
+    _tools(body, out)
+    _text_format(body, out)
     return out
 
 
-def _response(sub: Submitted, status: str, text: str | None, end: Finished | None, created: int) -> dict:
-    message_id = "msg_" + sub.meta["id"].split("-", 1)[1]
-    output = [] if text is None else [{
-        "type": "message", "id": message_id, "status": "completed", "role": "assistant",
-        "content": [{"type": "output_text", "text": text, "annotations": []}]}]
+def _tools_echo(req: ChatCompletionRequest) -> tuple[list[dict], Any]:
+    """The request's tools and tool_choice as a Response object states them."""
+    tools = [{"type": "function", "name": t.function.name, "description": t.function.description or None,
+              "parameters": t.function.parameters, "strict": bool(getattr(t.function, "strict", None))}
+             for t in req.tools]
+    mode = req.tool_mode
+    choice = {"type": "function", "name": req.forced_tool} if mode == "named" else (mode if req.tools else "none")
+    return tools, choice
+
+
+def _function_call(call: ParsedCall) -> dict:
+    return {"type": "function_call", "id": "fc_" + call.id.split("_", 1)[-1], "call_id": call.id,
+            "name": call.name, "arguments": call.arguments, "status": "completed"}
+
+
+def _message(item_id: str, text: str) -> dict:
+    return {"type": "message", "id": item_id, "status": "completed", "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": []}]}
+
+
+def _response(sub: Submitted, req: ChatCompletionRequest, status: str, output: list[dict], end: Finished | None,
+              created: int) -> dict:
     usage = None
     if end is not None:
         cached = int(end.receipt.get("reused_tokens", 0) or 0)
@@ -70,57 +161,146 @@ def _response(sub: Submitted, status: str, text: str | None, end: Finished | Non
                  "output_tokens": end.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
                  "total_tokens": end.prompt_tokens + end.completion_tokens}
     incomplete = end is not None and end.finish_reason == "length"
+    tools, choice = _tools_echo(req)
     return {"id": "resp_" + sub.meta["id"].split("-", 1)[1], "object": "response", "created_at": created,
             "status": "incomplete" if incomplete and status == "completed" else status,
             "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
-            "model": sub.meta["model"], "output": output, "parallel_tool_calls": False, "tool_choice": "none",
-            "tools": [], "error": None, "usage": usage}
+            "model": sub.meta["model"], "output": output, "parallel_tool_calls": req.parallel_tool_calls,
+            "tool_choice": choice, "tools": tools, "error": None, "usage": usage}
+
+
+def _responses_param(param: str | None) -> str | None:
+    """A chat field's name as the Responses request spells it (messages do not map one to one)."""
+    if param is None:
+        return None
+    for chat, ours in (("max_tokens", "max_output_tokens"), ("response_format", "text.format"), ("messages", "input")):
+        if param == chat or param.startswith(chat + ".") or param.startswith(chat + "["):
+            return ours if chat == "messages" else ours + param[len(chat):]
+    return param
 
 
 def register(router: APIRouter, rt: Runtime, read_json: ReadJSON) -> None:
     @router.post("/responses")
     async def responses(request: Request) -> Response:
-        req = parse_request(ChatCompletionRequest, to_chat(await read_json(request)))
-        sub = await start_chat(rt, request, req)
+        body = to_chat(await read_json(request))
+        try:
+            req = parse_request(ChatCompletionRequest, body)
+            sub = await start_chat(rt, request, req)
+        except APIError as exc:
+            renamed = _responses_param(exc.param)
+            if renamed != exc.param:
+                exc.message = exc.message.replace(f"'{exc.param}'", f"'{renamed}'")
+                exc.param = renamed
+            raise
         created = int(time.time())
         if req.stream:
-            return JobStream(sub.job, _stream(sub, created))
+            return JobStream(sub.job, _stream(sub, req, created))
         end = await wait_whole(request, sub, "input")
         if end is None:
             return Response(status_code=499)
-        return JSONResponse(_response(sub, "completed", sub.sink.text(0), end, created))
+        output = _output_items(sub.sink.text(0), sub.extra["parse_tools"], "msg_" + sub.meta["id"].split("-", 1)[1])
+        return JSONResponse(_response(sub, req, "completed", output, end, created))
 
 
-async def _stream(sub: Submitted, created: int) -> AsyncIterator[str]:
+def _output_items(text: str, parse_tools: bool, base_id: str) -> list[dict]:
+    """The reply's output items in the order the stream sends them (text around calls kept)."""
+    parser = ToolCallParser() if parse_tools else None
+    parts = parser.feed(text) + parser.finish() if parser else [text]
+    output: list[dict] = []
+    pending: list[str] = []
+
+    def flush() -> None:
+        if pending:
+            output.append(_message(base_id if not output else f"{base_id}_{len(output)}", "".join(pending)))
+            pending.clear()
+
+    for part in parts:
+        if isinstance(part, str):
+            pending += [part] if part else []
+        else:
+            flush()
+            output.append(_function_call(part))
+    flush()
+    return output or [_message(base_id, "")]
+
+
+async def _stream(sub: Submitted, req: ChatCompletionRequest, created: int) -> AsyncIterator[str]:
     seq = 0
-    parts: list[str] = []
-    item_id = "msg_" + sub.meta["id"].split("-", 1)[1]
+    output: list[dict] = []  # the items done so far, as response.completed lists them
+    text_parts: list[str] | None = None  # the open message item's text, None when none is open
+    parser = ToolCallParser() if sub.extra["parse_tools"] else None
+    base_id = "msg_" + sub.meta["id"].split("-", 1)[1]
 
-    def event(name: str, **payload: Any) -> str:
+    def event(kind: str, **payload: Any) -> str:
         nonlocal seq
         seq += 1
-        return named_sse(name, {"type": name, "sequence_number": seq - 1, **payload})
+        return named_sse(kind, {"type": kind, "sequence_number": seq - 1, **payload})
+
+    def message_id() -> str:
+        return base_id if not output else f"{base_id}_{len(output)}"
+
+    def text_events(text: str) -> list[str]:
+        nonlocal text_parts
+        out = []
+        if text_parts is None:
+            text_parts = []
+            out.append(event("response.output_item.added", output_index=len(output), item={
+                "type": "message", "id": message_id(), "status": "in_progress", "role": "assistant", "content": []}))
+            out.append(event("response.content_part.added", item_id=message_id(), output_index=len(output),
+                             content_index=0, part={"type": "output_text", "text": "", "annotations": []}))
+        text_parts.append(text)
+        out.append(event("response.output_text.delta", item_id=message_id(), output_index=len(output),
+                         content_index=0, delta=text, logprobs=[]))
+        return out
+
+    def close_text() -> list[str]:
+        nonlocal text_parts
+        if text_parts is None:
+            return []
+        text, item_id, index = "".join(text_parts), message_id(), len(output)
+        text_parts = None
+        item = _message(item_id, text)
+        output.append(item)
+        return [event("response.output_text.done", item_id=item_id, output_index=index, content_index=0, text=text,
+                      logprobs=[]),
+                event("response.content_part.done", item_id=item_id, output_index=index, content_index=0,
+                      part=item["content"][0]),
+                event("response.output_item.done", output_index=index, item=item)]
+
+    def call_events(call: ParsedCall) -> list[str]:
+        item, index = _function_call(call), len(output)
+        output.append(item)
+        return [event("response.output_item.added", output_index=index,
+                      item={**item, "arguments": "", "status": "in_progress"}),
+                event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                      delta=call.arguments),
+                event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                      name=call.name, arguments=call.arguments),
+                event("response.output_item.done", output_index=index, item=item)]
+
+    def pieces(parts: list) -> list[str]:
+        out: list[str] = []
+        for part in parts:
+            if isinstance(part, str):
+                out += text_events(part) if part else []
+            else:
+                out += close_text() + call_events(part)
+        return out
 
     async for ev in events(sub):
         if isinstance(ev, Started):
-            yield event("response.created", response=_response(sub, "in_progress", None, None, created))
-            yield event("response.output_item.added", output_index=0, item={
-                "type": "message", "id": item_id, "status": "in_progress", "role": "assistant", "content": []})
-            yield event("response.content_part.added", item_id=item_id, output_index=0, content_index=0,
-                        part={"type": "output_text", "text": "", "annotations": []})
+            yield event("response.created", response=_response(sub, req, "in_progress", [], None, created))
+            yield event("response.in_progress", response=_response(sub, req, "in_progress", [], None, created))
         elif isinstance(ev, TextDelta):
-            parts.append(ev.text)
-            yield event("response.output_text.delta", item_id=item_id, output_index=0, content_index=0,
-                        delta=ev.text, logprobs=[])
+            for text in pieces(parser.feed(ev.text) if parser else [ev.text]):
+                yield text
         elif isinstance(ev, Finished):
-            text = "".join(parts)
-            yield event("response.output_text.done", item_id=item_id, output_index=0, content_index=0, text=text,
-                        logprobs=[])
-            yield event("response.content_part.done", item_id=item_id, output_index=0, content_index=0,
-                        part={"type": "output_text", "text": text, "annotations": []})
-            final = _response(sub, "completed", text, ev, created)
-            yield event("response.output_item.done", output_index=0, item=final["output"][0])
-            yield event("response.completed", response=final)
+            tail = pieces(parser.finish() if parser else [])
+            if not output and text_parts is None:
+                tail += text_events("")  # an empty reply is still one (empty) message
+            for text in tail + close_text():
+                yield text
+            yield event("response.completed", response=_response(sub, req, "completed", output, ev, created))
         elif isinstance(ev, Failed):
-            yield event("response.failed", response={**_response(sub, "failed", None, None, created),
+            yield event("response.failed", response={**_response(sub, req, "failed", output, None, created),
                                                      "error": {"code": ev.code, "message": ev.message}})

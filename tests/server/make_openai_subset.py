@@ -8,6 +8,10 @@ then a short, listed set of changes states this server's contract where it knowi
 fields it refuses are narrowed to the values it accepts (so valid-by-spec requests that it
 rejects on purpose are not generated, while the refusals are still probed by negative tests),
 its extension fields are added, and the statuses it answers with are documented.
+
+It also writes openai_wide.json: the generating operations (chat, completions, responses) exactly
+as the official spec has them, nothing narrowed (tools, tool messages, response formats,
+logit_bias, echo, every Responses input item), for the test that only asks for no 5xx.
 """
 from __future__ import annotations
 
@@ -21,6 +25,8 @@ import yaml
 HERE = Path(__file__).resolve().parent
 DEFAULT_SOURCE = HERE.parents[2] / "shared" / "reference" / "openai-openapi.yaml"
 OUTPUT = HERE / "openai_subset.json"
+WIDE_OUTPUT = HERE / "openai_wide.json"
+WIDE_OPERATIONS = {"/chat/completions": "post", "/completions": "post", "/responses": "post"}
 OPERATIONS = {"/chat/completions": "post", "/completions": "post", "/models": "get", "/models/{model}": "get"}
 # the fake engine's vocabulary (tests/server/fake_engine.py): prompt token ids must be below it
 VOCAB_SIZE = 268
@@ -248,11 +254,39 @@ def build(source: Path) -> dict:
     return null_unions(strip_docs(spec))
 
 
+def copy_operations(official: dict, operations: dict[str, str]) -> dict:
+    """The operations and every component they reach, copied unchanged."""
+    paths = {p: {m: copy.deepcopy(official["paths"][p][m])} for p, m in operations.items()}
+    components: dict = {}
+    pending: set[str] = set()
+    referenced(paths, pending)
+    while pending:
+        ref = pending.pop()
+        _, _, kind, name = ref.split("/", 3)
+        if name in components.get(kind, {}):
+            continue
+        node = copy.deepcopy(official["components"][kind][name])
+        components.setdefault(kind, {})[name] = node
+        referenced(node, pending)
+    return {"paths": paths, "components": components}
+
+
+def build_wide(source: Path) -> dict:
+    official = yaml.load(source.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    copied = copy_operations(official, WIDE_OPERATIONS)
+    spec = {"openapi": official["openapi"],
+            "info": {"title": "OpenAI API, the generating operations moestream serves, unchanged",
+                     "version": official["info"]["version"]},
+            "servers": [{"url": "/v1"}], **copied}
+    return null_unions(strip_docs(spec))
+
+
 def main(argv: list[str]) -> int:
     source = Path(argv[0]) if argv else DEFAULT_SOURCE
-    spec = build(source)
-    OUTPUT.write_text(json.dumps(spec, indent=1, sort_keys=True) + "\n")
-    print(f"wrote {OUTPUT} ({OUTPUT.stat().st_size // 1024} KiB, {len(spec['components']['schemas'])} schemas)")
+    for output, spec in ((OUTPUT, build(source)), (WIDE_OUTPUT, build_wide(source))):
+        output.write_text(json.dumps(spec, indent=None, sort_keys=True, separators=(",", ":")) + "\n"
+                          if output == WIDE_OUTPUT else json.dumps(spec, indent=1, sort_keys=True) + "\n")
+        print(f"wrote {output} ({output.stat().st_size // 1024} KiB, {len(spec['components']['schemas'])} schemas)")
     return 0
 
 

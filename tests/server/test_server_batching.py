@@ -68,10 +68,10 @@ def no_eos(engine) -> dict:
 
 
 def test_concurrent_requests_get_what_they_get_alone(real, reference):
-    """24 concurrent requests of every kind on 4 slots: joins and leaves at every step."""
+    """32 concurrent requests of every kind on 4 slots: joins and leaves at every step."""
     tok = reference.tokenizer
     jobs = []  # (kind, prompt, max_tokens, extra, expected)
-    for i in range(24):
+    for i in range(32):
         prompt, max_new = PROMPTS[i % len(PROMPTS)], 6 + (i * 5) % 23
         kind = ["completion", "completion-stream", "chat", "chat-stream"][i % 4]
         if kind.startswith("chat"):

@@ -179,7 +179,7 @@ def test_anthropic_messages(real, sdk):
         assert stopped.stop_reason == "stop_sequence" and stopped.stop_sequence == cut
     tool = client.messages.create(model=MODEL_ID, messages=USER, max_tokens=200, extra_body={"temperature": 0},
                                   tools=[{"name": "lookup", "input_schema": TOOLS[0]["function"]["parameters"]}],
-                                  tool_choice={"type": "any"})
+                                  tool_choice={"type": "any", "disable_parallel_tool_use": True})
     assert tool.stop_reason == "tool_use"
     block = next(b for b in tool.content if b.type == "tool_use")
     assert block.name == "lookup" and set(block.input) == {"n", "tag"}
