@@ -45,9 +45,10 @@ class DeviceMap:
         self.num_experts, self.total, self.slots = dict(num_experts), n, pool.shape[0]
         self.record_bytes = dict(record_bytes)
         most = max(num_experts.values())
-        if self.slots < 2 * most:  # a layer's hits are protected: its misses need other slots
+        # a layer's hits are protected, so its misses need other slots (unless every expert has its own)
+        if self.slots < min(2 * most, n):
             raise DeviceMapUnavailable(f"the device cache has {self.slots} slots; device-driven streaming needs at "
-                                       f"least {2 * most} (twice a layer's {most} experts)")
+                                       f"least {min(2 * most, n)} (twice a layer's {most} experts, or all {n})")
         missing = [key for layer in self.layers for key in ((layer, e) for e in range(num_experts[layer]))
                    if key not in host_slots]
         if missing:

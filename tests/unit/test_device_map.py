@@ -120,3 +120,28 @@ def test_streaming_device_where_it_cannot_run_names_why(model):
         run(model, cache_size=slots(model, 12), host_cache_size="all", streaming="device")
     _, receipt, mode = run(model, cache_size=slots(model, 16), host_cache_size="all")  # auto on the CPU: the host
     assert mode == "host" and receipt["experts"]["streaming"] == "host"
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "mixtral", "olmoe"])
+def test_other_families_stream_device_driven_with_the_same_bits(family, tiny_packed_model):
+    packed = tiny_packed_model(family, "q4")
+    reference, _, _ = run(packed, cache_size="all")
+    layers = PackedModel(packed).manifest.expert_layers
+    need = min(2 * max(e.num_experts for e in layers), sum(e.num_experts for e in layers))
+    out, receipt, mode = run(packed, cache_size=slots(packed, need), host_cache_size="all", streaming="device")
+    assert mode == "device" and out == reference
+    assert receipt["misses"] > 0
+
+
+def test_a_step_of_several_tokens_equals_single_steps_when_device_driven(model):
+    engine = Engine.load(model, options=EngineOptions(device="cpu", cache_size=slots(model, 16), host_cache_size="all",
+                                                      streaming="device"))
+    prompt = engine.tokenizer.encode("def fibonacci(n):")
+    engine.prefill(prompt)
+    draft = [5, 17, 300, 42, 9]
+    together = engine.step(draft).clone()
+    engine.rollback(len(prompt))
+    singles = torch.cat([engine.step([t]).clone() for t in draft])
+    assert engine.streaming == "device"
+    engine.close()
+    assert torch.equal(together, singles)
