@@ -55,7 +55,9 @@ async def start_chat(rt: Runtime, request: Request, req: ChatCompletionRequest) 
     choices = make_choices([prompt_ids], req.n or 1, [max_new], [base], processor=processor)
     sub = rt.submit(request, choices, stream=bool(req.stream), stops=req.stop_list(), logprobs=req.logprobs_k,
                     prefix="chatcmpl-")
-    sub.extra["parse_tools"] = req.tool_mode != "none"
+    # the format's name; a forced call is written in the Hermes form its grammar spells out
+    fmt = "hermes" if req.forced_tool is not None else rt.tool_format()
+    sub.extra["parse_tools"] = fmt if req.tool_mode != "none" else ""
     return sub
 
 
@@ -63,9 +65,9 @@ def tool_call_model(call: ParsedCall) -> ToolCall:
     return ToolCall(id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments))
 
 
-def chat_message(text: str, parse_tools: bool, reason: str) -> tuple[ResponseMessage, str]:
+def chat_message(text: str, parse_tools: str, reason: str) -> tuple[ResponseMessage, str]:
     if parse_tools:
-        content, calls = parse_tool_calls(text)
+        content, calls = parse_tool_calls(text, parse_tools)
         if calls:
             return ResponseMessage(content=content or None, tool_calls=[tool_call_model(c) for c in calls]), "tool_calls"
     return ResponseMessage(content=text), reason
@@ -147,7 +149,7 @@ def register(router: APIRouter, rt: Runtime, read_json: ReadJSON) -> None:
 
 async def chat_stream(sub: Submitted, include_usage: bool) -> AsyncIterator[str]:
     meta, wants_logprobs = sub.meta, sub.job.logprobs is not None
-    parsers = {i: ToolCallParser() for i in range(sub.choices)} if sub.extra.get("parse_tools") else {}
+    parsers = {i: ToolCallParser(sub.extra["parse_tools"]) for i in range(sub.choices)} if sub.extra.get("parse_tools") else {}
     calls: dict[int, int] = {}
     ends: list[Finished] = []
 

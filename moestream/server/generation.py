@@ -130,6 +130,13 @@ class Runtime:
         except Exception as exc:  # the model's chat template refused the conversation
             raise invalid(f"The chat template could not format these messages: {exc}", param) from None
 
+    def tool_format(self) -> str:
+        """How this model writes tool calls (moestream.server.tools.FORMATS)."""
+        from moestream.server.tools import tool_format
+
+        packed = getattr(self.worker.engine, "packed", None)
+        return tool_format(self.tokenizer().chat_template, getattr(packed, "family", None))
+
     async def grammar_matcher(self, grammar: str, param: str) -> Any:
         """A compiled matcher for `grammar` on this model's vocabulary; a 400 naming `param` if not."""
         from moestream.server.grammar import GrammarError, GrammarTokenizer

@@ -114,9 +114,9 @@ def _stop_reason(end: Finished, has_calls: bool) -> tuple[str, Any]:
     return "end_turn", None
 
 
-def _blocks(text: str, parse_tools: bool) -> list[dict]:
+def _blocks(text: str, parse_tools: str) -> list[dict]:
     """The reply's content blocks in the order the stream sends them (text around calls kept)."""
-    parser = ToolCallParser() if parse_tools else None
+    parser = ToolCallParser(parse_tools) if parse_tools else None
     parts = parser.feed(text) + parser.finish() if parser else [text]
     blocks: list[dict] = []
     for part in parts:
@@ -154,7 +154,7 @@ def register(router: APIRouter, rt: Runtime, read_json: ReadJSON) -> None:
 
 
 async def _stream(sub: Submitted) -> AsyncIterator[str]:
-    parser = ToolCallParser() if sub.extra["parse_tools"] else None
+    parser = ToolCallParser(sub.extra["parse_tools"]) if sub.extra["parse_tools"] else None
     block = -1
     open_text = False
     calls = 0

@@ -202,9 +202,9 @@ def register(router: APIRouter, rt: Runtime, read_json: ReadJSON) -> None:
         return JSONResponse(_response(sub, req, "completed", output, end, created))
 
 
-def _output_items(text: str, parse_tools: bool, base_id: str) -> list[dict]:
+def _output_items(text: str, parse_tools: str, base_id: str) -> list[dict]:
     """The reply's output items in the order the stream sends them (text around calls kept)."""
-    parser = ToolCallParser() if parse_tools else None
+    parser = ToolCallParser(parse_tools) if parse_tools else None
     parts = parser.feed(text) + parser.finish() if parser else [text]
     output: list[dict] = []
     pending: list[str] = []
@@ -228,7 +228,7 @@ async def _stream(sub: Submitted, req: ChatCompletionRequest, created: int) -> A
     seq = 0
     output: list[dict] = []  # the items done so far, as response.completed lists them
     text_parts: list[str] | None = None  # the open message item's text, None when none is open
-    parser = ToolCallParser() if sub.extra["parse_tools"] else None
+    parser = ToolCallParser(sub.extra["parse_tools"]) if sub.extra["parse_tools"] else None
     base_id = "msg_" + sub.meta["id"].split("-", 1)[1]
 
     def event(kind: str, **payload: Any) -> str:

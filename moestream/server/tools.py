@@ -12,9 +12,10 @@ Pure Python: runs on the event loop, never imports torch.
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 MISTRAL = "[TOOL_CALLS]"
@@ -89,9 +90,172 @@ def _call_from_json(obj: Any) -> Optional[ParsedCall]:
     return ParsedCall(obj["name"], json.dumps(arguments, ensure_ascii=False))
 
 
-def parse_tool_calls(text: str) -> tuple[str, list[ParsedCall]]:
-    """(content before the calls, the calls) from a whole reply; no calls: (text, [])."""
-    parser = ToolCallParser()
+def _named_call(name: str, arguments: Any) -> Optional[ParsedCall]:
+    """A call from a name and its arguments (an object, or JSON text of one)."""
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            return None
+    return _call_from_json({"name": name, "arguments": arguments}) if name else None
+
+
+Parts = list  # of str (content) and ParsedCall, in reply order
+
+
+def _read_json_call(body: str) -> Optional[Parts]:
+    try:
+        call = _call_from_json(json.loads(body.strip()))
+    except ValueError:
+        return None
+    return [call] if call else None
+
+
+def _read_json_list(body: str) -> Optional[Parts]:
+    try:
+        items = json.loads(body.strip())
+    except ValueError:
+        return None
+    calls = [c for c in (_call_from_json(i) for i in (items if isinstance(items, list) else [items])) if c]
+    return calls or None  # type: ignore[return-value]
+
+
+HARMONY_MESSAGE = "<|message|>"
+
+
+def _harmony_words(header: str) -> list[str]:
+    return header.replace("<|channel|>", " ").replace("<|constrain|>", " ").split()
+
+
+def _read_harmony(body: str) -> Optional[Parts]:
+    """One gpt-oss message after `<|start|>` or `<|channel|>`: a call when addressed to
+    `functions.NAME`, content on the final channel (and commentary preambles), nothing for analysis."""
+    header, sep, message = body.partition(HARMONY_MESSAGE)
+    if not sep:
+        return None
+    words = _harmony_words(header)
+    recipient = next((w[3:] for w in words if w.startswith("to=")), "")
+    if recipient:
+        name = recipient.removeprefix("functions.")
+        call = _named_call(name, message.strip()) if name != recipient else None
+        return [call] if call else None
+    if "analysis" in words:
+        return []  # reasoning: not part of the reply's content
+    if "final" in words or "commentary" in words:
+        return [message]
+    return None
+
+
+def _harmony_streams(header: str) -> bool:
+    words = _harmony_words(header)
+    return ("final" in words or "commentary" in words) and not any(w.startswith("to=") for w in words)
+
+
+def _deepseek(word: str) -> str:
+    return "<\uff5c" + word.replace(" ", "\u2581") + "\uff5c>"  # DeepSeek's full-width bars and joiners
+
+
+DEEPSEEK_SEP = _deepseek("tool sep")
+
+
+def _read_deepseek(body: str) -> Optional[Parts]:
+    """DeepSeek-V3: `function<sep>NAME\n```json\n{...}\n````; V3.1 writes `NAME<sep>{...}`."""
+    kind, sep, rest = body.partition(DEEPSEEK_SEP)
+    if not sep:
+        return None
+    name, newline, arguments = rest.partition("\n")
+    fenced = arguments.strip()
+    if newline and fenced.startswith("```") and fenced.endswith("```"):
+        fenced = fenced[3:-3]
+        call = _named_call(name.strip(), fenced[4:] if fenced.startswith("json") else fenced)
+    else:
+        call = _named_call(kind.strip(), rest.strip())
+    return [call] if call else None
+
+
+GEMMA_QUOTE = '<|"|>'
+_BARE_WORD = re.compile(r"[A-Za-z_][\w.-]*")
+
+
+def _gemma_arguments(text: str) -> Any:
+    """Gemma 4 writes arguments with bare keys and strings between <|"|> marks: JSON made of it."""
+    out: list[str] = []
+    i = 0
+    while i < len(text):
+        if text.startswith(GEMMA_QUOTE, i):
+            end = text.find(GEMMA_QUOTE, i + len(GEMMA_QUOTE))
+            if end < 0:
+                raise ValueError("unclosed string")
+            out.append(json.dumps(text[i + len(GEMMA_QUOTE):end], ensure_ascii=False))
+            i = end + len(GEMMA_QUOTE)
+        elif (word := _BARE_WORD.match(text, i)) and not (out and out[-1][-1:].isdigit()):
+            i = word.end()
+            is_key = text[i:].lstrip().startswith(":")
+            out.append(json.dumps(word.group()) if is_key else word.group())
+        else:
+            out.append(text[i])
+            i += 1
+    return json.loads("".join(out))
+
+
+def _read_gemma(body: str) -> Optional[Parts]:
+    """Gemma 4: `call:NAME{key:<|"|>text<|"|>,n:1}`."""
+    body = body.strip()
+    if not body.startswith("call:") or "{" not in body:
+        return None
+    name, brace, rest = body[len("call:"):].partition("{")
+    try:
+        arguments = _gemma_arguments(brace + rest)
+    except ValueError:
+        return None
+    call = _named_call(name.strip(), arguments) if isinstance(arguments, dict) else None
+    return [call] if call else None
+
+
+@dataclass(frozen=True)
+class Span:
+    """A stretch of the reply between `open` and one of `close` (none: it runs to the end), read
+    into parts; a read that fails leaves the stretch as text."""
+    open: str
+    close: tuple[str, ...]
+    read: Callable[[str], Optional[Parts]]
+    streams: Optional[Callable[[str], bool]] = None  # header -> the body is content, sent as it comes
+
+
+@dataclass(frozen=True)
+class ToolFormat:
+    spans: tuple[Span, ...]
+    dropped: tuple[str, ...] = ()  # markers that only group calls
+
+
+HARMONY_ENDS = ("<|end|>", "<|call|>", "<|return|>")
+FORMATS = {
+    "hermes": ToolFormat((Span(OPEN, (CLOSE,), _read_json_call), Span(MISTRAL, (), _read_json_list))),
+    "harmony": ToolFormat((Span("<|start|>", HARMONY_ENDS, _read_harmony, _harmony_streams),
+                           Span("<|channel|>", HARMONY_ENDS, _read_harmony, _harmony_streams))),
+    "deepseek": ToolFormat((Span(_deepseek("tool call begin"), (_deepseek("tool call end"),), _read_deepseek),),
+                           (_deepseek("tool calls begin"), _deepseek("tool calls end"))),
+    "gemma": ToolFormat((Span("<|tool_call>", ("<tool_call|>",), _read_gemma),)),
+}
+FAMILY_FORMATS = {"gpt_oss": "harmony", "deepseek_v3": "deepseek", "gemma4": "gemma", "gemma4_text": "gemma"}
+
+
+def tool_format(template: str | None, family: str | None = None) -> str:
+    """The format this model writes tool calls in: read off its chat template's markers, else its
+    family; Hermes (and Mistral) when the template does not know tools, since then the tools are
+    described to the model in the Hermes format."""
+    if not template_knows_tools(template):
+        return "hermes"
+    for marker, name in (("<|channel|>", "harmony"), (_deepseek("tool call begin"), "deepseek"),
+                         ("<|tool_call>", "gemma")):
+        if marker in template:  # type: ignore[operator]
+            return name
+    return FAMILY_FORMATS.get(family or "", "hermes")
+
+
+def parse_tool_calls(text: str, fmt: str = "hermes") -> tuple[str, list[ParsedCall]]:
+    """(the reply's content, the calls) from a whole reply; no calls: (text, [])."""
+    parser = ToolCallParser(fmt)
     pieces = parser.feed(text) + parser.finish()
     content = "".join(p for p in pieces if isinstance(p, str))
     return content, [p for p in pieces if isinstance(p, ParsedCall)]
@@ -99,79 +263,91 @@ def parse_tool_calls(text: str) -> tuple[str, list[ParsedCall]]:
 
 class ToolCallParser:
     """Incremental: feed text deltas, get back content strings and ParsedCalls in order. Text that
-    could be the start of a call marker is held back until it cannot."""
+    could be the start of a marker is held back until it cannot, so any split of the reply gives the
+    same parts as the whole."""
 
-    def __init__(self) -> None:
+    def __init__(self, fmt: str | bool = "hermes") -> None:
+        self.format = FORMATS[fmt if isinstance(fmt, str) and fmt else "hermes"]
+        self._markers = tuple(s.open for s in self.format.spans) + self.format.dropped
         self._held = ""
-        self._in_call = False  # inside <tool_call> ... </tool_call>
-        self._mistral = False  # after [TOOL_CALLS]: the rest is a JSON list
+        self._span: Optional[Span] = None  # inside this span
+        self._streaming = False  # inside a span whose body is content
         self.calls = 0
 
-    def feed(self, text: str) -> list[str | ParsedCall]:
+    def _text(self, text: str, out: Parts) -> None:
+        if text and not (self.calls and not text.strip()):  # whitespace between calls is not content
+            out.append(text)
+
+    def _close(self, parts: Optional[Parts], raw: str, out: Parts) -> None:
+        for part in parts if parts is not None else [raw]:
+            if isinstance(part, ParsedCall):
+                self.calls += 1
+                out.append(part)
+            else:
+                self._text(part, out)
+
+    def feed(self, text: str) -> Parts:
         self._held += text
-        out: list[str | ParsedCall] = []
+        out: Parts = []
         while True:
-            if self._mistral:
-                return out
-            if self._in_call:
-                end = self._held.find(CLOSE)
-                if end < 0:
+            span = self._span
+            if span is not None:
+                if not span.close:
                     return out
-                body = self._held[:end]
-                call = self._parse_one(body)
-                self._held = self._held[end + len(CLOSE):].lstrip("\n")
-                self._in_call = False
-                out.append(call if call is not None else OPEN + body + CLOSE)  # not a call: it stays text
+                ends = [(i, m) for m in span.close if (i := self._held.find(m)) >= 0]
+                if self._streaming:
+                    if not ends:
+                        ready = self._held[: len(self._held) - _prefix_length(self._held, span.close)]
+                        self._held = self._held[len(ready):]
+                        self._text(ready, out)
+                        return out
+                    end, marker = min(ends)
+                    self._text(self._held[:end], out)
+                elif not ends:
+                    if span.streams and HARMONY_MESSAGE in self._held:
+                        header, _, body = self._held.partition(HARMONY_MESSAGE)
+                        if span.streams(header):
+                            self._held, self._streaming = body, True
+                            continue
+                    return out
+                else:
+                    end, marker = min(ends)
+                    body = self._held[:end]
+                    self._close(span.read(body), span.open + body + marker, out)
+                self._held = self._held[end + len(marker):]
+                self._span, self._streaming = None, False
                 continue
-            starts = [(i, m) for m in (OPEN, MISTRAL) if (i := self._held.find(m)) >= 0]
+            starts = [(i, m) for m in self._markers if (i := self._held.find(m)) >= 0]
             if starts:
                 i, marker = min(starts)
-                before = self._held[:i]
-                if before and not (self.calls and not before.strip()):
-                    out.append(before)
+                self._text(self._held[:i], out)
                 self._held = self._held[i + len(marker):]
-                if marker == OPEN:
-                    self._in_call = True
-                else:
-                    self._mistral = True
+                self._span = next((s for s in self.format.spans if s.open == marker), None)
                 continue
-            keep = _marker_prefix_length(self._held)
-            ready = self._held[: len(self._held) - keep]
-            if ready and not (self.calls and not ready.strip()):  # whitespace between calls is not content
-                out.append(ready)
+            ready = self._held[: len(self._held) - _prefix_length(self._held, self._markers)]
+            if self.calls and not ready.strip():
+                return out  # maybe whitespace before the next call: decided when more comes
+            self._text(ready, out)
             self._held = self._held[len(ready):]
             return out
 
-    def finish(self) -> list[str | ParsedCall]:
-        """The end of the reply: an unclosed call or a Mistral list is parsed now; text held back
-        (or a call that does not parse) is content."""
-        held, self._held = self._held, ""
-        if self._mistral:
-            try:
-                items = json.loads(held.strip())
-            except ValueError:
-                return [MISTRAL + held]
-            calls = [c for c in (_call_from_json(i) for i in (items if isinstance(items, list) else [items])) if c]
-            self.calls += len(calls)
-            return calls if calls else [MISTRAL + held]  # type: ignore[return-value]
-        if self._in_call:
-            call = self._parse_one(held)
-            return [call] if call is not None else [OPEN + held]
-        return [held] if held and not (self.calls and not held.strip()) else []
-
-    def _parse_one(self, body: str) -> Optional[ParsedCall]:
-        try:
-            call = _call_from_json(json.loads(body.strip()))
-        except ValueError:
-            call = None
-        if call is not None:
-            self.calls += 1
-        return call
+    def finish(self) -> Parts:
+        """The end of the reply: an unclosed span is read now (the stop token that ends it is not
+        part of the text); text held back, or a span that does not read, is content."""
+        held, span, streaming = self._held, self._span, self._streaming
+        self._held, self._span, self._streaming = "", None, False
+        out: Parts = []
+        if span is None or streaming:
+            self._text(held, out)
+        else:
+            self._close(span.read(held), span.open + held, out)
+        return out
 
 
-def _marker_prefix_length(text: str) -> int:
-    for length in range(min(len(text), max(len(OPEN), len(MISTRAL)) - 1), 0, -1):
+def _prefix_length(text: str, markers: tuple[str, ...]) -> int:
+    """How many characters at the end of `text` could begin one of `markers`."""
+    for length in range(min(len(text), max(map(len, markers)) - 1), 0, -1):
         tail = text[len(text) - length:]
-        if OPEN.startswith(tail) or MISTRAL.startswith(tail):
+        if any(m.startswith(tail) for m in markers):
             return length
     return 0
