@@ -25,23 +25,26 @@ ReadJSON = Callable[[Request], Awaitable[Any]]
 
 
 async def constraint(rt: Runtime, req: ChatCompletionRequest, tools: Optional[list[dict]]):
-    """A factory of fresh grammar masks for a forced tool call or a response_format, or None."""
+    """(A factory of fresh grammar masks for a forced tool call or a response_format, or None; the
+    format a forced call is written in, or None)."""
     from moestream.server import grammar as g
 
+    forced = None
     try:
         if req.forced_tool is not None:
-            text = g.tool_call_grammar(tools or [], req.forced_tool, parallel=req.parallel_tool_calls)
+            text, forced = g.tool_call_grammar(tools or [], req.forced_tool, parallel=req.parallel_tool_calls,
+                                               fmt=rt.tool_format(), token_id=rt.tokenizer().token_id)
             param = "tool_choice"
         elif req.response_format.type == "json_object":
             text, param = g.json_object_grammar(), "response_format"
         elif req.response_format.type == "json_schema":
             text, param = g.json_schema_grammar(req.response_format.json_schema.schema_), "response_format"
         else:
-            return None
+            return None, None
     except g.GrammarError as exc:
         raise invalid(f"The response_format cannot be enforced: {exc}.", "response_format") from None
     matcher = await rt.grammar_matcher(text, param)
-    return lambda: g.GrammarMask(matcher.deep_copy())
+    return (lambda: g.GrammarMask(matcher.deep_copy())), forced
 
 
 async def start_chat(rt: Runtime, request: Request, req: ChatCompletionRequest) -> Submitted:
@@ -50,14 +53,15 @@ async def start_chat(rt: Runtime, request: Request, req: ChatCompletionRequest) 
     messages = req.chat_messages()
     tools = tool_schemas(req.tools) if req.tool_mode != "none" else None
     prompt_ids = await rt.chat_ids(messages, tools)
-    processor = await constraint(rt, req, tools)
+    processor, forced_format = await constraint(rt, req, tools)
     max_new, base = rt.plan(req, prompt_ids, "messages")
     choices = make_choices([prompt_ids], req.n or 1, [max_new], [base], processor=processor)
     sub = rt.submit(request, choices, stream=bool(req.stream), stops=req.stop_list(), logprobs=req.logprobs_k,
                     prefix="chatcmpl-")
-    # the format's name; a forced call is written in the Hermes form its grammar spells out
-    fmt = "hermes" if req.forced_tool is not None else rt.tool_format()
-    sub.extra["parse_tools"] = fmt if req.tool_mode != "none" else ""
+    # the format's name; a forced call is written in the form its grammar spells out. Harmony
+    # replies are always read: their channels are markup, and only the final one is the answer
+    fmt = forced_format if req.forced_tool is not None else rt.tool_format()
+    sub.extra["parse_tools"] = fmt if req.tool_mode != "none" or fmt == "harmony" else ""
     return sub
 
 
@@ -70,6 +74,7 @@ def chat_message(text: str, parse_tools: str, reason: str) -> tuple[ResponseMess
         content, calls = parse_tool_calls(text, parse_tools)
         if calls:
             return ResponseMessage(content=content or None, tool_calls=[tool_call_model(c) for c in calls]), "tool_calls"
+        return ResponseMessage(content=content), reason  # without calls: the text, less any markup
     return ResponseMessage(content=text), reason
 
 

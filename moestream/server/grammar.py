@@ -10,11 +10,11 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import llguidance
 
-from moestream.server.tools import CLOSE, OPEN
+from moestream.server.tools import CLOSE, OPEN, deepseek_marker
 
 log = logging.getLogger(__name__)
 
@@ -51,15 +51,68 @@ def _call_schema(tool: dict) -> dict:
             "required": ["name", "arguments"], "additionalProperties": False}
 
 
-def tool_call_grammar(tools: list[dict], name: str, *, parallel: bool) -> str:
-    """One call (or several, when parallel) in the Hermes format, to the named tool or ("*") any."""
+def tool_call_grammar(tools: list[dict], name: str, *, parallel: bool, fmt: str = "hermes",
+                      token_id: Callable[[str], Optional[int]] = lambda _: None) -> tuple[str, str]:
+    """One call (or several, when parallel and the format allows) to the named tool or ("*") any, in
+    the model's own format where its markers are single tokens (`token_id` finds them), else in
+    Hermes. Returns (the grammar, the format the call is written in)."""
     chosen = [t for t in tools if name == "*" or t["function"]["name"] == name]
+    write = FORCED_CALLS.get(fmt)
+    lark = write(chosen, parallel, token_id) if write else None
+    if lark is None:
+        fmt, lark = "hermes", _hermes_calls(chosen, parallel, token_id)
+    return llguidance.LLMatcher.grammar_from_lark(lark), fmt
+
+
+def _arguments_rules(chosen: list[dict]) -> str:
+    """`args_i`: tool i's parameters as compact JSON."""
+    return "".join(f"args_{i}: %json {json.dumps(_styled(t['function'].get('parameters') or {'type': 'object'}))}\n"
+                   for i, t in enumerate(chosen))
+
+
+def _hermes_calls(chosen: list[dict], parallel: bool, token_id) -> str:
     schema = _call_schema(chosen[0]) if len(chosen) == 1 else {"anyOf": [_call_schema(t) for t in chosen]}
     repeat = "+" if parallel else ""
-    lark = (f"start: call{repeat}\n"
+    return (f"start: call{repeat}\n"
             f"call: {json.dumps(OPEN + chr(10))} body {json.dumps(chr(10) + CLOSE + chr(10))}\n"
             f"body: %json {json.dumps(_styled(schema))}\n")
-    return llguidance.LLMatcher.grammar_from_lark(lark)
+
+
+def _specials(token_id, *markers: str) -> Optional[list[str]]:
+    """The markers as llguidance token references, or None when one is not a single token."""
+    ids = [token_id(m) for m in markers]
+    return None if None in ids else [f"<[{i}]>" for i in ids]
+
+
+def _harmony_calls(chosen: list[dict], parallel: bool, token_id) -> Optional[str]:
+    """gpt-oss: `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}<|call|>`
+    after the prompt's `<|start|>assistant`; `<|call|>` ends the turn, so one call."""
+    marks = _specials(token_id, "<|channel|>", "<|constrain|>", "<|message|>", "<|call|>")
+    if marks is None:
+        return None
+    channel, constrain, message, call = marks
+    calls = "".join(f"call_{i}: {channel} {json.dumps('commentary to=functions.' + t['function']['name'] + ' ')} "
+                    f"{constrain} \"json\" {message} args_{i} {call}\n" for i, t in enumerate(chosen))
+    return f"start: {' | '.join(f'call_{i}' for i in range(len(chosen)))}\n" + calls + _arguments_rules(chosen)
+
+
+def _deepseek_calls(chosen: list[dict], parallel: bool, token_id) -> Optional[str]:
+    """DeepSeek-V3: `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\n{...}
+    \\n```<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>`."""
+    marks = _specials(token_id, *(deepseek_marker(w) for w in
+                                  ("tool calls begin", "tool call begin", "tool sep", "tool call end", "tool calls end")))
+    if marks is None:
+        return None
+    calls_begin, begin, sep, end, calls_end = marks
+    calls = "".join(f"call_{i}: {begin} \"function\" {sep} {json.dumps(t['function']['name'] + chr(10) + '```json' + chr(10))} "
+                    f"args_{i} {json.dumps(chr(10) + '```')} {end}\n" for i, t in enumerate(chosen))
+    repeat = "+" if parallel else ""
+    return (f"start: {calls_begin} call{repeat} {calls_end}\n"
+            f"call: {' | '.join(f'call_{i}' for i in range(len(chosen)))}\n" + calls + _arguments_rules(chosen))
+
+
+# Gemma 4 writes arguments in its own quoting, not JSON: its forced calls stay Hermes
+FORCED_CALLS = {"hermes": _hermes_calls, "harmony": _harmony_calls, "deepseek": _deepseek_calls}
 
 
 class GrammarTokenizer:

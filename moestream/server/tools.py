@@ -151,11 +151,11 @@ def _harmony_streams(header: str) -> bool:
     return ("final" in words or "commentary" in words) and not any(w.startswith("to=") for w in words)
 
 
-def _deepseek(word: str) -> str:
+def deepseek_marker(word: str) -> str:
     return "<\uff5c" + word.replace(" ", "\u2581") + "\uff5c>"  # DeepSeek's full-width bars and joiners
 
 
-DEEPSEEK_SEP = _deepseek("tool sep")
+DEEPSEEK_SEP = deepseek_marker("tool sep")
 
 
 def _read_deepseek(body: str) -> Optional[Parts]:
@@ -233,8 +233,8 @@ FORMATS = {
     "hermes": ToolFormat((Span(OPEN, (CLOSE,), _read_json_call), Span(MISTRAL, (), _read_json_list))),
     "harmony": ToolFormat((Span("<|start|>", HARMONY_ENDS, _read_harmony, _harmony_streams),
                            Span("<|channel|>", HARMONY_ENDS, _read_harmony, _harmony_streams))),
-    "deepseek": ToolFormat((Span(_deepseek("tool call begin"), (_deepseek("tool call end"),), _read_deepseek),),
-                           (_deepseek("tool calls begin"), _deepseek("tool calls end"))),
+    "deepseek": ToolFormat((Span(deepseek_marker("tool call begin"), (deepseek_marker("tool call end"),), _read_deepseek),),
+                           (deepseek_marker("tool calls begin"), deepseek_marker("tool calls end"))),
     "gemma": ToolFormat((Span("<|tool_call>", ("<tool_call|>",), _read_gemma),)),
 }
 FAMILY_FORMATS = {"gpt_oss": "harmony", "deepseek_v3": "deepseek", "gemma4": "gemma", "gemma4_text": "gemma"}
@@ -246,7 +246,7 @@ def tool_format(template: str | None, family: str | None = None) -> str:
     described to the model in the Hermes format."""
     if not template_knows_tools(template):
         return "hermes"
-    for marker, name in (("<|channel|>", "harmony"), (_deepseek("tool call begin"), "deepseek"),
+    for marker, name in (("<|channel|>", "harmony"), (deepseek_marker("tool call begin"), "deepseek"),
                          ("<|tool_call>", "gemma")):
         if marker in template:  # type: ignore[operator]
             return name

@@ -105,3 +105,73 @@ def test_format_is_read_off_the_template_then_the_family():
     # a template that does not know tools: they are described in Hermes form, so replies are read so
     assert tool_format("{{ messages }}", "gpt_oss") == "hermes"
     assert tool_format(None, "deepseek_v3") == "hermes"
+
+
+HARMONY_PLAIN = [
+    "Just text, no channels at all: a <| b |> c <|end of nothing",
+    "<|channel|>analysis<|message|>Think <b>hard</b>.<|end|><|start|>assistant<|channel|>final<|message|>4 < 5, and 2|3.",
+]
+
+
+@pytest.mark.parametrize("text", HARMONY_PLAIN)
+def test_harmony_reply_without_tools(text):
+    """A harmony reply is read even without tools: the final channel is the content, analysis is
+    dropped, and text without channel markers passes through unchanged; any split gives the same."""
+    content, calls = parse_tool_calls(text, "harmony")
+    assert calls == []
+    assert content == (text if "<|channel|>" not in text else "4 < 5, and 2|3.")
+    for seed in range(20):
+        assert _streamed("harmony", text, random.Random(seed)) == (content, [])
+
+
+def _special_tokenizer(specials: list[str]):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"] + specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(['commentary to=functions json {"city": "Paris"} function get_weather'] * 4, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok)
+
+
+FORCED_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "noop", "parameters": {"type": "object", "properties": {}}}}]
+HARMONY_SPECIALS = ["<|channel|>", "<|constrain|>", "<|message|>", "<|call|>", "<|return|>", "<|start|>", "<|end|>"]
+
+
+@pytest.mark.parametrize("fmt,specials,eos,good", [
+    ("harmony", HARMONY_SPECIALS, ["<|call|>", "<|return|>"],
+     '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>'),
+    ("deepseek", list(DS.values()), ["<|endoftext|>"],
+     DS["tool calls begin"] + DS["tool call begin"] + "function" + DS["tool sep"] +
+     'get_weather\n```json\n{"city": "Paris"}\n```' + DS["tool call end"] + DS["tool calls end"]),
+])
+def test_forced_call_grammar_follows_the_model_format(fmt, specials, eos, good):
+    """A required call is constrained to the model's own format, and what it allows parses as a call;
+    the Hermes form and a wrong argument are refused."""
+    import llguidance
+    import llguidance.hf
+
+    from moestream.server.grammar import tool_call_grammar
+
+    tok = _special_tokenizer(specials)
+    ll = llguidance.hf.from_tokenizer(tok, eos_token=[tok.convert_tokens_to_ids(e) for e in eos])
+    token_id = {s: tok.convert_tokens_to_ids(s) for s in specials}.get
+    grammar, used = tool_call_grammar(FORCED_TOOLS, "*", parallel=False, fmt=fmt, token_id=token_id)
+    assert used == fmt
+
+    def accepts(text: str) -> bool:
+        matcher = llguidance.LLMatcher(ll, grammar, log_level=0)
+        return matcher.consume_tokens(tok.encode(text, add_special_tokens=False)) and matcher.is_accepting()
+
+    assert accepts(good)
+    assert not accepts(good.replace('"city"', '"town"'))
+    assert not accepts('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n')
+    assert _calls(parse_tool_calls(good, fmt)[1]) == [("get_weather", {"city": "Paris"})]
+    # markers that are not single tokens: the Hermes grammar, and the reply is read as Hermes
+    assert tool_call_grammar(FORCED_TOOLS, "noop", parallel=False, fmt=fmt)[1] == "hermes"
+    assert tool_call_grammar(FORCED_TOOLS, "noop", parallel=False, fmt="gemma", token_id=token_id)[1] == "hermes"
