@@ -134,3 +134,23 @@ def test_parser_units():
     assert '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>' in rendered[2]["content"]
     assert rendered[3] == {"role": "user", "content": "<tool_response>\nr1\n</tool_response>\n"
                                                       "<tool_response>\nr2\n</tool_response>"}
+
+
+HARMONY_REPLY = ("<|channel|>analysis<|message|>The user greets.<|end|><|start|>assistant<|channel|>final<|message|>"
+                 "Hello there!")
+
+
+def test_harmony_reply_without_tools_is_the_final_channel(scripted):
+    server, engine = scripted
+    engine.script = HARMONY_REPLY
+    engine.tokenizer.chat_template = "{{ tools }}{{ tool_calls }}<|start|>assistant<|channel|>final<|message|>"
+    try:
+        with server.client() as client:
+            whole = client.chat.completions.create(model=MODEL_ID, messages=USER, max_tokens=400)
+            chunks = list(client.chat.completions.create(model=MODEL_ID, messages=USER, max_tokens=400, stream=True))
+            raw = client.completions.create(model=MODEL_ID, prompt="hi", max_tokens=400)
+    finally:
+        del engine.tokenizer.chat_template
+    assert whole.choices[0].message.content == "Hello there!" and whole.choices[0].finish_reason == "stop"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Hello there!"
+    assert raw.choices[0].text == HARMONY_REPLY  # /completions stays raw
