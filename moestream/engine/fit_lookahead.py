@@ -15,13 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import sys
 import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from moestream.cli_args import fail
 from moestream.experts.guess_maps import FILE_NAME, GuessMaps, choose_and_fit, manifest_digest, overlap, top_k
 from moestream.layers.moe import MoEBlock
 
@@ -193,8 +193,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                prefill_chunk_tokens=args.file_tokens,
                                                                prefetch="none", lookahead_maps="none"))
     except MoestreamError as exc:
-        print(f"moestream fit-lookahead: error: {exc}", file=sys.stderr)
-        return 1
+        return fail("moestream fit-lookahead", str(exc))
     try:
         texts = token_texts(engine.tokenizer, files, tokens=args.tokens, per_file=args.file_tokens)
         blocks = moe_blocks(engine.model)
@@ -202,8 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         problem = ("the text gives fewer than 2 files of at least 64 tokens" if len(texts) < 2 else
                    "the model has fewer than 2 MoE layers: there is nothing to guess ahead" if not depths else None)
         if problem:
-            print(f"moestream fit-lookahead: error: {problem}", file=sys.stderr)
-            return 1
+            return fail("moestream fit-lookahead", problem)
         cut = min(len(texts) - 1, max(1, round(len(texts) * (1 - args.check_share))))
         with torch.inference_mode():
             fit_cap, check_cap = capture(engine, texts[:cut]), capture(engine, texts[cut:])

@@ -16,7 +16,7 @@ from moestream.errors import FormatError
 from moestream.layers.attention import Attention, AttentionWeights
 from moestream.layers.kv_cache import LayerKV
 from moestream.layers.mlp import DenseMLP
-from moestream.layers.moe import SharedExpert
+from moestream.layers.moe import MoEBlock, SharedExpert
 from moestream.layers.rope import Rope, rope_parameters, rope_theta
 from moestream.layers.routers import softmax_topk
 from moestream.layers.transformer import DecoderLayer, MoETransformer
@@ -194,6 +194,16 @@ def shared_expert(loader, prefix: str, hidden: int, inter: int, *, gate: str | N
     """A shared expert's SwiGLU from `{prefix}`, with a sigmoid gate [1, H] at `gate` if given."""
     return SharedExpert(*swiglu_weights(loader, prefix, hidden, inter),
                         gate_weight=loader.take(gate, (1, hidden)) if gate else None)
+
+
+def gated_shared_moe(loader, prefix: str, layer: int, args, route, experts) -> MoEBlock:
+    """The Qwen MoE block at `{prefix}` (its `mlp.`): routed experts, and a shared expert behind its
+    sigmoid gate (`shared_expert.`, `shared_expert_gate.weight`)."""
+    H = args.hidden_size
+    shared = shared_expert(loader, prefix + "shared_expert.", H, args.shared_expert_intermediate_size,
+                           gate=prefix + "shared_expert_gate.weight")
+    return MoEBlock(layer, loader.take(prefix + "gate.weight", (args.num_experts, H)), route, experts,
+                    top_k=args.num_experts_per_tok, shared=shared)
 
 
 def norms(loader, prefix: str, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -6,7 +6,6 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from moestream.layers.experts import RoutedExperts
-from moestream.layers.moe import MoEBlock
 from moestream.layers.rope import Rope
 from moestream.models import base
 
@@ -48,11 +47,7 @@ def build(args: ModelArgs, loader, experts: RoutedExperts) -> base.MoETransforme
         p = f"model.layers.{i}."
         attn = base.attention(loader, p + "self_attn.", args, rope, bias=args.qkv_bias)
         if args.is_moe_layer(i):
-            m = p + "mlp."
-            shared = base.shared_expert(loader, m + "shared_expert.", H, args.shared_expert_intermediate_size,
-                                        gate=m + "shared_expert_gate.weight")
-            ffn = MoEBlock(i, loader.take(m + "gate.weight", (args.num_experts, H)), route, experts,
-                           top_k=args.num_experts_per_tok, shared=shared)
+            ffn = base.gated_shared_moe(loader, p + "mlp.", i, args, route, experts)
         else:
             ffn = base.dense_mlp(loader, p + "mlp.", H, args.intermediate_size)
         layers.append(base.decoder_layer(loader, p, args, attn, ffn))

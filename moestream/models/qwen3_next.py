@@ -20,7 +20,6 @@ from moestream.layers.gated_attention import GatedAttention, GatedAttentionWeigh
 from moestream.layers.gated_deltanet import DeltaNetWeights, GatedDeltaNet
 from moestream.layers.hybrid import HybridLayer, HybridTransformer
 from moestream.layers.kv_cache import LayerKV
-from moestream.layers.moe import MoEBlock
 from moestream.layers.rope import Rope
 from moestream.models import base
 
@@ -154,11 +153,7 @@ def build(args: ModelArgs, loader, experts: RoutedExperts) -> HybridTransformer:
         mixer = gated_attention(loader, p + "self_attn.", args, rope) if kind == FULL else \
             deltanet(loader, p + "linear_attn.", args)
         if args.is_moe_layer(i):
-            m = p + "mlp."
-            shared = base.shared_expert(loader, m + "shared_expert.", H, args.shared_expert_intermediate_size,
-                                        gate=m + "shared_expert_gate.weight")
-            ffn = MoEBlock(i, loader.take(m + "gate.weight", (args.num_experts, H)), route, experts,
-                           top_k=args.num_experts_per_tok, shared=shared)
+            ffn = base.gated_shared_moe(loader, p + "mlp.", i, args, route, experts)
         else:
             ffn = base.dense_mlp(loader, p + "mlp.", H, args.intermediate_size)
         layers.append(HybridLayer(mixer, ffn, offset_norm(loader, p + "input_layernorm.weight", H),

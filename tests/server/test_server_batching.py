@@ -4,19 +4,16 @@ slots' KV caches; a long prompt's prefill runs between the others' decode steps;
 its slot at once; beyond the slots and the queue, 503; /metrics shows the batches."""
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import pytest
 
 from conftest import live_server
+from serve_process import start_serve
 
 pytest.importorskip("torch")
 from moestream.engine.engine import Engine  # noqa: E402
@@ -27,7 +24,6 @@ from moestream.server.worker import Worker  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
-REPO = Path(__file__).resolve().parents[2]
 MODEL_ID = "tiny-moe"
 PROMPTS = ["def fibonacci(n):", "The quick brown fox", "import os\nclass Thing:", "Hello world! 12",
            "Once upon a time", "x = [1, 2, 3]", "SELECT * FROM", "# Title\n\nSome"]
@@ -250,17 +246,9 @@ def test_parallel_needs_an_engine_with_enough_slots(model_dir):
 
 def test_moestream_serve_parallel_process(model_dir, reference):
     """`python -m moestream serve --parallel 4` itself: 8 concurrent requests, each as alone."""
-    proc = subprocess.Popen([sys.executable, "-m", "moestream", "serve", "--model", str(model_dir), "--port", "0",
-                             "--device", "cpu", "--parallel", "4", "--queue-size", "8", "--log-level", "warning"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=dict(os.environ))
+    proc, url = start_serve("--model", str(model_dir), "--device", "cpu", "--parallel", "4", "--queue-size", "8",
+                            "--log-level", "warning")
     try:
-        line = proc.stdout.readline()
-        assert "listening on http://127.0.0.1:" in line, line + (proc.stderr.read() if proc.poll() else "")
-        url = line.split("listening on ")[1].split("/v1")[0]
-        deadline = time.monotonic() + 60
-        while httpx.get(url + "/health").status_code != 200:
-            assert time.monotonic() < deadline and proc.poll() is None
-            time.sleep(0.1)
         assert httpx.get(url + "/health").json()["queue"]["max"] == 8
 
         def run(prompt):
