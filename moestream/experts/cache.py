@@ -541,6 +541,7 @@ class ExpertCache:
             "source": getattr(self.source, "name", "?"), "verify": bool(getattr(self.source, "check_records", False)),
             "policy": self.directory.policy_name,
             "streaming": "resident" if self.resident_tables else "device" if self.device_map is not None else "host",
+            **({"slot_map": "triton" if self.device_map.kernel and self.cuda else "torch"} if self.device_map else {}),
             "partition": self.directory.partition, "slots": self.num_slots, "slot_bytes": self.num_slots * self.slot_bytes,
             "total_experts": self.total_experts, "host_slots": self.host.slots if self.host else 0,
             "hits": st.hits, "misses": st.misses, "hit_rate": round(st.hits / lookups, 6) if lookups else 1.0,

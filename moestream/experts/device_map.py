@@ -66,7 +66,7 @@ class DeviceMap:
         self.misses = torch.zeros(len(self.layers), dtype=torch.int64, device=dev)
         self._index = {layer: i for i, layer in enumerate(self.layers)}
         # the one-program Triton lookup on CUDA (moestream.kernels.triton_slot_map): the same
-        # decisions as `decide` (tested on CUDA), not yet timed at full scale, so off by default
+        # decisions as `decide` (tested on CUDA); the engine turns it on (--slot-map)
         self.kernel = False
 
     def layer_table(self, layer: int) -> torch.Tensor:
