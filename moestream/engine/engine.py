@@ -310,7 +310,8 @@ class Engine:
         if reason is None:
             t0 = time.perf_counter()
             try:
-                self.experts.start_device_map().kernel = self.options.slot_map == "triton"
+                self.experts.start_device_map()
+                self.experts.device_map.kernel = self.options.slot_map == "triton"
                 log.info("device-driven streaming: %d slots, the host tier holds all %d experts (%.1f s)",
                          self.plan.slots, self.provider.total_experts, time.perf_counter() - t0)
                 return
