@@ -111,3 +111,38 @@ def test_hot_head_server_greedy_and_sampled(plain, hot):
     _, hot_text, _, timings = completion(hot, temperature=0.8, seed=5)
     assert hot_text == text
     assert timings["speculative"] is None and "greedily only" in timings["speculative_off"]
+
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24},
+                                           "size": {"type": "integer"}, "tags": {"type": "array", "items": {"type": "string"},
+                                                                                 "maxItems": 3}},
+          "required": ["name", "size", "tags"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "lookup", "description": "find a symbol",
+                                           "parameters": {"type": "object", "properties": {"symbol": {"type": "string"}},
+                                                          "required": ["symbol"]}}}]
+
+
+@pytest.mark.parametrize("setting", SETTINGS[:2], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("constraint", [
+    dict(response_format={"type": "json_schema", "json_schema": {"name": "thing", "schema": SCHEMA, "strict": True}}),
+    dict(response_format={"type": "json_object"}),
+    dict(tools=TOOLS, tool_choice="required"),
+], ids=["json_schema", "json_object", "forced_tool"])
+def test_constrained_decoding_with_drafts_gives_the_plain_reply(setting, constraint, plain, ngram):
+    """Grammar-constrained replies (structured output, forced tool calls) with the n-gram drafter:
+    drafts are checked through the grammar's mask, so the reply is the plain server's, bit for bit."""
+    fresh(plain, ngram)
+    kw = dict(model=MODEL_ID, messages=CHAT, max_tokens=40, logprobs=True, **setting, **constraint)
+    expected = plain.chat.completions.create(**kw)
+    fresh(plain, ngram)
+    got = ngram.chat.completions.create(**kw)
+    e, g = expected.choices[0], got.choices[0]
+    assert g.message.content == e.message.content
+    assert [(c.function.name, c.function.arguments) for c in g.message.tool_calls or []] == \
+        [(c.function.name, c.function.arguments) for c in e.message.tool_calls or []]
+    assert [t.logprob for t in g.logprobs.content] == [t.logprob for t in e.logprobs.content]
+    assert got.model_extra["timings"]["speculative"] == "ngram"
+    assert got.usage.completion_tokens == expected.usage.completion_tokens > 0
+    timings = got.model_extra["timings"]
+    if "tools" in constraint:  # the call's JSON repeats the prompt's: drafts are kept and refused
+        assert 0 < timings["draft_n_accepted"] < timings["draft_n"]
