@@ -253,6 +253,8 @@ class Engine:
 
     def close(self) -> None:
         self.save_trace()
+        if self.experts.device_share is not None:
+            self.experts.device_share.close()
         if self.experts.cpu is not None:
             self.experts.cpu.close()
         self.provider.close()
@@ -299,8 +301,10 @@ class Engine:
         reason = None
         if self.parallel is not None:
             reason = "expert parallelism computes experts on several ranks"
-        elif self.options.cpu_experts != "off":
-            reason = "a CPU share of the misses needs the host to see each layer's ids"
+        elif mode == "auto" and self.options.cpu_experts != "off":
+            # the device path's CPU share (a mailbox the step's graph waits on) has not been timed on a
+            # GPU yet: `--streaming device` asks for it
+            reason = "a CPU share runs on the host path unless --streaming device asks for the device path's"
         elif mode == "auto" and self.device.type != "cuda":
             reason = "on the CPU the host drives"
         elif mode == "auto" and not all(self.experts.uses_triton(layer, self.dtype) for layer in self.experts.num_experts):
@@ -312,6 +316,9 @@ class Engine:
             try:
                 self.experts.start_device_map()
                 self.experts.device_map.kernel = self.options.slot_map == "triton"
+                if self.experts.cpu is not None:  # the CPU's share through a mailbox, inside the graphs
+                    self.experts.share_on_device(hidden=self.args.hidden_size, dtype=self.dtype, max_tokens=16,
+                                                 timeout_s=self.options.cpu_experts_timeout)
                 log.info("device-driven streaming: %d slots, the host tier holds all %d experts (%.1f s)",
                          self.plan.slots, self.provider.total_experts, time.perf_counter() - t0)
                 return
@@ -580,7 +587,9 @@ class Engine:
         stats = dict(self.provider.stats())
         if self.parallel is not None:
             stats.update(collective_s=self.parallel.group.collective_s, exchanges=self.parallel.group.exchanges)
-        if self.experts.cpu is not None:
+        if self.experts.device_share is not None:
+            stats.update(self.experts.device_share.stats())
+        elif self.experts.cpu is not None:
             stats.update(self.experts.cpu.stats())
         return stats
 

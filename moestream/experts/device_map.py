@@ -17,11 +17,12 @@ State, all device tensors:
   - last_used [S + 1] int64: when each slot was last used (call count << 20 | expert), scratch
     entry last; unused slots start below any use, in slot order.
   - host_slot [N] int64: the host tier slot of each expert (fixed: the host tier holds them all).
-  - hits / misses [layers] int64: counted here, read when stats are asked for.
+  - hits / misses / away [layers] int64: counted here, read when stats are asked for (away: misses
+    withheld for another compute unit, counted among the misses too).
 """
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch
 
@@ -64,6 +65,7 @@ class DeviceMap:
         self.clock = torch.zeros((), dtype=torch.int64, device=dev)
         self.hits = torch.zeros(len(self.layers), dtype=torch.int64, device=dev)
         self.misses = torch.zeros(len(self.layers), dtype=torch.int64, device=dev)
+        self.away = torch.zeros(len(self.layers), dtype=torch.int64, device=dev)  # misses withheld (in misses too)
         self._index = {layer: i for i, layer in enumerate(self.layers)}
         # the one-program Triton lookup on CUDA (moestream.kernels.triton_slot_map): the same
         # decisions as `decide` (tested on CUDA); the engine turns it on (--slot-map)
@@ -74,22 +76,36 @@ class DeviceMap:
         off = self.offset[layer]
         return self.table[off:off + self.num_experts[layer]]
 
-    def ensure(self, layer: int, ids: torch.Tensor) -> None:
+    def ensure(self, layer: int, ids: torch.Tensor, *, withhold: torch.Tensor | None = None,
+               before_copy: Callable[[], None] | None = None, count: bool = True) -> None:
         """Make every expert in `ids` (any shape, this layer's ids) hold a slot with its record, on
         the device and in stream order: device ops only, no host sync (a CUDA graph can hold it).
         With `kernel` on CUDA one Triton program decides (moestream.kernels.triton_slot_map), else
-        `decide` (~35 small kernels, inside the step's graph)."""
+        `decide` (~35 small kernels, inside the step's graph).
+
+        withhold: an int32 [1] tensor the device reads (a share of the misses in 1/1024ths): that
+        share of this call's misses, the first in expert order, get no slot and stay out of the
+        table (another compute unit computes them: moestream.layers.device_cpu_share); at least one
+        distinct expert of the call always stays. before_copy runs after the decision, before the
+        records are copied. count: add this call to the hit and miss counts."""
         if self.pool.device.type == "cuda" and self.kernel:
             from moestream.kernels import triton_slot_map
 
             if triton_slot_map.fits(ids, self.slots):
-                src, dst, todo = triton_slot_map.slot_map(self, layer, ids)
+                src, dst, todo = triton_slot_map.slot_map(self, layer, ids, withhold=withhold, count=count)
+                if before_copy is not None:
+                    before_copy()
                 copy_records(self.host_pool, self.pool, src, dst, todo)
                 return
-        self.decide(layer, ids)
+        src, dst, todo = self.decide(layer, ids, withhold=withhold, count=count)
+        if before_copy is not None:
+            before_copy()
+        copy_records(self.host_pool, self.pool, src, dst, todo)
 
-    def decide(self, layer: int, ids: torch.Tensor) -> None:
-        """`ensure` in torch ops (the reference for the Triton program, and the CPU's way)."""
+    def decide(self, layer: int, ids: torch.Tensor, *, withhold: torch.Tensor | None = None,
+               count: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`ensure`'s decision in torch ops (the reference for the Triton program, and the CPU's
+        way); returns what the record copy needs (source rows, destination slots, which to copy)."""
         n, S = self.total, self.slots
         expert, _ = torch.sort(ids.reshape(-1).to(torch.int64))
         key = expert + self.offset[layer]
@@ -98,6 +114,12 @@ class DeviceMap:
         slot = self.table[key].to(torch.int64)
         miss = first & (slot < 0)
         hit = first & (slot >= 0)
+        away = torch.zeros_like(miss)
+        if withhold is not None:  # the first c misses (expert order) are computed elsewhere
+            c = (withhold.to(torch.int64) * miss.sum() + 512) >> 10
+            c = torch.minimum(c, first.sum() - 1)
+            away = miss & (torch.cumsum(miss, 0) <= c)
+            miss = miss & ~away
         self.clock.add_(1)
         # stamps order slots by last use, then (within one call) by expert: strict LRU, no ties
         now = (self.clock << 20) + expert
@@ -115,10 +137,12 @@ class DeviceMap:
         self.table[n:].fill_(-1)
         self.last_used[S:].fill_(0)
         src = self.host_slot[key.clamp(max=n - 1)]
-        copy_records(self.host_pool, self.pool, src, new, miss)
-        li = self._index[layer]
-        self.hits[li] += hit.sum()
-        self.misses[li] += miss.sum()
+        if count:
+            li = self._index[layer]
+            self.hits[li] += hit.sum()
+            self.misses[li] += miss.sum() + away.sum()
+            self.away[li] += away.sum()
+        return src, new, miss
 
     def counts(self) -> dict[int, tuple[int, int]]:
         """layer -> (hits, misses) so far (reads the device counters: one sync)."""
@@ -129,6 +153,7 @@ class DeviceMap:
     def reset_counts(self) -> None:
         self.hits.zero_()
         self.misses.zero_()
+        self.away.zero_()
 
 
 def copy_records(source: torch.Tensor, dest: torch.Tensor, src: torch.Tensor, dst: torch.Tensor,

@@ -19,7 +19,8 @@ MAX_SLOTS = 8192  # slots it holds in registers at once
 
 @triton.jit
 def _slot_map(ids_ptr, P, offset, table_ptr, owner_ptr, stamp_ptr, host_slot_ptr, clock_ptr, hits_ptr, misses_ptr,
-              layer_index, S, N, src_ptr, dst_ptr, todo_ptr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr):
+              away_ptr, withhold_ptr, layer_index, S, N, src_ptr, dst_ptr, todo_ptr, BLOCK_P: tl.constexpr,
+              BLOCK_S: tl.constexpr, WITHHOLD: tl.constexpr, COUNT: tl.constexpr):
     i = tl.arange(0, BLOCK_P)
     valid = i < P
     expert = tl.load(ids_ptr + i, mask=valid, other=0).to(tl.int64)
@@ -33,6 +34,14 @@ def _slot_map(ids_ptr, P, offset, table_ptr, owner_ptr, stamp_ptr, host_slot_ptr
     # misses in order of expert (as the torch version assigns victims)
     before = (key[None, :] < key[:, None]) & miss[None, :]
     rank = tl.sum(before.to(tl.int32), 1)
+    n_away = 0
+    if WITHHOLD:  # the first c misses in expert order get no slot (computed elsewhere); one expert stays
+        c = (tl.load(withhold_ptr).to(tl.int64) * tl.sum(miss.to(tl.int64), 0) + 512) >> 10
+        c = tl.minimum(c, tl.sum(first.to(tl.int64), 0) - 1)
+        away = miss & (rank < c)
+        n_away = tl.sum(away.to(tl.int32), 0)
+        miss = miss & (rank >= c)
+        rank = rank - n_away
     clock = tl.load(clock_ptr) + 1
     now = (clock << 20) + expert
     # this call's hits take the newest stamps first, so they are never victims (as in torch)
@@ -58,8 +67,10 @@ def _slot_map(ids_ptr, P, offset, table_ptr, owner_ptr, stamp_ptr, host_slot_ptr
     tl.store(owner_ptr + new, key, mask=miss)
     tl.store(stamp_ptr + new, now, mask=miss)
     tl.store(clock_ptr, clock)
-    tl.store(hits_ptr + layer_index, tl.load(hits_ptr + layer_index) + tl.sum(hit.to(tl.int64), 0))
-    tl.store(misses_ptr + layer_index, tl.load(misses_ptr + layer_index) + n_miss.to(tl.int64))
+    if COUNT:
+        tl.store(hits_ptr + layer_index, tl.load(hits_ptr + layer_index) + tl.sum(hit.to(tl.int64), 0))
+        tl.store(misses_ptr + layer_index, tl.load(misses_ptr + layer_index) + (n_miss + n_away).to(tl.int64))
+        tl.store(away_ptr + layer_index, tl.load(away_ptr + layer_index) + n_away)
     src = tl.load(host_slot_ptr + tl.minimum(key, N - 1), mask=valid, other=0)
     tl.store(src_ptr + i, src, mask=valid)
     tl.store(dst_ptr + i, new, mask=valid)
@@ -71,17 +82,19 @@ def fits(ids: torch.Tensor, slots: int) -> bool:
     return ids.numel() <= MAX_IDS and slots <= MAX_SLOTS
 
 
-def slot_map(dm, layer: int, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def slot_map(dm, layer: int, ids: torch.Tensor, *, withhold: torch.Tensor | None = None,
+             count: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Run the lookup of `ids` (this layer's) on `dm`'s state; returns (src, dst, todo) per id for
-    the record copy."""
+    the record copy. withhold / count: as DeviceMap.ensure."""
     flat = ids.reshape(-1)
     P, dev = flat.numel(), flat.device
     src = torch.empty(P, dtype=torch.int64, device=dev)
     dst = torch.empty(P, dtype=torch.int64, device=dev)
     todo = torch.empty(P, dtype=torch.int8, device=dev)
     _slot_map[(1,)](flat, P, dm.offset[layer], dm.table, dm.owner, dm.last_used, dm.host_slot, dm.clock, dm.hits,
-                    dm.misses, dm._index[layer], dm.slots, dm.total, src, dst, todo,
-                    BLOCK_P=max(16, triton.next_power_of_2(P)), BLOCK_S=triton.next_power_of_2(dm.slots),
+                    dm.misses, dm.away, withhold if withhold is not None else dm.hits, dm._index[layer], dm.slots,
+                    dm.total, src, dst, todo, BLOCK_P=max(16, triton.next_power_of_2(P)),
+                    BLOCK_S=triton.next_power_of_2(dm.slots), WITHHOLD=withhold is not None, COUNT=count,
                     num_warps=8 if dm.slots <= 4096 else 16)
     return src, dst, todo
 

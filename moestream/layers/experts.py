@@ -182,6 +182,8 @@ class RoutedExperts:
         self.resident = False
         self.device_map = None  # set by start_device_map: the device looks up slots and copies misses itself
         self.cpu = None  # a moestream.layers.cpu_share.CpuShare: the CPU computes some misses
+        # on the device-driven path, the CPU's share through a mailbox (moestream.layers.device_cpu_share)
+        self.device_share = None
         self._cpu_jobs: dict = {}  # layer -> its CpuJob between `load` and `join_cpu`
         self._cpu_rows: dict = {}  # (pairs, H) -> (device float32 rows the plans take, host staging)
         # hooks: on_route(layer, ids) sees every layer's chosen ids (traces); after_fetch(layer, x,
@@ -315,8 +317,16 @@ class RoutedExperts:
             dev.copy_(staging, non_blocking=True)
         self.tables[layer].copy_(host, non_blocking=True)
 
+    def share_on_device(self, *, hidden: int, dtype: torch.dtype, max_tokens: int, timeout_s: float) -> None:
+        """With the device map running: the CPU's share of the misses through a mailbox the device
+        posts to and waits on inside the step's graph (moestream.layers.device_cpu_share)."""
+        from moestream.layers.device_cpu_share import DeviceCpuShare
+
+        self.device_share = DeviceCpuShare(self.cpu, device=self.device, hidden=hidden, max_tokens=max_tokens,
+                                           dtype=dtype, timeout_s=timeout_s)
+
     def _take_cpu_rows(self, layer: int, plan, ids: torch.Tensor, hidden: int, table: torch.Tensor) -> None:
-        if self.cpu is not None and not self.cpu.refused.get(layer):
+        if self.cpu is not None and self.device_map is None and not self.cpu.refused.get(layer):
             plan.take_rows(self._rows_buffers(ids.numel(), hidden)[0], table)
 
     # -- the halves apart (the decoder) --------------------------------------------------------
@@ -397,6 +407,8 @@ class RoutedExperts:
         """Device half: the routed experts from the layer's slot table (set by `load`, resident, or
         brought up to date here by the device map)."""
         if self.device_map is not None:
+            if self.device_share is not None and self.device_share.takes(x, ids) and not self.cpu.refused.get(layer):
+                return self.device_share.compute(self, layer, x, ids, weights, residual=residual, out=out)
             self.device_map.ensure(layer, ids)
         plan = self.plan(layer, x, ids, weights, per_pair=per_pair)
         plan.run_table(self.provider.slot_pool(layer), self.tables[layer])

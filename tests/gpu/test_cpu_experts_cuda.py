@@ -1,4 +1,5 @@
-"""--cpu-experts on CUDA: bf16, experts streamed through a 50 % device cache with every record in the
+"""--cpu-experts on CUDA on the host path (`--streaming host`; the device path's share:
+test_device_cpu_share_cuda.py): bf16, experts streamed through a 50 % device cache with every record in the
 host tier; with a CPU share (0.5 and auto) the greedy tokens are those of off over 16 steps and the
 log-probabilities within the bf16 tolerance, through the decoder's CUDA graphs; a failing CPU falls
 back to the device with the bits of off; every host-tier record is repacked before the first step and
@@ -22,7 +23,7 @@ def packed(tiny_packed_model):
 
 def run(packed, fault_after=None, **opts):
     options = EngineOptions(device="cuda", dtype="bfloat16", max_context=256, cache_size="50%",
-                            host_cache_size="all", **opts)
+                            host_cache_size="all", streaming="host", **opts)
     engine = Engine.load(packed, options=options)
     if engine.experts.cpu is not None:
         engine.experts.cpu.fault_after = fault_after

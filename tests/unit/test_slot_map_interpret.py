@@ -25,17 +25,21 @@ def make(seed=0, slots=24, layers=(0, 2, 3), experts=10, width=8):
                      {l: width for l in layers})
 
 
-def test_the_program_decides_what_the_torch_version_decides():
+@pytest.mark.parametrize("share", [None, 512, 1024], ids=["all", "half-withheld", "all-but-one-withheld"])
+def test_the_program_decides_what_the_torch_version_decides(share):
     sm = interpreted_module("moestream.kernels.triton_slot_map")
     a, b = make(), make()
+    withhold = None if share is None else torch.tensor([share], dtype=torch.int32)
     g = torch.Generator().manual_seed(1)
     for step in range(60):
         layer = a.layers[step % 3]
         tokens = 1 if step % 5 else 4  # multi-token calls repeat experts
         ids = torch.stack([torch.randperm(10, generator=g)[:3] for _ in range(tokens)])
-        src, dst, todo = sm.slot_map(a, layer, ids)
+        count = step % 4 != 3
+        src, dst, todo = sm.slot_map(a, layer, ids, withhold=withhold, count=count)
         copy_records(a.host_pool, a.pool, src, dst, todo.bool())
-        b.decide(layer, ids)
-        for name in ("table", "owner", "last_used", "clock", "hits", "misses", "pool"):
+        b.ensure(layer, ids, withhold=withhold, count=count)
+        for name in ("table", "owner", "last_used", "clock", "hits", "misses", "away", "pool"):
             assert torch.equal(getattr(a, name), getattr(b, name)), (step, name)
     assert int(a.misses.sum()) > a.slots  # slots were reused
+    assert (int(a.away.sum()) > 0) == (share is not None)

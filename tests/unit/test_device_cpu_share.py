@@ -1,0 +1,113 @@
+"""The CPU's share of the misses on the device-driven path (moestream.layers.device_cpu_share), on
+the CPU device where the same protocol runs with plain tensors: the device map withholds a share of
+each layer's misses, a worker thread computes them from the repacked host tier through the
+mailbox, and where its answer is missing (an error, too late) those experts are loaded and computed
+by the device path itself, giving the bits of no share at all."""
+import pytest
+import torch
+
+from moestream.engine.engine import Engine
+from moestream.engine.options import EngineOptions
+from moestream.experts.device_map import DeviceMap
+from moestream.format.reader import PackedModel
+
+PROMPT = "def fibonacci(n):\n    if n < 2:"
+LOGPROB_TOLERANCE = 0.05  # the CPU's int kernels round differently from the reference (as the host path's test)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_packed_model):
+    return tiny_packed_model("qwen3_moe", "q4", num_hidden_layers=5, num_experts_per_tok=4)  # 4 MoE layers of 8 experts
+
+
+def slots(model, n: int) -> str:
+    return str(n * max(e.record_size for e in PackedModel(model).manifest.expert_layers))
+
+
+def run(model, *, steps=12, fault_after=None, fault_delay_s=0.0, **opts):
+    options = EngineOptions(device="cpu", prefill_chunk_tokens=5, cache_size=slots(model, 16), host_cache_size="all",
+                            streaming="device", **opts)
+    engine = Engine.load(model, options=options)
+    if engine.experts.cpu is not None:
+        engine.experts.cpu.fault_after = fault_after
+        engine.experts.cpu.fault_delay_s = fault_delay_s
+    try:
+        gen = engine.generate(engine.tokenizer.encode(PROMPT), max_new_tokens=steps, logprobs=1, stop_at_eos=False)
+        events = list(gen)
+        assert engine.streaming == "device"
+        return [e.token_id for e in events], [e.logprob for e in events], engine.expert_stats()
+    finally:
+        engine.close()
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    return run(model)
+
+
+@pytest.mark.parametrize("share", ["0.5", "1", "auto"])
+def test_a_share_on_the_device_path_stays_within_tolerance(model, reference, share):
+    tokens, logprobs, stats = run(model, cpu_experts=share)
+    assert tokens == reference[0]
+    assert max(abs(a - b) for a, b in zip(logprobs, reference[1])) < LOGPROB_TOLERANCE
+    assert logprobs != reference[1]  # the CPU computed some pairs: other rounding
+    assert stats["cpu_share_path"] == "device"
+    assert stats["cpu_fallbacks"] == 0 and stats["cpu_late_calls"] == 0 and stats["cpu_errors"] == 0
+    assert stats["cpu_experts"] > 0 and stats["cpu_pairs"] >= stats["cpu_experts"] and stats["cpu_gb_s"] > 0
+    assert stats["misses"] >= stats["cpu_experts"]  # what the CPU computed was missed on the device
+    assert "cpu_experts" not in reference[2]
+
+
+def test_a_bigger_share_gives_the_cpu_more(model):
+    half, full = run(model, cpu_experts="0.5")[2], run(model, cpu_experts="1")[2]
+    assert 0 < half["cpu_experts"] < full["cpu_experts"]
+
+
+def test_cpu_errors_fall_back_to_the_device_with_the_bits_of_no_share(model, reference):
+    tokens, logprobs, stats = run(model, cpu_experts="1", fault_after=0)
+    assert tokens == reference[0] and logprobs == reference[1]
+    assert stats["cpu_experts"] == 0 and stats["cpu_errors"] > 0
+    assert stats["cpu_fallbacks"] > 0 and stats["cpu_late_calls"] >= stats["cpu_errors"]
+
+
+def test_a_fault_after_some_jobs_mixes_cpu_and_fallbacks(model, reference):
+    tokens, logprobs, stats = run(model, cpu_experts="1", fault_after=5)
+    assert tokens == reference[0]
+    assert max(abs(a - b) for a, b in zip(logprobs, reference[1])) < LOGPROB_TOLERANCE
+    assert stats["cpu_experts"] > 0 and stats["cpu_fallbacks"] > 0
+
+
+def test_a_late_answer_falls_back_to_the_device(model, reference):
+    tokens, logprobs, stats = run(model, steps=3, cpu_experts="1", cpu_experts_timeout=0.01, fault_delay_s=0.05)
+    assert tokens == reference[0][:3] and logprobs == reference[1][:3]
+    assert stats["cpu_late_calls"] > 0 and stats["cpu_fallbacks"] > 0
+
+
+def make_map(slots=10, experts=6, width=8):
+    keys = [(0, e) for e in range(experts)]
+    host = torch.arange(experts * width, dtype=torch.int64).to(torch.uint8).view(experts, width)
+    pool = torch.zeros((slots, width), dtype=torch.uint8)
+    return DeviceMap(pool, host, {k: i for i, k in enumerate(keys)}, {0: experts}, {0: width})
+
+
+@pytest.mark.parametrize("share, withheld", [(0, 0), (512, 2), (1024, 3), (300, 1)])
+def test_the_map_withholds_the_first_misses_and_always_keeps_one_expert(share, withheld):
+    dm = make_map()
+    dm.ensure(0, torch.tensor([[4]]))  # expert 4 is a hit below
+    ids = torch.tensor([[5, 1, 4, 3]])  # misses 1, 3, 5 (in expert order), hit 4
+    dm.ensure(0, ids, withhold=torch.tensor([share], dtype=torch.int32))
+    table = dm.layer_table(0)
+    away = [e for e in (1, 3, 5) if table[e] < 0]
+    assert away == [1, 3, 5][:withheld]
+    assert int(dm.away[0]) == withheld and int(dm.misses[0]) == 1 + 3  # withheld misses count as misses
+    for e in (1, 3, 4, 5):
+        if e not in away:
+            assert torch.equal(dm.pool[table[e]], dm.host_pool[e])
+    # every expert a miss, all withheld by the share: one stays on the device
+    dm2 = make_map()
+    dm2.ensure(0, torch.tensor([[0, 2]]), withhold=torch.tensor([1024], dtype=torch.int32))
+    assert [int(dm2.layer_table(0)[e]) >= 0 for e in (0, 2)] == [False, True]
+    # count=False leaves the counts alone
+    before = (dm.hits.clone(), dm.misses.clone())
+    dm.ensure(0, ids, count=False)
+    assert torch.equal(dm.hits, before[0]) and torch.equal(dm.misses, before[1])
