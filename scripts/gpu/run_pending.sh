@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# What has not yet run on a GPU, in priority order, in parts that each fit one device call (≤ 10 min).
+# Usage: scripts/gpu/run_pending.sh OUTDIR PART...   PART: tests | stream | resident | server
+#   tests:    the GPU tests written since the last GPU run (each file with its own time limit)
+#   stream:   Qwen3-30B-A3B shape, uniform routing: the Triton slot map A-B-A at 25 %, the device path's
+#             CPU share (off / 0.3 / auto), --memory-budget 8GiB with the Triton slot map
+#   resident: 100 % cache decode and prefill at 128 / 512 / 2048 / 8192, and a prefill profile
+#   server:   scripts/bench_server_batching.py at 100 % and 25 % (needs .whl: scripts/gpu/fetch_wheels.sh here,
+#             `carry: [".whl"]` in the call)
+set -u
+out=${1:?output folder}; shift
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
+mkdir -p "$out"
+start=$(date +%s)
+has() { [[ " $* " == *" $part "* ]]; }
+say() { echo "$1: $(( $(date +%s) - start )) s ${2:-}"; }
+model=/tmp/q30
+synth() { [ -f $model/moestream.json ] || python3 -m moestream synth --shape qwen3-30b-a3b $model --force > "$out/synth.log" 2>&1; say synth; }
+bench() {  # name, seconds, flags...
+  local name=$1 limit=$2; shift 2
+  timeout "$limit" python3 -m moestream bench --model $model --host-cache-size all --expert-source mmap \
+    --decode-tokens 128 --warmup --out "$out/$name.json" "$@" > "$out/$name.log" 2>&1
+  say "$name" "rc=$?"; grep -E "^cache|rror" "$out/$name.log" | tail -3
+}
+for part in "$@"; do
+  case $part in
+  tests)
+    for f in test_device_cpu_share_cuda test_device_map_cuda test_kernels test_torch_plan_families_cuda \
+             test_qwen3_next_cuda test_minimax_m2_cuda test_glm4_moe_cuda test_latent_attention_cuda \
+             test_lookahead_maps_cuda test_speculative_cuda test_cpu_experts_cuda ${EXTRA_TESTS:-}; do
+      [ -f tests/gpu/$f.py ] || continue
+      timeout -s ABRT 150 python3 -m pytest tests/gpu/$f.py -q -p no:cacheprovider -x > "$out/$f.log" 2>&1
+      say "$f" "rc=$?"; grep -E "passed|failed|FAILED|Timeout|Fatal" "$out/$f.log" | tail -3
+    done ;;
+  stream)
+    synth
+    for m in torch triton torch; do bench "slot-map-$m" 150 --routing uniform --prefill-tokens 512 --cache-sizes 25% \
+      --slot-map $m; done
+    for share in off 0.3 auto; do bench "device-cpu-share-$share" 150 --routing uniform --prefill-tokens 512 \
+      --cache-sizes 25% --streaming device --slot-map triton --cpu-experts $share; done
+    bench budget8-triton 150 --routing uniform --prefill-tokens 512 --memory-budget 8GiB --slot-map triton ;;
+  resident)
+    synth
+    bench resident 200 --cache-sizes all --prefill-tokens 128,512,2048,8192
+    timeout 150 python3 scripts/gpu/profile_decode.py --model $model --prefill 512 > "$out/profile-512.log" 2>&1
+    say profile-512 "rc=$?" ;;
+  server)
+    synth
+    for size in all 25%; do
+      timeout 240 python3 scripts/bench_server_batching.py --model $model --parallel 1,16 --clients 1,4,16,32 \
+        --max-tokens 32 --server-args "--device cuda --cache-size $size --host-cache-size all" \
+        --out "$out/server-batching-${size%\%}.json" > "$out/server-batching-${size%\%}.log" 2>&1
+      say "server $size" "rc=$?"; tail -6 "$out/server-batching-${size%\%}.log"
+    done ;;
+  esac
+done
