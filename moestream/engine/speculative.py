@@ -31,6 +31,7 @@ class Drafter:
     """Proposes the tokens likely to follow a context. It never changes the output, only the speed."""
 
     name = "drafter"
+    many_sequences = False  # whether one instance may draft for several sequences in turn (batching)
 
     def propose(self, context: Sequence[int], k: int) -> list[int]:
         """Up to k tokens likely to follow `context` (fewer, or none, when it has no guess)."""
@@ -55,6 +56,7 @@ class NGramDrafter(Drafter):
     text repeats itself (code, edits, quoting the prompt)."""
 
     name = "ngram"
+    many_sequences = True  # no state of its own: one drafter serves every sequence of a batch
 
     def __init__(self, *, max_ngram: int = 3, min_ngram: int = 1):
         if not 1 <= min_ngram <= max_ngram:

@@ -13,6 +13,12 @@ one step boundary:
 - retire: a sequence leaves at EOS, its length, a stop string or its client's disconnect (seen at
   the next boundary); its slot keeps its tokens for a later prompt's prefix.
 
+With speculation (`serve --speculative ngram`): before a decode step each sequence may draft a
+few tokens by prompt lookup (how many: its own adaptive policy, from its acceptance and the measured
+step times); the step verifies every sequence's drafts together, each sequence keeps its drafts up
+to the first its own choice rejects, and its cache forgets the rest. Its text is what it gets
+alone, with or without drafts.
+
 Each sequence has its own sampler settings (seed, penalties, grammar state), detokenizer, stop
 matcher and event sink, and chooses through the same Emitter as `engine.generate`, so a request's
 text does not depend on what else runs: greedy, the tokens it gets alone; sampled, the same seeded
@@ -66,6 +72,9 @@ class Running:
     next_token: int | None = None  # the token the next decode step runs
     generated: int = 0
     pending: list[TokenLogprobInfo] = field(default_factory=list)
+    spec: Any = None  # its SpeculativeStats where it drafts
+    policy: Any = None  # its AdaptivePolicy (auto draft lengths)
+    spec_off: str | None = None  # why the server's speculation sits this one out
     t0: float = field(default_factory=time.perf_counter)
     prefill_s: float = 0.0
     t_decode: float = 0.0
@@ -177,10 +186,21 @@ class BatchScheduler:
         emit = engine.emitter(prompt, state, sampling=choice.sampling, logprobs=k, should_stop=job.cancelled.is_set)
         # what the slot kept of the prompt; the last prompt token is always run (its logits start decoding)
         reused = min(engine.caches[slot].length, len(prompt) - 1)
-        return Running(job, index, slot, queue_s, self.job_started.get(id(job), time.monotonic()), prompt,
-                       budget=min(choice.max_new_tokens, engine.max_context - len(prompt)), emit=emit, state=state,
-                       decoder=IncrementalDecoder(self.worker.tokenizer.decode), matcher=StopMatcher(job.stops),
-                       before=engine.expert_stats(), computed=reused, reused=reused)
+        r = Running(job, index, slot, queue_s, self.job_started.get(id(job), time.monotonic()), prompt,
+                    budget=min(choice.max_new_tokens, engine.max_context - len(prompt)), emit=emit, state=state,
+                    decoder=IncrementalDecoder(self.worker.tokenizer.decode), matcher=StopMatcher(job.stops),
+                    before=engine.expert_stats(), computed=reused, reused=reused)
+        spec = self.worker.speculative
+        if spec is not None:
+            r.spec_off = spec.not_used_reason(choice.sampling)
+            if r.spec_off is None:
+                from moestream.engine.speculative import AdaptivePolicy, SpeculativeStats
+
+                fixed = spec.draft_tokens is not None
+                r.policy = None if fixed else AdaptivePolicy(spec.max_draft_tokens)
+                r.spec = SpeculativeStats(spec.drafter.name, str(spec.draft_tokens) if fixed else "auto",
+                                          policy=r.policy)
+        return r
 
     # ---- the steps
 
@@ -211,19 +231,67 @@ class BatchScheduler:
         if not ready:
             return
         self.worker._observe("batch_step", len(ready))
+        drafts = {id(r): self._draft(r) for r in ready}
         before = self.engine.expert_stats()
+        t0 = time.perf_counter()
         try:
-            logits = self.engine.step_many({r.slot: [r.next_token] for r in ready})
+            logits = self.engine.step_many({r.slot: [r.next_token] + drafts[id(r)][1] for r in ready})
+            if any(r.spec is not None for r in ready):
+                getattr(self.engine, "_sync", lambda: None)()  # the step's time is the policies' measurement
         except BaseException as exc:  # the whole step failed: so does every request in it
             self._work_since(before)
             for r in ready:
                 self._drop(r)
                 self._fail(r.job, exc)
             return
+        step_s = time.perf_counter() - t0
         self._work_since(before)
         for r in ready:
+            chosen, draft = drafts[id(r)]
+            if r.spec is None:
+                r.next_token = None
+                self._take(r, logits[r.slot][-1])
+            else:
+                self._verify(r, logits[r.slot], chosen, draft, step_s)
+
+    def _draft(self, r: Running) -> tuple[int, list[int]]:
+        """(the length chosen, the drafted tokens) of `r`'s next step: none without speculation."""
+        if r.spec is None:
+            return 0, []
+        spec = self.worker.speculative
+        context = r.prompt + r.state["tokens"]
+        limit = min(r.budget - r.generated - 1, self.engine.max_context - len(context))
+        k = min(spec.draft_tokens, limit) if r.policy is None else r.policy.choose(limit)
+        t0 = time.perf_counter()
+        draft = spec.drafter.propose(context, k)[:k] if k > 0 else []
+        r.spec.draft_s += time.perf_counter() - t0
+        if r.policy is not None:
+            r.policy.record_draft(k, time.perf_counter() - t0)
+        return k, draft
+
+    def _verify(self, r: Running, rows: Any, chosen: int, draft: list[int], step_s: float) -> None:
+        """Take `r`'s choices from its step rows while they agree with its drafts (as a plain run
+        would choose them), then forget the rejected drafts from its cache."""
+        length = self.engine.caches[r.slot].length - len(draft)  # its cache up to the first draft
+        st, accepted = r.spec, 0
+        st.verify_steps += 1
+        st.drafted += len(draft)
+        st.verify_s += step_s
+        st.draft_lengths[len(draft)] = st.draft_lengths.get(len(draft), 0) + 1
+        for i in range(len(draft) + 1):
             r.next_token = None
-            self._take(r, logits[r.slot][-1])
+            self._take(r, rows[i])
+            st.step_tokens += 1
+            if r not in self.active or r.next_token is None or i == len(draft) or r.next_token != draft[i]:
+                break
+            accepted += 1
+        st.accepted += accepted
+        st.record(chosen, len(draft), accepted, step_s)
+        if r.policy is not None:
+            r.policy.record_step(len(draft) + 1, step_s)
+            r.policy.record_accept(len(draft), accepted)
+        if r in self.active and accepted < len(draft):
+            self.engine.rollback(length + accepted, seq=r.slot)
 
     def _take(self, r: Running, row: Any) -> None:
         """The choice at the sequence's next position from logits `row`: deliver its text, or retire."""
@@ -275,6 +343,10 @@ class BatchScheduler:
                                       after=engine.expert_stats(), memory=engine.memory_ledger(),
                                       device=str(engine.device), model=engine.model_name,
                                       verify=engine.options.verify))
+        if r.spec is not None:
+            receipt["speculative"] = r.spec.to_json()
+        elif r.spec_off is not None:
+            receipt["speculative_off"] = r.spec_off
         # the metrics count the cache's work per step (_work_since), not per request, which would count a shared
         # step once for each request in it
         observed = {k: v for k, v in receipt.items() if k not in COUNTERS}

@@ -207,8 +207,9 @@ def main(argv: list[str] | None = None) -> int:
     from moestream.engine.speculative_flags import check_speculative_args, speculating, speculative_options
 
     check_speculative_args(parser, args, sampling=None)  # requests bring their own sampling settings
-    if speculating(args) and args.parallel > 1:
-        parser.error("argument --speculative/--hot-head: only with --parallel 1 (a batch verifies no drafts)")
+    if speculating(args) and args.parallel > 1 and (args.hot_head or args.speculative[0] != "ngram"):
+        parser.error("argument --speculative/--hot-head: with --parallel above 1 only ngram drafts (a draft model "
+                     "and the hot head follow one sequence)")
     defaults = defaults_from_args(args, parser)
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

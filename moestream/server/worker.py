@@ -182,8 +182,6 @@ class Worker:
             raise ValueError("max_queue must be >= 0")
         if parallel < 1:
             raise ValueError("parallel must be >= 1")
-        if speculation is not None and parallel > 1:
-            raise ValueError("speculative decoding runs with parallel 1 only")
         self._load_engine = load_engine
         self._make_speculation = speculation
         self.speculative: Any = None  # the SpeculativeOptions every request it can serve uses
@@ -300,6 +298,10 @@ class Worker:
             self.max_context = int(engine.max_context)
             if self._make_speculation is not None:
                 self.speculative = self._make_speculation(engine)
+                drafter = getattr(self.speculative, "drafter", None)
+                if self.parallel > 1 and self.speculative is not None and not getattr(drafter, "many_sequences", False):
+                    raise MoestreamError("with parallel above 1 only a drafter that serves many sequences at once "
+                                         "(ngram) can speculate")
             scheduler = None
             if self.parallel > 1:
                 from moestream.server.batching import BatchScheduler

@@ -146,3 +146,44 @@ def test_constrained_decoding_with_drafts_gives_the_plain_reply(setting, constra
     timings = got.model_extra["timings"]
     if "tools" in constraint:  # the call's JSON repeats the prompt's: drafts are kept and refused
         assert 0 < timings["draft_n_accepted"] < timings["draft_n"]
+
+
+def load_batched():
+    return Engine.load(options=EngineOptions(device="cpu", threads=1, max_sequences=4))
+
+
+@pytest.fixture(scope="module")
+def ngram_batched():
+    with live_server(load=load_batched, model_id=MODEL_ID, parallel=4,
+                     speculation=lambda engine: SpeculativeOptions(drafter=NGramDrafter(), draft_tokens=None)) as s, \
+            s.client() as c:
+        yield c
+
+
+def test_drafts_in_a_batch_give_every_request_its_plain_text(plain, ngram_batched):
+    """Four requests at once on a --parallel 4 server that drafts by prompt lookup: each returns what
+    the plain one-at-a-time server returns for it, bit for bit (greedy, seeded, penalties), with
+    drafts kept and refused in the batched steps. (The prompts start differently, so that no slot
+    reuses another's prefix: a reused prefix computes its last row alone, with other bits.)"""
+    from concurrent.futures import ThreadPoolExecutor
+
+    prompts = [CODE, "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n",
+               "import os\nimport sys\nimport re\nimport json\nimport time\n",
+               "# points\n" + CODE.replace("Vector", "Point")]
+    settings = [SETTINGS[0], SETTINGS[1], SETTINGS[2], SETTINGS[0]]
+
+    def ask(client, i):
+        r = client.completions.create(model=MODEL_ID, prompt=prompts[i], max_tokens=48, logprobs=1, **settings[i])
+        return r.choices[0].text, r.choices[0].logprobs.token_logprobs, r.model_extra["timings"]
+
+    expected = []
+    for i in range(4):
+        fresh(plain)
+        expected.append(ask(plain, i)[:2])
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda i: ask(ngram_batched, i), range(4)))
+    assert [g[:2] for g in got] == expected
+    assert all(g[2]["speculative"] == "ngram" for g in got)
+    accepted = sum(g[2]["draft_n_accepted"] for g in got)
+    drafted = sum(g[2]["draft_n"] for g in got)
+    assert 0 < accepted < drafted

@@ -76,8 +76,8 @@ CASES = [
     ("serve", "--temperature 3", 2, "moestream serve: error: argument --temperature: must be between 0 and 2, not 3.0"),
     ("serve", "--parallel 0", 2, "moestream serve: error: argument --parallel: must be at least 1, not 0"),
     ("serve", "--threads 0", 2, "moestream serve: error: argument --threads: must be at least 1, not 0"),
-    ("serve", "--speculative ngram --parallel 2", 2,
-     "moestream serve: error: argument --speculative/--hot-head: only with --parallel 1 (a batch verifies no drafts)"),
+    ("serve", "--hot-head --parallel 2", 2,
+     "moestream serve: error: argument --speculative/--hot-head: with --parallel above 1 only ngram drafts (a draft model and the hot head follow one sequence)"),
     ("serve", "--hot-head --speculative ngram", 2,
      "moestream serve: error: argument --hot-head: not with --speculative (choose one)"),
     ("serve", "--port {port}", 1, "moestream serve: error: cannot listen on 127.0.0.1:{port}: Address already in use "
