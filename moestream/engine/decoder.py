@@ -92,6 +92,7 @@ class Decoder:
         moe = [i for i, layer in enumerate(model.layers) if isinstance(layer.ffn, MoEBlock)]
         depth = lookahead.depth if lookahead is not None else 0
         self.ahead = {i: moe[n + 1:n + 1 + depth] for n, i in enumerate(moe)}  # layer -> the next MoE layers
+        self.device_ahead: dict[int, list[int]] = {}  # the same for the device-driven path's early copies
         # per mode (segment graphs, or one whole-step graph per T): each graph has its own outputs
         self._modes: dict = {}
         self.routed: dict[int, _Routed] = self._mode("segments")
@@ -133,8 +134,9 @@ class Decoder:
         block = layer.ffn
         weights, ids = block.route(hn)
         guesses = None
-        if self.ahead.get(i) and not self.experts.device_driven:  # the later layers' routers on this input (top-k of logits)
-            nxt = [self.model.layers[j].ffn for j in self.ahead[i]]
+        ahead = self.device_ahead.get(i) if self.experts.device_driven else self.ahead.get(i)
+        if ahead:  # the later layers' routers on this input (top-k of logits)
+            nxt = [self.model.layers[j].ffn for j in ahead]
             guesses = torch.cat([torch.topk(self._guess_logits(b, depth, hn), b.top_k, dim=-1).indices
                                  for depth, b in enumerate(nxt, start=1)], dim=-1)
         outs = {"weights": weights, "ids": ids, "h": h, "hn": hn, "shared": block.shared_out(hn), "guesses": guesses}
@@ -155,10 +157,29 @@ class Decoder:
         r, block = self.routed[i], self.model.layers[i].ffn
         hn, h, shared = r.rows("hn", T), r.rows("h", T), r.rows("shared", T)
         ids, weights = r.rows("ids", T), r.rows("weights", T)
+        ahead = self._device_guesses(i, r) if T == 1 else None
         if shared is None:  # the experts' last kernel adds the residual into x
-            self.experts.compute(block.layer, hn, ids, weights, residual=h, out=self.x[:T])
+            self.experts.compute(block.layer, hn, ids, weights, residual=h, out=self.x[:T], ahead=ahead)
         else:
-            self.x[:T].copy_(block.combine(self.experts.compute(block.layer, hn, ids, weights), shared, h))
+            self.x[:T].copy_(block.combine(self.experts.compute(block.layer, hn, ids, weights, ahead=ahead), shared, h))
+
+    def _device_guesses(self, i: int, r: _Routed) -> list | None:
+        """[(later MoE layer, its guessed ids)] for the device-driven path's early copies, or None."""
+        if not self.device_ahead.get(i) or not self.experts.device_driven or r.guesses[0] is None:
+            return None
+        out, at = [], 0
+        for j in self.device_ahead[i]:
+            block = self.model.layers[j].ffn
+            out.append((block.layer, r.guesses[0][0, at:at + block.top_k]))
+            at += block.top_k
+        return out
+
+    def start_device_lookahead(self, depth: int) -> None:
+        """Guess the next `depth` MoE layers' experts on the device-driven path (before any step runs)."""
+        moe = list(self.routed)
+        self.device_ahead = {i: moe[n + 1:n + 1 + depth] for n, i in enumerate(moe)}
+        self.experts.look_ahead_on_device({self.model.layers[i].ffn.layer: self.model.layers[i].ffn.top_k
+                                           for i in moe}, depth)
 
     def _head(self, T: int) -> None:
         if self.cuda:
@@ -248,6 +269,7 @@ class Decoder:
             self._replay(key, lambda: self._whole(T, head))
             for i, r in self.routed.items():
                 self._booked(i, T)
+            self._after_step()
             return self.logits[:T] if head else self.x[:T]
         self.routed = self._mode("segments")
         self._replay(("start", T), lambda: self._start(T))
@@ -260,10 +282,15 @@ class Decoder:
                     r.owner[t] = slot
             if r is not None:
                 self._run_experts(i, T)
+        self._after_step()
         if not head:
             return self.x[:T]
         self._replay(("head",) if self.cuda else ("head", T), lambda: self._head(T))
         return self.logits[:T]
+
+    def _after_step(self) -> None:
+        if self.experts.device_lookahead is not None:
+            self.experts.device_lookahead.after_step()
 
     def _run_experts(self, i: int, T: int) -> None:
         """Host half (unless resident), then the layer's experts segment."""

@@ -162,7 +162,10 @@ class Engine:
 
     @property
     def lookahead(self):
-        """The Lookahead scoring this engine's guesses (the decoder's on CUDA, the prefetcher's on the CPU), or None."""
+        """The Lookahead scoring this engine's guesses (the device-driven path's, the decoder's on CUDA,
+        the prefetcher's on the CPU), or None."""
+        if self.experts.device_lookahead is not None:
+            return self.experts.device_lookahead
         if self.decoder.lookahead is not None:
             return self.decoder.lookahead
         return self.prefetcher.lookahead if self.prefetcher is not None else None
@@ -319,6 +322,8 @@ class Engine:
                 if self.experts.cpu is not None:  # the CPU's share through a mailbox, inside the graphs
                     self.experts.share_on_device(hidden=self.args.hidden_size, dtype=self.dtype, max_tokens=16,
                                                  timeout_s=self.options.cpu_experts_timeout)
+                elif self.options.device_lookahead and self.options.prefetch != "none":
+                    self.decoder.start_device_lookahead(2 if self.options.prefetch == "two-layers" else 1)
                 log.info("device-driven streaming: %d slots, the host tier holds all %d experts (%.1f s)",
                          self.plan.slots, self.provider.total_experts, time.perf_counter() - t0)
                 return

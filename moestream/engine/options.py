@@ -30,6 +30,7 @@ class EngineOptions:
     streaming: str = "auto"  # who looks up a streamed layer's experts: the device (auto where it can) or the host
     slot_map: str = "torch"  # the device map's lookup: torch ops, or one Triton program (untimed at full scale)
     prefetch: str = "next-layer"  # start loading the next MoE layer(s)' likely experts early (one-token steps)
+    device_lookahead: bool = False  # the same on the device-driven path (not yet timed on a GPU: off by default)
     # the lookahead's fitted correction (moestream fit-lookahead): auto (MODEL/lookahead.safetensors where it
     # exists), none, or a file
     lookahead_maps: str = "auto"
@@ -99,6 +100,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="next-layer (default): while a layer computes, start copying the experts the next MoE layer's "
                         "router picks for the current hidden state; two-layers: also the one after (CUDA); copies "
                         "for a layer whose guesses prove wrong stop (accuracy per layer in the receipt); none: on demand only")
+    c.add_argument("--device-lookahead", action="store_true",
+                   help="on the device-driven path (--streaming), also copy the next MoE layer(s)' guessed experts "
+                        "(depth from --prefetch) on a side stream while a layer computes, gated per layer by the "
+                        "guesses' measured accuracy; the same output. Not yet timed on a GPU: off by default")
     c.add_argument("--lookahead-maps", type=maps_arg, default="auto", metavar="auto|none|FILE",
                    help="fitted corrections of the lookahead's guesses (moestream fit-lookahead): auto (default: "
                         "MODEL/lookahead.safetensors where it exists), none (the plain routers), or a file; they "

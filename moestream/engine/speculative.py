@@ -254,6 +254,12 @@ class SpeculativeOptions:
         if self.drafter is not None and self.draft_tokens is None and self.policy is None:
             self.policy = AdaptivePolicy(self.max_draft_tokens)
 
+    def for_one_sequence(self) -> tuple["SpeculativeStats", "AdaptivePolicy | None"]:
+        """A new stats record and policy for one sequence of a batch (each learns its own acceptance)."""
+        policy = None if self.draft_tokens is not None else AdaptivePolicy(self.max_draft_tokens)
+        mode = "auto" if self.draft_tokens is None else str(self.draft_tokens)
+        return SpeculativeStats(self.drafter.name, mode, policy=policy), policy
+
     def not_used_reason(self, sampling: SamplingParams) -> str | None:
         """Why these options cannot decode with `sampling` (None: they can). Drafters verify through
         the same Emitter as plain decoding, penalties, grammar and logit bias included, so they

@@ -77,7 +77,7 @@ class DeviceMap:
         return self.table[off:off + self.num_experts[layer]]
 
     def ensure(self, layer: int, ids: torch.Tensor, *, withhold: torch.Tensor | None = None,
-               before_copy: Callable[[], None] | None = None, count: bool = True) -> None:
+               before_copy: Callable[[], None] | None = None, count: bool = True, keep_one: bool = True) -> None:
         """Make every expert in `ids` (any shape, this layer's ids) hold a slot with its record, on
         the device and in stream order: device ops only, no host sync (a CUDA graph can hold it).
         With `kernel` on CUDA one Triton program decides (moestream.kernels.triton_slot_map), else
@@ -86,24 +86,26 @@ class DeviceMap:
         withhold: an int32 [1] tensor the device reads (a share of the misses in 1/1024ths): that
         share of this call's misses, the first in expert order, get no slot and stay out of the
         table (another compute unit computes them: moestream.layers.device_cpu_share); at least one
-        distinct expert of the call always stays. before_copy runs after the decision, before the
+        distinct expert of the call always stays unless keep_one is False (early copies a gate may
+        stop: moestream.experts.device_lookahead). before_copy runs after the decision, before the
         records are copied. count: add this call to the hit and miss counts."""
         if self.pool.device.type == "cuda" and self.kernel:
             from moestream.kernels import triton_slot_map
 
             if triton_slot_map.fits(ids, self.slots):
-                src, dst, todo = triton_slot_map.slot_map(self, layer, ids, withhold=withhold, count=count)
+                src, dst, todo = triton_slot_map.slot_map(self, layer, ids, withhold=withhold, count=count,
+                                                          keep_one=keep_one)
                 if before_copy is not None:
                     before_copy()
                 copy_records(self.host_pool, self.pool, src, dst, todo)
                 return
-        src, dst, todo = self.decide(layer, ids, withhold=withhold, count=count)
+        src, dst, todo = self.decide(layer, ids, withhold=withhold, count=count, keep_one=keep_one)
         if before_copy is not None:
             before_copy()
         copy_records(self.host_pool, self.pool, src, dst, todo)
 
     def decide(self, layer: int, ids: torch.Tensor, *, withhold: torch.Tensor | None = None,
-               count: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               count: bool = True, keep_one: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`ensure`'s decision in torch ops (the reference for the Triton program, and the CPU's
         way); returns what the record copy needs (source rows, destination slots, which to copy)."""
         n, S = self.total, self.slots
@@ -117,7 +119,8 @@ class DeviceMap:
         away = torch.zeros_like(miss)
         if withhold is not None:  # the first c misses (expert order) are computed elsewhere
             c = (withhold.to(torch.int64) * miss.sum() + 512) >> 10
-            c = torch.minimum(c, first.sum() - 1)
+            if keep_one:
+                c = torch.minimum(c, first.sum() - 1)
             away = miss & (torch.cumsum(miss, 0) <= c)
             miss = miss & ~away
         self.clock.add_(1)

@@ -20,7 +20,8 @@ MAX_SLOTS = 8192  # slots it holds in registers at once
 @triton.jit
 def _slot_map(ids_ptr, P, offset, table_ptr, owner_ptr, stamp_ptr, host_slot_ptr, clock_ptr, hits_ptr, misses_ptr,
               away_ptr, withhold_ptr, layer_index, S, N, src_ptr, dst_ptr, todo_ptr, BLOCK_P: tl.constexpr,
-              BLOCK_S: tl.constexpr, WITHHOLD: tl.constexpr, COUNT: tl.constexpr):
+              BLOCK_S: tl.constexpr, WITHHOLD: tl.constexpr, COUNT: tl.constexpr,
+              KEEP_ONE: tl.constexpr):
     i = tl.arange(0, BLOCK_P)
     valid = i < P
     expert = tl.load(ids_ptr + i, mask=valid, other=0).to(tl.int64)
@@ -37,7 +38,8 @@ def _slot_map(ids_ptr, P, offset, table_ptr, owner_ptr, stamp_ptr, host_slot_ptr
     n_away = 0
     if WITHHOLD:  # the first c misses in expert order get no slot (computed elsewhere); one expert stays
         c = (tl.load(withhold_ptr).to(tl.int64) * tl.sum(miss.to(tl.int64), 0) + 512) >> 10
-        c = tl.minimum(c, tl.sum(first.to(tl.int64), 0) - 1)
+        if KEEP_ONE:
+            c = tl.minimum(c, tl.sum(first.to(tl.int64), 0) - 1)
         away = miss & (rank < c)
         n_away = tl.sum(away.to(tl.int32), 0)
         miss = miss & (rank >= c)
@@ -83,7 +85,7 @@ def fits(ids: torch.Tensor, slots: int) -> bool:
 
 
 def slot_map(dm, layer: int, ids: torch.Tensor, *, withhold: torch.Tensor | None = None,
-             count: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             count: bool = True, keep_one: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Run the lookup of `ids` (this layer's) on `dm`'s state; returns (src, dst, todo) per id for
     the record copy. withhold / count: as DeviceMap.ensure."""
     flat = ids.reshape(-1)
@@ -95,6 +97,7 @@ def slot_map(dm, layer: int, ids: torch.Tensor, *, withhold: torch.Tensor | None
                     dm.misses, dm.away, withhold if withhold is not None else dm.hits, dm._index[layer], dm.slots,
                     dm.total, src, dst, todo, BLOCK_P=max(16, triton.next_power_of_2(P)),
                     BLOCK_S=triton.next_power_of_2(dm.slots), WITHHOLD=withhold is not None, COUNT=count,
+                    KEEP_ONE=keep_one,
                     num_warps=8 if dm.slots <= 4096 else 16)
     return src, dst, todo
 

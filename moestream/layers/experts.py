@@ -184,6 +184,7 @@ class RoutedExperts:
         self.cpu = None  # a moestream.layers.cpu_share.CpuShare: the CPU computes some misses
         # on the device-driven path, the CPU's share through a mailbox (moestream.layers.device_cpu_share)
         self.device_share = None
+        self.device_lookahead = None  # and its early copies (moestream.experts.device_lookahead)
         self._cpu_jobs: dict = {}  # layer -> its CpuJob between `load` and `join_cpu`
         self._cpu_rows: dict = {}  # (pairs, H) -> (device float32 rows the plans take, host staging)
         # hooks: on_route(layer, ids) sees every layer's chosen ids (traces); after_fetch(layer, x,
@@ -317,6 +318,14 @@ class RoutedExperts:
             dev.copy_(staging, non_blocking=True)
         self.tables[layer].copy_(host, non_blocking=True)
 
+    def look_ahead_on_device(self, top_k: dict[int, int], depth: int) -> None:
+        """With the device map running: early copies of the next `depth` MoE layers' guessed experts
+        (moestream.experts.device_lookahead; top_k: layer -> experts a guess names); the decoder
+        hands the guesses to `compute`."""
+        from moestream.experts.device_lookahead import DeviceLookahead
+
+        self.device_lookahead = DeviceLookahead(self.device_map, top_k, depth=depth)
+
     def share_on_device(self, *, hidden: int, dtype: torch.dtype, max_tokens: int, timeout_s: float) -> None:
         """With the device map running: the CPU's share of the misses through a mailbox the device
         posts to and waits on inside the step's graph (moestream.layers.device_cpu_share)."""
@@ -403,14 +412,23 @@ class RoutedExperts:
 
     def compute(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, *,
                 residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                per_pair: bool = True) -> torch.Tensor:
+                per_pair: bool = True, ahead: list | None = None) -> torch.Tensor:
         """Device half: the routed experts from the layer's slot table (set by `load`, resident, or
-        brought up to date here by the device map)."""
+        brought up to date here by the device map). ahead: [(later MoE layer, guessed ids)] whose
+        copies the device map starts beside this layer's kernels (device-driven path only)."""
+        guessing = None
         if self.device_map is not None:
             if self.device_share is not None and self.device_share.takes(x, ids) and not self.cpu.refused.get(layer):
                 return self.device_share.compute(self, layer, x, ids, weights, residual=residual, out=out)
+            guessing = self.device_lookahead if ahead else None
+            if self.device_lookahead is not None:
+                self.device_lookahead.score(layer, ids)
             self.device_map.ensure(layer, ids)
+            if guessing is not None:
+                guessing.fork(ahead)
         plan = self.plan(layer, x, ids, weights, per_pair=per_pair)
         plan.run_table(self.provider.slot_pool(layer), self.tables[layer])
         self._take_cpu_rows(layer, plan, ids, x.shape[1], self.tables[layer])
+        if guessing is not None:
+            guessing.join()
         return plan.finish(residual, out=out) if out is not None else plan.finish(residual)

@@ -194,12 +194,7 @@ class BatchScheduler:
         if spec is not None:
             r.spec_off = spec.not_used_reason(choice.sampling)
             if r.spec_off is None:
-                from moestream.engine.speculative import AdaptivePolicy, SpeculativeStats
-
-                fixed = spec.draft_tokens is not None
-                r.policy = None if fixed else AdaptivePolicy(spec.max_draft_tokens)
-                r.spec = SpeculativeStats(spec.drafter.name, str(spec.draft_tokens) if fixed else "auto",
-                                          policy=r.policy)
+                r.spec, r.policy = spec.for_one_sequence()
         return r
 
     # ---- the steps

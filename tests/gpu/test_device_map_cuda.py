@@ -48,15 +48,23 @@ def test_device_driven_decode_gives_the_bits_of_resident_and_host_paths(tiny_pac
     runs = {}
     for name, size, streaming, graphs in (("resident", "all", "auto", True), ("host", slots(packed, 16), "host", True),
                                           ("device", slots(packed, 16), "device", True),
-                                          ("device-eager", slots(packed, 20), "device", False)):
+                                          ("device-eager", slots(packed, 20), "device", False),
+                                          ("device-lookahead", slots(packed, 16), "device", True),
+                                          ("device-lookahead-triton", slots(packed, 20), "device", True)):
         engine = Engine.load(packed, options=EngineOptions(device="cuda", dtype=dtype, cache_size=size,
                                                            host_cache_size="all", streaming=streaming,
                                                            cuda_graphs=graphs, prefill_chunk_tokens=7,
-                                                           max_context=512))
+                                                           max_context=512,
+                                                           device_lookahead=name.startswith("device-lookahead"),
+                                                           slot_map="triton" if name.endswith("triton") else "torch"))
         prompt = engine.tokenizer.encode("def fibonacci(n):\n    if n < 2:")
         gen = engine.generate(prompt, max_new_tokens=64, logprobs=3, stop_at_eos=False)
         runs[name] = [(e.token_id, e.top_logprobs) for e in gen]
         assert engine.streaming == ("resident" if name == "resident" else streaming)
+        if name.startswith("device-lookahead"):  # early copies on a side stream, inside the step's graph
+            assert ("step", 1) in engine.decoder.graphs
+            assert gen.result.receipt["lookahead"]["path"] == "device"
+            assert gen.result.receipt["lookahead"]["accuracy"]["depth1"] is not None
         if name == "device":  # no host half: one graph per step, as when resident
             assert ("step", 1) in engine.decoder.graphs
             assert gen.result.receipt["misses"] > 16
