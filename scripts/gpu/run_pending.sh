@@ -3,7 +3,8 @@
 # Usage: scripts/gpu/run_pending.sh OUTDIR PART...   PART: tests | stream | resident | server
 #   tests:    the GPU tests written since the last GPU run (each file with its own time limit)
 #   stream:   Qwen3-30B-A3B shape, uniform routing: the Triton slot map A-B-A at 25 %, the device path's
-#             CPU share (off / 0.3 / auto), --memory-budget 8GiB with the Triton slot map
+#             CPU share (off / 0.3 / auto), --memory-budget 8GiB with the Triton slot map, --device-lookahead
+#             off/on at 25 % (uniform: its gates must close; model routing: its copies must pay)
 #   resident: 100 % cache decode and prefill at 128 / 512 / 2048 / 8192, and a prefill profile
 #   server:   scripts/bench_server_batching.py at 100 % and 25 % (needs .whl: scripts/gpu/fetch_wheels.sh here,
 #             `carry: [".whl"]` in the call)
@@ -12,7 +13,6 @@ out=${1:?output folder}; shift
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
 mkdir -p "$out"
 start=$(date +%s)
-has() { [[ " $* " == *" $part "* ]]; }
 say() { echo "$1: $(( $(date +%s) - start )) s ${2:-}"; }
 model=/tmp/q30
 synth() { [ -f $model/moestream.json ] || python3 -m moestream synth --shape qwen3-30b-a3b $model --force > "$out/synth.log" 2>&1; say synth; }
@@ -38,7 +38,11 @@ for part in "$@"; do
       --slot-map $m; done
     for share in off 0.3 auto; do bench "device-cpu-share-$share" 150 --routing uniform --prefill-tokens 512 \
       --cache-sizes 25% --streaming device --slot-map triton --cpu-experts $share; done
-    bench budget8-triton 150 --routing uniform --prefill-tokens 512 --memory-budget 8GiB --slot-map triton ;;
+    bench budget8-triton 150 --routing uniform --prefill-tokens 512 --memory-budget 8GiB --slot-map triton
+    for routing in uniform model; do for look in off on; do
+      bench "lookahead-$routing-$look" 150 --routing $routing --prefill-tokens 512 --cache-sizes 25% --slot-map triton \
+        $([ $look = on ] && echo --device-lookahead)
+    done; done ;;
   resident)
     synth
     bench resident 200 --cache-sizes all --prefill-tokens 128,512,2048,8192
