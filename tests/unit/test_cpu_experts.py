@@ -11,6 +11,7 @@ import threading
 import pytest
 import torch
 
+from cpu_share_run import PROMPT, run_with_share
 from moestream.engine.engine import Engine
 from moestream.engine.options import EngineOptions
 from moestream.errors import MoestreamError
@@ -22,7 +23,6 @@ from moestream.layers.cpu_share import parse_share
 from moestream.quant.affine import QuantSpec, quantize
 
 PROJS = ("gate_proj", "up_proj", "down_proj")
-PROMPT = "def fibonacci(n):\n    if n < 2:"
 LOGPROB_TOLERANCE = 1e-3  # float32: the CPU kernels round differently from the reference, not more
 
 
@@ -96,18 +96,7 @@ def model(tiny_packed_model):
 
 
 def run(model, steps=12, fault_after=None, fault_delay_s=0.0, **opts):
-    options = EngineOptions(device="cpu", cache_size="min", prefill_chunk_tokens=5,
-                            **{"host_cache_size": "all", **opts})
-    engine = Engine.load(model, options=options)
-    if engine.experts.cpu is not None:
-        engine.experts.cpu.fault_after = fault_after
-        engine.experts.cpu.fault_delay_s = fault_delay_s
-    try:
-        gen = engine.generate(engine.tokenizer.encode(PROMPT), max_new_tokens=steps, logprobs=1, stop_at_eos=False)
-        events = list(gen)
-        return [e.token_id for e in events], [e.logprob for e in events], engine.expert_stats(), gen.result.receipt
-    finally:
-        engine.close()
+    return run_with_share(model, steps, fault_after, fault_delay_s, **opts)[:4]
 
 
 @pytest.fixture
