@@ -62,6 +62,16 @@ SHAPES = {
                        num_key_value_heads=8, head_dim=128, num_local_experts=256, num_experts_per_tok=8,
                        intermediate_size=1536, vocab_size=200064, rotary_dim=64, rope_theta=5000000.0,
                        max_position_embeddings=196608, rms_norm_eps=1e-6, tie_word_embeddings=False, eos_token_id=200020),
+    # openai/gpt-oss-20b's config.json (its layer_types alternate sliding and full from the first layer: the
+    # family's default, left out so that --layers keeps working); experts here in our 4-bit, not MXFP4
+    "gpt-oss-20b": dict(model_type="gpt_oss", hidden_size=2880, num_hidden_layers=24, num_attention_heads=64,
+                        num_key_value_heads=8, head_dim=64, num_local_experts=32, num_experts_per_tok=4,
+                        experts_per_token=4, intermediate_size=2880, vocab_size=201088, sliding_window=128,
+                        attention_bias=True, swiglu_limit=7.0, rope_theta=150000.0,
+                        rope_scaling=dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+                                          original_max_position_embeddings=4096),
+                        max_position_embeddings=131072, initial_context_length=4096, rms_norm_eps=1e-5,
+                        tie_word_embeddings=False, eos_token_id=200002, pad_token_id=199999),
     # hybrid: three Gated DeltaNet layers before each gated full-attention layer, a gated shared expert
     "qwen3-next-80b-a3b": dict(model_type="qwen3_next", hidden_size=2048, num_hidden_layers=48, num_attention_heads=16,
                                num_key_value_heads=2, head_dim=256, num_experts=512, num_experts_per_tok=10,
@@ -81,6 +91,7 @@ SHAPES = {
         rope_parameters=dict(rope_type="default", rope_theta=10000000.0, partial_rotary_factor=0.25),
         max_position_embeddings=262144, rms_norm_eps=1e-6, eos_token_id=248044)),
 }
+SHAPES["gpt-oss-120b"] = dict(SHAPES["gpt-oss-20b"], num_hidden_layers=36, num_local_experts=128)  # its config.json
 BITS = {"q4": 4, "q8": 8, "none": None}
 
 

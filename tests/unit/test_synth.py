@@ -34,6 +34,8 @@ TINY = {
                              intermediate_size=256, first_k_dense_replace=0),
     "tiny-minimax-m2": dict(SHAPES["minimax-m2"], **SMALL, head_dim=64, num_local_experts=8, intermediate_size=64,
                             rotary_dim=32),
+    "tiny-gpt-oss": dict(SHAPES["gpt-oss-20b"], **SMALL, head_dim=32, num_local_experts=8, experts_per_token=2,
+                         intermediate_size=64, sliding_window=16),
     # a linear-attention layer, then a full-attention one
     "tiny-qwen3-next": dict(SHAPES["qwen3-next-80b-a3b"], **SMALL, head_dim=32, num_experts=8, moe_intermediate_size=64,
                             shared_expert_intermediate_size=64, intermediate_size=256, full_attention_interval=2,
@@ -62,7 +64,8 @@ def test_tiny_shapes_keep_the_real_entries_keys():
     """The tiny shapes are the real entries with smaller numbers, so they take the same code paths."""
     for name, real in (("tiny-qwen3", "qwen3-30b-a3b"), ("tiny-mixtral", "mixtral-8x7b"), ("tiny-olmoe", "olmoe-1b-7b"),
                        ("tiny-deepseek-v3", "deepseek-v3"), ("tiny-minimax-m2", "minimax-m2"),
-                       ("tiny-glm-4.5-air", "glm-4.5-air"), ("tiny-qwen3-next", "qwen3-next-80b-a3b")):
+                       ("tiny-glm-4.5-air", "glm-4.5-air"), ("tiny-qwen3-next", "qwen3-next-80b-a3b"),
+                       ("tiny-gpt-oss", "gpt-oss-20b")):
         assert set(TINY[name]) == set(SHAPES[real])
         assert TINY[name]["model_type"] == SHAPES[real]["model_type"]
 
@@ -98,9 +101,10 @@ def test_synth_model_verifies_reads_back_and_generates(shape, quant, tmp_path, c
 
     # stored form: the expert and attention matrices at the chosen bits, the router at 8 bits or float
     moe = "block_sparse_moe" if cfg["model_type"] in ("mixtral", "minimax_m2") else "mlp"
+    router = f"{moe}.router" if cfg["model_type"] == "gpt_oss" else f"{moe}.gate"
     assert packed.tensor_spec("model.layers.1.self_attn.o_proj.weight").bits == bits
-    assert packed.tensor_spec(f"model.layers.1.{moe}.gate.weight").bits == (8 if bits else None)
-    assert packed.dense(f"model.layers.0.{moe}.gate.weight").shape == (experts, hidden)
+    assert packed.tensor_spec(f"model.layers.1.{router}.weight").bits == (8 if bits else None)
+    assert packed.dense(f"model.layers.0.{router}.weight").shape == (experts, hidden)
     assert packed.dense("model.embed_tokens.weight").shape == (cfg["vocab_size"], hidden)
     w = packed.dequantized_expert(1, experts - 1)
     assert w["gate_proj"].shape == w["up_proj"].shape == (inter, hidden) and w["down_proj"].shape == (hidden, inter)
