@@ -6,6 +6,8 @@
 #             CPU share (off / 0.3 / auto), --memory-budget 8GiB with the Triton slot map, --device-lookahead
 #             off/on at 25 % (uniform: its gates must close; model routing: its copies must pay)
 #   resident: 100 % cache decode and prefill at 128 / 512 / 2048 / 8192, and a prefill profile
+#   families: bench on the gpt-oss-20b, qwen3.5-35b-a3b and DeepSeek-V3 (first 6 layers) shapes at 100 % and
+#             25 % with uniform routing
 #   server:   scripts/bench_server_batching.py at 100 % and 25 % (needs .whl: scripts/gpu/fetch_wheels.sh here,
 #             `carry: [".whl"]` in the call)
 set -u
@@ -48,6 +50,18 @@ for part in "$@"; do
     bench resident 200 --cache-sizes all --prefill-tokens 128,512,2048,8192
     timeout 150 python3 scripts/gpu/profile_decode.py --model $model --prefill 512 > "$out/profile-512.log" 2>&1
     say profile-512 "rc=$?" ;;
+  families)
+    for spec in gpt-oss-20b: qwen3.5-35b-a3b: deepseek-v3:6; do
+      shape=${spec%%:*} layers=${spec#*:} dir=/tmp/fam-${spec%%:*}
+      [ -f $dir/moestream.json ] || python3 -m moestream synth --shape $shape $dir --force ${layers:+--layers $layers} \
+        > "$out/synth-$shape.log" 2>&1
+      say "synth $shape"
+      timeout 150 python3 -m moestream bench --model $dir --host-cache-size all --expert-source mmap --decode-tokens 64 \
+        --warmup --routing uniform --cache-sizes 100%,25% --prefill-tokens 512 --out "$out/family-$shape.json" \
+        > "$out/family-$shape.log" 2>&1
+      say "bench $shape" "rc=$?"; grep -E "^cache|rror" "$out/family-$shape.log" | tail -3
+      rm -rf $dir  # the disk holds one at a time
+    done ;;
   server)
     synth
     for size in all 25%; do
