@@ -139,7 +139,8 @@ def expert_outputs(model, layer: int, x, ids, weights, per_pair: bool) -> torch.
                         for e in range(entry.num_experts)])
     quant = {p: QuantSpec.from_json(s) for p, s in entry.quant.items()}
     plan = TorchPlan(x, ids, weights, entry.fields, quant, per_pair=per_pair)
-    plan.run(pool, list(range(entry.num_experts)), list(range(entry.num_experts)))
+    chosen = torch.unique(ids).tolist()
+    plan.run(pool, chosen, chosen)  # slot e holds expert e
     return plan.finish()
 
 
