@@ -2,8 +2,10 @@
 source's e2m1 codes and E8M0 scales byte for byte (gate and up rows split apart), dequantize to
 transformers' values bit for bit, and the model gives transformers' logits and greedy tokens on the
 dequantized checkpoint. The MXFP4 checkpoint is written by test_gpt_oss_mxfp4 from the tiny one."""
+import dataclasses
 import json
 import shutil
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -20,7 +22,7 @@ from moestream.format.reader import PackedModel
 from moestream.format.verify import verify
 from moestream.kernels.cpu_experts import refusal
 from moestream.kernels.reference import projection
-from moestream.layers.experts import TorchPlan
+from moestream.layers.experts import RoutedExperts, TorchPlan
 from moestream.quant import mxfp4
 from moestream.quant.affine import QuantSpec
 from tests.models.test_gpt_oss_mxfp4 import transformers_dequantized, write_mxfp4_checkpoint
@@ -192,6 +194,22 @@ def test_cpu_expert_kernels_refuse_mxfp4_records(kept):
     entry = PackedModel(kept).expert_layer(0)
     quant = {p: QuantSpec.from_json(s) for p, s in entry.quant.items()}
     assert refusal(entry.fields, quant).startswith("MXFP4 records (the CPU expert kernels take MLX affine")
+
+
+def test_cuda_layers_of_mxfp4_records_take_the_torch_plan_and_say_why(kept, caplog):
+    """RoutedExperts' kernel choice for a CUDA device (no device is touched): MXFP4 records are the
+    reason the Triton kernels are not used, even with SwiGLU, and asking for them is one error."""
+    entry = PackedModel(kept).expert_layer(0)
+    quant = {p: dataclasses.replace(QuantSpec.from_json(s), activation="silu") for p, s in entry.quant.items()}
+    provider = SimpleNamespace(quant=lambda layer: quant, record_fields=lambda layer: entry.fields)
+    chooser = SimpleNamespace(kernels="auto", device=torch.device("cuda"), provider=provider)
+    with caplog.at_level("INFO", logger="moestream.layers.experts"):
+        assert RoutedExperts._layout(chooser, 0) is None
+    assert "layer 0: torch reference for routed experts (the Triton expert kernels do not read MXFP4 records yet)" in caplog.text
+    chooser.kernels = "triton"
+    with pytest.raises(RuntimeError, match=r"^layer 0: the Triton expert kernels cannot run: the Triton expert kernels "
+                                           r"do not read MXFP4 records yet$"):
+        RoutedExperts._layout(chooser, 0)
 
 
 # -- bad input ---------------------------------------------------------------------------------------------------
