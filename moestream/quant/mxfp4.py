@@ -32,8 +32,6 @@ NAN_SCALE = 255
 BITS_PER_WEIGHT = 4 + 8 / VALUES_PER_BLOCK  # 4.25
 # e2m1: sign, two exponent bits, one mantissa bit -> the 16 values of a code
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-# 2^(s - 127) for every scale byte, exact in float32 (2^-127 is a float32 subnormal); 255 is NaN
-_SCALE_VALUES = tuple(2.0 ** (s - 127) for s in range(NAN_SCALE)) + (float("nan"),)
 
 
 def spec() -> QuantSpec:
@@ -71,13 +69,28 @@ def check_scales(name: str, scales: torch.Tensor, first: int = 0) -> None:
         raise UnsupportedModelError(f"{name}: MXFP4 scale 255 (NaN in E8M0) at {at}: the checkpoint is corrupt")
 
 
+def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
+    """4-bit codes -> their float32 values, built from the bits (sign, exponent, mantissa) with
+    device ops and no table: no host-to-device copy, so a CUDA graph can capture it."""
+    c = codes.to(torch.int32)
+    sign, exp, mant = (c >> 3) & 1, (c >> 1) & 3, c & 1
+    normal = ((exp + 126) << 23) | (mant << 22)  # (1 + m/2) * 2^(exp - 1) as float32 bits
+    subnormal = mant * 0x3F000000  # exponent 0: m * 0.5
+    value = torch.where(exp > 0, normal, subnormal).view(torch.float32)
+    return torch.where(sign == 1, -value, value)
+
+
+def scale_values(scales: torch.Tensor) -> torch.Tensor:
+    """E8M0 bytes -> 2^(s - 127) in float32, exactly (from the bits: s = 0 is the subnormal 2^-127)."""
+    s = scales.to(torch.int32)
+    return torch.where(s > 0, s << 23, torch.full_like(s, 0x00400000)).view(torch.float32)
+
+
 def _values(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """uint8 bytes [..., G, 16] and scales [..., G] -> float32 [..., G, 32], exact."""
     codes = codes.to(torch.uint8)
-    lut = torch.tensor(E2M1, dtype=torch.float32, device=codes.device)
-    powers = torch.tensor(_SCALE_VALUES, dtype=torch.float32, device=codes.device)
-    values = torch.stack((lut[(codes & 0x0F).long()], lut[(codes >> 4).long()]), dim=-1).flatten(-2)  # [..., G, 32]
-    return values * powers[scales.to(torch.uint8).long()][..., None]
+    values = torch.stack((e2m1_values(codes & 0x0F), e2m1_values(codes >> 4)), dim=-1).flatten(-2)  # [..., G, 32]
+    return values * scale_values(scales)[..., None]
 
 
 def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:

@@ -260,3 +260,20 @@ def test_a_manifest_whose_mxfp4_layout_is_wrong_is_refused_in_one_line(kept, tmp
     with pytest.raises(FormatError) as info:
         PackedModel(model)
     assert str(info.value) == f"{model / MANIFEST_NAME}: experts-000.bin (layer 0): {problem}"
+
+
+def test_every_code_and_scale_dequantizes_as_transformers_does():
+    """All 16 codes under all 255 finite scales (the subnormal 2^-127 of scale 0 included), in a
+    record's layout and as a stack, against transformers' dequantization and exact arithmetic."""
+    codes = torch.arange(16, dtype=torch.uint8).repeat(2)  # 32 inputs: every code twice
+    byte_row = codes[0::2] | (codes[1::2] << 4)  # [16]
+    scales = torch.arange(255, dtype=torch.uint8)  # one output row per scale
+    blocks = byte_row.expand(255, 16)[None, :, None, :].contiguous()  # [1, 255, 1, 16]
+    want = convert_moe_packed_tensors(blocks, scales[None, :, None], dtype=torch.float32)[0].T  # [255, 32]
+    exact = torch.tensor([[mxfp4.E2M1[int(c)] * 2.0 ** (s - 127) for c in codes] for s in range(255)], dtype=torch.float64)
+    got = mxfp4.dequantize_matrix(blocks[0, :, 0], scales[:, None])
+    assert torch.equal(got, want) and torch.equal(got, exact.float())  # past float32: inf, as transformers
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))  # signed zeros too
+    assert torch.equal(mxfp4.dequantize(blocks, scales[None, :, None], torch.float32)[0].T, want)
+    assert torch.equal(mxfp4.dequantize_matrix(blocks[0, :, 0], scales[:, None], torch.bfloat16),
+                       convert_moe_packed_tensors(blocks, scales[None, :, None], dtype=torch.bfloat16)[0].T)
