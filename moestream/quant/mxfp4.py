@@ -86,11 +86,18 @@ def scale_values(scales: torch.Tensor) -> torch.Tensor:
     return torch.where(s > 0, s << 23, torch.full_like(s, 0x00400000)).view(torch.float32)
 
 
+def byte_values(device: torch.device | str = "cpu") -> torch.Tensor:
+    """float32 [256, 2]: the values of a byte's low and high nibble (made on the device by device ops)."""
+    b = torch.arange(256, dtype=torch.int32, device=device)
+    return torch.stack((e2m1_values(b & 0x0F), e2m1_values(b >> 4)), dim=-1)
+
+
 def _values(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """uint8 bytes [..., G, 16] and scales [..., G] -> float32 [..., G, 32], exact."""
-    codes = codes.to(torch.uint8)
-    values = torch.stack((e2m1_values(codes & 0x0F), e2m1_values(codes >> 4)), dim=-1).flatten(-2)  # [..., G, 32]
-    return values * scale_values(scales)[..., None]
+    """uint8 bytes [..., G, 16] and scales [..., G] -> float32 [..., G, 32], exact. One gather per
+    byte (both its values at once) keeps it near affine dequantization's speed on the CPU."""
+    pairs = torch.index_select(byte_values(codes.device), 0, codes.reshape(-1).to(torch.int32))  # [n, 2]
+    values = pairs.reshape(*codes.shape[:-1], VALUES_PER_BLOCK)
+    return values.mul_(scale_values(scales)[..., None])
 
 
 def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
