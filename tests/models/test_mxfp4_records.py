@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM, Mxfp4Config
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
 from moestream.convert.main import convert, main as convert_main
@@ -25,8 +26,8 @@ from moestream.kernels.reference import projection
 from moestream.layers.experts import RoutedExperts, TorchPlan
 from moestream.quant import mxfp4
 from moestream.quant.affine import QuantSpec
-from tests.models.test_gpt_oss_mxfp4 import transformers_dequantized, write_mxfp4_checkpoint
-from tests.models.test_parity import load_reference, prompt_for
+from tests.models.test_gpt_oss_mxfp4 import write_mxfp4_checkpoint
+from tests.models.test_parity import prompt_for
 from tests.unit.test_errors import CONVERT_INPUT_CASES
 from tests.tiny import load_all
 
@@ -96,21 +97,28 @@ def test_records_dequantize_to_transformers_values_bit_for_bit(kept, mxfp4_check
     assert (got["gate_proj"] != 0).float().mean() > 0.5
 
 
-def reference_checkpoint(kept, mxfp4_checkpoint, out):
-    """transformers' checkpoint of the packed model: the resident weights as stored (q4, dequantized),
-    the experts as transformers dequantizes the MXFP4 source (checked equal to our export of them)."""
-    export_hf(kept, out)
-    tensors, source = load_all(out), transformers_dequantized(mxfp4_checkpoint)
-    stacks = [n for n in source if n.endswith(("gate_up_proj", "down_proj"))]
-    for name in stacks:
-        assert torch.equal(tensors[name], source[name].float()), name
-        tensors[name] = source[name].float()
-    save_file(tensors, str(out / "model.safetensors"))
-    return out
+def transformers_reference(kept, mxfp4_checkpoint, out):
+    """transformers' gpt-oss loaded from the MXFP4 checkpoint itself (its own dequantization of the
+    blocks), with the resident weights set to the packed model's (stored at q4, dequantized). Its
+    experts are checked equal to ours first."""
+    ref = AutoModelForCausalLM.from_pretrained(mxfp4_checkpoint, quantization_config=Mxfp4Config(dequantize=True),
+                                               attn_implementation="eager", experts_implementation="eager",
+                                               dtype=torch.float32).eval()
+    state, experts, ours = ref.state_dict(), 0, load_all(export_hf(kept, out))
+    assert set(state) == set(ours)
+    with torch.no_grad():
+        for name, t in ours.items():
+            if ".mlp.experts." in name:  # ours, dequantized from the records: transformers' values exactly
+                assert torch.equal(state[name], t), name
+                experts += 1
+            else:
+                state[name].copy_(t)
+    assert experts == 4 * len(LAYERS)
+    return ref
 
 
 def test_logits_and_greedy_tokens_are_transformers_on_the_dequantized_weights(kept, mxfp4_checkpoint, tmp_path):
-    ref = load_reference(reference_checkpoint(kept, mxfp4_checkpoint, tmp_path / "ref"))
+    ref = transformers_reference(kept, mxfp4_checkpoint, tmp_path / "ref")
     engine = Engine.load(kept, options=EngineOptions(device="cpu"))
     try:
         prompt = prompt_for(engine)
