@@ -1,7 +1,8 @@
 """MXFP4 expert records: gpt-oss's experts converted without re-quantizing. The records hold the
 source's e2m1 codes and E8M0 scales byte for byte (gate and up rows split apart), dequantize to
-transformers' values bit for bit, and the model gives transformers' logits and greedy tokens on the
-dequantized checkpoint. The MXFP4 checkpoint is written by test_gpt_oss_mxfp4 from the tiny one."""
+transformers' values bit for bit, and the model gives the logits and greedy tokens of transformers
+loading the MXFP4 checkpoint itself. The MXFP4 checkpoint is written by test_gpt_oss_mxfp4 from the
+tiny one transformers builds."""
 import dataclasses
 import json
 import shutil
