@@ -6,9 +6,10 @@ one expert dequantized at a time. llama.cpp stores the q and k projections of "l
 (Mixtral) with the rotary halves interleaved; they are permuted back. The other MoE archs are
 stored unpermuted. gpt-oss (arch `gpt-oss`) is offered as transformers stores it: fused expert
 stacks for x @ W with gate and up rows interleaved, and their biases, built from llama.cpp's
-separate (or gate-then-up fused) stacks one expert at a time. Re-quantizing a K-quant, Q8_0 or
-MXFP4 file to our format loses the original codes: the values are dequantized, then quantized
-again. Without a tokenizer folder, the tokenizer and chat template come from the metadata
+separate (or gate-then-up fused) stacks one expert at a time; where they are MXFP4, `mxfp4_rows`
+gives their codes and scales as they are (re-ordered to the Hub's layout), so convert keeps them.
+Otherwise re-quantizing a K-quant, Q8_0 or MXFP4 file to our format loses the original codes: the
+values are dequantized, then quantized again. Without a tokenizer folder, the tokenizer and chat template come from the metadata
 (gguf_tokenizer.py)."""
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from moestream.convert.gguf_tokenizer import tokenizer_from_metadata, write_file
 from moestream.convert.source import TOKENIZER_FILES, CheckpointError, CheckpointSource
 from moestream.errors import UnsupportedModelError
 from moestream.format.safetensors_io import TensorInfo
+from moestream.quant import mxfp4
 
 log = logging.getLogger(__name__)
 
@@ -253,6 +255,32 @@ class GgufSource(CheckpointSource):
         gate, up = stacks if len(stacks) == 2 else stacks[0].chunk(2, dim=1)  # llama.cpp's fused: gate rows, then up
         rows = torch.stack((gate, up), dim=2).flatten(1, 2)  # rows interleaved: gate 0, up 0, gate 1, ...
         return rows.transpose(1, 2).contiguous() if rows.dim() == 3 else rows
+
+    def mxfp4_stack(self, name: str) -> bool:
+        """Whether the fused stack `name` (weights, not biases) is built only from MXFP4 GGUF tensors."""
+        import gguf
+
+        fused = self._fused.get(name)
+        return (fused is not None and len(self._virtual[name][2].shape) == 3
+                and all(self.tensors[p].tensor_type == gguf.GGMLQuantizationType.MXFP4 for p in fused[1]))
+
+    def mxfp4_rows(self, name: str, start: int, count: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """Experts start.. of an MXFP4 stack as the Hub stores them (blocks uint8 [n, Out, G, 16], scales
+        uint8 [n, Out, G], gate and up rows interleaved): the file's codes and scales, re-ordered only."""
+        kind, parts = self._fused[name]
+        pieces = []
+        for part in parts:
+            raw = torch.from_numpy(np.array(self.tensors[part].data[start:start + count], dtype=np.uint8))  # a copy
+            blocks, scales = mxfp4.from_ggml(raw)  # [n, out, G, 16], [n, out, G]
+            mxfp4.check_scales(part, scales, start)
+            pieces.append((blocks, scales))
+        if kind == "down":
+            return pieces[0]
+        if len(pieces) == 1:  # llama.cpp's fused: gate rows, then up
+            pieces = list(zip(*(t.chunk(2, dim=1) for t in pieces[0])))
+        (gate_b, gate_s), (up_b, up_s) = pieces
+        return (torch.stack((gate_b, up_b), dim=2).flatten(1, 2).contiguous(),  # gate 0, up 0, gate 1, ...
+                torch.stack((gate_s, up_s), dim=2).flatten(1, 2).contiguous())
 
     def _dequantize(self, gguf_name: str, experts: int | slice | None) -> torch.Tensor:
         """A GGUF tensor (or some experts of a stack) in float32 [.., out, in], by gguf's own code."""

@@ -14,6 +14,7 @@ import torch
 from moestream.errors import MoestreamError
 from moestream.format.manifest import EXPERT_PROJECTIONS
 from moestream.format.writer import expert_record_tensors
+from moestream.quant import mxfp4
 from moestream.quant.affine import QuantSpec, can_quantize
 from moestream.quant.mlx import MlxQuantization, mlx_input_size
 
@@ -126,6 +127,11 @@ class LayerExperts:
     num_experts: int
     activation: str = "silu"  # recorded in every projection's QuantSpec (find_expert_layers sets it)
     activation_params: dict = {}  # the activation's alpha / limit, recorded beside it
+    keep_mxfp4: bool = False  # records keep the source's MXFP4 codes (convert sets it where can_keep_mxfp4)
+
+    def can_keep_mxfp4(self) -> bool:
+        """Whether the source holds every weight of this layer's experts as MXFP4 codes and scales."""
+        return False
 
     def check(self, expect: ExpertShapes) -> None:
         raise NotImplementedError
@@ -229,20 +235,44 @@ class FusedLayer(LayerExperts):
     def source_bytes(self) -> int:
         return sum(self.source.nbytes(n) for n in self.names.values())
 
+    def can_keep_mxfp4(self) -> bool:
+        # MXFP4 blocks run along a stack's inputs for x @ W: only a transposed layout's rows are outputs
+        stack = getattr(self.source, "mxfp4_stack", None)
+        return (self.layout.transposed and stack is not None
+                and all(stack(self.names[p]) for p in ("gate_up_proj", "down_proj")))
+
     def _record(self, expert, bits, group_size):
-        gate_up = self.source.get_rows(self.names["gate_up_proj"], expert)[0]
-        down = self.source.get_rows(self.names["down_proj"], expert)[0]
-        if self.layout.transposed:  # stored for x @ W: our matrices are [out, in]
-            gate_up, down = gate_up.T, down.T
-        gate, up = self._split(gate_up)  # [I, H] each
-        projections = {"gate_proj": gate.contiguous(), "up_proj": up.contiguous(), "down_proj": down.contiguous()}
-        tensors, specs = _float_record(projections, bits, group_size)
+        if self.keep_mxfp4:
+            tensors, specs = self._mxfp4_record(expert)
+        else:
+            tensors, specs = self._float_record(expert, bits, group_size)
         if self.layout.bias:
             gate_b, up_b = self._split(self.source.get_rows(self.names["gate_up_proj_bias"], expert)[0])
             down_b = self.source.get_rows(self.names["down_proj_bias"], expert)[0]
             tensors.update({"gate_proj.bias": gate_b.contiguous(), "up_proj.bias": up_b.contiguous(),
                             "down_proj.bias": down_b.contiguous()})
         return tensors, specs
+
+    def _mxfp4_record(self, expert):
+        """The expert's codes and scales as the source has them, gate and up rows split apart."""
+        gate_up, gate_up_scales = (t[0] for t in self.source.mxfp4_rows(self.names["gate_up_proj"], expert))
+        down, down_scales = (t[0] for t in self.source.mxfp4_rows(self.names["down_proj"], expert))
+        gate, up = self._split(gate_up)  # [I, H/32, 16] each
+        gate_scales, up_scales = self._split(gate_up_scales)
+        tensors = {}
+        for proj, blocks, scales in (("gate_proj", gate, gate_scales), ("up_proj", up, up_scales),
+                                     ("down_proj", down, down_scales)):
+            tensors[f"{proj}.weight"], tensors[f"{proj}.scales"] = mxfp4.record_parts(blocks, scales)
+        return tensors, {p: mxfp4.spec() for p in EXPERT_PROJECTIONS}
+
+    def _float_record(self, expert, bits, group_size):
+        gate_up = self.source.get_rows(self.names["gate_up_proj"], expert)[0]
+        down = self.source.get_rows(self.names["down_proj"], expert)[0]
+        if self.layout.transposed:  # stored for x @ W: our matrices are [out, in]
+            gate_up, down = gate_up.T, down.T
+        gate, up = self._split(gate_up)  # [I, H] each
+        projections = {"gate_proj": gate.contiguous(), "up_proj": up.contiguous(), "down_proj": down.contiguous()}
+        return _float_record(projections, bits, group_size)
 
     def _split(self, gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Gate and up rows of a fused [2I, ...] tensor."""

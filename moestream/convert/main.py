@@ -32,6 +32,8 @@ from moestream.format.writer import (ExpertFileWriter, FileDigest, OutputFile, S
 
 log = logging.getLogger(__name__)
 QUANT_BITS = {"q4": 4, "q8": 8, "none": None}
+DEFAULT_QUANT = "q4"  # without --quant: a float source's experts and matrices
+KEEP_MXFP4 = "mxfp4"  # without --quant, an MXFP4 source's experts keep their codes (recorded as this quant)
 GROUP_SIZES = (32, 64, 128)
 __all__ = ["convert", "main"]
 
@@ -84,18 +86,27 @@ def _our_files(out: Path) -> list[Path]:
 class Conversion:
     """One run of `convert`: the checked source, the plan, and OUT with its resume state."""
 
-    def __init__(self, source: CheckpointSource, out: Path, *, quant: str, group_size: int, progress: bool,
+    def __init__(self, source: CheckpointSource, out: Path, *, quant: str | None, group_size: int, progress: bool,
                  workers: int = 1, kill_after_layers: int | None = None):
-        self.source, self.out, self.quant, self.group_size = source, out, quant, group_size
+        """quant: "q4", "q8", "none", or None: the source's MXFP4 experts kept as they are (KEEP_MXFP4),
+        everything else at q4."""
+        self.source, self.out, self.group_size = source, out, group_size
         self.kill_after_layers = kill_after_layers
-        self.bits = QUANT_BITS[quant]
         self.progress = progress
         self.workers = max(1, workers)
         self.layers, dense_names = find_expert_layers(source)
         check_expert_layers(self.layers, source)
+        kept = [layer for layer, experts in self.layers.items() if quant is None and experts.can_keep_mxfp4()]
+        for layer in kept:
+            self.layers[layer].keep_mxfp4 = True
+        if kept and len(kept) < len(self.layers):
+            log.info("%d of %d MoE layers keep their MXFP4 experts; the others are quantized to q4", len(kept),
+                     len(self.layers))
+        self.quant = KEEP_MXFP4 if kept else (quant or DEFAULT_QUANT)
+        self.bits = QUANT_BITS[self.quant if self.quant in QUANT_BITS else DEFAULT_QUANT]
         self.dense = plan_dense(source, dense_names, self.bits, group_size)
         check_dense(self.dense, source)
-        self.options = {"source": source.origin, "source_files": source.file_sizes(), "quant": quant,
+        self.options = {"source": source.origin, "source_files": source.file_sizes(), "quant": self.quant,
                         "group_size": group_size, "format_version": FORMAT_VERSION}
         self.state: ConvertState | None = None
 
@@ -201,7 +212,9 @@ class Conversion:
             record["dequantized_from"] = dequantized
         if self.source.fp8 is not None:  # dequantized to float32, then quantized as requested
             record["dequantized"] = {"quant_method": "fp8", "weight_block_size": list(self.source.fp8.block)}
-        if self.source.mxfp4:  # dequantized exactly (bfloat16), then quantized as requested
+        if self.quant == KEEP_MXFP4:  # the experts' codes and scales as the source has them
+            record["imported"] = "mxfp4"
+        elif self.source.mxfp4:  # dequantized exactly (bfloat16), then quantized as requested
             record["dequantized"] = {"quant_method": "mxfp4"}
         return record
 
@@ -282,30 +295,36 @@ class Conversion:
         return record["files"]
 
 
-def convert(src: str | Path, out: str | Path, *, quant: str = "q4", group_size: int = 64, force: bool = False,
+def convert(src: str | Path, out: str | Path, *, quant: str | None = None, group_size: int = 64, force: bool = False,
             resume: bool = False, revision: str | None = None, progress: bool = True, workers: int = 1,
             kill_after_layers: int | None = None, tokenizer: str | Path | None = None) -> Path:
     """Pack the checkpoint at `src` (folder, .gguf file or Hub repo id) into `out`; returns `out`.
+
+    `quant` None: q4, except that MXFP4 experts (gpt-oss, Hub or GGUF) keep their codes and scales;
+    "q4", "q8" or "none" quantizes every expert (MXFP4 ones dequantized first) as asked.
 
     `workers` > 1 builds expert records on that many threads (the output is the same bytes); each
     worker's torch ops are best run single-threaded (the CLI sets that), else the pools compete.
     `kill_after_layers=N` ends the process abruptly (exit 75, nothing flushed) inside expert layer
     N once N layers are finished: how resume is tested against a real kill."""
-    if quant not in QUANT_BITS:
+    if quant is not None and quant not in QUANT_BITS:
         raise MoestreamError(f"quantization {quant!r} is not supported (supported: {', '.join(QUANT_BITS)})")
     if group_size not in GROUP_SIZES:
         raise MoestreamError(f"group size {group_size} is not supported (supported: {', '.join(map(str, GROUP_SIZES))})")
     if force and resume:
         raise MoestreamError("--force and --resume exclude each other (--force starts over, --resume continues)")
     out = Path(out)
-    source = open_source(src, revision=revision, tokenizer=tokenizer, bits=QUANT_BITS[quant])
+    source = open_source(src, revision=revision, tokenizer=tokenizer, bits=QUANT_BITS[quant or DEFAULT_QUANT])
     try:
         job = Conversion(source, out, quant=quant, group_size=group_size, progress=progress, workers=workers,
                          kill_after_layers=kill_after_layers)
-        if source.fp8 is not None or source.mxfp4:
+        if job.quant == KEEP_MXFP4:
+            log.info("the experts are MXFP4: their codes and scales are kept as they are (--quant q4|q8|none "
+                     "re-quantizes them)")
+        elif source.fp8 is not None or source.mxfp4:
             log.info("the source is %s: its scaled matrices are dequantized and stored as --quant %s",
-                     "block-scaled FP8" if source.fp8 else "MXFP4", quant)
-        if source.imported == "mlx" and quant != "q4":
+                     "block-scaled FP8" if source.fp8 else "MXFP4", job.quant)
+        if source.imported == "mlx" and quant not in (None, DEFAULT_QUANT):
             log.info("the source is MLX-quantized: its quantization is kept as it is (--quant %s does not apply)", quant)
         log.info("converting %s (%s, %d MoE layers, %d resident tensors) into %s", src, source.family, len(job.layers),
                  len(job.dense), out)
@@ -321,7 +340,8 @@ def convert(src: str | Path, out: str | Path, *, quant: str = "q4", group_size: 
 
 def add_packing_arguments(p: argparse.ArgumentParser, job: str) -> None:
     """The flags convert and pull share: quantization, resume, force, progress."""
-    p.add_argument("--quant", choices=list(QUANT_BITS), default="q4", help="expert and matrix quantization (default q4)")
+    p.add_argument("--quant", choices=list(QUANT_BITS), default=None,
+                   help="expert and matrix quantization (default q4; an MXFP4 source's experts keep MXFP4)")
     p.add_argument("--group-size", type=int, choices=GROUP_SIZES, default=64, help="quantization group size (default 64)")
     p.add_argument("--resume", action="store_true", help=f"continue an unfinished {job} into OUT")
     p.add_argument("--force", action="store_true", help="overwrite a non-empty OUT")

@@ -7,7 +7,8 @@ They are read with positional reads into fresh buffers (never mapped), so what a
 keeps resident is what it holds, not the pages of the checkpoint it has looked at. A block-scaled
 FP8 checkpoint's matrices are handed out dequantized (float32; moestream.quant.fp8), their scale
 tensors hidden, and an MXFP4 checkpoint's `X_blocks` / `X_scales` pairs as the stack `X` (bfloat16,
-exact; moestream.quant.mxfp4), so convert quantizes them like any float checkpoint."""
+exact; moestream.quant.mxfp4), so convert can quantize them like any float checkpoint; `mxfp4_rows`
+gives their codes and scales as they are, for records that keep them."""
 from __future__ import annotations
 
 import json
@@ -151,8 +152,8 @@ class CheckpointSource:
             scales = stack + mxfp4.SCALES
             if scales not in self.index:
                 raise CheckpointError(f"{key}: MXFP4 blocks without their {scales}")
-            mxfp4.check_pair(stack, self._open(self.index[key]).info(key).shape,
-                             self._open(self.index[scales]).info(scales).shape)
+            blocks_info, scales_info = self._open(self.index[key]).info(key), self._open(self.index[scales]).info(scales)
+            mxfp4.check_pair(stack, blocks_info.shape, scales_info.shape, blocks_info.dtype, scales_info.dtype)
             self.mxfp4_stacks[stack] = (scales, self.index.pop(scales))
             self.index[stack] = self.index.pop(key)
 
@@ -215,8 +216,7 @@ class CheckpointSource:
     def get(self, name: str) -> torch.Tensor:
         handle, key = self._locate(name)
         if key in self.mxfp4_stacks:
-            scales, file = self.mxfp4_stacks[key]
-            return mxfp4.dequantize(handle.read(key + mxfp4.BLOCKS), self._open(file).read(scales))
+            return self._mxfp4_dequantized(name, 0, self.info(name).shape[0])
         if key in self.fp8_scales:
             return fp8.dequantize(handle.read(key), self._scale(key), self.fp8.block)
         return handle.read(key)
@@ -224,15 +224,29 @@ class CheckpointSource:
     def get_rows(self, name: str, start: int, count: int = 1) -> torch.Tensor:
         handle, key = self._locate(name)
         if key in self.mxfp4_stacks:  # rows of a stack: whole experts
-            scales, file = self.mxfp4_stacks[key]
-            return mxfp4.dequantize(handle.read_rows(key + mxfp4.BLOCKS, start, count),
-                                    self._open(file).read_rows(scales, start, count))
+            return self._mxfp4_dequantized(name, start, count)
         if key not in self.fp8_scales:
             return handle.read_rows(key, start, count)
         rows = handle.read_rows(key, start, count)
         if rows.dim() > 2:  # rows of a stack [E, R, C] are whole matrices: their own scale grids
             return fp8.dequantize(rows, self._scale(key, start, count), self.fp8.block)
         return fp8.dequantize(rows, self._scale(key), self.fp8.block, first_row=start)
+
+    def mxfp4_stack(self, name: str) -> bool:
+        """Whether the stack `name` is held as MXFP4 blocks and scales (`mxfp4_rows` reads them)."""
+        return name in self.packed_names and self.packed_names[name] in self.mxfp4_stacks
+
+    def mxfp4_rows(self, name: str, start: int, count: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """Experts start.. of an MXFP4 stack as stored: blocks uint8 [n, Out, G, 16], scales uint8 [n, Out, G]
+        (a NaN scale refused)."""
+        handle, key = self._locate(name)
+        scales_key, file = self.mxfp4_stacks[key]
+        scales = self._open(file).read_rows(scales_key, start, count)
+        mxfp4.check_scales(scales_key, scales, start)
+        return handle.read_rows(key + mxfp4.BLOCKS, start, count), scales
+
+    def _mxfp4_dequantized(self, name: str, start: int, count: int) -> torch.Tensor:
+        return mxfp4.dequantize(*self.mxfp4_rows(name, start, count))
 
     def _scale(self, key: str, start: int | None = None, count: int = 1) -> torch.Tensor:
         scale, file = self.fp8_scales[key]

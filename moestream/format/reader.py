@@ -10,6 +10,7 @@ from safetensors import SafetensorError, safe_open
 from moestream.errors import FormatError
 from moestream.format.manifest import DENSE_NAME, EXPERT_PROJECTIONS, ExpertLayer, Manifest, read_manifest
 from moestream.format.records import decode_record
+from moestream.quant import mxfp4
 from moestream.quant.affine import QuantSpec, dequantize
 
 
@@ -119,7 +120,9 @@ def dequantize_record(entry: ExpertLayer, tensors: dict[str, torch.Tensor], dtyp
     out = {}
     for proj in EXPERT_PROJECTIONS:
         spec = QuantSpec.from_json(entry.quant[proj])
-        if spec.quantized:
+        if spec.mode == mxfp4.MODE:
+            out[proj] = mxfp4.dequantize_matrix(tensors[f"{proj}.weight"], tensors[f"{proj}.scales"], dtype)
+        elif spec.quantized:
             out[proj] = dequantize(tensors[f"{proj}.weight"], tensors[f"{proj}.scales"], tensors[f"{proj}.biases"],
                                    spec.bits, spec.group_size, dtype)
         else:

@@ -20,6 +20,10 @@ from moestream.errors import MoestreamError
 from moestream.format.manifest import DENSE_NAME, FIELD_ALIGN, RECORD_ALIGN, ExpertLayer, read_manifest
 from moestream.format.records import DTYPES
 from moestream.format.safetensors_io import SafetensorsFile
+from moestream.quant import mxfp4
+from moestream.quant.affine import QuantSpec
+
+QUANT_MODES = ("affine", mxfp4.MODE)  # how a record's quantized codes are read (QuantSpec.mode)
 
 log = logging.getLogger(__name__)
 CHUNK = 8 << 20
@@ -67,6 +71,26 @@ def check_layout(entry: ExpertLayer, *, checksums: bool = True) -> list[str]:
     for (_, end, name), (start, _, other) in zip(spans, spans[1:]):
         if start < end:
             problems.append(f"{where}: fields {name} and {other} overlap")
+    return problems + _quant_problems(entry, where)
+
+
+def _quant_problems(entry: ExpertLayer, where: str) -> list[str]:
+    """A projection's quant mode must be known, and an MXFP4 one's fields must fit it (the records
+    are read with the mode's layout: a mismatch would read the wrong bytes, not fail)."""
+    problems, fields = [], {f.name: f for f in entry.fields}
+    for proj, obj in entry.quant.items():
+        mode = obj.get("mode", "affine") if isinstance(obj, dict) else "affine"
+        if mode not in QUANT_MODES:
+            problems.append(f"{where}: {proj} has quantization mode {mode!r} (this moestream reads {', '.join(QUANT_MODES)})"[:300])
+        elif mode == mxfp4.MODE:
+            weight, scales = fields.get(f"{proj}.weight"), fields.get(f"{proj}.scales")
+            problem = None
+            if (weight and weight.dtype != "U8") or (scales and scales.dtype != "U8"):
+                problem = f"{proj}: MXFP4 weight and scales must be U8"
+            problem = problem or mxfp4.record_problem(proj, QuantSpec(obj.get("bits"), obj.get("group_size"), mode=mode),
+                                                      weight and weight.shape, scales and scales.shape)
+            if problem:
+                problems.append(f"{where}: {problem}"[:300])
     return problems
 
 

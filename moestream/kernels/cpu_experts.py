@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from moestream.quant.affine import QuantSpec, dequantize
+from moestream.quant.mxfp4 import MODE as MXFP4
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 INT4_GROUPS = (32, 64, 128, 256)  # group sizes torch's int4 CPU kernel takes
@@ -37,6 +38,8 @@ COMPUTE_DTYPES = (torch.bfloat16, torch.float32)  # the dtypes the int4 kernel t
 def refusal(fields, quant: dict[str, QuantSpec]) -> str | None:
     """Why the CPU kernels cannot compute records of this layout (None: they can)."""
     by_name = {f.name: f for f in fields}
+    if any(quant[proj].mode == MXFP4 for proj in PROJECTIONS):
+        return "MXFP4 records (the CPU expert kernels take MLX affine 4- and 8-bit records; torch's int4 kernel is affine)"
     if quant["gate_proj"].activation != "silu":
         return f"the CPU expert kernels compute SwiGLU only, not {quant['gate_proj'].activation}"
     for proj in PROJECTIONS:

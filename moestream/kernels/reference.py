@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from moestream.quant import mxfp4
 from moestream.quant.affine import QuantSpec, dequantize
 
 
@@ -16,6 +17,8 @@ def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Te
 
 def projection(tensors: dict[str, torch.Tensor], proj: str, spec: QuantSpec, dtype: torch.dtype) -> torch.Tensor:
     """One projection of a record as a float [out, in] matrix in `dtype`."""
+    if spec.mode == mxfp4.MODE:  # exact: every e2m1 value times a power of two
+        return mxfp4.dequantize_matrix(tensors[f"{proj}.weight"], tensors[f"{proj}.scales"], dtype)
     if spec.quantized:
         return dequantize(tensors[f"{proj}.weight"], tensors[f"{proj}.scales"], tensors[f"{proj}.biases"],
                           spec.bits, spec.group_size, dtype)

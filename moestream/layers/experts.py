@@ -11,7 +11,8 @@ It has two halves:
     decoder captures it in a graph.
 
 Kernels behind it: the Triton slot-pool kernels (CUDA, 4/8-bit records in the MLX layout) and the
-torch reference (CPU, and any record layout the Triton kernels do not take). Which one a layer
+torch reference (CPU, and any record layout the Triton kernels do not take: MXFP4 records, other
+activations than SwiGLU). Which one a layer
 uses depends only on the device, the option and the record layout, never on what is cached, so
 the bits are the same for every cache size and policy.
 
@@ -33,6 +34,7 @@ from moestream.layers.clamped_swiglu import clamped_swiglu
 from moestream.layers.gelu_mlp import gelu_glu
 from moestream.layers.mlp import swiglu
 from moestream.quant.affine import QuantSpec
+from moestream.quant.mxfp4 import MODE as MXFP4
 
 log = logging.getLogger(__name__)
 KERNELS = ("auto", "torch", "triton")
@@ -200,8 +202,11 @@ class RoutedExperts:
         """The Triton SlotLayout of `layer`'s records, or None where the torch reference runs them."""
         if self.kernels == "torch" or self.device.type != "cuda":
             return None
-        activation = activation_of(self.provider.quant(layer))
+        quant = self.provider.quant(layer)
+        activation = activation_of(quant)
         reason = None if activation == "silu" else f"the Triton expert kernels compute SwiGLU only, not {activation}"
+        if any(spec.mode == MXFP4 for spec in quant.values()):
+            reason = "the Triton expert kernels do not read MXFP4 records yet"
         try:
             from moestream.kernels import triton_moe
         except ImportError as exc:

@@ -4,8 +4,9 @@ experts with biases and a clamped SwiGLU (gate ≤ limit, |up| ≤ limit, gate·
 
 The experts are stored as fused stacks for x @ W with gate and up rows interleaved; convert
 de-interleaves them into gate_proj / up_proj / down_proj records with their biases (EXPERT_FUSED).
-OpenAI's MXFP4 expert blocks (`*_blocks` / `*_scales`) reach it as those stacks, dequantized by
-convert (moestream.quant.mxfp4) and re-quantized."""
+OpenAI's MXFP4 expert blocks (`*_blocks` / `*_scales`, or GGUF MXFP4) become MXFP4 records that
+keep their codes and scales (moestream.quant.mxfp4), or are dequantized and re-quantized when convert
+is given --quant."""
 from __future__ import annotations
 
 import dataclasses

@@ -20,13 +20,16 @@ class QuantSpec:
     """How one tensor is stored: bits None means unquantized float. `activation` (routed experts'
     projections only) is the gate's activation the record is computed with: "silu" (SwiGLU),
     "gelu_tanh" or "clamped_swiglu" (with its `alpha` and `limit`, and bias tensors in the record);
-    it is written to the manifest only where it is not the default."""
+    it is written to the manifest only where it is not the default. `mode` is how quantized codes
+    are read: "affine" (this module's layout) or "mxfp4" (e2m1 codes with a power-of-two scale per
+    32 inputs, kept from an MXFP4 source: moestream.quant.mxfp4); written only where not affine."""
 
     bits: int | None = None
     group_size: int = 64
     activation: str = "silu"
     alpha: float | None = None  # clamped_swiglu: gate * sigmoid(alpha * gate)
     limit: float | None = None  # clamped_swiglu: gate <= limit, |up| <= limit
+    mode: str = "affine"
 
     @property
     def quantized(self) -> bool:
@@ -37,13 +40,16 @@ class QuantSpec:
         if self.activation != "silu":
             obj = {"bits": self.bits, "group_size": self.group_size, "activation": self.activation}
             obj.update({k: v for k, v in (("alpha", self.alpha), ("limit", self.limit)) if v is not None})
+        if self.mode != "affine":
+            obj = {**(obj or {"bits": self.bits, "group_size": self.group_size}), "mode": self.mode}
         return obj
 
     @staticmethod
     def from_json(obj: dict | None) -> "QuantSpec":
         if not obj:
             return QuantSpec()
-        return QuantSpec(obj["bits"], obj["group_size"], obj.get("activation", "silu"), obj.get("alpha"), obj.get("limit"))
+        return QuantSpec(obj["bits"], obj["group_size"], obj.get("activation", "silu"), obj.get("alpha"), obj.get("limit"),
+                         obj.get("mode", "affine"))
 
 
 def check_bits(bits: int) -> None:

@@ -1,5 +1,6 @@
 """gpt-oss's MXFP4 experts as the Hub stores them (`*_blocks` / `*_scales`, quant_method mxfp4):
-dequantized exactly (the e2m1 code's value times 2^(scale - 127)), then re-quantized to --quant.
+dequantized exactly (the e2m1 code's value times 2^(scale - 127)), then re-quantized to a --quant
+given explicitly (without it, convert keeps MXFP4 records: test_mxfp4_records).
 The MXFP4 checkpoint is written here from the tiny float checkpoint."""
 import json
 import shutil

@@ -97,6 +97,20 @@ CASES = [
     ("heatmap", "{file} heat.png", 1, "moestream heatmap: error: {file}: not JSON (give a receipt or a bench JSON)"),
 ]
 
+# Bad MXFP4 checkpoints given to convert (gpt-oss's `X_blocks` / `X_scales`): built and run by
+# tests/models/test_mxfp4_records.py; {src} is the checkpoint folder
+CONVERT_INPUT_CASES = [
+    ("nan scale", 1, "moestream convert: error: model.layers.1.mlp.experts.down_proj_scales: MXFP4 scale 255 (NaN in "
+                     "E8M0) at [1, 2, 0]: the checkpoint is corrupt"),
+    ("blocks not U8", 1, "moestream convert: error: model.layers.1.mlp.experts.down_proj: MXFP4 blocks and scales must "
+                         "be U8, not I8 and U8"),
+    ("blocks and scales disagree", 1, "moestream convert: error: model.layers.1.mlp.experts.down_proj: MXFP4 blocks "
+                                      "[8, 64, 1, 16] and scales [8, 64, 2] are not [E, Out, G, 16] and [E, Out, G]"),
+    ("blocks of another shape than config.json", 1,
+     "moestream convert: error: model.layers.1.mlp.experts.down_proj: shape [8, 64, 32], but config.json implies "
+     "[8, 64, 64] (num_local_experts × intermediate_size × hidden_size)"),
+]
+
 
 def render() -> str:
     lines = ["# Errors for bad input", "",
@@ -118,7 +132,11 @@ def render() -> str:
               "`moestream generate: error: DIR/FILE: sha256 differs from the manifest (the file is corrupt or was "
               "changed; `moestream verify DIR` checks every file)` |",
               "| the server meets a damaged record | HTTP 500 | the same line as the message of that request's "
-              "error; other requests are served |", ""]
+              "error; other requests are served |", "",
+              "Bad MXFP4 checkpoints (gpt-oss's `X_blocks` / `X_scales`; the tiny gpt-oss damaged as the row says):", "",
+              "| what | exit | message |", "|---|---|---|"]
+    lines += [f"| {what} | {code} | `{message}` |" for what, code, message in CONVERT_INPUT_CASES]
+    lines += [""]
     return "\n".join(lines)
 
 

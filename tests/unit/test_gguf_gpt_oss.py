@@ -16,6 +16,7 @@ from moestream.engine.engine import Engine
 from moestream.engine.options import EngineOptions
 from moestream.errors import MoestreamError
 from moestream.format.reader import PackedModel
+from tests.models.test_mxfp4_records import expert_outputs
 from tests.models.test_parity import check_against, load_reference
 from tiny import load_all
 
@@ -131,3 +132,56 @@ def test_gpt_oss_gguf_without_its_down_stack_is_one_line(tiny_checkpoint, tmp_pa
     w.close()
     with pytest.raises(MoestreamError, match=r"GGUF tensor blk\.1\.ffn_down_exps\.bias is missing \(gpt-oss experts\)"):
         convert(tmp_path / "cut.gguf", tmp_path / "m", quant="none", progress=False)
+
+
+def ggml_codes(data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """An MXFP4 tensor's bytes [.., rows, G*17] -> its codes [.., rows, G*32] in input order and scales
+    [.., rows, G], as ggml reads them: per block the scale byte, then byte j holds inputs j (low) and j+16."""
+    blocks = data.reshape(*data.shape[:-1], -1, 17)
+    qs = blocks[..., 1:]
+    return np.concatenate([qs & 15, qs >> 4], axis=-1).reshape(*data.shape[:-1], -1), blocks[..., 0]
+
+
+def record_codes(weight: torch.Tensor) -> np.ndarray:
+    """A record's MXFP4 weight [out, in/2] -> codes [out, in]: byte k holds inputs 2k (low) and 2k+1."""
+    w = weight.numpy()
+    return np.stack([w & 15, w >> 4], axis=-1).reshape(w.shape[0], -1)
+
+
+@pytest.mark.parametrize("fuse_gate_up", [False, True])
+def test_mxfp4_gpt_oss_gguf_keeps_its_codes_and_scales(tiny_checkpoint, tmp_path, fuse_gate_up):
+    """convert's default keeps the file's MXFP4 experts: the records hold its codes and scales (the
+    nibbles re-paired), dequantize to gguf's own values bit for bit, and decode as --quant none does."""
+    src = tiny_checkpoint("gpt_oss")
+    path = tmp_path / "tiny-mxfp4.gguf"
+    held = write_gpt_oss(src, path, expert_type=T.MXFP4, fuse_gate_up=fuse_gate_up)
+    kept = PackedModel(convert(path, tmp_path / "kept", progress=False))
+    assert kept.manifest.quantization["imported"] == "mxfp4"
+    tensors = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+    for layer in (0, 1):
+        assert {s["mode"] for s in kept.expert_layer(layer).quant.values()} == {"mxfp4"}
+        blk = f"blk.{layer}."
+        if fuse_gate_up:
+            codes, scales = ggml_codes(np.array(tensors[blk + "ffn_gate_up_exps.weight"].data))
+            half = codes.shape[1] // 2
+            parts = {"gate_proj": (codes[:, :half], scales[:, :half]), "up_proj": (codes[:, half:], scales[:, half:])}
+            gate, up = np.split(held[blk + "ffn_gate_up_exps.weight"], 2, axis=1)
+        else:
+            parts = {p: ggml_codes(np.array(tensors[blk + f"ffn_{p[:-5]}_exps.weight"].data)) for p in ("gate_proj", "up_proj")}
+            gate, up = held[blk + "ffn_gate_exps.weight"], held[blk + "ffn_up_exps.weight"]
+        parts["down_proj"] = ggml_codes(np.array(tensors[blk + "ffn_down_exps.weight"].data))
+        values = {"gate_proj": gate, "up_proj": up, "down_proj": held[blk + "ffn_down_exps.weight"]}
+        for expert in range(8):
+            record = kept.expert_tensors(layer, expert)
+            dequantized = kept.dequantized_expert(layer, expert)
+            for proj, (codes, scales) in parts.items():
+                assert np.array_equal(record_codes(record[f"{proj}.weight"]), codes[expert]), (layer, expert, proj)
+                assert np.array_equal(record[f"{proj}.scales"].numpy(), scales[expert]), (layer, expert, proj)
+                assert torch.equal(dequantized[proj], torch.from_numpy(values[proj][expert])), (layer, expert, proj)
+    plain = convert(path, tmp_path / "none", quant="none", progress=False)  # the same values, in float
+    x, ids = torch.randn(5, 64, generator=torch.Generator().manual_seed(1)), torch.tensor([[0, 3, 5, 7]] * 5)
+    weights = torch.full((5, 4), 0.25)
+    for layer in (0, 1):
+        got = expert_outputs(kept.directory, layer, x, ids, weights, per_pair=True)
+        assert torch.equal(got, expert_outputs(plain, layer, x, ids, weights, per_pair=True)) and got.abs().max() > 0
+    assert len(tokens(kept.directory)) == 10
