@@ -17,17 +17,18 @@ from safetensors.torch import load_file, save_file
 
 from tiny import build_checkpoint, load_all
 
-BLOCK_LIKE = {"deepseek_v3": 1, "qwen3_next": 1}  # a MoE layer (full attention for qwen3_next) of tiny's configs
+BLOCK_LIKE = {"deepseek_v3": 1, "glm4_moe": 1, "qwen3_next": 1}  # a MoE layer (full attention for qwen3_next) of tiny's configs
+NEXTN = ("deepseek_v3", "glm4_moe")  # MTP layers named as decoder layers past the last one
 
 
 def mtp_prefix(family: str, config: dict) -> str:
-    return f"model.layers.{config['num_hidden_layers']}." if family == "deepseek_v3" else "mtp.layers.0."
+    return f"model.layers.{config['num_hidden_layers']}." if family in NEXTN else "mtp.layers.0."
 
 
 def glue_names(family: str, config: dict) -> dict[str, tuple[int, ...]]:
     """The MTP module's own tensors besides its decoder block."""
     H, V = config["hidden_size"], config["vocab_size"]
-    if family == "deepseek_v3":
+    if family in NEXTN:
         p = mtp_prefix(family, config)
         return {p + "enorm.weight": (H,), p + "hnorm.weight": (H,), p + "eh_proj.weight": (H, 2 * H),
                 p + "shared_head.norm.weight": (H,), p + "shared_head.head.weight": (V, H),
@@ -63,7 +64,7 @@ def build_mtp_checkpoint(folder: Path, family: str, **overrides) -> Path:
     folder = build_checkpoint(folder, family, **overrides)
     save_file(mtp_tensors(family, folder), str(folder / "mtp.safetensors"), metadata={"format": "pt"})
     config = json.loads((folder / "config.json").read_text())
-    config["num_nextn_predict_layers" if family == "deepseek_v3" else "mtp_num_hidden_layers"] = 1
+    config["num_nextn_predict_layers" if family in NEXTN else "mtp_num_hidden_layers"] = 1
     (folder / "config.json").write_text(json.dumps(config, indent=1))
     return folder
 
@@ -111,7 +112,7 @@ class ReferenceMTP:
         self.eps = config.get("rms_norm_eps", 1e-6)
         t = load_all(folder)  # the model's tensors and the MTP's
         self.block_model, self.block = reference_block(folder, family, work)
-        if family == "deepseek_v3":
+        if family in NEXTN:
             p = mtp_prefix(family, config)
             self.embed, self.head = t[p + "embed_tokens.weight"], t[p + "shared_head.head.weight"]
             self.enorm, self.hnorm, self.proj = t[p + "enorm.weight"], t[p + "hnorm.weight"], t[p + "eh_proj.weight"]

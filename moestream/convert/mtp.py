@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import logging
 
+from moestream.convert.layout import LayoutError
+from moestream.models.registry import weight_shapes
+
 log = logging.getLogger(__name__)
 
 
@@ -17,6 +20,12 @@ def select_mtp(source, layers: dict, dense_names: list[str], *, keep: bool) -> t
     resident = [n for n in dense_names if args.is_mtp_weight(n)]
     experts = [layer for layer in layers if layer >= args.num_hidden_layers]
     if keep and count and resident:
+        have = set(dense_names)
+        wanted = weight_shapes(source.family, source.config, present=have, mtp_layers=count)
+        missing = [n for n in wanted if args.is_mtp_weight(n) and n not in have]
+        if missing:
+            raise LayoutError(f"{missing[0]} is missing: the checkpoint's multi-token-prediction layers are incomplete "
+                              "(convert --no-mtp leaves them out)")
         log.info("keeping %d multi-token-prediction layer(s): %d resident tensors, %d expert layer(s)", count,
                  len(resident), len(experts))
         return count, layers, dense_names

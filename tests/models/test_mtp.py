@@ -22,7 +22,7 @@ from moestream.errors import MoestreamError
 from moestream.format.manifest import read_manifest
 from moestream.format.reader import PackedModel
 
-FAMILIES = ["deepseek_v3", "qwen3_next"]
+FAMILIES = ["deepseek_v3", "glm4_moe", "qwen3_next"]
 PROMPT = "def fibonacci(n):\n    if n < 2:"
 SAMPLED = SamplingParams(temperature=0.9, top_k=40, seed=1234)
 
@@ -71,7 +71,7 @@ def test_convert_keeps_the_mtp_tensors_byte_for_byte(family, mtp_model):
         kept = packed.dense(name, t.dtype)
         assert kept.dtype == t.dtype and torch.equal(kept.view(torch.uint8), t.view(torch.uint8)), name
     entry = packed.manifest.expert_layer(N)  # MTP layer 0's experts: expert layer num_hidden_layers
-    assert entry is not None and entry.num_experts == config["num_experts" if family == "qwen3_next" else "n_routed_experts"]
+    assert entry is not None and entry.num_experts == (config.get("num_experts") or config.get("n_routed_experts"))
     for e in range(entry.num_experts):
         record = packed.expert_tensors(N, e)
         for proj in ("gate_proj", "up_proj", "down_proj"):
