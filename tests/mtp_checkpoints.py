@@ -17,17 +17,32 @@ from safetensors.torch import load_file, save_file
 
 from tiny import build_checkpoint, load_all
 
-BLOCK_LIKE = {"deepseek_v3": 1, "glm4_moe": 1, "qwen3_next": 1}  # a MoE layer (full attention for qwen3_next) of tiny's configs
-NEXTN = ("deepseek_v3", "glm4_moe")  # MTP layers named as decoder layers past the last one
+# a MoE layer (full attention for the Qwen hybrids) of tiny's configs, as the checkpoint names its layers
+BLOCK_LIKE = {"deepseek_v3": 1, "glm4_moe_lite": 1, "glm4_moe": 1, "qwen3_next": 1, "qwen3_5_moe": 3}
+LAYERS = {"qwen3_5_moe": "model.language_model.layers."}  # else "model.layers."
+NEXTN = ("deepseek_v3", "glm4_moe_lite", "glm4_moe")  # MTP layers named as decoder layers past the last one
+
+
+def text_config(config: dict) -> dict:
+    return config.get("text_config", config)
+
+
+def like_prefix(family: str) -> str:
+    return f"{LAYERS.get(family, 'model.layers.')}{BLOCK_LIKE[family]}."
+
+
+def text_model(model):
+    """transformers' language model inside a causal LM (Qwen3.5's sits under model.language_model)."""
+    return model.model.language_model if hasattr(model.model, "language_model") else model.model
 
 
 def mtp_prefix(family: str, config: dict) -> str:
-    return f"model.layers.{config['num_hidden_layers']}." if family in NEXTN else "mtp.layers.0."
+    return f"model.layers.{text_config(config)['num_hidden_layers']}." if family in NEXTN else "mtp.layers.0."
 
 
 def glue_names(family: str, config: dict) -> dict[str, tuple[int, ...]]:
     """The MTP module's own tensors besides its decoder block."""
-    H, V = config["hidden_size"], config["vocab_size"]
+    H, V = text_config(config)["hidden_size"], text_config(config).get("vocab_size", config.get("vocab_size"))
     if family in NEXTN:
         p = mtp_prefix(family, config)
         return {p + "enorm.weight": (H,), p + "hnorm.weight": (H,), p + "eh_proj.weight": (H, 2 * H),
@@ -41,7 +56,7 @@ def mtp_tensors(family: str, folder: Path, *, seed: int = 7) -> dict[str, torch.
     """Random MTP tensors: the block shaped like layer BLOCK_LIKE (its tensors' names and shapes)."""
     config = json.loads((folder / "config.json").read_text())
     gen = torch.Generator().manual_seed(seed)
-    like = f"model.layers.{BLOCK_LIKE[family]}."
+    like = like_prefix(family)
     shapes = {mtp_prefix(family, config) + k[len(like):]: tuple(t.shape) for k, t in load_all(folder).items()
               if k.startswith(like)}
     shapes.update(glue_names(family, config))
@@ -51,7 +66,7 @@ def mtp_tensors(family: str, folder: Path, *, seed: int = 7) -> dict[str, torch.
             t = torch.randn(shape, generator=gen) * 0.08
         elif name.endswith("e_score_correction_bias"):
             t = torch.randn(shape, generator=gen) * 0.05
-        elif family == "qwen3_next":  # zero-centered norms (scale 1 + w)
+        elif family not in NEXTN:  # zero-centered norms (scale 1 + w)
             t = torch.rand(shape, generator=gen) - 0.5
         else:
             t = torch.rand(shape, generator=gen) + 0.5
@@ -64,7 +79,7 @@ def build_mtp_checkpoint(folder: Path, family: str, **overrides) -> Path:
     folder = build_checkpoint(folder, family, **overrides)
     save_file(mtp_tensors(family, folder), str(folder / "mtp.safetensors"), metadata={"format": "pt"})
     config = json.loads((folder / "config.json").read_text())
-    config["num_nextn_predict_layers" if family in NEXTN else "mtp_num_hidden_layers"] = 1
+    text_config(config)["num_nextn_predict_layers" if family in NEXTN else "mtp_num_hidden_layers"] = 1
     (folder / "config.json").write_text(json.dumps(config, indent=1))
     return folder
 
@@ -80,20 +95,20 @@ def reference_block(folder: Path, family: str, work: Path):
         if (folder / name).is_file():
             shutil.copyfile(folder / name, work / name)
     tensors = load_file(str(folder / "model.safetensors"))
-    like, prefix = f"model.layers.{BLOCK_LIKE[family]}.", mtp_prefix(family, config)
+    like, prefix = like_prefix(family), mtp_prefix(family, config)
     for k, v in load_file(str(folder / "mtp.safetensors")).items():
         if k.startswith(prefix) and like + k[len(prefix):] in tensors:  # the block's (not the glue's)
             tensors[like + k[len(prefix):]] = v
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(work / "model.safetensors"),
               metadata={"format": "pt"})
     model = load_reference(work)
-    return model, model.model.layers[BLOCK_LIKE[family]]
+    return model, text_model(model).layers[BLOCK_LIKE[family]]
 
 
 def main_states(ref, ids: list[int]) -> torch.Tensor:
     """The reference model's final residual stream [T, H] (the final norm's input) for ids."""
     seen = {}
-    hook = ref.model.norm.register_forward_pre_hook(lambda _m, args: seen.setdefault("x", args[0]))
+    hook = text_model(ref).norm.register_forward_pre_hook(lambda _m, args: seen.setdefault("x", args[0]))
     try:
         with torch.no_grad():
             ref(torch.tensor([ids]))
@@ -109,7 +124,7 @@ class ReferenceMTP:
     def __init__(self, folder: Path, family: str, work: Path):
         self.family = family
         config = json.loads((folder / "config.json").read_text())
-        self.eps = config.get("rms_norm_eps", 1e-6)
+        self.eps = text_config(config).get("rms_norm_eps", 1e-6)
         t = load_all(folder)  # the model's tensors and the MTP's
         self.block_model, self.block = reference_block(folder, family, work)
         if family in NEXTN:
@@ -118,7 +133,8 @@ class ReferenceMTP:
             self.enorm, self.hnorm, self.proj = t[p + "enorm.weight"], t[p + "hnorm.weight"], t[p + "eh_proj.weight"]
             self.final = t[p + "shared_head.norm.weight"]
         else:
-            self.embed, self.head = t["model.embed_tokens.weight"], t["lm_head.weight"]
+            embed = "model.language_model.embed_tokens.weight" if family in LAYERS else "model.embed_tokens.weight"
+            self.embed, self.head = t[embed], t["lm_head.weight"]
             self.enorm, self.hnorm = 1 + t["mtp.pre_fc_norm_embedding.weight"], 1 + t["mtp.pre_fc_norm_hidden.weight"]
             self.proj, self.final = t["mtp.fc.weight"], 1 + t["mtp.norm.weight"]
 
@@ -132,12 +148,12 @@ class ReferenceMTP:
             e = self.embed[torch.tensor(ids)]
             x = torch.cat([self.norm(e, self.enorm), self.norm(states, self.hnorm)], -1) @ self.proj.T
             pos = torch.arange(T)[None]
-            cos_sin = self.block_model.model.rotary_emb(x[None], pos)
+            cos_sin = text_model(self.block_model).rotary_emb(x[None], pos)
             mask = torch.full((T, T), float("-inf")).triu(1)[None, None]
             y = self.block(x[None], attention_mask=mask, position_ids=pos, position_embeddings=cos_sin)
             y = (y[0] if isinstance(y, tuple) else y)[0]
             normed = self.norm(y, self.final)
-            return (normed if self.family == "qwen3_next" else y), normed @ self.head.T
+            return (y if self.family in NEXTN else normed), normed @ self.head.T
 
     def drafts(self, states: torch.Tensor, context: list[int], k: int) -> tuple[list[int], list[torch.Tensor]]:
         """k greedy drafts after `context` from the main states of positions 0..len-2, chained."""

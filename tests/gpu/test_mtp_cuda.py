@@ -14,7 +14,7 @@ from moestream.engine.types import SamplingParams
 
 pytestmark = pytest.mark.gpu
 PROMPT = "def fibonacci(n):\n    if n < 2:"
-FAMILIES = ["deepseek_v3", "glm4_moe", "qwen3_next"]
+FAMILIES = ["deepseek_v3", "glm4_moe", "qwen3_next", "qwen3_5_moe"]
 
 
 @pytest.fixture(scope="module")
