@@ -212,3 +212,21 @@ def test_a_plain_tiny_checkpoint_declaring_mtp_layers_has_none(tmp_path):
     assert json.loads((hf / "config.json").read_text()).get("num_nextn_predict_layers") == 1
     manifest = read_manifest(convert(hf, tmp_path / "packed", quant="none", progress=False))
     assert manifest.mtp_layers == 0 and "mtp_layers" not in json.loads((tmp_path / "packed" / "moestream.json").read_text())
+
+
+@pytest.mark.parametrize("keep", [True, False], ids=["mtp", "no-mtp"])
+def test_pull_keeps_or_leaves_out_the_mtp_layers_as_convert_does(keep, mtp_model, tmp_path):
+    from hub_repos import shard_checkpoint
+    from hub_server import HubServer
+    from unit.test_pull import same_model
+
+    from moestream.convert.pull import pull
+
+    hf, _ = mtp_model("qwen3_next")
+    sharded = shard_checkpoint(hf, tmp_path / "repo", 3)
+    converted = convert(sharded, tmp_path / "converted", quant="q4", progress=False, mtp=keep)
+    with HubServer() as hub:
+        hub.state.add_folder("tiny-org/tiny-mtp", sharded)
+        pulled = pull("tiny-org/tiny-mtp", tmp_path / "pulled", endpoint=hub.url, progress=False, mtp=keep)
+    same_model(pulled, converted)
+    assert read_manifest(pulled).mtp_layers == (1 if keep else 0)
