@@ -105,8 +105,11 @@ class MTPDrafter(Drafter):
             return []
         with torch.inference_mode(), quiet(self.engine.experts):
             if kept < L - 1:
-                hidden = torch.stack([self.states[p] for p in range(kept, L - 1)])
-                state, logits = self._run(hidden, ctx[kept + 1:L], kept)
+                chunk = max(1, self.engine.plan.prefill_chunk)  # a long prompt's pairs in prefill-sized pieces
+                for start in range(kept, L - 1, chunk):
+                    end = min(start + chunk, L - 1)
+                    hidden = torch.stack([self.states[p] for p in range(start, end)])
+                    state, logits = self._run(hidden, ctx[start + 1:end + 1], start)
                 self.context = ctx
                 for p in [p for p in self.states if p < L - 2]:  # the last stays: a repeated proposal reruns it
                     del self.states[p]
