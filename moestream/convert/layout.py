@@ -345,22 +345,27 @@ def find_expert_layers(source) -> tuple[dict[int, LayerExperts], list[str]]:
     """Group the checkpoint's tensors: routed experts by layer (one layout per layer, named as the
     source's family names them) and the rest."""
     spelling = ExpertNames(source.family_module)
+    args = source.family_module.ModelArgs.from_dict(source.config)
     per_expert: dict[int, dict] = defaultdict(dict)
     fused: dict[int, dict] = defaultdict(dict)
     mlx: dict[int, dict] = defaultdict(dict)
     prefixes: dict[int, str] = {}
     dense = []
+
+    def index(m) -> int:  # the expert layer (an MTP layer's experts are numbered after the decoder's)
+        return args.expert_layer(m["prefix"], int(m["layer"]))
+
     for name in source.names():
         if m := spelling.per_expert.match(name):
-            per_expert[int(m["layer"])][(int(m["expert"]), spelling.ours[m["proj"]])] = name
+            per_expert[index(m)][(int(m["expert"]), spelling.ours[m["proj"]])] = name
         elif m := spelling.fused.match(name):
-            fused[int(m["layer"])][m["part"]] = name
+            fused[index(m)][m["part"]] = name
         elif m := spelling.mlx.match(name):
-            mlx[int(m["layer"])][(m["proj"], m["part"])] = name
+            mlx[index(m)][(m["proj"], m["part"])] = name
         else:
             dense.append(name)
             continue
-        prefixes.setdefault(int(m["layer"]), m["prefix"])
+        prefixes.setdefault(index(m), m["prefix"])
     layers: dict[int, LayerExperts] = {}
     for layer in sorted(set(per_expert) | set(fused) | set(mlx)):
         kinds = [k for k, d in (("per-expert", per_expert), ("fused", fused), ("switch_mlp", mlx)) if layer in d]
@@ -377,12 +382,13 @@ def find_expert_layers(source) -> tuple[dict[int, LayerExperts], list[str]]:
     return layers, dense
 
 
-def check_expert_layers(layers: dict[int, LayerExperts], source) -> ExpertShapes:
-    """Every routed-expert tensor against config.json as the family reads it; the first
-    disagreement is raised, naming the tensor. (Routers are resident tensors, checked with them.)"""
+def check_expert_layers(layers: dict[int, LayerExperts], source, *, mtp_layers: int = 0) -> ExpertShapes:
+    """Every routed-expert tensor against config.json as the family reads it (and the experts of
+    `mtp_layers` multi-token-prediction layers); the first disagreement is raised, naming the
+    tensor. (Routers are resident tensors, checked with them.)"""
     args = source.family_module.ModelArgs.from_dict(source.config)
     expect = ExpertShapes.from_args(args, source.config)
-    wanted = set(args.moe_layers())
+    wanted = set(args.moe_layers()) | set(args.mtp_expert_layers(mtp_layers))
     for layer in sorted(set(layers) - wanted):
         raise LayoutError(f"{layers[layer].prefix}: routed-expert tensors in layer {layer}, which config.json makes "
                           f"a dense layer ({source.family}: {len(wanted)} of {args.num_hidden_layers} layers have experts)")

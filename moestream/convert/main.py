@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from moestream.cli_args import Parser, at_least, run_resumable
 from moestream.convert.layout import LayoutError, check_expert_layers, find_expert_layers
+from moestream.convert.mtp import select_mtp
 from moestream.convert.resident import DenseTensor, check_dense, plan_dense
 from moestream.convert.source import TOKENIZER_FILES, CheckpointSource, open_source
 from moestream.convert.state import STATE_NAME, ConvertState, ResumeError
@@ -87,15 +88,16 @@ class Conversion:
     """One run of `convert`: the checked source, the plan, and OUT with its resume state."""
 
     def __init__(self, source: CheckpointSource, out: Path, *, quant: str | None, group_size: int, progress: bool,
-                 workers: int = 1, kill_after_layers: int | None = None):
+                 workers: int = 1, kill_after_layers: int | None = None, mtp: bool = True):
         """quant: "q4", "q8", "none", or None: the source's MXFP4 experts kept as they are (KEEP_MXFP4),
-        everything else at q4."""
+        everything else at q4. mtp False: the multi-token-prediction layers left out."""
         self.source, self.out, self.group_size = source, out, group_size
         self.kill_after_layers = kill_after_layers
         self.progress = progress
         self.workers = max(1, workers)
-        self.layers, dense_names = find_expert_layers(source)
-        check_expert_layers(self.layers, source)
+        layers, dense_names = find_expert_layers(source)
+        self.mtp_layers, self.layers, dense_names = select_mtp(source, layers, dense_names, keep=mtp)
+        check_expert_layers(self.layers, source, mtp_layers=self.mtp_layers)
         kept = [layer for layer, experts in self.layers.items() if quant is None and experts.can_keep_mxfp4()]
         for layer in kept:
             self.layers[layer].keep_mxfp4 = True
@@ -105,9 +107,11 @@ class Conversion:
         self.quant = KEEP_MXFP4 if kept else (quant or DEFAULT_QUANT)
         self.bits = QUANT_BITS[self.quant if self.quant in QUANT_BITS else DEFAULT_QUANT]
         self.dense = plan_dense(source, dense_names, self.bits, group_size)
-        check_dense(self.dense, source)
+        check_dense(self.dense, source, mtp_layers=self.mtp_layers)
         self.options = {"source": source.origin, "source_files": source.file_sizes(), "quant": self.quant,
                         "group_size": group_size, "format_version": FORMAT_VERSION}
+        if not mtp:  # a resumed conversion keeps or leaves out the MTP layers as it began
+            self.options["mtp"] = False
         self.state: ConvertState | None = None
 
     # -- OUT -------------------------------------------------------------------
@@ -191,7 +195,8 @@ class Conversion:
         quantization = self._quantization()
         manifest = Manifest(family=self.source.family, config=self.source.config,
                             source={**self.source.origin, "files": source_hashes}, quantization=quantization,
-                            expert_layers=entries, files={name: d.to_json() for name, d in digests.items()})
+                            expert_layers=entries, files={name: d.to_json() for name, d in digests.items()},
+                            mtp_layers=self.mtp_layers)
         try:
             write_manifest(self.out, manifest)
         except OSError as exc:
@@ -297,7 +302,7 @@ class Conversion:
 
 def convert(src: str | Path, out: str | Path, *, quant: str | None = None, group_size: int = 64, force: bool = False,
             resume: bool = False, revision: str | None = None, progress: bool = True, workers: int = 1,
-            kill_after_layers: int | None = None, tokenizer: str | Path | None = None) -> Path:
+            kill_after_layers: int | None = None, tokenizer: str | Path | None = None, mtp: bool = True) -> Path:
     """Pack the checkpoint at `src` (folder, .gguf file or Hub repo id) into `out`; returns `out`.
 
     `quant` None: q4, except that MXFP4 experts (gpt-oss, Hub or GGUF) keep their codes and scales;
@@ -306,7 +311,8 @@ def convert(src: str | Path, out: str | Path, *, quant: str | None = None, group
     `workers` > 1 builds expert records on that many threads (the output is the same bytes); each
     worker's torch ops are best run single-threaded (the CLI sets that), else the pools compete.
     `kill_after_layers=N` ends the process abruptly (exit 75, nothing flushed) inside expert layer
-    N once N layers are finished: how resume is tested against a real kill."""
+    N once N layers are finished: how resume is tested against a real kill. `mtp=False` leaves the
+    multi-token-prediction layers out (moestream.convert.mtp)."""
     if quant is not None and quant not in QUANT_BITS:
         raise MoestreamError(f"quantization {quant!r} is not supported (supported: {', '.join(QUANT_BITS)})")
     if group_size not in GROUP_SIZES:
@@ -317,7 +323,7 @@ def convert(src: str | Path, out: str | Path, *, quant: str | None = None, group
     source = open_source(src, revision=revision, tokenizer=tokenizer, bits=QUANT_BITS[quant or DEFAULT_QUANT])
     try:
         job = Conversion(source, out, quant=quant, group_size=group_size, progress=progress, workers=workers,
-                         kill_after_layers=kill_after_layers)
+                         kill_after_layers=kill_after_layers, mtp=mtp)
         if job.quant == KEEP_MXFP4:
             log.info("the experts are MXFP4: their codes and scales are kept as they are (--quant q4|q8|none "
                      "re-quantizes them)")
@@ -346,6 +352,8 @@ def add_packing_arguments(p: argparse.ArgumentParser, job: str) -> None:
     p.add_argument("--resume", action="store_true", help=f"continue an unfinished {job} into OUT")
     p.add_argument("--force", action="store_true", help="overwrite a non-empty OUT")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-mtp", action="store_true",
+                   help="leave out the checkpoint's multi-token-prediction layers (a smaller pack; no --speculative mtp)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -370,4 +378,4 @@ def main(argv: list[str] | None = None) -> int:
     return run_resumable("moestream convert", lambda: convert(
         args.src, args.out, quant=args.quant, group_size=args.group_size, force=args.force, resume=args.resume,
         revision=args.revision, progress=not args.no_progress, workers=args.workers,
-        kill_after_layers=args.kill_after_layers, tokenizer=args.tokenizer), "wrote {}")
+        kill_after_layers=args.kill_after_layers, tokenizer=args.tokenizer, mtp=not args.no_mtp), "wrote {}")

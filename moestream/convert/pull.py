@@ -128,8 +128,8 @@ class Pull(Conversion):
     """One run of `pull`: the plan from the headers, OUT with its state, the shard loop."""
 
     def __init__(self, source: PulledSource, out: Path, *, quant: str, group_size: int, progress: bool,
-                 kill_after_shards: int | None = None):
-        super().__init__(source, out, quant=quant, group_size=group_size, progress=progress)
+                 kill_after_shards: int | None = None, mtp: bool = True):
+        super().__init__(source, out, quant=quant, group_size=group_size, progress=progress, mtp=mtp)
         self.options["pull"] = True  # a `convert --resume` of this OUT is refused, and the other way round
         self.kill_after_shards = kill_after_shards
         self.dense_order, self.dense_header, offsets = plan_safetensors([d.parts for d in self.dense], {"format": "pt"})
@@ -137,7 +137,8 @@ class Pull(Conversion):
         self.dense_size = len(self.dense_header) + sum(e.nbytes for g in self.dense_order for e in g)
         zero = ZeroSource(source)  # the record layouts, from zeros of the right shapes
         zero_layers, _ = find_expert_layers(zero)
-        check_expert_layers(zero_layers, zero)
+        zero_layers = {layer: e for layer, e in zero_layers.items() if layer in self.layers}  # MTP layers as kept
+        check_expert_layers(zero_layers, zero, mtp_layers=self.mtp_layers)
         self.entries: dict[int, ExpertLayer] = {}
         for layer in sorted(self.layers):
             tensors, specs = zero_layers[layer].record(0, self.bits, group_size)
@@ -336,7 +337,8 @@ class Pull(Conversion):
         hashes = {s: self.state.steps[f"sha:{s}"]["sha256"] for s in self.source.files}
         manifest = Manifest(family=self.source.family, config=self.source.config,
                             source={**self.source.origin, "files": hashes}, quantization=self._quantization(),
-                            expert_layers=entries, files={name: d.to_json() for name, d in digests.items()})
+                            expert_layers=entries, files={name: d.to_json() for name, d in digests.items()},
+                            mtp_layers=self.mtp_layers)
         try:
             write_manifest(self.out, manifest)
         except OSError as exc:
@@ -381,7 +383,7 @@ def _check_args(repo_id: str, quant: str, group_size: int, force: bool, resume: 
 
 def pull(repo_id: str, out: str | Path, *, revision: str | None = None, quant: str = "q4", group_size: int = 64,
          force: bool = False, resume: bool = False, progress: bool = True, endpoint: str | None = None,
-         kill_after_shards: int | None = None) -> Path:
+         kill_after_shards: int | None = None, mtp: bool = True) -> Path:
     """Download and pack `repo_id` into `out`, one shard on disk at a time; verified at the end.
 
     `kill_after_shards=N` ends the process abruptly (exit 75) half-way through converting the
@@ -397,7 +399,7 @@ def pull(repo_id: str, out: str | Path, *, revision: str | None = None, quant: s
         source = PulledSource(repo, Path(meta))
         try:
             job = Pull(source, out, quant=quant, group_size=group_size, progress=progress,
-                       kill_after_shards=kill_after_shards)
+                       kill_after_shards=kill_after_shards, mtp=mtp)
             sizes = job.sizes()
             log.info("pulling %s@%s (%s, %d MoE layers, %d shards, %s) into %s; extra disk at most %s (the largest "
                      "shard)", repo_id, repo.commit[:12], source.family, len(job.layers), len(source.files),
@@ -456,7 +458,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_resumable("moestream pull", lambda: dry_run(args), "{}")
     return run_resumable("moestream pull", lambda: pull(
         args.repo, args.out, revision=args.revision, quant=args.quant, group_size=args.group_size, force=args.force,
-        resume=args.resume, progress=not args.no_progress, kill_after_shards=args.kill_after_shards),
+        resume=args.resume, progress=not args.no_progress, kill_after_shards=args.kill_after_shards,
+        mtp=not args.no_mtp),
         "wrote {} (verified)")
 
 

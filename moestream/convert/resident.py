@@ -85,11 +85,12 @@ def _plan_dense_mlx(source, names: list[str]) -> list[DenseTensor]:
     return plan
 
 
-def check_dense(plan: list[DenseTensor], source) -> None:
-    """Every resident tensor against the family's model: one that it does not take, one that is
-    missing, or one of another shape is refused, naming the tensor (and how many more there are)."""
+def check_dense(plan: list[DenseTensor], source, *, mtp_layers: int = 0) -> None:
+    """Every resident tensor against the family's model (with `mtp_layers` multi-token-prediction
+    layers): one that it does not take, one that is missing, or one of another shape is refused,
+    naming the tensor (and how many more there are)."""
     have = {d.name: d.shape for d in plan}
-    want = weight_shapes(source.family, source.config, present=have)
+    want = weight_shapes(source.family, source.config, present=have, mtp_layers=mtp_layers)
     model = f"the {source.family} model of this config.json"
     unused = sorted(set(have) - set(want))
     if unused:

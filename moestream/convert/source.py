@@ -159,12 +159,12 @@ class CheckpointSource:
 
     def _sanitize(self) -> None:
         dropped, beyond = 0, 0
-        layers = self.config.get("num_hidden_layers")
+        layers, mtp = self._decoder_layers()
         for key in sorted(self.index):
-            # layers past num_hidden_layers are multi-token-prediction heads (GLM-4.5, DeepSeek-V3):
-            # drafting modules the model does not run (transformers leaves them out as well)
+            # layers past num_hidden_layers are multi-token-prediction layers (GLM-4.5, DeepSeek-V3):
+            # kept for the families that build them (moestream.models.mtp), the rest left out
             index = LAYER_INDEX.search(key)
-            if isinstance(layers, int) and index and int(index[1]) >= layers:
+            if isinstance(layers, int) and index and int(index[1]) >= layers + mtp:
                 beyond += 1
                 continue
             name = self.family_module.sanitize(key)
@@ -179,6 +179,14 @@ class CheckpointSource:
             log.info("%d checkpoint tensors are not weights of a %s model (left out)", dropped, self.family)
         if beyond:
             log.info("%d checkpoint tensors of layers past num_hidden_layers=%d (prediction heads) left out", beyond, layers)
+
+    def _decoder_layers(self) -> tuple[int | None, int]:
+        """(num_hidden_layers, multi-token-prediction layers) as the family reads config.json."""
+        try:
+            args = self.family_module.ModelArgs.from_dict(self.config)
+        except (MoestreamError, TypeError, ValueError):  # the layout checks say what is wrong with the config
+            return self.config.get("num_hidden_layers"), 0
+        return args.num_hidden_layers, args.mtp_layer_count()
 
     def _open(self, file: str) -> SafetensorsFile:
         if file not in self._handles:

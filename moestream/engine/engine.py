@@ -106,8 +106,9 @@ class Engine:
 
             self.provider = OwnedExperts(self.provider, self.parallel.placement, self.parallel.group.rank)
         try:
-            def make_experts(args):
-                moe = {i: args.num_experts for i in args.moe_layers()}
+            def make_experts(args):  # the decoder's MoE layers and the multi-token-prediction layers' experts
+                layers = args.moe_layers() + args.mtp_expert_layers(packed.manifest.mtp_layers)
+                moe = {i: args.num_experts for i in layers}
                 return RoutedExperts(self.provider, moe, device=self.device, kernels=options.expert_kernels,
                                      parallel=self.parallel)
 
@@ -133,6 +134,9 @@ class Engine:
         self.decoder = Decoder(self.model, self.caches, self.experts, graphs=options.cuda_graphs, lookahead=lookahead,
                                maps=self.guess_maps)
         self._resident_checked = False
+        # sees the final residual stream (before the final norm) of every position slot 0 computes:
+        # hidden_tap(first position, rows [T, H]); the MTP drafter's input (moestream.engine.mtp_drafter)
+        self.hidden_tap: Callable[[int, torch.Tensor], None] | None = None
         self._position = 0  # first position of the chunk being run (for routing traces)
         self.trace = None
         if options.trace_routing:
@@ -380,21 +384,27 @@ class Engine:
         of the last one [1, V]; tokens reused). (None, reused) if should_stop interrupted it."""
         cache = self._slot(seq)
         reuse = 0 if all_logits else min(common_prefix(cache.tokens, prompt_ids), len(prompt_ids) - 1)
+        if self.hidden_tap is not None and seq == 0:  # the tap sees the state before the first new token too
+            reuse = max(0, reuse - 1)
         reuse = cache.truncate(reuse)  # less where a recurrent layer keeps no state at `reuse`
         self._check_room(len(prompt_ids) - reuse, cache)
         chunk = max(1, self.plan.prefill_chunk)
         outputs = []
-        with torch.inference_mode():
-            self._make_resident()
-            for start in range(reuse, len(prompt_ids), chunk):
-                if should_stop is not None and should_stop():
-                    return None, reuse
-                piece = prompt_ids[start:start + chunk]
-                self._position = start
-                ids = torch.tensor(piece, dtype=torch.long, device=self.device)
-                with timeline.span("prefill_chunk", position=start, tokens=len(piece)):
-                    outputs.append(self.model.forward(ids, start, cache, all_logits=all_logits))
-                cache.append(piece)
+        self.model.on_hidden = self.hidden_tap if seq == 0 else None
+        try:
+            with torch.inference_mode():
+                self._make_resident()
+                for start in range(reuse, len(prompt_ids), chunk):
+                    if should_stop is not None and should_stop():
+                        return None, reuse
+                    piece = prompt_ids[start:start + chunk]
+                    self._position = start
+                    ids = torch.tensor(piece, dtype=torch.long, device=self.device)
+                    with timeline.span("prefill_chunk", position=start, tokens=len(piece)):
+                        outputs.append(self.model.forward(ids, start, cache, all_logits=all_logits))
+                    cache.append(piece)
+        finally:
+            self.model.on_hidden = None
         self.release_workspace()
         return (torch.cat(outputs) if all_logits else outputs[-1]), reuse
 
@@ -431,6 +441,7 @@ class Engine:
         if not tokens:
             raise ValueError("step needs at least one token")
         self._check_room(len(tokens), cache)
+        tap = self.hidden_tap if seq == 0 else None
         rows = []
         with torch.inference_mode():
             self._make_resident()
@@ -438,7 +449,11 @@ class Engine:
                 piece = tokens[i:i + MAX_STEP_TOKENS]
                 self._position = cache.length
                 with timeline.span("step", position=cache.length, tokens=len(piece)):
-                    rows.append(self.decoder.step(piece, cache.length, slot=seq, head=head).clone())
+                    out = self.decoder.step(piece, cache.length, slot=seq, head=head and tap is None).clone()
+                    if tap is not None:  # the rows before the head, then the head's bits for them
+                        tap(cache.length, out)
+                        out = self.decoder.head_rows(out).clone() if head else out
+                    rows.append(out)
                 cache.append(piece)
         return rows[0] if len(rows) == 1 else torch.cat(rows)
 

@@ -382,12 +382,12 @@ def run(engine, seq: list[int], logits: torch.Tensor, *, budget: int, sampling: 
 
 
 def parse_speculative(value: str) -> tuple[str, str | None]:
-    """`off`, `ngram` or `draft:PATH` -> (kind, path)."""
-    if value in ("off", "ngram"):
+    """`off`, `ngram`, `mtp` or `draft:PATH` -> (kind, path)."""
+    if value in ("off", "ngram", "mtp"):
         return value, None
     if value.startswith("draft:") and len(value) > len("draft:"):
         return "draft", value[len("draft:"):]
-    raise MoestreamError(f"--speculative must be off, ngram or draft:PATH, not {value!r}")
+    raise MoestreamError(f"--speculative must be off, ngram, mtp or draft:PATH, not {value!r}")
 
 
 def make_options(kind: str, path: str | None, *, draft_tokens: int | None, max_draft_tokens: int = 8,
@@ -397,6 +397,10 @@ def make_options(kind: str, path: str | None, *, draft_tokens: int | None, max_d
         return None
     if kind == "ngram":
         drafter: Drafter = NGramDrafter(max_ngram=max_ngram)
+    elif kind == "mtp":  # the model's own multi-token-prediction layer
+        from moestream.engine.mtp_drafter import MTPDrafter
+
+        drafter = MTPDrafter(main_engine)
     else:
         from moestream.engine.engine import Engine
 

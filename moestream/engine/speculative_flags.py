@@ -16,7 +16,7 @@ def speculative_value(text: str) -> tuple[str, str | None]:
     try:
         return parse_speculative(text)
     except MoestreamError as exc:
-        raise argparse.ArgumentTypeError(f"must be off, ngram or draft:PATH, not {text!r}") from exc
+        raise argparse.ArgumentTypeError(f"must be off, ngram, mtp or draft:PATH, not {text!r}") from exc
 
 
 def draft_tokens_value(text: str) -> int | None:
@@ -26,9 +26,10 @@ def draft_tokens_value(text: str) -> int | None:
 
 def add_speculative_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("speculative decoding (the same tokens as without it)")
-    g.add_argument("--speculative", type=speculative_value, default=("off", None), metavar="off|ngram|draft:PATH",
-                   help="ngram: draft from earlier text of the context (prompt lookup); draft:PATH: a small packed "
-                        "model sharing the tokenizer; off (default)")
+    g.add_argument("--speculative", type=speculative_value, default=("off", None), metavar="off|ngram|mtp|draft:PATH",
+                   help="ngram: draft from earlier text of the context (prompt lookup); mtp: the model's own "
+                        "multi-token-prediction layer; draft:PATH: a small packed model sharing the tokenizer; "
+                        "off (default)")
     g.add_argument("--draft-tokens", type=draft_tokens_value, default=None, metavar="K|auto",
                    help="tokens drafted per verification: a number, or auto (default): chosen each step from "
                         "measured step times and acceptance")

@@ -36,11 +36,16 @@ def export_hf(packed_dir: str | Path, out_dir: str | Path, *, dtype: torch.dtype
     packed = PackedModel(packed_dir)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {name: packed.dense(name, dtype).contiguous() for name in packed.logical_dense_names()}
     family = family_module(packed.family)  # experts are named as the family's checkpoints name them
+    args = family.ModelArgs.from_dict(packed.config)
+    # the multi-token-prediction layers are left out: transformers does not run them
+    tensors = {name: packed.dense(name, dtype).contiguous() for name in packed.logical_dense_names()
+               if not args.is_mtp_weight(name)}
     module, names = family.EXPERT_MODULE, family.EXPERT_NAMES
     fused = getattr(family, "EXPERT_EXPORT", "per_expert") == "fused" or hasattr(family, "EXPERT_FUSED")
     for entry in packed.manifest.expert_layers:
+        if entry.layer >= args.num_hidden_layers:
+            continue
         prefix = f"model.layers.{entry.layer}." + (f"{module}." if module else "")
         experts = [packed.dequantized_expert(entry.layer, e, dtype) for e in range(entry.num_experts)]
         if fused:  # [E, 2I, H] gate rows then up rows, and [E, H, I], or as the family's FusedLayout says

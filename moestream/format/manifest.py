@@ -57,6 +57,9 @@ class Manifest:
     files: dict[str, dict]  # file name -> {"sha256", "size"}
     format: str = FORMAT_NAME
     format_version: int = FORMAT_VERSION
+    # multi-token-prediction layers kept (moestream.models.mtp): their tensors resident, MTP layer j's
+    # experts the records of expert layer num_hidden_layers + j; written only where there are some
+    mtp_layers: int = 0
 
     def expert_layer(self, layer: int) -> ExpertLayer | None:
         for entry in self.expert_layers:
@@ -70,6 +73,8 @@ class Manifest:
 
     def to_json(self) -> dict:
         obj = asdict(self)
+        if not obj["mtp_layers"]:
+            del obj["mtp_layers"]
         return {"format": obj.pop("format"), "format_version": obj.pop("format_version"), **obj}
 
     @staticmethod
@@ -83,7 +88,8 @@ class Manifest:
         _check_types(obj)
         layers = [ExpertLayer(**{**e, "fields": [RecordField(**f) for f in e["fields"]]}) for e in obj["expert_layers"]]
         return Manifest(family=obj["family"], config=obj["config"], source=obj["source"],
-                        quantization=obj["quantization"], expert_layers=layers, files=obj["files"])
+                        quantization=obj["quantization"], expert_layers=layers, files=obj["files"],
+                        mtp_layers=obj.get("mtp_layers", 0))
 
 
 def _count(value, what: str, low: int = 0) -> None:
@@ -103,6 +109,7 @@ def _check_types(obj: dict) -> None:
                       ("expert_layers", list), ("files", dict)):
         if not isinstance(obj.get(key), kind):
             raise FormatError(f"manifest: {key!r} is missing or not a {kind.__name__}")
+    _count(obj.get("mtp_layers", 0), "mtp_layers")
     for name, info in obj["files"].items():
         _plain_name(name, "a file's name")
         if not isinstance(info, dict) or not isinstance(info.get("sha256"), str):

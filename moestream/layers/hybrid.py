@@ -44,4 +44,6 @@ class HybridTransformer(MoETransformer):
         cos, sin = self.rope.cos_sin(positions, x.dtype)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, cache, i, start)
+        if self.on_hidden is not None:
+            self.on_hidden(start, x)
         return self.head(x if all_logits else x[-1:])

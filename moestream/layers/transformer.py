@@ -56,6 +56,9 @@ class MoETransformer:
                  lm_head: torch.Tensor, rope: Rope, eps: float):
         self.embed_weight, self.layers, self.final_norm, self.lm_head = embed, layers, final_norm, lm_head
         self.rope, self.eps = rope, eps
+        self.mtp: list = []  # multi-token-prediction layers (moestream.layers.mtp), where the packed model has them
+        # prefill's hook on the final residual stream: on_hidden(start, x [T, H]) (the MTP drafter's input)
+        self.on_hidden: Callable[[int, torch.Tensor], None] | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -91,6 +94,8 @@ class MoETransformer:
         cos, sin = self.rope.cos_sin(positions, x.dtype)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, cache, i, start)
+        if self.on_hidden is not None:
+            self.on_hidden(start, x)
         if not all_logits:
             x = x[-1:]
         return F.linear(rms_norm(x, self.final_norm, self.eps), self.lm_head).to(torch.float32)

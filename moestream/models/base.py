@@ -105,6 +105,24 @@ class BaseModelArgs:
         """Each layer's KV cache (moestream.layers.kv_cache): here every layer full attention, one shape."""
         return [LayerKV(self.num_key_value_heads, self.head_dim)] * self.num_hidden_layers
 
+    # -- multi-token prediction (moestream.models.mtp; a family with MTP layers overrides these) --
+    def mtp_layer_count(self) -> int:
+        """How many multi-token-prediction layers config.json declares (0: the family has none)."""
+        return 0
+
+    def is_mtp_weight(self, name: str) -> bool:
+        """Whether a packed tensor name belongs to a multi-token-prediction layer."""
+        return False
+
+    def expert_layer(self, prefix: str, layer: int) -> int:
+        """The expert layer index of routed experts under `prefix` (`...layers.<layer>.mlp`): the
+        layer itself; MTP layer j's experts are expert layer num_hidden_layers + j."""
+        return layer
+
+    def mtp_expert_layers(self, count: int) -> list[int]:
+        """The expert layer indices of `count` MTP layers (each has routed experts)."""
+        return [self.num_hidden_layers + j for j in range(count)]
+
 
 class WeightLoader:
     """Hands out resident tensors by name, checks shapes, and fails on missing or unused ones."""

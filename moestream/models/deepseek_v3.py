@@ -2,8 +2,8 @@
 cache (moestream.layers.mla), YaRN rope, sigmoid group-limited routing with a score correction bias
 and a routed scaling factor, shared experts beside the routed ones, dense first layers.
 
-The source's next-token-prediction layers (`model.layers.<num_hidden_layers>...`) are not part of
-the decoder and are left out. FP8 block-scaled checkpoints (`weight_scale_inv`) are dequantized by
+The checkpoint's multi-token-prediction layers (`model.layers.<num_hidden_layers + j>...`, see
+moestream.models.mtp) are built apart from the decoder by `build_mtp`. FP8 block-scaled checkpoints (`weight_scale_inv`) are dequantized by
 convert (moestream.quant.fp8) before they reach this family."""
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from moestream.layers.moe import MoEBlock
 from moestream.layers.rope import Rope, rope_scaling, yarn_inv_freq_and_scale, yarn_softmax_scale
 from moestream.layers.routers import sigmoid_group_topk
 from moestream.layers.transformer import DecoderLayer, MoETransformer
-from moestream.models import base
+from moestream.models import base, mtp
 
 EXPERT_MODULE = "mlp"  # model.layers.N.mlp.experts.E.gate_proj.weight
 EXPERT_NAMES = {p: p for p in base.EXPERT_PROJECTIONS}
@@ -49,6 +49,7 @@ class ModelArgs(base.BaseModelArgs):
     scoring_func: str = "sigmoid"
     topk_method: str = "noaux_tc"
     rope: dict = field(default_factory=dict)  # config.json's rope parameters (rope_scaling / rope_parameters)
+    num_nextn_predict_layers: int = 0  # multi-token-prediction layers after the decoder's
 
     @classmethod
     def from_dict(cls, config: dict):
@@ -77,6 +78,12 @@ class ModelArgs(base.BaseModelArgs):
 
     def largest_intermediate(self) -> int:
         return max(super().largest_intermediate(), self.moe_intermediate_size * self.n_shared_experts)
+
+    def mtp_layer_count(self) -> int:
+        return mtp.nextn_count(self)
+
+    def is_mtp_weight(self, name: str) -> bool:
+        return mtp.is_nextn_weight(self, name)
 
     def mla_shape(self) -> MLAShape:
         return MLAShape(self.num_attention_heads, self.kv_lora_rank, self.qk_nope_head_dim, self.qk_rope_head_dim,
@@ -138,26 +145,39 @@ def mla(loader, prefix: str, args: ModelArgs, rope: Rope) -> MLAttention:
     return MLAttention(w, rope, s, scale=scale, eps=args.rms_norm_eps, interleaved=args.rope_interleave)
 
 
-def build(args: ModelArgs, loader, experts: RoutedExperts) -> MoETransformer:
+def decoder_layer(loader, p: str, args: ModelArgs, rope: Rope, layer: int, experts: RoutedExperts, *,
+                  moe: bool) -> DecoderLayer:
+    """Layer `layer` at prefix `p`: latent attention, then the MoE block (expert layer `layer`) or a dense MLP."""
     H = args.hidden_size
+    attn = mla(loader, p + "self_attn.", args, rope)
+    if moe:
+        m = p + "mlp."
+        # the choice compares scores a bf16 rounding would reorder: router and bias stay float32,
+        # the logits computed in float32 (as transformers computes them)
+        bias = loader.take(m + "gate.e_score_correction_bias", (args.num_experts,), dtype=torch.float32)
+        shared = (base.shared_expert(loader, m + "shared_experts.", H, args.moe_intermediate_size * args.n_shared_experts)
+                  if args.n_shared_experts else None)
+        router = loader.take(m + "gate.weight", (args.num_experts, H), dtype=torch.float32)
+        ffn = MoEBlock(layer, router, partial(route, args, bias), experts, top_k=args.num_experts_per_tok, shared=shared)
+    else:
+        ffn = base.dense_mlp(loader, p + "mlp.", H, args.intermediate_size)
+    return DecoderLayer(attn, ffn, *base.norms(loader, p, H), args.rms_norm_eps)
+
+
+def build(args: ModelArgs, loader, experts: RoutedExperts) -> MoETransformer:
     rope = rope_for(args, loader.device)
-    layers = []
-    for i in range(args.num_hidden_layers):
-        p = f"model.layers.{i}."
-        attn = mla(loader, p + "self_attn.", args, rope)
-        if args.is_moe_layer(i):
-            m = p + "mlp."
-            # the choice compares scores a bf16 rounding would reorder: router and bias stay float32,
-            # the logits computed in float32 (as transformers computes them)
-            bias = loader.take(m + "gate.e_score_correction_bias", (args.num_experts,), dtype=torch.float32)
-            shared = (base.shared_expert(loader, m + "shared_experts.", H, args.moe_intermediate_size * args.n_shared_experts)
-                      if args.n_shared_experts else None)
-            router = loader.take(m + "gate.weight", (args.num_experts, H), dtype=torch.float32)
-            ffn = MoEBlock(i, router, partial(route, args, bias),
-                           experts, top_k=args.num_experts_per_tok, shared=shared)
-        else:
-            ffn = base.dense_mlp(loader, p + "mlp.", H, args.intermediate_size)
-        layers.append(DecoderLayer(attn, ffn, *base.norms(loader, p, H), args.rms_norm_eps))
+    layers = [decoder_layer(loader, f"model.layers.{i}.", args, rope, i, experts, moe=args.is_moe_layer(i))
+              for i in range(args.num_hidden_layers)]
     embed, final_norm, lm_head = base.embeddings(loader, args)
     return MoETransformer(embed=embed, layers=layers, final_norm=final_norm, lm_head=lm_head, rope=rope,
                           eps=args.rms_norm_eps)
+
+
+def build_mtp(args: ModelArgs, loader, experts: RoutedExperts, model: MoETransformer, count: int):
+    """The first `count` MTP layers: each a decoder layer with routed experts past the last one."""
+    out = []
+    for i in range(args.num_hidden_layers, args.num_hidden_layers + count):
+        p = f"model.layers.{i}."
+        block = decoder_layer(loader, p, args, model.rope, i, experts, moe=True)
+        out.append(mtp.nextn_layer(loader, args, p, block, model, args.mla_shape().cache_layout()))
+    return out

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moestream.models import deepseek_v3
-from moestream.models.deepseek_v3 import EXPERT_MODULE, EXPERT_NAMES, build, quant_predicate, sanitize  # noqa: F401
+from moestream.models.deepseek_v3 import EXPERT_MODULE, EXPERT_NAMES, build, build_mtp, quant_predicate, sanitize  # noqa: F401
 
 
 @dataclass

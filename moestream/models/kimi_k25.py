@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from moestream.models import base
 from moestream.models import deepseek_v3
-from moestream.models.deepseek_v3 import EXPERT_MODULE, EXPERT_NAMES, build, quant_predicate  # noqa: F401
+from moestream.models.deepseek_v3 import EXPERT_MODULE, EXPERT_NAMES, build, build_mtp, quant_predicate  # noqa: F401
 
 # the language model's prefixes (published, then transformers' own) -> deepseek_v3's "model."
 LANGUAGE_MODEL = ("language_model.model.", "model.language_model.")

@@ -1,7 +1,7 @@
 """Qwen3.5 MoE checkpoints (model_type "qwen3_5_moe", a vision tower beside the language model):
 the language model only. Its settings are config.json's `text_config`; its weights are
-`model.language_model.*` (named `model.*` in the packed model, as qwen3_next names them); the
-tower and the multi-token-prediction layers (`mtp.*`) are left out. The architecture is
+`model.language_model.*` (named `model.*` in the packed model, as qwen3_next names them) and its
+multi-token-prediction layers `mtp.*` (kept as they are); the tower is left out. The architecture is
 qwen3_next's, with the linear attention's projections stored apart (in_proj_qkv, in_proj_z,
 in_proj_b, in_proj_a), every layer MoE and the top-k weights always renormalized. Its multimodal
 rotary (mrope) gives text positions the plain rotary."""
@@ -12,7 +12,7 @@ from typing import ClassVar
 
 from moestream.models import base
 from moestream.models import qwen3_next
-from moestream.models.qwen3_next import EXPERT_MODULE, EXPERT_NAMES, build, quant_predicate  # noqa: F401
+from moestream.models.qwen3_next import EXPERT_MODULE, EXPERT_NAMES, build, build_mtp, quant_predicate  # noqa: F401
 
 LANGUAGE_MODEL = "model.language_model."
 
@@ -30,10 +30,10 @@ class ModelArgs(qwen3_next.ModelArgs):
 
 
 def sanitize(name: str) -> str | None:
-    """model.language_model.X -> model.X; the vision tower and mtp.* are not kept."""
+    """model.language_model.X -> model.X; lm_head and mtp.* as they are; the vision tower is not kept."""
     if name.startswith(LANGUAGE_MODEL):
         return qwen3_next.sanitize("model." + name[len(LANGUAGE_MODEL):])
-    return name if name == "lm_head.weight" else None
+    return qwen3_next.sanitize(name) if name == "lm_head.weight" or name.startswith(qwen3_next.MTP) else None
 
 
 def checkpoint_name(name: str) -> str:

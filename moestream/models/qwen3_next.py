@@ -6,7 +6,9 @@ softmax top-k routing renormalized if norm_topk_prob.
 
 A linear-attention layer's cache is its recurrent state (LayerKV `state` / `conv`), kept for the
 last steps and at snapshots (moestream.layers.recurrent_state). The checkpoint's
-multi-token-prediction layers (`mtp.*`) are left out."""
+multi-token-prediction layers (`mtp.*`: fc, pre_fc_norm_embedding, pre_fc_norm_hidden, layers.J,
+norm; see moestream.models.mtp) are built apart from the decoder by `build_mtp`; MTP layer J's
+routed experts are expert layer num_hidden_layers + J."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -19,7 +21,9 @@ from moestream.layers.experts import RoutedExperts
 from moestream.layers.gated_attention import GatedAttention, GatedAttentionWeights
 from moestream.layers.gated_deltanet import DeltaNetWeights, GatedDeltaNet
 from moestream.layers.hybrid import HybridLayer, HybridTransformer
+from moestream.layers.gated_attention import offset_rms_norm
 from moestream.layers.kv_cache import LayerKV
+from moestream.layers.mtp import MTPLayer
 from moestream.layers.rope import Rope
 from moestream.models import base
 
@@ -27,6 +31,7 @@ EXPERT_MODULE = "mlp"  # model.layers.N.mlp.experts.E.gate_proj.weight
 EXPERT_NAMES = {p: p for p in base.EXPERT_PROJECTIONS}
 FULL, LINEAR = "full_attention", "linear_attention"
 DEFAULT_PARTIAL_ROTARY = 0.25  # transformers' default where config.json gives none
+MTP = "mtp."  # the multi-token-prediction layers' names
 
 
 @dataclass
@@ -46,6 +51,7 @@ class ModelArgs(base.BaseModelArgs):
     linear_num_key_heads: int = 16
     linear_num_value_heads: int = 32
     hidden_act: str = "silu"
+    mtp_num_hidden_layers: int = 0  # multi-token-prediction layers (`mtp.layers.J`)
 
     @classmethod
     def from_dict(cls, config: dict):
@@ -70,6 +76,15 @@ class ModelArgs(base.BaseModelArgs):
     def largest_intermediate(self) -> int:
         return max(super().largest_intermediate(), self.shared_expert_intermediate_size)
 
+    def mtp_layer_count(self) -> int:
+        return max(0, int(self.mtp_num_hidden_layers or 0))
+
+    def is_mtp_weight(self, name: str) -> bool:
+        return name.startswith(MTP)
+
+    def expert_layer(self, prefix: str, layer: int) -> int:
+        return self.num_hidden_layers + layer if prefix.startswith(MTP) else layer
+
     @property
     def conv_channels(self) -> int:
         """q, k and v of a linear-attention layer: the channels its convolution mixes."""
@@ -85,8 +100,8 @@ class ModelArgs(base.BaseModelArgs):
 
 
 def sanitize(name: str) -> str | None:
-    """Checkpoint names kept; rotary buffers and the multi-token-prediction layers left out."""
-    return None if name.startswith("mtp.") else base.sanitize(name)
+    """Checkpoint names kept (the multi-token-prediction layers' `mtp.*` too); rotary buffers left out."""
+    return base.sanitize(name)
 
 
 def quant_predicate(name: str, bits: int | None) -> int | None:
@@ -161,3 +176,28 @@ def build(args: ModelArgs, loader, experts: RoutedExperts) -> HybridTransformer:
     embed, final_norm, lm_head = base.embeddings(loader, args)
     return HybridTransformer(embed=embed, layers=layers, final_norm=1.0 + final_norm.to(torch.float32),
                              lm_head=lm_head, rope=rope, eps=eps)
+
+
+def build_mtp(args: ModelArgs, loader, experts: RoutedExperts, model: HybridTransformer, count: int) -> list[MTPLayer]:
+    """The first `count` MTP layers: fc([pre_fc_norm_embedding(embed), pre_fc_norm_hidden(h)]), a
+    full-attention MoE layer, norm, and the model's head (its embedding too, unless the checkpoint
+    has the MTP's own); a chained step takes the normed state. Every norm is zero-centered."""
+    H, eps = args.hidden_size, args.rms_norm_eps
+    route = base.softmax_router(args, normalize=args.norm_topk_prob)
+    embed = loader.take(MTP + "embed_tokens.weight", (args.vocab_size, H)) if loader.has(MTP + "embed_tokens.weight") \
+        else model.embed_weight
+    embed_norm, hidden_norm = (offset_norm(loader, MTP + n, H) for n in ("pre_fc_norm_embedding.weight",
+                                                                          "pre_fc_norm_hidden.weight"))
+    proj, final_norm = loader.take(MTP + "fc.weight", (H, 2 * H)), offset_norm(loader, MTP + "norm.weight", H)
+    out = []
+    for j in range(count):
+        p, layer = f"{MTP}layers.{j}.", args.num_hidden_layers + j
+        block = HybridLayer(gated_attention(loader, p + "self_attn.", args, model.rope),
+                            base.gated_shared_moe(loader, p + "mlp.", layer, args, route, experts),
+                            offset_norm(loader, p + "input_layernorm.weight", H),
+                            offset_norm(loader, p + "post_attention_layernorm.weight", H), eps)
+        out.append(MTPLayer(embed=embed, embed_norm=embed_norm, hidden_norm=hidden_norm, proj=proj, block=block,
+                            final_norm=final_norm, head=model.lm_head,
+                            kv=LayerKV(args.num_key_value_heads, args.head_dim), norm=offset_rms_norm, eps=eps,
+                            chain_normed=True))
+    return out

@@ -10,7 +10,9 @@ What the project asks of a family module (each file in moestream/models/ has all
   quant_predicate(name, bits)  the bits a resident matrix keeps (None: float)
   build(args, loader, experts) the model (moestream.layers.transformer.MoETransformer)
 Optional: EXPERT_ACTIVATION and expert_activation_params(config) (the experts' gate activation and its
-settings), EXPERT_FUSED (the fused stacks' layout, convert.layout.FusedLayout), EXPERT_EXPORT.
+settings), EXPERT_FUSED (the fused stacks' layout, convert.layout.FusedLayout), EXPERT_EXPORT, and
+build_mtp(args, loader, experts, model, count) with ModelArgs' mtp_* methods for the
+multi-token-prediction layers (moestream.models.mtp says where they plug in).
 
 Nothing outside the family's file knows these rules: convert, synth, export_hf and the memory
 ledger ask the module, so a new family is its file, its tests and a SUPPORTED_FAMILIES entry.
@@ -39,20 +41,33 @@ def model_args(model_type: str, config: dict):
     return family_module(model_type).ModelArgs.from_dict(config)
 
 
-def weight_shapes(model_type: str, config: dict, present=()) -> dict[str, tuple[int, ...]]:
+def weight_shapes(model_type: str, config: dict, present=(), *, mtp_layers: int = 0) -> dict[str, tuple[int, ...]]:
     """Every resident tensor the family's model takes (name -> shape), as its build takes them;
-    `present` names the tensors a checkpoint has, for those a build takes only when present."""
+    `present` names the tensors a checkpoint has, for those a build takes only when present;
+    with `mtp_layers`, those of that many multi-token-prediction layers too."""
     from moestream.models.base import ShapeRecorder
 
     module = family_module(model_type)
     recorder = ShapeRecorder(present)
-    module.build(module.ModelArgs.from_dict(config), recorder, None)
+    args = module.ModelArgs.from_dict(config)
+    model = module.build(args, recorder, None)
+    if mtp_layers:
+        build_mtp(module, model_type)(args, recorder, None, model, mtp_layers)
     return recorder.shapes
+
+
+def build_mtp(module, model_type: str):
+    """The family's build_mtp (an error for a family without multi-token-prediction layers)."""
+    build = getattr(module, "build_mtp", None)
+    if build is None:
+        raise UnsupportedModelError(f"{model_type} models have no multi-token-prediction layers here")
+    return build
 
 
 def build_model(packed, make_experts, *, device, dtype):
     """The family's ModelArgs from the packed config, then the model with weights on `device`;
-    make_experts(args) gives the RoutedExperts the MoE blocks share."""
+    make_experts(args) gives the RoutedExperts the MoE blocks share. The packed model's
+    multi-token-prediction layers (manifest `mtp_layers`) are built too, as `model.mtp`."""
     from moestream.models.base import WeightLoader
 
     module = family_module(packed.family)
@@ -60,5 +75,7 @@ def build_model(packed, make_experts, *, device, dtype):
     experts = make_experts(args)
     loader = WeightLoader(packed, device, dtype)
     model = module.build(args, loader, experts)
+    count = packed.manifest.mtp_layers
+    model.mtp = build_mtp(module, packed.family)(args, loader, experts, model, count) if count else []
     loader.finish()
     return args, experts, model

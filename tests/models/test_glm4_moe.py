@@ -2,16 +2,18 @@
 a bfloat16 model keeps the router's correction bias in float32."""
 import shutil
 
+import pytest
 import torch
 from safetensors.torch import save_file
 
 from moestream.convert.main import convert
 from moestream.engine.engine import Engine
 from moestream.engine.options import EngineOptions
+from moestream.errors import MoestreamError
 from moestream.format.reader import PackedModel
 
 
-def test_the_prediction_layer_past_num_hidden_layers_is_left_out(tiny_checkpoint, tiny_packed_model, tmp_path):
+def test_an_incomplete_prediction_layer_is_refused_or_left_out(tiny_checkpoint, tiny_packed_model, tmp_path):
     folder = tmp_path / "hf"
     shutil.copytree(tiny_checkpoint("glm4_moe"), folder)
     H, E = 64, 8
@@ -20,7 +22,9 @@ def test_the_prediction_layer_past_num_hidden_layers_is_left_out(tiny_checkpoint
              **{f"model.layers.3.mlp.experts.{e}.{p}.weight": torch.randn(64, 64)
                 for e in range(E) for p in ("gate_proj", "up_proj", "down_proj")}}
     save_file(extra, str(folder / "mtp.safetensors"))
-    packed = convert(folder, tmp_path / "packed", quant="none")
+    with pytest.raises(MoestreamError, match=r"model.layers.3.\S+ is missing: .*incomplete \(convert --no-mtp"):
+        convert(folder, tmp_path / "packed", quant="none")
+    packed = convert(folder, tmp_path / "packed", quant="none", mtp=False)
     assert not [n for n in PackedModel(packed).dense_names if ".layers.3." in n]
     plain = Engine.load(tiny_packed_model("glm4_moe", "none"), options=EngineOptions(device="cpu"))
     with_mtp = Engine.load(packed, options=EngineOptions(device="cpu"))

@@ -43,7 +43,7 @@ CASES = [
     ("generate", "--trace-routing {missing}/t.npz", 2,
      "moestream generate: error: argument --trace-routing: the folder {missing} does not exist"),
     ("generate", "--speculative bigram", 2,
-     "moestream generate: error: argument --speculative: must be off, ngram or draft:PATH, not 'bigram'"),
+     "moestream generate: error: argument --speculative: must be off, ngram, mtp or draft:PATH, not 'bigram'"),
     ("generate", "--draft-tokens -1", 2, "moestream generate: error: argument --draft-tokens: must be at least 0, not -1"),
     ("generate", "--hot-head --temperature 0.5", 2,
      "moestream generate: error: argument --hot-head: the hot-vocabulary head decodes greedily only (temperature 0)"),
