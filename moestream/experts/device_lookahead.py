@@ -61,6 +61,9 @@ class DeviceLookahead:
         i = self._index.get(layer)
         if i is None:
             return
+        if ids.shape[0] != 1:  # guesses are made for one-token steps: a longer step scores none
+            self.pending[i].fill_(0)
+            return
         flat, guess = ids.reshape(-1), self.guess[i]
         right = (flat[:, None] == guess[None, :]).any(1).sum()  # one token's ids are distinct
         self.right[i] += right * self.pending[i]
