@@ -10,8 +10,9 @@ It has two halves:
     a slot table. With the Triton kernels it reads no device value on the host, so the CUDA
     decoder captures it in a graph.
 
-Kernels behind it: the Triton slot-pool kernels (CUDA, 4/8-bit records in the MLX layout) and the
-torch reference (CPU, and any record layout the Triton kernels do not take). Which one a layer
+Kernels behind it: the Triton slot-pool kernels (CUDA, 4/8-bit records in the MLX layout, every
+gated activation of ACTIVATIONS with its biases) and the torch reference (CPU, and any record layout
+the Triton kernels do not take). Which one a layer
 uses depends only on the device, the option and the record layout, never on what is cached, so
 the bits are the same for every cache size and policy.
 
@@ -28,7 +29,7 @@ from typing import Callable, Mapping, Protocol, Sequence
 import torch
 
 from moestream.format.records import decode_record
-from moestream.kernels.reference import projection
+from moestream.kernels.reference import BIASED_ACTIVATIONS, projection
 from moestream.layers.clamped_swiglu import clamped_swiglu
 from moestream.layers.gelu_mlp import gelu_glu
 from moestream.layers.mlp import swiglu
@@ -36,9 +37,9 @@ from moestream.quant.affine import QuantSpec
 
 log = logging.getLogger(__name__)
 KERNELS = ("auto", "torch", "triton")
-# a record's gate activation (QuantSpec.activation) -> its gated FFN; the Triton kernels compute "silu" only
+# a record's gate activation (QuantSpec.activation) -> its gated FFN (the Triton kernels compute each too)
 ACTIVATIONS = {"silu": swiglu, "gelu_tanh": gelu_glu, "clamped_swiglu": clamped_swiglu}
-BIASED = ("clamped_swiglu",)  # activations whose records hold gate_proj.bias, up_proj.bias, down_proj.bias
+BIASED = BIASED_ACTIVATIONS  # activations whose records hold gate_proj.bias, up_proj.bias, down_proj.bias
 
 
 def activation_of(quant: Mapping[str, QuantSpec]) -> str:
@@ -197,8 +198,8 @@ class RoutedExperts:
         """The Triton SlotLayout of `layer`'s records, or None where the torch reference runs them."""
         if self.kernels == "torch" or self.device.type != "cuda":
             return None
-        activation = activation_of(self.provider.quant(layer))
-        reason = None if activation == "silu" else f"the Triton expert kernels compute SwiGLU only, not {activation}"
+        activation_of(self.provider.quant(layer))  # an unknown activation is an error, not a fallback
+        reason = None
         try:
             from moestream.kernels import triton_moe
         except ImportError as exc:
