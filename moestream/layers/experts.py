@@ -12,9 +12,8 @@ It has two halves:
 
 Kernels behind it: the Triton slot-pool kernels (CUDA, 4/8-bit records in the MLX layout, every
 gated activation of ACTIVATIONS with its biases) and the torch reference (CPU, and any record layout
-the Triton kernels do not take). Which one a layer
-uses depends only on the device, the option and the record layout, never on what is cached, so
-the bits are the same for every cache size and policy.
+the Triton kernels do not take). Which one a layer uses depends only on the device, the option and
+the record layout, never on what is cached, so the bits are the same for every cache size and policy.
 
 Where other backends plug in: a backend that computes some experts elsewhere (the CPU beside the
 GPU, or other ranks in expert parallelism) is a `plan` whose `run` takes the experts it owns and a
