@@ -19,7 +19,8 @@ The gated activation is a compile-time choice, the record's (moestream.kernels.r
         g' = min(g, limit), u' = clamp(u, -limit, limit), act = (u' + 1) * g' * sigmoid(alpha * g')
     with alpha and limit runtime floats. The biases are rounded to x's dtype, as the reference does,
     and added where it adds them: to gate and up before the activation, to down before the routing
-    weight. Without biases that code is not compiled in: SwiGLU's kernels are the ones they always were.
+    weight. Without biases that code is not compiled in: SwiGLU's kernels compile to the PTX they
+    always did (the same instructions in the same order), so their bits are unchanged.
 
 The reduction over a token's experts is a deterministic second pass, not float atomics: every
 pair's o row is computed by exactly one program with a fixed summation order, and the combine
@@ -211,19 +212,27 @@ def _code_f32(words, j: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
-def _gated(gate, up, alpha, limit, ACT: tl.constexpr):
-    """act(gate, up) in float32 (see the module doc); silu's is the expression the kernels always had."""
+def _gate_act(gate, alpha, limit, ACT: tl.constexpr):
+    """The gate's factor of act(gate, up) in float32 (see the module doc); silu's is the expression
+    the kernels always had, in the same place, so SwiGLU compiles to the code it always did."""
     if ACT == "gelu_tanh":
         # 0.5 * (1 + tanh(z)) = sigmoid(2z), z = sqrt(2/pi) * (g + 0.044715 g^3)
         z = 1.5957691216057308 * (gate + 0.044715 * gate * gate * gate)
-        h = gate / (1.0 + tl.exp(-z)) * up
+        a = gate / (1.0 + tl.exp(-z))
     elif ACT == "clamped_swiglu":
         g = tl.minimum(gate, limit)
-        u = tl.minimum(tl.maximum(up, -limit), limit)
-        h = (u + 1.0) * (g * tl.sigmoid(g * alpha))
+        a = g * tl.sigmoid(g * alpha)
     else:
-        h = gate / (1.0 + tl.exp(-gate)) * up
-    return h
+        a = gate / (1.0 + tl.exp(-gate))
+    return a
+
+
+@triton.jit
+def _up_act(up, limit, ACT: tl.constexpr):
+    """The up projection's factor of act(gate, up): clamped_swiglu's clamp(up, -limit, limit) + 1."""
+    if ACT == "clamped_swiglu":
+        up = tl.minimum(tl.maximum(up, -limit), limit) + 1.0
+    return up
 
 
 @triton.jit
@@ -285,13 +294,15 @@ def _gate_up_gemv(xs_ptr, ids_ptr, slot_table_ptr, pool_w, pool_s, pool_b, slot_
                 xsum += xj
             acc_g += sg * tg + bg * xsum[None, :, :]
             acc_u += su * tu + bu * xsum[None, :, :]
+        bbase = pool_b + slot.to(tl.int64) * slot_bias
         gate = tl.sum(tl.sum(acc_g, axis=2), axis=1)
+        if HAS_BIAS:
+            gate += _bias_f32(bbase + g_add_off, rows, rows < I, X_DTYPE)
+        act = _gate_act(gate, alpha, limit, ACT)
         up = tl.sum(tl.sum(acc_u, axis=2), axis=1)
         if HAS_BIAS:
-            bbase = pool_b + slot.to(tl.int64) * slot_bias
-            gate += _bias_f32(bbase + g_add_off, rows, rows < I, X_DTYPE)
             up += _bias_f32(bbase + u_add_off, rows, rows < I, X_DTYPE)
-        h = _gated(gate, up, alpha, limit, ACT)
+        h = act * _up_act(up, limit, ACT)
         hoff = (rows % H_CPW) * (I // H_CPW) + rows // H_CPW
         tl.store(h_ptr + pair.to(tl.int64) * I + hoff, h, mask=rows < I)
 
@@ -411,7 +422,7 @@ def _gate_up_grouped(x_ptr, stride_x, block_rank_ptr, num_experts, slot_table_pt
             bbase = pool_b + slot.to(tl.int64) * slot_bias
             acc_g += _bias_f32(bbase + g_add_off, rows, row_mask, DTYPE)[None, :]
             acc_u += _bias_f32(bbase + u_add_off, rows, row_mask, DTYPE)[None, :]
-        h = _gated(acc_g, acc_u, alpha, limit, ACT)
+        h = _gate_act(acc_g, alpha, limit, ACT) * _up_act(acc_u, limit, ACT)
         hoff = pairs.to(tl.int64)[:, None] * I + rows[None, :]
         tl.store(h_ptr + hoff, h.to(h_ptr.dtype.element_ty), mask=pmask[:, None] & row_mask[None, :])
 
