@@ -1,14 +1,15 @@
 """Random expert records in the packed record layout, a slot pool holding them, and the float
-reference the MoE kernels are checked against (dequantize each chosen expert, run its SwiGLU,
-weight and sum)."""
+reference the MoE kernels are checked against (the torch plan: dequantize each chosen expert, run
+its gated FFN with the record's activation and biases, weight and sum)."""
 from __future__ import annotations
 
 from typing import Sequence
 
 import torch
 
-from moestream.format.records import decode_record, encode_record, plan_record
-from moestream.kernels.reference import expert_ffn
+from moestream.format.records import encode_record, plan_record
+from moestream.kernels.reference import BIASED_ACTIVATIONS
+from moestream.layers.experts import TorchPlan
 from moestream.quant.affine import QuantSpec
 
 GROUP = 64
@@ -16,10 +17,13 @@ PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
 def random_expert(hidden: int, inter: int, *, bits: int = 4, down_bits: int | None = None,
-                  scale_dtype: torch.dtype = torch.bfloat16, generator: torch.Generator | None = None
-                  ) -> tuple[dict[str, torch.Tensor], dict[str, QuantSpec]]:
+                  scale_dtype: torch.dtype = torch.bfloat16, generator: torch.Generator | None = None,
+                  activation: str = "silu", alpha: float | None = None, limit: float | None = None,
+                  bias_dtype: torch.dtype = torch.bfloat16) -> tuple[dict[str, torch.Tensor], dict[str, QuantSpec]]:
     """One expert's record tensors: random codes, and scales/biases chosen so each dequantized
-    weight has mean near zero and variance near 1/in_features (unit-scale outputs)."""
+    weight has mean near zero and variance near 1/in_features (unit-scale outputs). A biased
+    activation (clamped_swiglu) also gets gate/up/down added biases in `bias_dtype`, after the
+    weights as the converter writes them, of the outputs' order of size so that they matter."""
     tensors: dict[str, torch.Tensor] = {}
     quant: dict[str, QuantSpec] = {}
     for proj in PROJECTIONS:
@@ -36,19 +40,23 @@ def random_expert(hidden: int, inter: int, *, bits: int = 4, down_bits: int | No
         tensors[f"{proj}.weight"] = words.to(torch.int32).view(torch.uint32)
         tensors[f"{proj}.scales"] = scales.to(scale_dtype)
         tensors[f"{proj}.biases"] = biases.to(scale_dtype)
-        quant[proj] = QuantSpec(b, GROUP)
+        quant[proj] = QuantSpec(b, GROUP, activation, alpha, limit)
+    if activation in BIASED_ACTIVATIONS:
+        for proj in PROJECTIONS:
+            size = hidden if proj == "down_proj" else inter
+            tensors[f"{proj}.bias"] = (0.5 * torch.randn(size, generator=generator)).to(bias_dtype)
     return tensors, quant
 
 
 def build_pool(num_experts: int, hidden: int, inter: int, *, bits: int = 4, down_bits: int | None = None,
                scale_dtype: torch.dtype = torch.bfloat16, extra_slots: int = 0, seed: int = 0,
-               device: torch.device | str = "cpu"):
+               device: torch.device | str = "cpu", **activation):
     """A slot pool of `num_experts + extra_slots` records, expert e in a shuffled slot, the bytes
     exactly what the packed format's encoder writes. Returns (pool [N, S] uint8, fields, quant,
-    slot_of: the slot of each expert)."""
+    slot_of: the slot of each expert). activation: random_expert's activation, alpha, limit, bias_dtype."""
     gen = torch.Generator().manual_seed(seed)
-    experts = [random_expert(hidden, inter, bits=bits, down_bits=down_bits, scale_dtype=scale_dtype, generator=gen)
-               for _ in range(num_experts)]
+    experts = [random_expert(hidden, inter, bits=bits, down_bits=down_bits, scale_dtype=scale_dtype, generator=gen,
+                             **activation) for _ in range(num_experts)]
     fields, record_size = plan_record(experts[0][0])
     slot_count = num_experts + extra_slots
     slot_of = torch.randperm(slot_count, generator=gen)[:num_experts].tolist()
@@ -61,12 +69,10 @@ def build_pool(num_experts: int, hidden: int, inter: int, *, bits: int = 4, down
 def reference_moe(x: torch.Tensor, pool: torch.Tensor, fields, quant: dict[str, QuantSpec], ids: torch.Tensor,
                   weights: torch.Tensor, slot_of: Sequence[int], *, dtype: torch.dtype | None = None) -> torch.Tensor:
     """x [T, H], ids/weights [T, A] -> [T, H]: sum over a token's chosen experts of weight times
-    the expert's SwiGLU, each expert's record decoded from its slot. dtype: compute dtype (x's)."""
+    the expert's gated FFN (the torch plan's arithmetic), each expert's record decoded from its
+    slot. dtype: compute dtype (x's)."""
     dtype = dtype or x.dtype
-    out = torch.zeros(x.shape, dtype=dtype, device=x.device)
-    for expert in torch.unique(ids).tolist():
-        tokens, choice = torch.nonzero(ids == expert, as_tuple=True)
-        record = decode_record(fields, pool[slot_of[expert]])
-        y = expert_ffn(x[tokens].to(dtype), record, quant)
-        out.index_add_(0, tokens, y * weights[tokens, choice].to(dtype)[:, None])
-    return out
+    plan = TorchPlan(x.to(dtype), ids, weights.to(dtype), fields, quant)
+    experts = torch.unique(ids).tolist()
+    plan.run(pool, experts, [slot_of[e] for e in experts])
+    return plan.finish()

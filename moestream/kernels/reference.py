@@ -9,6 +9,11 @@ import torch.nn.functional as F
 from moestream.quant import mxfp4
 from moestream.quant.affine import QuantSpec, dequantize
 
+# the gated activations a record's experts may use (QuantSpec.activation), and those whose records
+# also hold the projections' added biases: gate_proj.bias, up_proj.bias, down_proj.bias
+GATE_ACTIVATIONS = ("silu", "gelu_tanh", "clamped_swiglu")
+BIASED_ACTIVATIONS = ("clamped_swiglu",)
+
 
 def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     """down(silu(gate x) * up x); x [T, H], gate/up [I, H], down [H, I]."""

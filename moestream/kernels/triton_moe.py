@@ -4,12 +4,23 @@ Legend: T tokens, H hidden, I expert intermediate, A experts per token, P = T*A 
 pairs, U unique experts of the layer, E experts of the layer, N slots, S slot bytes.
 
 Three kernels per layer call:
-  1. gate/up:  h[p] = silu(x[tok] @ Wg^T) * (x[tok] @ Wu^T)         h [P, I]
-  2. down:     o[p] = w[p] * (h[p] @ Wd^T)                          o [P, H] float32
+  1. gate/up:  h[p] = act(x[tok] @ Wg^T + bg, x[tok] @ Wu^T + bu)    h [P, I]
+  2. down:     o[p] = w[p] * (h[p] @ Wd^T + bd)                      o [P, H] float32
   3. combine:  y[t] = sum over a = 0..A-1 of o[t*A + a]               y [T, H] in x's dtype
 Weights are dequantized on the fly from the MLX affine layout (uint32 words, least-significant
 bits first, w = q*scale + bias, groups of 64 along the input dim), addressed as
-pool[slot] + field offset: the pool is read as int32 words and as scale-dtype halves.
+pool[slot] + field offset: the pool is read as int32 words, as scale-dtype halves and as the
+dtype of the projections' added biases.
+
+The gated activation is a compile-time choice, the record's (moestream.kernels.reference):
+  - silu (SwiGLU):        act(g, u) = silu(g) * u
+  - gelu_tanh (Gemma 4):  act(g, u) = gelu_tanh(g) * u
+  - clamped_swiglu (gpt-oss), whose records hold the biases bg, bu, bd:
+        g' = min(g, limit), u' = clamp(u, -limit, limit), act = (u' + 1) * g' * sigmoid(alpha * g')
+    with alpha and limit runtime floats. The biases are rounded to x's dtype, as the reference does,
+    and added where it adds them: to gate and up before the activation, to down before the routing
+    weight. Without biases that code is not compiled in: SwiGLU's kernels compile to the PTX they
+    always did (the same instructions in the same order), so their bits are unchanged.
 
 The reduction over a token's experts is a deterministic second pass, not float atomics: every
 pair's o row is computed by exactly one program with a fixed summation order, and the combine
@@ -40,11 +51,16 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from moestream.kernels.reference import BIASED_ACTIVATIONS, GATE_ACTIVATIONS
+
 GROUP = 64  # quantization group size the kernels are written for
 SUPPORTED_BITS = (4, 8)
 SCALE_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16}
 ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+BIAS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+# torch -> Triton dtypes: the gemv kernels compute in float32 but round the biases to x's dtype
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
 class UnsupportedLayout(ValueError):
@@ -62,13 +78,27 @@ class SlotLayout:
     bits_gate_up: int
     bits_down: int
     scale_dtype: torch.dtype
-    offsets: dict[str, int] = field(hash=False)  # "gate_proj.weight" -> byte offset, ... (9 fields)
+    offsets: dict[str, int] = field(hash=False)  # "gate_proj.weight" -> byte offset, ... (9 fields, 12 with biases)
     record_bytes: int = 0  # weight + scales + biases bytes of one expert (for bandwidth reports)
+    activation: str = "silu"  # one of GATE_ACTIVATIONS (a compile-time choice of the kernels)
+    alpha: float = 0.0  # clamped_swiglu's settings (unused by the others)
+    limit: float = 0.0
+    bias_dtype: torch.dtype | None = None  # dtype of gate_proj.bias, up_proj.bias, down_proj.bias; None: no biases
+
+    @property
+    def has_bias(self) -> bool:
+        return self.bias_dtype is not None
 
     @staticmethod
     def from_fields(fields, quant) -> "SlotLayout":
         """Validate a record layout (RecordField list + {proj: QuantSpec}); raise UnsupportedLayout."""
         by_name = {f.name: f for f in fields}
+        spec = quant.get("gate_proj")
+        activation = spec.activation if spec is not None else "silu"
+        if activation not in GATE_ACTIVATIONS:
+            raise UnsupportedLayout(f"activation {activation!r} (kernels handle {', '.join(GATE_ACTIVATIONS)})")
+        if activation == "clamped_swiglu" and (spec.alpha is None or spec.limit is None):
+            raise UnsupportedLayout("clamped_swiglu needs its alpha and limit in the quant spec")
         for proj in PROJECTIONS:
             spec = quant.get(proj)
             if spec is None or not spec.quantized:
@@ -107,9 +137,31 @@ class SlotLayout:
                 raise UnsupportedLayout(f"{name}: offset {f.offset} is not 4-byte aligned")
         if hidden % GROUP or inter % GROUP:
             raise UnsupportedLayout(f"hidden {hidden} / intermediate {inter} not multiples of {GROUP}")
+        bias_dtype = _bias_dtype(by_name, hidden, inter) if activation in BIASED_ACTIVATIONS else None
+        names = list(expect) + ([f"{p}.bias" for p in PROJECTIONS] if bias_dtype is not None else [])
+        alpha, limit = (spec.alpha, spec.limit) if activation == "clamped_swiglu" else (0.0, 0.0)
         return SlotLayout(hidden, inter, bits_gu, bits_d, SCALE_DTYPES[next(iter(scale_names))],
-                          {name: by_name[name].offset for name in expect},
-                          sum(by_name[name].nbytes for name in expect))
+                          {name: by_name[name].offset for name in names},
+                          sum(by_name[name].nbytes for name in names), activation, float(alpha), float(limit),
+                          bias_dtype)
+
+
+def _bias_dtype(by_name, hidden: int, inter: int) -> torch.dtype:
+    """The one float dtype of a record's gate/up/down added biases ([I], [I], [H]); UnsupportedLayout if not."""
+    shapes = {"gate_proj.bias": [inter], "up_proj.bias": [inter], "down_proj.bias": [hidden]}
+    for name, shape in shapes.items():
+        if name not in by_name:
+            raise UnsupportedLayout(f"record has no {name}")
+        if list(by_name[name].shape) != shape:
+            raise UnsupportedLayout(f"{name}: shape {list(by_name[name].shape)}, expected {shape}")
+    dtypes = {by_name[name].dtype for name in shapes}
+    if len(dtypes) != 1 or next(iter(dtypes)) not in BIAS_DTYPES:
+        raise UnsupportedLayout(f"bias dtypes {sorted(dtypes)} (kernels handle one of {', '.join(BIAS_DTYPES)})")
+    dtype = BIAS_DTYPES[next(iter(dtypes))]
+    for name in shapes:
+        if by_name[name].offset % dtype.itemsize:
+            raise UnsupportedLayout(f"{name}: offset {by_name[name].offset} is not aligned to its dtype")
+    return dtype
 
 
 @dataclass(frozen=True)
@@ -159,16 +211,49 @@ def _code_f32(words, j: tl.constexpr, BITS: tl.constexpr):
     return ((v & (((1 << BITS) - 1) << TOP)) | 0x3F800000).to(tl.float32, bitcast=True)
 
 
+@triton.jit
+def _gate_act(gate, alpha, limit, ACT: tl.constexpr):
+    """The gate's factor of act(gate, up) in float32 (see the module doc); silu's is the expression
+    the kernels always had, in the same place, so SwiGLU compiles to the code it always did."""
+    if ACT == "gelu_tanh":
+        # 0.5 * (1 + tanh(z)) = sigmoid(2z), z = sqrt(2/pi) * (g + 0.044715 g^3)
+        z = 1.5957691216057308 * (gate + 0.044715 * gate * gate * gate)
+        a = gate / (1.0 + tl.exp(-z))
+    elif ACT == "clamped_swiglu":
+        g = tl.minimum(gate, limit)
+        a = g * tl.sigmoid(g * alpha)
+    else:
+        a = gate / (1.0 + tl.exp(-gate))
+    return a
+
+
+@triton.jit
+def _up_act(up, limit, ACT: tl.constexpr):
+    """The up projection's factor of act(gate, up): clamped_swiglu's clamp(up, -limit, limit) + 1."""
+    if ACT == "clamped_swiglu":
+        up = tl.minimum(tl.maximum(up, -limit), limit) + 1.0
+    return up
+
+
+@triton.jit
+def _bias_f32(bias_ptr, cols, mask, DTYPE: tl.constexpr):
+    """An added bias vector's entries `cols`, rounded to DTYPE (x's, as the reference rounds it) and widened."""
+    return tl.load(bias_ptr + cols, mask=mask, other=0.0).to(DTYPE).to(tl.float32)
+
+
 # The gemv kernels read their input vector in "split" order: v_split[j, m] = v[m * CPW + j], CPW
 # codes per word. Then the inputs that meet code j of words m..m+3 are contiguous (one vector load)
 # and every tensor in the loop has the layout of the word tile: no shuffles, no layout changes.
 # Per group, with f = 1 + q/2^b:  sum (q*s + b) x = (2^b s) sum f x + (b - 2^b s) sum x.
 
 @triton.jit
-def _gate_up_gemv(xs_ptr, ids_ptr, slot_table_ptr, pool_w, pool_s, slot_words, slot_halves,
-                  gw_off, gs_off, gb_off, uw_off, us_off, ub_off, h_ptr, H: tl.constexpr, I: tl.constexpr,
-                  A: tl.constexpr, BITS: tl.constexpr, BN: tl.constexpr, NG: tl.constexpr, H_CPW: tl.constexpr):
-    # xs [T, CPW, H/CPW] float32 split x; h [P, H_CPW, I/H_CPW] float32, split for the down kernel
+def _gate_up_gemv(xs_ptr, ids_ptr, slot_table_ptr, pool_w, pool_s, pool_b, slot_words, slot_halves, slot_bias,
+                  gw_off, gs_off, gb_off, uw_off, us_off, ub_off, g_add_off, u_add_off, alpha, limit, h_ptr,
+                  H: tl.constexpr, I: tl.constexpr, A: tl.constexpr, BITS: tl.constexpr, BN: tl.constexpr,
+                  NG: tl.constexpr, H_CPW: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                  X_DTYPE: tl.constexpr):
+    # xs [T, CPW, H/CPW] float32 split x; h [P, H_CPW, I/H_CPW] float32, split for the down kernel.
+    # g_add_off, u_add_off: gate_proj.bias, up_proj.bias in pool_b (the added biases, not the quantization's)
     pair = tl.program_id(0)
     nb = tl.program_id(1)
     slot = tl.load(slot_table_ptr + tl.load(ids_ptr + pair))
@@ -209,16 +294,23 @@ def _gate_up_gemv(xs_ptr, ids_ptr, slot_table_ptr, pool_w, pool_s, slot_words, s
                 xsum += xj
             acc_g += sg * tg + bg * xsum[None, :, :]
             acc_u += su * tu + bu * xsum[None, :, :]
+        bbase = pool_b + slot.to(tl.int64) * slot_bias
         gate = tl.sum(tl.sum(acc_g, axis=2), axis=1)
-        h = gate / (1.0 + tl.exp(-gate)) * tl.sum(tl.sum(acc_u, axis=2), axis=1)
+        if HAS_BIAS:
+            gate += _bias_f32(bbase + g_add_off, rows, rows < I, X_DTYPE)
+        act = _gate_act(gate, alpha, limit, ACT)
+        up = tl.sum(tl.sum(acc_u, axis=2), axis=1)
+        if HAS_BIAS:
+            up += _bias_f32(bbase + u_add_off, rows, rows < I, X_DTYPE)
+        h = act * _up_act(up, limit, ACT)
         hoff = (rows % H_CPW) * (I // H_CPW) + rows // H_CPW
         tl.store(h_ptr + pair.to(tl.int64) * I + hoff, h, mask=rows < I)
 
 
 @triton.jit
-def _down_gemv(hs_ptr, ids_ptr, rw_ptr, slot_table_ptr, pool_w, pool_s, slot_words, slot_halves,
-               dw_off, ds_off, db_off, o_ptr, H: tl.constexpr, I: tl.constexpr,
-               BITS: tl.constexpr, BN: tl.constexpr, NG: tl.constexpr):
+def _down_gemv(hs_ptr, ids_ptr, rw_ptr, slot_table_ptr, pool_w, pool_s, pool_b, slot_words, slot_halves, slot_bias,
+               dw_off, ds_off, db_off, d_add_off, o_ptr, H: tl.constexpr, I: tl.constexpr,
+               BITS: tl.constexpr, BN: tl.constexpr, NG: tl.constexpr, HAS_BIAS: tl.constexpr, X_DTYPE: tl.constexpr):
     # hs [P, CPW, I/CPW] float32 split h; o [P, H] float32
     pair = tl.program_id(0)
     nb = tl.program_id(1)
@@ -253,7 +345,10 @@ def _down_gemv(hs_ptr, ids_ptr, rw_ptr, slot_table_ptr, pool_w, pool_s, slot_wor
                 xsum += xj
             acc += sd * td + bd * xsum[None, :, :]
         w = tl.load(rw_ptr + pair).to(tl.float32)
-        y = tl.sum(tl.sum(acc, axis=2), axis=1) * w
+        y = tl.sum(tl.sum(acc, axis=2), axis=1)
+        if HAS_BIAS:
+            y += _bias_f32(pool_b + slot.to(tl.int64) * slot_bias + d_add_off, rows, rows < H, X_DTYPE)
+        y = y * w
         tl.store(o_ptr + pair.to(tl.int64) * H + rows, y, mask=rows < H)
 
 
@@ -288,10 +383,11 @@ def _block_pairs(b, block_rank_ptr, num_experts, slot_table_ptr, starts_ptr, cou
 
 @triton.jit
 def _gate_up_grouped(x_ptr, stride_x, block_rank_ptr, num_experts, slot_table_ptr, starts_ptr,
-                     counts_ptr, block_start_ptr, order_ptr, pool_w, pool_s, slot_words, slot_halves,
-                     gw_off, gs_off, gb_off, uw_off, us_off, ub_off, h_ptr, H: tl.constexpr, I: tl.constexpr,
-                     A: tl.constexpr, BITS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, PRECISION: tl.constexpr,
-                     DOT_F32: tl.constexpr):
+                     counts_ptr, block_start_ptr, order_ptr, pool_w, pool_s, pool_b, slot_words, slot_halves,
+                     slot_bias, gw_off, gs_off, gb_off, uw_off, us_off, ub_off, g_add_off, u_add_off, alpha, limit,
+                     h_ptr, H: tl.constexpr, I: tl.constexpr, A: tl.constexpr, BITS: tl.constexpr, BM: tl.constexpr,
+                     BN: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr, ACT: tl.constexpr,
+                     HAS_BIAS: tl.constexpr):
     b = tl.program_id(0)
     nb = tl.program_id(1)
     slot, pairs, pmask = _block_pairs(b, block_rank_ptr, num_experts, slot_table_ptr, starts_ptr,
@@ -322,17 +418,21 @@ def _gate_up_grouped(x_ptr, stride_x, block_rank_ptr, num_experts, slot_table_pt
             if DOT_F32:
                 wu = wu.to(tl.float32)
             acc_u = tl.dot(xt, tl.trans(wu), acc_u, input_precision=PRECISION)
-        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+        if HAS_BIAS:
+            bbase = pool_b + slot.to(tl.int64) * slot_bias
+            acc_g += _bias_f32(bbase + g_add_off, rows, row_mask, DTYPE)[None, :]
+            acc_u += _bias_f32(bbase + u_add_off, rows, row_mask, DTYPE)[None, :]
+        h = _gate_act(acc_g, alpha, limit, ACT) * _up_act(acc_u, limit, ACT)
         hoff = pairs.to(tl.int64)[:, None] * I + rows[None, :]
         tl.store(h_ptr + hoff, h.to(h_ptr.dtype.element_ty), mask=pmask[:, None] & row_mask[None, :])
 
 
 @triton.jit
 def _down_grouped(h_ptr, rw_ptr, block_rank_ptr, num_experts, slot_table_ptr, starts_ptr,
-                  counts_ptr, block_start_ptr, order_ptr, pool_w, pool_s, slot_words, slot_halves,
-                  dw_off, ds_off, db_off, o_ptr, H: tl.constexpr, I: tl.constexpr,
+                  counts_ptr, block_start_ptr, order_ptr, pool_w, pool_s, pool_b, slot_words, slot_halves,
+                  slot_bias, dw_off, ds_off, db_off, d_add_off, o_ptr, H: tl.constexpr, I: tl.constexpr,
                   BITS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, PRECISION: tl.constexpr,
-                  DOT_F32: tl.constexpr):
+                  DOT_F32: tl.constexpr, HAS_BIAS: tl.constexpr):
     b = tl.program_id(0)
     nb = tl.program_id(1)
     slot, pairs, pmask = _block_pairs(b, block_rank_ptr, num_experts, slot_table_ptr, starts_ptr,
@@ -358,6 +458,8 @@ def _down_grouped(h_ptr, rw_ptr, block_rank_ptr, num_experts, slot_table_ptr, st
                 wd = wd.to(tl.float32)
             acc = tl.dot(ht, tl.trans(wd), acc, input_precision=PRECISION)
         w = tl.load(rw_ptr + pairs, mask=pmask, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            acc += _bias_f32(pool_b + slot.to(tl.int64) * slot_bias + d_add_off, rows, row_mask, DTYPE)[None, :]
         ooff = prow[:, None] * H + rows[None, :]
         tl.store(o_ptr + ooff, acc * w[:, None], mask=pmask[:, None] & row_mask[None, :])
 
@@ -495,48 +597,66 @@ class MoEPlan:
         self.down(pool, table)
 
     def _pool_views(self, pool: torch.Tensor):
-        """The pool as int32 words and as scale-dtype halves (same memory), and the field offsets in those units."""
-        words, halves = pool.view(torch.int32), pool.view(self.layout.scale_dtype)
-        off = {k: v // (4 if k.endswith(".weight") else 2) for k, v in self.layout.offsets.items()}
-        return words, halves, words.stride(0), halves.stride(0), off
+        """The pool as int32 words, as scale-dtype halves and as the added biases' dtype (same memory;
+        without biases the halves stand in, unread), and the field offsets in those units."""
+        lay = self.layout
+        words, halves = pool.view(torch.int32), pool.view(lay.scale_dtype)
+        adds = pool.view(lay.bias_dtype) if lay.has_bias else halves
+        unit = {"weight": 4, "scales": 2, "biases": 2, "bias": adds.element_size()}
+        off = {k: v // unit[k.rsplit(".", 1)[1]] for k, v in lay.offsets.items()}
+        off.update({f"{p}.bias": 0 for p in PROJECTIONS if f"{p}.bias" not in off})
+        return (words, halves, adds, words.stride(0), halves.stride(0), adds.stride(0)), off
+
+    def _act_args(self) -> dict:
+        """The compile-time activation and bias choice of the gate/up kernels."""
+        return dict(ACT=self.layout.activation, HAS_BIAS=self.layout.has_bias)
+
+    def _x_dtype(self):
+        """The gemv kernels' X_DTYPE (the biases are rounded to it); one fixed value where nothing
+        reads it, so records without biases compile one gemv kernel for every activation dtype."""
+        return _TL_DTYPES[self.x.dtype] if self.layout.has_bias else tl.float32
 
     def gate_up(self, pool: torch.Tensor, slot_table: torch.Tensor) -> None:
-        """Kernel 1: h = silu(x Wg^T) * (x Wu^T) for this batch's pairs."""
+        """Kernel 1: h = act(x Wg^T + bg, x Wu^T + bu) for this batch's pairs."""
         lay, cfg = self.layout, self.config
-        words, halves, sw, sh, off = self._pool_views(pool)
-        common = (words, halves, sw, sh, off["gate_proj.weight"], off["gate_proj.scales"], off["gate_proj.biases"],
-                  off["up_proj.weight"], off["up_proj.scales"], off["up_proj.biases"], self.h, lay.hidden, lay.inter,
-                  self.top_k)
+        views, off = self._pool_views(pool)
+        common = (*views, off["gate_proj.weight"], off["gate_proj.scales"], off["gate_proj.biases"],
+                  off["up_proj.weight"], off["up_proj.scales"], off["up_proj.biases"], off["gate_proj.bias"],
+                  off["up_proj.bias"], lay.alpha, lay.limit, self.h, lay.hidden, lay.inter, self.top_k)
         bits = lay.bits_gate_up
         if self.mode == "gemv":
             grid = (self.ids.numel(), triton.cdiv(lay.inter, cfg.gemv_gate_up_n))
             _gate_up_gemv[grid](self.xs, self.ids, slot_table, *common, BITS=bits, BN=cfg.gemv_gate_up_n,
                                 NG=_groups_per_step(cfg.gemv_gate_up_words, bits), H_CPW=32 // lay.bits_down,
+                                X_DTYPE=self._x_dtype(), **self._act_args(),
                                 num_warps=cfg.gemv_gate_up_warps)
         else:
             grid = (self.num_blocks, triton.cdiv(lay.inter, cfg.gate_up_n))
             _gate_up_grouped[grid](self.x, self.x.stride(0), self.block_rank, self.num_experts,
                                    slot_table, self.starts, self.counts, self.block_start, self.order, *common,
                                    BITS=bits, BM=self.block_m, BN=cfg.gate_up_n, PRECISION=self.precision,
-                                   DOT_F32=_INTERPRETED, num_warps=self.warps, num_stages=cfg.grouped_stages)
+                                   DOT_F32=_INTERPRETED, **self._act_args(), num_warps=self.warps,
+                                   num_stages=cfg.grouped_stages)
 
     def down(self, pool: torch.Tensor, slot_table: torch.Tensor) -> None:
-        """Kernel 2: o[p] = w[p] * (h[p] Wd^T) for this batch's pairs."""
+        """Kernel 2: o[p] = w[p] * (h[p] Wd^T + bd) for this batch's pairs."""
         lay, cfg = self.layout, self.config
-        words, halves, sw, sh, off = self._pool_views(pool)
-        common = (words, halves, sw, sh, off["down_proj.weight"], off["down_proj.scales"], off["down_proj.biases"],
-                  self.o, lay.hidden, lay.inter)
+        views, off = self._pool_views(pool)
+        common = (*views, off["down_proj.weight"], off["down_proj.scales"], off["down_proj.biases"],
+                  off["down_proj.bias"], self.o, lay.hidden, lay.inter)
         bits = lay.bits_down
         if self.mode == "gemv":
             grid = (self.ids.numel(), triton.cdiv(lay.hidden, cfg.gemv_down_n))
             _down_gemv[grid](self.h, self.ids, self.weights, slot_table, *common, BITS=bits, BN=cfg.gemv_down_n,
-                             NG=_groups_per_step(cfg.gemv_down_words, bits), num_warps=cfg.gemv_down_warps)
+                             NG=_groups_per_step(cfg.gemv_down_words, bits), HAS_BIAS=lay.has_bias,
+                             X_DTYPE=self._x_dtype(), num_warps=cfg.gemv_down_warps)
         else:
             grid = (self.num_blocks, triton.cdiv(lay.hidden, cfg.down_n))
             _down_grouped[grid](self.h, self.weights, self.block_rank, self.num_experts,
                                 slot_table, self.starts, self.counts, self.block_start, self.order, *common,
                                 BITS=bits, BM=self.block_m, BN=cfg.down_n, PRECISION=self.precision,
-                                DOT_F32=_INTERPRETED, num_warps=self.warps, num_stages=cfg.grouped_stages)
+                                DOT_F32=_INTERPRETED, HAS_BIAS=lay.has_bias, num_warps=self.warps,
+                                num_stages=cfg.grouped_stages)
 
     def take_rows(self, rows: torch.Tensor, table: torch.Tensor) -> None:
         """o[p] = rows[p] (float32 [>= P, H]) for the pairs whose expert has no slot in `table`:

@@ -10,11 +10,11 @@ It has two halves:
     a slot table. With the Triton kernels it reads no device value on the host, so the CUDA
     decoder captures it in a graph.
 
-Kernels behind it: the Triton slot-pool kernels (CUDA, 4/8-bit records in the MLX layout) and the
-torch reference (CPU, and any record layout the Triton kernels do not take: MXFP4 records, other
-activations than SwiGLU). Which one a layer
-uses depends only on the device, the option and the record layout, never on what is cached, so
-the bits are the same for every cache size and policy.
+Kernels behind it: the Triton slot-pool kernels (CUDA, 4/8-bit records in the MLX layout, every
+gated activation of ACTIVATIONS with its biases) and the torch reference (CPU, and any record layout
+the Triton kernels do not take: MXFP4 records). Which one a layer uses depends only on the device, the
+option and the record layout, never on what is cached, so the bits are the same for every cache size
+and policy.
 
 Where other backends plug in: a backend that computes some experts elsewhere (the CPU beside the
 GPU, or other ranks in expert parallelism) is a `plan` whose `run` takes the experts it owns and a
@@ -29,7 +29,7 @@ from typing import Callable, Mapping, Protocol, Sequence
 import torch
 
 from moestream.format.records import decode_record
-from moestream.kernels.reference import projection
+from moestream.kernels.reference import BIASED_ACTIVATIONS, projection
 from moestream.layers.clamped_swiglu import clamped_swiglu
 from moestream.layers.gelu_mlp import gelu_glu
 from moestream.layers.mlp import swiglu
@@ -38,9 +38,9 @@ from moestream.quant.mxfp4 import MODE as MXFP4
 
 log = logging.getLogger(__name__)
 KERNELS = ("auto", "torch", "triton")
-# a record's gate activation (QuantSpec.activation) -> its gated FFN; the Triton kernels compute "silu" only
+# a record's gate activation (QuantSpec.activation) -> its gated FFN (the Triton kernels compute each too)
 ACTIVATIONS = {"silu": swiglu, "gelu_tanh": gelu_glu, "clamped_swiglu": clamped_swiglu}
-BIASED = ("clamped_swiglu",)  # activations whose records hold gate_proj.bias, up_proj.bias, down_proj.bias
+BIASED = BIASED_ACTIVATIONS  # activations whose records hold gate_proj.bias, up_proj.bias, down_proj.bias
 
 
 def activation_of(quant: Mapping[str, QuantSpec]) -> str:
@@ -203,8 +203,8 @@ class RoutedExperts:
         if self.kernels == "torch" or self.device.type != "cuda":
             return None
         quant = self.provider.quant(layer)
-        activation = activation_of(quant)
-        reason = None if activation == "silu" else f"the Triton expert kernels compute SwiGLU only, not {activation}"
+        activation_of(quant)  # an unknown activation is an error, not a fallback
+        reason = None
         if any(spec.mode == MXFP4 for spec in quant.values()):
             reason = "the Triton expert kernels do not read MXFP4 records yet"
         try:

@@ -27,7 +27,7 @@ bench() {  # name, seconds, flags...
 for part in "$@"; do
   case $part in
   tests)
-    for f in test_device_cpu_share_cuda test_device_map_cuda test_kernels test_torch_plan_families_cuda \
+    for f in test_device_cpu_share_cuda test_device_map_cuda test_kernels test_gemma4_gpt_oss_cuda test_mxfp4_records_cuda test_mtp_cuda \
              test_qwen3_next_cuda test_minimax_m2_cuda test_glm4_moe_cuda test_latent_attention_cuda \
              test_lookahead_maps_cuda test_speculative_cuda test_cpu_experts_cuda ${EXTRA_TESTS:-}; do
       [ -f tests/gpu/$f.py ] || continue

@@ -1,6 +1,7 @@
 """The Triton MoE kernels on CUDA: they agree with the torch reference math (moestream.kernels.reference)
-within the activation dtype's tolerance, give the same bits for any batching, slot assignment and
-run, and the engine takes them and still gives the same tokens for every cache size."""
+within the activation dtype's tolerance, for every gated activation (SwiGLU, GELU-tanh, gpt-oss's
+clamped SwiGLU with biases), give the same bits for any batching, slot assignment and run, and the
+engine takes them and still gives the same tokens for every cache size."""
 import pytest
 import torch
 
@@ -21,21 +22,21 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 def pools():
     cache = {}
 
-    def get(bits=4, down_bits=None, scale_dtype=torch.bfloat16, *, hidden=H, inter=I, experts=E):
-        key = (bits, down_bits, scale_dtype, hidden, inter, experts)
+    def get(bits=4, down_bits=None, scale_dtype=torch.bfloat16, *, hidden=H, inter=I, experts=E, **activation):
+        key = (bits, down_bits, scale_dtype, hidden, inter, experts, tuple(sorted(activation.items())))
         if key not in cache:
             cache[key] = build_pool(experts, hidden, inter, bits=bits, down_bits=down_bits, scale_dtype=scale_dtype,
-                                    extra_slots=7, device=DEV)
+                                    extra_slots=7, device=DEV, **activation)
         return cache[key]
 
     return get
 
 
-def routing(tokens, dtype, *, experts=E, hidden=H, seed=0):
+def routing(tokens, dtype, *, experts=E, hidden=H, seed=0, top_k=A):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(tokens, hidden, generator=g).to(dtype)
-    ids = torch.rand(tokens, experts, generator=g).topk(A, dim=-1).indices
-    weights = torch.softmax(torch.randn(tokens, A, generator=g), dim=-1).to(dtype)
+    ids = torch.rand(tokens, experts, generator=g).topk(top_k, dim=-1).indices
+    weights = torch.softmax(torch.randn(tokens, top_k, generator=g), dim=-1).to(dtype)
     return x.to(DEV), ids.to(DEV), weights.to(DEV)
 
 
@@ -234,6 +235,92 @@ def test_moe_block_takes_the_kernels(pools, tokens):
     assert not experts.uses_triton(0, x.dtype)
     ref = MoEBlock(0, router, route, experts, top_k=A)(x)
     assert ((outs[E].float() - ref.float()).abs().max() / ref.float().abs().max()).item() < 4e-2
+
+
+# -- GELU-tanh (Gemma 4) and the clamped SwiGLU with biases (gpt-oss) ---------------------------------------
+
+GELU = dict(activation="gelu_tanh")
+CLAMPED = dict(activation="clamped_swiglu", alpha=1.702, limit=1.0)  # a low limit: the clamps bite
+ACTS = {"gelu_tanh": GELU, "clamped_swiglu": CLAMPED}
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("mode", ["gemv", "grouped", "auto"])
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("act", list(ACTS))
+@pytest.mark.parametrize("tokens", [1, 3, 64, 300])
+def test_activations_match_reference(pools, tokens, act, bits, mode, dtype):
+    dtype = DTYPES[dtype]
+    pool_set = pools(bits, **ACTS[act])
+    assert tm.SlotLayout.from_fields(*pool_set[1:3]).activation == act
+    x, ids, weights = routing(tokens, dtype, seed=200 + tokens)
+    y = run(pool_set, x, ids, weights, mode=mode)
+    assert y.dtype == dtype and y.shape == (tokens, H)
+    assert relative_error(y, reference(pool_set, x, ids, weights)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("bits,down_bits,scale_dtype,bias_dtype", [(4, 8, torch.bfloat16, torch.float32),
+                                                                   (8, 4, torch.float16, torch.float16)])
+@pytest.mark.parametrize("tokens", [2, 200])
+def test_biases_in_other_dtypes_with_mixed_bits(pools, bits, down_bits, scale_dtype, bias_dtype, tokens):
+    pool_set = pools(bits, down_bits, scale_dtype, bias_dtype=bias_dtype, **CLAMPED)
+    assert tm.SlotLayout.from_fields(*pool_set[1:3]).bias_dtype == bias_dtype
+    for dtype in (torch.bfloat16, torch.float32):
+        x, ids, weights = routing(tokens, dtype, seed=tokens)
+        assert relative_error(run(pool_set, x, ids, weights), reference(pool_set, x, ids, weights)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("act", list(ACTS))
+@pytest.mark.parametrize("tokens", [1, 3, 300])
+def test_activations_give_the_same_bits_for_any_batching_slot_assignment_and_run(pools, act, tokens):
+    pool, fields, quant, slot_of = pool_set = pools(4, **ACTS[act])
+    x, ids, weights = routing(tokens, torch.bfloat16, seed=5)
+    whole = run(pool_set, x, ids, weights)
+    for _ in range(3):
+        assert torch.equal(whole, run(pool_set, x, ids, weights))
+    for batch in (1, 5):
+        assert torch.equal(whole, run(pool_set, x, ids, weights, batch=batch))
+    moved = torch.empty_like(pool)
+    new_slots = [(s + 5) % pool.shape[0] for s in slot_of]
+    for e, s in enumerate(slot_of):
+        moved[new_slots[e]] = pool[s]
+    assert torch.equal(whole, run((moved, fields, quant, new_slots), x, ids, weights))
+    if tokens <= tm.DEFAULT_CONFIG.gemv_max_tokens:  # gemv: a token alone gets its row of the whole
+        for t in range(tokens):
+            assert torch.equal(run(pool_set, x[t:t + 1], ids[t:t + 1], weights[t:t + 1])[0], whole[t])
+
+
+@pytest.mark.parametrize("tokens", [1, 300])
+def test_biased_resident_table_needs_no_sync(pools, tokens):
+    pool, fields, quant, slot_of = pool_set = pools(4, **CLAMPED)
+    layout = tm.SlotLayout.from_fields(fields, quant)
+    x, ids, weights = routing(tokens, torch.bfloat16, seed=12)
+    batched = run(pool_set, x, ids, weights, batch=5)
+    table = torch.tensor(slot_of, dtype=torch.int32, device=DEV)
+
+    def resident():
+        plan = tm.MoEPlan(x, ids, weights, E, layout)
+        plan.run_table(pool, table)
+        return plan.finish()
+
+    resident()  # compiles
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        y = resident()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(y, batched)
+
+
+@pytest.mark.parametrize("tokens", [1, 4, 512])
+def test_gpt_oss_20b_shape(pools, tokens):
+    """gpt-oss-20b's routed experts: hidden and intermediate 2880 (45 groups), 32 experts, top-4,
+    its alpha and limit, bf16 biases."""
+    pool_set = pools(4, hidden=2880, inter=2880, experts=32, activation="clamped_swiglu", alpha=1.702, limit=7.0)
+    x, ids, weights = routing(tokens, torch.bfloat16, experts=32, hidden=2880, seed=tokens, top_k=4)
+    y = run(pool_set, x, ids, weights)
+    assert relative_error(y, reference(pool_set, x, ids, weights)) < TOL[torch.bfloat16]
 
 
 def generate(model, **opts):
