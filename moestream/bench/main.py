@@ -316,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     check_output_paths(parser, args, {"out": "--out", "plot": "--plot", "heatmap": "--heatmap", "trace_routing": "--trace-routing",
                                       "timeline": "--timeline"})
-    check_speculative_args(parser, args, sampling=None)  # bench decodes greedily
+    check_speculative_args(parser, args, sampling=None, model_dir=args.model)  # bench decodes greedily
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     try:
         results = run(args)

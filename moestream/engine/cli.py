@@ -72,17 +72,16 @@ def check_args(parser: argparse.ArgumentParser, args) -> None:
     except MoestreamError as exc:
         parser.error(str(exc))
     parallel = (args.devices is not None and len(args.devices) > 1) or ranked is not None
-    if parallel and speculating(args):
-        # every rank must run the same steps; the adaptive drafter times steps, so ranks could differ
-        parser.error("argument --speculative/--hot-head: not with expert parallelism (--devices, torchrun)")
     if parallel and args.cpu_experts != "off":
         parser.error("argument --cpu-experts: not with expert parallelism (--devices, torchrun)")
     if args.expert_placement is not None and not parallel:
         parser.error("argument --expert-placement: only with expert parallelism (--devices with 2 or more, torchrun)")
     if args.expert_placement is not None and not os.path.isfile(args.expert_placement):
         parser.error(f"argument --expert-placement: no routing trace at {args.expert_placement}")
+    # every rank must run the same steps; the adaptive drafter times steps, so ranks could differ
     check_speculative_args(parser, args, sampling=SamplingParams(
-        temperature=args.temperature, repetition_penalty=args.repetition_penalty))
+        temperature=args.temperature, repetition_penalty=args.repetition_penalty), model_dir=args.model,
+        not_here="not with expert parallelism (--devices, torchrun)" if parallel else None)
 
 
 def stats_line(receipt: dict) -> str:

@@ -206,9 +206,9 @@ def main(argv: list[str] | None = None) -> int:
     check_output_paths(parser, args, {"trace_routing": "--trace-routing", "timeline": "--timeline"})
     from moestream.engine.speculative_flags import check_speculative_args, speculating, speculative_options
 
-    check_speculative_args(parser, args, sampling=None)  # requests bring their own sampling settings
-    if speculating(args) and args.parallel > 1:
-        parser.error("argument --speculative/--hot-head: only with --parallel 1 (a batch verifies no drafts)")
+    # requests bring their own sampling settings
+    check_speculative_args(parser, args, sampling=None, model_dir=args.model,
+                           not_here="only with --parallel 1 (a batch verifies no drafts)" if args.parallel > 1 else None)
     defaults = defaults_from_args(args, parser)
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

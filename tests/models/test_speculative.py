@@ -112,7 +112,7 @@ def test_budget_and_context_limits(tiny_packed_model):
 def test_draft_model_drafter(tiny_packed_model):
     main = tiny_packed_model("qwen3_moe", "q4")
     engine = load(main)
-    same = DraftModelDrafter(load(main), main_vocab_size=engine.args.vocab_size)  # the model drafts for itself
+    same = DraftModelDrafter(load(main))  # the model drafts for itself
     other = DraftModelDrafter(load(tiny_packed_model("qwen3_moe", "q4", seed=5)))  # another model, same tokenizer
     for prompt_text in PROMPTS[:2]:
         prompt = engine.tokenizer.encode(prompt_text)

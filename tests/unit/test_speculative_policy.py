@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from moestream.engine.hot_head import HotHead, hot_vocabulary, usable
-from moestream.engine.speculative import AdaptivePolicy, NGramDrafter, parse_speculative
+from moestream.engine.speculative import AdaptivePolicy, NGramDrafter, parse_draft
 from moestream.engine.types import SamplingParams
 from moestream.errors import MoestreamError
 
@@ -88,13 +88,15 @@ def test_ngram_drafter_proposes_what_followed_the_latest_match():
         NGramDrafter(max_ngram=1, min_ngram=2)
 
 
-def test_parse_speculative():
-    assert parse_speculative("ngram") == ("ngram", None)
-    assert parse_speculative("off") == ("off", None)
-    assert parse_speculative("draft:/m/d") == ("draft", "/m/d")
-    for bad in ("draft:", "bigram", ""):
+def test_parse_draft():
+    assert parse_draft("ngram") == ("ngram", None)
+    assert parse_draft("off") == ("off", None)
+    assert parse_draft("auto") == ("auto", None)
+    assert parse_draft("draft:/m/d") == ("draft", "/m/d")  # the older spelling
+    assert parse_draft("/m/d") == ("draft", "/m/d")
+    for bad in ("draft:", ""):
         with pytest.raises(MoestreamError):
-            parse_speculative(bad)
+            parse_draft(bad)
 
 
 def test_hot_head_guesses_the_full_argmax_when_it_is_hot():
