@@ -6,11 +6,12 @@
            budget; save an HF checkpoint (float32) with the demo's tokenizer; report agreement
     agree  the share of test positions where a checkpoint's argmax equals the teacher's
 
-The student is transformers' Qwen3MoeForCausalLM with 2 layers whose MLP is one routed expert chosen
-with weight 1 (a dense MLP that the packed format and the engine load as they load any MoE model).
-Its embedding, head, final norm and first attention block start as the teacher's (dequantized) and
-embedding and head stay frozen: the student then only learns to bring a hidden state to where the
-teacher's own last layer brings it, which a short CPU run can do.
+The student is transformers' Qwen3MoeForCausalLM: the teacher's first layer as it is (attention,
+router, 32 experts) and one dense layer after it. The shared layer, the embedding and the head are
+the teacher's (dequantized) and stay frozen; the dense layer's attention starts as the teacher's
+second layer's; only that layer is trained, to bring the hidden state where the teacher's seven
+remaining layers bring it. That is cheap to train on a CPU (no backward through the shared layer)
+and cheap to run: one step is one MoE layer, one dense layer and the head.
 
 Losses: `corpus` is next-token cross-entropy on the corpus; `distill` is the cross-entropy against
 the teacher's top-8 distribution (renormalized) on the labelled windows; `mix` adds both per step.
@@ -39,9 +40,8 @@ import draft_labels  # noqa: E402
 
 DEMO = os.path.join(ROOT, "moestream", "demo", "model")
 COPIED = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
-# teacher tensors the student starts from: embedding, head, final norm, the first layer's attention
-SHARED_PREFIXES = ("model.embed_tokens.", "lm_head.", "model.norm.", "model.layers.0.self_attn.",
-                   "model.layers.0.input_layernorm.")
+# teacher tensors every student starts from (and the shared layers whole, and the next layer's attention)
+SHARED_PREFIXES = ("model.embed_tokens.", "lm_head.", "model.norm.")
 FROZEN_PREFIXES = ("model.embed_tokens.", "lm_head.")
 
 
@@ -49,25 +49,30 @@ def log(msg: str) -> None:
     print(msg, flush=True)
 
 
-def student_config(teacher_config: dict, layers: int, intermediate: int):
+def student_config(teacher_config: dict, shared: int, dense: int, intermediate: int):
+    """The teacher's first `shared` layers (MoE, as they are) followed by `dense` dense layers."""
     from transformers import Qwen3MoeConfig
 
     keep = {k: teacher_config[k] for k in ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads",
                                            "head_dim", "max_position_embeddings", "rms_norm_eps", "rope_parameters",
-                                           "eos_token_id", "pad_token_id", "bos_token_id", "tie_word_embeddings")}
-    return Qwen3MoeConfig(**keep, num_hidden_layers=layers, num_experts=1, num_experts_per_tok=1,
-                          moe_intermediate_size=intermediate, intermediate_size=intermediate, norm_topk_prob=True,
-                          decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.0,
+                                           "eos_token_id", "pad_token_id", "bos_token_id", "tie_word_embeddings",
+                                           "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob")}
+    experts = teacher_config.get("num_experts", teacher_config.get("num_local_experts"))
+    return Qwen3MoeConfig(**keep, num_hidden_layers=shared + dense, num_experts=experts,
+                          intermediate_size=intermediate, decoder_sparse_step=1,
+                          mlp_only_layers=list(range(shared, shared + dense)), router_aux_loss_coef=0.0,
                           output_router_logits=False, attention_bias=False, attention_dropout=0.0,
                           use_sliding_window=False, initializer_range=0.02)
 
 
-def teacher_tensors(packed_dir: str) -> tuple[dict, dict]:
-    """(config.json, {name: float32 tensor}) of the packed teacher, dequantized."""
+def teacher_tensors(packed_dir: str, shared: int) -> tuple[dict, dict]:
+    """(config.json, {name: float32 tensor}) of the packed teacher, dequantized: what the student shares."""
     from safetensors.torch import load_file
 
     from moestream.format.export_hf import export_hf
 
+    prefixes = SHARED_PREFIXES + tuple(f"model.layers.{i}." for i in range(shared)) + tuple(
+        f"model.layers.{shared}.{part}" for part in ("self_attn.", "input_layernorm.", "post_attention_layernorm."))
     with tempfile.TemporaryDirectory() as tmp:
         hf = export_hf(packed_dir, os.path.join(tmp, "hf"))
         with open(os.path.join(hf, "config.json")) as f:
@@ -75,26 +80,43 @@ def teacher_tensors(packed_dir: str) -> tuple[dict, dict]:
         tensors = {}
         for name in sorted(os.listdir(hf)):
             if name.endswith(".safetensors"):
-                tensors.update({k: v for k, v in load_file(os.path.join(hf, name)).items()
-                                if k.startswith(SHARED_PREFIXES)})
+                tensors.update({k: v for k, v in load_file(os.path.join(hf, name)).items() if k.startswith(prefixes)})
     return config, tensors
 
 
-def build_student(packed_dir: str, layers: int, intermediate: int, seed: int):
+def fuse_experts(tensors: dict, shared: int) -> dict:
+    """Per-expert tensors (as export_hf names them) -> transformers' fused stacks: gate_up_proj
+    [E, 2I, H] (gate rows, then up rows) and down_proj [E, H, I]."""
+    out = {k: v for k, v in tensors.items() if ".mlp.experts." not in k}
+    for i in range(shared):
+        p = f"model.layers.{i}.mlp.experts."
+        count = len({k for k in tensors if k.startswith(p) and k.endswith(".down_proj.weight")})
+        if count:
+            out[p + "gate_up_proj"] = torch.stack([torch.cat([tensors[f"{p}{e}.gate_proj.weight"],
+                                                              tensors[f"{p}{e}.up_proj.weight"]]) for e in range(count)])
+            out[p + "down_proj"] = torch.stack([tensors[f"{p}{e}.down_proj.weight"] for e in range(count)])
+    return out
+
+
+def build_student(packed_dir: str, shared: int, dense: int, intermediate: int, seed: int):
     from transformers import AutoModelForCausalLM
 
-    config, shared = teacher_tensors(packed_dir)
+    config, tensors = teacher_tensors(packed_dir, shared)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(student_config(config, layers, intermediate), dtype=torch.float32,
-                                             attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_config(student_config(config, shared, dense, intermediate), dtype=torch.float32,
+                                             attn_implementation="sdpa", experts_implementation="eager")
     state = model.state_dict()
-    for name, value in shared.items():
+    tensors = fuse_experts(tensors, shared)
+    if dense == 0:  # no layer after the shared ones to start from the teacher's next attention
+        tensors = {k: v for k, v in tensors.items() if not k.startswith(f"model.layers.{shared}.")}
+    for name, value in tensors.items():
         if name not in state or state[name].shape != value.shape:
             raise SystemExit(f"train: the teacher's {name} does not fit the student")
         state[name] = value.float()
     model.load_state_dict(state)
+    frozen = FROZEN_PREFIXES + tuple(f"model.layers.{i}." for i in range(shared))
     for name, p in model.named_parameters():
-        p.requires_grad_(not name.startswith(FROZEN_PREFIXES))
+        p.requires_grad_(not name.startswith(frozen))
     return model
 
 
@@ -153,7 +175,7 @@ def cmd_train(args) -> None:
     corpus = np.load(os.path.join(args.data, "train.npy")).astype(np.int64)
     labels = draft_labels.Labels.load(os.path.join(args.labels, "train-labels.npz"))
     test = draft_labels.Labels.load(os.path.join(args.labels, "test-labels.npz"))
-    model = build_student(args.model, args.layers, args.intermediate, args.seed)
+    model = build_student(args.model, args.shared_layers, args.dense_layers, args.intermediate, args.seed)
     trainable = [p for p in model.parameters() if p.requires_grad]
     log(f"student: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "
         f"{sum(p.numel() for p in trainable) / 1e6:.2f}M trained; loss {args.loss}; "
@@ -168,9 +190,10 @@ def cmd_train(args) -> None:
     t_train0, step, total, recent, curve = time.time(), 0, args.max_steps, [], []
     S = args.seq_len
     while step < total:
-        if step == 5:  # fit the cosine schedule into the budget from the measured step time
+        if step in (5, 25):  # fit the cosine schedule into the budget from the measured step time (twice:
+            # the first steps on a shared machine may be slower or faster than the rest)
             per_step = (time.time() - t_train0) / step
-            total = min(total, max(step + 1, int(budget / per_step)))
+            total = min(args.max_steps, max(step + 1, int(budget / per_step)))
             log(f"calibration: {per_step:.2f} s/step; {total} steps fit in the budget")
         lr = lr_at(step, total, args.lr, args.warmup_steps)
         for g in opt.param_groups:
@@ -184,13 +207,13 @@ def cmd_train(args) -> None:
             logits = model(input_ids=x, use_cache=False).logits
             kd = distill_loss(logits, torch.from_numpy(labels.top_ids[idx, off:off + S]),
                               torch.from_numpy(labels.top_logp[idx, off:off + S]))
-            loss, parts["distill"] = loss + kd, float(kd)
+            loss, parts["distill"] = loss + kd, float(kd.detach())
         if args.loss in ("corpus", "mix"):
             starts = rng.integers(0, len(corpus) - S - 1, args.batch_size)
             w = torch.from_numpy(np.stack([corpus[s:s + S + 1] for s in starts]))
             logits = model(input_ids=w[:, :-1], use_cache=False).logits
             ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), w[:, 1:].reshape(-1))
-            loss, parts["corpus"] = loss + ce, float(ce)
+            loss, parts["corpus"] = loss + ce, float(ce.detach())
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(trainable, 1.0)
@@ -209,7 +232,8 @@ def cmd_train(args) -> None:
     model.save_pretrained(args.out)
     for name in COPIED:
         shutil.copy(os.path.join(args.model, name), os.path.join(args.out, name))
-    record = {"command": " ".join(sys.argv), "loss": args.loss, "layers": args.layers,
+    record = {"command": " ".join(sys.argv), "loss": args.loss, "shared_layers": args.shared_layers,
+              "dense_layers": args.dense_layers,
               "intermediate": args.intermediate, "steps": step, "batch": f"{args.batch_size}x{S}",
               "train_s": round(train_s, 1), "wall_s": round(time.time() - wall0, 1), "threads": args.threads,
               "labelled_positions": int(labels.inputs.size), "agreement_before": start, "agreement_after": final,
@@ -236,10 +260,10 @@ def main(argv=None) -> None:
     lab.add_argument("--out", default="build/draft-data")
     lab.add_argument("--seq-len", type=int, default=512)
     lab.add_argument("--top-k", type=int, default=8)
-    lab.add_argument("--max-windows", type=int, default=2000)
-    lab.add_argument("--test-windows", type=int, default=40)
-    lab.add_argument("--time-budget-s", type=float, default=360.0)
-    lab.add_argument("--threads", type=int, default=2)
+    lab.add_argument("--max-windows", type=int, default=600)
+    lab.add_argument("--test-windows", type=int, default=16)
+    lab.add_argument("--time-budget-s", type=float, default=300.0)
+    lab.add_argument("--threads", type=int, default=1)
     lab.add_argument("--seed", type=int, default=0)
     t = sub.add_parser("train")
     t.add_argument("--model", default=DEMO, help="the packed teacher (its tokenizer and initial tensors)")
@@ -247,7 +271,8 @@ def main(argv=None) -> None:
     t.add_argument("--labels", default="build/draft-data")
     t.add_argument("--out", default="build/draft-hf")
     t.add_argument("--loss", choices=["corpus", "distill", "mix"], default="mix")
-    t.add_argument("--layers", type=int, default=2)
+    t.add_argument("--shared-layers", type=int, default=1, help="the teacher's first layers, copied and frozen")
+    t.add_argument("--dense-layers", type=int, default=1, help="trained dense layers after them")
     t.add_argument("--intermediate", type=int, default=768)
     t.add_argument("--seq-len", type=int, default=256)
     t.add_argument("--batch-size", type=int, default=8)
@@ -257,12 +282,12 @@ def main(argv=None) -> None:
     t.add_argument("--time-budget-s", type=float, default=600.0)
     t.add_argument("--reserve-s", type=float, default=30.0, help="kept for the final agreement and saving")
     t.add_argument("--log-every", type=int, default=25)
-    t.add_argument("--threads", type=int, default=2)
+    t.add_argument("--threads", type=int, default=1)
     t.add_argument("--seed", type=int, default=0)
     a = sub.add_parser("agree")
     a.add_argument("checkpoint")
     a.add_argument("--labels", default="build/draft-data")
-    a.add_argument("--threads", type=int, default=2)
+    a.add_argument("--threads", type=int, default=1)
     args = p.parse_args(argv)
     {"label": cmd_label, "train": cmd_train, "agree": cmd_agree}[args.cmd](args)
 

@@ -9,7 +9,7 @@ import pytest
 from moestream.engine.cli import build_parser as generate_parser, main as generate_main
 from moestream.engine.engine import DEMO_MODEL, Engine
 from moestream.engine.options import EngineOptions
-from moestream.engine.speculative import DraftModelDrafter, SpeculativeOptions, make_options, shipped_draft
+from moestream.engine.speculative import DraftModelDrafter, make_options, shipped_draft
 from moestream.engine.speculative_flags import check_speculative_args
 from moestream.engine.types import SamplingParams
 from moestream.server.main import build_parser as serve_parser
@@ -30,20 +30,18 @@ def run(engine, prompt, sampling, speculative=None):
 def test_shipped_draft_equals_plain(cache_size):
     engine = Engine.load(options=EngineOptions(device="cpu", threads=1, cache_size=cache_size))
     prompt = engine.tokenizer.encode(PROMPT)
-    spec = make_options("draft", str(DRAFT), draft_tokens=None, main_engine=engine,
+    spec = make_options("draft", str(DRAFT), draft_tokens=3, main_engine=engine,
                         engine_options=EngineOptions(device="cpu", threads=1, cache_size=cache_size))
-    fixed = SpeculativeOptions(drafter=spec.drafter, draft_tokens=3)
     try:
         assert isinstance(spec.drafter, DraftModelDrafter)
         assert spec.drafter.engine.plan.slots == spec.drafter.engine.plan.total_experts  # the draft never streams
         for sampling in (SamplingParams(), SamplingParams(temperature=0.8, top_p=0.95, seed=7)):
             plain, _ = run(engine, prompt, sampling)
             assert len(plain) == TOKENS
-            for options in (spec, fixed):  # the adaptive policy and a fixed length (every step drafts)
-                out, receipt = run(engine, prompt, sampling, options)
-                assert out == plain, (cache_size, sampling, options.draft_tokens)
-                assert receipt["speculative"]["drafter"] == "draft"
-            assert receipt["speculative"]["drafted"] > 0 and receipt["speculative"]["accepted"] > 0
+            out, receipt = run(engine, prompt, sampling, spec)  # a fixed length: every step verifies 3 drafts
+            assert out == plain, (cache_size, sampling)
+            r = receipt["speculative"]
+            assert r["drafter"] == "draft" and r["drafted"] >= 3 * (TOKENS // 4) and r["accepted"] > 0
     finally:
         spec.drafter.close()
         engine.close()
