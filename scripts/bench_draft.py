@@ -1,10 +1,12 @@
 """Speculative decoding on the demo model with each drafter, on prompts from its held-out split (CPU).
 
 For every drafter and prompt it runs `moestream bench --draft DRAFTER --prompt TEXT --cache-sizes
-100%,25%` in a fresh process: bench decodes plain, speculative, speculative, plain on the prompt at
-each cache size and reports both sides' tok/s, the speedup, the accept rate and whether all four
-runs gave the same tokens. The prompts are the first --prompt-tokens tokens of test-split files
-(build/demo-data from `scripts/demo/train_demo.py prepare`), chosen by a fixed seed. Writes one
+100%,25% --warmup` in a fresh process: after a warm-up (the cache filled, a long prefill, a short
+decode: else the first plain run pays for loading experts) bench decodes plain, speculative,
+speculative, plain on the prompt at each cache size and reports both sides' tok/s, the speedup, the
+accept rate and whether all four runs gave the same tokens. The prompts are the first
+--prompt-tokens tokens of test-split files (build/demo-data from `scripts/demo/train_demo.py
+prepare`), chosen by a fixed seed. Writes one
 JSON with every bench result, the machine's load before each run, and means over the prompts.
 
     python scripts/bench_draft.py --out docs/bench/cpu/demo-drafters.json
@@ -54,7 +56,7 @@ def main() -> None:
     p.add_argument("--drafters", default=",".join(DRAFTERS), help="which of: " + ", ".join(DRAFTERS))
     args = p.parse_args()
     prompts = held_out_prompts(Path(args.data), args.prompts, args.prompt_tokens, args.seed)
-    common = ["--device", "cpu", "--threads", "1", "--prefill-tokens", "", "--decode-tokens", str(args.decode_tokens),
+    common = ["--device", "cpu", "--threads", "1", "--warmup", "--prefill-tokens", "", "--decode-tokens", str(args.decode_tokens),
               "--cache-sizes", args.cache_sizes]
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
