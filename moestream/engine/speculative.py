@@ -133,9 +133,9 @@ class AdaptivePolicy:
     below timing noise).
 
     step(T) is measured online (an exponential moving average per T): with MoE every extra token
-    may route to other experts, so its cost grows with T by an amount only measurement tells. An
-    unmeasured T is costed optimistically, at the largest cost measured for a smaller T (nothing
-    assumed but that a longer step is not cheaper), or 0 when none is: so each length is tried
+    may route to other experts, so its cost grows with T by an amount only measurement tells. A
+    step is costed at no less than the largest cost measured for a shorter one (nothing assumed
+    but that a longer step is not cheaper); an unmeasured T with nothing shorter measured at 0: so each length is tried
     once and then priced at what it really costs. Each a_i is a ratio of decayed counts (kept,
     tried; decayed each time the position is verified) with a prior of `prior_accept` weighing
     `prior_weight` tokens. While plain steps win, a probe of one drafted token every `probe_every`
@@ -201,10 +201,10 @@ class AdaptivePolicy:
             self.kept[i] = d * self.kept[i] + (1.0 if i < accepted else 0.0)
 
     def estimated_step(self, tokens: int) -> float:
-        if tokens in self.step_cost:
-            return self.step_cost[tokens]
-        below = [c for t, c in self.step_cost.items() if t < tokens]
-        return max(below) if below else 0.0
+        """step(tokens), never below a shorter step's cost: on a loaded machine a noisy average can
+        make step(2) look cheaper than step(1), which would start drafting that cannot pay."""
+        known = [c for t, c in self.step_cost.items() if t <= tokens]
+        return max(known) if known else 0.0
 
     def estimated_rate(self, k: int) -> float:
         """Expected tokens per second of drafting k (inf for a cost not yet known to be > 0)."""

@@ -49,6 +49,19 @@ def test_high_acceptance_and_flat_cost_drafts_the_most():
     assert chosen.most_common(1)[0][0] == 8
 
 
+def test_noise_never_makes_a_longer_step_look_cheaper():
+    """A loaded machine: step(2) measured below step(1) by noise. A longer step is costed at least
+    as a shorter one, so a low acceptance keeps plain steps."""
+    policy = AdaptivePolicy(1, probe_every=1000)
+    policy.record_step(1, 0.050)
+    policy.record_step(2, 0.036)  # noise
+    policy.record_draft(1, 0.002)
+    for _ in range(40):  # a drafter that is almost never right
+        policy.record_accept(1, 0)
+    assert policy.estimated_step(2) == 0.050 and policy.estimated_step(5) == 0.050
+    assert policy.choose() == 0
+
+
 def test_cost_growing_with_tokens_is_learned():
     # a = 0.8, step(T) = 1 + 0.25 (T - 1): E(k)/cost peaks at k = 3 (1.687) next to k = 4 (1.680)
     policy = AdaptivePolicy(8)
