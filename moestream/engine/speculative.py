@@ -135,8 +135,9 @@ class AdaptivePolicy:
     step(T) is measured online (an exponential moving average per T): with MoE every extra token
     may route to other experts, so its cost grows with T by an amount only measurement tells. A
     step is costed at no less than the largest cost measured for a shorter one (nothing assumed
-    but that a longer step is not cheaper); an unmeasured T with nothing shorter measured at 0: so each length is tried
-    once and then priced at what it really costs. Each a_i is a ratio of decayed counts (kept,
+    but that a longer step is not cheaper), and a length is tried only once the one before it is
+    measured (k once step(k) is known), so lengths are explored one longer at a time and a drafter
+    that is seldom right costs one short try. Each a_i is a ratio of decayed counts (kept,
     tried; decayed each time the position is verified) with a prior of `prior_accept` weighing
     `prior_weight` tokens. While plain steps win, a probe of one drafted token every `probe_every`
     steps keeps a_1 current (text that starts repeating turns speculation back on)."""
@@ -215,6 +216,9 @@ class AdaptivePolicy:
     def choose(self, limit: int | None = None) -> int:
         """Draft length for the next verification, at most `limit` (room left in budget/context)."""
         top = self.max_draft if limit is None else max(0, min(self.max_draft, limit))
+        # lengths are tried one longer at a time (k drafted only once step(k) is measured): a drafter
+        # that is seldom right costs one short try, not a first draft of max_draft tokens
+        top = min(top, max(self.step_cost, default=0))
         best, best_rate = 0, self.estimated_rate(0) * (1.0 + self.min_gain)
         for k in range(1, top + 1):  # ties keep the shorter draft
             rate = self.estimated_rate(k)

@@ -62,6 +62,19 @@ def test_noise_never_makes_a_longer_step_look_cheaper():
     assert policy.choose() == 0
 
 
+def test_lengths_are_explored_one_longer_at_a_time():
+    """A drafter that is never right: its first draft is one token, and no draft grows past two."""
+    policy = AdaptivePolicy(8)
+    chosen = []
+    for _ in range(60):
+        k = policy.choose()
+        chosen.append(k)
+        policy.record_draft(k, 0.001 * k)
+        policy.record_step(k + 1, 0.01 * (1 + 0.5 * k))
+        policy.record_accept(k, 0)
+    assert chosen[0] == 0 and chosen[1] == 1 and max(chosen) <= 2
+
+
 def test_cost_growing_with_tokens_is_learned():
     # a = 0.8, step(T) = 1 + 0.25 (T - 1): E(k)/cost peaks at k = 3 (1.687) next to k = 4 (1.680)
     policy = AdaptivePolicy(8)
