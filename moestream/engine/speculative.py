@@ -119,6 +119,9 @@ class DraftModelDrafter(Drafter):
         self.engine.close()
 
 
+MAX_PROBE_GAP = 256  # most plain steps between two probes of a drafter that keeps failing
+
+
 class AdaptivePolicy:
     """How many tokens to draft next, from measurements, to maximize expected tokens per second.
 
@@ -139,8 +142,10 @@ class AdaptivePolicy:
     measured (k once step(k) is known), so lengths are explored one longer at a time and a drafter
     that is seldom right costs one short try. Each a_i is a ratio of decayed counts (kept,
     tried; decayed each time the position is verified) with a prior of `prior_accept` weighing
-    `prior_weight` tokens. While plain steps win, a probe of one drafted token every `probe_every`
-    steps keeps a_1 current (text that starts repeating turns speculation back on)."""
+    `prior_weight` tokens. While plain steps win, a probe of one drafted token after `probe_every`
+    plain steps keeps a_1 current (text that starts repeating turns speculation back on); each
+    probe that does not turn drafting back on doubles the gap to the next (up to MAX_PROBE_GAP), so
+    a drafter that never pays costs a few probes, not one in every `probe_every` steps."""
 
     def __init__(self, max_draft: int = 8, *, smoothing: float = 0.25, accept_decay: float = 0.95,
                  prior_accept: float = 0.5, prior_weight: float = 1.0, probe_every: int = 16,
@@ -155,6 +160,7 @@ class AdaptivePolicy:
         self.kept = [0.0] * max_draft  # per draft position: decayed count of tokens kept there
         self.tried = [0.0] * max_draft  # ... and of tokens verified there (the ones before it all kept)
         self._plain_run = 0
+        self._probe_gap = probe_every  # doubles after each probe that does not turn drafting on
 
     def acceptance_at(self, i: int) -> float:
         """a_(i+1): the chance that draft position i (from 0) is kept, given all before it were."""
@@ -226,11 +232,12 @@ class AdaptivePolicy:
                 best, best_rate = k, rate
         if best == 0 and top > 0:
             self._plain_run += 1
-            if self._plain_run >= self.probe_every:
+            if self._plain_run >= self._probe_gap:
                 self._plain_run = 0
+                self._probe_gap = min(2 * self._probe_gap, MAX_PROBE_GAP)
                 return 1
-        else:
-            self._plain_run = 0
+        elif best > 0:
+            self._plain_run, self._probe_gap = 0, self.probe_every
         return best
 
 

@@ -41,6 +41,20 @@ def test_no_acceptance_means_plain_steps():
     chosen = simulate(policy, lambda T: 0.01, accept=0.0)
     assert chosen[0] >= 0.9 * sum(chosen.values())  # all but the occasional one-token probe
     assert set(chosen) <= {0, 1}
+    assert chosen[1] <= 2  # probes back off (below)
+
+
+def test_probes_of_a_failing_drafter_back_off():
+    policy = AdaptivePolicy(4, probe_every=16)
+    probes = []
+    for i in range(1000):
+        k = policy.choose()
+        policy.record_step(k + 1, 0.01 * (1 + k))
+        policy.record_accept(k, 0)
+        if k:
+            probes.append(i)
+    # step 1 tries one drafted token (step(2) unmeasured), then probes after 16, 32, 64, 128, 256, 256 plain steps
+    assert probes == [1, 17, 49, 113, 241, 497, 753]
 
 
 def test_high_acceptance_and_flat_cost_drafts_the_most():
