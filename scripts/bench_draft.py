@@ -6,8 +6,8 @@ decode: else the first plain run pays for loading experts) bench decodes plain, 
 speculative, plain on the prompt at each cache size and reports both sides' tok/s, the speedup, the
 accept rate and whether all four runs gave the same tokens. The prompts are the first
 --prompt-tokens tokens of test-split files (build/demo-data from `scripts/demo/train_demo.py
-prepare`), chosen by a fixed seed. Writes one
-JSON with every bench result, the machine's load before each run, and means over the prompts.
+prepare`), chosen by a fixed seed. Writes one JSON with every bench result, the machine's load
+before each run, and means over the prompts.
 
     python scripts/bench_draft.py --out docs/bench/cpu/demo-drafters.json
 """
