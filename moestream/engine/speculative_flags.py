@@ -16,7 +16,7 @@ from moestream.errors import MoestreamError
 
 
 def draft_value(text: str) -> tuple[str, str | None]:
-    from moestream.engine.speculative import parse_draft
+    from moestream.engine.draft_choice import parse_draft
 
     try:
         kind, path = parse_draft(text)
@@ -69,7 +69,7 @@ def check_speculative_args(parser: argparse.ArgumentParser, args, *, sampling: S
         args.draft = ("off", None) if args.hot_head or not_here else auto_draft(model_dir)
     elif kind == "draft":
         from moestream.engine.engine import DEMO_MODEL
-        from moestream.engine.speculative import tokenizer_mismatch
+        from moestream.engine.draft_choice import tokenizer_mismatch
 
         main = model_dir or DEMO_MODEL
         reason = tokenizer_mismatch(main, args.draft[1]) if (Path(main) / "moestream.json").is_file() else None
@@ -90,7 +90,7 @@ def check_speculative_args(parser: argparse.ArgumentParser, args, *, sampling: S
 def auto_draft(model_dir: str | Path | None) -> tuple[str, str | None]:
     """The model's shipped draft model, or off."""
     from moestream.engine.engine import DEMO_MODEL
-    from moestream.engine.speculative import shipped_draft
+    from moestream.engine.draft_choice import shipped_draft
 
     found = shipped_draft(model_dir or DEMO_MODEL)
     return ("draft", str(found)) if found is not None else ("off", None)
@@ -98,7 +98,8 @@ def auto_draft(model_dir: str | Path | None) -> tuple[str, str | None]:
 
 def speculative_options(args, engine):
     """SpeculativeOptions from the flags (None: plain decoding); may load a draft model."""
-    from moestream.engine.speculative import SpeculativeOptions, make_options
+    from moestream.engine.draft_choice import make_options
+    from moestream.engine.speculative import SpeculativeOptions
 
     if args.hot_head:
         from moestream.engine.hot_head import HotHeadOptions

@@ -80,7 +80,7 @@ def test_shipped_draft_on_cuda(cache_size):
     """The demo's shipped draft model (moestream/demo/model/draft), as `--draft auto` loads it, on
     CUDA: plain decoding's tokens over 200 tokens, greedy and sampled, fixed and adaptive lengths."""
     from moestream.engine.engine import DEMO_MODEL
-    from moestream.engine.speculative import make_options, shipped_draft
+    from moestream.engine.draft_choice import make_options, shipped_draft
 
     draft_dir = shipped_draft(DEMO_MODEL)
     assert draft_dir is not None, "the demo model ships moestream/demo/model/draft"

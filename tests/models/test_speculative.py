@@ -8,8 +8,8 @@ import torch
 from moestream.engine.engine import DEMO_MODEL, Engine
 from moestream.engine.hot_head import HotHeadOptions
 from moestream.engine.options import EngineOptions
-from moestream.engine.speculative import (DraftModelDrafter, Drafter, NGramDrafter, SpeculativeOptions,
-                                          make_options)
+from moestream.engine.draft_choice import make_options
+from moestream.engine.speculative import DraftModelDrafter, Drafter, NGramDrafter, SpeculativeOptions
 from moestream.engine.types import SamplingParams
 from moestream.errors import MoestreamError
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from moestream.engine.hot_head import HotHead, hot_vocabulary, usable
-from moestream.engine.speculative import AdaptivePolicy, NGramDrafter, parse_draft
+from moestream.engine.draft_choice import parse_draft
+from moestream.engine.speculative import AdaptivePolicy, NGramDrafter
 from moestream.engine.types import SamplingParams
 from moestream.errors import MoestreamError
 
