@@ -28,8 +28,8 @@ PROMPTS = {
                         "    def mul(self, other):\n"),
     "quick start": "def fibonacci(n):",
 }
-SETTINGS = {"plain": [], "ngram auto": ["--speculative", "ngram"],
-            "ngram k=4": ["--speculative", "ngram", "--draft-tokens", "4"]}
+SETTINGS = {"plain": ["--draft", "off"], "ngram auto": ["--draft", "ngram"],
+            "ngram k=4": ["--draft", "ngram", "--draft-tokens", "4"]}
 COMMON = ["--max-new", "128", "--device", "cpu", "--threads", "1", "--json"]
 
 

@@ -214,7 +214,18 @@ def crc32_cost() -> str:
             f"for its O_DIRECT read")
 
 
+def demo_drafters() -> str:
+    data = load(BENCH / "cpu" / "demo-drafters.json")
+    parts = []
+    for drafter, label in (("draft model", "the shipped draft model"), ("ngram", "n-gram")):
+        rows = [data["summary"][f"{drafter} @ {size}"] for size in ("100%", "25%")]
+        parts.append(f"{label} {rows[0]['mean_speedup']:.2f}× / {rows[1]['mean_speedup']:.2f}× "
+                     f"(accept rate {rows[0]['accept_rate']:.2f} / {rows[1]['accept_rate']:.2f})")
+    return f"{len(data['prompts'])} held-out prompts, greedy, at 100 % / 25 % cache: " + "; ".join(parts)
+
+
 BLOCKS: dict[str, Callable[[], str]] = {
+    "demo-drafters": demo_drafters,
     "demo-cache-sweep": demo_cache_sweep,
     "h200-q30-cache-sizes": h200_q30_cache_sizes,
     "h200-uniform": h200_uniform,

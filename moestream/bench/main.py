@@ -222,6 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write a Chrome/Perfetto trace of the measured prefills and decode (one file per cache size "
                         "in a sweep: FILE-SIZE.json)")
     add_speculative_arguments(p)
+    p.set_defaults(draft=("off", None))  # bench times plain decoding unless a drafter is asked for
     add_engine_arguments(p)
     return p
 
@@ -316,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     check_output_paths(parser, args, {"out": "--out", "plot": "--plot", "heatmap": "--heatmap", "trace_routing": "--trace-routing",
                                       "timeline": "--timeline"})
-    check_speculative_args(parser, args, sampling=None)  # bench decodes greedily
+    check_speculative_args(parser, args, sampling=None, model_dir=args.model)  # bench decodes greedily
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     try:
         results = run(args)

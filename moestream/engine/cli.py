@@ -12,8 +12,7 @@ from moestream.cli_args import (Parser, at_least, check_output_paths, non_negati
 from moestream.engine.detok import IncrementalDecoder
 from moestream.engine.launch import add_parallel_arguments, init_group, leave_group, spawn_ranks, torchrun_rank
 from moestream.engine.options import EngineOptions, add_engine_arguments
-from moestream.engine.speculative_flags import (add_speculative_arguments, check_speculative_args, speculating,
-                                                speculative_options)
+from moestream.engine.speculative_flags import add_speculative_arguments, check_speculative_args, speculative_options
 from moestream.engine.types import SamplingParams
 from moestream.errors import MoestreamError
 
@@ -72,17 +71,16 @@ def check_args(parser: argparse.ArgumentParser, args) -> None:
     except MoestreamError as exc:
         parser.error(str(exc))
     parallel = (args.devices is not None and len(args.devices) > 1) or ranked is not None
-    if parallel and speculating(args):
-        # every rank must run the same steps; the adaptive drafter times steps, so ranks could differ
-        parser.error("argument --speculative/--hot-head: not with expert parallelism (--devices, torchrun)")
     if parallel and args.cpu_experts != "off":
         parser.error("argument --cpu-experts: not with expert parallelism (--devices, torchrun)")
     if args.expert_placement is not None and not parallel:
         parser.error("argument --expert-placement: only with expert parallelism (--devices with 2 or more, torchrun)")
     if args.expert_placement is not None and not os.path.isfile(args.expert_placement):
         parser.error(f"argument --expert-placement: no routing trace at {args.expert_placement}")
+    # every rank must run the same steps; the adaptive drafter times steps, so ranks could differ
     check_speculative_args(parser, args, sampling=SamplingParams(
-        temperature=args.temperature, repetition_penalty=args.repetition_penalty))
+        temperature=args.temperature, repetition_penalty=args.repetition_penalty), model_dir=args.model,
+        not_here="not with expert parallelism (--devices, torchrun)" if parallel else None)
 
 
 def stats_line(receipt: dict) -> str:

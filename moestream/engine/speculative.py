@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
 import torch
@@ -86,11 +86,8 @@ class DraftModelDrafter(Drafter):
 
     name = "draft"
 
-    def __init__(self, engine, *, main_vocab_size: int | None = None):
+    def __init__(self, engine):
         self.engine = engine
-        if main_vocab_size is not None and engine.args.vocab_size != main_vocab_size:
-            raise MoestreamError(f"the draft model's vocabulary ({engine.args.vocab_size}) differs from the "
-                                 f"model's ({main_vocab_size}): it must share the tokenizer")
         self.sampling = SamplingParams()
 
     def begin(self, sampling: SamplingParams) -> None:
@@ -123,6 +120,9 @@ class DraftModelDrafter(Drafter):
         self.engine.close()
 
 
+MAX_PROBE_GAP = 256  # most plain steps between two probes of a drafter that keeps failing
+
+
 class AdaptivePolicy:
     """How many tokens to draft next, from measurements, to maximize expected tokens per second.
 
@@ -137,13 +137,16 @@ class AdaptivePolicy:
     below timing noise).
 
     step(T) is measured online (an exponential moving average per T): with MoE every extra token
-    may route to other experts, so its cost grows with T by an amount only measurement tells. An
-    unmeasured T is costed optimistically, at the largest cost measured for a smaller T (nothing
-    assumed but that a longer step is not cheaper), or 0 when none is: so each length is tried
-    once and then priced at what it really costs. Each a_i is a ratio of decayed counts (kept,
+    may route to other experts, so its cost grows with T by an amount only measurement tells. A
+    step is costed at no less than the largest cost measured for a shorter one (nothing assumed
+    but that a longer step is not cheaper), and a length is tried only once the one before it is
+    measured (k once step(k) is known), so lengths are explored one longer at a time and a drafter
+    that is seldom right costs one short try. Each a_i is a ratio of decayed counts (kept,
     tried; decayed each time the position is verified) with a prior of `prior_accept` weighing
-    `prior_weight` tokens. While plain steps win, a probe of one drafted token every `probe_every`
-    steps keeps a_1 current (text that starts repeating turns speculation back on)."""
+    `prior_weight` tokens. While plain steps win, a probe of one drafted token after `probe_every`
+    plain steps keeps a_1 current (text that starts repeating turns speculation back on); each
+    probe that does not turn drafting back on doubles the gap to the next (up to MAX_PROBE_GAP), so
+    a drafter that never pays costs a few probes, not one in every `probe_every` steps."""
 
     def __init__(self, max_draft: int = 8, *, smoothing: float = 0.25, accept_decay: float = 0.95,
                  prior_accept: float = 0.5, prior_weight: float = 1.0, probe_every: int = 16,
@@ -158,6 +161,7 @@ class AdaptivePolicy:
         self.kept = [0.0] * max_draft  # per draft position: decayed count of tokens kept there
         self.tried = [0.0] * max_draft  # ... and of tokens verified there (the ones before it all kept)
         self._plain_run = 0
+        self._probe_gap = probe_every  # doubles after each probe that does not turn drafting on
 
     def acceptance_at(self, i: int) -> float:
         """a_(i+1): the chance that draft position i (from 0) is kept, given all before it were."""
@@ -205,10 +209,10 @@ class AdaptivePolicy:
             self.kept[i] = d * self.kept[i] + (1.0 if i < accepted else 0.0)
 
     def estimated_step(self, tokens: int) -> float:
-        if tokens in self.step_cost:
-            return self.step_cost[tokens]
-        below = [c for t, c in self.step_cost.items() if t < tokens]
-        return max(below) if below else 0.0
+        """step(tokens), never below a shorter step's cost: on a loaded machine a noisy average can
+        make step(2) look cheaper than step(1), which would start drafting that cannot pay."""
+        known = [c for t, c in self.step_cost.items() if t <= tokens]
+        return max(known) if known else 0.0
 
     def estimated_rate(self, k: int) -> float:
         """Expected tokens per second of drafting k (inf for a cost not yet known to be > 0)."""
@@ -219,6 +223,9 @@ class AdaptivePolicy:
     def choose(self, limit: int | None = None) -> int:
         """Draft length for the next verification, at most `limit` (room left in budget/context)."""
         top = self.max_draft if limit is None else max(0, min(self.max_draft, limit))
+        # lengths are tried one longer at a time (k drafted only once step(k) is measured): a drafter
+        # that is seldom right costs one short try, not a first draft of max_draft tokens
+        top = min(top, max(self.step_cost, default=0))
         best, best_rate = 0, self.estimated_rate(0) * (1.0 + self.min_gain)
         for k in range(1, top + 1):  # ties keep the shorter draft
             rate = self.estimated_rate(k)
@@ -226,11 +233,12 @@ class AdaptivePolicy:
                 best, best_rate = k, rate
         if best == 0 and top > 0:
             self._plain_run += 1
-            if self._plain_run >= self.probe_every:
+            if self._plain_run >= self._probe_gap:
                 self._plain_run = 0
+                self._probe_gap = min(2 * self._probe_gap, MAX_PROBE_GAP)
                 return 1
-        else:
-            self._plain_run = 0
+        elif best > 0:
+            self._plain_run, self._probe_gap = 0, self.probe_every
         return best
 
 
@@ -379,37 +387,3 @@ def run(engine, seq: list[int], logits: torch.Tensor, *, budget: int, sampling: 
         if policy is not None:
             policy.record_accept(len(draft), accepted)
         engine.rollback(len(seq) - 1)  # forget the rejected drafts
-
-
-def parse_speculative(value: str) -> tuple[str, str | None]:
-    """`off`, `ngram`, `mtp` or `draft:PATH` -> (kind, path)."""
-    if value in ("off", "ngram", "mtp"):
-        return value, None
-    if value.startswith("draft:") and len(value) > len("draft:"):
-        return "draft", value[len("draft:"):]
-    raise MoestreamError(f"--speculative must be off, ngram, mtp or draft:PATH, not {value!r}")
-
-
-def make_options(kind: str, path: str | None, *, draft_tokens: int | None, max_draft_tokens: int = 8,
-                 max_ngram: int = 3, main_engine=None, engine_options=None) -> SpeculativeOptions | None:
-    """SpeculativeOptions for a `--speculative` value (None for off); loads a draft model's Engine."""
-    if kind == "off":
-        return None
-    if kind == "ngram":
-        drafter: Drafter = NGramDrafter(max_ngram=max_ngram)
-    elif kind == "mtp":  # the model's own multi-token-prediction layer
-        from moestream.engine.mtp_drafter import MTPDrafter
-
-        drafter = MTPDrafter(main_engine)
-    else:
-        from moestream.engine.engine import Engine
-
-        opts = replace(engine_options, trace_routing=None) if engine_options is not None else None
-        draft_engine = Engine.load(path, options=opts)
-        try:
-            drafter = DraftModelDrafter(draft_engine, main_vocab_size=main_engine.args.vocab_size
-                                        if main_engine is not None else None)
-        except BaseException:
-            draft_engine.close()
-            raise
-    return SpeculativeOptions(drafter=drafter, draft_tokens=draft_tokens, max_draft_tokens=max_draft_tokens)

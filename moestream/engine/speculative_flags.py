@@ -1,8 +1,13 @@
 """The speculative-decoding flags that `generate`, `serve` and `bench` share, and the
-SpeculativeOptions they make."""
+SpeculativeOptions they make.
+
+`--draft` chooses the drafter: `auto` (default) is the draft model shipped with the model (its
+`draft/` folder) where there is one and speculation can run, else plain decoding; `ngram`, a draft
+model's folder, or `off`. `--speculative` is its older spelling (`draft:PATH` still reads as PATH)."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from moestream.cli_args import at_least
 from moestream.engine.options import EngineOptions
@@ -10,13 +15,17 @@ from moestream.engine.types import SamplingParams
 from moestream.errors import MoestreamError
 
 
-def speculative_value(text: str) -> tuple[str, str | None]:
-    from moestream.engine.speculative import parse_speculative
+def draft_value(text: str) -> tuple[str, str | None]:
+    from moestream.engine.draft_choice import parse_draft
 
     try:
-        return parse_speculative(text)
+        kind, path = parse_draft(text)
     except MoestreamError as exc:
-        raise argparse.ArgumentTypeError(f"must be off, ngram, mtp or draft:PATH, not {text!r}") from exc
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+    if kind == "draft" and not (Path(path) / "moestream.json").is_file():
+        raise argparse.ArgumentTypeError(f"{path} is not a packed model (no moestream.json); give off, auto, ngram, "
+                                         f"mtp or a draft model's folder")
+    return kind, path
 
 
 def draft_tokens_value(text: str) -> int | None:
@@ -26,14 +35,17 @@ def draft_tokens_value(text: str) -> int | None:
 
 def add_speculative_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("speculative decoding (the same tokens as without it)")
-    g.add_argument("--speculative", type=speculative_value, default=("off", None), metavar="off|ngram|mtp|draft:PATH",
-                   help="ngram: draft from earlier text of the context (prompt lookup); mtp: the model's own "
-                        "multi-token-prediction layer; draft:PATH: a small packed model sharing the tokenizer; "
-                        "off (default)")
+    g.add_argument("--draft", "--speculative", dest="draft", type=draft_value, default=("auto", None),
+                   metavar="auto|ngram|mtp|DIR|off",
+                   help="auto (default): the draft model shipped in the model's draft/ folder where there is one, "
+                        "else off; ngram: draft from earlier text of the context (prompt lookup); mtp: the model's own "
+                        "multi-token-prediction layer; DIR: a small packed model sharing the tokenizer; off: plain "
+                        "decoding. --speculative is the same flag")
     g.add_argument("--draft-tokens", type=draft_tokens_value, default=None, metavar="K|auto",
                    help="tokens drafted per verification: a number, or auto (default): chosen each step from "
                         "measured step times and acceptance")
-    g.add_argument("--max-draft-tokens", type=at_least(1), default=8, help="most tokens auto drafts (default 8)")
+    g.add_argument("--draft-max", "--max-draft-tokens", dest="max_draft_tokens", type=at_least(1), default=8,
+                   metavar="N", help="most tokens auto drafts (default 8)")
     g.add_argument("--ngram", type=at_least(1), default=3, help="longest n-gram the ngram drafter matches (default 3)")
     g.add_argument("--hot-head", action="store_true",
                    help="greedy decoding through the hot-vocabulary head: its steps score only a list of common "
@@ -41,16 +53,37 @@ def add_speculative_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def speculating(args) -> bool:
-    return bool(args.hot_head) or args.speculative[0] != "off"
+    """After check_speculative_args: whether this run decodes speculatively."""
+    return bool(args.hot_head) or args.draft[0] != "off"
 
 
-def check_speculative_args(parser: argparse.ArgumentParser, args, *, sampling: SamplingParams | None) -> None:
-    """Refusals between the speculative flags (exit 2). sampling: the run's sampling settings
-    where they are known now (generate), so --hot-head can be refused for them."""
+def check_speculative_args(parser: argparse.ArgumentParser, args, *, sampling: SamplingParams | None,
+                           model_dir: str | Path | None, not_here: str | None = None, batched: bool = False) -> None:
+    """Refusals between the speculative flags (exit 2), and `--draft auto` resolved to what runs.
+    sampling: the run's sampling settings where they are known now (generate), so --hot-head can be
+    refused for them; model_dir: the model (None: the demo), whose draft/ auto takes; not_here: why
+    this run cannot speculate at all (auto then decodes plainly, an explicit choice is refused);
+    batched: several sequences decode together (serve --parallel above 1): only ngram drafts there."""
+    kind = args.draft[0]
+    if not_here and (args.hot_head or kind not in ("off", "auto")):
+        parser.error(f"argument --draft/--hot-head: {not_here}")
+    if batched and (args.hot_head or kind not in ("off", "auto", "ngram")):
+        parser.error("argument --draft/--hot-head: with --parallel above 1 only ngram drafts (a draft model, MTP "
+                     "and the hot head follow one sequence)")
+    if kind == "auto":
+        args.draft = ("off", None) if args.hot_head or not_here or batched else auto_draft(model_dir)
+    elif kind == "draft":
+        from moestream.engine.engine import DEMO_MODEL
+        from moestream.engine.draft_choice import tokenizer_mismatch
+
+        main = model_dir or DEMO_MODEL
+        reason = tokenizer_mismatch(main, args.draft[1]) if (Path(main) / "moestream.json").is_file() else None
+        if reason:
+            parser.error(f"argument --draft/--speculative: {reason}")
     if not args.hot_head:
         return
-    if args.speculative[0] != "off":
-        parser.error("argument --hot-head: not with --speculative (choose one)")
+    if kind not in ("off", "auto"):
+        parser.error("argument --hot-head: not with --draft (choose one)")
     if sampling is not None:
         from moestream.engine.hot_head import usable
 
@@ -59,14 +92,24 @@ def check_speculative_args(parser: argparse.ArgumentParser, args, *, sampling: S
             parser.error(f"argument --hot-head: {reason}")
 
 
+def auto_draft(model_dir: str | Path | None) -> tuple[str, str | None]:
+    """The model's shipped draft model, or off."""
+    from moestream.engine.engine import DEMO_MODEL
+    from moestream.engine.draft_choice import shipped_draft
+
+    found = shipped_draft(model_dir or DEMO_MODEL)
+    return ("draft", str(found)) if found is not None else ("off", None)
+
+
 def speculative_options(args, engine):
     """SpeculativeOptions from the flags (None: plain decoding); may load a draft model."""
-    from moestream.engine.speculative import SpeculativeOptions, make_options
+    from moestream.engine.draft_choice import make_options
+    from moestream.engine.speculative import SpeculativeOptions
 
     if args.hot_head:
         from moestream.engine.hot_head import HotHeadOptions
 
         return SpeculativeOptions(hot_head=HotHeadOptions())
-    kind, path = args.speculative
+    kind, path = args.draft
     return make_options(kind, path, draft_tokens=args.draft_tokens, max_draft_tokens=args.max_draft_tokens,
                         max_ngram=args.ngram, main_engine=engine, engine_options=EngineOptions.from_args(args))

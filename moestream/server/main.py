@@ -206,10 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     check_output_paths(parser, args, {"trace_routing": "--trace-routing", "timeline": "--timeline"})
     from moestream.engine.speculative_flags import check_speculative_args, speculating, speculative_options
 
-    check_speculative_args(parser, args, sampling=None)  # requests bring their own sampling settings
-    if speculating(args) and args.parallel > 1 and (args.hot_head or args.speculative[0] != "ngram"):
-        parser.error("argument --speculative/--hot-head: with --parallel above 1 only ngram drafts (a draft model "
-                     "and the hot head follow one sequence)")
+    # requests bring their own sampling settings
+    check_speculative_args(parser, args, sampling=None, model_dir=args.model, batched=args.parallel > 1)
     defaults = defaults_from_args(args, parser)
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -73,3 +73,27 @@ def test_hot_head_over_200_tokens_on_cuda(cache_size):
         assert out == plain
         assert result.receipt["speculative"]["accepted"] > 0
     engine.close()
+
+
+@pytest.mark.parametrize("cache_size", ["25%", "all"])
+def test_shipped_draft_on_cuda(cache_size):
+    """The demo's shipped draft model (moestream/demo/model/draft), as `--draft auto` loads it, on
+    CUDA: plain decoding's tokens over 200 tokens, greedy and sampled, fixed and adaptive lengths."""
+    from moestream.engine.engine import DEMO_MODEL
+    from moestream.engine.draft_choice import make_options, shipped_draft
+
+    draft_dir = shipped_draft(DEMO_MODEL)
+    assert draft_dir is not None, "the demo model ships moestream/demo/model/draft"
+    options = EngineOptions(device="cuda", cache_size=cache_size)
+    engine = Engine.load(options=options)
+    adaptive = make_options("draft", str(draft_dir), draft_tokens=None, main_engine=engine, engine_options=options)
+    fixed = SpeculativeOptions(drafter=adaptive.drafter, draft_tokens=4)
+    prompt = engine.tokenizer.encode('def read_config(path):\n    """Read a configuration file."""\n')
+    for sampling in (SamplingParams(), SamplingParams(temperature=0.8, top_p=0.95, seed=7)):
+        plain, _ = run(engine, prompt, 200, sampling)
+        for spec in (fixed, adaptive):
+            out, result = run(engine, prompt, 200, sampling, spec)
+            assert out == plain, (sampling, spec.draft_tokens)
+        assert result.receipt["speculative"]["drafter"] == "draft"
+    adaptive.drafter.close()
+    engine.close()

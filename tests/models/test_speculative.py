@@ -8,8 +8,8 @@ import torch
 from moestream.engine.engine import DEMO_MODEL, Engine
 from moestream.engine.hot_head import HotHeadOptions
 from moestream.engine.options import EngineOptions
-from moestream.engine.speculative import (DraftModelDrafter, Drafter, NGramDrafter, SpeculativeOptions,
-                                          make_options)
+from moestream.engine.draft_choice import make_options
+from moestream.engine.speculative import DraftModelDrafter, Drafter, NGramDrafter, SpeculativeOptions
 from moestream.engine.types import SamplingParams
 from moestream.errors import MoestreamError
 
@@ -112,7 +112,7 @@ def test_budget_and_context_limits(tiny_packed_model):
 def test_draft_model_drafter(tiny_packed_model):
     main = tiny_packed_model("qwen3_moe", "q4")
     engine = load(main)
-    same = DraftModelDrafter(load(main), main_vocab_size=engine.args.vocab_size)  # the model drafts for itself
+    same = DraftModelDrafter(load(main))  # the model drafts for itself
     other = DraftModelDrafter(load(tiny_packed_model("qwen3_moe", "q4", seed=5)))  # another model, same tokenizer
     for prompt_text in PROMPTS[:2]:
         prompt = engine.tokenizer.encode(prompt_text)

@@ -43,14 +43,23 @@ CASES = [
     ("generate", "--trace-routing {missing}/t.npz", 2,
      "moestream generate: error: argument --trace-routing: the folder {missing} does not exist"),
     ("generate", "--speculative bigram", 2,
-     "moestream generate: error: argument --speculative: must be off, ngram, mtp or draft:PATH, not 'bigram'"),
+     "moestream generate: error: argument --draft/--speculative: bigram is not a packed model (no moestream.json); "
+     "give off, auto, ngram, mtp or a draft model's folder"),
+    ("generate", "--draft {missing}", 2,
+     "moestream generate: error: argument --draft/--speculative: {missing} is not a packed model (no moestream.json); "
+     "give off, auto, ngram, mtp or a draft model's folder"),
+    ("generate", "--draft {other_model}", 2,
+     "moestream generate: error: argument --draft/--speculative: {other_model} does not share the model's tokenizer "
+     "(a vocabulary of 320 tokens, the model's has 6144)"),
+    ("generate", "--draft-max 0", 2, "moestream generate: error: argument --draft-max/--max-draft-tokens: must be at "
+                                     "least 1, not 0"),
     ("generate", "--draft-tokens -1", 2, "moestream generate: error: argument --draft-tokens: must be at least 0, not -1"),
     ("generate", "--hot-head --temperature 0.5", 2,
      "moestream generate: error: argument --hot-head: the hot-vocabulary head decodes greedily only (temperature 0)"),
     ("generate", "--devices cpu,cuda:0", 2,
      "moestream generate: error: argument --devices: all devices must be of one kind (all cpu, or all cuda:N)"),
     ("generate", "--devices cpu,cpu --speculative ngram", 2,
-     "moestream generate: error: argument --speculative/--hot-head: not with expert parallelism (--devices, torchrun)"),
+     "moestream generate: error: argument --draft/--hot-head: not with expert parallelism (--devices, torchrun)"),
     ("generate", "--expert-placement {missing}/t.npz", 2, "moestream generate: error: argument --expert-placement: "
                                                           "only with expert parallelism (--devices with 2 or more, torchrun)"),
     ("generate", "--devices cpu,cpu --expert-placement {missing}/t.npz", 2,
@@ -77,9 +86,13 @@ CASES = [
     ("serve", "--parallel 0", 2, "moestream serve: error: argument --parallel: must be at least 1, not 0"),
     ("serve", "--threads 0", 2, "moestream serve: error: argument --threads: must be at least 1, not 0"),
     ("serve", "--hot-head --parallel 2", 2,
-     "moestream serve: error: argument --speculative/--hot-head: with --parallel above 1 only ngram drafts (a draft model and the hot head follow one sequence)"),
-    ("serve", "--hot-head --speculative ngram", 2,
-     "moestream serve: error: argument --hot-head: not with --speculative (choose one)"),
+     "moestream serve: error: argument --draft/--hot-head: with --parallel above 1 only ngram drafts (a draft model, "
+     "MTP and the hot head follow one sequence)"),
+    ("serve", "--draft {missing} --parallel 2", 2,
+     "moestream serve: error: argument --draft/--speculative: {missing} is not a packed model (no moestream.json); "
+     "give off, auto, ngram, mtp or a draft model's folder"),
+    ("serve", "--hot-head --draft ngram", 2,
+     "moestream serve: error: argument --hot-head: not with --draft (choose one)"),
     ("serve", "--port {port}", 1, "moestream serve: error: cannot listen on 127.0.0.1:{port}: Address already in use "
                                   "(is another server running there? choose another --port)"),
     ("simulate", "{file}", 1,
@@ -120,7 +133,8 @@ def render() -> str:
              "it points at is not (a port in use, a file that is not a trace, a model that fails its checks).", "",
              "Generated from `tests/unit/test_errors.py`, which runs every row and fails if this file differs "
              "(`MOESTREAM_WRITE_ERRORS_DOC=1 pytest tests/unit/test_errors.py` rewrites it). `{missing}` is a "
-             "folder that does not exist, `{port}` a port in use, `{file}` a file that is not a trace.", "",
+             "folder that does not exist, `{port}` a port in use, `{file}` a file that is not a trace, "
+             "`{other_model}` a packed model with another tokenizer.", "",
              "| command | input | exit | message |", "|---|---|---|---|"]
     for command, argv, code, message in CASES:
         lines.append(f"| `{command}` | `{argv}` | {code} | `{message}` |")
@@ -141,7 +155,7 @@ def render() -> str:
 
 
 @pytest.fixture(scope="module")
-def places(tmp_path_factory):
+def places(tmp_path_factory, tiny_packed_model):
     tmp = tmp_path_factory.mktemp("errors")
     not_a_trace = tmp / "notes.npz"
     not_a_trace.write_text("not an archive\n")
@@ -152,7 +166,7 @@ def places(tmp_path_factory):
     taken.bind(("127.0.0.1", 0))
     taken.listen()
     yield {"missing": str(tmp / "no-such-folder"), "port": str(taken.getsockname()[1]), "file": str(not_a_trace),
-           "trace": str(trace)}
+           "trace": str(trace), "other_model": str(tiny_packed_model("qwen3_moe", "q4"))}
     taken.close()
 
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from moestream.engine.hot_head import HotHead, hot_vocabulary, usable
-from moestream.engine.speculative import AdaptivePolicy, NGramDrafter, parse_speculative
+from moestream.engine.draft_choice import parse_draft
+from moestream.engine.speculative import AdaptivePolicy, NGramDrafter
 from moestream.engine.types import SamplingParams
 from moestream.errors import MoestreamError
 
@@ -41,12 +42,52 @@ def test_no_acceptance_means_plain_steps():
     chosen = simulate(policy, lambda T: 0.01, accept=0.0)
     assert chosen[0] >= 0.9 * sum(chosen.values())  # all but the occasional one-token probe
     assert set(chosen) <= {0, 1}
+    assert chosen[1] <= 2  # probes back off (below)
+
+
+def test_probes_of_a_failing_drafter_back_off():
+    policy = AdaptivePolicy(4, probe_every=16)
+    probes = []
+    for i in range(1000):
+        k = policy.choose()
+        policy.record_step(k + 1, 0.01 * (1 + k))
+        policy.record_accept(k, 0)
+        if k:
+            probes.append(i)
+    # step 1 tries one drafted token (step(2) unmeasured), then probes after 16, 32, 64, 128, 256, 256 plain steps
+    assert probes == [1, 17, 49, 113, 241, 497, 753]
 
 
 def test_high_acceptance_and_flat_cost_drafts_the_most():
     policy = AdaptivePolicy(8)
     chosen = simulate(policy, lambda T: 0.01, accept=0.97)
     assert chosen.most_common(1)[0][0] == 8
+
+
+def test_noise_never_makes_a_longer_step_look_cheaper():
+    """A loaded machine: step(2) measured below step(1) by noise. A longer step is costed at least
+    as a shorter one, so a low acceptance keeps plain steps."""
+    policy = AdaptivePolicy(1, probe_every=1000)
+    policy.record_step(1, 0.050)
+    policy.record_step(2, 0.036)  # noise
+    policy.record_draft(1, 0.002)
+    for _ in range(40):  # a drafter that is almost never right
+        policy.record_accept(1, 0)
+    assert policy.estimated_step(2) == 0.050 and policy.estimated_step(5) == 0.050
+    assert policy.choose() == 0
+
+
+def test_lengths_are_explored_one_longer_at_a_time():
+    """A drafter that is never right: its first draft is one token, and no draft grows past two."""
+    policy = AdaptivePolicy(8)
+    chosen = []
+    for _ in range(60):
+        k = policy.choose()
+        chosen.append(k)
+        policy.record_draft(k, 0.001 * k)
+        policy.record_step(k + 1, 0.01 * (1 + 0.5 * k))
+        policy.record_accept(k, 0)
+    assert chosen[0] == 0 and chosen[1] == 1 and max(chosen) <= 2
 
 
 def test_cost_growing_with_tokens_is_learned():
@@ -88,13 +129,15 @@ def test_ngram_drafter_proposes_what_followed_the_latest_match():
         NGramDrafter(max_ngram=1, min_ngram=2)
 
 
-def test_parse_speculative():
-    assert parse_speculative("ngram") == ("ngram", None)
-    assert parse_speculative("off") == ("off", None)
-    assert parse_speculative("draft:/m/d") == ("draft", "/m/d")
-    for bad in ("draft:", "bigram", ""):
+def test_parse_draft():
+    assert parse_draft("ngram") == ("ngram", None)
+    assert parse_draft("off") == ("off", None)
+    assert parse_draft("auto") == ("auto", None)
+    assert parse_draft("draft:/m/d") == ("draft", "/m/d")  # the older spelling
+    assert parse_draft("/m/d") == ("draft", "/m/d")
+    for bad in ("draft:", ""):
         with pytest.raises(MoestreamError):
-            parse_speculative(bad)
+            parse_draft(bad)
 
 
 def test_hot_head_guesses_the_full_argmax_when_it_is_hot():

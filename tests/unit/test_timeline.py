@@ -11,7 +11,8 @@ import pytest
 from moestream.engine import timeline
 from moestream.engine.cli import main as generate_main
 
-PROMPT = ["--prompt-ids", "1,2,3,4,5,6,7,8,9,10,11,12", "--device", "cpu", "--threads", "1"]
+# plain decoding (the demo model ships a draft that generate would use): one step span per token
+PROMPT = ["--prompt-ids", "1,2,3,4,5,6,7,8,9,10,11,12", "--device", "cpu", "--threads", "1", "--draft", "off"]
 
 
 def events_of(path) -> list[dict]:
