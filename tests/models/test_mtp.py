@@ -16,7 +16,8 @@ from moestream.convert.main import convert
 from moestream.engine.engine import Engine
 from moestream.engine.mtp_drafter import MTPDrafter
 from moestream.engine.options import EngineOptions
-from moestream.engine.speculative import SpeculativeOptions, make_options
+from moestream.engine.draft_choice import make_options
+from moestream.engine.speculative import SpeculativeOptions
 from moestream.engine.types import SamplingParams
 from moestream.errors import MoestreamError
 from moestream.format.manifest import read_manifest

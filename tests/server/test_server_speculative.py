@@ -43,6 +43,14 @@ def ngram():
 
 
 @pytest.fixture(scope="module")
+def ngram_fixed():
+    with live_server(load=load, model_id=MODEL_ID,
+                     speculation=lambda engine: SpeculativeOptions(drafter=NGramDrafter(), draft_tokens=4)) as s, \
+            s.client() as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
 def hot():
     with live_server(load=load, model_id=MODEL_ID,
                      speculation=lambda engine: SpeculativeOptions(hot_head=HotHeadOptions(base_tokens=512))) as s, \
@@ -128,9 +136,11 @@ TOOLS = [{"type": "function", "function": {"name": "lookup", "description": "fin
     dict(response_format={"type": "json_object"}),
     dict(tools=TOOLS, tool_choice="required"),
 ], ids=["json_schema", "json_object", "forced_tool"])
-def test_constrained_decoding_with_drafts_gives_the_plain_reply(setting, constraint, plain, ngram):
-    """Grammar-constrained replies (structured output, forced tool calls) with the n-gram drafter:
-    drafts are checked through the grammar's mask, so the reply is the plain server's, bit for bit."""
+def test_constrained_decoding_with_drafts_gives_the_plain_reply(setting, constraint, plain, ngram_fixed):
+    """Grammar-constrained replies (structured output, forced tool calls) with the n-gram drafter
+    (a fixed draft length: drafts are made whatever the timings): drafts are checked through the
+    grammar's mask, so the reply is the plain server's, bit for bit."""
+    ngram = ngram_fixed
     fresh(plain, ngram)
     kw = dict(model=MODEL_ID, messages=CHAT, max_tokens=40, logprobs=True, **setting, **constraint)
     expected = plain.chat.completions.create(**kw)
