@@ -87,6 +87,19 @@ def measure_speculative(engine, prompt: list[int], tokens: int, speculative, pla
             "receipt": specs[-1]}
 
 
+def parse_step_tokens(text: str) -> list[int]:
+    """--step-tokens: comma-separated token counts of 1..16 (a step's most)."""
+    from moestream.engine.decoder import MAX_STEP_TOKENS
+
+    out = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part.isdigit() or not 1 <= int(part) <= MAX_STEP_TOKENS:
+            raise MoestreamError(f"--step-tokens: {part!r} is not a token count of 1..{MAX_STEP_TOKENS}")
+        out.append(int(part))
+    return sorted(set(out))
+
+
 def measure(engine, *, prefill_sizes: list[int], decode_tokens: int, seed: int, prompt: list[int] | None = None,
             speculative=None) -> dict:
     vocab = engine.args.vocab_size
@@ -213,6 +226,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="model (the router's choice, default), uniform, zipf:S[:L] or trace:FILE: replace the chosen "
                         "experts after each router so streamed speed is measured at a known hit rate "
                         "(random weights collapse onto a few experts); see moestream/bench/routing.py")
+    p.add_argument("--step-tokens", default=None, metavar="T,T,...",
+                   help="also time verification steps of these token counts (e.g. 1,2,4,8,16) after a short prompt, "
+                        "and predict speculation's speedup from them at acceptance 0.5-0.9 (the JSON's step_cost)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write the JSON results to this file")
     p.add_argument("--plot", default=None, help="write a PNG of decode tok/s and hit rate per cache size")
@@ -244,6 +260,7 @@ def run(args) -> dict:
     routing = parse_routing(args.routing)
     sizes = [x.strip() for x in args.cache_sizes.split(",") if x.strip()] if args.cache_sizes else [base.cache_size]
     prefill_sizes = parse_lengths(args.prefill_tokens)
+    step_sizes = parse_step_tokens(args.step_tokens) if args.step_tokens else []
     if args.compare_transformers and not prefill_sizes:
         raise MoestreamError("--compare-transformers needs at least one --prefill-tokens length")
     from moestream.engine.engine import DEMO_MODEL
@@ -283,6 +300,10 @@ def run(args) -> dict:
                                    prompt=prompt, speculative=speculative)
             run_result = {"cache_size": size, "slots": engine.plan.slots, "total_experts": engine.plan.total_experts,
                           "streaming": engine.streaming, **run_facts(engine.options), **measured}
+            if step_sizes:
+                from moestream.bench.step_cost import measure_step_costs
+
+                run_result["step_cost"] = measure_step_costs(engine, step_sizes, seed=args.seed)
         finally:
             if speculative is not None and speculative.drafter is not None:
                 speculative.drafter.close()
@@ -293,6 +314,11 @@ def run(args) -> dict:
         pf = ", ".join(f"prefill {p['tokens']}: {p['tok_s']:.0f} tok/s" for p in run_result["prefill"])
         print(f"cache {size:>6} ({run_result['slots']}/{run_result['total_experts']} slots): decode {d['tok_s']} tok/s, "
               f"hit rate {d['hit_rate']:.3f}, read wait {d['read_wait_s']:.2f} s; {pf}", flush=True)
+        if "step_cost" in run_result:
+            sc = run_result["step_cost"]
+            print("  step ms by tokens: " + ", ".join(f"{t}: {ms}" for t, ms in sc["step_ms"].items())
+                  + "; predicted speedup at acceptance " + ", ".join(f"{p['acceptance']}: {p['speedup']}x (k={p['best_draft']})"
+                                                                 for p in sc["predicted"]), flush=True)
         if "speculative" in run_result:
             sp = run_result["speculative"]
             print(f"  speculative {sp['drafter']} ({sp['draft_tokens']}): {sp['speculative_mean_tok_s']} tok/s against "

@@ -5,7 +5,8 @@
 #   stream:   Qwen3-30B-A3B shape, uniform routing: the Triton slot map A-B-A at 25 %, the device path's
 #             CPU share (off / 0.3 / auto), --memory-budget 8GiB with the Triton slot map, --device-lookahead
 #             off/on at 25 % (uniform: its gates must close; model routing: its copies must pay)
-#   resident: 100 % cache decode and prefill at 128 / 512 / 2048 / 8192, and a prefill profile
+#   resident: 100 % cache decode and prefill at 128 / 512 / 2048 / 8192, verify-step costs (T = 1..16, resident
+#             and 25 % uniform), the demo's drafters, and a prefill profile
 #   families: bench on the gpt-oss-20b, qwen3.5-35b-a3b and DeepSeek-V3 (first 6 layers) shapes at 100 % and
 #             25 % with uniform routing
 #   server:   scripts/bench_server_batching.py at 100 % and 25 % (needs .whl: scripts/gpu/fetch_wheels.sh here,
@@ -47,7 +48,14 @@ for part in "$@"; do
     done; done ;;
   resident)
     synth
-    bench resident 200 --cache-sizes all --prefill-tokens 128,512,2048,8192
+    bench resident 200 --cache-sizes all --prefill-tokens 128,512,2048,8192 --step-tokens 1,2,4,8,16
+    bench steps-25 150 --routing uniform --cache-sizes 25% --prefill-tokens 512 --step-tokens 1,2,4,8,16
+    for d in ngram auto; do  # the demo model's drafters (auto: its shipped draft model)
+      timeout 120 python3 -m moestream bench --device cuda --draft $d --prompt "$(head -c 400 moestream/engine/engine.py)" \
+        --prefill-tokens "" --decode-tokens 256 --cache-sizes 100%,30% --warmup --out "$out/demo-draft-$d.json" \
+        > "$out/demo-draft-$d.log" 2>&1
+      say "demo draft $d" "rc=$?"; grep -E "speculative|rror" "$out/demo-draft-$d.log" | tail -2
+    done
     timeout 150 python3 scripts/gpu/profile_decode.py --model $model --prefill 512 > "$out/profile-512.log" 2>&1
     say profile-512 "rc=$?" ;;
   families)

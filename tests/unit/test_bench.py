@@ -212,3 +212,25 @@ def test_bench_refuses_hot_head_with_speculative(tmp_path):
     with pytest.raises(SystemExit) as exc:
         run_bench(["--hot-head", "--speculative", "ngram"])
     assert exc.value.code == 2
+
+
+def test_bench_times_verification_steps_and_predicts_speculation(tmp_path):
+    out = tmp_path / "OUT.json"
+    code, stdout, err = run_bench(["--device", "cpu", "--threads", "1", "--prefill-tokens", "", "--decode-tokens", "4",
+                                   "--step-tokens", "4,1,2", "--out", str(out)])
+    assert code == 0, err
+    cost = json.loads(out.read_text())["runs"][0]["step_cost"]
+    assert list(cost["step_ms"]) == ["1", "2", "4"] and all(ms > 0 for ms in cost["step_ms"].values())
+    assert all(len(v) == cost["repeats"] for v in cost["step_ms_all"].values())
+    predicted = cost["predicted"]
+    assert [p["acceptance"] for p in predicted] == [0.5, 0.6, 0.7, 0.8, 0.9]
+    assert all(p["speedup"] >= 1.0 and p["best_draft"] in (0, 1, 3) for p in predicted)
+    # a higher acceptance never predicts less
+    assert all(a["speedup"] <= b["speedup"] for a, b in zip(predicted, predicted[1:]))
+    assert "step ms by tokens" in stdout
+
+
+@pytest.mark.parametrize("value", ["0", "17", "2,x"])
+def test_bench_refuses_bad_step_tokens_in_one_line(value):
+    code, _, err = run_bench(["--device", "cpu", "--step-tokens", value])
+    assert code != 0 and "--step-tokens" in err and "Traceback" not in err
