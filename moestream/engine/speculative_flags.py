@@ -1,8 +1,9 @@
 """The speculative-decoding flags that `generate`, `serve` and `bench` share, and the
 SpeculativeOptions they make.
 
-`--draft` chooses the drafter: `auto` (default) is the draft model shipped with the model (its
-`draft/` folder) where there is one and speculation can run, else plain decoding; `ngram`, a draft
+`--draft` chooses the drafter: `auto` (default) is, where speculation can run, prompt lookup on
+the CPU and on a GPU the draft model shipped with the model (its `draft/` folder) where there is
+one, else plain decoding; `ngram`, a draft
 model's folder, or `off`. `--speculative` is its older spelling (`draft:PATH` still reads as PATH)."""
 from __future__ import annotations
 
@@ -37,8 +38,8 @@ def add_speculative_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("speculative decoding (the same tokens as without it)")
     g.add_argument("--draft", "--speculative", dest="draft", type=draft_value, default=("auto", None),
                    metavar="auto|ngram|mtp|DIR|off",
-                   help="auto (default): the draft model shipped in the model's draft/ folder where there is one, "
-                        "else off; ngram: draft from earlier text of the context (prompt lookup); mtp: the model's own "
+                   help="auto (default): on the CPU ngram; on a GPU the draft model shipped in the model's draft/ "
+                        "folder where there is one, else off; ngram: draft from earlier text of the context (prompt lookup); mtp: the model's own "
                         "multi-token-prediction layer; DIR: a small packed model sharing the tokenizer; off: plain "
                         "decoding. --speculative is the same flag")
     g.add_argument("--draft-tokens", type=draft_tokens_value, default=None, metavar="K|auto",
@@ -71,7 +72,8 @@ def check_speculative_args(parser: argparse.ArgumentParser, args, *, sampling: S
         parser.error("argument --draft/--hot-head: with --parallel above 1 only ngram drafts (a draft model, MTP "
                      "and the hot head follow one sequence)")
     if kind == "auto":
-        args.draft = ("off", None) if args.hot_head or not_here or batched else auto_draft(model_dir)
+        args.draft = ("off", None) if args.hot_head or not_here or batched else \
+            auto_draft(model_dir, on_cpu=runs_on_cpu(getattr(args, "device", "auto")))
     elif kind == "draft":
         from moestream.engine.engine import DEMO_MODEL
         from moestream.engine.draft_choice import tokenizer_mismatch
@@ -92,11 +94,25 @@ def check_speculative_args(parser: argparse.ArgumentParser, args, *, sampling: S
             parser.error(f"argument --hot-head: {reason}")
 
 
-def auto_draft(model_dir: str | Path | None) -> tuple[str, str | None]:
-    """The model's shipped draft model, or off."""
+def runs_on_cpu(device: str | None) -> bool:
+    """Whether a run with this --device computes on the CPU (auto: where CUDA is not available)."""
+    if device in (None, "auto"):
+        import torch
+
+        return not torch.cuda.is_available()
+    return str(device).startswith("cpu")
+
+
+def auto_draft(model_dir: str | Path | None, *, on_cpu: bool = False) -> tuple[str, str | None]:
+    """The best drafter measured for where the run computes: on the CPU prompt lookup (ngram), since
+    there each drafted token makes a verification step dearer and a draft model's own steps cost
+    more than they save (docs/PERFORMANCE.md: the demo's draft model 0.89x, ngram 1.19-1.31x); on a
+    GPU the model's shipped draft model (its draft/ folder) where there is one, else off."""
     from moestream.engine.engine import DEMO_MODEL
     from moestream.engine.draft_choice import shipped_draft
 
+    if on_cpu:
+        return "ngram", None
     found = shipped_draft(model_dir or DEMO_MODEL)
     return ("draft", str(found)) if found is not None else ("off", None)
 

@@ -57,24 +57,25 @@ def resolved(parser, argv, **kwargs):
 def test_the_default_is_the_shipped_draft(tmp_path):
     assert shipped_draft(DEMO_MODEL) == DRAFT
     p = generate_parser()
-    assert resolved(p, []) == ("draft", str(DRAFT))
-    assert resolved(p, ["--draft", "auto"]) == ("draft", str(DRAFT))
+    assert resolved(p, ["--device", "cuda"]) == ("draft", str(DRAFT))  # on a GPU: the shipped draft
+    assert resolved(p, ["--draft", "auto", "--device", "cuda:0"]) == ("draft", str(DRAFT))
+    assert resolved(p, ["--device", "cpu"]) == ("ngram", None)  # on the CPU: what measured best there
     assert resolved(p, ["--draft", "off"]) == ("off", None)
     assert resolved(p, ["--speculative", "ngram"]) == ("ngram", None)  # the older spelling
     assert resolved(p, ["--draft", f"draft:{DRAFT}"]) == ("draft", str(DRAFT))
     assert resolved(p, ["--hot-head"]) == ("off", None)  # the hot head instead of the default draft
-    assert resolved(p, ["--model", str(DRAFT)]) == ("off", None)  # a model without a draft/ folder
+    assert resolved(p, ["--model", str(DRAFT), "--device", "cuda"]) == ("off", None)  # a model without a draft/ folder
     assert resolved(p, [], not_here="why") == ("off", None)  # auto never refuses: it decodes plainly
     assert p.parse_args(["--draft-max", "5"]).max_draft_tokens == 5
     s = serve_parser()
-    assert resolved(s, []) == ("draft", str(DRAFT))
+    assert resolved(s, ["--device", "cuda"]) == ("draft", str(DRAFT))
     args = s.parse_args(["--parallel", "2"])
     check_speculative_args(s, args, sampling=None, model_dir=None, not_here="batched")
     assert args.draft == ("off", None)
 
 
-@pytest.mark.parametrize("flags,drafter", [([], "draft"), (["--draft", "off"], None), (["--speculative", "off"], None),
-                                           (["--draft", "ngram"], "ngram")])
+@pytest.mark.parametrize("flags,drafter", [([], "ngram"), (["--draft", "off"], None), (["--speculative", "off"], None),
+                                           (["--draft", str(DRAFT)], "draft")])
 def test_generate_uses_the_draft_unless_told(flags, drafter, tmp_path, capsys):
     receipt = tmp_path / "r.json"
     rc = generate_main(["--prompt", PROMPT, "--max-new", "24", "--device", "cpu", "--threads", "1",
