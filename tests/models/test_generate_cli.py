@@ -81,7 +81,7 @@ def test_speculative_flags_give_the_plain_tokens(tiny_packed_model, capfd):
     model = str(tiny_packed_model("qwen3_moe", "q4"))
     base = ["--model", model, "--prompt", "def fibonacci(n):", "--max-new", "24", "--json", "--device", "cpu",
             "--threads", "1", "--temperature", "0.8", "--seed", "5"]
-    plain = run_here(capfd, *base)
+    plain = run_here(capfd, *base, "--draft", "off")
     assert plain.returncode == 0, plain.stderr
     expected = json.loads(plain.stdout)["token_ids"]
     assert json.loads(plain.stdout)["receipt"]["speculative"] is None
