@@ -22,9 +22,7 @@ from typing import Sequence
 import torch
 
 from moestream.engine.engine import common_prefix
-from moestream.engine.sampling import choose_token
-from moestream.engine.speculative import Drafter
-from moestream.engine.types import SamplingParams
+from moestream.engine.speculative import ModelDrafter
 from moestream.errors import MoestreamError
 from moestream.layers.kv_cache import KVCache
 
@@ -50,17 +48,17 @@ def quiet(experts):
         experts.on_route, experts.after_fetch = saved
 
 
-class MTPDrafter(Drafter):
+class MTPDrafter(ModelDrafter):
     name = "mtp"
 
     def __init__(self, engine):
+        super().__init__()
         self.layer = mtp_layers(engine)[0]
         self.engine = engine
         self.cache = KVCache.for_layout([self.layer.kv], engine.max_context, dtype=engine.dtype, device=engine.device)
         self.context: list[int] = []  # the tokens the cache's pairs are built from: pair p is (h_p, context[p + 1])
         self.states: dict[int, torch.Tensor] = {}  # position -> the main model's state [H], not yet in the cache
         self.seen_end = 0  # one past the last position the engine handed over
-        self.sampling = SamplingParams()
         self.last_logits: list[torch.Tensor] = []  # the last proposal's rows [V], one per drafted token
         engine.hidden_tap = self._see
         engine.reset()  # from here on the tap sees every position slot 0 computes
@@ -73,16 +71,6 @@ class MTPDrafter(Drafter):
         for t in range(hidden.shape[0]):
             self.states[start + t] = hidden[t]
         self.seen_end = end
-
-    def begin(self, sampling: SamplingParams) -> None:
-        # the draw only, never the main sampler's history, penalties or grammar
-        self.sampling = SamplingParams(temperature=sampling.temperature, top_k=sampling.top_k,
-                                       top_p=sampling.top_p, min_p=sampling.min_p, seed=sampling.seed)
-
-    def _choose(self, row: torch.Tensor, position: int) -> int:
-        if self.sampling.greedy:
-            return int(torch.argmax(row))
-        return choose_token(row, self.sampling, position=position)
 
     def _run(self, hidden: torch.Tensor, tokens: list[int], start: int) -> tuple[torch.Tensor, torch.Tensor]:
         ids = torch.tensor(tokens, dtype=torch.long, device=self.engine.device)

@@ -78,16 +78,12 @@ class NGramDrafter(Drafter):
         return []
 
 
-class DraftModelDrafter(Drafter):
-    """A small model that shares the main model's tokenizer, run as its own Engine (its own KV
-    cache). Each proposal brings its cache to the context (the engine's prefill reuses the common
-    prefix, which is the rollback after rejected drafts) and drafts greedily, or with the main
-    sampler's seed and temperature so that a draft matches the main model's draw when they agree."""
+class ModelDrafter(Drafter):
+    """A drafter that scores tokens with a model of its own and chooses as the main model would:
+    greedily, or with the main sampler's seed and temperature (the same Gumbel-max draw at the same
+    position), so that a draft matches the main model's choice when their scores agree."""
 
-    name = "draft"
-
-    def __init__(self, engine):
-        self.engine = engine
+    def __init__(self):
         self.sampling = SamplingParams()
 
     def begin(self, sampling: SamplingParams) -> None:
@@ -99,6 +95,18 @@ class DraftModelDrafter(Drafter):
         if self.sampling.greedy:
             return int(torch.argmax(row))
         return choose_token(row, self.sampling, position=position)
+
+
+class DraftModelDrafter(ModelDrafter):
+    """A small model that shares the main model's tokenizer, run as its own Engine (its own KV
+    cache). Each proposal brings its cache to the context (the engine's prefill reuses the common
+    prefix, which is the rollback after rejected drafts) and drafts as ModelDrafter chooses."""
+
+    name = "draft"
+
+    def __init__(self, engine):
+        super().__init__()
+        self.engine = engine
 
     def propose(self, context: Sequence[int], k: int) -> list[int]:
         ctx = list(context)
