@@ -51,7 +51,9 @@ def shorten(case) -> None:
 
 
 @schema.parametrize()
-@settings(deadline=None, suppress_health_check=list(HealthCheck))
+# derandomize: the same examples on every run, so the suite's time is bounded (a random search that
+# finds a slow case spends minutes shrinking it); widen max_examples or drop this to search further
+@settings(deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 def test_no_server_error(case, target):
     shorten(case)
     case.call_and_validate(base_url=target.base_url, checks=[not_a_server_error])
