@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # What has not yet run on a GPU, in priority order, in parts that each fit one device call (≤ 10 min).
-# Usage: scripts/gpu/run_pending.sh OUTDIR PART...   PART: tests | stream | resident | server
-#   tests:    the GPU tests written since the last GPU run (each file with its own time limit)
+# Usage: scripts/gpu/run_pending.sh OUTDIR PART...   PART: tests | stream | lookahead | resident | families | server
+#   tests:    the GPU tests written since the last GPU run (one pytest, TESTS_LIMIT seconds in all)
 #   stream:   Qwen3-30B-A3B shape, uniform routing: the Triton slot map A-B-A at 25 %, the device path's
-#             CPU share (off / 0.3 / auto), --memory-budget 8GiB with the Triton slot map, --device-lookahead
-#             off/on at 25 % (uniform: its gates must close; model routing: its copies must pay)
+#             CPU share (0.3 / auto), --memory-budget 8GiB with the Triton slot map
+#   lookahead: --device-lookahead off/on at 25 % (uniform: its gates must close; model routing: its copies must pay)
 #   resident: 100 % cache decode and prefill at 128 / 512 / 2048 / 8192, verify-step costs (T = 1..16, resident
 #             and 25 % uniform), the demo's drafters, and a prefill profile
 #   families: bench on the gpt-oss-20b, qwen3.5-35b-a3b and DeepSeek-V3 (first 6 layers) shapes at 100 % and
@@ -27,21 +27,25 @@ bench() {  # name, seconds, flags...
 }
 for part in "$@"; do
   case $part in
-  tests)
+  tests)  # one pytest process (one CUDA start), capped as a whole; --durations says what to trim next time
+    files=""
     for f in test_device_cpu_share_cuda test_device_map_cuda test_kernels test_gemma4_gpt_oss_cuda test_mxfp4_records_cuda test_mtp_cuda \
              test_qwen3_next_cuda test_minimax_m2_cuda test_glm4_moe_cuda test_latent_attention_cuda \
              test_lookahead_maps_cuda test_speculative_cuda test_cpu_experts_cuda ${EXTRA_TESTS:-}; do
-      [ -f tests/gpu/$f.py ] || continue
-      timeout -s ABRT 150 python3 -m pytest tests/gpu/$f.py -q -p no:cacheprovider -x > "$out/$f.log" 2>&1
-      say "$f" "rc=$?"; grep -E "passed|failed|FAILED|Timeout|Fatal" "$out/$f.log" | tail -3
-    done ;;
+      [ -f tests/gpu/$f.py ] && files="$files tests/gpu/$f.py"
+    done
+    timeout -s ABRT ${TESTS_LIMIT:-300} python3 -m pytest $files -q -p no:cacheprovider -rfE --durations=15 \
+      > "$out/gpu-tests.log" 2>&1
+    say tests "rc=$?"; grep -E "passed|failed|FAILED|ERROR|Timeout|Fatal" "$out/gpu-tests.log" | tail -25 ;;
   stream)
     synth
     for m in torch triton torch; do bench "slot-map-$m" 150 --routing uniform --prefill-tokens 512 --cache-sizes 25% \
       --slot-map $m; done
-    for share in off 0.3 auto; do bench "device-cpu-share-$share" 150 --routing uniform --prefill-tokens 512 \
+    for share in 0.3 auto; do bench "device-cpu-share-$share" 150 --routing uniform --prefill-tokens 512 \
       --cache-sizes 25% --streaming device --slot-map triton --cpu-experts $share; done
-    bench budget8-triton 150 --routing uniform --prefill-tokens 512 --memory-budget 8GiB --slot-map triton
+    bench budget8-triton 150 --routing uniform --prefill-tokens 512 --memory-budget 8GiB --slot-map triton ;;
+  lookahead)
+    synth
     for routing in uniform model; do for look in off on; do
       bench "lookahead-$routing-$look" 150 --routing $routing --prefill-tokens 512 --cache-sizes 25% --slot-map triton \
         $([ $look = on ] && echo --device-lookahead)
