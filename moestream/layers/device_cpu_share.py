@@ -157,7 +157,9 @@ class DeviceCpuShare:
         lookup with no misses and two kernels whose programs return at once."""
         lost = self._mask & (self.ok == 0)
         self.lost.add_(lost.sum())
-        filler = flat[torch.argmin(self._mask.to(torch.int8))]  # a pair the device computed: its expert is held
+        # a pair the device computed (its expert is held), gathered: indexing by a 0-d device tensor
+        # would read it on the host, which a capture forbids
+        filler = flat.gather(0, torch.argmin(self._mask.to(torch.int8)).view(1))
         dm.ensure(layer, torch.where(lost, flat, filler).view(ids.shape), count=False)
         redo = torch.zeros(num_experts, dtype=torch.int8, device=flat.device).scatter_(0, flat.to(torch.int64),
                                                                                           lost.to(torch.int8))
