@@ -9,6 +9,10 @@ class FormatError(MoestreamError):
     """A packed model directory that is missing, incomplete, corrupt or inconsistent."""
 
 
+class NoTokenizerError(FormatError):
+    """Text was given to a model without tokenizer files (e.g. a synthetic one): token ids only."""
+
+
 class UnsupportedModelError(MoestreamError):
     """A checkpoint whose family or layout moestream cannot run."""
 

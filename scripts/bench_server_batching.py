@@ -30,7 +30,10 @@ TOPICS = ["def fibonacci(n):", "The quick brown fox", "import os\nclass Thing:",
           "SELECT name FROM", "# Installation\n\n", "x = [1, 2, 3]\nfor", "Dear Sir or Madam,"]
 
 
-def prompt(client: int, request: int) -> str:
+def prompt(client: int, request: int, token_ids: bool) -> str | list[int]:
+    """Text, or for models without a tokenizer (synthetic ones) 16 token ids; no two clients share a prefix."""
+    if token_ids:
+        return [10 + (client * 977 + request * 131 + i * 7) % 1000 for i in range(16)]
     return f"{TOPICS[(client + request) % len(TOPICS)]} #{client}-{request}"
 
 
@@ -57,13 +60,13 @@ def start_server(parallel: int, model: str | None, extra: list[str]) -> tuple[su
     return proc, url, ["moestream", *command[3:]]
 
 
-def round_of(url: str, clients: int, requests: int, max_tokens: int) -> dict:
+def round_of(url: str, clients: int, requests: int, max_tokens: int, token_ids: bool) -> dict:
     def client(c: int) -> list[dict]:
         out = []
         with httpx.Client(base_url=url, timeout=600) as http:
             for r in range(requests):
                 t0 = time.perf_counter()
-                reply = http.post("/v1/completions", json={"prompt": prompt(c, r), "max_tokens": max_tokens,
+                reply = http.post("/v1/completions", json={"prompt": prompt(c, r, token_ids), "max_tokens": max_tokens,
                                                            "temperature": 0})
                 reply.raise_for_status()
                 out.append({"tokens": reply.json()["usage"]["completion_tokens"],
@@ -90,12 +93,12 @@ def batch_figures(url: str) -> dict:
     return {"steps": values.get("moestream_batch_size_count", 0.0), "rows": values.get("moestream_batch_size_sum", 0.0)}
 
 
-def measure(url: str, clients: list[int], requests: int, max_tokens: int) -> list[dict]:
-    round_of(url, 1, 2, max_tokens)  # warm up: the first requests bring the experts in
+def measure(url: str, clients: list[int], requests: int, max_tokens: int, token_ids: bool) -> list[dict]:
+    round_of(url, 1, 2, max_tokens, token_ids)  # warm up: the first requests bring the experts in
     rows = []
     for n in clients:
         before = batch_figures(url)
-        row = round_of(url, n, requests, max_tokens)
+        row = round_of(url, n, requests, max_tokens, token_ids)
         after = batch_figures(url)
         steps = after["steps"] - before["steps"]
         row["mean_batch_size"] = round((after["rows"] - before["rows"]) / steps, 3) if steps else None
@@ -114,18 +117,21 @@ def main() -> None:
     p.add_argument("--clients", default="1,4,16,32", help="comma-separated client counts")
     p.add_argument("--requests", type=int, default=2, help="requests per client per round")
     p.add_argument("--max-tokens", type=int, default=32, help="max_tokens of every request")
+    p.add_argument("--token-ids", action="store_true",
+                   help="send token-id prompts (default: when --model has no tokenizer.json, e.g. a synthetic model)")
     args = p.parse_args()
     clients = [int(x) for x in args.clients.split(",")]
+    token_ids = args.token_ids or (args.model is not None and not (Path(args.model) / "tokenizer.json").is_file())
     runs = []
     if args.url:
-        runs.append({"server": args.url, "rounds": measure(args.url, clients, args.requests, args.max_tokens)})
+        runs.append({"server": args.url, "rounds": measure(args.url, clients, args.requests, args.max_tokens, token_ids)})
     else:
         for parallel in [int(x) for x in args.parallel.split(",")]:
             proc, url, command = start_server(parallel, args.model, shlex.split(args.server_args))
             try:
                 print(f"# {shlex.join(command)}", flush=True)
                 runs.append({"server_command": shlex.join(command), "parallel": parallel,
-                             "rounds": measure(url, clients, args.requests, args.max_tokens)})
+                             "rounds": measure(url, clients, args.requests, args.max_tokens, token_ids)})
             finally:
                 proc.terminate()
                 proc.wait(60)
@@ -133,7 +139,7 @@ def main() -> None:
                        "load_average": [round(x, 2) for x in os.getloadavg()]},
            "command": shlex.join(["python", *sys.argv]),
            "settings": {"requests_per_client": args.requests, "max_tokens": args.max_tokens, "temperature": 0,
-                        "model": args.model or "the demo model"},
+                        "model": args.model or "the demo model", "token_id_prompts": token_ids},
            "runs": runs}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")

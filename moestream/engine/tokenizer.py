@@ -5,7 +5,7 @@ import json
 import logging
 from pathlib import Path
 
-from moestream.errors import FormatError
+from moestream.errors import FormatError, NoTokenizerError
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ class NoTokenizer:
         self.eos_token_ids = frozenset(eos if isinstance(eos, list) else [eos] if isinstance(eos, int) else [])
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        raise FormatError("this model has no tokenizer files; give the prompt as token ids (--prompt-ids)")
+        raise NoTokenizerError("this model has no tokenizer files; give the prompt as token ids (--prompt-ids)")
 
     def chat_ids(self, messages: list[dict], *, add_generation_prompt: bool = True) -> list[int]:
         return self.encode("")

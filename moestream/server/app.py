@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from moestream.errors import NoTokenizerError
 from moestream.server import chat_api, messages_api, responses_api
 from moestream.server.generation import SYSTEM_FINGERPRINT, RequestDefaults, Runtime  # noqa: F401 (re-exported)
 from moestream.server.metrics import RequestCounter, ServerMetrics
@@ -184,6 +185,11 @@ def create_app(worker: Worker, *, api_key: str | None = None, model_id: str | No
                    405: f"Method {request.method} is not allowed on {request.url.path}."}.get(exc.status_code, str(exc.detail))
         error = APIError(exc.status_code, message, code=code, headers=dict(exc.headers or {}))
         return _error_response(error)
+
+    @app.exception_handler(NoTokenizerError)
+    async def on_text_without_tokenizer(request: Request, exc: NoTokenizerError) -> Response:
+        return _error_response(APIError(400, "This model has no tokenizer files: send the prompt as token ids "
+                                        "(a list of integers, /v1/completions).", code="no_tokenizer"))
 
     @app.exception_handler(Exception)
     async def on_unexpected(request: Request, exc: Exception) -> Response:

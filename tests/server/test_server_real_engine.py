@@ -150,3 +150,30 @@ def test_moestream_serve_process(model_dir):
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
+
+
+def test_text_to_a_model_without_tokenizer_is_a_400_and_token_ids_work(model_dir, tmp_path):
+    """A synthetic model (no tokenizer files) serves token-id prompts; text is refused with a 400
+    that says what to send, never a 500."""
+    import json
+    import shutil
+
+    bare = tmp_path / "bare"
+    shutil.copytree(model_dir, bare)
+    manifest = json.loads((bare / "moestream.json").read_text())
+    for name in [n for n in manifest["files"] if n.startswith("tokenizer") or "chat_template" in n]:
+        del manifest["files"][name]
+        (bare / name).unlink()
+    (bare / "moestream.json").write_text(json.dumps(manifest))
+    with live_server(load=lambda: Engine.load(bare, options=EngineOptions(device="cpu")), model_id=MODEL_ID) as s:
+        with httpx.Client(base_url=s.url, timeout=30) as http:
+            text = http.post("/v1/completions", json={"model": MODEL_ID, "prompt": "hello", "max_tokens": 2})
+            assert text.status_code == 400, text.text
+            assert text.json()["error"]["code"] == "no_tokenizer"
+            chat = http.post("/v1/chat/completions", json={"model": MODEL_ID, "max_tokens": 2,
+                                                           "messages": [{"role": "user", "content": "hi"}]})
+            assert chat.status_code == 400 and "no tokenizer" in chat.json()["error"]["message"], chat.text
+            ids = http.post("/v1/completions", json={"model": MODEL_ID, "prompt": [5, 6, 7], "max_tokens": 3,
+                                                     "temperature": 0})
+            assert ids.status_code == 200, ids.text
+            assert ids.json()["usage"]["completion_tokens"] == 3
