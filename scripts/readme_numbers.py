@@ -179,6 +179,21 @@ def h200_device_25() -> str:
     return f"{speeds[0]:.1f}–{speeds[-1]:.1f} tok/s"
 
 
+def h200_slot_map() -> str:
+    """The Triton slot map against the torch lookup at 25 % (uniform), and under an 8 GiB budget."""
+    triton = only_run(H200 / "stream-25pct-uniform-slot-map-triton.json")
+    torch_ = only_run(H200 / "stream-25pct-uniform-slot-map-torch.json")
+    budget_path = H200 / "stream-budget8-uniform-triton.json"
+    budget = only_run(budget_path)
+    words = shlex.split(load(budget_path)["machine"]["command"])
+    limit = words[words.index("--memory-budget") + 1]
+    link = triton["decode"]["bytes_read_host"] / triton["decode"]["s"] / 1e9
+    return (f"25 % {tok_s(triton['decode']['tok_s'])} tok/s (hit rate {triton['decode']['hit_rate']:.2f}; the link "
+            f"moving {link:.1f} GB/s) against {tok_s(torch_['decode']['tok_s'])} with the torch lookup; under "
+            f"`--memory-budget {limit}` ({100 * budget['slots'] / budget['total_experts']:.1f} % of the experts, "
+            f"{budget['device_memory']['max_reserved'] / 2**30:.2f} GiB reserved) {tok_s(budget['decode']['tok_s'])} tok/s")
+
+
 def h200_decoder_ab() -> str:
     after = run_at(load(H200 / "arch-after.json"), "100%", H200 / "arch-after.json")
     before = run_at(load(H200 / "arch-before.json"), "100%", H200 / "arch-before.json")
@@ -231,6 +246,7 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "h200-uniform": h200_uniform,
     "h200-device-uniform": h200_device_uniform,
     "h200-device-25": h200_device_25,
+    "h200-slot-map": h200_slot_map,
     "h200-decoder-ab": h200_decoder_ab,
     "h200-vs-transformers": h200_vs_transformers,
     "h200-4layers-25": h200_4layers_25,

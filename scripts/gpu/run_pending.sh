@@ -9,6 +9,7 @@
 #             and 25 % uniform), the demo's drafters, and a prefill profile
 #   families: bench on the gpt-oss-20b, qwen3.5-35b-a3b and DeepSeek-V3 (first 6 layers) shapes at 100 % and
 #             25 % with uniform routing
+#   cpu-share: the device path's CPU share, CUDA tests and `--cpu-experts auto` at 25 % uniform
 #   server:   scripts/bench_server_batching.py at 100 % and 25 % (needs .whl: scripts/gpu/fetch_wheels.sh here,
 #             `carry: [".whl"]` in the call)
 set -u
@@ -74,9 +75,16 @@ for part in "$@"; do
       say "bench $shape" "rc=$?"; grep -E "^cache|rror" "$out/family-$shape.log" | tail -3
       rm -rf $dir  # the disk holds one at a time
     done ;;
+  cpu-share)  # the device path's CPU share: its CUDA tests, then auto at 25 % (fixed shares with CPU_SHARES)
+    timeout -s ABRT ${TESTS_LIMIT:-120} python3 -m pytest tests/gpu/test_device_cpu_share_cuda.py -q -p no:cacheprovider \
+      -rfE > "$out/cpu-share-tests.log" 2>&1
+    say cpu-share-tests "rc=$?"; grep -E "passed|failed|FAILED|Fatal" "$out/cpu-share-tests.log" | tail -6
+    synth
+    for share in ${CPU_SHARES:-auto}; do bench "device-cpu-share-$share" 90 --routing uniform --prefill-tokens 512 \
+      --cache-sizes 25% --streaming device --cpu-experts $share; done ;;
   server)
     synth
-    for size in all 25%; do
+    for size in ${SERVER_SIZES:-all 25%}; do
       timeout 240 python3 scripts/bench_server_batching.py --model $model --parallel 1,16 --clients 1,4,16,32 \
         --max-tokens 32 --server-args "--device cuda --cache-size $size --host-cache-size all" \
         --out "$out/server-batching-${size%\%}.json" > "$out/server-batching-${size%\%}.log" 2>&1

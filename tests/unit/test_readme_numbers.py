@@ -53,7 +53,7 @@ def test_prose_outside_the_blocks_is_left_alone(tmp_path):
 @pytest.mark.parametrize("edit, message", [
     (lambda s: s.replace("numbers:begin crc32-cost", "numbers:begin crc64-cost"), "unknown numbers block(s): crc64-cost"),
     (lambda s: s.replace("<!-- numbers:begin synth-hit-25 -->", ""), "unbalanced numbers markers"),
-    (lambda s: s.replace("layer) decodes <!-- numbers:begin h200-device-25", "layer) decodes\n<!-- numbers:begin h200-device-25"),
+    (lambda s: s.replace("layer) it decodes <!-- numbers:begin h200-device-25", "layer) it decodes\n<!-- numbers:begin h200-device-25"),
      "inline numbers block 'h200-device-25' begins a line"),
 ])
 def test_broken_markers_are_one_line_errors(tmp_path, edit, message):
