@@ -90,8 +90,9 @@ SHAPES = {
         linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=32,
         rope_parameters=dict(rope_type="default", rope_theta=10000000.0, partial_rotary_factor=0.25),
         max_position_embeddings=262144, rms_norm_eps=1e-6, eos_token_id=248044)),
-    # google/gemma-4-26B-A4B's config.json (a copy: tests/fixtures/gemma4_26b_config.json in the public
-    # Danmoreng/gem16 repository; its dimensions agree with MaxText's configs/models/gemma4-26b.yml).
+    # Gemma 4 26B-A4B's config.json (Gemma4ForConditionalGeneration; read from a public copy,
+    # Danmoreng/gem16's tests/fixtures/gemma4_26b_config.json; its dimensions, rotary settings and shared
+    # keys/values agree with AI-Hypercomputer/maxtext's src/maxtext/configs/models/gemma4-26b.yml).
     # Its layer_types, five sliding layers before each full one ending on a full one, are the family's
     # default, left out so that --layers keeps working (the last kept layer is full, as the family makes it).
     "gemma-4-26b-a4b": dict(model_type="gemma4", tie_word_embeddings=True, eos_token_id=[1, 106], text_config=dict(
