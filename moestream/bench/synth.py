@@ -90,6 +90,22 @@ SHAPES = {
         linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=32,
         rope_parameters=dict(rope_type="default", rope_theta=10000000.0, partial_rotary_factor=0.25),
         max_position_embeddings=262144, rms_norm_eps=1e-6, eos_token_id=248044)),
+    # Gemma 4 26B-A4B's config.json (Gemma4ForConditionalGeneration; read from a public copy,
+    # Danmoreng/gem16's tests/fixtures/gemma4_26b_config.json; its dimensions, rotary settings and shared
+    # keys/values agree with AI-Hypercomputer/maxtext's src/maxtext/configs/models/gemma4-26b.yml).
+    # Its layer_types, five sliding layers before each full one ending on a full one, are the family's
+    # default, left out so that --layers keeps working (the last kept layer is full, as the family makes it).
+    "gemma-4-26b-a4b": dict(model_type="gemma4", tie_word_embeddings=True, eos_token_id=[1, 106], text_config=dict(
+        hidden_size=2816, num_hidden_layers=30, num_attention_heads=16, num_key_value_heads=8, head_dim=256,
+        num_global_key_value_heads=2, global_head_dim=512, attention_k_eq_v=True, sliding_window=1024,
+        intermediate_size=2112, enable_moe_block=True, num_experts=128, top_k_experts=8, moe_intermediate_size=704,
+        vocab_size=262144, hidden_size_per_layer_input=0, vocab_size_per_layer_input=262144, num_kv_shared_layers=0,
+        use_double_wide_mlp=False, use_bidirectional_attention="vision", hidden_activation="gelu_pytorch_tanh",
+        attention_bias=False, rope_parameters=dict(
+            full_attention=dict(rope_type="proportional", rope_theta=1000000.0, partial_rotary_factor=0.25),
+            sliding_attention=dict(rope_type="default", rope_theta=10000.0)),
+        final_logit_softcapping=30.0, max_position_embeddings=262144, rms_norm_eps=1e-6, tie_word_embeddings=True,
+        bos_token_id=2, eos_token_id=1, pad_token_id=0)),
 }
 SHAPES["gpt-oss-120b"] = dict(SHAPES["gpt-oss-20b"], num_hidden_layers=36, num_local_experts=128)  # its config.json
 BITS = {"q4": 4, "q8": 8, "none": None}

@@ -3,6 +3,7 @@
 The real shapes are gigabytes, so these tests register tiny shapes built from the real entries
 (same keys, small sizes) and run the real code path on them."""
 import json
+import math
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from moestream.errors import MoestreamError
 from moestream.format import verify
 from moestream.format.manifest import DENSE_NAME, EXPERT_PROJECTIONS, MANIFEST_NAME
 from moestream.format.reader import PackedModel
+from moestream.models.registry import model_args, weight_shapes
 from moestream.quant.affine import QuantSpec
 
 SMALL = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
@@ -254,3 +256,56 @@ def test_synth_of_a_multimodal_shape_takes_its_language_models_layers(tmp_path, 
         engine.close()
     with pytest.raises(MoestreamError, match="layers 1..40"):
         synth("qwen3.5-35b-a3b", tmp_path / "n", layers=41)
+
+
+GEMMA = SHAPES["gemma-4-26b-a4b"]
+
+
+def test_gemma4_shape_is_the_published_26b_a4b():
+    """The real entry resolves through the gemma4 family to Gemma 4 26B-A4B as published: five sliding
+    layers before each full one, full layers with 2 KV heads of 512 (keys as values), 8 of 128
+    experts beside the dense MLP, about 25.2B parameters of which about 3.8B act per token."""
+    args = model_args("gemma4", GEMMA)
+    assert [i for i, t in enumerate(args.layer_types) if t == "full_attention"] == [5, 11, 17, 23, 29]
+    assert {(s.heads, s.k_dim) for s in args.kv_layout()} == {(8, 256), (2, 512)}
+    assert args.attention_k_eq_v and args.sliding_window == 1024 and args.final_logit_softcapping == 30.0
+    assert args.tie_word_embeddings and args.moe_layers() == list(range(30))
+    resident = sum(math.prod(dims) for dims in weight_shapes("gemma4", GEMMA).values())
+    expert = sum(math.prod(dims) for dims in args.expert_shapes().values())
+    assert round((resident + 30 * 128 * expert) / 1e9, 1) == 25.2
+    assert round((resident + 30 * args.num_experts_per_tok * expert) / 1e9, 1) == 3.8
+
+
+def test_gemma4_shape_with_layers_2_writes_a_sliding_and_a_full_layer(tmp_path, capsys, monkeypatch):
+    """--layers 2 on the Gemma 4 entry (its keys, smaller numbers: the real one is a 1.3 GB file and a
+    minute's load) keeps a sliding and a full layer, the full one without values; the engine decodes
+    it with soft-capped logits."""
+    text = dict(GEMMA["text_config"], hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                num_global_key_value_heads=1, global_head_dim=64, sliding_window=4, intermediate_size=256,
+                num_experts=8, top_k_experts=2, moe_intermediate_size=64, vocab_size=512,
+                vocab_size_per_layer_input=512, max_position_embeddings=256)
+    monkeypatch.setitem(SHAPES, "tiny-gemma4", dict(GEMMA, text_config=text))
+    assert set(text) == set(GEMMA["text_config"])
+    out = tmp_path / "m"
+    assert synth_module.main([str(out), "--shape", "tiny-gemma4", "--layers", "2"]) == 0
+    assert verify.verify(out).ok
+    packed = PackedModel(out)
+    assert packed.family == "gemma4" and packed.config["text_config"]["num_hidden_layers"] == 2
+    assert [e.layer for e in packed.manifest.expert_layers] == [0, 1]
+    assert packed.manifest.expert_layers[0].quant["gate_proj"]["activation"] == "gelu_tanh"
+    assert packed.dense("model.layers.0.self_attn.v_proj.weight").shape == (2 * 32, 128)
+    assert "model.layers.1.self_attn.v_proj.weight" not in packed.dense_names  # full layer: keys as values
+    assert packed.dense("model.layers.1.self_attn.k_proj.weight").shape == (64, 128)
+    assert packed.tensor_spec("model.layers.1.router.proj.weight").bits == 8
+    engine = Engine.load(out, options=EngineOptions(device="cpu", threads=1))
+    try:
+        assert [(s.heads, s.k_dim) for s in engine.args.kv_layout()] == [(2, 32), (1, 64)]
+        logits, _ = engine.prefill(PROMPT)
+        assert logits.shape[-1] == 512 and torch.isfinite(logits).all() and logits.abs().max() <= 30.0
+        engine.reset()
+        tokens = [e.token_id for e in engine.generate(PROMPT, max_new_tokens=3, stop_at_eos=False)]
+        assert len(tokens) == 3 and all(0 <= t < 512 for t in tokens)
+    finally:
+        engine.close()
+    with pytest.raises(MoestreamError, match="layers 1..30"):
+        synth("gemma-4-26b-a4b", tmp_path / "n", layers=31)
