@@ -10,9 +10,18 @@ def routing(engine) -> dict[tuple[int, int], frozenset]:
             in zip(trace.layer.tolist(), trace.position.tolist(), trace.experts.tolist())}
 
 
-def steps_routed_alike(reference: dict, other: dict, prompt_len: int, steps: int) -> list[int]:
+def flips(reference: dict, other: dict) -> list[tuple[int, int]]:
+    """(position, layer) of every choice `other` made unlike `reference`, in order."""
+    return sorted((pos, layer) for (layer, pos), chosen in reference.items() if other.get((layer, pos), chosen) != chosen)
+
+
+def steps_routed_alike(reference: dict, other: dict, prompt_len: int, steps: int, *,
+                       last_layer: int | None = None) -> list[int]:
     """The forced steps (0..steps-1, step j read from the logits at position prompt_len-1+j) whose
-    logits come only from positions every MoE layer routed as in `reference`."""
-    flips = [pos for (layer, pos), chosen in reference.items() if other.get((layer, pos), chosen) != chosen]
-    first_flip = min(flips, default=prompt_len + steps)
-    return [j for j in range(steps) if prompt_len - 1 + j < first_flip]
+    logits come only from positions every MoE layer routed as in `reference`. A flip in
+    `last_layer` (the model's last, where given) reaches only its own position's logits: no
+    attention reads that layer's output at a later position."""
+    flipped = flips(reference, other)
+    first_flip = min((pos for pos, layer in flipped if layer != last_layer), default=prompt_len + steps)
+    own = {pos for pos, layer in flipped if layer == last_layer}
+    return [j for j in range(steps) if prompt_len - 1 + j < first_flip and prompt_len - 1 + j not in own]
