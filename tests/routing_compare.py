@@ -25,3 +25,34 @@ def steps_routed_alike(reference: dict, other: dict, prompt_len: int, steps: int
     first_flip = min((pos for pos, layer in flipped if layer != last_layer), default=prompt_len + steps)
     own = {pos for pos, layer in flipped if layer == last_layer}
     return [j for j in range(steps) if prompt_len - 1 + j < first_flip and prompt_len - 1 + j not in own]
+
+
+def route_as(engine, table: dict[tuple[int, int], frozenset]) -> None:
+    """Make `engine` choose the experts `table` names at each (layer, position) it holds, their
+    weights computed by the family's own router: its route_fn is partial(route, args, correction
+    bias) (sigmoid routing), and the named experts' correction bias is raised above every score.
+    A float32 reference routed as a bf16 run routed compares their numerics past a flipped tie."""
+    import functools
+
+    import torch
+
+    from moestream.layers.moe import MoEBlock
+
+    for block in (layer.ffn for layer in engine.model.layers if isinstance(layer.ffn, MoEBlock)):
+        fn = block.route_fn
+        assert isinstance(fn, functools.partial) and len(fn.args) == 2, "route_as takes a correction-bias router"
+        route, args, bias = fn.func, *fn.args
+
+        def forced(logits, layer=block.layer, route=route, args=args, bias=bias):
+            weights, ids = [], []
+            for t in range(logits.shape[0]):
+                want = table.get((layer, engine._position + t), frozenset())
+                lift = torch.zeros_like(bias)
+                lift[list(want)] = 1e3
+                w, i = route(args, bias + lift, logits[t:t + 1])
+                assert not want or frozenset(i[0].tolist()) == want
+                weights.append(w)
+                ids.append(i)
+            return torch.cat(weights), torch.cat(ids)
+
+        block.route_fn = forced
