@@ -292,7 +292,8 @@ class Engine:
 
     @property
     def streaming(self) -> str:
-        """How routed experts reach the device: resident, device (the device map) or host."""
+        """How routed experts reach the device: resident, device (the device map) or host. Decided at
+        the first prefill or step (`_make_resident`); before it, host."""
         return "resident" if self.experts.resident else "device" if self.experts.device_map is not None else "host"
 
     def _start_streaming(self) -> None:

@@ -1,9 +1,15 @@
 """--cpu-experts on CUDA on the host path (`--streaming host`; the device path's share:
 test_device_cpu_share_cuda.py): bf16, experts streamed through a 50 % device cache with every record in the
-host tier; with a CPU share (0.5 and auto) the greedy tokens are those of off over 16 steps and the
-log-probabilities within the bf16 tolerance, through the decoder's CUDA graphs; a failing CPU falls
+host tier; with a CPU share (0.5 and auto), fed off's greedy tokens, the log-probabilities are within
+the bf16 tolerance of off's over 16 steps, through the decoder's CUDA graphs; a failing CPU falls
 back to the device with the bits of off; every host-tier record is repacked before the first step and
-none in a step; MoEPlan.take_rows puts rows computed elsewhere in place."""
+none in a step; MoEPlan.take_rows puts rows computed elsewhere in place.
+
+A share's CPU kernels round unlike the device's, and which experts auto gives the CPU depends on
+measured speeds, so a share is off within the tolerance, not bit for bit: a greedy token where two
+candidates are near-tied can differ (auto's did at step 15), and free-running tokens then part ways.
+Teacher-forcing off's tokens compares every step; exactness is asked only where nothing runs on the
+CPU (a failing CPU)."""
 import pytest
 import torch
 
@@ -21,19 +27,33 @@ def packed(tiny_packed_model):
     return tiny_packed_model("qwen3_moe", "q4", dtype="bfloat16")
 
 
-def run(packed, fault_after=None, **opts):
+def run(packed, fault_after=None, forced=None, **opts):
+    """Greedy tokens and their log-probabilities, or with `forced` those tokens fed one step at a time."""
     options = EngineOptions(device="cuda", dtype="bfloat16", max_context=256, cache_size="50%",
                             host_cache_size="all", streaming="host", **opts)
     engine = Engine.load(packed, options=options)
     if engine.experts.cpu is not None:
         engine.experts.cpu.fault_after = fault_after
     try:
-        events = list(engine.generate(engine.tokenizer.encode(PROMPT), max_new_tokens=STEPS, logprobs=1,
-                                      stop_at_eos=False))
+        prompt = engine.tokenizer.encode(PROMPT)
+        if forced is None:
+            events = list(engine.generate(prompt, max_new_tokens=STEPS, logprobs=1, stop_at_eos=False))
+            tokens, logprobs = [e.token_id for e in events], [e.logprob for e in events]
+        else:
+            tokens, logprobs = forced, forced_logprobs(engine, prompt, forced)
         graphs = [k for k in engine.decoder.graphs if k[0] == "experts"]
-        return [e.token_id for e in events], [e.logprob for e in events], engine.expert_stats(), graphs
+        return tokens, logprobs, engine.expert_stats(), graphs
     finally:
         engine.close()
+
+
+def forced_logprobs(engine, prompt, tokens):
+    logits, _ = engine.prefill(prompt)
+    out = []
+    for t in tokens:
+        out.append(float(torch.log_softmax(logits[-1].float(), -1)[t]))
+        logits = engine.step([t])
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -42,10 +62,10 @@ def off(packed):
 
 
 @pytest.mark.parametrize("share", ["0.5", "auto"])
-def test_cpu_share_gives_the_tokens_of_off(packed, off, share):
-    tokens, logprobs, stats, graphs = run(packed, cpu_experts=share)
+def test_cpu_share_gives_the_log_probs_of_off_within_the_bf16_tolerance(packed, off, share):
+    _, logprobs, stats, graphs = run(packed, cpu_experts=share, forced=off[0])
     assert off[2]["hit_rate"] < 1.0, "the 50 % cache should stream"
-    assert tokens == off[0]
+    assert len(logprobs) == STEPS
     assert max(abs(a - b) for a, b in zip(logprobs, off[1])) < BF16_LOGPROB_TOLERANCE
     assert stats["cpu_fallbacks"] == 0
     assert graphs, "the experts segments ran as CUDA graphs"

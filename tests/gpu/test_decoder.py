@@ -7,7 +7,7 @@ import torch
 
 from moestream.engine.engine import Engine
 from moestream.engine.options import EngineOptions
-from routing_compare import routing, steps_routed_alike
+from routing_compare import flips, routing, steps_routed_alike
 
 pytestmark = pytest.mark.gpu
 FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"]
@@ -18,7 +18,8 @@ STEPS = 32
 BF16_LOGPROB_TOLERANCE = 0.15
 # Tiny random models have near-tied router scores (glm4_moe's groups of two experts differ by 1e-3):
 # bf16 rounding flips such a tie, a token then takes another expert, and every later step moves by
-# up to 0.4. Steps are compared up to the first flip; this many of them at least.
+# up to 0.4. Steps are compared up to the first flip (a flip in the last layer moves only its own
+# position: minimax_m2's prompt has one 2e-4 from a tie there, bf16 noise is 2e-3); this many at least.
 MIN_AGREED_STEPS = STEPS // 4
 
 
@@ -68,9 +69,12 @@ def test_every_family_decodes_through_the_decoder_like_the_reference(family, tin
     assert takes_the_fast_path(bf16)
     forced = forced_logprobs(bf16, prompt, ref_tokens)
     assert not bf16.decoder.resident and any(k[0] == "experts" for k in bf16.decoder.graphs)
-    alike = steps_routed_alike(ref_routing, routing(bf16), len(prompt), len(ref_tokens))
+    bf16_routing = routing(bf16)
+    alike = steps_routed_alike(ref_routing, bf16_routing, len(prompt), len(ref_tokens),
+                               last_layer=bf16.args.num_hidden_layers - 1)
     bf16.close()
-    assert len(alike) >= MIN_AGREED_STEPS, f"bf16 routed unlike the reference from step {len(alike)}"
+    assert len(alike) >= MIN_AGREED_STEPS, \
+        f"bf16 routed unlike the reference: {len(alike)} steps alike, flips (position, layer) {flips(ref_routing, bf16_routing)[:8]}"
     assert max(abs(forced[j] - ref_lp[j]) for j in alike) < BF16_LOGPROB_TOLERANCE
 
 
