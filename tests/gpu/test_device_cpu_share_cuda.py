@@ -1,7 +1,9 @@
 """The CPU's share of the misses on the device-driven path (moestream.layers.device_cpu_share), on
 CUDA: every decode step one CUDA graph, the device withholding a share of each layer's misses and
-waiting on the CPU worker's answer in pinned RAM. Greedy tokens equal no share over 24 steps, the
-log-probabilities within the dtype's tolerance; a failing or late CPU gives the bits of no share
+waiting on the CPU worker's answer in pinned RAM. Fed no share's greedy tokens, a share's
+log-probabilities are within the dtype's tolerance of no share's over 24 steps (the CPU kernels round
+unlike the device's, so a near-tied greedy choice may differ and free-running tokens part ways: the
+contract is the tolerance, as on the host path); a failing or late CPU gives the bits of no share
 (the graph computes the withheld experts itself); the Triton and torch lookups withhold alike."""
 import pytest
 import torch
@@ -22,7 +24,8 @@ def packed(tiny_packed_model):
     return tiny_packed_model("qwen3_moe", "q4", dtype="bfloat16", num_hidden_layers=5, num_experts_per_tok=4)
 
 
-def run(packed, dtype="bfloat16", fault_after=None, fault_delay_s=0.0, slot_map="torch", **opts):
+def run(packed, dtype="bfloat16", fault_after=None, fault_delay_s=0.0, slot_map="torch", forced=None, **opts):
+    """Greedy tokens and their log-probabilities, or with `forced` those tokens fed one step at a time."""
     options = EngineOptions(device="cuda", dtype=dtype, max_context=256, cache_size="50%", host_cache_size="all",
                             streaming="device", slot_map=slot_map, **opts)
     engine = Engine.load(packed, options=options)
@@ -30,13 +33,26 @@ def run(packed, dtype="bfloat16", fault_after=None, fault_delay_s=0.0, slot_map=
         engine.experts.cpu.fault_after = fault_after
         engine.experts.cpu.fault_delay_s = fault_delay_s
     try:
-        events = list(engine.generate(engine.tokenizer.encode(PROMPT), max_new_tokens=STEPS, logprobs=1,
-                                      stop_at_eos=False))
+        prompt = engine.tokenizer.encode(PROMPT)
+        if forced is None:
+            events = list(engine.generate(prompt, max_new_tokens=STEPS, logprobs=1, stop_at_eos=False))
+            tokens, logprobs = [e.token_id for e in events], [e.logprob for e in events]
+        else:
+            tokens, logprobs = forced, forced_logprobs(engine, prompt, forced)
         assert engine.streaming == "device"
         assert ("step", 1) in engine.decoder.graphs, "decode steps ran as one CUDA graph each"
-        return [e.token_id for e in events], [e.logprob for e in events], engine.expert_stats()
+        return tokens, logprobs, engine.expert_stats()
     finally:
         engine.close()
+
+
+def forced_logprobs(engine, prompt, tokens):
+    logits, _ = engine.prefill(prompt)
+    out = []
+    for t in tokens:
+        out.append(float(torch.log_softmax(logits[-1].float(), -1)[t]))
+        logits = engine.step([t])
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -46,11 +62,11 @@ def off(packed):
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("share", ["0.5", "1", "auto"])
-def test_a_share_gives_the_tokens_of_no_share(packed, off, share, dtype):
-    tokens, logprobs, stats = run(packed, dtype, cpu_experts=share)
+def test_a_share_gives_the_log_probs_of_no_share_within_the_tolerance(packed, off, share, dtype):
     ref_tokens, ref_logprobs, ref_stats = off[dtype]
+    _, logprobs, stats = run(packed, dtype, cpu_experts=share, forced=ref_tokens)
     assert ref_stats["hit_rate"] < 1.0, "the 50 % cache should stream"
-    assert tokens == ref_tokens
+    assert len(logprobs) == STEPS
     assert max(abs(a - b) for a, b in zip(logprobs, ref_logprobs)) < TOLERANCE[dtype]
     assert stats["cpu_share_path"] == "device"
     assert stats["cpu_fallbacks"] == 0 and stats["cpu_late_calls"] == 0 and stats["cpu_errors"] == 0
@@ -72,8 +88,7 @@ def test_a_late_cpu_gives_the_bits_of_no_share(packed, off):
 
 
 def test_some_failures_mix_cpu_rows_and_fallbacks(packed, off):
-    tokens, logprobs, stats = run(packed, cpu_experts="1", fault_after=20)
-    assert tokens == off["bfloat16"][0]
+    _, logprobs, stats = run(packed, cpu_experts="1", fault_after=20, forced=off["bfloat16"][0])
     assert max(abs(a - b) for a, b in zip(logprobs, off["bfloat16"][1])) < TOLERANCE["bfloat16"]
     assert stats["cpu_experts"] > 0 and stats["cpu_fallbacks"] > 0
 
