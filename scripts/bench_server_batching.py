@@ -123,6 +123,17 @@ def main() -> None:
     clients = [int(x) for x in args.clients.split(",")]
     token_ids = args.token_ids or (args.model is not None and not (Path(args.model) / "tokenizer.json").is_file())
     runs = []
+    settings = {"requests_per_client": args.requests, "max_tokens": args.max_tokens, "temperature": 0,
+                "model": args.model or "the demo model", "token_id_prompts": token_ids}
+
+    def write(partial: bool) -> None:  # after each server: a run cut short keeps what it measured
+        out = {"machine": {**machine_info(), "affinity_cores": len(os.sched_getaffinity(0)),
+                           "load_average": [round(x, 2) for x in os.getloadavg()]},
+               "command": shlex.join(["python", *sys.argv]), "settings": settings, "runs": runs,
+               **({"partial": True} if partial else {})}
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+
     if args.url:
         runs.append({"server": args.url, "rounds": measure(args.url, clients, args.requests, args.max_tokens, token_ids)})
     else:
@@ -135,14 +146,8 @@ def main() -> None:
             finally:
                 proc.terminate()
                 proc.wait(60)
-    out = {"machine": {**machine_info(), "affinity_cores": len(os.sched_getaffinity(0)),
-                       "load_average": [round(x, 2) for x in os.getloadavg()]},
-           "command": shlex.join(["python", *sys.argv]),
-           "settings": {"requests_per_client": args.requests, "max_tokens": args.max_tokens, "temperature": 0,
-                        "model": args.model or "the demo model", "token_id_prompts": token_ids},
-           "runs": runs}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+            write(partial=True)
+    write(partial=False)
 
 
 if __name__ == "__main__":

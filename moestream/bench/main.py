@@ -310,6 +310,8 @@ def run(args) -> dict:
             engine.close()
             del engine
         results["runs"].append(run_result)
+        if args.out:  # each size as it finishes: a run cut short (a time limit) keeps what it measured
+            Path(args.out).write_text(json.dumps({**results, "partial": True}, indent=1))
         d = run_result["decode"]
         pf = ", ".join(f"prefill {p['tokens']}: {p['tok_s']:.0f} tok/s" for p in run_result["prefill"])
         print(f"cache {size:>6} ({run_result['slots']}/{run_result['total_experts']} slots): decode {d['tok_s']} tok/s, "

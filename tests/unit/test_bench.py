@@ -234,3 +234,31 @@ def test_bench_times_verification_steps_and_predicts_speculation(tmp_path):
 def test_bench_refuses_bad_step_tokens_in_one_line(value):
     code, _, err = run_bench(["--device", "cpu", "--step-tokens", value])
     assert code != 0 and "--step-tokens" in err and "Traceback" not in err
+
+
+def test_each_cache_size_is_written_as_it_finishes(tmp_path, monkeypatch):
+    """A bench cut short after its first cache size leaves that size's figures, marked partial; a
+    finished one has no mark."""
+    import moestream.engine.plan as plan
+
+    real_load, loads = plan.load_engine, []
+
+    def load_then_fail(*args, **kwargs):
+        loads.append(1)
+        if len(loads) == 2:
+            raise KeyboardInterrupt  # what a time limit's signal leaves: no final write
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(plan, "load_engine", load_then_fail)  # bench imports it when it runs
+    out = tmp_path / "OUT.json"
+    argv = ["--device", "cpu", "--threads", "1", "--cache-sizes", "100%,50%", "--prefill-tokens", "8",
+            "--decode-tokens", "2", "--out", str(out)]
+    with pytest.raises(KeyboardInterrupt):
+        run_bench(argv)
+    partial = json.loads(out.read_text())
+    assert partial["partial"] is True and [r["cache_size"] for r in partial["runs"]] == ["100%"]
+    monkeypatch.setattr(plan, "load_engine", real_load)
+    code, _, err = run_bench(argv)
+    assert code == 0, err
+    done = json.loads(out.read_text())
+    assert "partial" not in done and [r["cache_size"] for r in done["runs"]] == ["100%", "50%"]
