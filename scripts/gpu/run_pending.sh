@@ -2,12 +2,11 @@
 # What has not yet run on a GPU, in priority order, in parts that each fit one device call (≤ 10 min).
 # Usage: scripts/gpu/run_pending.sh OUTDIR PART...   PART: tests | stream | lookahead | resident | families | server
 #   tests:    the GPU tests written since the last GPU run (one pytest, TESTS_LIMIT seconds in all)
-#   stream:   Qwen3-30B-A3B shape, uniform routing: the Triton slot map A-B-A at 25 %, the device path's
-#             CPU share (0.3 / auto), --memory-budget 8GiB with the Triton slot map
+#   stream:   Qwen3-30B-A3B shape, uniform routing: 50 % and 10 % with the Triton slot map, the device path's
+#             CPU share (auto / 0.3) at 25 %
 #   lookahead: --device-lookahead off/on at 25 % (uniform: its gates must close; model routing: its copies must pay)
-#   resident: 100 % cache decode and prefill at 128 / 512 / 2048 / 8192, verify-step costs (T = 1..16, resident
-#             and 25 % uniform), the demo's drafters, and a prefill profile
-#   families: bench on the gpt-oss-20b, qwen3.5-35b-a3b and DeepSeek-V3 (first 6 layers) shapes at 100 % and
+#   resident: the prefill's fixed cost profiled (512 tokens), the demo model's drafters on CUDA, the speculation tests
+#   families: bench on the gemma-4-26b-a4b and DeepSeek-V3 (first 5 layers) shapes (FAMILIES overrides) at 100 % and
 #             25 % with uniform routing
 #   cpu-share: the device path's CPU share, CUDA tests and `--cpu-experts auto` at 25 % uniform
 #   server:   scripts/bench_server_batching.py at 100 % and 25 % (needs .whl: scripts/gpu/fetch_wheels.sh here,
@@ -38,42 +37,44 @@ for part in "$@"; do
     timeout -s ABRT ${TESTS_LIMIT:-300} python3 -m pytest $files -q -p no:cacheprovider -rfE --durations=15 \
       > "$out/gpu-tests.log" 2>&1
     say tests "rc=$?"; grep -E "passed|failed|FAILED|ERROR|Timeout|Fatal" "$out/gpu-tests.log" | tail -25 ;;
-  stream)
+  stream)  # the Triton slot map (default) at 50 % and 10 %, and the device path's CPU share at 25 %
     synth
-    for m in torch triton torch; do bench "slot-map-$m" 150 --routing uniform --prefill-tokens 512 --cache-sizes 25% \
-      --slot-map $m; done
-    for share in 0.3 auto; do bench "device-cpu-share-$share" 150 --routing uniform --prefill-tokens 512 \
-      --cache-sizes 25% --streaming device --slot-map triton --cpu-experts $share; done
-    bench budget8-triton 150 --routing uniform --prefill-tokens 512 --memory-budget 8GiB --slot-map triton ;;
+    bench stream-sizes 150 --routing uniform --prefill-tokens 512 --cache-sizes 50%,10%
+    for share in ${CPU_SHARES:-auto 0.3}; do bench "device-cpu-share-$share" 120 --routing uniform --prefill-tokens 512 \
+      --cache-sizes 25% --streaming device --cpu-experts $share; done ;;
   lookahead)
     synth
     for routing in uniform model; do for look in off on; do
       bench "lookahead-$routing-$look" 150 --routing $routing --prefill-tokens 512 --cache-sizes 25% --slot-map triton \
         $([ $look = on ] && echo --device-lookahead)
     done; done ;;
-  resident)
+  resident)  # what is left of it: the prefill's fixed cost profiled, the demo's drafters on CUDA
     synth
-    bench resident 200 --cache-sizes all --prefill-tokens 128,512,2048,8192 --step-tokens 1,2,4,8,16
-    bench steps-25 150 --routing uniform --cache-sizes 25% --prefill-tokens 512 --step-tokens 1,2,4,8,16
+    timeout 150 python3 scripts/gpu/profile_decode.py --model $model --prefill 512 > "$out/profile-512.log" 2>&1
+    say profile-512 "rc=$?"
     for d in ngram auto; do  # the demo model's drafters (auto: its shipped draft model)
       timeout 120 python3 -m moestream bench --device cuda --draft $d --prompt "$(head -c 400 moestream/engine/engine.py)" \
         --prefill-tokens "" --decode-tokens 256 --cache-sizes 100%,30% --warmup --out "$out/demo-draft-$d.json" \
         > "$out/demo-draft-$d.log" 2>&1
       say "demo draft $d" "rc=$?"; grep -E "speculative|rror" "$out/demo-draft-$d.log" | tail -2
     done
-    timeout 150 python3 scripts/gpu/profile_decode.py --model $model --prefill 512 > "$out/profile-512.log" 2>&1
-    say profile-512 "rc=$?" ;;
-  families)
-    for spec in gpt-oss-20b: qwen3.5-35b-a3b: deepseek-v3:6; do
+    timeout -s ABRT 300 python3 -m pytest tests/gpu/test_speculative_cuda.py -q -p no:cacheprovider -rfE --durations=10 \
+      > "$out/speculative-tests.log" 2>&1
+    say speculative-tests "rc=$?" ;;
+  families)  # synthesized side by side (one core each), then benched one at a time
+    specs=${FAMILIES:-gemma-4-26b-a4b: deepseek-v3:5}
+    for spec in $specs; do
       shape=${spec%%:*} layers=${spec#*:} dir=/tmp/fam-${spec%%:*}
       [ -f $dir/moestream.json ] || python3 -m moestream synth --shape $shape $dir --force ${layers:+--layers $layers} \
-        > "$out/synth-$shape.log" 2>&1
-      say "synth $shape"
+        > "$out/synth-$shape.log" 2>&1 &
+    done
+    wait; say synth-families
+    for spec in $specs; do
+      shape=${spec%%:*} dir=/tmp/fam-${spec%%:*}
       timeout 150 python3 -m moestream bench --model $dir --host-cache-size all --expert-source mmap --decode-tokens 64 \
         --warmup --routing uniform --cache-sizes 100%,25% --prefill-tokens 512 --out "$out/family-$shape.json" \
         > "$out/family-$shape.log" 2>&1
       say "bench $shape" "rc=$?"; grep -E "^cache|rror" "$out/family-$shape.log" | tail -3
-      rm -rf $dir  # the disk holds one at a time
     done ;;
   cpu-share)  # the device path's CPU share: its CUDA tests, then auto at 25 % (fixed shares with CPU_SHARES)
     timeout -s ABRT ${TESTS_LIMIT:-120} python3 -m pytest tests/gpu/test_device_cpu_share_cuda.py -q -p no:cacheprovider \
