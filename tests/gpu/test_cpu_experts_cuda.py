@@ -15,6 +15,7 @@ import torch
 
 from moestream.engine.engine import Engine
 from moestream.engine.options import EngineOptions
+from test_decoder import forced_logprobs
 
 pytestmark = pytest.mark.gpu
 PROMPT = "def fibonacci(n):\n    if n < 2:"
@@ -45,15 +46,6 @@ def run(packed, fault_after=None, forced=None, **opts):
         return tokens, logprobs, engine.expert_stats(), graphs
     finally:
         engine.close()
-
-
-def forced_logprobs(engine, prompt, tokens):
-    logits, _ = engine.prefill(prompt)
-    out = []
-    for t in tokens:
-        out.append(float(torch.log_softmax(logits[-1].float(), -1)[t]))
-        logits = engine.step([t])
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ import torch
 
 from moestream.engine.engine import Engine
 from moestream.engine.options import EngineOptions
+from test_decoder import forced_logprobs
 from moestream.experts.device_map import DeviceMap
 from moestream.experts.uva import device_view
 
@@ -44,15 +45,6 @@ def run(packed, dtype="bfloat16", fault_after=None, fault_delay_s=0.0, slot_map=
         return tokens, logprobs, engine.expert_stats()
     finally:
         engine.close()
-
-
-def forced_logprobs(engine, prompt, tokens):
-    logits, _ = engine.prefill(prompt)
-    out = []
-    for t in tokens:
-        out.append(float(torch.log_softmax(logits[-1].float(), -1)[t]))
-        logits = engine.step([t])
-    return out
 
 
 @pytest.fixture(scope="module")
