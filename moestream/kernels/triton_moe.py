@@ -12,6 +12,12 @@ bits first, w = q*scale + bias, groups of 64 along the input dim), addressed as
 pool[slot] + field offset: the pool is read as int32 words, as scale-dtype halves and as the
 dtype of the projections' added biases.
 
+MXFP4 records (moestream.quant.mxfp4) are a compile-time variant (MX) of the same kernels: a row's
+bytes hold input 2k in byte k's low nibble and 2k+1 in its high nibble, so a little-endian int32
+word m holds input 8m + j at bits 4j..4j+3 -- the affine 4-bit packing. The words are loaded as
+before; only the dequantization differs: w = e2m1(code) * 2^(scale - 127), the value built from
+the code's bits and one uint8 E8M0 scale per 32 inputs (no quantization biases), exact in float32.
+
 The gated activation is a compile-time choice, the record's (moestream.kernels.reference):
   - silu (SwiGLU):        act(g, u) = silu(g) * u
   - gelu_tanh (Gemma 4):  act(g, u) = gelu_tanh(g) * u
@@ -52,8 +58,10 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from moestream.kernels.reference import BIASED_ACTIVATIONS, GATE_ACTIVATIONS
+from moestream.quant import mxfp4
 
-GROUP = 64  # quantization group size the kernels are written for
+GROUP = 64  # quantization group size the kernels are written for (and their grouped kernels' K step)
+MX_GROUP = mxfp4.VALUES_PER_BLOCK  # inputs per E8M0 scale of an MXFP4 record
 SUPPORTED_BITS = (4, 8)
 SCALE_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16}
 ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -78,12 +86,14 @@ class SlotLayout:
     bits_gate_up: int
     bits_down: int
     scale_dtype: torch.dtype
-    offsets: dict[str, int] = field(hash=False)  # "gate_proj.weight" -> byte offset, ... (9 fields, 12 with biases)
+    offsets: dict[str, int] = field(hash=False)  # "gate_proj.weight" -> byte offset, ... (9 fields, 12 with biases;
+    # MXFP4: 6 fields, 9 with biases)
     record_bytes: int = 0  # weight + scales + biases bytes of one expert (for bandwidth reports)
     activation: str = "silu"  # one of GATE_ACTIVATIONS (a compile-time choice of the kernels)
     alpha: float = 0.0  # clamped_swiglu's settings (unused by the others)
     limit: float = 0.0
     bias_dtype: torch.dtype | None = None  # dtype of gate_proj.bias, up_proj.bias, down_proj.bias; None: no biases
+    mx: bool = False  # MXFP4 records: uint8 weight and E8M0 scales per projection, no quantization biases
 
     @property
     def has_bias(self) -> bool:
@@ -103,6 +113,8 @@ class SlotLayout:
             spec = quant.get(proj)
             if spec is None or not spec.quantized:
                 raise UnsupportedLayout(f"{proj} is not quantized")
+            if spec.mode == mxfp4.MODE:
+                continue  # checked by _mxfp4_layout
             if spec.bits not in SUPPORTED_BITS:
                 raise UnsupportedLayout(f"{proj}: {spec.bits}-bit codes (kernels handle {SUPPORTED_BITS})")
             if spec.group_size != GROUP:
@@ -110,6 +122,14 @@ class SlotLayout:
             for part in ("weight", "scales", "biases"):
                 if f"{proj}.{part}" not in by_name:
                     raise UnsupportedLayout(f"record has no {proj}.{part}")
+        alpha, limit = (spec.alpha, spec.limit) if activation == "clamped_swiglu" else (0.0, 0.0)
+        modes = {quant[p].mode for p in PROJECTIONS}
+        if mxfp4.MODE in modes:
+            if modes != {mxfp4.MODE}:
+                raise UnsupportedLayout(f"quant modes {sorted(modes)} (kernels handle MXFP4 only in all three projections)")
+            return _mxfp4_layout(by_name, quant, activation, float(alpha), float(limit))
+        if modes != {"affine"}:
+            raise UnsupportedLayout(f"quant modes {sorted(modes)} (kernels handle affine and mxfp4)")
         if quant["gate_proj"].bits != quant["up_proj"].bits:
             raise UnsupportedLayout("gate_proj and up_proj have different bit widths")
         scale_names = {by_name[f"{p}.{s}"].dtype for p in PROJECTIONS for s in ("scales", "biases")}
@@ -139,11 +159,44 @@ class SlotLayout:
             raise UnsupportedLayout(f"hidden {hidden} / intermediate {inter} not multiples of {GROUP}")
         bias_dtype = _bias_dtype(by_name, hidden, inter) if activation in BIASED_ACTIVATIONS else None
         names = list(expect) + ([f"{p}.bias" for p in PROJECTIONS] if bias_dtype is not None else [])
-        alpha, limit = (spec.alpha, spec.limit) if activation == "clamped_swiglu" else (0.0, 0.0)
         return SlotLayout(hidden, inter, bits_gu, bits_d, SCALE_DTYPES[next(iter(scale_names))],
                           {name: by_name[name].offset for name in names},
                           sum(by_name[name].nbytes for name in names), activation, float(alpha), float(limit),
                           bias_dtype)
+
+
+def _mxfp4_layout(by_name, quant, activation: str, alpha: float, limit: float) -> SlotLayout:
+    """The SlotLayout of MXFP4 records (moestream.quant.mxfp4's layout); UnsupportedLayout if they do not fit."""
+    for proj in PROJECTIONS:
+        spec = quant[proj]
+        if spec.bits != 4 or spec.group_size != MX_GROUP:
+            raise UnsupportedLayout(f"{proj}: MXFP4 with bits {spec.bits}, group size {spec.group_size} "
+                                    f"(kernels handle 4 and {MX_GROUP})")
+        for part in ("weight", "scales"):
+            if f"{proj}.{part}" not in by_name:
+                raise UnsupportedLayout(f"record has no {proj}.{part}")
+    gate_w = by_name["gate_proj.weight"]
+    inter, hidden = gate_w.shape[0], gate_w.shape[1] * 2
+    expect = {
+        "gate_proj.weight": [inter, hidden // 2], "up_proj.weight": [inter, hidden // 2],
+        "down_proj.weight": [hidden, inter // 2],
+        "gate_proj.scales": [inter, hidden // MX_GROUP], "up_proj.scales": [inter, hidden // MX_GROUP],
+        "down_proj.scales": [hidden, inter // MX_GROUP],
+    }
+    for name, shape in expect.items():
+        f = by_name[name]
+        if list(f.shape) != shape:
+            raise UnsupportedLayout(f"{name}: shape {list(f.shape)}, expected {shape}")
+        if f.dtype != "U8":
+            raise UnsupportedLayout(f"{name}: dtype {f.dtype}, expected U8")
+        if name.endswith(".weight") and f.offset % 4:  # read as int32 words
+            raise UnsupportedLayout(f"{name}: offset {f.offset} is not 4-byte aligned")
+    if hidden % GROUP or inter % GROUP:  # the grouped kernels step over 64 inputs (two scales) at a time
+        raise UnsupportedLayout(f"hidden {hidden} / intermediate {inter} not multiples of {GROUP}")
+    bias_dtype = _bias_dtype(by_name, hidden, inter) if activation in BIASED_ACTIVATIONS else None
+    names = list(expect) + ([f"{p}.bias" for p in PROJECTIONS] if bias_dtype is not None else [])
+    return SlotLayout(hidden, inter, 4, 4, torch.uint8, {name: by_name[name].offset for name in names},
+                      sum(by_name[name].nbytes for name in names), activation, alpha, limit, bias_dtype, mx=True)
 
 
 def _bias_dtype(by_name, hidden: int, inter: int) -> torch.dtype:
@@ -212,6 +265,24 @@ def _code_f32(words, j: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
+def _e2m1_f32(c):
+    """e2m1 codes (uint32, 0..15: sign bit 3, exponent bits 2..1, mantissa bit 0) -> their float32
+    values, from the bits. Exponent e > 0 is (1 + m/2) * 2^(e - 1): the three magnitude bits moved
+    under float32's exponent field, plus 126 there; e = 0 is m * 0.5. No subnormal is formed, so a
+    flush to zero cannot change a value; code 8 is -0.0 as in the reference."""
+    mag = c & 7
+    bits = tl.where(mag >= 2, (mag << 22) + (126 << 23), (c & 1) * 0x3F000000)
+    return (bits | ((c & 8) << 28)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e8m0_f32(s):
+    """E8M0 scale bytes -> 2^(s - 127) in float32, exactly (s = 0: the subnormal 2^-127, as the reference)."""
+    s = s.to(tl.uint32)
+    return tl.where(s > 0, s << 23, 0x00400000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _gate_act(gate, alpha, limit, ACT: tl.constexpr):
     """The gate's factor of act(gate, up) in float32 (see the module doc); silu's is the expression
     the kernels always had, in the same place, so SwiGLU compiles to the code it always did."""
@@ -251,17 +322,19 @@ def _gate_up_gemv(xs_ptr, ids_ptr, slot_table_ptr, pool_w, pool_s, pool_b, slot_
                   gw_off, gs_off, gb_off, uw_off, us_off, ub_off, g_add_off, u_add_off, alpha, limit, h_ptr,
                   H: tl.constexpr, I: tl.constexpr, A: tl.constexpr, BITS: tl.constexpr, BN: tl.constexpr,
                   NG: tl.constexpr, H_CPW: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                  X_DTYPE: tl.constexpr):
+                  X_DTYPE: tl.constexpr, MX: tl.constexpr):
     # xs [T, CPW, H/CPW] float32 split x; h [P, H_CPW, I/H_CPW] float32, split for the down kernel.
     # g_add_off, u_add_off: gate_proj.bias, up_proj.bias in pool_b (the added biases, not the quantization's)
+    # MX: pool_s is the pool's bytes (E8M0 scales, one per 32 inputs; slot_halves is then in bytes)
     pair = tl.program_id(0)
     nb = tl.program_id(1)
     slot = tl.load(slot_table_ptr + tl.load(ids_ptr + pair))
     if slot >= 0:  # else the expert belongs to another batch of this call
         CPW: tl.constexpr = 32 // BITS
-        GW: tl.constexpr = 64 // CPW  # words per group
+        GS: tl.constexpr = 32 if MX else 64  # inputs per scale
+        GW: tl.constexpr = GS // CPW  # words per group
         ROW_WORDS: tl.constexpr = H // CPW
-        ROW_GROUPS: tl.constexpr = H // 64
+        ROW_GROUPS: tl.constexpr = H // GS
         wbase = pool_w + slot.to(tl.int64) * slot_words
         sbase = pool_s + slot.to(tl.int64) * slot_halves
         xrow = xs_ptr + (pair // A).to(tl.int64) * H
@@ -280,20 +353,32 @@ def _gate_up_gemv(xs_ptr, ids_ptr, slot_table_ptr, pool_w, pool_s, pool_b, slot_
             wu = tl.load(wbase + uw_off + woff, mask=wmask, other=0).to(tl.uint32, bitcast=True)
             soff = rows[:, None, None] * ROW_GROUPS + (m0 // GW + gi)[None, :, None]  # [BN, NG, 1]
             smask = rmask & (m0 // GW + gi < ROW_GROUPS)[None, :, None]
-            sg = tl.load(sbase + gs_off + soff, mask=smask, other=0.0).to(tl.float32) * (1 << BITS)
-            bg = tl.load(sbase + gb_off + soff, mask=smask, other=0.0).to(tl.float32) - sg
-            su = tl.load(sbase + us_off + soff, mask=smask, other=0.0).to(tl.float32) * (1 << BITS)
-            bu = tl.load(sbase + ub_off + soff, mask=smask, other=0.0).to(tl.float32) - su
-            tg = tl.zeros([BN, NG, GW], dtype=tl.float32)
-            tu = tl.zeros([BN, NG, GW], dtype=tl.float32)
-            xsum = tl.zeros([NG, GW], dtype=tl.float32)
-            for j in tl.static_range(CPW):
-                xj = tl.load(xrow + j * ROW_WORDS + m, mask=mmask, other=0.0)
-                tg += _code_f32(wg, j, BITS) * xj[None, :, :]
-                tu += _code_f32(wu, j, BITS) * xj[None, :, :]
-                xsum += xj
-            acc_g += sg * tg + bg * xsum[None, :, :]
-            acc_u += su * tu + bu * xsum[None, :, :]
+            if MX:  # per group of 32: 2^(s - 127) * sum e2m1(q) x
+                sg = _e8m0_f32(tl.load(sbase + gs_off + soff, mask=smask, other=0))
+                su = _e8m0_f32(tl.load(sbase + us_off + soff, mask=smask, other=0))
+                tg = tl.zeros([BN, NG, GW], dtype=tl.float32)
+                tu = tl.zeros([BN, NG, GW], dtype=tl.float32)
+                for j in tl.static_range(CPW):
+                    xj = tl.load(xrow + j * ROW_WORDS + m, mask=mmask, other=0.0)
+                    tg += _e2m1_f32((wg >> (4 * j)) & 15) * xj[None, :, :]
+                    tu += _e2m1_f32((wu >> (4 * j)) & 15) * xj[None, :, :]
+                acc_g += sg * tg
+                acc_u += su * tu
+            else:
+                sg = tl.load(sbase + gs_off + soff, mask=smask, other=0.0).to(tl.float32) * (1 << BITS)
+                bg = tl.load(sbase + gb_off + soff, mask=smask, other=0.0).to(tl.float32) - sg
+                su = tl.load(sbase + us_off + soff, mask=smask, other=0.0).to(tl.float32) * (1 << BITS)
+                bu = tl.load(sbase + ub_off + soff, mask=smask, other=0.0).to(tl.float32) - su
+                tg = tl.zeros([BN, NG, GW], dtype=tl.float32)
+                tu = tl.zeros([BN, NG, GW], dtype=tl.float32)
+                xsum = tl.zeros([NG, GW], dtype=tl.float32)
+                for j in tl.static_range(CPW):
+                    xj = tl.load(xrow + j * ROW_WORDS + m, mask=mmask, other=0.0)
+                    tg += _code_f32(wg, j, BITS) * xj[None, :, :]
+                    tu += _code_f32(wu, j, BITS) * xj[None, :, :]
+                    xsum += xj
+                acc_g += sg * tg + bg * xsum[None, :, :]
+                acc_u += su * tu + bu * xsum[None, :, :]
         bbase = pool_b + slot.to(tl.int64) * slot_bias
         gate = tl.sum(tl.sum(acc_g, axis=2), axis=1)
         if HAS_BIAS:
@@ -310,16 +395,18 @@ def _gate_up_gemv(xs_ptr, ids_ptr, slot_table_ptr, pool_w, pool_s, pool_b, slot_
 @triton.jit
 def _down_gemv(hs_ptr, ids_ptr, rw_ptr, slot_table_ptr, pool_w, pool_s, pool_b, slot_words, slot_halves, slot_bias,
                dw_off, ds_off, db_off, d_add_off, o_ptr, H: tl.constexpr, I: tl.constexpr,
-               BITS: tl.constexpr, BN: tl.constexpr, NG: tl.constexpr, HAS_BIAS: tl.constexpr, X_DTYPE: tl.constexpr):
+               BITS: tl.constexpr, BN: tl.constexpr, NG: tl.constexpr, HAS_BIAS: tl.constexpr, X_DTYPE: tl.constexpr,
+               MX: tl.constexpr):
     # hs [P, CPW, I/CPW] float32 split h; o [P, H] float32
     pair = tl.program_id(0)
     nb = tl.program_id(1)
     slot = tl.load(slot_table_ptr + tl.load(ids_ptr + pair))
     if slot >= 0:
         CPW: tl.constexpr = 32 // BITS
-        GW: tl.constexpr = 64 // CPW
+        GS: tl.constexpr = 32 if MX else 64
+        GW: tl.constexpr = GS // CPW
         ROW_WORDS: tl.constexpr = I // CPW
-        ROW_GROUPS: tl.constexpr = I // 64
+        ROW_GROUPS: tl.constexpr = I // GS
         wbase = pool_w + slot.to(tl.int64) * slot_words
         sbase = pool_s + slot.to(tl.int64) * slot_halves
         hrow = hs_ptr + pair.to(tl.int64) * I
@@ -335,15 +422,23 @@ def _down_gemv(hs_ptr, ids_ptr, rw_ptr, slot_table_ptr, pool_w, pool_s, pool_b, 
             wd = tl.load(wbase + dw_off + woff, mask=rmask & mmask[None, :, :], other=0).to(tl.uint32, bitcast=True)
             soff = rows[:, None, None] * ROW_GROUPS + (m0 // GW + gi)[None, :, None]
             smask = rmask & (m0 // GW + gi < ROW_GROUPS)[None, :, None]
-            sd = tl.load(sbase + ds_off + soff, mask=smask, other=0.0).to(tl.float32) * (1 << BITS)
-            bd = tl.load(sbase + db_off + soff, mask=smask, other=0.0).to(tl.float32) - sd
-            td = tl.zeros([BN, NG, GW], dtype=tl.float32)
-            xsum = tl.zeros([NG, GW], dtype=tl.float32)
-            for j in tl.static_range(CPW):
-                xj = tl.load(hrow + j * ROW_WORDS + m, mask=mmask, other=0.0)
-                td += _code_f32(wd, j, BITS) * xj[None, :, :]
-                xsum += xj
-            acc += sd * td + bd * xsum[None, :, :]
+            if MX:
+                sd = _e8m0_f32(tl.load(sbase + ds_off + soff, mask=smask, other=0))
+                td = tl.zeros([BN, NG, GW], dtype=tl.float32)
+                for j in tl.static_range(CPW):
+                    xj = tl.load(hrow + j * ROW_WORDS + m, mask=mmask, other=0.0)
+                    td += _e2m1_f32((wd >> (4 * j)) & 15) * xj[None, :, :]
+                acc += sd * td
+            else:
+                sd = tl.load(sbase + ds_off + soff, mask=smask, other=0.0).to(tl.float32) * (1 << BITS)
+                bd = tl.load(sbase + db_off + soff, mask=smask, other=0.0).to(tl.float32) - sd
+                td = tl.zeros([BN, NG, GW], dtype=tl.float32)
+                xsum = tl.zeros([NG, GW], dtype=tl.float32)
+                for j in tl.static_range(CPW):
+                    xj = tl.load(hrow + j * ROW_WORDS + m, mask=mmask, other=0.0)
+                    td += _code_f32(wd, j, BITS) * xj[None, :, :]
+                    xsum += xj
+                acc += sd * td + bd * xsum[None, :, :]
         w = tl.load(rw_ptr + pair).to(tl.float32)
         y = tl.sum(tl.sum(acc, axis=2), axis=1)
         if HAS_BIAS:
@@ -353,17 +448,26 @@ def _down_gemv(hs_ptr, ids_ptr, rw_ptr, slot_table_ptr, pool_w, pool_s, pool_b, 
 
 
 @triton.jit
-def _dequant_tile(wq_ptr, ws_ptr, wb_ptr, row_words, row_groups, rows, row_mask, g,
-                  BITS: tl.constexpr, BN: tl.constexpr, DTYPE: tl.constexpr):
-    """Weight tile [BN, 64] of group g for rows [BN], as w = q*s + b rounded to DTYPE."""
+def _dequant_tile(wq_ptr, ws_ptr, wb_ptr, row_words, row_scales, rows, row_mask, g,
+                  BITS: tl.constexpr, BN: tl.constexpr, DTYPE: tl.constexpr, MX: tl.constexpr):
+    """Weight tile [BN, 64] of inputs 64g.. for rows [BN], as w = q*s + b rounded to DTYPE (MX:
+    w = e2m1(q) * 2^(s - 127), two scales per tile). row_scales: scales per row."""
     CPW: tl.constexpr = 32 // BITS
     GW: tl.constexpr = 64 // CPW
     woff = rows[:, None] * row_words + g * GW + tl.arange(0, GW)[None, :]
     words = tl.load(wq_ptr + woff, mask=row_mask[:, None], other=0).to(tl.uint32, bitcast=True)  # [BN, GW]
-    q = tl.reshape(_codes_f32(words, BITS), (BN, 64))
-    s = tl.load(ws_ptr + rows * row_groups + g, mask=row_mask, other=0.0).to(tl.float32)
-    b = tl.load(wb_ptr + rows * row_groups + g, mask=row_mask, other=0.0).to(tl.float32)
-    return (q * s[:, None] + b[:, None]).to(DTYPE)
+    if MX:
+        shifts = tl.arange(0, CPW).to(tl.uint32) * 4
+        v = tl.reshape(_e2m1_f32((tl.expand_dims(words, -1) >> shifts) & 15), (BN, 2, 32))
+        soff = rows[:, None] * row_scales + g * 2 + tl.arange(0, 2)[None, :]
+        s = _e8m0_f32(tl.load(ws_ptr + soff, mask=row_mask[:, None], other=0))  # [BN, 2]
+        w = tl.reshape(v * s[:, :, None], (BN, 64))
+    else:
+        q = tl.reshape(_codes_f32(words, BITS), (BN, 64))
+        s = tl.load(ws_ptr + rows * row_scales + g, mask=row_mask, other=0.0).to(tl.float32)
+        b = tl.load(wb_ptr + rows * row_scales + g, mask=row_mask, other=0.0).to(tl.float32)
+        w = q * s[:, None] + b[:, None]
+    return w.to(DTYPE)
 
 
 @triton.jit
@@ -387,7 +491,7 @@ def _gate_up_grouped(x_ptr, stride_x, block_rank_ptr, num_experts, slot_table_pt
                      slot_bias, gw_off, gs_off, gb_off, uw_off, us_off, ub_off, g_add_off, u_add_off, alpha, limit,
                      h_ptr, H: tl.constexpr, I: tl.constexpr, A: tl.constexpr, BITS: tl.constexpr, BM: tl.constexpr,
                      BN: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr, ACT: tl.constexpr,
-                     HAS_BIAS: tl.constexpr):
+                     HAS_BIAS: tl.constexpr, MX: tl.constexpr):
     b = tl.program_id(0)
     nb = tl.program_id(1)
     slot, pairs, pmask = _block_pairs(b, block_rank_ptr, num_experts, slot_table_ptr, starts_ptr,
@@ -401,20 +505,21 @@ def _gate_up_grouped(x_ptr, stride_x, block_rank_ptr, num_experts, slot_table_pt
         rows = nb * BN + tl.arange(0, BN)
         row_mask = rows < I
         row_words: tl.constexpr = H // CPW
-        row_groups: tl.constexpr = H // 64
+        row_groups: tl.constexpr = H // 64  # steps of 64 inputs
+        row_scales: tl.constexpr = H // (32 if MX else 64)
         kk = tl.arange(0, 64)
         acc_g = tl.zeros([BM, BN], dtype=tl.float32)
         acc_u = tl.zeros([BM, BN], dtype=tl.float32)
         for g in range(0, row_groups):
             xt = tl.load(x_ptr + toks[:, None] * stride_x + g * 64 + kk[None, :], mask=pmask[:, None], other=0.0)
-            wg = _dequant_tile(wbase + gw_off, sbase + gs_off, sbase + gb_off, row_words, row_groups, rows,
-                               row_mask, g, BITS, BN, DTYPE)
+            wg = _dequant_tile(wbase + gw_off, sbase + gs_off, sbase + gb_off, row_words, row_scales, rows,
+                               row_mask, g, BITS, BN, DTYPE, MX)
             if DOT_F32:
                 xt = xt.to(tl.float32)
                 wg = wg.to(tl.float32)
             acc_g = tl.dot(xt, tl.trans(wg), acc_g, input_precision=PRECISION)
-            wu = _dequant_tile(wbase + uw_off, sbase + us_off, sbase + ub_off, row_words, row_groups, rows,
-                               row_mask, g, BITS, BN, DTYPE)
+            wu = _dequant_tile(wbase + uw_off, sbase + us_off, sbase + ub_off, row_words, row_scales, rows,
+                               row_mask, g, BITS, BN, DTYPE, MX)
             if DOT_F32:
                 wu = wu.to(tl.float32)
             acc_u = tl.dot(xt, tl.trans(wu), acc_u, input_precision=PRECISION)
@@ -432,7 +537,7 @@ def _down_grouped(h_ptr, rw_ptr, block_rank_ptr, num_experts, slot_table_ptr, st
                   counts_ptr, block_start_ptr, order_ptr, pool_w, pool_s, pool_b, slot_words, slot_halves,
                   slot_bias, dw_off, ds_off, db_off, d_add_off, o_ptr, H: tl.constexpr, I: tl.constexpr,
                   BITS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, PRECISION: tl.constexpr,
-                  DOT_F32: tl.constexpr, HAS_BIAS: tl.constexpr):
+                  DOT_F32: tl.constexpr, HAS_BIAS: tl.constexpr, MX: tl.constexpr):
     b = tl.program_id(0)
     nb = tl.program_id(1)
     slot, pairs, pmask = _block_pairs(b, block_rank_ptr, num_experts, slot_table_ptr, starts_ptr,
@@ -447,12 +552,13 @@ def _down_grouped(h_ptr, rw_ptr, block_rank_ptr, num_experts, slot_table_ptr, st
         row_mask = rows < H
         row_words: tl.constexpr = I // CPW
         row_groups: tl.constexpr = I // 64
+        row_scales: tl.constexpr = I // (32 if MX else 64)
         kk = tl.arange(0, 64)
         acc = tl.zeros([BM, BN], dtype=tl.float32)
         for g in range(0, row_groups):
             ht = tl.load(h_ptr + prow[:, None] * I + g * 64 + kk[None, :], mask=pmask[:, None], other=0.0)
-            wd = _dequant_tile(wbase + dw_off, sbase + ds_off, sbase + db_off, row_words, row_groups, rows,
-                               row_mask, g, BITS, BN, DTYPE)
+            wd = _dequant_tile(wbase + dw_off, sbase + ds_off, sbase + db_off, row_words, row_scales, rows,
+                               row_mask, g, BITS, BN, DTYPE, MX)
             if DOT_F32:
                 ht = ht.to(tl.float32)
                 wd = wd.to(tl.float32)
@@ -522,8 +628,8 @@ def _block_m(pairs: int, num_experts: int, config: KernelConfig) -> int:
     return 16 if mean <= 16 else 32 if mean <= 32 else 64
 
 
-def _groups_per_step(words: int, bits: int) -> int:
-    return max(1, words // (2 * bits))  # a group of 64 codes is 2*bits words
+def _groups_per_step(words: int, bits: int, group: int = GROUP) -> int:
+    return max(1, words // (group * bits // 32))  # a group of `group` codes is group*bits/32 words
 
 
 class MoEPlan:
@@ -597,19 +703,25 @@ class MoEPlan:
         self.down(pool, table)
 
     def _pool_views(self, pool: torch.Tensor):
-        """The pool as int32 words, as scale-dtype halves and as the added biases' dtype (same memory;
-        without biases the halves stand in, unread), and the field offsets in those units."""
+        """The pool as int32 words, as scale-dtype halves (MXFP4: bytes) and as the added biases' dtype
+        (same memory; without biases the halves stand in, unread), and the field offsets in those units
+        (0 for the fields a layout does not have, unread)."""
         lay = self.layout
         words, halves = pool.view(torch.int32), pool.view(lay.scale_dtype)
         adds = pool.view(lay.bias_dtype) if lay.has_bias else halves
-        unit = {"weight": 4, "scales": 2, "biases": 2, "bias": adds.element_size()}
+        unit = {"weight": 4, "scales": halves.element_size(), "biases": halves.element_size(),
+                "bias": adds.element_size()}
         off = {k: v // unit[k.rsplit(".", 1)[1]] for k, v in lay.offsets.items()}
-        off.update({f"{p}.bias": 0 for p in PROJECTIONS if f"{p}.bias" not in off})
+        off.update({f"{p}.{part}": 0 for p in PROJECTIONS for part in ("biases", "bias") if f"{p}.{part}" not in off})
         return (words, halves, adds, words.stride(0), halves.stride(0), adds.stride(0)), off
 
     def _act_args(self) -> dict:
         """The compile-time activation and bias choice of the gate/up kernels."""
-        return dict(ACT=self.layout.activation, HAS_BIAS=self.layout.has_bias)
+        return dict(ACT=self.layout.activation, HAS_BIAS=self.layout.has_bias, MX=self.layout.mx)
+
+    def _scale_group(self) -> int:
+        """Inputs per scale: the gemv kernels' group."""
+        return MX_GROUP if self.layout.mx else GROUP
 
     def _x_dtype(self):
         """The gemv kernels' X_DTYPE (the biases are rounded to it); one fixed value where nothing
@@ -627,8 +739,8 @@ class MoEPlan:
         if self.mode == "gemv":
             grid = (self.ids.numel(), triton.cdiv(lay.inter, cfg.gemv_gate_up_n))
             _gate_up_gemv[grid](self.xs, self.ids, slot_table, *common, BITS=bits, BN=cfg.gemv_gate_up_n,
-                                NG=_groups_per_step(cfg.gemv_gate_up_words, bits), H_CPW=32 // lay.bits_down,
-                                X_DTYPE=self._x_dtype(), **self._act_args(),
+                                NG=_groups_per_step(cfg.gemv_gate_up_words, bits, self._scale_group()),
+                                H_CPW=32 // lay.bits_down, X_DTYPE=self._x_dtype(), **self._act_args(),
                                 num_warps=cfg.gemv_gate_up_warps)
         else:
             grid = (self.num_blocks, triton.cdiv(lay.inter, cfg.gate_up_n))
@@ -648,14 +760,14 @@ class MoEPlan:
         if self.mode == "gemv":
             grid = (self.ids.numel(), triton.cdiv(lay.hidden, cfg.gemv_down_n))
             _down_gemv[grid](self.h, self.ids, self.weights, slot_table, *common, BITS=bits, BN=cfg.gemv_down_n,
-                             NG=_groups_per_step(cfg.gemv_down_words, bits), HAS_BIAS=lay.has_bias,
-                             X_DTYPE=self._x_dtype(), num_warps=cfg.gemv_down_warps)
+                             NG=_groups_per_step(cfg.gemv_down_words, bits, self._scale_group()), HAS_BIAS=lay.has_bias,
+                             X_DTYPE=self._x_dtype(), MX=lay.mx, num_warps=cfg.gemv_down_warps)
         else:
             grid = (self.num_blocks, triton.cdiv(lay.hidden, cfg.down_n))
             _down_grouped[grid](self.h, self.weights, self.block_rank, self.num_experts,
                                 slot_table, self.starts, self.counts, self.block_start, self.order, *common,
                                 BITS=bits, BM=self.block_m, BN=cfg.down_n, PRECISION=self.precision,
-                                DOT_F32=_INTERPRETED, HAS_BIAS=lay.has_bias, num_warps=self.warps,
+                                DOT_F32=_INTERPRETED, HAS_BIAS=lay.has_bias, MX=lay.mx, num_warps=self.warps,
                                 num_stages=cfg.grouped_stages)
 
     def take_rows(self, rows: torch.Tensor, table: torch.Tensor) -> None:

@@ -10,9 +10,9 @@ It has two halves:
     a slot table. With the Triton kernels it reads no device value on the host, so the CUDA
     decoder captures it in a graph.
 
-Kernels behind it: the Triton slot-pool kernels (CUDA, 4/8-bit records in the MLX layout, every
-gated activation of ACTIVATIONS with its biases) and the torch reference (CPU, and any record layout
-the Triton kernels do not take: MXFP4 records). Which one a layer uses depends only on the device, the
+Kernels behind it: the Triton slot-pool kernels (CUDA, 4/8-bit records in the MLX layout and MXFP4
+records, every gated activation of ACTIVATIONS with its biases) and the torch reference (CPU, and any
+record layout the Triton kernels do not take, e.g. unquantized experts). Which one a layer uses depends only on the device, the
 option and the record layout, never on what is cached, so the bits are the same for every cache size
 and policy.
 
@@ -34,7 +34,6 @@ from moestream.layers.clamped_swiglu import clamped_swiglu
 from moestream.layers.gelu_mlp import gelu_glu
 from moestream.layers.mlp import swiglu
 from moestream.quant.affine import QuantSpec
-from moestream.quant.mxfp4 import MODE as MXFP4
 
 log = logging.getLogger(__name__)
 KERNELS = ("auto", "torch", "triton")
@@ -205,8 +204,6 @@ class RoutedExperts:
         quant = self.provider.quant(layer)
         activation_of(quant)  # an unknown activation is an error, not a fallback
         reason = None
-        if any(spec.mode == MXFP4 for spec in quant.values()):
-            reason = "the Triton expert kernels do not read MXFP4 records yet"
         try:
             from moestream.kernels import triton_moe
         except ImportError as exc:
