@@ -113,8 +113,15 @@ class SlotLayout:
             spec = quant.get(proj)
             if spec is None or not spec.quantized:
                 raise UnsupportedLayout(f"{proj} is not quantized")
-            if spec.mode == mxfp4.MODE:
-                continue  # checked by _mxfp4_layout
+        alpha, limit = (spec.alpha, spec.limit) if activation == "clamped_swiglu" else (0.0, 0.0)
+        modes = {quant[p].mode for p in PROJECTIONS}
+        if modes == {mxfp4.MODE}:
+            return _mxfp4_layout(by_name, quant, activation, float(alpha), float(limit))
+        if modes != {"affine"}:
+            raise UnsupportedLayout(f"quant modes {sorted(modes)} (kernels handle all three projections affine "
+                                    f"or all three {mxfp4.MODE})")
+        for proj in PROJECTIONS:
+            spec = quant[proj]
             if spec.bits not in SUPPORTED_BITS:
                 raise UnsupportedLayout(f"{proj}: {spec.bits}-bit codes (kernels handle {SUPPORTED_BITS})")
             if spec.group_size != GROUP:
@@ -122,14 +129,6 @@ class SlotLayout:
             for part in ("weight", "scales", "biases"):
                 if f"{proj}.{part}" not in by_name:
                     raise UnsupportedLayout(f"record has no {proj}.{part}")
-        alpha, limit = (spec.alpha, spec.limit) if activation == "clamped_swiglu" else (0.0, 0.0)
-        modes = {quant[p].mode for p in PROJECTIONS}
-        if mxfp4.MODE in modes:
-            if modes != {mxfp4.MODE}:
-                raise UnsupportedLayout(f"quant modes {sorted(modes)} (kernels handle MXFP4 only in all three projections)")
-            return _mxfp4_layout(by_name, quant, activation, float(alpha), float(limit))
-        if modes != {"affine"}:
-            raise UnsupportedLayout(f"quant modes {sorted(modes)} (kernels handle affine and mxfp4)")
         if quant["gate_proj"].bits != quant["up_proj"].bits:
             raise UnsupportedLayout("gate_proj and up_proj have different bit widths")
         scale_names = {by_name[f"{p}.{s}"].dtype for p in PROJECTIONS for s in ("scales", "biases")}
