@@ -1,5 +1,5 @@
-"""The expert kernels' GELU-tanh and clamped-SwiGLU variants compile for an H100/H200 (sm_90) on a
-machine without a GPU: Triton's NVIDIA backend lowers them to PTX and its bundled ptxas assembles
+"""The expert kernels' GELU-tanh and clamped-SwiGLU variants, and their MXFP4 variants, compile for an
+H100/H200 (sm_90) on a machine without a GPU: Triton's NVIDIA backend lowers them to PTX and its bundled ptxas assembles
 them. The interpreter runs Python, so it accepts code the compiler may refuse; this catches that
 before a GPU run. Skipped where Triton or its NVIDIA backend is missing."""
 import pytest
@@ -21,10 +21,10 @@ POINTERS = {"xs_ptr": "fp32", "hs_ptr": "fp32", "x_ptr": "X", "h_ptr": "H", "rw_
             "order_ptr": "i64"}
 
 
-def compile_for_sm90(kernel, constants: dict, *, x: str, h: str, bias: str) -> str:
+def compile_for_sm90(kernel, constants: dict, *, x: str, h: str, bias: str, scales: str = "bf16") -> str:
     """The kernel's PTX for sm_90 with these compile-time arguments (every other argument an i32, fp32
-    for alpha and limit, or a pointer)."""
-    types = {"X": x, "H": h, "B": bias}
+    for alpha and limit, or a pointer; the pool read as `scales`: bf16 halves, or u8 bytes for MXFP4)."""
+    types = {"X": x, "H": h, "B": bias, "bf16": scales}
     signature = {}
     for name in kernel.arg_names:
         if name in constants:
@@ -38,17 +38,33 @@ def compile_for_sm90(kernel, constants: dict, *, x: str, h: str, bias: str) -> s
     return compiled.asm["ptx"]
 
 
+def all_four(act: str, bias: str | None, x: str, *, mx: bool) -> list[str]:
+    """The PTX of the gemv and grouped gate/up and down kernels for one variant."""
+    has_bias, x_dtype = bias is not None, {"bf16": tl.bfloat16, "fp32": tl.float32}[x]
+    gemv = dict(H=H, I=I, BITS=BITS, BN=16, NG=8 if mx else 4, HAS_BIAS=has_bias, X_DTYPE=x_dtype, MX=mx)
+    grouped = dict(H=H, I=I, BITS=BITS, BM=16, BN=64, PRECISION="tf32x3" if x == "fp32" else "tf32", DOT_F32=False,
+                   HAS_BIAS=has_bias, MX=mx)
+    kinds = dict(x=x, bias=bias or "bf16", scales="u8" if mx else "bf16")
+    return [compile_for_sm90(tm._gate_up_gemv, dict(gemv, A=A, H_CPW=8, ACT=act), h="fp32", **kinds),
+            compile_for_sm90(tm._down_gemv, gemv, h="fp32", **kinds),
+            compile_for_sm90(tm._gate_up_grouped, dict(grouped, A=A, ACT=act), h=x, **kinds),
+            compile_for_sm90(tm._down_grouped, grouped, h=x, **kinds)]
+
+
 @pytest.mark.parametrize("act,bias", [("gelu_tanh", None), ("clamped_swiglu", "bf16"), ("clamped_swiglu", "fp32")])
 @pytest.mark.parametrize("x", ["bf16", "fp32"])
 def test_activation_variants_compile_for_sm90(act, bias, x):
-    has_bias, x_dtype = bias is not None, {"bf16": tl.bfloat16, "fp32": tl.float32}[x]
-    gemv = dict(H=H, I=I, BITS=BITS, BN=16, NG=4, HAS_BIAS=has_bias, X_DTYPE=x_dtype)
-    grouped = dict(H=H, I=I, BITS=BITS, BM=16, BN=64, PRECISION="tf32x3" if x == "fp32" else "tf32", DOT_F32=False,
-                   HAS_BIAS=has_bias)
-    kinds = dict(x=x, bias=bias or "bf16")
-    ptx = [compile_for_sm90(tm._gate_up_gemv, dict(gemv, A=A, H_CPW=8, ACT=act), h="fp32", **kinds),
-           compile_for_sm90(tm._down_gemv, gemv, h="fp32", **kinds),
-           compile_for_sm90(tm._gate_up_grouped, dict(grouped, A=A, ACT=act), h=x, **kinds),
-           compile_for_sm90(tm._down_grouped, grouped, h=x, **kinds)]
+    ptx = all_four(act, bias, x, mx=False)
     assert all(".target sm_90" in p for p in ptx)
     assert all("ex2.approx" in p for p in ptx[::2])  # the gate's exp (sigmoid) is in the gate/up kernels
+
+
+@pytest.mark.parametrize("act,bias", [("silu", None), ("clamped_swiglu", "bf16"), ("clamped_swiglu", "fp32")])
+@pytest.mark.parametrize("x", ["bf16", "fp32"])
+def test_mxfp4_variants_compile_for_sm90(act, bias, x):
+    """MXFP4 records (gpt-oss's, with its clamped SwiGLU and biases; SwiGLU too): the scales are read
+    as bytes, and every kernel is another program than its affine variant."""
+    ptx = all_four(act, bias, x, mx=True)
+    assert all(".target sm_90" in p for p in ptx)
+    assert all("ex2.approx" in p for p in ptx[::2])
+    assert all(a != b for a, b in zip(ptx, all_four(act, bias, x, mx=False)))
