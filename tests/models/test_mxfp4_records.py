@@ -205,19 +205,31 @@ def test_cpu_expert_kernels_refuse_mxfp4_records(kept):
     assert refusal(entry.fields, quant).startswith("MXFP4 records (the CPU expert kernels take MLX affine")
 
 
-def test_cuda_layers_of_mxfp4_records_take_the_torch_plan_and_say_why(kept, caplog):
-    """RoutedExperts' kernel choice for a CUDA device (no device is touched): MXFP4 records are the
-    reason the Triton kernels are not used, even with SwiGLU, and asking for them is one error."""
+def test_cuda_layers_of_mxfp4_records_take_the_triton_kernels(kept, caplog):
+    """RoutedExperts' kernel choice for a CUDA device (no device is touched): the Triton kernels read
+    the converted MXFP4 records, with gpt-oss's clamped SwiGLU and biases or with SwiGLU; the torch
+    plan runs them only when asked for, and a record the kernels cannot read says why in one line."""
+    pytest.importorskip("triton")
     entry = PackedModel(kept).expert_layer(0)
-    quant = {p: dataclasses.replace(QuantSpec.from_json(s), activation="silu") for p, s in entry.quant.items()}
+    quant = {p: QuantSpec.from_json(s) for p, s in entry.quant.items()}
+    silu = {p: dataclasses.replace(s, activation="silu") for p, s in quant.items()}
     provider = SimpleNamespace(quant=lambda layer: quant, record_fields=lambda layer: entry.fields)
     chooser = SimpleNamespace(kernels="auto", device=torch.device("cuda"), provider=provider)
+    layout = RoutedExperts._layout(chooser, 0)
+    assert layout.mx and layout.activation == "clamped_swiglu" and layout.has_bias and layout.hidden == 64
+    provider.quant = lambda layer: silu
+    assert RoutedExperts._layout(chooser, 0).activation == "silu"
+    chooser.kernels = "torch"
+    assert RoutedExperts._layout(chooser, 0) is None
+    bad = [dataclasses.replace(f, dtype="F16") if f.name == "down_proj.scales" else f for f in entry.fields]
+    provider.record_fields = lambda layer: bad
+    chooser.kernels = "auto"
     with caplog.at_level("INFO", logger="moestream.layers.experts"):
         assert RoutedExperts._layout(chooser, 0) is None
-    assert "layer 0: torch reference for routed experts (the Triton expert kernels do not read MXFP4 records yet)" in caplog.text
+    assert "layer 0: torch reference for routed experts (down_proj.scales: dtype F16, expected U8)" in caplog.text
     chooser.kernels = "triton"
-    with pytest.raises(RuntimeError, match=r"^layer 0: the Triton expert kernels cannot run: the Triton expert kernels "
-                                           r"do not read MXFP4 records yet$"):
+    with pytest.raises(RuntimeError, match=r"^layer 0: the Triton expert kernels cannot run: down_proj.scales: dtype F16, "
+                                           r"expected U8$"):
         RoutedExperts._layout(chooser, 0)
 
 
