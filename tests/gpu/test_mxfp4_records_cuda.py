@@ -1,6 +1,7 @@
-"""MXFP4 expert records on CUDA: the Triton expert kernels do not read them yet, so every layer
-takes the torch plan (and says why); the records dequantize on the device to the CPU's bits, and
-greedy decoding gives the CPU reference's tokens for every cache size, with graphs on or off."""
+"""MXFP4 expert records on CUDA: every layer takes the Triton expert kernels (their MXFP4 variant)
+by default; the records dequantize on the device to the CPU's bits, and greedy decoding gives the
+CPU reference's tokens on either expert plan (Triton or the torch plan where asked), the same bits
+for every cache size, with graphs on or off."""
 import pytest
 import torch
 
@@ -44,18 +45,48 @@ def test_records_dequantize_on_the_device_to_the_cpus_bits(kept):
                                    projection(record, proj, specs[proj], dtype))
 
 
-def test_decodes_like_the_cpu_reference_on_the_torch_plan(kept, caplog):
+def triton_layers(engine) -> list[bool]:
+    return [engine.experts.uses_triton(i, engine.dtype) for i in engine.args.moe_layers()]
+
+
+@pytest.fixture(scope="module")
+def cpu_reference(kept):
     cpu = Engine.load(kept, options=EngineOptions(device="cpu", threads=1))
-    ref_tokens, ref_lp = greedy(cpu)
-    cpu.close()
-    with caplog.at_level("INFO", logger="moestream.layers.experts"):
-        engine = Engine.load(kept, options=EngineOptions(device="cuda", dtype="float32", cache_size="all", max_context=256))
-    assert "the Triton expert kernels do not read MXFP4 records yet" in caplog.text
-    assert not any(engine.experts.uses_triton(i, engine.dtype) for i in engine.args.moe_layers())
+    try:
+        return greedy(cpu)
+    finally:
+        cpu.close()
+
+
+def test_decodes_like_the_cpu_reference_on_the_torch_plan(kept, cpu_reference):
+    ref_tokens, ref_lp = cpu_reference
+    engine = Engine.load(kept, options=EngineOptions(device="cuda", dtype="float32", cache_size="all", max_context=256,
+                                                     expert_kernels="torch"))
+    assert not any(triton_layers(engine))
     tokens, lp = greedy(engine)
     engine.close()
     assert tokens == ref_tokens
     assert max(abs(a - b) for a, b in zip(lp, ref_lp)) < 1e-3
+
+
+def test_triton_kernels_decode_like_the_cpu_reference_with_the_same_bits_for_two_cache_sizes(kept, cpu_reference):
+    """The MXFP4 Triton kernels (asked for: an error if a layer cannot take them) in float32: the CPU
+    reference's greedy tokens, and the same tokens and logprobs, bit for bit, from the smallest cache
+    (experts streamed through a few slots) and a cache holding every expert."""
+    ref_tokens, ref_lp = cpu_reference
+    runs = {}
+    for size in ("min", "all"):
+        engine = Engine.load(kept, options=EngineOptions(device="cuda", dtype="float32", cache_size=size, max_context=256,
+                                                         expert_kernels="triton"))
+        uses = triton_layers(engine)
+        assert uses and all(uses)
+        assert all(engine.experts.layouts[i].mx for i in engine.args.moe_layers())
+        runs[size] = greedy(engine)
+        engine.close()
+        tokens, lp = runs[size]
+        assert tokens == ref_tokens, size
+        assert max(abs(a - b) for a, b in zip(lp, ref_lp)) < 1e-3
+    assert runs["min"] == runs["all"]
 
 
 def test_same_bits_for_every_cache_size_and_graphs_on_or_off(kept):
@@ -63,13 +94,8 @@ def test_same_bits_for_every_cache_size_and_graphs_on_or_off(kept):
     for size, graphs in (("min", True), ("50%", True), ("all", True), ("all", False)):
         engine = Engine.load(kept, options=EngineOptions(device="cuda", dtype="bfloat16", cache_size=size,
                                                          cuda_graphs=graphs, max_context=256))
+        assert all(triton_layers(engine))  # the default plan on CUDA
         runs[(size, graphs)] = greedy(engine)
         engine.close()
     first = next(iter(runs.values()))
     assert all(value == first for value in runs.values()), runs.keys()
-
-
-def test_triton_kernels_asked_for_refuse_mxfp4_records_in_one_line(kept):
-    with pytest.raises(RuntimeError, match=r"layer \d+: the Triton expert kernels cannot run: the Triton expert kernels "
-                                           r"do not read MXFP4 records yet$"):
-        Engine.load(kept, options=EngineOptions(device="cuda", expert_kernels="triton", max_context=256))
