@@ -41,7 +41,7 @@ def compile_for_sm90(kernel, constants: dict, *, x: str, h: str, bias: str, scal
 def all_four(act: str, bias: str | None, x: str, *, mx: bool) -> list[str]:
     """The PTX of the gemv and grouped gate/up and down kernels for one variant."""
     has_bias, x_dtype = bias is not None, {"bf16": tl.bfloat16, "fp32": tl.float32}[x]
-    gemv = dict(H=H, I=I, BITS=BITS, BN=16, NG=8 if mx else 4, HAS_BIAS=has_bias, X_DTYPE=x_dtype, MX=mx)
+    gemv = dict(H=H, I=I, BITS=BITS, BN=16, NG=16 if mx else 4, HAS_BIAS=has_bias, X_DTYPE=x_dtype, MX=mx)
     grouped = dict(H=H, I=I, BITS=BITS, BM=16, BN=64, PRECISION="tf32x3" if x == "fp32" else "tf32", DOT_F32=False,
                    HAS_BIAS=has_bias, MX=mx)
     kinds = dict(x=x, bias=bias or "bf16", scales="u8" if mx else "bf16")
