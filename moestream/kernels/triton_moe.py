@@ -315,6 +315,7 @@ def _bias_f32(bias_ptr, cols, mask, DTYPE: tl.constexpr):
 # codes per word. Then the inputs that meet code j of words m..m+3 are contiguous (one vector load)
 # and every tensor in the loop has the layout of the word tile: no shuffles, no layout changes.
 # Per group, with f = 1 + q/2^b:  sum (q*s + b) x = (2^b s) sum f x + (b - 2^b s) sum x.
+# MXFP4 (MX) groups are 32 inputs (4 words):  sum e2m1(q) 2^(s-127) x = 2^(s-127) sum e2m1(q) x.
 
 @triton.jit
 def _gate_up_gemv(xs_ptr, ids_ptr, slot_table_ptr, pool_w, pool_s, pool_b, slot_words, slot_halves, slot_bias,
