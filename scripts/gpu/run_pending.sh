@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # What has not yet run on a GPU, in priority order, in parts that each fit one device call (≤ 10 min).
 # Usage: scripts/gpu/run_pending.sh OUTDIR PART...   PART: tests | stream | lookahead | resident | families | server
-#   tests:    the GPU tests written since the last GPU run (one pytest, TESTS_LIMIT seconds in all)
+#   tests:    the GPU tests written or changed since the last GPU run (one pytest, TESTS_LIMIT seconds in all;
+#             the MXFP4 Triton kernels first: once they pass, --expert-kernels auto may take them)
 #   stream:   Qwen3-30B-A3B shape, uniform routing: 50 % and 10 % with the Triton slot map, the device path's
 #             CPU share (auto / 0.3) at 25 %
 #   lookahead: --device-lookahead off/on at 25 % (uniform: its gates must close; model routing: its copies must pay)
@@ -29,9 +30,8 @@ for part in "$@"; do
   case $part in
   tests)  # one pytest process (one CUDA start), capped as a whole; --durations says what to trim next time
     files=""
-    for f in test_device_cpu_share_cuda test_device_map_cuda test_kernels test_gemma4_gpt_oss_cuda test_mxfp4_records_cuda test_mtp_cuda \
-             test_qwen3_next_cuda test_minimax_m2_cuda test_glm4_moe_cuda test_latent_attention_cuda \
-             test_lookahead_maps_cuda test_speculative_cuda test_cpu_experts_cuda ${EXTRA_TESTS:-}; do
+    for f in test_mxfp4_kernels_cuda test_mxfp4_records_cuda test_kernels test_gemma4_gpt_oss_cuda test_synth_gemma4_cuda \
+             test_server_batching_cuda test_speculative_cuda ${EXTRA_TESTS:-}; do
       [ -f tests/gpu/$f.py ] && files="$files tests/gpu/$f.py"
     done
     timeout -s ABRT ${TESTS_LIMIT:-300} python3 -m pytest $files -q -p no:cacheprovider -rfE --durations=15 \
