@@ -214,8 +214,9 @@ def test_mxfp4_layouts_the_kernels_do_not_handle_are_refused_with_a_reason(tm, p
 
 
 def test_routed_experts_take_the_kernels_for_mxfp4_records_on_cuda(tm, pools):
-    """Which kernels a CUDA layer takes (decided without a GPU): Triton for MXFP4 records, with either
-    activation; the torch reference when asked for, or for MXFP4 records the kernels refuse."""
+    """Which kernels a CUDA layer takes (decided without a GPU): Triton for MXFP4 records with
+    --expert-kernels triton, with either activation; the torch reference under auto (until the MXFP4
+    kernels have run on a GPU), when asked for, or for MXFP4 records the kernels refuse."""
     from moestream.layers.experts import RoutedExperts
 
     def layout(fields, quant, kernels="auto"):
@@ -223,8 +224,9 @@ def test_routed_experts_take_the_kernels_for_mxfp4_records_on_cuda(tm, pools):
         return RoutedExperts._layout(SimpleNamespace(kernels=kernels, device=torch.device("cuda"), provider=provider), 0)
 
     for act, opts in ACTS.items():
-        lay = layout(*pools(**opts)[1:3])
+        lay = layout(*pools(**opts)[1:3], kernels="triton")
         assert lay.mx and lay.activation == act
+    assert layout(*pools()[1:3]) is None  # auto: the torch plan until these kernels have run on a GPU
     assert layout(*pools()[1:3], kernels="torch") is None
     _, fields96, quant96, _ = build_pool(2, 96, 64, mx_spread=0)
     assert layout(fields96, quant96) is None
