@@ -22,6 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from moestream.kernels.expert_layout import DEFAULT_CONFIG, SlotLayout  # noqa: E402
+
 HIDDEN, INTER, EXPERTS, TOP_K = 2048, 768, 128, 8
 DEVICE = "cuda"
 
@@ -107,7 +109,7 @@ def one_case(pool_set, bits: int, tokens: int, config, *, reference_ms: bool, ch
     from moestream.kernels.reference import projection
 
     pool, fields, quant, slot_of = pool_set
-    layout = tm.SlotLayout.from_fields(fields, quant)
+    layout = SlotLayout.from_fields(fields, quant)
     x, ids, weights = routing(tokens, DEVICE, seed=tokens)
     experts = torch.unique(ids).tolist()
     slots = [slot_of[e] for e in experts]
@@ -168,7 +170,7 @@ def sweep(pool_set, bits: int, tokens: int, base, seconds: float) -> dict:
     from moestream.kernels import triton_moe as tm
 
     pool, fields, quant, slot_of = pool_set
-    layout = tm.SlotLayout.from_fields(fields, quant)
+    layout = SlotLayout.from_fields(fields, quant)
     x, ids, weights = routing(tokens, DEVICE, seed=tokens)
     experts = torch.unique(ids).tolist()
     table = [-1] * (experts[-1] + 1)
@@ -231,9 +233,7 @@ def main() -> int:
         return 2
     import triton
 
-    from moestream.kernels import triton_moe as tm
-
-    config = tm.DEFAULT_CONFIG
+    config = DEFAULT_CONFIG
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
               "python": platform.python_version(),
               "shape": {"hidden": HIDDEN, "moe_intermediate": INTER, "experts": EXPERTS, "top_k": TOP_K},

@@ -42,7 +42,8 @@ import triton.language as tl
 from triton.language.extra import libdevice
 from triton.runtime.interpreter import InterpretedFunction
 
-ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+from moestream.kernels.expert_layout import ACT_DTYPES
+
 MAX_N = 16384  # rms_norm keeps one whole row in registers
 DEFAULT_SPLIT = 128  # keys per attention split (a power of two >= 16)
 _COMBINE_SPLITS = 32  # splits the combine kernel reads per step

@@ -49,7 +49,6 @@ the slots come in a device table, so a layer whose experts are all resident runs
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -57,187 +56,11 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from moestream.kernels.reference import BIASED_ACTIVATIONS, GATE_ACTIVATIONS
-from moestream.quant import mxfp4
+from moestream.kernels.expert_layout import (ACT_DTYPES, DEFAULT_CONFIG, GROUP, MX_GROUP, PROJECTIONS, KernelConfig,
+                                             SlotLayout, UnsupportedLayout)
 
-GROUP = 64  # quantization group size the kernels are written for (and their grouped kernels' K step)
-MX_GROUP = mxfp4.VALUES_PER_BLOCK  # inputs per E8M0 scale of an MXFP4 record
-SUPPORTED_BITS = (4, 8)
-SCALE_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16}
-ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-BIAS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
-PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 # torch -> Triton dtypes: the gemv kernels compute in float32 but round the biases to x's dtype
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
-
-
-class UnsupportedLayout(ValueError):
-    """A record layout the Triton kernels do not handle (the caller falls back to the reference)."""
-
-
-@dataclass(frozen=True)
-class SlotLayout:
-    """Where one layer's expert tensors sit inside a slot; identical for every record of the layer.
-
-    Offsets are in bytes from the start of the slot."""
-
-    hidden: int  # H
-    inter: int  # I
-    bits_gate_up: int
-    bits_down: int
-    scale_dtype: torch.dtype
-    offsets: dict[str, int] = field(hash=False)  # "gate_proj.weight" -> byte offset, ... (9 fields, 12 with biases;
-    # MXFP4: 6 fields, 9 with biases)
-    record_bytes: int = 0  # weight + scales + biases bytes of one expert (for bandwidth reports)
-    activation: str = "silu"  # one of GATE_ACTIVATIONS (a compile-time choice of the kernels)
-    alpha: float = 0.0  # clamped_swiglu's settings (unused by the others)
-    limit: float = 0.0
-    bias_dtype: torch.dtype | None = None  # dtype of gate_proj.bias, up_proj.bias, down_proj.bias; None: no biases
-    mx: bool = False  # MXFP4 records: uint8 weight and E8M0 scales per projection, no quantization biases
-
-    @property
-    def has_bias(self) -> bool:
-        return self.bias_dtype is not None
-
-    @staticmethod
-    def from_fields(fields, quant) -> "SlotLayout":
-        """Validate a record layout (RecordField list + {proj: QuantSpec}); raise UnsupportedLayout."""
-        by_name = {f.name: f for f in fields}
-        spec = quant.get("gate_proj")
-        activation = spec.activation if spec is not None else "silu"
-        if activation not in GATE_ACTIVATIONS:
-            raise UnsupportedLayout(f"activation {activation!r} (kernels handle {', '.join(GATE_ACTIVATIONS)})")
-        if activation == "clamped_swiglu" and (spec.alpha is None or spec.limit is None):
-            raise UnsupportedLayout("clamped_swiglu needs its alpha and limit in the quant spec")
-        for proj in PROJECTIONS:
-            spec = quant.get(proj)
-            if spec is None or not spec.quantized:
-                raise UnsupportedLayout(f"{proj} is not quantized")
-        alpha, limit = (spec.alpha, spec.limit) if activation == "clamped_swiglu" else (0.0, 0.0)
-        modes = {quant[p].mode for p in PROJECTIONS}
-        if modes == {mxfp4.MODE}:
-            return _mxfp4_layout(by_name, quant, activation, float(alpha), float(limit))
-        if modes != {"affine"}:
-            raise UnsupportedLayout(f"quant modes {sorted(modes)} (kernels handle all three projections affine "
-                                    f"or all three {mxfp4.MODE})")
-        for proj in PROJECTIONS:
-            spec = quant[proj]
-            if spec.bits not in SUPPORTED_BITS:
-                raise UnsupportedLayout(f"{proj}: {spec.bits}-bit codes (kernels handle {SUPPORTED_BITS})")
-            if spec.group_size != GROUP:
-                raise UnsupportedLayout(f"{proj}: group size {spec.group_size} (kernels handle {GROUP})")
-            for part in ("weight", "scales", "biases"):
-                if f"{proj}.{part}" not in by_name:
-                    raise UnsupportedLayout(f"record has no {proj}.{part}")
-        if quant["gate_proj"].bits != quant["up_proj"].bits:
-            raise UnsupportedLayout("gate_proj and up_proj have different bit widths")
-        scale_names = {by_name[f"{p}.{s}"].dtype for p in PROJECTIONS for s in ("scales", "biases")}
-        if len(scale_names) != 1 or next(iter(scale_names)) not in SCALE_DTYPES:
-            raise UnsupportedLayout(f"scales/biases dtypes {sorted(scale_names)} (kernels handle one of BF16, F16)")
-        gate_w = by_name["gate_proj.weight"]
-        inter = gate_w.shape[0]
-        hidden = gate_w.shape[1] * 32 // quant["gate_proj"].bits
-        bits_gu, bits_d = quant["gate_proj"].bits, quant["down_proj"].bits
-        expect = {
-            "gate_proj.weight": [inter, hidden * bits_gu // 32], "up_proj.weight": [inter, hidden * bits_gu // 32],
-            "down_proj.weight": [hidden, inter * bits_d // 32],
-            "gate_proj.scales": [inter, hidden // GROUP], "up_proj.scales": [inter, hidden // GROUP],
-            "down_proj.scales": [hidden, inter // GROUP],
-        }
-        for proj in PROJECTIONS:
-            expect[f"{proj}.biases"] = expect[f"{proj}.scales"]
-        for name, shape in expect.items():
-            f = by_name[name]
-            if list(f.shape) != shape:
-                raise UnsupportedLayout(f"{name}: shape {list(f.shape)}, expected {shape}")
-            if name.endswith(".weight") and f.dtype not in ("U32", "I32"):
-                raise UnsupportedLayout(f"{name}: dtype {f.dtype}, expected U32")
-            if f.offset % 4:
-                raise UnsupportedLayout(f"{name}: offset {f.offset} is not 4-byte aligned")
-        if hidden % GROUP or inter % GROUP:
-            raise UnsupportedLayout(f"hidden {hidden} / intermediate {inter} not multiples of {GROUP}")
-        bias_dtype = _bias_dtype(by_name, hidden, inter) if activation in BIASED_ACTIVATIONS else None
-        names = list(expect) + ([f"{p}.bias" for p in PROJECTIONS] if bias_dtype is not None else [])
-        return SlotLayout(hidden, inter, bits_gu, bits_d, SCALE_DTYPES[next(iter(scale_names))],
-                          {name: by_name[name].offset for name in names},
-                          sum(by_name[name].nbytes for name in names), activation, float(alpha), float(limit),
-                          bias_dtype)
-
-
-def _mxfp4_layout(by_name, quant, activation: str, alpha: float, limit: float) -> SlotLayout:
-    """The SlotLayout of MXFP4 records (moestream.quant.mxfp4's layout); UnsupportedLayout if they do not fit."""
-    for proj in PROJECTIONS:
-        spec = quant[proj]
-        if spec.bits != 4 or spec.group_size != MX_GROUP:
-            raise UnsupportedLayout(f"{proj}: MXFP4 with bits {spec.bits}, group size {spec.group_size} "
-                                    f"(kernels handle 4 and {MX_GROUP})")
-        for part in ("weight", "scales"):
-            if f"{proj}.{part}" not in by_name:
-                raise UnsupportedLayout(f"record has no {proj}.{part}")
-    gate_w = by_name["gate_proj.weight"]
-    inter, hidden = gate_w.shape[0], gate_w.shape[1] * 2
-    expect = {
-        "gate_proj.weight": [inter, hidden // 2], "up_proj.weight": [inter, hidden // 2],
-        "down_proj.weight": [hidden, inter // 2],
-        "gate_proj.scales": [inter, hidden // MX_GROUP], "up_proj.scales": [inter, hidden // MX_GROUP],
-        "down_proj.scales": [hidden, inter // MX_GROUP],
-    }
-    for name, shape in expect.items():
-        f = by_name[name]
-        if list(f.shape) != shape:
-            raise UnsupportedLayout(f"{name}: shape {list(f.shape)}, expected {shape}")
-        if f.dtype != "U8":
-            raise UnsupportedLayout(f"{name}: dtype {f.dtype}, expected U8")
-        if name.endswith(".weight") and f.offset % 4:  # read as int32 words
-            raise UnsupportedLayout(f"{name}: offset {f.offset} is not 4-byte aligned")
-    if hidden % GROUP or inter % GROUP:  # the grouped kernels step over 64 inputs (two scales) at a time
-        raise UnsupportedLayout(f"hidden {hidden} / intermediate {inter} not multiples of {GROUP}")
-    bias_dtype = _bias_dtype(by_name, hidden, inter) if activation in BIASED_ACTIVATIONS else None
-    names = list(expect) + ([f"{p}.bias" for p in PROJECTIONS] if bias_dtype is not None else [])
-    return SlotLayout(hidden, inter, 4, 4, torch.uint8, {name: by_name[name].offset for name in names},
-                      sum(by_name[name].nbytes for name in names), activation, alpha, limit, bias_dtype, mx=True)
-
-
-def _bias_dtype(by_name, hidden: int, inter: int) -> torch.dtype:
-    """The one float dtype of a record's gate/up/down added biases ([I], [I], [H]); UnsupportedLayout if not."""
-    shapes = {"gate_proj.bias": [inter], "up_proj.bias": [inter], "down_proj.bias": [hidden]}
-    for name, shape in shapes.items():
-        if name not in by_name:
-            raise UnsupportedLayout(f"record has no {name}")
-        if list(by_name[name].shape) != shape:
-            raise UnsupportedLayout(f"{name}: shape {list(by_name[name].shape)}, expected {shape}")
-    dtypes = {by_name[name].dtype for name in shapes}
-    if len(dtypes) != 1 or next(iter(dtypes)) not in BIAS_DTYPES:
-        raise UnsupportedLayout(f"bias dtypes {sorted(dtypes)} (kernels handle one of {', '.join(BIAS_DTYPES)})")
-    dtype = BIAS_DTYPES[next(iter(dtypes))]
-    for name in shapes:
-        if by_name[name].offset % dtype.itemsize:
-            raise UnsupportedLayout(f"{name}: offset {by_name[name].offset} is not aligned to its dtype")
-    return dtype
-
-
-@dataclass(frozen=True)
-class KernelConfig:
-    """Block sizes. They change summation order, so they depend only on the shape of the call (T,
-    U, dtypes), never on the cache -- the same call gives the same bits for any cache."""
-
-    gemv_max_tokens: int = 4  # T at or below this takes the gemv kernels
-    gemv_gate_up_n: int = 16  # output rows per program
-    gemv_gate_up_words: int = 64  # uint32 words of each row per loop step (a power of two >= 2*bits)
-    gemv_gate_up_warps: int = 4
-    gemv_down_n: int = 16
-    gemv_down_words: int = 64
-    gemv_down_warps: int = 4
-    block_m: int = 0  # grouped: pairs per tile; 0 picks 16/32/64 from the mean pairs per expert
-    gate_up_n: int = 64
-    down_n: int = 64
-    grouped_warps: int = 4
-    grouped_stages: int = 3
-    combine_tokens: int = 4
-    combine_block: int = 256
-
-
-DEFAULT_CONFIG = KernelConfig()
 
 
 # -- kernels ------------------------------------------------------------------------------------------
@@ -806,5 +629,4 @@ def grouped_moe_ffn(x: torch.Tensor, pool: torch.Tensor, layout: SlotLayout, ids
     return plan.finish()
 
 
-__all__ = ["SlotLayout", "KernelConfig", "DEFAULT_CONFIG", "MoEPlan", "grouped_moe_ffn", "slot_table", "expert_counts",
-           "UnsupportedLayout"]
+__all__ = ["MoEPlan", "grouped_moe_ffn", "slot_table", "expert_counts"]

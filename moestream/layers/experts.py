@@ -29,6 +29,7 @@ from typing import Callable, Mapping, Protocol, Sequence
 import torch
 
 from moestream.format.records import decode_record
+from moestream.kernels.expert_layout import ACT_DTYPES, SlotLayout, UnsupportedLayout
 from moestream.kernels.reference import BIASED_ACTIVATIONS, projection
 from moestream.layers.clamped_swiglu import clamped_swiglu
 from moestream.layers.gelu_mlp import gelu_glu
@@ -210,8 +211,8 @@ class RoutedExperts:
             triton_moe, reason = None, f"Triton is not installed ({exc})"
         if triton_moe is not None and reason is None:
             try:
-                layout = triton_moe.SlotLayout.from_fields(self.provider.record_fields(layer), self.provider.quant(layer))
-            except triton_moe.UnsupportedLayout as exc:
+                layout = SlotLayout.from_fields(self.provider.record_fields(layer), self.provider.quant(layer))
+            except UnsupportedLayout as exc:
                 reason = str(exc)
             else:
                 if not (layout.mx and self.kernels == "auto"):
@@ -224,9 +225,7 @@ class RoutedExperts:
         return None
 
     def uses_triton(self, layer: int, dtype: torch.dtype) -> bool:
-        from moestream.kernels import triton_moe
-
-        return self.layouts[layer] is not None and dtype in triton_moe.ACT_DTYPES
+        return self.layouts[layer] is not None and dtype in ACT_DTYPES
 
     def plan(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, *, per_pair: bool = False):
         """The device half's work for one layer call: Triton's MoEPlan or the torch reference.

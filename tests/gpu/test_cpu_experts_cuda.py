@@ -15,6 +15,7 @@ import torch
 
 from moestream.engine.engine import Engine
 from moestream.engine.options import EngineOptions
+from moestream.kernels.expert_layout import SlotLayout
 from test_decoder import forced_logprobs
 
 pytestmark = pytest.mark.gpu
@@ -115,7 +116,7 @@ def test_moe_plan_takes_rows_computed_elsewhere():
                 offset += t.nbytes
     pool = torch.stack(records).cuda()
     quant = {p: QuantSpec(4, 64) for p in ("gate_proj", "up_proj", "down_proj")}
-    layout = triton_moe.SlotLayout.from_fields(fields, quant)
+    layout = SlotLayout.from_fields(fields, quant)
     x = torch.randn(T, H, device="cuda").bfloat16()
     ids = torch.tensor([[0, 2], [1, 2]], device="cuda")
     weights = torch.rand(T, A, device="cuda")

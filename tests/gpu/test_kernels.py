@@ -11,6 +11,7 @@ pytest.importorskip("triton")
 from kernel_helpers import build_pool, reference_moe  # noqa: E402
 from moestream.kernels import triton_moe as tm  # noqa: E402
 from moestream.layers.moe import MoEBlock  # noqa: E402
+from moestream.kernels.expert_layout import DEFAULT_CONFIG, SlotLayout  # noqa: E402
 
 DEV = "cuda"
 H, I, E, A = 1024, 384, 32, 8  # I = 6 groups: partial gemv steps and output blocks get exercised
@@ -49,11 +50,11 @@ def reference(pool_set, x, ids, weights):
     return reference_moe(x, pool, fields, quant, ids, weights, slot_of, dtype=torch.float64)
 
 
-def run(pool_set, x, ids, weights, *, mode="auto", batch=None, slot_of=None, config=tm.DEFAULT_CONFIG):
+def run(pool_set, x, ids, weights, *, mode="auto", batch=None, slot_of=None, config=DEFAULT_CONFIG):
     pool, fields, quant, default_slots = pool_set
     slot_of = slot_of or default_slots
     experts = torch.unique(ids).tolist()
-    plan = tm.MoEPlan(x, ids, weights, len(slot_of), tm.SlotLayout.from_fields(fields, quant), mode=mode,
+    plan = tm.MoEPlan(x, ids, weights, len(slot_of), SlotLayout.from_fields(fields, quant), mode=mode,
                       config=config)
     step = batch or len(experts)
     for i in range(0, len(experts), step):
@@ -120,7 +121,7 @@ def test_qwen3_30b_a3b_shape(pools, tokens):
 
 def test_launcher_does_not_synchronize(pools):
     pool, fields, quant, slot_of = pools(4)
-    layout = tm.SlotLayout.from_fields(fields, quant)
+    layout = SlotLayout.from_fields(fields, quant)
     for tokens in (1, 300):
         x, ids, weights = routing(tokens, torch.bfloat16, seed=9)
         experts = torch.unique(ids).tolist()  # the caller's one sync
@@ -140,7 +141,7 @@ def test_resident_slot_table_needs_no_sync_and_gives_the_batched_bits(pools, tok
     """Every expert resident: the kernels index one device slot table with the router's ids, group
     the pairs on the device, add the residual, and never synchronize; same bits as the batched path."""
     pool, fields, quant, slot_of = pool_set = pools(4)
-    layout = tm.SlotLayout.from_fields(fields, quant)
+    layout = SlotLayout.from_fields(fields, quant)
     x, ids, weights = routing(tokens, torch.bfloat16, seed=11)
     batched = run(pool_set, x, ids, weights, batch=5)
     table = torch.tensor(slot_of, dtype=torch.int32, device=DEV)
@@ -252,7 +253,7 @@ ACTS = {"gelu_tanh": GELU, "clamped_swiglu": CLAMPED}
 def test_activations_match_reference(pools, tokens, act, bits, mode, dtype):
     dtype = DTYPES[dtype]
     pool_set = pools(bits, **ACTS[act])
-    assert tm.SlotLayout.from_fields(*pool_set[1:3]).activation == act
+    assert SlotLayout.from_fields(*pool_set[1:3]).activation == act
     x, ids, weights = routing(tokens, dtype, seed=200 + tokens)
     y = run(pool_set, x, ids, weights, mode=mode)
     assert y.dtype == dtype and y.shape == (tokens, H)
@@ -264,7 +265,7 @@ def test_activations_match_reference(pools, tokens, act, bits, mode, dtype):
 @pytest.mark.parametrize("tokens", [2, 200])
 def test_biases_in_other_dtypes_with_mixed_bits(pools, bits, down_bits, scale_dtype, bias_dtype, tokens):
     pool_set = pools(bits, down_bits, scale_dtype, bias_dtype=bias_dtype, **CLAMPED)
-    assert tm.SlotLayout.from_fields(*pool_set[1:3]).bias_dtype == bias_dtype
+    assert SlotLayout.from_fields(*pool_set[1:3]).bias_dtype == bias_dtype
     for dtype in (torch.bfloat16, torch.float32):
         x, ids, weights = routing(tokens, dtype, seed=tokens)
         assert relative_error(run(pool_set, x, ids, weights), reference(pool_set, x, ids, weights)) < TOL[dtype]
@@ -285,7 +286,7 @@ def test_activations_give_the_same_bits_for_any_batching_slot_assignment_and_run
     for e, s in enumerate(slot_of):
         moved[new_slots[e]] = pool[s]
     assert torch.equal(whole, run((moved, fields, quant, new_slots), x, ids, weights))
-    if tokens <= tm.DEFAULT_CONFIG.gemv_max_tokens:  # gemv: a token alone gets its row of the whole
+    if tokens <= DEFAULT_CONFIG.gemv_max_tokens:  # gemv: a token alone gets its row of the whole
         for t in range(tokens):
             assert torch.equal(run(pool_set, x[t:t + 1], ids[t:t + 1], weights[t:t + 1])[0], whole[t])
 
@@ -293,7 +294,7 @@ def test_activations_give_the_same_bits_for_any_batching_slot_assignment_and_run
 @pytest.mark.parametrize("tokens", [1, 300])
 def test_biased_resident_table_needs_no_sync(pools, tokens):
     pool, fields, quant, slot_of = pool_set = pools(4, **CLAMPED)
-    layout = tm.SlotLayout.from_fields(fields, quant)
+    layout = SlotLayout.from_fields(fields, quant)
     x, ids, weights = routing(tokens, torch.bfloat16, seed=12)
     batched = run(pool_set, x, ids, weights, batch=5)
     table = torch.tensor(slot_of, dtype=torch.int32, device=DEV)

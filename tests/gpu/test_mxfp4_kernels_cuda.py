@@ -11,6 +11,7 @@ pytest.importorskip("triton")
 
 from kernel_helpers import build_pool, reference_moe  # noqa: E402
 from moestream.kernels import triton_moe as tm  # noqa: E402
+from moestream.kernels.expert_layout import SlotLayout  # noqa: E402
 
 DEV = "cuda"
 H, I, E, A = 2880, 2880, 12, 4
@@ -43,7 +44,7 @@ def routing(tokens, dtype, seed=0):
 def run(pool_set, x, ids, weights, *, mode="auto", batch=None, slot_of=None):
     pool, fields, quant, default_slots = pool_set
     slot_of = slot_of or default_slots
-    plan = tm.MoEPlan(x, ids, weights, E, tm.SlotLayout.from_fields(fields, quant), mode=mode)
+    plan = tm.MoEPlan(x, ids, weights, E, SlotLayout.from_fields(fields, quant), mode=mode)
     experts = torch.unique(ids).tolist()
     step = batch or len(experts)
     for i in range(0, len(experts), step):
@@ -62,7 +63,7 @@ def relative_error(y, ref):
 def test_mxfp4_kernels_match_the_reference(pools, act, dtype, tokens):
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
     pool_set = pools(**ACTS[act])
-    assert tm.SlotLayout.from_fields(*pool_set[1:3]).mx
+    assert SlotLayout.from_fields(*pool_set[1:3]).mx
     x, ids, weights = routing(tokens, dtype, seed=tokens)
     ref = reference_moe(x, *pool_set[:3], ids, weights, pool_set[3], dtype=torch.float64)
     y = run(pool_set, x, ids, weights)

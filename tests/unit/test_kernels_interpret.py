@@ -19,6 +19,7 @@ from interpret import interpreted_module, run_file_interpreted  # noqa: E402
 
 from kernel_helpers import build_pool, reference_moe  # noqa: E402
 from moestream.quant.affine import QuantSpec  # noqa: E402
+from moestream.kernels.expert_layout import KernelConfig, SlotLayout, UnsupportedLayout  # noqa: E402
 
 H, I, E, A = 128, 64, 8, 2
 TOL = {torch.bfloat16: 4e-2, torch.float32: 1e-5}  # max |y - ref| / max |ref|
@@ -64,9 +65,9 @@ def relative_error(y, ref):
 def run(tm, pool_set, x, ids, weights, *, mode="auto", batch=None, slot_of=None, config=FAST):
     pool, fields, quant, default_slots = pool_set
     slot_of = slot_of or default_slots
-    layout = tm.SlotLayout.from_fields(fields, quant)
+    layout = SlotLayout.from_fields(fields, quant)
     experts = torch.unique(ids).tolist()
-    plan = tm.MoEPlan(x, ids, weights, len(default_slots), layout, mode=mode, config=tm.KernelConfig(**config))
+    plan = tm.MoEPlan(x, ids, weights, len(default_slots), layout, mode=mode, config=KernelConfig(**config))
     step = batch or len(experts)
     for i in range(0, len(experts), step):
         part = experts[i:i + step]
@@ -127,7 +128,7 @@ def test_resident_table_gives_the_same_bits_and_adds_the_residual(tm, pools, tok
     # float32: the interpreter truncates to bfloat16 where torch rounds, so only float32 adds compare
     x, ids, weights = routing(tokens, torch.float32, seed=5)
     batched = run(tm, pool_set, x, ids, weights, batch=3)
-    plan = tm.MoEPlan(x, ids, weights, E, tm.SlotLayout.from_fields(fields, quant), config=tm.KernelConfig(**FAST))
+    plan = tm.MoEPlan(x, ids, weights, E, SlotLayout.from_fields(fields, quant), config=KernelConfig(**FAST))
     plan.run_table(pool, torch.tensor(slot_of, dtype=torch.int32))
     residual = torch.randn(tokens, H, generator=torch.Generator().manual_seed(1))
     assert torch.equal(plan.finish(), batched)
@@ -155,11 +156,11 @@ def test_router_kernel_matches_torch(normalize, experts, top_k):
 
 def test_layouts_the_kernels_do_not_handle_are_refused(tm, pools):
     _, fields, quant, _ = pools(4)
-    tm.SlotLayout.from_fields(fields, quant)
+    SlotLayout.from_fields(fields, quant)
     for bad in ({**quant, "down_proj": QuantSpec(2, 64)}, {**quant, "up_proj": QuantSpec(8, 64)},
                 {**quant, "gate_proj": QuantSpec(4, 32)}, {**quant, "gate_proj": QuantSpec()}):
-        with pytest.raises(tm.UnsupportedLayout):
-            tm.SlotLayout.from_fields(fields, bad)
+        with pytest.raises(UnsupportedLayout):
+            SlotLayout.from_fields(fields, bad)
 
 
 def test_no_triton_path_on_cpu(tm, pools):
@@ -202,7 +203,7 @@ def reference(pool_set, x, ids, weights):
 @pytest.mark.parametrize("act", list(ACTS))
 def test_activations_match_the_torch_reference(tm, pools, act, bits, dtype, mode, tokens):
     pool_set = pools(bits, shape=ODD, **ACTS[act])
-    layout = tm.SlotLayout.from_fields(*pool_set[1:3])
+    layout = SlotLayout.from_fields(*pool_set[1:3])
     assert layout.activation == act and layout.has_bias == (act == "clamped_swiglu")
     x, ids, weights = odd_routing(tokens, dtype, seed=bits + tokens)
     y = run(tm, pool_set, x, ids, weights, mode=mode, config=ODD_CONFIG)
@@ -215,7 +216,7 @@ def test_activations_match_the_torch_reference(tm, pools, act, bits, dtype, mode
                                                                    (8, 4, torch.float16, torch.float16)])
 def test_biases_in_other_dtypes_with_mixed_bits(tm, pools, bits, down_bits, scale_dtype, bias_dtype, mode, tokens):
     pool_set = pools(bits, down_bits, scale_dtype, shape=ODD, bias_dtype=bias_dtype, **CLAMPED)
-    assert tm.SlotLayout.from_fields(*pool_set[1:3]).bias_dtype == bias_dtype
+    assert SlotLayout.from_fields(*pool_set[1:3]).bias_dtype == bias_dtype
     for dtype in (torch.bfloat16, torch.float32):
         x, ids, weights = odd_routing(tokens, dtype, seed=tokens)
         y = run(tm, pool_set, x, ids, weights, mode=mode, config=ODD_CONFIG)
@@ -258,7 +259,7 @@ def test_biased_records_give_the_same_bits_for_any_batching_slots_and_token_coun
 
 def test_activation_layouts_the_kernels_do_not_handle_are_refused(tm, pools):
     _, fields, quant, _ = pools(4, **CLAMPED)
-    tm.SlotLayout.from_fields(fields, quant)
+    SlotLayout.from_fields(fields, quant)
 
     def with_quant(**change):
         return {p: dataclasses.replace(s, **change) for p, s in quant.items()}
@@ -272,8 +273,8 @@ def test_activation_layouts_the_kernels_do_not_handle_are_refused(tm, pools):
                                   (with_field("gate_proj.bias", shape=[I + 64]), quant),
                                   (with_field("up_proj.bias", dtype="F32"), quant),  # one dtype for all three
                                   (with_field("down_proj.bias", offset=fields[-1].offset + 2, dtype="F32"), quant)):
-        with pytest.raises(tm.UnsupportedLayout):
-            tm.SlotLayout.from_fields(bad_fields, bad_quant)
+        with pytest.raises(UnsupportedLayout):
+            SlotLayout.from_fields(bad_fields, bad_quant)
 
 
 def test_routed_experts_take_the_kernels_for_every_activation_on_cuda(tm, pools):
@@ -312,7 +313,7 @@ def test_converted_family_records_run_on_the_kernels(tm, tiny_packed_model, fami
                         for e in range(layer.num_experts)])
     slot_of = list(range(layer.num_experts))
     pool_set = (pool, layer.fields, quant, slot_of)
-    lay = tm.SlotLayout.from_fields(layer.fields, quant)
+    lay = SlotLayout.from_fields(layer.fields, quant)
     assert lay.activation == activation and lay.has_bias == (family == "gpt_oss")
     hidden = lay.hidden
     for mode, tokens in (("gemv", 2), ("grouped", 11)):

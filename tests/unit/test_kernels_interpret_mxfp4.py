@@ -21,6 +21,7 @@ from kernel_helpers import build_pool, reference_moe  # noqa: E402
 from moestream.kernels.triton_moe import _e2m1_f32, _e8m0_f32  # noqa: E402
 from moestream.quant import affine, mxfp4  # noqa: E402
 from moestream.quant.affine import QuantSpec  # noqa: E402
+from moestream.kernels.expert_layout import KernelConfig, SlotLayout, UnsupportedLayout  # noqa: E402
 
 E, H, I, TOP_K = 7, 192, 128, 3  # an odd number of experts and of pairs per token; three 64-input steps of H
 TOL = {torch.bfloat16: 4e-2, torch.float32: 1e-5}  # max |y - ref| / max |ref|, as test_kernels_interpret
@@ -84,9 +85,9 @@ def reference(pool_set, x, ids, weights):
 def run(tm, pool_set, x, ids, weights, *, mode="auto", batch=None, slot_of=None):
     pool, fields, quant, default_slots = pool_set
     slot_of = slot_of or default_slots
-    layout = tm.SlotLayout.from_fields(fields, quant)
+    layout = SlotLayout.from_fields(fields, quant)
     experts = torch.unique(ids).tolist()
-    plan = tm.MoEPlan(x, ids, weights, len(default_slots), layout, mode=mode, config=tm.KernelConfig(**CONFIG))
+    plan = tm.MoEPlan(x, ids, weights, len(default_slots), layout, mode=mode, config=KernelConfig(**CONFIG))
     step = batch or len(experts)
     for i in range(0, len(experts), step):
         part = experts[i:i + step]
@@ -113,7 +114,7 @@ def scale_exponents(pool_set):
 @pytest.mark.parametrize("act", list(ACTS))
 def test_mxfp4_records_match_the_torch_reference(tm, pools, act, dtype, mode, tokens):
     pool_set = pools(**ACTS[act])
-    layout = tm.SlotLayout.from_fields(*pool_set[1:3])
+    layout = SlotLayout.from_fields(*pool_set[1:3])
     assert layout.mx and layout.activation == act and layout.has_bias == (act == "clamped_swiglu")
     assert set(codes_of(pool_set).unique().tolist()) == set(range(16))  # -0.0 (code 8) included
     x, ids, weights = routing(tokens, dtype, seed=tokens)
@@ -179,7 +180,7 @@ def test_resident_table_gives_the_same_bits_and_adds_the_residual(tm, pools):
     pool, fields, quant, slot_of = pool_set = pools()
     x, ids, weights = routing(2, torch.float32, seed=5)
     batched = run(tm, pool_set, x, ids, weights, batch=2)
-    plan = tm.MoEPlan(x, ids, weights, E, tm.SlotLayout.from_fields(fields, quant), config=tm.KernelConfig(**CONFIG))
+    plan = tm.MoEPlan(x, ids, weights, E, SlotLayout.from_fields(fields, quant), config=KernelConfig(**CONFIG))
     plan.run_table(pool, torch.tensor(slot_of, dtype=torch.int32))
     residual = torch.randn(2, H, generator=torch.Generator().manual_seed(1))
     assert torch.equal(plan.finish(), batched)
@@ -188,7 +189,7 @@ def test_resident_table_gives_the_same_bits_and_adds_the_residual(tm, pools):
 
 def test_mxfp4_layouts_the_kernels_do_not_handle_are_refused_with_a_reason(tm, pools):
     _, fields, quant, _ = pools(**CLAMPED)
-    lay = tm.SlotLayout.from_fields(fields, quant)
+    lay = SlotLayout.from_fields(fields, quant)
     assert lay.scale_dtype == torch.uint8 and set(lay.offsets) == {f.name for f in fields}
 
     def with_field(name, **change):
@@ -206,11 +207,11 @@ def test_mxfp4_layouts_the_kernels_do_not_handle_are_refused_with_a_reason(tm, p
         "gate_proj.scales: shape": (with_field("gate_proj.scales", shape=[I, H // 64]), quant),
     }
     for reason, (bad_fields, bad_quant) in cases.items():
-        with pytest.raises(tm.UnsupportedLayout, match=reason):
-            tm.SlotLayout.from_fields(bad_fields, bad_quant)
+        with pytest.raises(UnsupportedLayout, match=reason):
+            SlotLayout.from_fields(bad_fields, bad_quant)
     _, fields96, quant96, _ = build_pool(2, 96, 64, mx_spread=0)  # whole MXFP4 blocks, but not 64-input steps
-    with pytest.raises(tm.UnsupportedLayout, match="not multiples of 64"):
-        tm.SlotLayout.from_fields(fields96, quant96)
+    with pytest.raises(UnsupportedLayout, match="not multiples of 64"):
+        SlotLayout.from_fields(fields96, quant96)
 
 
 def test_routed_experts_take_the_kernels_for_mxfp4_records_on_cuda(tm, pools):
@@ -251,7 +252,7 @@ def test_converted_gpt_oss_mxfp4_records_run_on_the_kernels(tm, tiny_checkpoint,
         pool = torch.stack([torch.frombuffer(bytearray(packed.read_record(layer.layer, e)), dtype=torch.uint8)
                             for e in range(layer.num_experts)])
         pool_set = (pool, layer.fields, quant, list(range(layer.num_experts)))
-        lay = tm.SlotLayout.from_fields(layer.fields, quant)
+        lay = SlotLayout.from_fields(layer.fields, quant)
         assert lay.mx and lay.activation == "clamped_swiglu" and lay.has_bias
         for mode, tokens in (("gemv", 2), ("grouped", 11)):
             x, ids, weights = routing(tokens, torch.float32, seed=tokens, experts=layer.num_experts, hidden=lay.hidden,
