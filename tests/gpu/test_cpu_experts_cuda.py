@@ -16,7 +16,7 @@ import torch
 from moestream.engine.engine import Engine
 from moestream.engine.options import EngineOptions
 from moestream.kernels.expert_layout import SlotLayout
-from test_decoder import forced_logprobs
+from test_decoder import greedy_or_forced
 
 pytestmark = pytest.mark.gpu
 PROMPT = "def fibonacci(n):\n    if n < 2:"
@@ -38,11 +38,7 @@ def run(packed, fault_after=None, forced=None, **opts):
         engine.experts.cpu.fault_after = fault_after
     try:
         prompt = engine.tokenizer.encode(PROMPT)
-        if forced is None:
-            events = list(engine.generate(prompt, max_new_tokens=STEPS, logprobs=1, stop_at_eos=False))
-            tokens, logprobs = [e.token_id for e in events], [e.logprob for e in events]
-        else:
-            tokens, logprobs = forced, forced_logprobs(engine, prompt, forced)
+        tokens, logprobs = greedy_or_forced(engine, prompt, STEPS, forced)
         graphs = [k for k in engine.decoder.graphs if k[0] == "experts"]
         return tokens, logprobs, engine.expert_stats(), graphs
     finally:

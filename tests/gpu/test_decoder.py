@@ -42,6 +42,13 @@ def forced_logprobs(engine, prompt, tokens):
     return out
 
 
+def greedy_or_forced(engine, prompt, steps, forced=None):
+    """(tokens, log-probabilities): `steps` greedy tokens, or with `forced` those tokens fed one step at a time."""
+    if forced is None:
+        return greedy_with_logprobs(engine, prompt, steps)
+    return forced, forced_logprobs(engine, prompt, forced)
+
+
 def takes_the_fast_path(engine):
     layers = engine.args.moe_layers()
     return layers and all(engine.experts.uses_triton(i, engine.dtype) for i in layers)

@@ -10,7 +10,7 @@ import torch
 
 from moestream.engine.engine import Engine
 from moestream.engine.options import EngineOptions
-from test_decoder import forced_logprobs
+from test_decoder import greedy_or_forced
 from moestream.experts.device_map import DeviceMap
 from moestream.experts.uva import device_view
 
@@ -35,11 +35,7 @@ def run(packed, dtype="bfloat16", fault_after=None, fault_delay_s=0.0, slot_map=
         engine.experts.cpu.fault_delay_s = fault_delay_s
     try:
         prompt = engine.tokenizer.encode(PROMPT)
-        if forced is None:
-            events = list(engine.generate(prompt, max_new_tokens=STEPS, logprobs=1, stop_at_eos=False))
-            tokens, logprobs = [e.token_id for e in events], [e.logprob for e in events]
-        else:
-            tokens, logprobs = forced, forced_logprobs(engine, prompt, forced)
+        tokens, logprobs = greedy_or_forced(engine, prompt, STEPS, forced)
         assert engine.streaming == "device"
         assert ("step", 1) in engine.decoder.graphs, "decode steps ran as one CUDA graph each"
         return tokens, logprobs, engine.expert_stats()
