@@ -179,10 +179,12 @@ def sweep(pool_set, bits: int, tokens: int, base, seconds: float) -> dict:
     slot_table = torch.tensor(table, dtype=torch.int32, device=DEVICE)
     decode = tokens <= base.gemv_max_tokens
     if decode:
-        gate_up = [dict(gemv_gate_up_n=n, gemv_gate_up_words=w, gemv_gate_up_warps=nw)
-                   for n, w, nw in itertools.product((8, 16, 32), (32, 64, 128), (2, 4))]
-        down = [dict(gemv_down_n=n, gemv_down_words=w, gemv_down_warps=nw)
-                for n, w, nw in itertools.product((8, 16, 32), (32, 64, 128), (2, 4))]
+        # bytes in flight per program (rows x words per step) against registers per thread
+        tiles = [(n, w, nw) for n, w, nw in itertools.product((4, 8, 16, 32, 64), (32, 64, 128, 256), (2, 4, 8))
+                 if 32 * nw <= n * w <= 64 * 32 * nw]
+        gate_up = [dict(gemv_gate_up_n=n, gemv_gate_up_words=w, gemv_gate_up_warps=nw) for n, w, nw in tiles]
+        down = [dict(gemv_down_n=n, gemv_down_words=w, gemv_down_warps=nw) for n, w, nw in tiles
+                if w <= 128]  # down's rows are I * bits / 32 = 96 words at 4 bits
     else:  # (block_m, block_n, warps, stages)
         tiles = [(64, 64, 4, 3), (64, 64, 4, 4), (64, 64, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3),
                  (128, 128, 8, 3), (32, 64, 4, 3), (64, 32, 4, 3), (128, 64, 4, 3), (64, 64, 4, 2)]
@@ -224,7 +226,8 @@ def main() -> int:
     ap.add_argument("--out", required=True, help="write the results here (JSON)")
     ap.add_argument("--bits", default="4,8")
     ap.add_argument("--tokens", default="1,4,2048")
-    ap.add_argument("--sweep", action="store_true", help="also try other block sizes (4-bit, T=1 and 2048)")
+    ap.add_argument("--sweep", action="store_true", help="also try other block sizes (4-bit; --sweep-tokens)")
+    ap.add_argument("--sweep-tokens", default="1,2048", help="the token counts the sweep tries")
     ap.add_argument("--sweep-seconds", type=float, default=120.0, help="time budget of the whole sweep")
     ap.add_argument("--no-reference", action="store_true", help="skip timing the torch reference")
     args = ap.parse_args()
@@ -254,7 +257,7 @@ def main() -> int:
                   f"err {r['max_rel_error_vs_fp64']:.2e} (torch bf16 {r['torch_bf16_max_rel_error_vs_fp64']:.2e})",
                   flush=True)
         if args.sweep and bits == 4:
-            for tokens in (1, 2048):
+            for tokens in [int(t) for t in args.sweep_tokens.split(",")]:
                 s = sweep(pool_set, bits, tokens, config, args.sweep_seconds / 2)
                 result["sweep"][f"{bits}bit_T{tokens}"] = s
                 write(args.out, result)

@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # What has not yet run on a GPU, in priority order, in parts that each fit one device call (≤ 10 min).
-# Usage: scripts/gpu/run_pending.sh OUTDIR PART...   PART: tests | stream | lookahead | resident | families | server
+# Usage: scripts/gpu/run_pending.sh OUTDIR PART...
+#   PART: synth | sweep | tests | stream | lookahead | resident | profile | families | cpu-share | server
+#   synth:    every shape the other parts read, side by side (one core each), so later calls find them
+#   sweep:    the expert kernels' block sizes tried at the 30B shape (scripts/bench_kernels.py --sweep)
 #   tests:    the GPU tests written or changed since the last GPU run (one pytest, TESTS_LIMIT seconds in all;
 #             the MXFP4 Triton kernels first: once they pass, --expert-kernels auto may take them)
 #   stream:   Qwen3-30B-A3B shape, uniform routing: 50 % and 10 % with the Triton slot map, the device path's
@@ -28,6 +31,23 @@ bench() {  # name, seconds, flags...
 }
 for part in "$@"; do
   case $part in
+  synth)
+    synth &
+    for spec in ${FAMILIES:-gemma-4-26b-a4b: deepseek-v3:5}; do
+      shape=${spec%%:*} layers=${spec#*:} dir=/tmp/fam-${spec%%:*}
+      [ -f $dir/moestream.json ] || python3 -m moestream synth --shape $shape $dir --force ${layers:+--layers $layers} \
+        > "$out/synth-$shape.log" 2>&1 &
+    done
+    wait; say synth-all; df -h /tmp | tail -1 ;;
+  sweep)
+    timeout ${SWEEP_LIMIT:-300} python3 scripts/bench_kernels.py --out "$out/kernels-sweep.json" --bits 4,8 \
+      --tokens 1,4,512,2048 --no-reference --sweep --sweep-tokens 1 --sweep-seconds ${SWEEP_SECONDS:-220} \
+      > "$out/kernels-sweep.log" 2>&1
+    say sweep "rc=$?"; grep -E "bit T=|sweep|rror" "$out/kernels-sweep.log" | tail -12 ;;
+  profile)
+    synth
+    timeout 150 python3 scripts/gpu/profile_decode.py --model $model --prefill 512 > "$out/profile-512.log" 2>&1
+    say profile-512 "rc=$?" ;;
   tests)  # one pytest process (one CUDA start), capped as a whole; --durations says what to trim next time
     files=""
     for f in test_mxfp4_kernels_cuda test_mxfp4_records_cuda test_kernels test_gemma4_gpt_oss_cuda test_synth_gemma4_cuda \
