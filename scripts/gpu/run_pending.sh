@@ -17,7 +17,7 @@
 #             `carry: [".whl"]` in the call)
 set -u
 out=${1:?output folder}; shift
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
+export PYTHONPATH=${SITE:+$SITE:}$PWD PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
 mkdir -p "$out"
 start=$(date +%s)
 say() { echo "$1: $(( $(date +%s) - start )) s ${2:-}"; }
