@@ -104,6 +104,37 @@ def bench(fn, ms: int = 200) -> float:
     return float(triton.testing.do_bench(fn, warmup=25, rep=ms, return_mode="median"))
 
 
+def graph_ms(fns, reps: int = 20) -> float:
+    """Milliseconds per call of fns (run in turn), timed as one CUDA graph replayed `reps` times:
+    no launch cost from Python, as in a decode step (a plain timer of a ~10 us kernel measures its launch)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # compile and warm outside the capture
+        for fn in fns:
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in fns:
+            fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps / len(fns)
+
+
+def decode_plans(tokens: int, layout, config, calls: int = 16):
+    """`calls` plans of `tokens` tokens, each with its own random routing: timed back to back, each
+    reads other experts' bytes (the pool is several times the L2), like the layers of a decode step."""
+    from moestream.kernels import triton_moe as tm
+
+    return [tm.MoEPlan(*routing(tokens, DEVICE, seed=1000 + c), EXPERTS, layout, config=config) for c in range(calls)]
+
+
 def one_case(pool_set, bits: int, tokens: int, config, *, reference_ms: bool, check: bool) -> dict:
     from moestream.kernels import triton_moe as tm
     from moestream.kernels.reference import projection
@@ -118,18 +149,18 @@ def one_case(pool_set, bits: int, tokens: int, config, *, reference_ms: bool, ch
     d_bytes = unique * proj_bytes(layout, ("down_proj",))
     flops = 2 * tokens * TOP_K * 3 * HIDDEN * INTER
 
-    plan = tm.MoEPlan(x, ids, weights, experts, layout, config=config)
-    table = [-1] * (experts[-1] + 1)
-    for e, s in zip(experts, slots):
-        table[e] = s
-    slot_table = torch.tensor(table, dtype=torch.int32, device=DEVICE)
+    plan = tm.MoEPlan(x, ids, weights, EXPERTS, layout, config=config)
     r = {"tokens": tokens, "bits": bits, "mode": plan.mode, "unique_experts": unique,
          "weight_bytes": gu_bytes + d_bytes}
-    r["gate_up_ms"] = bench(lambda: plan.gate_up(pool, slot_table))
-    r["down_ms"] = bench(lambda: plan.down(pool, slot_table))
-    r["combine_ms"] = bench(plan.finish)
-    r["kernels_ms"] = bench(lambda: (plan.gate_up(pool, slot_table), plan.down(pool, slot_table), plan.finish()))
-    r["call_ms"] = bench(lambda: tm.grouped_moe_ffn(x, pool, layout, ids, weights, experts, slots, config=config))
+    full = torch.tensor([slot_of[e] for e in range(EXPERTS)], dtype=torch.int32, device=DEVICE)
+    plans = decode_plans(tokens, layout, config) if plan.mode == "gemv" else [plan]
+    r["timing"] = "CUDA graph of 16 calls with their own routing" if plan.mode == "gemv" else "CUDA graph"
+    r["gate_up_ms"] = graph_ms([lambda p=p: p.gate_up(pool, full) for p in plans])
+    r["down_ms"] = graph_ms([lambda p=p: p.down(pool, full) for p in plans])
+    r["combine_ms"] = graph_ms([p.finish for p in plans])
+    r["kernels_ms"] = graph_ms([lambda p=p: (p.gate_up(pool, full), p.down(pool, full), p.finish()) for p in plans])
+    r["call_ms"] = bench(lambda: tm.grouped_moe_ffn(x, pool, layout, ids, weights, experts, slots, config=config,
+                                                               num_experts=EXPERTS))
     r["gate_up_gb_s"] = gu_bytes / r["gate_up_ms"] / 1e6
     r["down_gb_s"] = d_bytes / r["down_ms"] / 1e6
     r["kernels_gb_s"] = (gu_bytes + d_bytes) / r["kernels_ms"] / 1e6
@@ -156,7 +187,7 @@ def one_case(pool_set, bits: int, tokens: int, config, *, reference_ms: bool, ch
         r["speedup_vs_torch_reference"] = r["torch_reference_ms"] / r["call_ms"]
         del dense
     if check:
-        y = tm.grouped_moe_ffn(x, pool, layout, ids, weights, experts, slots, config=config)
+        y = tm.grouped_moe_ffn(x, pool, layout, ids, weights, experts, slots, config=config, num_experts=EXPERTS)
         ref = reference_moe(x, pool, fields, quant, ids, weights, slot_of, dtype=torch.float64)
         r["max_rel_error_vs_fp64"] = ((y.double() - ref).abs().max() / ref.abs().max()).item()
         ref16 = reference_moe(x, pool, fields, quant, ids, weights, slot_of)
@@ -165,34 +196,31 @@ def one_case(pool_set, bits: int, tokens: int, config, *, reference_ms: bool, ch
 
 
 def sweep(pool_set, bits: int, tokens: int, base, seconds: float) -> dict:
-    """Time other block sizes of each kernel of one case (half the time budget each); returns every
-    timing and the best."""
+    """Time other block sizes at `tokens` tokens (CUDA graphs, as `one_case`); the gemv kernels
+    (decode) are independent, so each gets its own best; the grouped kernels (prefill) share
+    block_m, warps and stages, so their tiles are timed together. Returns every timing and the best."""
     from moestream.kernels import triton_moe as tm
 
     pool, fields, quant, slot_of = pool_set
     layout = SlotLayout.from_fields(fields, quant)
-    x, ids, weights = routing(tokens, DEVICE, seed=tokens)
-    experts = torch.unique(ids).tolist()
-    table = [-1] * (experts[-1] + 1)
-    for e in experts:
-        table[e] = slot_of[e]
-    slot_table = torch.tensor(table, dtype=torch.int32, device=DEVICE)
+    full = torch.tensor([slot_of[e] for e in range(EXPERTS)], dtype=torch.int32, device=DEVICE)
     decode = tokens <= base.gemv_max_tokens
     if decode:
         # bytes in flight per program (rows x words per step) against registers per thread
         tiles = [(n, w, nw) for n, w, nw in itertools.product((4, 8, 16, 32, 64), (32, 64, 128, 256), (2, 4, 8))
                  if 32 * nw <= n * w <= 64 * 32 * nw]
-        gate_up = [dict(gemv_gate_up_n=n, gemv_gate_up_words=w, gemv_gate_up_warps=nw) for n, w, nw in tiles]
-        down = [dict(gemv_down_n=n, gemv_down_words=w, gemv_down_warps=nw) for n, w, nw in tiles
-                if w <= 128]  # down's rows are I * bits / 32 = 96 words at 4 bits
-    else:  # (block_m, block_n, warps, stages)
-        tiles = [(64, 64, 4, 3), (64, 64, 4, 4), (64, 64, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3),
-                 (128, 128, 8, 3), (32, 64, 4, 3), (64, 32, 4, 3), (128, 64, 4, 3), (64, 64, 4, 2)]
-        gate_up = [dict(block_m=bm, gate_up_n=n, grouped_warps=nw, grouped_stages=st) for bm, n, nw, st in tiles]
-        down = [dict(block_m=bm, down_n=2 * n, grouped_warps=nw, grouped_stages=st) for bm, n, nw, st in tiles]
+        kinds = {"gate_up": [dict(gemv_gate_up_n=n, gemv_gate_up_words=w, gemv_gate_up_warps=nw) for n, w, nw in tiles],
+                 "down": [dict(gemv_down_n=n, gemv_down_words=w, gemv_down_warps=nw) for n, w, nw in tiles
+                          if w <= 128]}  # down's rows are I * bits / 32 = 96 words at 4 bits
+    else:  # (block_m, gate_up block_n, down block_n, warps, stages)
+        tiles = [(64, 64, 128, 4, 3), (64, 64, 64, 4, 3), (64, 64, 128, 4, 4), (64, 64, 128, 8, 3), (64, 128, 128, 8, 3),
+                 (32, 64, 128, 4, 3), (32, 128, 128, 4, 3), (32, 64, 64, 4, 2), (16, 64, 128, 4, 3), (16, 128, 128, 4, 3),
+                 (128, 64, 128, 8, 3), (64, 32, 64, 4, 3), (64, 64, 128, 4, 2), (32, 64, 128, 8, 4)]
+        kinds = {"grouped": [dict(block_m=bm, gate_up_n=gn, down_n=dn, grouped_warps=nw, grouped_stages=st)
+                             for bm, gn, dn, nw, st in tiles]}
     out = {}
-    for kind, options in (("gate_up", gate_up), ("down", down)):
-        deadline = time.monotonic() + seconds / 2
+    for kind, options in kinds.items():
+        deadline = time.monotonic() + seconds / len(kinds)
         rows = []
         for opt in options:
             if time.monotonic() > deadline:
@@ -200,18 +228,33 @@ def sweep(pool_set, bits: int, tokens: int, base, seconds: float) -> dict:
                 continue
             cfg = replace(base, **opt)
             try:
-                plan = tm.MoEPlan(x, ids, weights, experts, layout, config=cfg)
-                fn = (lambda p=plan: p.gate_up(pool, slot_table)) if kind == "gate_up" else \
-                    (lambda p=plan: p.down(pool, slot_table))
-                fn()
-                ms = bench(fn, ms=60)
-                rows.append({"config": opt, "ms": ms})
+                plans = decode_plans(tokens, layout, cfg) if decode else \
+                    [tm.MoEPlan(*routing(tokens, DEVICE, seed=tokens), EXPERTS, layout, config=cfg)]
+                if kind == "gate_up":
+                    fns = [lambda p=p: p.gate_up(pool, full) for p in plans]
+                elif kind == "down":
+                    fns = [lambda p=p: p.down(pool, full) for p in plans]
+                else:
+                    fns = [lambda p=p: (p.gate_up(pool, full), p.down(pool, full)) for p in plans]
+                rows.append({"config": opt, "ms": graph_ms(fns)})
             except Exception as exc:  # a tile that does not fit (shared memory, registers)
                 rows.append({"config": opt, "error": f"{type(exc).__name__}: {str(exc)[:160]}"})
+            torch.cuda.synchronize()
         timed = [r for r in rows if "ms" in r]
         best = min(timed, key=lambda r: r["ms"]) if timed else None
-        out[kind] = {"best": best, "all": rows}
+        current = next((r for r in timed if all(getattr(base, k) == v for k, v in r["config"].items())), None)
+        out[kind] = {"best": best, "current": current, "all": rows}
     return out
+
+
+def best_config(sweeps: dict) -> dict:
+    """The fastest block sizes of every kernel swept: a MOESTREAM_KERNEL_CONFIG object."""
+    chosen = {}
+    for result in sweeps.values():
+        for kind in result.values():
+            if kind["best"]:
+                chosen.update(kind["best"]["config"])
+    return chosen
 
 
 def write(path: str, result: dict) -> None:
@@ -229,6 +272,7 @@ def main() -> int:
     ap.add_argument("--sweep", action="store_true", help="also try other block sizes (4-bit; --sweep-tokens)")
     ap.add_argument("--sweep-tokens", default="1,2048", help="the token counts the sweep tries")
     ap.add_argument("--sweep-seconds", type=float, default=120.0, help="time budget of the whole sweep")
+    ap.add_argument("--best-out", help="write the fastest block sizes found here (JSON for MOESTREAM_KERNEL_CONFIG)")
     ap.add_argument("--no-reference", action="store_true", help="skip timing the torch reference")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -261,11 +305,14 @@ def main() -> int:
                 s = sweep(pool_set, bits, tokens, config, args.sweep_seconds / 2)
                 result["sweep"][f"{bits}bit_T{tokens}"] = s
                 write(args.out, result)
-                for kind in ("gate_up", "down"):
-                    best = s[kind]["best"]
+                for kind, found in s.items():
+                    best, current = found["best"], found["current"]
                     if best:
                         print(f"sweep {bits}-bit T={tokens} {kind}: best {best['ms'] * 1e3:.1f} us "
-                              f"with {best['config']}", flush=True)
+                              f"with {best['config']} (current {current['ms'] * 1e3 if current else float('nan'):.1f} us)",
+                              flush=True)
+                if args.best_out:
+                    write(args.best_out, best_config(result["sweep"]))
         del pool_set
         torch.cuda.empty_cache()
     write(args.out, result)

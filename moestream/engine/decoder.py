@@ -27,7 +27,9 @@ whole step is one graph: no host work until the logits. The same holds with a de
 the device, copying misses from the host tier itself. Otherwise between a layer's attention
 and its experts the host reads the chosen ids (the one sync per layer), pins or loads the experts
 and writes the layer's slot table. Both ways run the same kernels on the same bytes, so the logits
-are the same bits for every cache size; with graphs off (and on the CPU) the segments run eagerly."""
+are the same bits for every cache size; with graphs off (and on the CPU) the segments run eagerly.
+A step whose rows come from several sequences (batched serving) is one graph too once the same
+arrangement of sequences repeats (each graph binds its rows' caches); a new arrangement runs eagerly."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -40,6 +42,7 @@ from moestream.layers.kv_cache import KVCache
 from moestream.layers.moe import MoEBlock
 
 MAX_STEP_TOKENS = 16  # tokens one step takes at most (longer lists are cut into steps)
+MAX_BATCH_GRAPHS = 4  # whole-step graphs kept for steps whose rows come from several sequences
 
 
 @dataclass
@@ -100,6 +103,7 @@ class Decoder:
         self.stream = torch.cuda.current_stream(dev) if self.cuda else None  # kept: asking costs ~25 us
         self.graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self._last_batch: tuple | None = None  # the key of the last step of several sequences' rows
 
     def _mode(self, key) -> dict[int, _Routed]:
         if key not in self._modes:
@@ -260,13 +264,22 @@ class Decoder:
             self.pos[t].fill_(positions[t])
             self.row_slots[t] = slots[t]
         first = slots[0]
-        # the resident whole-step graph binds one sequence's cache; a step of several runs in segments
-        if self.experts.device_driven and self.use_graphs and all(s == first for s in slots) and \
-                all(self._capturable(i) for i in self.routed):
-            key = ("step", T) if first == 0 else ("step", T, first)
+        # a whole-step graph binds the caches of its rows' sequences: one per sequence, and one per
+        # arrangement of several sequences' rows once it repeats (a batch that keeps its members);
+        # until then such a step runs eagerly: capturing every new arrangement would cost more
+        if self.experts.device_driven and self.use_graphs and all(self._capturable(i) for i in self.routed):
+            single = all(s == first for s in slots)
+            key = (("step", T) if first == 0 else ("step", T, first)) if single else ("step", T, tuple(slots))
             key = key if head else key + ("hidden",)
-            self.routed = self._mode(key)
-            self._replay(key, lambda: self._whole(T, head))
+            capture = single or key in self.graphs or key == self._last_batch
+            self._last_batch = None if single else key
+            if capture:
+                self.routed = self._mode(key)
+                if not single and key not in self.graphs:
+                    self._forget_batch_graphs()
+            else:
+                self.routed = self._mode("segments")
+            self._replay(key, lambda: self._whole(T, head), capture=capture)
             for i, r in self.routed.items():
                 self._booked(i, T)
             self._after_step()
@@ -287,6 +300,14 @@ class Decoder:
             return self.x[:T]
         self._replay(("head",) if self.cuda else ("head", T), lambda: self._head(T))
         return self.logits[:T]
+
+    def _forget_batch_graphs(self) -> None:
+        """Keep at most MAX_BATCH_GRAPHS - 1 graphs of several sequences' rows before capturing
+        another (the oldest go: a batch that changed members rarely comes back)."""
+        batches = [k for k in self.graphs if k[0] == "step" and len(k) > 2 and isinstance(k[2], tuple)]
+        for key in batches[:max(0, len(batches) - MAX_BATCH_GRAPHS + 1)]:
+            del self.graphs[key]
+            self._modes.pop(key, None)
 
     def _after_step(self) -> None:
         if self.experts.device_lookahead is not None:

@@ -4,7 +4,10 @@ field sits in a slot (SlotLayout, from a record's fields and quantization), whic
 torch: deciding whether a layer can take the kernels needs no Triton."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json
+import os
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
 
 import torch
 
@@ -186,4 +189,26 @@ class KernelConfig:
     combine_block: int = 256
 
 
-DEFAULT_CONFIG = KernelConfig()
+CONFIG_ENV = "MOESTREAM_KERNEL_CONFIG"
+
+
+def configured(raw: str | None) -> KernelConfig:
+    """KernelConfig with the block sizes of `raw` (a JSON object, or a path to a file holding one,
+    e.g. `scripts/bench_kernels.py --best-out`'s) over the defaults; ValueError naming what is wrong."""
+    if not raw:
+        return KernelConfig()
+    try:
+        text = raw if raw.lstrip().startswith("{") else Path(raw).read_text()
+        values = json.loads(text)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{CONFIG_ENV}: not a JSON object or a readable JSON file ({exc})") from None
+    known = {f.name: f.type for f in fields(KernelConfig)}
+    if not isinstance(values, dict) or any(k not in known or not isinstance(v, int) or isinstance(v, bool) or v < 0
+                                           for k, v in values.items()):
+        raise ValueError(f"{CONFIG_ENV}: expected {{name: non-negative int}} with names among {', '.join(known)}")
+    return replace(KernelConfig(), **values)
+
+
+# The process's block sizes: fixed at import (one setting for every call of a run, so the bits
+# still depend only on the call's shape); MOESTREAM_KERNEL_CONFIG overrides them for tuning.
+DEFAULT_CONFIG = configured(os.environ.get(CONFIG_ENV))

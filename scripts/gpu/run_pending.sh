@@ -4,6 +4,7 @@
 #   PART: synth | sweep | tests | stream | lookahead | resident | profile | families | cpu-share | server
 #   synth:    every shape the other parts read, side by side (one core each), so later calls find them
 #   sweep:    the expert kernels' block sizes tried at the 30B shape (scripts/bench_kernels.py --sweep)
+#   tuned:    resident bench with the default block sizes, then with the sweep's, and the kernel tests with them
 #   tests:    the GPU tests written or changed since the last GPU run (one pytest, TESTS_LIMIT seconds in all;
 #             the MXFP4 Triton kernels first: once they pass, --expert-kernels auto may take them)
 #   stream:   Qwen3-30B-A3B shape, uniform routing: 50 % and 10 % with the Triton slot map, the device path's
@@ -39,11 +40,21 @@ for part in "$@"; do
         > "$out/synth-$shape.log" 2>&1 &
     done
     wait; say synth-all; df -h /tmp | tail -1 ;;
-  sweep)
-    timeout ${SWEEP_LIMIT:-300} python3 scripts/bench_kernels.py --out "$out/kernels-sweep.json" --bits 4,8 \
-      --tokens 1,4,512,2048 --no-reference --sweep --sweep-tokens 1 --sweep-seconds ${SWEEP_SECONDS:-220} \
-      > "$out/kernels-sweep.log" 2>&1
-    say sweep "rc=$?"; grep -E "bit T=|sweep|rror" "$out/kernels-sweep.log" | tail -12 ;;
+  sweep)  # the fastest block sizes into $out/best-config.json (MOESTREAM_KERNEL_CONFIG for the tuned part)
+    timeout ${SWEEP_LIMIT:-330} python3 scripts/bench_kernels.py --out "$out/kernels-sweep.json" --bits ${SWEEP_BITS:-4} \
+      --tokens 1,4,512,2048 --no-reference --sweep --sweep-tokens ${SWEEP_TOKENS:-1,512} \
+      --sweep-seconds ${SWEEP_SECONDS:-260} --best-out "$out/best-config.json" > "$out/kernels-sweep.log" 2>&1
+    say sweep "rc=$?"; grep -E "bit T=|sweep|rror" "$out/kernels-sweep.log" | tail -12; cat "$out/best-config.json" ;;
+  tuned)  # resident decode and prefill with the default block sizes, then with the sweep's (one process each)
+    synth
+    bench resident-default 150 --cache-sizes all --prefill-tokens 512,2048
+    if [ -f "$out/best-config.json" ]; then
+      MOESTREAM_KERNEL_CONFIG="$out/best-config.json" bench resident-tuned 150 --cache-sizes all --prefill-tokens 512,2048
+      MOESTREAM_KERNEL_CONFIG="$out/best-config.json" timeout -s ABRT 120 python3 -m pytest tests/gpu/test_kernels.py -q \
+        -p no:cacheprovider -k "matches_reference or kernel_shapes or same_bits or 30b_a3b or mixed_bits" \
+        > "$out/tuned-kernel-tests.log" 2>&1
+      say tuned-kernel-tests "rc=$?"; tail -2 "$out/tuned-kernel-tests.log"
+    fi ;;
   profile)
     synth
     timeout 150 python3 scripts/gpu/profile_decode.py --model $model --prefill 512 > "$out/profile-512.log" 2>&1
@@ -106,7 +117,7 @@ for part in "$@"; do
   server)
     synth
     for size in ${SERVER_SIZES:-all 25%}; do
-      timeout 240 python3 scripts/bench_server_batching.py --model $model --parallel 1,16 --clients 1,4,16,32 \
+      timeout 240 python3 scripts/bench_server_batching.py --model $model --parallel ${SERVER_PARALLEL:-1,16} --clients 1,4,16,32 \
         --max-tokens 32 --server-args "--device cuda --cache-size $size --host-cache-size all" \
         --out "$out/server-batching-${size%\%}.json" > "$out/server-batching-${size%\%}.log" 2>&1
       say "server $size" "rc=$?"; tail -6 "$out/server-batching-${size%\%}.log"
