@@ -28,8 +28,9 @@ the device, copying misses from the host tier itself. Otherwise between a layer'
 and its experts the host reads the chosen ids (the one sync per layer), pins or loads the experts
 and writes the layer's slot table. Both ways run the same kernels on the same bytes, so the logits
 are the same bits for every cache size; with graphs off (and on the CPU) the segments run eagerly.
-A step whose rows come from several sequences (batched serving) is one graph too once the same
-arrangement of sequences repeats (each graph binds its rows' caches); a new arrangement runs eagerly."""
+With every expert resident, a step whose rows come from several sequences (batched serving) is one
+graph too once the same arrangement of sequences repeats (each graph binds its rows' caches); a new
+arrangement runs eagerly. Streamed, such a step runs in segments (a graph per layer, row and sequence)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -267,8 +268,9 @@ class Decoder:
         # a whole-step graph binds the caches of its rows' sequences: one per sequence, and one per
         # arrangement of several sequences' rows once it repeats (a batch that keeps its members);
         # until then such a step runs eagerly: capturing every new arrangement would cost more
-        if self.experts.device_driven and self.use_graphs and all(self._capturable(i) for i in self.routed):
-            single = all(s == first for s in slots)
+        single = all(s == first for s in slots)
+        if self.experts.device_driven and self.use_graphs and (single or self.experts.resident) and \
+                all(self._capturable(i) for i in self.routed):
             key = (("step", T) if first == 0 else ("step", T, first)) if single else ("step", T, tuple(slots))
             key = key if head else key + ("hidden",)
             capture = single or key in self.graphs or key == self._last_batch

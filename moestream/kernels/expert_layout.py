@@ -176,10 +176,10 @@ class KernelConfig:
     gemv_max_tokens: int = 4  # T at or below this takes the gemv kernels
     gemv_gate_up_n: int = 16  # output rows per program
     gemv_gate_up_words: int = 64  # uint32 words of each row per loop step (a power of two >= 2*bits)
-    gemv_gate_up_warps: int = 4
-    gemv_down_n: int = 16
-    gemv_down_words: int = 64
-    gemv_down_warps: int = 4
+    gemv_gate_up_warps: int = 8  # swept on the H200 at the 30B shape (scripts/bench_kernels.py --sweep)
+    gemv_down_n: int = 32
+    gemv_down_words: int = 32
+    gemv_down_warps: int = 8
     block_m: int = 0  # grouped: pairs per tile; 0 picks 16/32/64 from the mean pairs per expert
     gate_up_n: int = 64
     down_n: int = 64
