@@ -28,9 +28,9 @@ the device, copying misses from the host tier itself. Otherwise between a layer'
 and its experts the host reads the chosen ids (the one sync per layer), pins or loads the experts
 and writes the layer's slot table. Both ways run the same kernels on the same bytes, so the logits
 are the same bits for every cache size; with graphs off (and on the CPU) the segments run eagerly.
-With every expert resident, a step whose rows come from several sequences (batched serving) is one
-graph too once the same arrangement of sequences repeats (each graph binds its rows' caches); a new
-arrangement runs eagerly. Streamed, such a step runs in segments (a graph per layer, row and sequence)."""
+A step whose rows come from several sequences (batched serving) runs in segments, a graph per
+layer, row and sequence; with every expert resident it becomes one graph too once the same
+arrangement of sequences repeats (each such graph binds its rows' caches)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -267,21 +267,19 @@ class Decoder:
         first = slots[0]
         # a whole-step graph binds the caches of its rows' sequences: one per sequence, and one per
         # arrangement of several sequences' rows once it repeats (a batch that keeps its members);
-        # until then such a step runs eagerly: capturing every new arrangement would cost more
+        # until then such a step runs in segments (graphs per layer, row and sequence, which any
+        # arrangement reuses): capturing every new arrangement whole would cost more
         single = all(s == first for s in slots)
-        if self.experts.device_driven and self.use_graphs and (single or self.experts.resident) and \
+        key = (("step", T) if first == 0 else ("step", T, first)) if single else ("step", T, tuple(slots))
+        key = key if head else key + ("hidden",)
+        whole = single or key in self.graphs or key == self._last_batch
+        self._last_batch = None if single else key
+        if whole and self.experts.device_driven and self.use_graphs and (single or self.experts.resident) and \
                 all(self._capturable(i) for i in self.routed):
-            key = (("step", T) if first == 0 else ("step", T, first)) if single else ("step", T, tuple(slots))
-            key = key if head else key + ("hidden",)
-            capture = single or key in self.graphs or key == self._last_batch
-            self._last_batch = None if single else key
-            if capture:
-                self.routed = self._mode(key)
-                if not single and key not in self.graphs:
-                    self._forget_batch_graphs()
-            else:
-                self.routed = self._mode("segments")
-            self._replay(key, lambda: self._whole(T, head), capture=capture)
+            if not single and key not in self.graphs:
+                self._forget_batch_graphs()
+            self.routed = self._mode(key)
+            self._replay(key, lambda: self._whole(T, head))
             for i, r in self.routed.items():
                 self._booked(i, T)
             self._after_step()
