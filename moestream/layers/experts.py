@@ -209,16 +209,11 @@ class RoutedExperts:
             from moestream.kernels import triton_moe
         except ImportError as exc:
             triton_moe, reason = None, f"Triton is not installed ({exc})"
-        if triton_moe is not None and reason is None:
+        if triton_moe is not None:
             try:
-                layout = SlotLayout.from_fields(self.provider.record_fields(layer), self.provider.quant(layer))
+                return SlotLayout.from_fields(self.provider.record_fields(layer), quant)
             except UnsupportedLayout as exc:
                 reason = str(exc)
-            else:
-                if not (layout.mx and self.kernels == "auto"):
-                    return layout
-                # checked under Triton's interpreter and compiled for sm_90, not yet run on a GPU
-                reason = "MXFP4 records take the Triton kernels with --expert-kernels triton until checked on a GPU"
         if self.kernels == "triton":
             raise RuntimeError(f"layer {layer}: the Triton expert kernels cannot run: {reason}")
         log.info("layer %d: torch reference for routed experts (%s)", layer, reason)

@@ -205,11 +205,11 @@ def test_cpu_expert_kernels_refuse_mxfp4_records(kept):
     assert refusal(entry.fields, quant).startswith("MXFP4 records (the CPU expert kernels take MLX affine")
 
 
-def test_cuda_layers_of_mxfp4_records_take_the_triton_kernels_when_asked(kept, caplog):
-    """RoutedExperts' kernel choice for a CUDA device (no device is touched): with --expert-kernels
-    triton the Triton kernels read the converted MXFP4 records, with gpt-oss's clamped SwiGLU and
-    biases or with SwiGLU; by default (auto) the torch plan runs them until the Triton path has been
-    checked on a GPU, saying so; a record the kernels cannot read says why in one line."""
+def test_cuda_layers_of_mxfp4_records_take_the_triton_kernels_by_default(kept, caplog):
+    """RoutedExperts' kernel choice for a CUDA device (no device is touched): by default (auto) and
+    with --expert-kernels triton the Triton kernels read the converted MXFP4 records, with gpt-oss's
+    clamped SwiGLU and biases or with SwiGLU; --expert-kernels torch keeps the torch plan; a record the
+    kernels cannot read says why in one line."""
     pytest.importorskip("triton")
     entry = PackedModel(kept).expert_layer(0)
     quant = {p: QuantSpec.from_json(s) for p, s in entry.quant.items()}
@@ -222,8 +222,10 @@ def test_cuda_layers_of_mxfp4_records_take_the_triton_kernels_when_asked(kept, c
     assert RoutedExperts._layout(chooser, 0).activation == "silu"
     chooser.kernels = "auto"
     with caplog.at_level("INFO", logger="moestream.layers.experts"):
-        assert RoutedExperts._layout(chooser, 0) is None
-    assert "with --expert-kernels triton until checked on a GPU" in caplog.text
+        auto = RoutedExperts._layout(chooser, 0)
+    assert auto is not None and auto.mx and auto.activation == "silu"
+    assert auto == RoutedExperts._layout(SimpleNamespace(kernels="triton", device=chooser.device, provider=provider), 0)
+    assert "torch reference" not in caplog.text
     chooser.kernels = "torch"
     assert RoutedExperts._layout(chooser, 0) is None
     bad = [dataclasses.replace(f, dtype="F16") if f.name == "down_proj.scales" else f for f in entry.fields]

@@ -215,20 +215,21 @@ def test_mxfp4_layouts_the_kernels_do_not_handle_are_refused_with_a_reason(tm, p
 
 
 def test_routed_experts_take_the_kernels_for_mxfp4_records_on_cuda(tm, pools):
-    """Which kernels a CUDA layer takes (decided without a GPU): Triton for MXFP4 records with
-    --expert-kernels triton, with either activation; the torch reference under auto (until the MXFP4
-    kernels have run on a GPU), when asked for, or for MXFP4 records the kernels refuse."""
+    """Which kernels a layer takes (decided without a GPU): on CUDA, Triton for MXFP4 records by
+    default (auto) and with --expert-kernels triton, with either activation; the torch reference when
+    asked for, on the CPU, or for MXFP4 records the kernels refuse."""
     from moestream.layers.experts import RoutedExperts
 
-    def layout(fields, quant, kernels="auto"):
+    def layout(fields, quant, kernels="auto", device="cuda"):
         provider = SimpleNamespace(record_fields=lambda layer: fields, quant=lambda layer: quant)
-        return RoutedExperts._layout(SimpleNamespace(kernels=kernels, device=torch.device("cuda"), provider=provider), 0)
+        return RoutedExperts._layout(SimpleNamespace(kernels=kernels, device=torch.device(device), provider=provider), 0)
 
     for act, opts in ACTS.items():
-        lay = layout(*pools(**opts)[1:3], kernels="triton")
-        assert lay.mx and lay.activation == act
-    assert layout(*pools()[1:3]) is None  # auto: the torch plan until these kernels have run on a GPU
+        for kernels in ("auto", "triton"):
+            lay = layout(*pools(**opts)[1:3], kernels=kernels)
+            assert lay.mx and lay.activation == act, kernels
     assert layout(*pools()[1:3], kernels="torch") is None
+    assert layout(*pools()[1:3], device="cpu") is None
     _, fields96, quant96, _ = build_pool(2, 96, 64, mx_spread=0)
     assert layout(fields96, quant96) is None
     with pytest.raises(RuntimeError, match=r"^layer 0: the Triton expert kernels cannot run: hidden 96 .*not multiples"):
