@@ -6,7 +6,7 @@
 #   sweep:    the expert kernels' block sizes tried at the 30B shape (scripts/bench_kernels.py --sweep)
 #   tuned:    resident bench with the default block sizes, then with the sweep's, and the kernel tests with them
 #   tests:    the GPU tests written or changed since the last GPU run (one pytest, TESTS_LIMIT seconds in all;
-#             the MXFP4 Triton kernels first: once they pass, --expert-kernels auto may take them)
+#             the MXFP4 Triton kernels first)
 #   stream:   Qwen3-30B-A3B shape, uniform routing: 50 % and 10 % with the Triton slot map, the device path's
 #             CPU share (auto / 0.3) at 25 %
 #   lookahead: --device-lookahead off/on at 25 % (uniform: its gates must close; model routing: its copies must pay)
