@@ -239,6 +239,52 @@ def demo_drafters() -> str:
     return f"{len(data['prompts'])} held-out prompts, greedy, at 100 % / 25 % cache: " + "; ".join(parts)
 
 
+
+FAMILIES = (("gpt-oss-20b", "family-gpt-oss-20b.json"), ("Qwen3.5-35B-A3B", "family-qwen3.5-35b-a3b.json"),
+            ("Gemma 4 26B-A4B", "family-gemma-4-26b-a4b.json"),
+            ("DeepSeek-V3's first 5 layers", "family-deepseek-v3-5layers.json"))
+
+
+def h200_families() -> str:
+    """Decode at 100 % and 25 % (uniform routing) of the other families' shapes."""
+    parts = []
+    for label, name in FAMILIES:
+        path = H200 / name
+        data = load(path)
+        if data.get("routing") != "uniform":
+            raise NumbersError(f"{path.relative_to(ROOT)}: routing {data.get('routing')!r}, not uniform")
+        full, quarter = run_at(data, "100%", path), run_at(data, "25%", path)
+        parts.append(f"{label} {tok_s(full['decode']['tok_s'])} / {tok_s(quarter['decode']['tok_s'])}")
+    return ", ".join(parts) + " tok/s"
+
+
+def h200_cpu_share_device() -> str:
+    """The device path's CPU share (auto) at 25 % against no share, same shape and routing."""
+    path = H200 / "device-cpu-share-auto-25pct-uniform.json"
+    run = only_run(path)
+    off = only_run(H200 / "stream-25pct-uniform-slot-map-triton.json")
+    share = run["experts"]["cpu_share_now"]
+    return (f"{tok_s(run['decode']['tok_s'])} tok/s with `--cpu-experts auto` at 25 % (hit rate "
+            f"{run['decode']['hit_rate']:.2f}) against {tok_s(off['decode']['tok_s'])} without a share; "
+            f"`auto` settled at a share of {share:.3f}, and the CPU computed {run['decode']['cpu_experts']} "
+            f"experts in the timed decode")
+
+
+def h200_server_batching() -> str:
+    """Total tok/s of `serve --parallel 16` against `--parallel 1` at 16 and 32 clients."""
+    path = H200 / "server-batching-100pct-parallel1-16.json"
+    by = {r["parallel"]: {x["clients"]: x for x in r["rounds"]} for r in load(path)["runs"]}
+    rounds = []
+    for clients in (16, 32):
+        for parallel in (1, 16):
+            if clients not in by.get(parallel, {}):
+                raise NumbersError(f"{path.relative_to(ROOT)}: no round of {clients} clients at --parallel {parallel}")
+        rounds.append((clients, by[1][clients], by[16][clients]))
+    return "; ".join(f"{c} clients {tok_s(b['total_tok_s'])} against {tok_s(a['total_tok_s'])} tok/s "
+                     f"({b['total_tok_s'] / a['total_tok_s']:.2f}×, mean batch {b['mean_batch_size']:.1f})"
+                     for c, a, b in rounds)
+
+
 BLOCKS: dict[str, Callable[[], str]] = {
     "demo-drafters": demo_drafters,
     "demo-cache-sweep": demo_cache_sweep,
@@ -252,6 +298,9 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "h200-4layers-25": h200_4layers_25,
     "synth-hit-25": synth_hit_25,
     "crc32-cost": crc32_cost,
+    "h200-families": h200_families,
+    "h200-cpu-share-device": h200_cpu_share_device,
+    "h200-server-batching": h200_server_batching,
 }
 
 
