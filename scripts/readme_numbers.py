@@ -200,6 +200,13 @@ def h200_decoder_ab() -> str:
     return f"{tok_s(after['decode']['tok_s'])} vs {tok_s(before['decode']['tok_s'])} tok/s before it"
 
 
+def h200_gemv_tuned() -> str:
+    runs = [only_run(H200 / f"resident-gemv-{name}.json") for name in ("before", "sweep-config", "tuned")]
+    before, swept, tuned = (r["decode"]["tok_s"] for r in runs)
+    return (f"{tok_s(before)} → {tok_s(swept)} tok/s in one call (the sweep's block sizes set through "
+            f"`MOESTREAM_KERNEL_CONFIG`), {tok_s(tuned)} tok/s with them as the defaults")
+
+
 def h200_vs_transformers() -> str:
     path = H200 / "qwen3-30b-a3b-4layers-vs-transformers-decoder.json"
     data = load(path)
@@ -294,6 +301,7 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "h200-device-25": h200_device_25,
     "h200-slot-map": h200_slot_map,
     "h200-decoder-ab": h200_decoder_ab,
+    "h200-gemv-tuned": h200_gemv_tuned,
     "h200-vs-transformers": h200_vs_transformers,
     "h200-4layers-25": h200_4layers_25,
     "synth-hit-25": synth_hit_25,
