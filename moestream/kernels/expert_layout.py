@@ -210,5 +210,9 @@ def configured(raw: str | None) -> KernelConfig:
 
 
 # The process's block sizes: fixed at import (one setting for every call of a run, so the bits
-# still depend only on the call's shape); MOESTREAM_KERNEL_CONFIG overrides them for tuning.
-DEFAULT_CONFIG = configured(os.environ.get(CONFIG_ENV))
+# still depend only on the call's shape); MOESTREAM_KERNEL_CONFIG overrides them for tuning. A bad
+# setting leaves the defaults and says why in CONFIG_ERROR (the CLI stops on it with that line).
+try:
+    DEFAULT_CONFIG, CONFIG_ERROR = configured(os.environ.get(CONFIG_ENV)), None
+except ValueError as _exc:
+    DEFAULT_CONFIG, CONFIG_ERROR = KernelConfig(), str(_exc)

@@ -36,3 +36,15 @@ def test_benchmarks_record_the_setting(monkeypatch):
     assert machine_info()["environment"]["MOESTREAM_KERNEL_CONFIG"] == '{"gemv_down_n": 8}'
     monkeypatch.delenv("MOESTREAM_KERNEL_CONFIG")
     assert "environment" not in machine_info() or "MOESTREAM_KERNEL_CONFIG" not in machine_info()["environment"]
+
+
+def test_the_cli_stops_on_a_bad_setting_with_one_line():
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "MOESTREAM_KERNEL_CONFIG": '{"no_such_tile": 1}'}
+    proc = subprocess.run([sys.executable, "-m", "moestream", "bench", "--device", "cpu"], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip().count("\n") == 0 and "MOESTREAM_KERNEL_CONFIG" in proc.stderr
