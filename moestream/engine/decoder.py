@@ -30,7 +30,9 @@ and writes the layer's slot table. Both ways run the same kernels on the same by
 are the same bits for every cache size; with graphs off (and on the CPU) the segments run eagerly.
 A step whose rows come from several sequences (batched serving) runs in segments, a graph per
 layer, row and sequence; with every expert resident it becomes one graph too once the same
-arrangement of sequences repeats (each such graph binds its rows' caches)."""
+arrangement of sequences repeats (each such graph binds its rows' caches). With `slot_rows` (a
+pooled KV cache, every layer's attention taking its sequence slot as a device value) such steps
+are one graph per row count instead, whatever sequences the rows come from."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -73,11 +75,14 @@ class _Routed:
 
 class Decoder:
     def __init__(self, model, cache: KVCache | list[KVCache], experts: RoutedExperts, *, graphs: bool = True,
-                 lookahead=None, maps=None):
+                 lookahead=None, maps=None, slot_rows: bool = False):
         """cache: one KV cache, or one per sequence slot (a step's rows may come from several).
         lookahead: a moestream.experts.predict.Lookahead, or None: streamed one-token steps then
         guess the next MoE layers' experts on the device and start their copies early.
-        maps: moestream.experts.guess_maps.GuessMaps (on the model's device) that correct those guesses."""
+        maps: moestream.experts.guess_maps.GuessMaps (on the model's device) that correct those guesses.
+        slot_rows: steps of several sequences' rows, every expert resident, run as one graph per row
+        count, each row's sequence a device value (needs a pooled cache and every layer's
+        `takes_slot`; else ignored)."""
         self.caches = list(cache) if isinstance(cache, (list, tuple)) else [cache]
         self.model, self.cache, self.experts, self.lookahead = model, self.caches[0], experts, lookahead
         self.maps = maps
@@ -105,6 +110,13 @@ class Decoder:
         self.graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._last_batch: tuple | None = None  # the key of the last step of several sequences' rows
+        pool = self.caches[0].pool
+        self.slot_rows = slot_rows and self.use_graphs and len(self.caches) > 1 and pool is not None and \
+            all(c.pool is pool for c in self.caches) and \
+            all(getattr(layer, "takes_slot", lambda: False)() for layer in model.layers)
+        # each row's sequence slot as the kernels read it (slot_rows), filled from host values like pos
+        self.row_slot = torch.zeros(T, dtype=torch.long, device=dev) if self.slot_rows else None
+        self._slot_step = False  # a slot_rows step's segments are being captured or run
 
     def _mode(self, key) -> dict[int, _Routed]:
         if key not in self._modes:
@@ -131,7 +143,10 @@ class Decoder:
 
     def _attention(self, i: int, t: int) -> None:
         layer, x, slot = self.model.layers[i], self.x[t:t + 1], self.row_slots[t]
-        h, hn = layer.attention_step(x, self.pos[t:t + 1], self.caches[slot], i)
+        if self._slot_step:  # any sequence's row: its slot is a device value, the cache the pool's
+            h, hn = layer.attention_step(x, self.pos[t:t + 1], self.caches[0], i, slot=self.row_slot[t:t + 1])
+        else:
+            h, hn = layer.attention_step(x, self.pos[t:t + 1], self.caches[slot], i)
         r = self.routed.get(i)
         if r is None:  # a dense FFN layer: finish it here
             x.copy_(layer.ffn(hn, residual=h))
@@ -264,12 +279,27 @@ class Decoder:
             self.tokens[t].fill_(token)
             self.pos[t].fill_(positions[t])
             self.row_slots[t] = slots[t]
+            if self.row_slot is not None:
+                self.row_slot[t].fill_(slots[t])
         first = slots[0]
+        single = all(s == first for s in slots)
+        if self.slot_rows and not single and self.experts.device_driven and self.experts.resident and \
+                all(self._capturable(i) for i in self.routed):
+            key = ("step", T, "rows") if head else ("step", T, "rows", "hidden")
+            self.routed = self._mode(key)
+            self._slot_step = True
+            try:
+                self._replay(key, lambda: self._whole(T, head))
+            finally:
+                self._slot_step = False
+            for i in self.routed:
+                self._booked(i, T)
+            self._after_step()
+            return self.logits[:T] if head else self.x[:T]
         # a whole-step graph binds the caches of its rows' sequences: one per sequence, and one per
         # arrangement of several sequences' rows once it repeats (a batch that keeps its members);
         # until then such a step runs in segments (graphs per layer, row and sequence, which any
         # arrangement reuses): capturing every new arrangement whole would cost more
-        single = all(s == first for s in slots)
         key = (("step", T) if first == 0 else ("step", T, first)) if single else ("step", T, tuple(slots))
         key = key if head else key + ("hidden",)
         whole = single or key in self.graphs or key == self._last_batch

@@ -108,10 +108,16 @@ def _head(x_ptr, w_ptr, i, mask, rstd_eps, inv_d, cos, sin, HALF: tl.constexpr, 
 @triton.jit
 def _rope_qk_store_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, qn_ptr, kn_ptr, qo_ptr, keys_ptr, values_ptr,
                           stride_kh, stride_kt, stride_vh, stride_vt, max_tokens, eps, inv_d,
+                          slot_ptr, stride_ks, stride_vs, num_slots,
                           NQ: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, Q_NORM: tl.constexpr,
-                          K_NORM: tl.constexpr, LIBDEVICE: tl.constexpr):
+                          K_NORM: tl.constexpr, LIBDEVICE: tl.constexpr, HAS_SLOT: tl.constexpr):
     # programs 0..NQ-1: query heads; NQ..NQ+NKV-1: key heads, each also copying its value head
+    # HAS_SLOT: keys/values are every sequence slot's caches, the token's slot read from slot_ptr
     DTYPE: tl.constexpr = qo_ptr.dtype.element_ty
+    if HAS_SLOT:
+        slot = tl.minimum(tl.maximum(tl.load(slot_ptr).to(tl.int64), 0), num_slots - 1)
+        keys_ptr += slot * stride_ks
+        values_ptr += slot * stride_vs
     HALF: tl.constexpr = D // 2
     h = tl.program_id(0)
     i = tl.arange(0, BLOCK)
@@ -144,11 +150,17 @@ def _rope_qk_store_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, qn_ptr, kn
 
 @triton.jit
 def _attn_split_kernel(q_ptr, stride_qh, k_ptr, stride_kh, stride_kt, v_ptr, stride_vh, stride_vt, pos_ptr, max_tokens,
-                       acc_ptr, m_ptr, l_ptr, num_splits, qk_scale, G: tl.constexpr, GB: tl.constexpr, D: tl.constexpr,
+                       acc_ptr, m_ptr, l_ptr, num_splits, qk_scale, slot_ptr, stride_ks, stride_vs, num_slots,
+                       G: tl.constexpr, GB: tl.constexpr, D: tl.constexpr,
                        BD: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
-                       DOT_F32: tl.constexpr):
+                       DOT_F32: tl.constexpr, HAS_SLOT: tl.constexpr):
     # One program: the G query heads of kv head `kvh` against keys [s*SPLIT, (s+1)*SPLIT) ∩ [0, pos].
     # Writes the unnormalized output acc [G, D], the running max m (log2 units) and the sum l.
+    # HAS_SLOT: k/v are every sequence slot's caches, the token's slot read from slot_ptr.
+    if HAS_SLOT:
+        slot = tl.minimum(tl.maximum(tl.load(slot_ptr).to(tl.int64), 0), num_slots - 1)
+        k_ptr += slot * stride_ks
+        v_ptr += slot * stride_vs
     kvh = tl.program_id(0)
     s = tl.program_id(1)
     pos = tl.minimum(tl.load(pos_ptr).to(tl.int32), max_tokens - 1)
@@ -233,6 +245,19 @@ _INTERPRETED = isinstance(_rms_norm_kernel, InterpretedFunction)
 
 # -- wrappers ------------------------------------------------------------------------------------------
 
+def _slot_views(keys: torch.Tensor, values: torch.Tensor, slot: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+    """With `slot` (a one-element device tensor): keys/values are [S, Nkv, max_tokens, D], every
+    sequence slot's cache of one layer, and the token's row goes to slot `slot` (clamped to 0..S-1):
+    returns slot 0's [Nkv, max_tokens, D] views and the kernels' slot arguments. Without: as given."""
+    if slot is None:
+        return keys, values, (keys, 0, 0, 1)
+    if keys.dim() != 4 or values.shape != keys.shape or slot.numel() != 1 or slot.device != keys.device:
+        raise ValueError(f"with a slot: keys/values [S, Nkv, max_tokens, D] (got {list(keys.shape)}, "
+                         f"{list(values.shape)}) and a one-element slot tensor on their device")
+    return keys[0], values[0], (slot, keys.stride(0), values.stride(0), keys.shape[0])
+
+
 def _check_act(name: str, t: torch.Tensor) -> None:
     if t.dtype not in ACT_DTYPES:
         raise ValueError(f"{name}: dtype {t.dtype} (kernels handle bf16, fp16, fp32)")
@@ -288,10 +313,13 @@ def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor,
 
 def rope_qk_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor,
                   keys: torch.Tensor, values: torch.Tensor, *, q_norm: torch.Tensor | None = None,
-                  k_norm: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
+                  k_norm: torch.Tensor | None = None, eps: float = 1e-6, slot: torch.Tensor | None = None
+                  ) -> torch.Tensor:
     """One token's q [1, Nq*D], k, v [1, Nkv*D] (views into a fused qkv output are fine):
     optional per-head RMSNorm of q and k (weights [D]), rotary at the device position pos [1],
-    k and v written to keys/values [Nkv, max_tokens, D] at pos. Returns q [Nq, 1, D]. One launch."""
+    k and v written to keys/values [Nkv, max_tokens, D] at pos. Returns q [Nq, 1, D]. One launch.
+    slot: write into sequence slot `slot` of keys/values [S, Nkv, max_tokens, D] (see _slot_views)."""
+    keys, values, slot_args = _slot_views(keys, values, slot)
     Nkv, max_tokens, D = keys.shape
     if values.shape != keys.shape or values.dtype != keys.dtype or keys.stride(-1) != 1 or values.stride(-1) != 1:
         raise ValueError("keys/values: same shape [Nkv, max_tokens, D] and dtype, last dimension contiguous")
@@ -313,8 +341,8 @@ def rope_qk_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.
     _rope_qk_store_kernel[(Nq + Nkv,)](
         q, k, v, pos, inv_freq.contiguous(), q if q_norm is None else q_norm, k if k_norm is None else k_norm,
         q_out, keys, values, keys.stride(0), keys.stride(1), values.stride(0), values.stride(1), max_tokens, eps,
-        _inv(D), NQ=Nq, D=D, BLOCK=block, Q_NORM=q_norm is not None, K_NORM=k_norm is not None,
-        LIBDEVICE=not _INTERPRETED, num_warps=1, enable_fp_fusion=False)
+        _inv(D), *slot_args, NQ=Nq, D=D, BLOCK=block, Q_NORM=q_norm is not None, K_NORM=k_norm is not None,
+        LIBDEVICE=not _INTERPRETED, HAS_SLOT=slot is not None, num_warps=1, enable_fp_fusion=False)
     return q_out
 
 
@@ -324,11 +352,14 @@ def num_splits(max_tokens: int, split: int = DEFAULT_SPLIT) -> int:
 
 
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor, *,
-                     scale: float | None = None, split: int = DEFAULT_SPLIT) -> torch.Tensor:
+                     scale: float | None = None, split: int = DEFAULT_SPLIT, slot: torch.Tensor | None = None
+                     ) -> torch.Tensor:
     """Attention of one token's q [Nq, 1, D] over cache positions 0..pos (pos: device tensor [1]) of
     keys/values [Nkv, max_tokens, D], GQA with query head h on kv head h // (Nq/Nkv). Returns
     [1, Nq*D] in q's dtype. Flash-decoding: kernel 1 runs over (kv head, split of `split` keys),
-    all the kv head's query heads per program; kernel 2 combines the splits in a fixed order."""
+    all the kv head's query heads per program; kernel 2 combines the splits in a fixed order.
+    slot: attend over sequence slot `slot` of keys/values [S, Nkv, max_tokens, D] (see _slot_views)."""
+    keys, values, slot_args = _slot_views(keys, values, slot)
     Nkv, max_tokens, D = keys.shape
     _check_act("q", q)
     if q.dim() != 3 or q.shape[1] != 1 or q.shape[2] != D or q.shape[0] % Nkv:
@@ -351,9 +382,9 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     l = torch.empty_like(m)
     _attn_split_kernel[(Nkv, splits)](
         q, q.stride(0), keys, keys.stride(0), keys.stride(1), values, values.stride(0), values.stride(1), pos,
-        max_tokens, acc, m, l, splits, scale * _LOG2E, G=G, GB=max(16, triton.next_power_of_2(G)), D=D, BD=bd,
-        BLOCK_N=block_n, SPLIT=split, PRECISION="ieee" if q.dtype == torch.float32 or _INTERPRETED else "tf32",
-        DOT_F32=_INTERPRETED, num_warps=4, num_stages=2)
+        max_tokens, acc, m, l, splits, scale * _LOG2E, *slot_args, G=G, GB=max(16, triton.next_power_of_2(G)), D=D,
+        BD=bd, BLOCK_N=block_n, SPLIT=split, PRECISION="ieee" if q.dtype == torch.float32 or _INTERPRETED else "tf32",
+        DOT_F32=_INTERPRETED, HAS_SLOT=slot is not None, num_warps=4, num_stages=2)
     out = torch.empty((1, Nq * D), dtype=q.dtype, device=q.device)
     _attn_combine_kernel[(Nq,)](acc, m, l, out, pos, max_tokens, NUM_SPLITS=splits, D=D, BD=bd, SPLIT=split,
                                 SB=_COMBINE_SPLITS, num_warps=4)

@@ -136,10 +136,26 @@ class Attention:
         out = out[0].transpose(0, 1).reshape(T, self.num_heads * self.head_dim)
         return F.linear(out, w.o, w.o_bias)
 
-    def step(self, x: torch.Tensor, pos: torch.Tensor, cache: KVCache, layer: int) -> torch.Tensor:
+    def takes_slot(self) -> bool:
+        """Whether `step` can take its sequence slot as a device value (the fused kernels on a pooled cache)."""
+        return self.rope.plain and self.plain and self.w.o_bias is None and _fused_kernels() is not None
+
+    def step(self, x: torch.Tensor, pos: torch.Tensor, cache: KVCache, layer: int, *,
+             slot: torch.Tensor | None = None) -> torch.Tensor:
         """One token x [1, H] at position `pos` (a one-element tensor on x's device). On CUDA it reads
         no device value on the host (a CUDA graph serves every position): fused Triton kernels, or
-        where they are missing, torch ops over the whole cache with a mask. On CPU: __call__."""
+        where they are missing, torch ops over the whole cache with a mask. On CPU: __call__.
+        slot (CUDA, `takes_slot`): `cache` is any slot of a pool (KVCache.pooled) and the token's
+        sequence is pool slot `slot`, a one-element device tensor (a graph serves every sequence)."""
+        if slot is not None:
+            if not (x.is_cuda and cache.pool is not None and self.takes_slot()):
+                raise ValueError("a sequence slot as a device value needs CUDA, a pooled KV cache and the fused kernels")
+            w, td, head = self.w, _fused_kernels(), self.qk_norm == "head"
+            keys, values = cache.pool[0][:, layer], cache.pool[1][:, layer]  # [S, Nkv, max_tokens, D]
+            q, k, v = self._project(x, td.rms_norm)
+            q = td.rope_qk_store(q, k, v, pos, self.rope.inv_freq, keys, values, q_norm=w.q_norm if head else None,
+                                 k_norm=w.k_norm if head else None, eps=self.eps, slot=slot)
+            return F.linear(td.decode_attention(q, keys, values, pos, slot=slot), w.o)
         if not x.is_cuda:
             start = int(pos)
             cos, sin = self.rope.cos_sin(pos.view(1), x.dtype)

@@ -65,6 +65,30 @@ class KVCache:
         self.tokens: list[int] = []  # ids whose K/V are stored (all layers), position i at index i
         self.states: list[RecurrentState | None] = [None] * num_layers
         self.book: StateBook | None = None
+        # (keys, values) [S, layers, heads, tokens, dim] when this cache is one slot of a pool (`pooled`)
+        self.pool: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @classmethod
+    def pooled(cls, count: int, layout: list[LayerKV], max_tokens: int, *, dtype: torch.dtype,
+               device: torch.device) -> list["KVCache"]:
+        """`count` caches for `layout`. Where every layer has the same shape, their keys (and values)
+        are the slices of one [count, layers, heads, tokens, dim] tensor: a decode kernel handed the
+        pool and a sequence slot as a device value reaches any of them (moestream.kernels.triton_decode),
+        so one CUDA graph serves steps whatever sequences their rows come from. Otherwise separate caches."""
+        first = layout[0]
+        if count < 2 or not (all(spec == first for spec in layout) and first.value_heads == first.heads and
+                             first.value_dim == first.k_dim and not first.recurrent):
+            return [cls.for_layout(layout, max_tokens, dtype=dtype, device=device) for _ in range(count)]
+        shape = (count, len(layout), first.heads, max_tokens, first.k_dim)
+        keys = torch.zeros(shape, dtype=dtype, device=device)
+        values = torch.zeros(shape, dtype=dtype, device=device)
+        caches, pool = [], (keys, values)
+        for s in range(count):
+            cache = cls.__new__(cls)
+            cache.keys, cache.values, cache.max_tokens, cache.tokens = keys[s], values[s], max_tokens, []
+            cache.states, cache.book, cache.pool = [None] * len(layout), None, pool
+            caches.append(cache)
+        return caches
 
     @classmethod
     def for_layout(cls, layout: list[LayerKV], max_tokens: int, *, dtype: torch.dtype,
@@ -77,7 +101,7 @@ class KVCache:
         cache.keys = [torch.zeros((s.heads, max_tokens, s.k_dim), dtype=dtype, device=device) for s in layout]
         cache.values = [torch.zeros((s.value_heads, max_tokens, s.value_dim), dtype=dtype, device=device)
                         for s in layout]
-        cache.max_tokens, cache.tokens = max_tokens, []
+        cache.max_tokens, cache.tokens, cache.pool = max_tokens, [], None
         book = StateBook(max_tokens) if any(s.recurrent for s in layout) else None
         cache.book = book
         cache.states = [RecurrentState(s.state, s.conv, book, dtype=dtype, device=device) if s.recurrent else None

@@ -39,16 +39,22 @@ class DecoderLayer:
         h = x + self.attn(rms_norm(x, self.input_norm, self.eps), cos, sin, cache, layer, start)
         return self.ffn(rms_norm(h, self.post_norm, self.eps), residual=h)
 
-    def attention_step(self, x: torch.Tensor, pos: torch.Tensor, cache: KVCache, layer: int
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    def attention_step(self, x: torch.Tensor, pos: torch.Tensor, cache: KVCache, layer: int, *,
+                       slot: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One token x [1, H] at the device position pos [1]: (the residual stream after attention,
-        its normed copy, the FFN's input). Fused norm kernels on CUDA (torch's rounding order)."""
+        its normed copy, the FFN's input). Fused norm kernels on CUDA (torch's rounding order).
+        slot: the token's sequence as a device value, `cache` any slot of its pool (see Attention.step)."""
         td = _fused_norms() if x.is_cuda else None
+        where = {} if slot is None else {"slot": slot}  # only plain Attention takes a slot (takes_slot)
         if td is None:
-            h = x + self.attn.step(rms_norm(x, self.input_norm, self.eps), pos, cache, layer)
+            h = x + self.attn.step(rms_norm(x, self.input_norm, self.eps), pos, cache, layer, **where)
             return h, rms_norm(h, self.post_norm, self.eps)
-        a = self.attn.step(td.rms_norm(x, self.input_norm, self.eps), pos, cache, layer)
+        a = self.attn.step(td.rms_norm(x, self.input_norm, self.eps), pos, cache, layer, **where)
         return td.add_rms_norm(x, a, self.post_norm, self.eps)
+
+    def takes_slot(self) -> bool:
+        """Whether attention_step can take the sequence slot as a device value."""
+        return isinstance(self.attn, Attention) and self.attn.takes_slot()
 
 
 class MoETransformer:

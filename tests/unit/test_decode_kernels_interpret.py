@@ -194,6 +194,39 @@ def test_decode_attention_same_bits_every_run_and_cache_length(td):
     assert torch.equal(out, td.decode_attention(q, keys[:, :90], values[:, :90], pos, split=16))
 
 
+# -- every sequence slot's caches in one tensor, the slot a device value ---------------------------------
+
+def test_a_slot_index_writes_and_reads_that_slot_only_with_the_same_bits(td):
+    """keys/values [S, Nkv, T, D] (one layer of a pooled cache: a strided view) and slot s give the
+    bits the slot's own [Nkv, T, D] cache gives, and leave the other slots alone; an index out of
+    range is clamped, never written out of bounds."""
+    S, L, Nq, Nkv, D, max_tokens, layer = 3, 2, 4, 2, 32, 70, 1
+    g = gen(11)
+    pool_k, pool_v = randn(S, L, Nkv, max_tokens, D, g=g), randn(S, L, Nkv, max_tokens, D, g=g)
+    inv_freq = Rope(D, THETA, torch.device("cpu")).inv_freq
+    for s, p in ((0, 5), (2, 69), (1, 33)):
+        q, k, v = randn(1, Nq * D, g=g), randn(1, Nkv * D, g=g), randn(1, Nkv * D, g=g)
+        keys, values = pool_k.clone(), pool_v.clone()
+        own_k, own_v = pool_k[s, layer].clone(), pool_v[s, layer].clone()
+        pos = torch.tensor([p])
+        got = td.rope_qk_store(q, k, v, pos, inv_freq, keys[:, layer], values[:, layer], slot=torch.tensor([s]))
+        want = td.rope_qk_store(q, k, v, pos, inv_freq, own_k, own_v)
+        assert torch.equal(got, want)
+        assert torch.equal(keys[s, layer], own_k) and torch.equal(values[s, layer], own_v)
+        others = torch.ones(S, L, dtype=torch.bool)
+        others[s, layer] = False
+        assert torch.equal(keys[others], pool_k[others]) and torch.equal(values[others], pool_v[others])
+        qa = randn(Nq, 1, D, g=g)
+        att = td.decode_attention(qa, keys[:, layer], values[:, layer], pos, split=32, slot=torch.tensor([s]))
+        assert torch.equal(att, td.decode_attention(qa, own_k, own_v, pos, split=32))
+    keys = pool_k.clone()
+    td.rope_qk_store(q, k, v, torch.tensor([3]), inv_freq, keys[:, layer], pool_v.clone()[:, layer],
+                     slot=torch.tensor([7]))  # clamped to the last slot
+    assert not torch.equal(keys[S - 1, layer, :, 3], pool_k[S - 1, layer, :, 3])
+    with pytest.raises(ValueError, match="with a slot"):
+        td.decode_attention(qa, keys[0, layer], keys[0, layer], pos, slot=torch.tensor([0]))
+
+
 # -- the whole attention of a layer -------------------------------------------------------------------
 
 @pytest.mark.parametrize("qk_norm", [None, "head"])
