@@ -43,6 +43,30 @@ def test_sequences_decoded_together_get_the_bits_each_gets_alone(family, cache_s
     engine.close()
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_one_graph_per_row_count_serves_every_arrangement(family, tiny_packed_model):
+    """--batch-graphs rows: every sequence's KV cache in one pool, each row's sequence a device
+    value; steps of several sequences take one graph per row count and give each sequence's bits alone."""
+    packed = tiny_packed_model(family, "q4", dtype="bfloat16")
+    single = load(packed, cache_size="all")
+    prompts = [single.tokenizer.encode(p) for p in PROMPTS]
+    expected = [alone(single, p, end - begin) for p, (begin, end) in zip(prompts, SCHEDULE)]
+    single.close()
+
+    engine = load(packed, cache_size="all", max_sequences=3, batch_graphs="rows")
+    assert engine.decoder.slot_rows and engine.caches[0].pool is not None
+    engine.close_sequence(0)
+    got = together(engine, prompts, SCHEDULE)
+    for n in range(len(prompts)):
+        assert len(got[n]) == len(expected[n])
+        for step, (a, b) in enumerate(zip(got[n], expected[n])):
+            assert torch.equal(a, b), f"sequence {n} differs at step {step}"
+    keys = set(engine.decoder.graphs)
+    assert ("step", 2, "rows") in keys and ("step", 3, "rows") in keys  # the schedule's row counts
+    assert not any(k[0] == "attention" for k in keys)  # no per-sequence segments
+    engine.close()
+
+
 def test_rollback_of_one_sequence_leaves_the_others_alone(tiny_packed_model):
     packed = tiny_packed_model("qwen3_moe", "q4", dtype="bfloat16")
     engine = load(packed, cache_size="50%", max_sequences=2)
