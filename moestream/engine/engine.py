@@ -85,8 +85,9 @@ class Engine:
                                                               dtype=self.dtype)
             # CPU: a hook after each layer's fetch; CUDA: the decoder guesses on the device (Lookahead)
             cpu = self.device.type == "cpu"
-            self.guess_maps = expert_setup.load_guess_maps(packed, options, self.model, hidden_size=self.args.hidden_size,
-                                                           device=self.device) if options.prefetch != "none" else None
+            self.guess_maps = None if options.prefetch == "none" else \
+                expert_setup.load_guess_maps(packed, options, self.model, hidden_size=self.args.hidden_size,
+                                             device=self.device)
             self.prefetcher = attach(self.model, self.experts, self.provider, options.prefetch if cpu else "none",
                                      maps=self.guess_maps)
             lookahead = None if cpu or options.prefetch == "none" else \
