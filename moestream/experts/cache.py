@@ -9,6 +9,9 @@ exact bytes, and the layer computes only after its slots are filled.
 On CUDA, records go disk -> pinned host buffer -> slot by an async copy on a separate stream;
 compute waits (stream-wise) only for the slots it uses, and a victim slot is overwritten only
 after the compute that read it has finished.
+
+Beside it: host_tier.py (the pinned RAM tier between the disk and the slots) and cache_stats.py
+(the figures the cache books).
 """
 from __future__ import annotations
 
@@ -17,7 +20,6 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -25,37 +27,14 @@ import torch
 from moestream.engine import timeline
 from moestream.errors import ExpertReadError
 from moestream.experts.buffers import aligned_buffer, pin_if_cuda
+from moestream.experts.cache_stats import CacheStats
 from moestream.experts.directory import CacheFullError, SlotDirectory
+from moestream.experts.host_tier import HostTier
 from moestream.format.reader import PackedModel
 from moestream.format.records import decode_record
 from moestream.quant.affine import QuantSpec
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class CacheStats:
-    hits: int = 0
-    misses: int = 0
-    bytes_read_disk: int = 0
-    bytes_read_host: int = 0
-    read_wait_s: float = 0.0
-    prefetch_issued: int = 0
-    prefetch_used: int = 0
-    evictions: int = 0
-    layer_hits: dict = field(default_factory=dict)
-    layer_misses: dict = field(default_factory=dict)
-
-
-class HostTier:
-    """Pinned RAM slots between the disk and the device slots, with their own policy."""
-
-    def __init__(self, slots: int, slot_bytes: int, *, policy: str, pin: bool):
-        self.slots, self.slot_bytes = slots, slot_bytes
-        self.pool = aligned_buffer(slots * slot_bytes).view(slots, slot_bytes)
-        if pin:
-            self.pool = pin_if_cuda(self.pool)
-        self.directory = SlotDirectory(slots, policy=policy)
 
 
 class ExpertCache:
@@ -87,7 +66,9 @@ class ExpertCache:
             self.ready_events: dict = {}
         else:  # page-aligned RAM, so direct reads land in the slot itself
             self.pool = aligned_buffer(slots * self.slot_bytes).view(slots, self.slot_bytes)
-        self.host = HostTier(host_slots, self.slot_bytes, policy=host_policy, pin=self.cuda) if host_slots else None
+        self._lock = threading.Lock()  # guards the host tier's directory and the stats reader threads add to
+        self.host = HostTier(host_slots, self.slot_bytes, policy=host_policy, pin=self.cuda,
+                             lock=self._lock) if host_slots else None
         self.pending: dict = {}  # device key -> Future that completes when the slot holds the record
         self._victim_events: dict = {}  # slot -> event after the last compute that may read it (CUDA)
         self._pinned: dict[int, list] = {}
@@ -98,7 +79,6 @@ class ExpertCache:
         self._device_hits: torch.Tensor | None = None  # per MoE layer, counted by resident layers
         self.device_map = None  # a DeviceMap once device-driven streaming started (start_device_map)
         self.stats_ = CacheStats()
-        self._lock = threading.Lock()  # guards stats updated from reader threads
 
     # -- ExpertProvider -------------------------------------------------------------
     def quant(self, layer: int) -> dict[str, QuantSpec]:
@@ -123,14 +103,14 @@ class ExpertCache:
                     self.directory.pin(key)
                     pinned.append(key)
                     self.directory.touch(key)
-                    self._count(layer, hit=True)
+                    self.stats_.count(layer, hit=True)
                     if key in self._prefetched:
                         self._prefetched.discard(key)
                         st.prefetch_used += 1
                     if key in self.pending:
                         waits.append(key)
                 else:
-                    self._count(layer, hit=False)
+                    self.stats_.count(layer, hit=False)
                     self._reserve(key)
                     self.directory.pin(key)
                     pinned.append(key)
@@ -201,15 +181,11 @@ class ExpertCache:
 
     def host_records(self) -> list[tuple[int, int]]:
         """The (layer, expert) records the host tier holds, ready (not loading), in order."""
-        if self.host is None:
-            return []
-        with self._lock:
-            return sorted(k for k in self.host.directory.keys() if not self.host.directory.is_loading(k))
+        return [] if self.host is None else self.host.ready_keys()
 
     def count_misses(self, layer: int, n: int) -> None:
         """Book n misses of `layer` that another compute unit served (so hit rates stay comparable)."""
-        for _ in range(n):
-            self._count(layer, hit=False)
+        self.stats_.count(layer, hit=False, n=n)
 
     @property
     def host_bytes_copied(self) -> int:
@@ -245,15 +221,13 @@ class ExpertCache:
                 if self.host.directory.lookup((e.layer, x)) is None][:self.host.slots - self.host.directory.occupied()]
         reads = []
         for layer, expert in todo:
-            with self._lock:
-                hslot = self.host.directory.reserve((layer, expert)).slot
+            buffer = self.host.reserve((layer, expert))
             size = self.entries[layer].record_size
-            reads.append(((layer, expert), self.source.submit(layer, expert, self.host.pool[hslot][:size]), size))
+            reads.append(((layer, expert), self.source.submit(layer, expert, buffer[:size]), size))
         for hkey, read, size in tqdm(reads, desc="filling the host tier", unit="record", disable=None, leave=False):
             read.result()
             self._add(bytes_read_disk=size)
-            with self._lock:
-                self.host.directory.mark_ready(hkey)
+            self.host.mark_ready(hkey)
         return len(reads)
 
     # -- everything resident ----------------------------------------------------------
@@ -293,9 +267,7 @@ class ExpertCache:
         """Book as hits the experts a layer ran from its resident table: as many as a lookup would
         have made (the distinct ids), counted on the device so that no host sync is needed."""
         if ids.shape[0] == 1:  # one token's top-k ids are distinct
-            n = ids.numel()
-            self.stats_.hits += n
-            self.stats_.layer_hits[layer] = self.stats_.layer_hits.get(layer, 0) + n
+            self.stats_.count(layer, hit=True, n=ids.numel())
             return
         if self._device_hits is None:
             self._device_hits = torch.zeros(len(self.moe_layers), dtype=torch.int64, device=self.device)
@@ -334,33 +306,17 @@ class ExpertCache:
     def _collect_device_map(self) -> None:
         if self.device_map is None:
             return
-        st, dm = self.stats_, self.device_map
-        for layer, (hits, misses) in dm.counts().items():
-            st.hits += hits
-            st.misses += misses
-            st.layer_hits[layer] = st.layer_hits.get(layer, 0) + hits
-            st.layer_misses[layer] = st.layer_misses.get(layer, 0) + misses
-            st.bytes_read_host += misses * dm.record_bytes[layer]
-        dm.reset_counts()
+        self.stats_.add_device_counts(self.device_map.counts(), self.device_map.record_bytes)
+        self.device_map.reset_counts()
 
     def _collect_device_hits(self) -> None:
         self._collect_device_map()
         if self._device_hits is not None:
             counts, self._device_hits = self._device_hits.tolist(), None
             for layer, n in zip(self.moe_layers, counts):
-                self.stats_.hits += n
-                self.stats_.layer_hits[layer] = self.stats_.layer_hits.get(layer, 0) + n
+                self.stats_.count(layer, hit=True, n=n)
 
     # -- loading ------------------------------------------------------------------
-    def _count(self, layer: int, *, hit: bool) -> None:
-        st = self.stats_
-        table = st.layer_hits if hit else st.layer_misses
-        table[layer] = table.get(layer, 0) + 1
-        if hit:
-            st.hits += 1
-        else:
-            st.misses += 1
-
     def _reserve(self, key, *, wait: bool = True) -> int:
         try:
             res = self.directory.reserve(key)
@@ -416,13 +372,9 @@ class ExpertCache:
         """(view, after-copy callback) of the record if host RAM holds it: a host tier slot (pinned
         while it is copied) or a page-cache mapping whose pages are all resident. Else None."""
         if self.host is not None:
-            hkey = (layer, expert)
-            with self._lock:
-                hslot = self.host.directory.lookup(hkey)
-                if hslot is not None and not self.host.directory.is_loading(hkey):
-                    self.host.directory.pin(hkey)
-                    self.host.directory.touch(hkey)
-                    return self.host.pool[hslot][:size], lambda: self._unpin_host(hkey)
+            view = self.host.pin_ready((layer, expert), size)
+            if view is not None:
+                return view, lambda: self.host.unpin((layer, expert))
         view = self.source.view(layer, expert)
         if view is not None and all(self.source.resident(layer, [expert])):
             return view, None
@@ -448,10 +400,6 @@ class ExpertCache:
                 keep.append((event, after))
         self._deferred = keep
 
-    def _unpin_host(self, hkey) -> None:
-        with self._lock:
-            self.host.directory.unpin(hkey)
-
     def _after_read(self, read: Future, key, slot: int, data: torch.Tensor, size: int, done: Future, after, *,
                     early: bool = False) -> None:
         """Runs on a reader thread when a disk read finishes."""
@@ -461,7 +409,7 @@ class ExpertCache:
             timeline.instant("read_done", layer=layer, expert=expert)
             self._add(bytes_read_disk=size)
             if self.host is not None:
-                self._fill_host(layer, expert, data, size)
+                self.host.store((layer, expert), data, size)
             self._copy_into_slot(key, slot, data, size, done, after=after, early=early)
         except BaseException as exc:  # hand the failure to whoever waits on this slot
             if after is not None:
@@ -469,18 +417,6 @@ class ExpertCache:
             if not done.done():
                 done.set_exception(exc if isinstance(exc, ExpertReadError) else
                                    ExpertReadError(f"reading layer {layer} expert {expert}: {exc}"))
-
-    def _fill_host(self, layer: int, expert: int, data: torch.Tensor, size: int) -> None:
-        hkey = (layer, expert)
-        with self._lock:
-            if self.host.directory.lookup(hkey) is not None:
-                return
-            try:
-                hslot = self.host.directory.reserve(hkey).slot
-            except CacheFullError:
-                return
-            self.host.pool[hslot][:size].copy_(data)
-            self.host.directory.mark_ready(hkey)
 
     def _copy_into_slot(self, key, slot: int, data: torch.Tensor, size: int, done: Future, after, *,
                         defer: bool = False, early: bool = False) -> None:
@@ -535,8 +471,6 @@ class ExpertCache:
         lookups = st.hits + st.misses
         source = self.source.stats()
         read_s = source.get("read_s", 0.0)
-        per_layer = {str(l): round(st.layer_hits.get(l, 0) / max(1, st.layer_hits.get(l, 0) + st.layer_misses.get(l, 0)), 4)
-                     for l in self.moe_layers if st.layer_hits.get(l, 0) + st.layer_misses.get(l, 0)}
         return {
             "source": getattr(self.source, "name", "?"), "verify": bool(getattr(self.source, "check_records", False)),
             "policy": self.directory.policy_name,
@@ -545,7 +479,7 @@ class ExpertCache:
             "partition": self.directory.partition, "slots": self.num_slots, "slot_bytes": self.num_slots * self.slot_bytes,
             "total_experts": self.total_experts, "host_slots": self.host.slots if self.host else 0,
             "hits": st.hits, "misses": st.misses, "hit_rate": round(st.hits / lookups, 6) if lookups else 1.0,
-            "hit_rate_per_layer": per_layer, "evictions": st.evictions,
+            "hit_rate_per_layer": st.hit_rate_per_layer(self.moe_layers), "evictions": st.evictions,
             "bytes_read_disk": st.bytes_read_disk, "bytes_read_host": st.bytes_read_host,
             "read_wait_s": round(st.read_wait_s, 6),
             "disk_read_gb_s": round(source.get("bytes_read", 0) / read_s / 1e9, 3) if read_s > 0 else None,

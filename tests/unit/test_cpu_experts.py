@@ -171,7 +171,7 @@ def test_a_partial_host_tier_repacks_its_records(model, reference, repack_thread
 
 
 def test_without_a_host_tier_the_cpu_gets_nothing(model, reference, caplog):
-    with caplog.at_level(logging.WARNING, logger="moestream.engine.engine"):
+    with caplog.at_level(logging.WARNING, logger="moestream.engine.expert_setup"):
         tokens, logprobs, stats, _ = run(model, cpu_experts="1", host_cache_size="0")
     assert stats["cpu_repacks"] == 0 and stats["cpu_experts"] == 0
     assert any("no host tier" in r.getMessage() for r in caplog.records)
