@@ -31,7 +31,8 @@ class SequenceSlots:
     def __init__(self, layout: list[LayerKV], max_context: int, *, count: int, dtype: torch.dtype,
                  device: torch.device):
         # every slot's cache exists from the start: CUDA graphs bind to it, and the ledger counts it
-        self.caches = [KVCache.for_layout(layout, max_context, dtype=dtype, device=device) for _ in range(count)]
+        # one pool where the layout allows: a decode kernel reaches any sequence's cache by its slot
+        self.caches = KVCache.pooled(count, layout, max_context, dtype=dtype, device=device)
         self.max_context = max_context
         self._open = {0}
 
