@@ -6,7 +6,8 @@
 #   sweep:    the expert kernels' block sizes tried at the 30B shape (scripts/bench_kernels.py --sweep)
 #   tuned:    resident bench with the default block sizes, then with the sweep's, and the kernel tests with them
 #   tests:    the GPU tests written or changed since the last GPU run (one pytest, TESTS_LIMIT seconds in all;
-#             the MXFP4 Triton kernels first)
+#             --batch-graphs rows first: once they pass, it may become the default); server: SITE=/tmp/site
+#             after installing the carried wheels, and BATCH_GRAPHS=rows for the new batched graphs
 #   stream:   Qwen3-30B-A3B shape, uniform routing: 50 % and 10 % with the Triton slot map, the device path's
 #             CPU share (auto / 0.3) at 25 %
 #   lookahead: --device-lookahead off/on at 25 % (uniform: its gates must close; model routing: its copies must pay)
@@ -61,8 +62,8 @@ for part in "$@"; do
     say profile-512 "rc=$?" ;;
   tests)  # one pytest process (one CUDA start), capped as a whole; --durations says what to trim next time
     files=""
-    for f in test_mxfp4_kernels_cuda test_mxfp4_records_cuda test_kernels test_gemma4_gpt_oss_cuda test_synth_gemma4_cuda \
-             test_server_batching_cuda test_speculative_cuda ${EXTRA_TESTS:-}; do
+    for f in test_batching test_server_batching_cuda test_mxfp4_records_cuda test_decoder test_speculative_cuda \
+             ${EXTRA_TESTS:-}; do
       [ -f tests/gpu/$f.py ] && files="$files tests/gpu/$f.py"
     done
     timeout -s ABRT ${TESTS_LIMIT:-300} python3 -m pytest $files -q -p no:cacheprovider -rfE --durations=15 \
@@ -118,7 +119,7 @@ for part in "$@"; do
     synth
     for size in ${SERVER_SIZES:-all 25%}; do
       timeout 240 python3 scripts/bench_server_batching.py --model $model --parallel ${SERVER_PARALLEL:-1,16} --clients 1,4,16,32 \
-        --max-tokens 32 --server-args "--device cuda --cache-size $size --host-cache-size all" \
+        --max-tokens 32 --server-args "--device cuda --cache-size $size --host-cache-size all --batch-graphs ${BATCH_GRAPHS:-arrangements}" \
         --out "$out/server-batching-${size%\%}.json" > "$out/server-batching-${size%\%}.log" 2>&1
       say "server $size" "rc=$?"; tail -6 "$out/server-batching-${size%\%}.log"
     done ;;
