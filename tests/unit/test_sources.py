@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from moestream.errors import ExpertReadError, FormatError
-from moestream.experts import sources
+from moestream.experts import direct_source
 from moestream.experts.buffers import PAGE_SIZE, aligned_buffer, is_page_aligned, pin_if_cuda
 from moestream.experts.sources import RecordSource, open_source
 from moestream.format.reader import PackedModel
 
 KINDS = ("direct", "mmap")
-LOGGER = "moestream.experts.sources"
+LOGGER = "moestream.experts.direct_source"
 
 
 @pytest.fixture(scope="module")
@@ -208,7 +208,7 @@ def test_mmap_resident_follows_the_page_cache(copy_dir):
 
 @pytest.fixture
 def fresh_warning(monkeypatch):
-    monkeypatch.setattr(sources, "_no_direct_warned", False)
+    monkeypatch.setattr(direct_source, "_no_direct_warned", False)
 
 
 def _fallback_warnings(caplog) -> list[str]:
@@ -219,7 +219,7 @@ def test_direct_falls_back_when_open_refuses_o_direct(model_dir, monkeypatch, ca
     def refuse(path):
         raise OSError(errno.EINVAL, os.strerror(errno.EINVAL), str(path))
 
-    monkeypatch.setattr(sources, "_open_direct", refuse)
+    monkeypatch.setattr(direct_source, "_open_direct", refuse)
     packed = PackedModel(model_dir)
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         for _ in range(2):  # two sources, two layer files each: still one warning
@@ -239,15 +239,15 @@ def test_direct_falls_back_when_the_first_read_refuses_o_direct(model_dir, monke
         direct_fds.add(fd)
         return fd
 
-    real_pread = sources._pread
+    real_pread = direct_source._pread
 
     def pread(fd, buf, offset):
         if fd in direct_fds:
             raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
         return real_pread(fd, buf, offset)
 
-    monkeypatch.setattr(sources, "_open_direct", open_pretend_direct)
-    monkeypatch.setattr(sources, "_pread", pread)
+    monkeypatch.setattr(direct_source, "_open_direct", open_pretend_direct)
+    monkeypatch.setattr(direct_source, "_pread", pread)
     packed = PackedModel(model_dir)
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         with open_source("direct", packed, io_threads=8) as source:
@@ -275,7 +275,7 @@ def test_einval_after_o_direct_worked_is_an_error(model_dir, monkeypatch):
         def pread(fd, buf, offset):
             raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
 
-        monkeypatch.setattr(sources, "_pread", pread)
+        monkeypatch.setattr(direct_source, "_pread", pread)
         with pytest.raises(ExpertReadError, match=f"layer {layer} expert 1 .*Invalid argument"):
             read_one(source, packed, layer, 1)
 

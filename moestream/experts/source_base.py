@@ -1,0 +1,195 @@
+"""What every expert record source shares: checks, the I/O thread pool, crc32, faults, statistics.
+
+:class:`SourceBase` implements the :class:`~moestream.experts.sources.RecordSource` interface
+around one method a source supplies, ``_read_into`` (one whole record into a host tensor); the
+direct and mmap sources build on it. Reads run on a pool of I/O threads so that many misses are
+in flight at once.
+
+By default every record is checked against the crc32 the manifest holds for it, on the I/O
+thread that read it, before anyone may use it: a damaged record is an ExpertReadError naming the
+file, layer and expert, never a wrong answer. Checking costs about 8 us per 57 KB record and
+0.36 ms per 2.6 MB record (7.5 GB/s on one core, docs/bench/crc32.json), against 66 us and 1.2 ms
+for the O_DIRECT read itself.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import threading
+import time
+import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from moestream.errors import ExpertReadError, FormatError
+from moestream.format.manifest import ExpertLayer
+from moestream.format.reader import PackedModel
+
+
+def _fault_setting(value: int | None) -> int | None:
+    """For fault tests: the read after the first `value` reads of a source fails once with EIO."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise ValueError(f"fault_read_after must be a whole number of reads, not {value!r}")
+    return value
+
+
+class Truncated(Exception):
+    """A record runs past the end of its file; ``file_end`` is where the file ends."""
+
+    def __init__(self, file_end: int):
+        self.file_end = file_end
+
+
+class SourceBase:
+    """Validation, the I/O thread pool, checksums, fault injection and statistics."""
+
+    name = "?"
+
+    def __init__(self, packed: PackedModel, *, io_threads: int = 32, check_records: bool = True,
+                 fault_read_after: int | None = None):
+        if io_threads < 1:
+            raise ValueError(f"io_threads must be at least 1, not {io_threads}")
+        self.directory = Path(packed.directory)
+        self._entries: dict[int, ExpertLayer] = {e.layer: e for e in packed.manifest.expert_layers}
+        self.check_records = check_records
+        if check_records:
+            for entry in self._entries.values():
+                if len(entry.crc32) != entry.num_experts:
+                    raise FormatError(f"{self.directory}: layer {entry.layer} has {len(entry.crc32)} record checksums "
+                                      f"for {entry.num_experts} records, so records cannot be checked "
+                                      "(--no-verify runs without the checks)")
+        self._fault_after = _fault_setting(fault_read_after)
+        self._lock = threading.Lock()
+        self._attempts = 0
+        self._counters = {"bytes_read": 0, "reads": 0, "read_s": 0.0, "errors": 0}
+        self._closed = False
+        self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix=f"moestream-{self.name}-io")
+
+    # -- the interface -------------------------------------------------------
+    def submit(self, layer: int, expert: int, dest: torch.Tensor) -> Future[None]:
+        entry = self._check(layer, expert, dest)
+        if self._closed:
+            raise RuntimeError(f"the {self.name} expert source is closed")
+        return self._pool.submit(self._read_record, entry, expert, dest)
+
+    def read(self, layer: int, expert: int, dest: torch.Tensor) -> None:
+        """Blocking read; the same as ``submit(...).result()`` but on the caller's thread."""
+        entry = self._check(layer, expert, dest)
+        if self._closed:
+            raise RuntimeError(f"the {self.name} expert source is closed")
+        self._read_record(entry, expert, dest)
+
+    def resident(self, layer: int, experts: Sequence[int]) -> list[bool]:
+        entry = self._entry(layer)
+        for e in experts:
+            self._check_expert(entry, e)
+        return [False] * len(experts)
+
+    def advise(self, layer: int, experts: Sequence[int]) -> None:
+        pass
+
+    def view(self, layer: int, expert: int) -> torch.Tensor | None:
+        return None
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {"source": self.name, **self._counters, **self._extra_stats()}
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._pool.shutdown(wait=True)
+        self._close_files()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- for subclasses ------------------------------------------------------
+    def _read_into(self, entry: ExpertLayer, expert: int, dest: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def _close_files(self) -> None:
+        pass
+
+    def _extra_stats(self) -> dict:
+        return {}
+
+    # -- shared --------------------------------------------------------------
+    def _entry(self, layer: int) -> ExpertLayer:
+        entry = self._entries.get(layer)
+        if entry is None:
+            raise KeyError(f"layer {layer} has no routed experts")
+        return entry
+
+    @staticmethod
+    def _check_expert(entry: ExpertLayer, expert: int) -> None:
+        if not 0 <= expert < entry.num_experts:
+            raise IndexError(f"layer {entry.layer} has {entry.num_experts} experts, not {expert}")
+
+    def _check(self, layer: int, expert: int, dest: torch.Tensor) -> ExpertLayer:
+        entry = self._entry(layer)
+        self._check_expert(entry, expert)
+        if (dest.dtype != torch.uint8 or dest.device.type != "cpu" or not dest.is_contiguous()
+                or dest.numel() != entry.record_size):
+            raise ValueError(f"a record of layer {layer} needs a contiguous uint8 CPU tensor of {entry.record_size} "
+                             f"bytes, not {dest.dtype} {tuple(dest.shape)} on {dest.device}")
+        return entry
+
+    def _path(self, entry: ExpertLayer) -> Path:
+        return self.directory / entry.file
+
+    def _read_record(self, entry: ExpertLayer, expert: int, dest: torch.Tensor) -> None:
+        where = f"layer {entry.layer} expert {expert}"
+        start = time.perf_counter()
+        try:
+            self._inject_fault()
+            self._read_into(entry, expert, dest)
+            if self.check_records:
+                crc = zlib.crc32(bytes_of(dest))
+                if crc != entry.crc32[expert]:
+                    raise ExpertReadError(f"{self._path(entry)}: {where} is corrupt (crc32 {crc:08x}, the manifest "
+                                          f"says {entry.crc32[expert]:08x}; `moestream verify` checks every file)")
+        except Truncated as exc:
+            self._count(start, 0, failed=True)
+            end = (expert + 1) * entry.record_size
+            raise ExpertReadError(f"{self._path(entry)} is truncated: {where} ends at byte {end}, "
+                                  f"but the file ends at byte {exc.file_end}") from None
+        except OSError as exc:
+            self._count(start, 0, failed=True)
+            raise ExpertReadError(f"reading {where} from {self._path(entry)} failed: {exc}") from exc
+        except BaseException:
+            self._count(start, 0, failed=True)
+            raise
+        self._count(start, entry.record_size, failed=False)
+
+    def _inject_fault(self) -> None:
+        if self._fault_after is None:
+            return
+        with self._lock:
+            attempt = self._attempts
+            self._attempts += 1
+        if attempt == self._fault_after:
+            raise OSError(errno.EIO, f"{os.strerror(errno.EIO)} (injected after {self._fault_after} reads)")
+
+    def _count(self, start: float, nbytes: int, *, failed: bool) -> None:
+        elapsed = time.perf_counter() - start
+        with self._lock:
+            c = self._counters
+            c["read_s"] += elapsed
+            if failed:
+                c["errors"] += 1
+            else:
+                c["reads"] += 1
+                c["bytes_read"] += nbytes
+
+
+def bytes_of(t: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous uint8 CPU tensor, sharing its memory."""
+    return memoryview(t.view(-1).numpy())
