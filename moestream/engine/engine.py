@@ -24,9 +24,9 @@ from moestream.engine import expert_setup, generation, timeline
 from moestream.engine.emitter import Emitter
 from moestream.engine.generation import Generation
 from moestream.engine.options import EngineOptions
-from moestream.engine.sequences import PromptTooLongError, SequenceSlots, common_prefix
+from moestream.engine.sequences import PromptTooLongError, SequenceSlots
 from moestream.engine.tokenizer import load_tokenizer
-from moestream.engine.types import SamplingParams
+from moestream.engine.types import SamplingParams, common_prefix
 from moestream.errors import MoestreamError
 from moestream.format.reader import PackedModel
 from moestream.models.registry import build_model

@@ -21,7 +21,7 @@ from typing import Sequence
 
 import torch
 
-from moestream.engine.sequences import common_prefix
+from moestream.engine.types import common_prefix
 from moestream.engine.speculative import ModelDrafter
 from moestream.errors import MoestreamError
 from moestream.layers.kv_cache import KVCache

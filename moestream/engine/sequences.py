@@ -8,21 +8,13 @@ from __future__ import annotations
 
 import torch
 
+from moestream.engine.types import common_prefix
 from moestream.errors import MoestreamError
 from moestream.layers.kv_cache import KVCache, LayerKV
 
 
 class PromptTooLongError(MoestreamError):
     pass
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 class SequenceSlots:

@@ -84,3 +84,13 @@ class GenerationResult:
     token_ids: list[int]
     finish_reason: str  # "stop" (EOS), "length" (max tokens or context), "cancelled" (should_stop said so)
     receipt: Mapping = field(default_factory=dict)  # a moestream.engine.receipt.Receipt
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading token ids a and b share (prefix reuse: a KV cache's tokens against a prompt)."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

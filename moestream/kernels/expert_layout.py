@@ -202,7 +202,7 @@ def configured(raw: str | None) -> KernelConfig:
         values = json.loads(text)
     except (OSError, ValueError) as exc:
         raise ValueError(f"{CONFIG_ENV}: not a JSON object or a readable JSON file ({exc})") from None
-    known = {f.name: f.type for f in fields(KernelConfig)}
+    known = [f.name for f in fields(KernelConfig)]
     if not isinstance(values, dict) or any(k not in known or not isinstance(v, int) or isinstance(v, bool) or v < 0
                                            for k, v in values.items()):
         raise ValueError(f"{CONFIG_ENV}: expected {{name: non-negative int}} with names among {', '.join(known)}")

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from moestream.engine.receipt import COUNTERS, Receipt
+from moestream.engine.types import common_prefix
 from moestream.errors import MoestreamError
 from moestream.server.stops import IncrementalDecoder, StopMatcher
 from moestream.server.worker import Failed, Job, Started, TextDelta, TokenLogprobInfo, _is_user_error, _one_line
@@ -40,15 +41,6 @@ if TYPE_CHECKING:
     from moestream.server.worker import Worker
 
 log = logging.getLogger(__name__)
-
-
-def shared_start(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 @dataclass
@@ -174,7 +166,7 @@ class BatchScheduler:
         """The free slot sharing the longest start with `prompt`; among equals the least recently used."""
         engine = self.engine
         free = [s for s in range(self.slots) if s not in engine.open_sequences]
-        best = max(free, key=lambda s: (shared_start(engine.caches[s].tokens, prompt), -self.last_used[s]))
+        best = max(free, key=lambda s: (common_prefix(engine.caches[s].tokens, prompt), -self.last_used[s]))
         return engine.open_sequence(prompt, slot=best)
 
     def _running(self, job: Job, index: int, slot: int, queue_s: float) -> Running:
