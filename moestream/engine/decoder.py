@@ -28,11 +28,16 @@ the device, copying misses from the host tier itself. Otherwise between a layer'
 and its experts the host reads the chosen ids (the one sync per layer), pins or loads the experts
 and writes the layer's slot table. Both ways run the same kernels on the same bytes, so the logits
 are the same bits for every cache size; with graphs off (and on the CPU) the segments run eagerly.
-A step whose rows come from several sequences (batched serving) runs in segments, a graph per
-layer, row and sequence; with every expert resident it becomes one graph too once the same
-arrangement of sequences repeats (each such graph binds its rows' caches). With `slot_rows` (a
-pooled KV cache, every layer's attention taking its sequence slot as a device value) such steps
-are one graph per row count instead, whatever sequences the rows come from."""
+Rows at once (CUDA, where every layer's attention is the plain kind the fused kernels compute;
+`rows=False` turns it off): a layer's attention half runs once for all the step's rows rather
+than row by row. Its products (q/k/v, o, router, shared expert, dense FFN) take all
+MAX_STEP_TOKENS rows of the residual stream whatever T, like the head: a fixed shape, so a row's
+bits never depend on T or on the rows beside it; the rotary/K/V-write kernel then the attention
+kernels take the T rows, each with its own position and, with several sequences, its sequence
+slot as a device value (the caches are one pool): one graph per T serves every arrangement of
+sequences. Row by row instead, a step whose rows come from several sequences (batched serving)
+runs in segments, a graph per layer, row and sequence; with every expert resident it becomes one
+graph too once the same arrangement of sequences repeats (each such graph binds its rows' caches)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -65,24 +70,26 @@ class _Routed:
     # only): another slot's graph for row t copies its outputs into them, so one experts graph
     # serves rows of any slot
     owner: list = field(default_factory=list)
+    whole: bool = False  # rows at once: entry 0 of each list holds every row [MAX_STEP_TOKENS, ...]
 
     def rows(self, name: str, T: int) -> torch.Tensor | None:
         parts = getattr(self, name)[:T]
         if parts[0] is None:
             return None
+        if self.whole:
+            return parts[0][:T]
         return parts[0] if T == 1 else torch.cat(parts)
 
 
 class Decoder:
     def __init__(self, model, cache: KVCache | list[KVCache], experts: RoutedExperts, *, graphs: bool = True,
-                 lookahead=None, maps=None, slot_rows: bool = False):
+                 lookahead=None, maps=None, rows: bool = True):
         """cache: one KV cache, or one per sequence slot (a step's rows may come from several).
         lookahead: a moestream.experts.predict.Lookahead, or None: streamed one-token steps then
         guess the next MoE layers' experts on the device and start their copies early.
         maps: moestream.experts.guess_maps.GuessMaps (on the model's device) that correct those guesses.
-        slot_rows: steps of several sequences' rows, every expert resident, run as one graph per row
-        count, each row's sequence a device value (needs a pooled cache and every layer's
-        `takes_slot`; else ignored)."""
+        rows: a step's rows at once where the model allows it (CUDA, every layer `takes_slot`, one
+        cache or a pool of them); False: row by row."""
         self.caches = list(cache) if isinstance(cache, (list, tuple)) else [cache]
         self.model, self.cache, self.experts, self.lookahead = model, self.caches[0], experts, lookahead
         self.maps = maps
@@ -111,12 +118,11 @@ class Decoder:
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._last_batch: tuple | None = None  # the key of the last step of several sequences' rows
         pool = self.caches[0].pool
-        self.slot_rows = slot_rows and self.use_graphs and len(self.caches) > 1 and pool is not None and \
-            all(c.pool is pool for c in self.caches) and \
+        pooled = pool is not None and all(c.pool is pool for c in self.caches)
+        self.rows_at_once = rows and self.cuda and (len(self.caches) == 1 or pooled) and \
             all(getattr(layer, "takes_slot", lambda: False)() for layer in model.layers)
-        # each row's sequence slot as the kernels read it (slot_rows), filled from host values like pos
-        self.row_slot = torch.zeros(T, dtype=torch.long, device=dev) if self.slot_rows else None
-        self._slot_step = False  # a slot_rows step's segments are being captured or run
+        # each row's sequence slot as the kernels read it (rows at once over a pool), filled like pos
+        self.row_slot = torch.zeros(T, dtype=torch.long, device=dev) if self.rows_at_once and pooled else None
 
     def _mode(self, key) -> dict[int, _Routed]:
         if key not in self._modes:
@@ -143,23 +149,12 @@ class Decoder:
 
     def _attention(self, i: int, t: int) -> None:
         layer, x, slot = self.model.layers[i], self.x[t:t + 1], self.row_slots[t]
-        if self._slot_step:  # any sequence's row: its slot is a device value, the cache the pool's
-            h, hn = layer.attention_step(x, self.pos[t:t + 1], self.caches[0], i, slot=self.row_slot[t:t + 1])
-        else:
-            h, hn = layer.attention_step(x, self.pos[t:t + 1], self.caches[slot], i)
+        h, hn = layer.attention_step(x, self.pos[t:t + 1], self.caches[slot], i)
         r = self.routed.get(i)
         if r is None:  # a dense FFN layer: finish it here
             x.copy_(layer.ffn(hn, residual=h))
             return
-        block = layer.ffn
-        weights, ids = block.route(hn)
-        guesses = None
-        ahead = self.device_ahead.get(i) if self.experts.device_driven else self.ahead.get(i)
-        if ahead:  # the later layers' routers on this input (top-k of logits)
-            nxt = [self.model.layers[j].ffn for j in ahead]
-            guesses = torch.cat([torch.topk(self._guess_logits(b, depth, hn), b.top_k, dim=-1).indices
-                                 for depth, b in enumerate(nxt, start=1)], dim=-1)
-        outs = {"weights": weights, "ids": ids, "h": h, "hn": hn, "shared": block.shared_out(hn), "guesses": guesses}
+        outs = self._route(i, h, hn)
         owner = r.owner[t]
         if owner is None or owner == slot:
             for name, value in outs.items():
@@ -168,6 +163,33 @@ class Decoder:
             for name, value in outs.items():
                 if value is not None:
                     getattr(r, name)[t].copy_(value)
+
+    def _attention_rows(self, i: int, T: int) -> None:
+        """Layer i's attention half for the step's T rows at once (rows at once; see the module doc)."""
+        layer = self.model.layers[i]
+        if self.row_slot is None:
+            h, hn = layer.attention_rows(self.x, self.pos, self.caches[0], i, T)
+        else:
+            h, hn = layer.attention_rows(self.x, self.pos, self.caches[0], i, T, slot=self.row_slot[:T])
+        r = self.routed.get(i)
+        if r is None:  # a dense FFN layer: finish it here
+            self.x.copy_(layer.ffn(hn, residual=h))
+            return
+        for name, value in self._route(i, h, hn).items():
+            getattr(r, name)[0] = value
+        r.whole = True
+
+    def _route(self, i: int, h: torch.Tensor, hn: torch.Tensor) -> dict:
+        """An MoE layer's router (and the later layers' guessed routers) and shared expert on hn."""
+        block = self.model.layers[i].ffn
+        weights, ids = block.route(hn)
+        guesses = None
+        ahead = self.device_ahead.get(i) if self.experts.device_driven else self.ahead.get(i)
+        if ahead:  # the later layers' routers on this input (top-k of logits)
+            nxt = [self.model.layers[j].ffn for j in ahead]
+            guesses = torch.cat([torch.topk(self._guess_logits(b, depth, hn), b.top_k, dim=-1).indices
+                                 for depth, b in enumerate(nxt, start=1)], dim=-1)
+        return {"weights": weights, "ids": ids, "h": h, "hn": hn, "shared": block.shared_out(hn), "guesses": guesses}
 
     def _guess_logits(self, block: MoEBlock, depth: int, hn: torch.Tensor) -> torch.Tensor:
         """block's router logits guessed from an expert input `depth` MoE layers earlier (fixed-shape ops)."""
@@ -226,8 +248,11 @@ class Decoder:
     def _whole(self, T: int, head: bool = True) -> None:
         self._start(T)
         for i in range(len(self.model.layers)):
-            for t in range(T):
-                self._attention(i, t)
+            if self.rows_at_once:
+                self._attention_rows(i, T)
+            else:
+                for t in range(T):
+                    self._attention(i, t)
             if i in self.routed:
                 self._experts(i, T)
         if head:
@@ -283,19 +308,8 @@ class Decoder:
                 self.row_slot[t].fill_(slots[t])
         first = slots[0]
         single = all(s == first for s in slots)
-        if self.slot_rows and not single and self.experts.device_driven and self.experts.resident and \
-                all(self._capturable(i) for i in self.routed):
-            key = ("step", T, "rows") if head else ("step", T, "rows", "hidden")
-            self.routed = self._mode(key)
-            self._slot_step = True
-            try:
-                self._replay(key, lambda: self._whole(T, head))
-            finally:
-                self._slot_step = False
-            for i in self.routed:
-                self._booked(i, T)
-            self._after_step()
-            return self.logits[:T] if head else self.x[:T]
+        if self.rows_at_once:
+            return self._step_at_once(T, single, head)
         # a whole-step graph binds the caches of its rows' sequences: one per sequence, and one per
         # arrangement of several sequences' rows once it repeats (a batch that keeps its members);
         # until then such a step runs in segments (graphs per layer, row and sequence, which any
@@ -331,6 +345,30 @@ class Decoder:
         self._replay(("head",) if self.cuda else ("head", T), lambda: self._head(T))
         return self.logits[:T]
 
+    def _step_at_once(self, T: int, single: bool, head: bool) -> torch.Tensor:
+        """step_rows with the rows at once: one graph per T whatever sequences the rows come from
+        (their slots are device values), or per layer an attention segment for all rows, then its experts."""
+        key = ("step", T) if head else ("step", T, "hidden")
+        if self.experts.device_driven and self.use_graphs and (single or self.experts.resident) and \
+                all(self._capturable(i) for i in self.routed):
+            self.routed = self._mode(key)
+            self._replay(key, lambda: self._whole(T, head))
+            for i in self.routed:
+                self._booked(i, T)
+            self._after_step()
+            return self.logits[:T] if head else self.x[:T]
+        self.routed = self._mode(("segments", T))
+        self._replay(("start", T), lambda: self._start(T))
+        for i in range(len(self.model.layers)):
+            self._replay(("attention-rows", i, T), lambda i=i: self._attention_rows(i, T))
+            if i in self.routed:
+                self._run_experts(i, T)
+        self._after_step()
+        if not head:
+            return self.x[:T]
+        self._replay(("head",), lambda: self._head(T))
+        return self.logits[:T]
+
     def _forget_batch_graphs(self) -> None:
         """Keep at most MAX_BATCH_GRAPHS - 1 graphs of several sequences' rows before capturing
         another (the oldest go: a batch that changed members rarely comes back)."""
@@ -357,7 +395,7 @@ class Decoder:
         host.copy_(ids.view(-1), non_blocking=True)
         guessing = T == 1 and r.guesses_host is not None and r.guesses[0] is not None
         if guessing:
-            r.guesses_host.copy_(r.guesses[0].view(-1), non_blocking=True)
+            r.guesses_host.copy_(r.rows("guesses", 1).reshape(-1), non_blocking=True)
         if self.cuda:  # the one host sync of a streamed layer
             self.ready.record(self.stream)
             with timeline.span("sync", layer=block.layer):

@@ -102,7 +102,7 @@ class Engine:
                                        dtype=self.dtype, device=self.device)
         self.caches = self.sequences.caches
         self.decoder = Decoder(self.model, self.caches, self.experts, graphs=options.cuda_graphs, lookahead=lookahead,
-                               maps=self.guess_maps, slot_rows=options.batch_graphs == "rows")
+                               maps=self.guess_maps, rows=options.step_rows != "off")
         self._resident_checked = False
         # sees the final residual stream (before the final norm) of every position slot 0 computes:
         # hidden_tap(first position, rows [T, H]); the MTP drafter's input (moestream.engine.mtp_drafter)

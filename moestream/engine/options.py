@@ -20,9 +20,9 @@ class EngineOptions:
     prefill_chunk_tokens: int = 2048  # each pass streams the experts it routes to once
     threads: int = 0  # CPU compute threads; 0: torch's default (the CLI resolves it: plan.choose_threads)
     cuda_graphs: bool = True  # CUDA decode steps replay as CUDA graphs (one per step when all experts are resident)
-    # steps of several sequences (batched serving), every expert resident: a graph per arrangement of
-    # sequences once it repeats, or (rows) one per row count, each row's sequence a device value
-    batch_graphs: str = "arrangements"
+    # a step's rows: auto (on CUDA, each layer's attention half once for all rows, where the family's
+    # attention allows) or off (row by row)
+    step_rows: str = "auto"
     cache_size: str = "auto"
     cache_policy: str = "auto"  # clock, or lfu where the pool is smaller than one token's experts
     cache_partition: str = "shared"
@@ -76,10 +76,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "reference), torch (always the reference), triton (an error where Triton cannot run)")
     g.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="run decode steps without CUDA graphs (on CUDA they are on by default)")
-    g.add_argument("--batch-graphs", default="arrangements", choices=["arrangements", "rows"],
-                   help="steps of several sequences with every expert resident: arrangements (a CUDA graph per "
-                        "set of sequences once it repeats; default) or rows (one graph per row count, every "
-                        "sequence's KV cache in one pool; plain-attention families)")
+    g.add_argument("--step-rows", default="auto", choices=["auto", "off"],
+                   help="steps of several tokens or sequences on CUDA: auto (each layer's attention half once for "
+                        "all rows, products over a fixed 16-row tile, one CUDA graph per row count whatever "
+                        "sequences the rows come from; families with plain attention) or off (row by row). "
+                        "Each row's bits never depend on the rows beside it either way")
     c = parser.add_argument_group("expert cache")
     c.add_argument("--cache-size", default="auto",
                    help="device expert slots: bytes (4GiB), a share of all experts (25%%), min, all; "

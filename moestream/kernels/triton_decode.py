@@ -1,4 +1,4 @@
-"""Fused Triton kernels for the attention half of a one-token decode step.
+"""Fused Triton kernels for the attention half of a decode step (one token, or T rows at once).
 
 Why: on the GPU a decode step is bound by kernel launches, not by arithmetic. In torch, each
 decoder layer's attention half issues about 60 tiny kernels (RMSNorm alone is eight: to(float32),
@@ -13,6 +13,10 @@ launches per layer:
 Everything can be captured in a CUDA graph: no host syncs, no host reads of device values, and no
 shape or allocation depends on one. The token position is a device tensor read by the kernels, and
 the attention loops end at it, so one graph serves every position of a cache.
+
+The `_rows` forms take T rows at once (a step of several tokens, or of several sequences' tokens):
+one more grid axis, each row with its own position (and sequence slot), row t computed by the
+same arithmetic as alone, so its bits never depend on the rows beside it.
 
 Exactness contract (activations bf16/fp16/fp32, weights in the activation dtype):
   - rms_norm / add_rms_norm compute what moestream.layers.norm.rms_norm does, op by op: statistics
@@ -108,12 +112,20 @@ def _head(x_ptr, w_ptr, i, mask, rstd_eps, inv_d, cos, sin, HALF: tl.constexpr, 
 @triton.jit
 def _rope_qk_store_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, qn_ptr, kn_ptr, qo_ptr, keys_ptr, values_ptr,
                           stride_kh, stride_kt, stride_vh, stride_vt, max_tokens, eps, inv_d,
-                          slot_ptr, stride_ks, stride_vs, num_slots,
+                          slot_ptr, stride_ks, stride_vs, num_slots, stride_qr, stride_kr, stride_vr,
                           NQ: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, Q_NORM: tl.constexpr,
                           K_NORM: tl.constexpr, LIBDEVICE: tl.constexpr, HAS_SLOT: tl.constexpr):
-    # programs 0..NQ-1: query heads; NQ..NQ+NKV-1: key heads, each also copying its value head
-    # HAS_SLOT: keys/values are every sequence slot's caches, the token's slot read from slot_ptr
+    # axis 0, programs 0..NQ-1: query heads; NQ..NQ+NKV-1: key heads, each also copying its value
+    # head; axis 1: the row (token), with its own position (and slot)
+    # HAS_SLOT: keys/values are every sequence slot's caches, the row's slot read from slot_ptr
     DTYPE: tl.constexpr = qo_ptr.dtype.element_ty
+    r = tl.program_id(1)
+    q_ptr += r.to(tl.int64) * stride_qr
+    k_ptr += r.to(tl.int64) * stride_kr
+    v_ptr += r.to(tl.int64) * stride_vr
+    qo_ptr += r.to(tl.int64) * (NQ * D)
+    pos_ptr += r
+    slot_ptr += r
     if HAS_SLOT:
         slot = tl.minimum(tl.maximum(tl.load(slot_ptr).to(tl.int64), 0), num_slots - 1)
         keys_ptr += slot * stride_ks
@@ -151,12 +163,20 @@ def _rope_qk_store_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, qn_ptr, kn
 @triton.jit
 def _attn_split_kernel(q_ptr, stride_qh, k_ptr, stride_kh, stride_kt, v_ptr, stride_vh, stride_vt, pos_ptr, max_tokens,
                        acc_ptr, m_ptr, l_ptr, num_splits, qk_scale, slot_ptr, stride_ks, stride_vs, num_slots,
-                       G: tl.constexpr, GB: tl.constexpr, D: tl.constexpr,
+                       stride_qr, G: tl.constexpr, GB: tl.constexpr, D: tl.constexpr,
                        BD: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
                        DOT_F32: tl.constexpr, HAS_SLOT: tl.constexpr):
-    # One program: the G query heads of kv head `kvh` against keys [s*SPLIT, (s+1)*SPLIT) ∩ [0, pos].
+    # One program: row r's G query heads of kv head `kvh` against keys [s*SPLIT, (s+1)*SPLIT) ∩ [0, pos_r].
     # Writes the unnormalized output acc [G, D], the running max m (log2 units) and the sum l.
-    # HAS_SLOT: k/v are every sequence slot's caches, the token's slot read from slot_ptr.
+    # HAS_SLOT: k/v are every sequence slot's caches, the row's slot read from slot_ptr.
+    r = tl.program_id(2)
+    q_ptr += r.to(tl.int64) * stride_qr
+    pos_ptr += r
+    slot_ptr += r
+    rows_before = (r * tl.num_programs(0) * G).to(tl.int64) * num_splits  # earlier rows' (head, split) entries
+    acc_ptr += rows_before * D
+    m_ptr += rows_before
+    l_ptr += rows_before
     if HAS_SLOT:
         slot = tl.minimum(tl.maximum(tl.load(slot_ptr).to(tl.int64), 0), num_slots - 1)
         k_ptr += slot * stride_ks
@@ -208,34 +228,41 @@ def _attn_split_kernel(q_ptr, stride_qh, k_ptr, stride_kh, stride_kt, v_ptr, str
 
 
 @triton.jit
-def _attn_combine_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, pos_ptr, max_tokens, NUM_SPLITS: tl.constexpr,
-                         D: tl.constexpr, BD: tl.constexpr, SPLIT: tl.constexpr, SB: tl.constexpr):
-    # One program per query head; splits 0..pos//SPLIT in a fixed order: the same bits every run.
-    # Steps of SB splits up to a trip count known at launch, guarded by the device position.
+def _attn_combine_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, pos_ptr, max_tokens, rows, stride_or,
+                         NUM_SPLITS: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, SPLIT: tl.constexpr,
+                         SB: tl.constexpr):
+    # One program per (query head, output row); splits 0..pos//SPLIT in a fixed order: the same bits
+    # every run. Steps of SB splits up to a trip count known at launch, guarded by the device position.
+    # Output rows from `rows` on (a fixed-size product's padding) are written as zeros.
     h = tl.program_id(0)
-    pos = tl.minimum(tl.load(pos_ptr).to(tl.int32), max_tokens - 1)
-    used = pos // SPLIT + 1
-    sb = tl.arange(0, SB)
+    r = tl.program_id(1)
     d = tl.arange(0, BD)
     dmask = d < D
-    base = h.to(tl.int64) * NUM_SPLITS
-    m_max = tl.full([SB], float("-inf"), tl.float32)
-    for s0 in range(0, NUM_SPLITS, SB):
-        if s0 < used:
-            m_max = tl.maximum(m_max, tl.load(m_ptr + base + s0 + sb, mask=s0 + sb < used, other=float("-inf")))
-    m_all = tl.max(m_max, axis=0)
-    l_sum = tl.zeros([SB], tl.float32)
-    acc = tl.zeros([SB, BD], tl.float32)
-    for s0 in range(0, NUM_SPLITS, SB):
-        if s0 < used:
-            smask = s0 + sb < used
-            w = tl.exp2(tl.load(m_ptr + base + s0 + sb, mask=smask, other=float("-inf")) - m_all)  # 0 past `used`
-            l_sum += w * tl.load(l_ptr + base + s0 + sb, mask=smask, other=0.0)
-            part = tl.load(acc_ptr + (base + s0 + sb)[:, None] * D + d[None, :],
-                           mask=smask[:, None] & dmask[None, :], other=0.0)
-            acc += w[:, None] * part
-    out = tl.sum(acc, axis=0) / tl.sum(l_sum, axis=0)
-    tl.store(out_ptr + h * D + d, out.to(out_ptr.dtype.element_ty), mask=dmask)
+    dst = out_ptr + r.to(tl.int64) * stride_or + h * D + d
+    if r < rows:
+        base = (r * tl.num_programs(0) + h).to(tl.int64) * NUM_SPLITS
+        pos = tl.minimum(tl.load(pos_ptr + r).to(tl.int32), max_tokens - 1)
+        used = pos // SPLIT + 1
+        sb = tl.arange(0, SB)
+        m_max = tl.full([SB], float("-inf"), tl.float32)
+        for s0 in range(0, NUM_SPLITS, SB):
+            if s0 < used:
+                m_max = tl.maximum(m_max, tl.load(m_ptr + base + s0 + sb, mask=s0 + sb < used, other=float("-inf")))
+        m_all = tl.max(m_max, axis=0)
+        l_sum = tl.zeros([SB], tl.float32)
+        acc = tl.zeros([SB, BD], tl.float32)
+        for s0 in range(0, NUM_SPLITS, SB):
+            if s0 < used:
+                smask = s0 + sb < used
+                w = tl.exp2(tl.load(m_ptr + base + s0 + sb, mask=smask, other=float("-inf")) - m_all)  # 0 past `used`
+                l_sum += w * tl.load(l_ptr + base + s0 + sb, mask=smask, other=0.0)
+                part = tl.load(acc_ptr + (base + s0 + sb)[:, None] * D + d[None, :],
+                               mask=smask[:, None] & dmask[None, :], other=0.0)
+                acc += w[:, None] * part
+        out = tl.sum(acc, axis=0) / tl.sum(l_sum, axis=0)
+        tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=dmask)
+    else:
+        tl.store(dst, tl.zeros([BD], tl.float32).to(out_ptr.dtype.element_ty), mask=dmask)
 
 
 # Triton's CPU interpreter has no libdevice and multiplies bfloat16 dot operands as their raw bits:
@@ -245,16 +272,17 @@ _INTERPRETED = isinstance(_rms_norm_kernel, InterpretedFunction)
 
 # -- wrappers ------------------------------------------------------------------------------------------
 
-def _slot_views(keys: torch.Tensor, values: torch.Tensor, slot: torch.Tensor | None
+def _slot_views(keys: torch.Tensor, values: torch.Tensor, slot: torch.Tensor | None, rows: int
                 ) -> tuple[torch.Tensor, torch.Tensor, tuple]:
-    """With `slot` (a one-element device tensor): keys/values are [S, Nkv, max_tokens, D], every
-    sequence slot's cache of one layer, and the token's row goes to slot `slot` (clamped to 0..S-1):
+    """With `slot` (a device tensor of one entry per row): keys/values are [S, Nkv, max_tokens, D],
+    every sequence slot's cache of one layer, and row t goes to slot slot[t] (clamped to 0..S-1):
     returns slot 0's [Nkv, max_tokens, D] views and the kernels' slot arguments. Without: as given."""
     if slot is None:
         return keys, values, (keys, 0, 0, 1)
-    if keys.dim() != 4 or values.shape != keys.shape or slot.numel() != 1 or slot.device != keys.device:
+    if keys.dim() != 4 or values.shape != keys.shape or slot.numel() != rows or slot.device != keys.device \
+            or (rows > 1 and slot.stride(0) != 1):
         raise ValueError(f"with a slot: keys/values [S, Nkv, max_tokens, D] (got {list(keys.shape)}, "
-                         f"{list(values.shape)}) and a one-element slot tensor on their device")
+                         f"{list(values.shape)}) and a contiguous slot tensor of {rows} entries on their device")
     return keys[0], values[0], (slot, keys.stride(0), values.stride(0), keys.shape[0])
 
 
@@ -319,30 +347,50 @@ def rope_qk_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.
     optional per-head RMSNorm of q and k (weights [D]), rotary at the device position pos [1],
     k and v written to keys/values [Nkv, max_tokens, D] at pos. Returns q [Nq, 1, D]. One launch.
     slot: write into sequence slot `slot` of keys/values [S, Nkv, max_tokens, D] (see _slot_views)."""
-    keys, values, slot_args = _slot_views(keys, values, slot)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.numel() != t.shape[-1]:
+            raise ValueError(f"{name}: shape {list(t.shape)}, expected one row")
+    out = rope_qk_store_rows(q.reshape(1, -1), k.reshape(1, -1), v.reshape(1, -1), pos.reshape(1), inv_freq, keys,
+                             values, q_norm=q_norm, k_norm=k_norm, eps=eps,
+                             slot=None if slot is None else slot.reshape(1))
+    return out.view(out.shape[1], 1, out.shape[2])
+
+
+def rope_qk_store_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor,
+                       keys: torch.Tensor, values: torch.Tensor, *, q_norm: torch.Tensor | None = None,
+                       k_norm: torch.Tensor | None = None, eps: float = 1e-6, slot: torch.Tensor | None = None
+                       ) -> torch.Tensor:
+    """rope_qk_store for T rows at once: q [T, Nq*D], k, v [T, Nkv*D] (rows may be strided), pos [T]
+    device positions (slot [T]: each row's sequence slot). Row t's bits are those it gets alone.
+    Returns q [T, Nq, D]. One launch."""
+    T = q.shape[0]
+    keys, values, slot_args = _slot_views(keys, values, slot, T)
     Nkv, max_tokens, D = keys.shape
     if values.shape != keys.shape or values.dtype != keys.dtype or keys.stride(-1) != 1 or values.stride(-1) != 1:
         raise ValueError("keys/values: same shape [Nkv, max_tokens, D] and dtype, last dimension contiguous")
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_act(name, t)
-        if t.numel() != t.shape[-1] or t.dtype != q.dtype:
-            raise ValueError(f"{name}: shape {list(t.shape)} {t.dtype}, expected one {q.dtype} row")
+        if t.dim() != 2 or t.shape[0] != T or t.dtype != q.dtype:
+            raise ValueError(f"{name}: shape {list(t.shape)} {t.dtype}, expected {T} {q.dtype} rows")
     if D % 2 or q.shape[-1] % D or k.shape[-1] != Nkv * D or v.shape[-1] != Nkv * D or keys.dtype != q.dtype:
         raise ValueError(f"q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)} do not fit {keys.dtype} "
                          f"caches of {Nkv} heads of {D}")
-    if inv_freq.shape != (D // 2,) or inv_freq.dtype != torch.float32 or pos.numel() != 1:
-        raise ValueError("inv_freq must be float32 [D/2] and pos a one-element device tensor")
+    if inv_freq.shape != (D // 2,) or inv_freq.dtype != torch.float32 or pos.numel() != T or \
+            (T > 1 and pos.stride(0) != 1):
+        raise ValueError(f"inv_freq must be float32 [D/2] and pos a contiguous device tensor of {T} positions")
     for name, w in (("q_norm", q_norm), ("k_norm", k_norm)):
         if w is not None and (w.shape != (D,) or w.dtype != q.dtype or not w.is_contiguous()):
             raise ValueError(f"{name}: expected contiguous {q.dtype} [{D}]")
     Nq = q.shape[-1] // D
-    q_out = torch.empty((Nq, 1, D), dtype=q.dtype, device=q.device)
+    q_out = torch.empty((T, Nq, D), dtype=q.dtype, device=q.device)
     block = triton.next_power_of_2(D // 2)
-    _rope_qk_store_kernel[(Nq + Nkv,)](
-        q, k, v, pos, inv_freq.contiguous(), q if q_norm is None else q_norm, k if k_norm is None else k_norm,
-        q_out, keys, values, keys.stride(0), keys.stride(1), values.stride(0), values.stride(1), max_tokens, eps,
-        _inv(D), *slot_args, NQ=Nq, D=D, BLOCK=block, Q_NORM=q_norm is not None, K_NORM=k_norm is not None,
-        LIBDEVICE=not _INTERPRETED, HAS_SLOT=slot is not None, num_warps=1, enable_fp_fusion=False)
+    if T:
+        _rope_qk_store_kernel[(Nq + Nkv, T)](
+            q, k, v, pos, inv_freq.contiguous(), q if q_norm is None else q_norm, k if k_norm is None else k_norm,
+            q_out, keys, values, keys.stride(0), keys.stride(1), values.stride(0), values.stride(1), max_tokens, eps,
+            _inv(D), *slot_args, q.stride(0), k.stride(0), v.stride(0), NQ=Nq, D=D, BLOCK=block,
+            Q_NORM=q_norm is not None, K_NORM=k_norm is not None, LIBDEVICE=not _INTERPRETED,
+            HAS_SLOT=slot is not None, num_warps=1, enable_fp_fusion=False)
     return q_out
 
 
@@ -359,17 +407,32 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     [1, Nq*D] in q's dtype. Flash-decoding: kernel 1 runs over (kv head, split of `split` keys),
     all the kv head's query heads per program; kernel 2 combines the splits in a fixed order.
     slot: attend over sequence slot `slot` of keys/values [S, Nkv, max_tokens, D] (see _slot_views)."""
-    keys, values, slot_args = _slot_views(keys, values, slot)
+    if q.dim() != 3 or q.shape[1] != 1:
+        raise ValueError(f"q: shape {list(q.shape)}, expected [Nq, 1, D]")
+    return decode_attention_rows(q.transpose(0, 1), keys, values, pos.reshape(1), scale=scale, split=split,
+                                 slot=None if slot is None else slot.reshape(1))
+
+
+def decode_attention_rows(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor, *,
+                          out_rows: int | None = None, scale: float | None = None, split: int = DEFAULT_SPLIT,
+                          slot: torch.Tensor | None = None) -> torch.Tensor:
+    """decode_attention for T rows at once: q [T, Nq, D], row t over positions 0..pos[t] (of slot
+    slot[t] with a slot tensor [T]); row t's bits are those it gets alone. Returns [out_rows, Nq*D]
+    (default T) with the rows past T zero: the padded input of a fixed-size product."""
+    T = q.shape[0]
+    out_rows = T if out_rows is None else out_rows
+    keys, values, slot_args = _slot_views(keys, values, slot, T)
     Nkv, max_tokens, D = keys.shape
     _check_act("q", q)
-    if q.dim() != 3 or q.shape[1] != 1 or q.shape[2] != D or q.shape[0] % Nkv:
-        raise ValueError(f"q: shape {list(q.shape)}, expected [Nq, 1, {D}] with Nq a multiple of {Nkv}")
+    if q.dim() != 3 or q.shape[2] != D or q.shape[1] % Nkv or out_rows < T:
+        raise ValueError(f"q: shape {list(q.shape)}, expected [T, Nq, {D}] with Nq a multiple of {Nkv} "
+                         f"(and out_rows >= T)")
     if values.shape != keys.shape or keys.dtype != q.dtype or values.dtype != q.dtype \
             or keys.stride(-1) != 1 or values.stride(-1) != 1:
         raise ValueError("keys/values: same shape [Nkv, max_tokens, D] and dtype as q, last dimension contiguous")
-    if split < 16 or split & (split - 1) or pos.numel() != 1:
-        raise ValueError(f"split {split}: must be a power of two >= 16; pos a one-element device tensor")
-    Nq = q.shape[0]
+    if split < 16 or split & (split - 1) or pos.numel() != T or (T > 1 and pos.stride(0) != 1):
+        raise ValueError(f"split {split}: must be a power of two >= 16; pos a contiguous device tensor of {T}")
+    Nq = q.shape[1]
     G = Nq // Nkv
     splits = num_splits(max_tokens, split)
     if scale is None:
@@ -377,15 +440,18 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     # tl.dot wants tiles of at least 16 in each dimension; fp32 tiles are kept smaller (FMA dot, registers)
     block_n = min(split, 32 if q.dtype == torch.float32 or D > 128 else 64)
     bd = max(16, triton.next_power_of_2(D))
-    acc = torch.empty((Nq, splits, D), dtype=torch.float32, device=q.device)
-    m = torch.empty((Nq, splits), dtype=torch.float32, device=q.device)
+    acc = torch.empty((T, Nq, splits, D), dtype=torch.float32, device=q.device)
+    m = torch.empty((T, Nq, splits), dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
-    _attn_split_kernel[(Nkv, splits)](
-        q, q.stride(0), keys, keys.stride(0), keys.stride(1), values, values.stride(0), values.stride(1), pos,
-        max_tokens, acc, m, l, splits, scale * _LOG2E, *slot_args, G=G, GB=max(16, triton.next_power_of_2(G)), D=D,
-        BD=bd, BLOCK_N=block_n, SPLIT=split, PRECISION="ieee" if q.dtype == torch.float32 or _INTERPRETED else "tf32",
-        DOT_F32=_INTERPRETED, HAS_SLOT=slot is not None, num_warps=4, num_stages=2)
-    out = torch.empty((1, Nq * D), dtype=q.dtype, device=q.device)
-    _attn_combine_kernel[(Nq,)](acc, m, l, out, pos, max_tokens, NUM_SPLITS=splits, D=D, BD=bd, SPLIT=split,
-                                SB=_COMBINE_SPLITS, num_warps=4)
+    if T:
+        _attn_split_kernel[(Nkv, splits, T)](
+            q, q.stride(1), keys, keys.stride(0), keys.stride(1), values, values.stride(0), values.stride(1), pos,
+            max_tokens, acc, m, l, splits, scale * _LOG2E, *slot_args, q.stride(0), G=G,
+            GB=max(16, triton.next_power_of_2(G)), D=D, BD=bd, BLOCK_N=block_n, SPLIT=split,
+            PRECISION="ieee" if q.dtype == torch.float32 or _INTERPRETED else "tf32",
+            DOT_F32=_INTERPRETED, HAS_SLOT=slot is not None, num_warps=4, num_stages=2)
+    out = torch.empty((out_rows, Nq * D), dtype=q.dtype, device=q.device)
+    if out_rows:
+        _attn_combine_kernel[(Nq, out_rows)](acc, m, l, out, pos, max_tokens, T, out.stride(0), NUM_SPLITS=splits,
+                                             D=D, BD=bd, SPLIT=split, SB=_COMBINE_SPLITS, num_warps=4)
     return out

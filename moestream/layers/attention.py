@@ -87,10 +87,11 @@ class Attention:
         """No sinks, no window: SDPA and the fused decode kernels compute it."""
         return self.w.sinks is None and self.window is None
 
-    def _project(self, x: torch.Tensor, norm) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q [T, Nq*D], k, v [T, Nkv*D] after the full-projection norm and clipping (if any)."""
+    def _project(self, x: torch.Tensor, norm, fused: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, Nq*D], k, v [T, Nkv*D] after the full-projection norm and clipping (if any).
+        fused: one product over the stacked rows even for T > 1 (a step's fixed-size row tile)."""
         w = self.w
-        if x.shape[0] == 1 and w.qkv is not None:  # one token: one matmul
+        if (fused or x.shape[0] == 1) and w.qkv is not None:  # one token: one matmul
             qkv = F.linear(x, w.qkv, w.qkv_bias)
             nq, nkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
             q, k, v = qkv[:, :nq], qkv[:, nq:nq + nkv], qkv[:, nq + nkv:]
@@ -137,25 +138,34 @@ class Attention:
         return F.linear(out, w.o, w.o_bias)
 
     def takes_slot(self) -> bool:
-        """Whether `step` can take its sequence slot as a device value (the fused kernels on a pooled cache)."""
+        """Whether `rows` can run (the fused kernels; each row's sequence slot as a device value)."""
         return self.rope.plain and self.plain and self.w.o_bias is None and _fused_kernels() is not None
 
-    def step(self, x: torch.Tensor, pos: torch.Tensor, cache: KVCache, layer: int, *,
+    def rows(self, x: torch.Tensor, pos: torch.Tensor, cache: KVCache, layer: int, T: int, *,
              slot: torch.Tensor | None = None) -> torch.Tensor:
+        """The first T rows of x [R, H] (R >= T, a fixed tile) as T tokens at device positions pos[:T],
+        on CUDA with the fused kernels (`takes_slot`): every product over all R rows (a fixed shape,
+        so a row's bits never depend on the rows beside it or on T), K/V of all T rows written before
+        any row attends, so a later row of a sequence sees the earlier ones. Returns [R, H] (rows
+        past T: the product of zeros). slot [T]: each row's sequence slot of the pool `cache` is in."""
+        if not self.takes_slot() or not (x.is_cuda or _fused_kernels()._INTERPRETED) or \
+                (slot is not None and cache.pool is None):
+            raise ValueError("a step's rows at once need CUDA, the fused kernels and plain attention")
+        w, td, head = self.w, _fused_kernels(), self.qk_norm == "head"
+        if slot is None:
+            keys, values = cache.keys[layer], cache.values[layer]
+        else:
+            keys, values = cache.pool[0][:, layer], cache.pool[1][:, layer]
+        q, k, v = self._project(x, td.rms_norm, fused=True)
+        q = td.rope_qk_store_rows(q[:T], k[:T], v[:T], pos[:T], self.rope.inv_freq, keys, values,
+                                  q_norm=w.q_norm if head else None, k_norm=w.k_norm if head else None, eps=self.eps,
+                                  slot=slot)
+        return F.linear(td.decode_attention_rows(q, keys, values, pos[:T], out_rows=x.shape[0], slot=slot), w.o)
+
+    def step(self, x: torch.Tensor, pos: torch.Tensor, cache: KVCache, layer: int) -> torch.Tensor:
         """One token x [1, H] at position `pos` (a one-element tensor on x's device). On CUDA it reads
         no device value on the host (a CUDA graph serves every position): fused Triton kernels, or
-        where they are missing, torch ops over the whole cache with a mask. On CPU: __call__.
-        slot (CUDA, `takes_slot`): `cache` is any slot of a pool (KVCache.pooled) and the token's
-        sequence is pool slot `slot`, a one-element device tensor (a graph serves every sequence)."""
-        if slot is not None:
-            if not (x.is_cuda and cache.pool is not None and self.takes_slot()):
-                raise ValueError("a sequence slot as a device value needs CUDA, a pooled KV cache and the fused kernels")
-            w, td, head = self.w, _fused_kernels(), self.qk_norm == "head"
-            keys, values = cache.pool[0][:, layer], cache.pool[1][:, layer]  # [S, Nkv, max_tokens, D]
-            q, k, v = self._project(x, td.rms_norm)
-            q = td.rope_qk_store(q, k, v, pos, self.rope.inv_freq, keys, values, q_norm=w.q_norm if head else None,
-                                 k_norm=w.k_norm if head else None, eps=self.eps, slot=slot)
-            return F.linear(td.decode_attention(q, keys, values, pos, slot=slot), w.o)
+        where they are missing, torch ops over the whole cache with a mask. On CPU: __call__."""
         if not x.is_cuda:
             start = int(pos)
             cos, sin = self.rope.cos_sin(pos.view(1), x.dtype)

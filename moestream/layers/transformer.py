@@ -39,21 +39,27 @@ class DecoderLayer:
         h = x + self.attn(rms_norm(x, self.input_norm, self.eps), cos, sin, cache, layer, start)
         return self.ffn(rms_norm(h, self.post_norm, self.eps), residual=h)
 
-    def attention_step(self, x: torch.Tensor, pos: torch.Tensor, cache: KVCache, layer: int, *,
-                       slot: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def attention_step(self, x: torch.Tensor, pos: torch.Tensor, cache: KVCache,
+                       layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One token x [1, H] at the device position pos [1]: (the residual stream after attention,
-        its normed copy, the FFN's input). Fused norm kernels on CUDA (torch's rounding order).
-        slot: the token's sequence as a device value, `cache` any slot of its pool (see Attention.step)."""
+        its normed copy, the FFN's input). Fused norm kernels on CUDA (torch's rounding order)."""
         td = _fused_norms() if x.is_cuda else None
-        where = {} if slot is None else {"slot": slot}  # only plain Attention takes a slot (takes_slot)
         if td is None:
-            h = x + self.attn.step(rms_norm(x, self.input_norm, self.eps), pos, cache, layer, **where)
+            h = x + self.attn.step(rms_norm(x, self.input_norm, self.eps), pos, cache, layer)
             return h, rms_norm(h, self.post_norm, self.eps)
-        a = self.attn.step(td.rms_norm(x, self.input_norm, self.eps), pos, cache, layer, **where)
+        a = self.attn.step(td.rms_norm(x, self.input_norm, self.eps), pos, cache, layer)
+        return td.add_rms_norm(x, a, self.post_norm, self.eps)
+
+    def attention_rows(self, x: torch.Tensor, pos: torch.Tensor, cache: KVCache, layer: int, T: int, *,
+                       slot: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """attention_step for the first T rows of x [R, H] at once (Attention.rows; CUDA, `takes_slot`):
+        (h, hn) [R, H], each row's bits those it gets in a step of its own."""
+        td = _fused_norms()
+        a = self.attn.rows(td.rms_norm(x, self.input_norm, self.eps), pos, cache, layer, T, slot=slot)
         return td.add_rms_norm(x, a, self.post_norm, self.eps)
 
     def takes_slot(self) -> bool:
-        """Whether attention_step can take the sequence slot as a device value."""
+        """Whether attention_rows can run (each row's sequence slot a device value)."""
         return isinstance(self.attn, Attention) and self.attn.takes_slot()
 
 

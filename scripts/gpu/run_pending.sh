@@ -6,7 +6,7 @@
 #   sweep:    the expert kernels' block sizes tried at the 30B shape (scripts/bench_kernels.py --sweep)
 #   tuned:    resident bench with the default block sizes, then with the sweep's, and the kernel tests with them
 #   tests:    the GPU tests written or changed since the last GPU run (one pytest, TESTS_LIMIT seconds in all;
-#             --batch-graphs rows first: once they pass, it may become the default); server: SITE=/tmp/site
+#             --step-rows off beside the default auto); server: SITE=/tmp/site
 #             after installing the carried wheels, and BATCH_GRAPHS=rows for the new batched graphs
 #   stream:   Qwen3-30B-A3B shape, uniform routing: 50 % and 10 % with the Triton slot map, the device path's
 #             CPU share (auto / 0.3) at 25 %
@@ -15,6 +15,7 @@
 #   families: bench on the gemma-4-26b-a4b and DeepSeek-V3 (first 5 layers) shapes (FAMILIES overrides) at 100 % and
 #             25 % with uniform routing
 #   cpu-share: the device path's CPU share, CUDA tests and `--cpu-experts auto` at 25 % uniform
+#   rows:     --step-rows auto (a step's rows at once): its GPU tests, then resident decode and step costs against off
 #   server:   scripts/bench_server_batching.py at 100 % and 25 % (needs .whl: scripts/gpu/fetch_wheels.sh here,
 #             `carry: [".whl"]` in the call)
 set -u
@@ -115,11 +116,21 @@ for part in "$@"; do
     synth
     for share in ${CPU_SHARES:-auto}; do bench "device-cpu-share-$share" 90 --routing uniform --prefill-tokens 512 \
       --cache-sizes 25% --streaming device --cpu-experts $share; done ;;
+  rows)  # the q30 synth runs beside the tests (CPU), the benches after both
+    synth &
+    timeout -s ABRT ${TESTS_LIMIT:-270} python3 -m pytest tests/gpu/test_decode_kernels.py tests/gpu/test_batching.py \
+      tests/gpu/test_decoder.py tests/gpu/test_speculative_cuda.py ${EXTRA_TESTS:-} -q -p no:cacheprovider -rfE \
+      --maxfail=10 --durations=10 > "$out/rows-tests.log" 2>&1
+    say rows-tests "rc=$?"; grep -E "passed|failed|FAILED|ERROR|Timeout|Fatal" "$out/rows-tests.log" | tail -25
+    wait
+    for rows in ${ROWS_MODES:-auto off}; do
+      bench "resident-rows-$rows" 140 --cache-sizes all --prefill-tokens 512 --step-tokens 1,2,4,8,16 --step-rows $rows
+    done ;;
   server)
     synth
     for size in ${SERVER_SIZES:-all 25%}; do
       timeout 240 python3 scripts/bench_server_batching.py --model $model --parallel ${SERVER_PARALLEL:-1,16} --clients 1,4,16,32 \
-        --max-tokens 32 --server-args "--device cuda --cache-size $size --host-cache-size all --batch-graphs ${BATCH_GRAPHS:-arrangements}" \
+        --max-tokens 32 --server-args "--device cuda --cache-size $size --host-cache-size all --step-rows ${STEP_ROWS:-auto}" \
         --out "$out/server-batching-${size%\%}.json" > "$out/server-batching-${size%\%}.log" 2>&1
       say "server $size" "rc=$?"; tail -6 "$out/server-batching-${size%\%}.log"
     done ;;

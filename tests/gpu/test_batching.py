@@ -1,7 +1,9 @@
 """Sequence slots on CUDA: sequences decoded together through step_many get exactly the bits each
-gets alone, for every family, streamed (segment graphs: a row of another slot copies into the
-experts graph's inputs) and resident (a whole-step graph per slot, and per arrangement of several
-sequences' rows once it repeats; new arrangements in segments), with graphs on and off."""
+gets alone, for every family, streamed and resident, with graphs on and off, both ways a step's
+rows can run: at once (`--step-rows auto`: one graph per row count, each row's sequence slot a
+device value) and row by row (`off`: segment graphs, a row of another slot copying into the experts
+graph's inputs; a whole-step graph per slot, and per arrangement of several sequences' rows once it
+repeats)."""
 import pytest
 import torch
 
@@ -21,21 +23,26 @@ def load(packed, **opts):
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("cache_size,graphs", [("50%", True), ("all", True), ("50%", False)])
-def test_sequences_decoded_together_get_the_bits_each_gets_alone(family, cache_size, graphs, tiny_packed_model):
+@pytest.mark.parametrize("step_rows", ["auto", "off"])
+def test_sequences_decoded_together_get_the_bits_each_gets_alone(family, cache_size, graphs, step_rows,
+                                                                 tiny_packed_model):
     packed = tiny_packed_model(family, "q4", dtype="bfloat16")  # the Triton layout
-    single = load(packed, cache_size=cache_size, cuda_graphs=graphs)
+    single = load(packed, cache_size=cache_size, cuda_graphs=graphs, step_rows=step_rows)
     prompts = [single.tokenizer.encode(p) for p in PROMPTS]
     expected = [alone(single, p, end - begin) for p, (begin, end) in zip(prompts, SCHEDULE)]
     single.close()
 
-    engine = load(packed, cache_size=cache_size, cuda_graphs=graphs, max_sequences=3)
+    engine = load(packed, cache_size=cache_size, cuda_graphs=graphs, max_sequences=3, step_rows=step_rows)
+    assert engine.decoder.rows_at_once == (step_rows == "auto")
     engine.close_sequence(0)
     got = together(engine, prompts, SCHEDULE)
     for n in range(len(prompts)):
         assert len(got[n]) == len(expected[n])
         for step, (a, b) in enumerate(zip(got[n], expected[n])):
             assert torch.equal(a, b), f"sequence {n} differs at step {step}"
-    if graphs:  # rows of other slots ran their own attention graphs (bound to their caches)
+    if graphs and step_rows == "auto":  # one attention segment per layer and row count, never per row
+        assert not any(k[0] == "attention" for k in engine.decoder.graphs)
+    elif graphs:  # rows of other slots ran their own attention graphs (bound to their caches)
         assert any(k[0] == "attention" and k[3] != 0 for k in engine.decoder.graphs)
         if cache_size == "all":  # and a batch that kept its members for two steps became one graph
             assert engine.decoder.resident
@@ -45,16 +52,17 @@ def test_sequences_decoded_together_get_the_bits_each_gets_alone(family, cache_s
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
 def test_one_graph_per_row_count_serves_every_arrangement(family, tiny_packed_model):
-    """--batch-graphs rows: every sequence's KV cache in one pool, each row's sequence a device
-    value; steps of several sequences take one graph per row count and give each sequence's bits alone."""
+    """--step-rows auto, every expert resident: every sequence's KV cache in one pool, each row's
+    sequence a device value; steps of several sequences take one whole-step graph per row count and
+    give each sequence's bits alone."""
     packed = tiny_packed_model(family, "q4", dtype="bfloat16")
     single = load(packed, cache_size="all")
     prompts = [single.tokenizer.encode(p) for p in PROMPTS]
     expected = [alone(single, p, end - begin) for p, (begin, end) in zip(prompts, SCHEDULE)]
     single.close()
 
-    engine = load(packed, cache_size="all", max_sequences=3, batch_graphs="rows")
-    assert engine.decoder.slot_rows and engine.caches[0].pool is not None
+    engine = load(packed, cache_size="all", max_sequences=3)
+    assert engine.decoder.rows_at_once and engine.caches[0].pool is not None
     engine.close_sequence(0)
     got = together(engine, prompts, SCHEDULE)
     for n in range(len(prompts)):
@@ -62,8 +70,8 @@ def test_one_graph_per_row_count_serves_every_arrangement(family, tiny_packed_mo
         for step, (a, b) in enumerate(zip(got[n], expected[n])):
             assert torch.equal(a, b), f"sequence {n} differs at step {step}"
     keys = set(engine.decoder.graphs)
-    assert ("step", 2, "rows") in keys and ("step", 3, "rows") in keys  # the schedule's row counts
-    assert not any(k[0] == "attention" for k in keys)  # no per-sequence segments
+    assert ("step", 2) in keys and ("step", 3) in keys  # the schedule's row counts
+    assert not any(k[0] in ("attention", "attention-rows") or len(k) > 2 for k in keys)  # no segments, no arrangements
     engine.close()
 
 

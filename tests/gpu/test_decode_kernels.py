@@ -284,3 +284,37 @@ def test_default_scale_is_one_over_sqrt_head_dim():
     pos = torch.tensor([200], device=DEV)
     assert torch.equal(td.decode_attention(q, keys, values, pos),
                        td.decode_attention(q, keys, values, pos, scale=1 / math.sqrt(D)))
+
+
+# -- T rows at once -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_rows_at_once_give_each_row_its_bits_alone(dtype):
+    """rope_qk_store_rows + decode_attention_rows over 5 rows of 3 sequence slots (one pooled layer,
+    q/k/v strided views of one fused product, later rows of a slot seeing earlier rows' K/V) equal
+    the one-row kernels row after row, bit for bit; the 16-row output's padding rows are zero."""
+    dtype = DTYPES[dtype]
+    g = gen(21)
+    S, L, layer, R = 3, 2, 1, 16
+    pool_k = randn(S, L, NKV, 512, D, g=g, dtype=dtype)
+    pool_v = randn(S, L, NKV, 512, D, g=g, dtype=dtype)
+    slots, positions = [2, 0, 2, 1, 2], [300, 40, 301, 511, 302]
+    T = len(slots)
+    qkv = randn(R, (NQ + 2 * NKV) * D, g=g, dtype=dtype)
+    q, k, v = qkv[:, :NQ * D], qkv[:, NQ * D:(NQ + NKV) * D], qkv[:, (NQ + NKV) * D:]
+    qn, kn = (1 + randn(D, g=g) / 4).to(dtype), (1 + randn(D, g=g) / 4).to(dtype)
+    inv_freq = Rope(D, THETA, torch.device(DEV)).inv_freq
+    pos, slot = torch.tensor(positions, device=DEV), torch.tensor(slots, device=DEV)
+    keys, values = pool_k.clone(), pool_v.clone()
+    qo = td.rope_qk_store_rows(q[:T], k[:T], v[:T], pos, inv_freq, keys[:, layer], values[:, layer], q_norm=qn,
+                               k_norm=kn, eps=EPS, slot=slot)
+    out = td.decode_attention_rows(qo, keys[:, layer], values[:, layer], pos, out_rows=R, slot=slot)
+    ref_k, ref_v = pool_k.clone(), pool_v.clone()
+    alone = [td.rope_qk_store(q[t:t + 1], k[t:t + 1], v[t:t + 1], pos[t:t + 1], inv_freq, ref_k[:, layer],
+                              ref_v[:, layer], q_norm=qn, k_norm=kn, eps=EPS, slot=slot[t:t + 1]) for t in range(T)]
+    assert torch.equal(keys, ref_k) and torch.equal(values, ref_v)
+    for t in range(T):
+        assert torch.equal(qo[t], alone[t][:, 0])
+        one = td.decode_attention(alone[t], ref_k[:, layer], ref_v[:, layer], pos[t:t + 1], slot=slot[t:t + 1])
+        assert torch.equal(out[t:t + 1], one), t
+    assert not out[T:].any()

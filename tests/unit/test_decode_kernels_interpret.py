@@ -227,6 +227,53 @@ def test_a_slot_index_writes_and_reads_that_slot_only_with_the_same_bits(td):
         td.decode_attention(qa, keys[0, layer], keys[0, layer], pos, slot=torch.tensor([0]))
 
 
+# -- T rows at once -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("pooled", [False, True], ids=["one-cache", "pool"])
+def test_rows_give_each_row_the_bits_it_gets_alone(td, pooled):
+    """rope_qk_store_rows then decode_attention_rows over T rows (strided views of one fused qkv
+    product, each row its own position and, pooled, its own sequence slot; later rows of a slot see
+    the K/V earlier rows wrote) equal the one-row kernels run row after row, bit for bit; the
+    output's padding rows are zero."""
+    S, L, Nq, Nkv, D, max_tokens, layer = 3, 2, 4, 2, 32, 70, 1
+    g = gen(12)
+    inv_freq = Rope(D, THETA, torch.device("cpu")).inv_freq
+    pool_k, pool_v = randn(S, L, Nkv, max_tokens, D, g=g), randn(S, L, Nkv, max_tokens, D, g=g)
+    if pooled:
+        slots, positions = [2, 0, 2, 1, 2], [9, 40, 10, 69, 11]
+    else:
+        slots, positions = [0] * 4, [30, 31, 32, 33]
+    T, R = len(slots), 8
+    qkv = randn(R, (Nq + 2 * Nkv) * D, g=g)
+    q, k, v = qkv[:, :Nq * D], qkv[:, Nq * D:(Nq + Nkv) * D], qkv[:, (Nq + Nkv) * D:]
+    qn, kn = randn(D, g=g), randn(D, g=g)
+    pos, slot = torch.tensor(positions), torch.tensor(slots)
+
+    def caches(keys, values):
+        return (keys[:, layer], values[:, layer]) if pooled else (keys[0, layer], values[0, layer])
+
+    keys, values = pool_k.clone(), pool_v.clone()
+    where = {"slot": slot} if pooled else {}
+    qo = td.rope_qk_store_rows(q[:T], k[:T], v[:T], pos, inv_freq, *caches(keys, values), q_norm=qn, k_norm=kn,
+                               **where)
+    out = td.decode_attention_rows(qo, *caches(keys, values), pos, out_rows=R, split=32, **where)
+    ref_k, ref_v = pool_k.clone(), pool_v.clone()
+    alone_q = []
+    for t in range(T):
+        one = {"slot": slot[t:t + 1]} if pooled else {}
+        alone_q.append(td.rope_qk_store(q[t:t + 1], k[t:t + 1], v[t:t + 1], pos[t:t + 1], inv_freq,
+                                        *caches(ref_k, ref_v), q_norm=qn, k_norm=kn, **one))
+    assert torch.equal(keys, ref_k) and torch.equal(values, ref_v)
+    for t in range(T):
+        assert torch.equal(qo[t], alone_q[t][:, 0])
+        one = {"slot": slot[t:t + 1]} if pooled else {}
+        alone = td.decode_attention(alone_q[t], *caches(ref_k, ref_v), pos[t:t + 1], split=32, **one)
+        assert torch.equal(out[t:t + 1], alone), t
+    assert not out[T:].any()
+    with pytest.raises(ValueError, match="slot tensor of"):
+        td.decode_attention_rows(qo, keys[:, layer], values[:, layer], pos, slot=slot[:2])
+
+
 # -- the whole attention of a layer -------------------------------------------------------------------
 
 @pytest.mark.parametrize("qk_norm", [None, "head"])
@@ -256,6 +303,40 @@ def test_matches_the_attention_layer(td, qk_norm):
         assert relative_error(out, ref) < TOL[torch.float32]
     assert relative_error(cache.keys, ref_cache.keys) < TOL[torch.float32]
     assert torch.equal(cache.values, ref_cache.values)
+
+
+@pytest.mark.parametrize("qk_norm", [None, "head", "full"])
+def test_a_layers_rows_at_once_match_the_attention_layer(td, qk_norm):
+    """Attention.rows: a prompt's tokens as a few steps of several rows (a fixed 8-row tile, later
+    rows seeing the earlier rows' K/V) against the layer's prefill of the whole prompt."""
+    H, Nq, Nkv, D, max_tokens, R = 64, 4, 2, 16, 48, 8
+    g = gen(13)
+    w = AttentionWeights(q=randn(Nq * D, H, g=g) / 8, k=randn(Nkv * D, H, g=g) / 8, v=randn(Nkv * D, H, g=g) / 8,
+                         o=randn(H, Nq * D, g=g) / 8)
+    if qk_norm == "head":
+        w.q_norm, w.k_norm = 1 + randn(D, g=g) / 4, 1 + randn(D, g=g) / 4
+    if qk_norm == "full":
+        w.q_norm, w.k_norm = 1 + randn(Nq * D, g=g) / 4, 1 + randn(Nkv * D, g=g) / 4
+    w.fuse_qkv()
+    rope = Rope(D, THETA, torch.device("cpu"))
+    attn = Attention(w, rope, num_heads=Nq, num_kv_heads=Nkv, head_dim=D, qk_norm=qk_norm, eps=EPS)
+    assert attn.takes_slot()
+    ref_cache, cache = (KVCache(2, Nkv, D, max_tokens, dtype=torch.float32, device=torch.device("cpu"))
+                        for _ in range(2))
+    x = randn(11, H, g=g)
+    cos, sin = rope.cos_sin(torch.arange(11), torch.float32)
+    ref = attn(x, cos, sin, ref_cache, 1, 0)
+    start = 0
+    for T in (1, 3, 7):
+        tile = torch.zeros(R, H)
+        tile[:T] = x[start:start + T]
+        pos = torch.zeros(R, dtype=torch.long)
+        pos[:T] = torch.arange(start, start + T)
+        out = attn.rows(tile, pos, cache, 1, T)
+        assert out.shape == (R, H)
+        assert relative_error(out[:T], ref[start:start + T]) < TOL[torch.float32]
+        start += T
+    assert relative_error(cache.keys[1, :, :11], ref_cache.keys[1, :, :11]) < TOL[torch.float32]
 
 
 def test_bad_arguments_are_refused(td):

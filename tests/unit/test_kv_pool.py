@@ -33,13 +33,14 @@ def test_other_layouts_and_one_sequence_keep_separate_caches(layout, count):
     assert len(caches) == count and all(c.pool is None for c in caches)
 
 
-def test_a_slot_on_the_cpu_is_refused_by_name(tiny_packed_model):
+def test_rows_at_once_on_the_cpu_are_refused_by_name(tiny_packed_model):
     from moestream.engine.engine import Engine
     from moestream.engine.options import EngineOptions
 
     engine = Engine.load(tiny_packed_model("qwen3_moe", "q4"), options=EngineOptions(device="cpu"))
     layer = engine.model.layers[0]
-    x = torch.zeros(1, engine.model.hidden_size, dtype=engine.model.dtype)
-    with pytest.raises(ValueError, match="sequence slot as a device value needs CUDA"):
-        layer.attn.step(x, torch.tensor([0]), engine.cache, 0, slot=torch.tensor([0]))
+    x = torch.zeros(16, engine.model.hidden_size, dtype=engine.model.dtype)
+    assert not engine.decoder.rows_at_once
+    with pytest.raises(ValueError, match="rows at once need CUDA"):
+        layer.attn.rows(x, torch.zeros(16, dtype=torch.long), engine.cache, 0, 2)
     engine.close()
