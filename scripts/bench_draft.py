@@ -1,4 +1,4 @@
-"""Speculative decoding on the demo model with each drafter, on prompts from its held-out split (CPU).
+"""Speculative decoding on the demo model with each drafter, on prompts from its held-out split.
 
 For every drafter and prompt it runs `moestream bench --draft DRAFTER --prompt TEXT --cache-sizes
 100%,25% --warmup` in a fresh process: after a warm-up (the cache filled, a long prefill, a short
@@ -10,6 +10,9 @@ prepare`), chosen by a fixed seed. Writes one JSON with every bench result, the 
 before each run, and means over the prompts.
 
     python scripts/bench_draft.py --out docs/bench/cpu/demo-drafters.json
+    python scripts/bench_draft.py --device cuda --prompts-from docs/bench/cpu/demo-drafters.json --out r.json
+
+--prompts-from takes the prompts an earlier run's JSON recorded (a machine without build/demo-data).
 """
 from __future__ import annotations
 
@@ -54,9 +57,15 @@ def main() -> None:
     p.add_argument("--cache-sizes", default="100%,25%")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--drafters", default=",".join(DRAFTERS), help="which of: " + ", ".join(DRAFTERS))
+    p.add_argument("--prompts-from", type=Path, help="an earlier run's JSON: take its prompts (no build/demo-data)")
+    p.add_argument("--device", default="cpu", help="cpu (one compute thread) or cuda")
     args = p.parse_args()
-    prompts = held_out_prompts(Path(args.data), args.prompts, args.prompt_tokens, args.seed)
-    common = ["--device", "cpu", "--threads", "1", "--warmup", "--prefill-tokens", "", "--decode-tokens", str(args.decode_tokens),
+    if args.prompts_from:
+        prompts = json.loads(args.prompts_from.read_text())["prompts"][:args.prompts]
+    else:
+        prompts = held_out_prompts(Path(args.data), args.prompts, args.prompt_tokens, args.seed)
+    threads = ["--threads", "1"] if args.device == "cpu" else []
+    common = ["--device", args.device, *threads, "--warmup", "--prefill-tokens", "", "--decode-tokens", str(args.decode_tokens),
               "--cache-sizes", args.cache_sizes]
     runs = []
     with tempfile.TemporaryDirectory() as tmp:

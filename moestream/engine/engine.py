@@ -278,6 +278,24 @@ class Engine:
                 cache.append(piece)
         return rows[0] if len(rows) == 1 else torch.cat(rows)
 
+    def warm_steps(self, rows: int) -> None:
+        """Capture the CUDA graphs of steps of 1..rows rows now (rows at once, before any sequence
+        holds tokens), so that the first batched requests do not pay for them. The steps write K/V
+        at positions 0..rows-1 of slot 0 and record no token: a sequence writes a position before it
+        reads it, so nothing it reads changes."""
+        from moestream.engine.decoder import MAX_STEP_TOKENS
+
+        if not (self.decoder.rows_at_once and self.decoder.use_graphs) or \
+                any(cache.length for cache in self.caches):
+            return
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            self._make_resident()
+            for T in range(1, min(rows, MAX_STEP_TOKENS) + 1):
+                self.decoder.step_rows([0] * T, list(range(T)), [0] * T)
+            self._sync()
+        log.info("captured the steps of 1..%d rows in %.1f s", min(rows, MAX_STEP_TOKENS), time.perf_counter() - t0)
+
     def step_many(self, batch: dict[int, list[int]]) -> dict[int, torch.Tensor]:
         """`step` for several sequences at once: {slot: tokens} -> {slot: logits [T_s, V]}. Their
         rows share decoder steps, so each MoE layer loads the union of the experts they route to

@@ -16,6 +16,7 @@
 #             25 % with uniform routing
 #   cpu-share: the device path's CPU share, CUDA tests and `--cpu-experts auto` at 25 % uniform
 #   rows:     --step-rows auto (a step's rows at once): its GPU tests, then resident decode and step costs against off
+#   drafters: the batching GPU test with warmed steps, the demo's drafters on CUDA on the held-out prompts
 #   server:   scripts/bench_server_batching.py at 100 % and 25 % (needs .whl: scripts/gpu/fetch_wheels.sh here,
 #             `carry: [".whl"]` in the call)
 set -u
@@ -126,10 +127,17 @@ for part in "$@"; do
     for rows in ${ROWS_MODES:-auto off}; do
       bench "resident-rows-$rows" 140 --cache-sizes all --prefill-tokens 512 --step-tokens 1,2,4,8,16 --step-rows $rows
     done ;;
+  drafters)
+    timeout -s ABRT 90 python3 -m pytest tests/gpu/test_batching.py -k one_graph_per_row -q -p no:cacheprovider -rfE \
+      > "$out/warm-test.log" 2>&1
+    say warm-test "rc=$?"; tail -3 "$out/warm-test.log"
+    timeout ${DRAFT_LIMIT:-200} python3 scripts/bench_draft.py --device cuda --prompts-from docs/bench/cpu/demo-drafters.json \
+      --out "$out/demo-drafters-cuda.json" > "$out/demo-drafters-cuda.log" 2>&1
+    say demo-drafters "rc=$?"; tail -4 "$out/demo-drafters-cuda.log" ;;
   server)
     synth
     for size in ${SERVER_SIZES:-all 25%}; do
-      timeout 240 python3 scripts/bench_server_batching.py --model $model --parallel ${SERVER_PARALLEL:-1,16} --clients 1,4,16,32 \
+      timeout ${SERVER_LIMIT:-240} python3 scripts/bench_server_batching.py --model $model --parallel ${SERVER_PARALLEL:-1,16} --clients 1,4,16,32 \
         --max-tokens 32 --server-args "--device cuda --cache-size $size --host-cache-size all --step-rows ${STEP_ROWS:-auto}" \
         --out "$out/server-batching-${size%\%}.json" > "$out/server-batching-${size%\%}.log" 2>&1
       say "server $size" "rc=$?"; tail -6 "$out/server-batching-${size%\%}.log"
