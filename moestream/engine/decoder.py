@@ -324,8 +324,7 @@ class Decoder:
                 self._forget_batch_graphs()
             self.routed = self._mode(key)
             self._replay(key, lambda: self._whole(T, head))
-            for i, r in self.routed.items():
-                self._booked(i, T)
+            self._booked_step(T)
             self._after_step()
             return self.logits[:T] if head else self.x[:T]
         self.routed = self._mode("segments")
@@ -353,8 +352,7 @@ class Decoder:
                 all(self._capturable(i) for i in self.routed):
             self.routed = self._mode(key)
             self._replay(key, lambda: self._whole(T, head))
-            for i in self.routed:
-                self._booked(i, T)
+            self._booked_step(T)
             self._after_step()
             return self.logits[:T] if head else self.x[:T]
         self.routed = self._mode(("segments", T))
@@ -419,6 +417,15 @@ class Decoder:
             self._replay(("experts", i, T), lambda: self._experts(i, T), capture=capture)
         finally:  # a victim slot is rewritten only after the kernels queued above (stream order)
             self.experts.release(block.layer)
+
+    def _booked_step(self, T: int) -> None:
+        """_booked for every MoE layer of a whole-step graph (resident: one count for all layers)."""
+        if self.experts.resident:
+            self.experts.count_resident_step([(self.model.layers[i].ffn.layer, self.routed[i].rows("ids", T))
+                                              for i in self.routed])
+        else:
+            for i in self.routed:
+                self._booked(i, T)
 
     def _booked(self, i: int, T: int) -> None:
         """A layer ran with no host half: resident hits are booked here (a device map counts its

@@ -104,6 +104,7 @@ class Engine:
         self.decoder = Decoder(self.model, self.caches, self.experts, graphs=options.cuda_graphs, lookahead=lookahead,
                                maps=self.guess_maps, rows=options.step_rows != "off")
         self._resident_checked = False
+        self._warmed: set[int] = set()  # row counts whose step graphs warm_steps captured
         # sees the final residual stream (before the final norm) of every position slot 0 computes:
         # hidden_tap(first position, rows [T, H]); the MTP drafter's input (moestream.engine.mtp_drafter)
         self.hidden_tap: Callable[[int, torch.Tensor], None] | None = None
@@ -209,6 +210,11 @@ class Engine:
             reuse = max(0, reuse - 1)
         reuse = cache.truncate(reuse)  # less where a recurrent layer keeps no state at `reuse`
         self.sequences.check_room(len(prompt_ids) - reuse, cache)
+        if self._prefill_by_steps(len(prompt_ids) - reuse, seq):  # a few tokens: one step's graph
+            if should_stop is not None and should_stop():
+                return None, reuse
+            logits = self._step(prompt_ids[reuse:], seq, head=True)
+            return (logits if all_logits else logits[-1:]), reuse
         chunk = max(1, self.plan.prefill_chunk)
         outputs = []
         self.model.on_hidden = self.hidden_tap if seq == 0 else None
@@ -228,6 +234,15 @@ class Engine:
             self.model.on_hidden = None
         self.release_workspace()
         return (torch.cat(outputs) if all_logits else outputs[-1]), reuse
+
+    def _prefill_by_steps(self, new: int, seq: int) -> bool:
+        """Whether `new` prompt tokens run as one decoder step rather than a prefill pass: on CUDA with
+        a step's rows at once, up to a step's rows (a replayed graph costs a fraction of the pass's
+        hundreds of launches; with graphs off the same kernels run eagerly, so the same bits). Either
+        way is one fixed path per prompt length, whatever else runs."""
+        from moestream.engine.decoder import MAX_STEP_TOKENS
+
+        return 0 < new <= MAX_STEP_TOKENS and self.decoder.rows_at_once and (self.hidden_tap is None or seq != 0)
 
     def release_workspace(self) -> None:
         """Give the prefill's transient memory back to the device (decode needs a small part of it),
@@ -278,23 +293,26 @@ class Engine:
                 cache.append(piece)
         return rows[0] if len(rows) == 1 else torch.cat(rows)
 
-    def warm_steps(self, rows: int) -> None:
-        """Capture the CUDA graphs of steps of 1..rows rows now (rows at once, before any sequence
-        holds tokens), so that the first batched requests do not pay for them. The steps write K/V
-        at positions 0..rows-1 of slot 0 and record no token: a sequence writes a position before it
-        reads it, so nothing it reads changes."""
+    def warm_steps(self, rows: int, *, seq: int = 0) -> None:
+        """Capture the CUDA graphs of steps of 1..rows rows now (rows at once), so that the first
+        batched requests or speculative verifications neither pay for them nor time them. The steps
+        write K/V at sequence `seq`'s next positions and record no token: a sequence writes a
+        position before it reads it, so nothing it reads changes."""
         from moestream.engine.decoder import MAX_STEP_TOKENS
 
-        if not (self.decoder.rows_at_once and self.decoder.use_graphs) or \
-                any(cache.length for cache in self.caches):
+        n = min(rows, MAX_STEP_TOKENS)
+        start = self.sequences.open_cache(seq).length if seq else self.caches[0].length
+        todo = [T for T in range(1, n + 1) if T not in self._warmed]
+        if not (todo and self.decoder.rows_at_once and self.decoder.use_graphs) or start + n > self.max_context:
             return
         t0 = time.perf_counter()
         with torch.inference_mode():
             self._make_resident()
-            for T in range(1, min(rows, MAX_STEP_TOKENS) + 1):
-                self.decoder.step_rows([0] * T, list(range(T)), [0] * T)
+            for T in todo:
+                self.decoder.step_rows([0] * T, list(range(start, start + T)), [seq] * T)
+                self._warmed.add(T)
             self._sync()
-        log.info("captured the steps of 1..%d rows in %.1f s", min(rows, MAX_STEP_TOKENS), time.perf_counter() - t0)
+        log.info("captured the steps of %s rows in %.1f s", todo, time.perf_counter() - t0)
 
     def step_many(self, batch: dict[int, list[int]]) -> dict[int, torch.Tensor]:
         """`step` for several sequences at once: {slot: tokens} -> {slot: logits [T_s, V]}. Their

@@ -165,6 +165,7 @@ class AdaptivePolicy:
         self.probe_every, self.min_gain = probe_every, min_gain
         self.prior_accept, self.prior_weight = prior_accept, prior_weight
         self.step_cost: dict[int, float] = {}  # T -> EMA seconds of step(T)
+        self._steps_seen: dict[int, int] = {}  # T -> steps of T recorded
         self.draft_cost: dict[int, float] = {}  # k -> EMA seconds of proposing k tokens
         self.kept = [0.0] * max_draft  # per draft position: decayed count of tokens kept there
         self.tried = [0.0] * max_draft  # ... and of tokens verified there (the ones before it all kept)
@@ -202,7 +203,14 @@ class AdaptivePolicy:
         table[key] = seconds if old is None else old + self.smoothing * (seconds - old)
 
     def record_step(self, tokens: int, seconds: float) -> None:
-        self._ema(self.step_cost, tokens, seconds)
+        # a length's first step may include its kernels' first use (compilation, a graph's capture):
+        # the second replaces it rather than averaging with it
+        seen = self._steps_seen.get(tokens, 0)
+        self._steps_seen[tokens] = seen + 1
+        if seen == 1:
+            self.step_cost[tokens] = seconds
+        else:
+            self._ema(self.step_cost, tokens, seconds)
 
     def record_draft(self, k: int, seconds: float) -> None:
         if k > 0:
@@ -345,6 +353,10 @@ def run(engine, seq: list[int], logits: torch.Tensor, *, budget: int, sampling: 
                              policy=policy)
     state["speculative"] = stats
     drafter.begin(sampling)
+    for e in (engine, getattr(drafter, "engine", None)):  # no graph capture inside a timed step
+        warm = getattr(e, "warm_steps", None)
+        if warm is not None:
+            warm((policy.max_draft if policy is not None else options.draft_tokens) + 1)
     seq = list(seq)
     produced = 0
 

@@ -77,6 +77,7 @@ class ExpertCache:
         self._deferred: list = []  # (copy event, callback): host tier slots to unpin once their copy is done
         self.resident_tables: dict[int, torch.Tensor] = {}  # layer -> int32 [E] slots, once all are resident
         self._device_hits: torch.Tensor | None = None  # per MoE layer, counted by resident layers
+        self._hit_rows: dict[tuple, torch.Tensor] = {}  # count_resident_many's layer rows, per set of layers
         self.device_map = None  # a DeviceMap once device-driven streaming started (start_device_map)
         self.stats_ = CacheStats()
 
@@ -275,6 +276,24 @@ class ExpertCache:
         seen = torch.zeros(self.entries[layer].num_experts, dtype=torch.int64, device=self.device)
         seen.scatter_(0, flat, 1)  # torch.bincount would sync with the host on CUDA
         self._device_hits[self._index[layer]] += seen.sum()
+
+    def count_resident_many(self, routed: list[tuple[int, torch.Tensor]]) -> None:
+        """count_resident for every MoE layer of a step at once [(layer, ids [T, A])]: a handful of
+        kernels for the whole step rather than a handful per layer (a step of many rows)."""
+        if len(routed) < 2 or routed[0][1].shape[0] == 1:
+            for layer, ids in routed:
+                self.count_resident(layer, ids)
+            return
+        if self._device_hits is None:
+            self._device_hits = torch.zeros(len(self.moe_layers), dtype=torch.int64, device=self.device)
+        flat = torch.stack([ids.reshape(-1) for _, ids in routed]).to(torch.int64)  # [L, T*A]
+        experts = max(self.entries[layer].num_experts for layer, _ in routed)
+        seen = torch.zeros((len(routed), experts), dtype=torch.int64, device=self.device).scatter_(1, flat, 1)
+        key = tuple(layer for layer, _ in routed)
+        rows = self._hit_rows.get(key)
+        if rows is None:
+            rows = self._hit_rows[key] = torch.tensor([self._index[layer] for layer in key], device=self.device)
+        self._device_hits.index_add_(0, rows, seen.sum(dim=1))
 
     # -- device-driven streaming ----------------------------------------------------------
     def start_device_map(self):

@@ -407,9 +407,19 @@ class RoutedExperts:
 
     def count_resident(self, layer: int, ids: torch.Tensor) -> None:
         """A resident layer ran without the host half: book its hits and tell the trace."""
-        self.provider.count_resident(layer, ids)
+        self.count_resident_step([(layer, ids)])
+
+    def count_resident_step(self, routed: list[tuple[int, torch.Tensor]]) -> None:
+        """count_resident for every MoE layer [(layer, ids)] of a step that ran without the host half."""
+        many = getattr(self.provider, "count_resident_many", None)
+        if many is not None:
+            many(routed)
+        else:
+            for layer, ids in routed:
+                self.provider.count_resident(layer, ids)
         if self.on_route is not None:
-            self.on_route(layer, ids)
+            for layer, ids in routed:
+                self.on_route(layer, ids)
 
     def compute(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, *,
                 residual: torch.Tensor | None = None, out: torch.Tensor | None = None,

@@ -307,9 +307,9 @@ class Worker:
                 from moestream.server.batching import BatchScheduler
 
                 scheduler = BatchScheduler(self)  # refuses an engine without enough sequence slots
-                warm = getattr(engine, "warm_steps", None)
-                if warm is not None:  # the first batched requests should not pay for capturing steps
-                    warm(self.parallel)
+            warm = getattr(engine, "warm_steps", None)
+            if warm is not None:  # the first requests should not pay for capturing steps (short prompts, batches)
+                warm(16)
             self._refresh_stats()
             self.state = "ready"
             log.info("engine ready: %s, context %d tokens", self.model_name, self.max_context)
