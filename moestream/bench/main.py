@@ -295,6 +295,13 @@ def run(args) -> dict:
                 for _ in engine.generate(random_prompt(32, engine.args.vocab_size, args.seed + 1), max_new_tokens=32,
                                          stop_at_eos=False):
                     pass
+                if speculative is not None:  # steps of every length a verification or a draft prompt takes
+                    from moestream.engine.decoder import MAX_STEP_TOKENS
+
+                    for e in (engine, getattr(speculative.drafter, "engine", None)):
+                        if e is not None:
+                            e.reset()
+                            e.warm_steps(MAX_STEP_TOKENS)
             with timeline.recording(timeline_path(args.timeline, size, len(sizes)), device=engine.device):
                 measured = measure(engine, prefill_sizes=prefill_sizes, decode_tokens=args.decode_tokens, seed=args.seed,
                                    prompt=prompt, speculative=speculative)

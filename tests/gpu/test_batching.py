@@ -73,7 +73,9 @@ def test_one_graph_per_row_count_serves_every_arrangement(family, tiny_packed_mo
         for step, (a, b) in enumerate(zip(got[n], expected[n])):
             assert torch.equal(a, b), f"sequence {n} differs at step {step}"
     keys = set(engine.decoder.graphs)
-    assert keys == warmed  # every step the schedule took was captured before it began
+    # every decode step of the schedule was captured before it began; the prompts (under 16 tokens)
+    # prefilled as steps of their lengths
+    assert keys - warmed <= {("step", len(p)) for p in prompts}
     assert not any(k[0] in ("attention", "attention-rows") or len(k) > 2 for k in keys)  # no segments, no arrangements
     engine.close()
 
