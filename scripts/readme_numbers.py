@@ -277,9 +277,29 @@ def h200_cpu_share_device() -> str:
             f"experts in the timed decode")
 
 
+def h200_step_rows() -> str:
+    """A step's rows at once against row by row, resident, one call: step costs and one-token decode."""
+    off, auto = (only_run(H200 / f"step-rows-{m}-resident.json") for m in ("off", "auto"))
+    ms = [(r["step_cost"]["step_ms"]) for r in (off, auto)]
+    return (f"a 16-token step {ms[0]['16']:.1f} → {ms[1]['16']:.1f} ms, an 8-token step {ms[0]['8']:.1f} → "
+            f"{ms[1]['8']:.1f} ms, one-token decode {tok_s(off['decode']['tok_s'])} → {tok_s(auto['decode']['tok_s'])} tok/s")
+
+
+def h200_demo_drafters() -> str:
+    """The demo's n-gram drafter on the H200 at 100 %: each prompt's second and first speculative run against plain."""
+    path = H200 / "demo-drafters.json"
+    runs = [r for r in load(path)["runs"] if r["drafter"] == "ngram" and r["cache_size"] == "100%"]
+    if not runs:
+        raise NumbersError(f"{path.relative_to(ROOT)}: no n-gram run at 100%")
+    ratios = [[s / (sum(r["plain_tok_s"]) / len(r["plain_tok_s"])) for s in r["speculative_tok_s"]] for r in runs]
+    return (f"n-gram on {len(runs)} held-out prompts at 100 % cache: the second speculative run "
+            + " / ".join(f"{x[1]:.2f}×" for x in ratios) + " plain decoding (the first, which captured its step "
+            "graphs, " + " / ".join(f"{x[0]:.2f}×" for x in ratios) + ")")
+
+
 def h200_server_batching() -> str:
     """Total tok/s of `serve --parallel 16` against `--parallel 1` at 16 and 32 clients."""
-    path = H200 / "server-batching-100pct-parallel1-16.json"
+    path = H200 / "server-batching-100pct-step-rows-short-prefill.json"
     by = {r["parallel"]: {x["clients"]: x for x in r["rounds"]} for r in load(path)["runs"]}
     rounds = []
     for clients in (16, 32):
@@ -309,6 +329,8 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "h200-families": h200_families,
     "h200-cpu-share-device": h200_cpu_share_device,
     "h200-server-batching": h200_server_batching,
+    "h200-step-rows": h200_step_rows,
+    "h200-demo-drafters": h200_demo_drafters,
 }
 
 
