@@ -103,6 +103,18 @@ def adjusted_logits(logits: torch.Tensor, params: SamplingParams, *, position: i
     return logits
 
 
+def plain_greedy(params: SamplingParams) -> bool:
+    """Whether choose_token is the argmax of the raw logits (nothing adjusts them, nothing records)."""
+    return params.greedy and params.repetition_penalty == 1.0 and not params.uses_generated and \
+        not params.logit_bias and params.history is None
+
+
+def greedy_rows(rows: torch.Tensor) -> list[int]:
+    """choose_token of each row [n, V] under plain_greedy params, with one host read for all: the
+    first index of each row's maximum, as a one-row argmax gives."""
+    return rows.argmax(dim=-1).tolist()
+
+
 def choose_token(logits: torch.Tensor, params: SamplingParams, *, position: int,
                  previous: torch.Tensor | None = None, generated: Sequence[int] | None = None) -> int:
     """logits [V] float32 -> token id. `position` is the index the token will have in the sequence;

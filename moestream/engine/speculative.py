@@ -389,8 +389,9 @@ def run(engine, seq: list[int], logits: torch.Tensor, *, budget: int, sampling: 
             policy.record_draft(k, t1 - t0)
             policy.record_step(len(draft) + 1, t2 - t1)
         accepted = 0
+        chosen = emit.choices(rows[:len(draft) + 1]) if draft else None
         for i in range(len(draft) + 1):
-            event = emit(rows[i])
+            event = emit(rows[i], None if chosen is None else chosen[i])
             if event is None:
                 return
             produced += 1

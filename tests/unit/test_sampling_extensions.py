@@ -49,3 +49,27 @@ def test_allowed_tokens_sees_generated_tokens_and_masks():
 def test_equal_params_ignore_processor_and_history():
     a = SamplingParams(seed=1, history=TokenHistory())
     assert a == SamplingParams(seed=1) and hash(a) == hash(SamplingParams(seed=1))
+
+
+def test_a_verifications_greedy_choices_read_at_once_equal_one_row_at_a_time():
+    """Emitter.choices (one argmax and one host read for all rows) picks what choose_token picks
+    row by row, ties included (the first maximal index), and declines where a choice needs more
+    than its row."""
+    from moestream.engine.emitter import Emitter
+
+    g = torch.Generator().manual_seed(3)
+    rows = torch.randn(9, 500, generator=g)
+    rows[2, 7] = rows[2, 300] = rows[2].max() + 1  # a tie: the first index wins
+    rows[5] = 0.0  # all equal
+    plain = SamplingParams()
+    emit = Emitter([1, 2], {"tokens": []}, sampling=plain, logprobs=0, eos_ids=(), should_stop=None,
+                   stop_at_eos=False)
+    expected = [choose_token(rows[i], plain, position=i) for i in range(9)]
+    assert emit.choices(rows) == expected and expected[2] == 7 and expected[5] == 0
+    for params in (SamplingParams(temperature=0.7), SamplingParams(repetition_penalty=1.2),
+                   SamplingParams(frequency_penalty=0.5), SamplingParams(logit_bias=((3, 5.0),))):
+        other = Emitter([1, 2], {"tokens": []}, sampling=params, logprobs=0, eos_ids=(), should_stop=None,
+                        stop_at_eos=False)
+        assert other.choices(rows) is None
+    event = emit(rows[0], expected[0])
+    assert event.token_id == expected[0]
