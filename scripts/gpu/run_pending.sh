@@ -1,5 +1,10 @@
 #!/usr/bin/env bash
 # What has not yet run on a GPU, in priority order, in parts that each fit one device call (≤ 10 min).
+# Next: tests (the batching test's graph keys, speculation's warmed steps and batched greedy reads, the
+# server's step warm-up, the device CPU share's changes), drafters (bench --warmup now warms the
+# speculative steps), server (SERVER_SIZES="all 25%": the scheduler's host work cut), cpu-share.
+# Start the q30 synth in the background first (`python3 -m moestream synth --shape qwen3-30b-a3b
+# /tmp/q30 --force & SP=$!` ... `wait $SP`: never wait with pgrep -f, which matches its own command).
 # Usage: scripts/gpu/run_pending.sh OUTDIR PART...
 #   PART: synth | sweep | tests | stream | lookahead | resident | profile | families | cpu-share | server
 #   synth:    every shape the other parts read, side by side (one core each), so later calls find them
@@ -64,8 +69,8 @@ for part in "$@"; do
     say profile-512 "rc=$?" ;;
   tests)  # one pytest process (one CUDA start), capped as a whole; --durations says what to trim next time
     files=""
-    for f in test_batching test_server_batching_cuda test_mxfp4_records_cuda test_decoder test_speculative_cuda \
-             ${EXTRA_TESTS:-}; do
+    for f in test_batching test_speculative_cuda test_server_batching_cuda test_device_cpu_share_cuda \
+             test_decode_kernels ${EXTRA_TESTS:-}; do
       [ -f tests/gpu/$f.py ] && files="$files tests/gpu/$f.py"
     done
     timeout -s ABRT ${TESTS_LIMIT:-300} python3 -m pytest $files -q -p no:cacheprovider -rfE --durations=15 \
