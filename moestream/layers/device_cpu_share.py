@@ -7,9 +7,10 @@ worker thread meet in a mailbox of pinned RAM instead, with no host launch or sy
 
   1. the device map withholds a share of the layer's misses (the first in expert order; a number
      in 1/1024ths that the device reads from pinned RAM, so the worker can retune it between
-     layers): they get no slot and stay out of the layer's table;
-  2. the device posts the layer's input rows, ids, weights and which pairs are withheld to the
-     mailbox (stream-ordered copies into pinned RAM), then the sequence number, last;
+     layers): they get no slot and stay out of the layer's table; the lookup writes how many it
+     withheld into device memory;
+  2. where it withheld any, the device posts the layer's input rows, ids, weights and which pairs
+     are withheld to the mailbox, then the next sequence number, last (moestream.kernels.triton_mailbox);
   3. while the device copies its own misses and computes the hits and them, the worker, which
      polls the sequence number, computes the withheld pairs' weighted rows with the CPU kernels
      (moestream.kernels.cpu_experts, from the host tier repacked up front) and writes them back,
@@ -19,6 +20,12 @@ worker thread meet in a mailbox of pinned RAM instead, with no host launch or sy
   5. fail-closed: where it is not (error, late), the same graph loads the withheld experts and
      computes their pairs on the device (every kernel after the wait reads its flag), so the
      answer is the device's own, bit for bit.
+
+A call that withholds nothing (the share gives this layer no expert) posts nothing and takes no
+sequence number, so the worker never sees it and a later call's number is the next one the worker
+waits for; the wait returns at once without reading host memory, and the rows, the fallback's
+lookup, copy and kernels are programs that read the count and return. An answer the device gave up
+on (late) carries an older number than the one it waits for next, so it is never taken.
 
 The CPU rounds differently from the device kernels, so with a share the output is within the
 dtype's tolerance of `off`, not bit for bit. Calls of more than MAX_PAIRS (token, expert) pairs
@@ -69,7 +76,7 @@ class DeviceCpuShare:
         self.max_spins = max(1, int(self.timeout_s * SPINS_PER_SECOND))
         pin = self.cuda
         # the mailbox, in pinned RAM: the device writes the request, the worker the answer
-        self.header = _pinned(4, torch.int64, pin)  # sequence number, layer, tokens, pairs
+        self.header = _pinned(5, torch.int64, pin)  # sequence number, layer, tokens, pairs, the call's misses
         self.x_in = _pinned((max_tokens, hidden), torch.float32, pin)
         self.ids_in = _pinned(MAX_PAIRS, torch.int32, pin)
         self.w_in = _pinned(MAX_PAIRS, torch.float32, pin)
@@ -79,18 +86,21 @@ class DeviceCpuShare:
         self.share = _pinned(1, torch.int32, pin)  # of each call's misses, in 1/1024ths
         # the device's side
         dev = self.device
-        self.header_dev = torch.zeros(4, dtype=torch.int64, device=dev)
+        self.seq = torch.zeros(1, dtype=torch.int64, device=dev)  # the last sequence number posted
+        self.withheld = torch.zeros(2, dtype=torch.int64, device=dev)  # this call's withheld misses, all its misses
         self.rows = torch.zeros((MAX_PAIRS, hidden), dtype=torch.float32, device=dev)
         self.ok = torch.ones(1, dtype=torch.int32, device=dev)
         self.late = torch.zeros(1, dtype=torch.int64, device=dev)  # calls whose answer was missing
         self.lost = torch.zeros(1, dtype=torch.int64, device=dev)  # pairs the device computed instead
-        self.ack_dev = _device_side(self.ack) if self.cuda else self.ack
-        self.share_dev = _device_side(self.share) if self.cuda else self.share
+        self.empty = torch.zeros(1, dtype=torch.int64, device=dev)  # calls that withheld nothing (posted nothing)
+        self.ack_dev, self.share_dev = (_device_side(self.ack), _device_side(self.share)) if self.cuda else (self.ack, self.share)
+        if self.cuda:  # the mailbox as the device's programs write and read it
+            self.box_dev = {name: _device_side(getattr(self, name))
+                            for name in ("header", "x_in", "ids_in", "w_in", "mask_in", "rows_out")}
         self.copy_gb_s = START_COPY_GB_S
         self.jobs = self.experts = self.pairs = self.errors = self.skipped = 0
         self.bytes = 0
         self.compute_s = 0.0
-        self._mask: torch.Tensor | None = None
         self._set_share(0.5 if cpu.share == "auto" else float(cpu.share))
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="moestream-cpu-experts-device", daemon=True)
@@ -104,70 +114,106 @@ class DeviceCpuShare:
                 residual: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """RoutedExperts.compute on the device-driven path with the CPU's share (see the module doc)."""
         dm, table = experts.device_map, experts.tables[layer]
-        flat = ids.reshape(-1)
-        dm.ensure(layer, ids, withhold=self.share_dev,
-                  before_copy=lambda: self._post(layer, x, flat, weights, table))
+        flat = ids.reshape(-1).contiguous()
+        w = weights.reshape(-1).contiguous()
+        dm.ensure(layer, ids, withhold=self.share_dev, withheld=self.withheld,
+                  before_copy=lambda: self._post(layer, x, flat, w, table))
         plan = experts.plan(layer, x, ids, weights, per_pair=True)
         pool = experts.provider.slot_pool(layer)
         plan.run_table(pool, table)  # the withheld pairs have no slot: skipped here
-        self._take(layer, plan, flat, ids, table, dm, experts.num_experts[layer], pool)
+        if not self.cuda:
+            self._take_on_host(layer, plan, flat, ids, table, dm, pool)
+        elif hasattr(plan, "o"):  # the Triton plan: its per-pair rows, written by programs that read the flags
+            self._take(layer, plan, flat, ids, table, dm, pool)
+        else:
+            self._take_torch(layer, plan, flat, ids, table, dm, experts.num_experts[layer], pool)
         return plan.finish(residual, out=out) if out is not None else plan.finish(residual)
 
-    def _post(self, layer: int, x: torch.Tensor, flat: torch.Tensor, weights: torch.Tensor,
-              table: torch.Tensor) -> None:
+    def _post(self, layer: int, x: torch.Tensor, flat: torch.Tensor, w: torch.Tensor, table: torch.Tensor) -> None:
+        if self.cuda:
+            from moestream.kernels import triton_mailbox
+
+            box = self.box_dev
+            triton_mailbox.post(self.withheld, self.seq, x, flat, w, table, layer, box["x_in"], box["ids_in"],
+                                box["w_in"], box["mask_in"], box["header"])
+            triton_mailbox.publish(self.withheld, self.seq, box["header"], self.empty)
+            return
+        # the CPU device (tests): the same request, the host deciding
+        if int(self.withheld[0]) == 0:
+            self.empty += 1
+            return
         T, P = x.shape[0], flat.numel()
-        self._mask = table[flat] < 0  # the withheld pairs (everything else has a slot now)
-        h = self.header_dev
-        h[0].add_(1)
-        h[1].fill_(layer)
-        h[2].fill_(T)
-        h[3].fill_(P)
-        self.x_in[:T].copy_(x.float(), non_blocking=True)
-        self.ids_in[:P].copy_(flat.to(torch.int32), non_blocking=True)
-        self.w_in[:P].copy_(weights.reshape(-1).float(), non_blocking=True)
-        self.mask_in[:P].copy_(self._mask.to(torch.int8), non_blocking=True)
-        self.header[1:].copy_(h[1:], non_blocking=True)
-        self.header[:1].copy_(h[:1], non_blocking=True)  # the sequence number last: the worker starts on it
+        self.x_in[:T].copy_(x)
+        self.ids_in[:P].copy_(flat)
+        self.w_in[:P].copy_(w)
+        self.mask_in[:P].copy_(table[flat] < 0)
+        self.header[1:].copy_(torch.tensor([layer, T, P, int(self.withheld[1])]))
+        self.seq += 1
+        self.header[0] = self.seq[0]  # the sequence number last: the worker starts on it
 
     def _take(self, layer: int, plan, flat: torch.Tensor, ids: torch.Tensor, table: torch.Tensor, dm,
-              num_experts: int, pool: torch.Tensor) -> None:
+              pool: torch.Tensor) -> None:
+        """After the hits: wait for the answer, take its rows, and where it is missing load the
+        withheld experts and compute their pairs here (each pair's row is its own, summed later in
+        the fixed order: the bits of no share). Every program reads the withheld count and the
+        flag; with nothing withheld or the answer there, the fallback's lookup is gated off and its
+        copy and kernels find nothing to do."""
+        from moestream.kernels import triton_mailbox
+        from moestream.kernels.triton_wait import wait_for_host
+
         P = flat.numel()
-        if self.cuda:
-            from moestream.kernels.triton_wait import wait_for_host
+        wait_for_host(self.ack_dev, self.seq, self.ok, self.late, self.withheld, self.max_spins)
+        triton_mailbox.take_rows(self.withheld, self.ok, flat, table, self.box_dev["rows_out"], plan.o)
+        lookup = torch.empty_like(flat)
+        lost = torch.empty(P, dtype=torch.int64, device=flat.device)
+        gate = torch.empty(1, dtype=torch.int32, device=flat.device)
+        triton_mailbox.lost_pairs(self.withheld, self.ok, flat, table, lookup, lost, gate, self.lost)
+        dm.ensure(layer, lookup.view(ids.shape), count=False, gate=gate)
+        redo = torch.empty_like(table)
+        triton_mailbox.redo_table(gate, lost, table, redo)
+        plan.run_table(pool, redo)
 
-            wait_for_host(self.ack_dev, self.header_dev, self.ok, self.late, self.max_spins)
-            self.rows[:P].copy_(self.rows_out[:P], non_blocking=True)
-            plan.take_rows(self.rows, table)  # replaced below where the answer is missing
-        else:  # the CPU device (tests): the host knows; on failure the whole layer again, in the plain order
-            if self._wait_on_host():
-                self.rows[:P].copy_(self.rows_out[:P])
-                plan.take_rows(self.rows, table)
-            else:
-                self.lost.add_(self._mask.sum())
-                dm.ensure(layer, ids, count=False)
-                plan.out.zero_()
-                plan.run_table(pool, table)
-            return
-        self._lose(flat, table, dm, layer, ids, num_experts, plan, pool)
+    def _take_torch(self, layer: int, plan, flat: torch.Tensor, ids: torch.Tensor, table: torch.Tensor, dm,
+                    num_experts: int, pool: torch.Tensor) -> None:
+        """`_take` for a plan without per-pair rows (the torch reference on CUDA), in torch ops."""
+        from moestream.kernels.triton_wait import wait_for_host
 
-    def _lose(self, flat, table, dm, layer, ids, num_experts, plan, pool) -> None:
-        """Where the CPU's answer is missing (the flag says so, on the device): load the withheld
-        experts and compute their pairs here (each pair's row is its own, summed later in the fixed
-        order: the bits of no share). Runs in every call (a graph cannot branch), then costing a
-        lookup with no misses and two kernels whose programs return at once."""
-        lost = self._mask & (self.ok == 0)
+        P = flat.numel()
+        mask = table[flat] < 0
+        wait_for_host(self.ack_dev, self.seq, self.ok, self.late, self.withheld, self.max_spins)
+        self.rows[:P].copy_(self.rows_out[:P], non_blocking=True)
+        plan.take_rows(self.rows, table)  # replaced below where the answer is missing
+        lost = mask & (self.ok == 0)
         self.lost.add_(lost.sum())
         # a pair the device computed (its expert is held), gathered: indexing by a 0-d device tensor
         # would read it on the host, which a capture forbids
-        filler = flat.gather(0, torch.argmin(self._mask.to(torch.int8)).view(1))
+        filler = flat.gather(0, torch.argmin(mask.to(torch.int8)).view(1))
         dm.ensure(layer, torch.where(lost, flat, filler).view(ids.shape), count=False)
         redo = torch.zeros(num_experts, dtype=torch.int8, device=flat.device).scatter_(0, flat.to(torch.int64),
                                                                                           lost.to(torch.int8))
         plan.run_table(pool, torch.where(redo.bool(), table, torch.full_like(table, -1)))
 
+    def _take_on_host(self, layer: int, plan, flat: torch.Tensor, ids: torch.Tensor, table: torch.Tensor, dm,
+                      pool: torch.Tensor) -> None:
+        """The CPU device (tests): the host knows; on failure the whole layer again, in the plain order."""
+        P = flat.numel()
+        if self._wait_on_host():
+            if int(self.withheld[0]):
+                self.rows[:P].copy_(self.rows_out[:P])
+                plan.take_rows(self.rows, table)
+            return
+        self.lost.add_((table[flat] < 0).sum())
+        dm.ensure(layer, ids, count=False)
+        plan.out.zero_()
+        plan.run_table(pool, table)
+
     def _wait_on_host(self) -> bool:
-        """The CPU device's wait (tests): poll the answer like the kernel does."""
-        want = int(self.header_dev[0])
+        """The CPU device's wait (tests): poll the answer like the kernel does (not at all where
+        nothing was asked)."""
+        if int(self.withheld[0]) == 0:
+            self.ok.fill_(1)
+            return True
+        want = int(self.seq[0])
         deadline = time.perf_counter() + self.timeout_s
         while time.perf_counter() < deadline:
             got = int(self.ack[0])
@@ -257,6 +303,7 @@ class DeviceCpuShare:
                     "cpu_errors": self.errors, "cpu_jobs": self.jobs, "cpu_bytes": self.bytes,
                     "cpu_compute_s": round(self.compute_s, 6),
                     "cpu_gb_s": round(self.bytes / self.compute_s / 1e9, 3) if self.compute_s > 0 and self.bytes else None,
+                    "cpu_empty_calls": int(self.empty),
                     "cpu_share_now": round(int(self.share[0]) / 1024, 4), "copy_gb_s": round(self.copy_gb_s, 3)})
         return out
 

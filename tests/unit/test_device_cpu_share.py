@@ -47,6 +47,20 @@ def test_a_share_on_the_device_path_stays_within_tolerance(model, reference, sha
     assert "cpu_experts" not in reference[2]
 
 
+def test_an_empty_share_posts_nothing_and_gives_the_bits_of_no_share(model, reference):
+    tokens, logprobs, stats = run(model, cpu_experts="0")
+    assert tokens == reference[0] and logprobs == reference[1]
+    assert stats["cpu_jobs"] == 0 and stats["cpu_experts"] == 0  # the worker never saw a call
+    assert stats["cpu_empty_calls"] > 0 and stats["cpu_late_calls"] == 0 and stats["cpu_fallbacks"] == 0
+
+
+def test_empty_calls_between_jobs_never_confuse_the_sequence_numbers(model, reference):
+    _, logprobs, stats = run(model, cpu_experts="0.5")
+    assert stats["cpu_empty_calls"] > 0 and stats["cpu_jobs"] > 0  # both kinds of call, interleaved
+    assert stats["cpu_late_calls"] == 0 and stats["cpu_fallbacks"] == 0 and stats["cpu_errors"] == 0
+    assert max(abs(a - b) for a, b in zip(logprobs, reference[1])) < LOGPROB_TOLERANCE
+
+
 def test_a_bigger_share_gives_the_cpu_more(model):
     half, full = run(model, cpu_experts="0.5")[2], run(model, cpu_experts="1")[2]
     assert 0 < half["cpu_experts"] < full["cpu_experts"]
