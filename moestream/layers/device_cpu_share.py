@@ -39,14 +39,22 @@ import time
 
 import torch
 
+from moestream.layers.share_tuning import ShareTuner
+
 log = logging.getLogger(__name__)
 
 MAX_PAIRS = 64  # (token, expert) pairs of a call that can take a share: decode and short verify steps
 SPINS_PER_SECOND = 1_000_000  # one poll of pinned RAM across PCIe takes about a microsecond
 BUSY_S = 0.005  # the worker polls without sleeping for this long after its last job (a step's layers)
 IDLE_SLEEP_S = 0.0002  # then it naps between polls (between requests)
-START_COPY_GB_S = 40.0  # the device's own copy speed from the host tier until measured
-EMA = 0.25
+START_COPY_GB_S = 40.0  # the device's own copy speed from the host tier where it cannot be timed
+PROBE_EVERY = 64  # auto: every this many lookups withhold at least one miss, so the CPU is timed again
+COPY_TIMING_RECORDS = 6  # a layer's usual misses: the copy timed at start moves this many records
+WARM_ROUNDS = 3  # the worker runs its kernels this often before the first job
+
+
+def _round(value: float | None, digits: int) -> float | None:
+    return None if value is None else round(value, digits)
 
 
 def _pinned(shape, dtype: torch.dtype, cuda: bool) -> torch.Tensor:
@@ -64,11 +72,44 @@ def _device_side(host: torch.Tensor) -> torch.Tensor:
     return view.view(host.dtype).view(host.shape)
 
 
+def time_copies(device_map, records: int = COPY_TIMING_RECORDS, rounds: int = 3) -> float | None:
+    """The device's copy speed from the host tier in GB/s: `records` records gathered into a
+    scratch buffer by the path's own copy (moestream.experts.device_map.copy_records), the fastest
+    of `rounds` after one untimed round (its kernel compiled, the pages touched). None where the
+    host tier has no records."""
+    from moestream.experts.device_map import copy_records
+
+    host, dev = device_map.host_pool, device_map.pool.device
+    n = min(records, host.shape[0])
+    if n == 0:
+        return None
+    scratch = torch.empty((n, host.shape[1]), dtype=torch.uint8, device=dev)
+    idx = torch.arange(n, dtype=torch.int64, device=dev)
+    todo = torch.ones(n, dtype=torch.int8, device=dev)
+    best = None
+    for r in range(rounds + 1):
+        if dev.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            copy_records(host, scratch, idx, idx, todo)
+            end.record()
+            end.synchronize()
+            seconds = start.elapsed_time(end) / 1e3
+        else:
+            t0 = time.perf_counter()
+            copy_records(host, scratch, idx, idx, todo)
+            seconds = time.perf_counter() - t0
+        if r and seconds > 0:
+            best = seconds if best is None else min(best, seconds)
+    return None if best is None else scratch.numel() / best / 1e9
+
+
 class DeviceCpuShare:
     def __init__(self, cpu, *, device: torch.device, hidden: int, max_tokens: int, dtype: torch.dtype,
-                 timeout_s: float):
+                 timeout_s: float, device_map=None):
         """cpu: the moestream.layers.cpu_share.CpuShare holding the repacked experts, the share
-        setting ("auto" or a float), the worker's thread count and the fault injection of tests."""
+        setting ("auto" or a float), the worker's thread count and the fault injection of tests.
+        device_map: the lookup whose copies `auto` times once (else their speed is assumed)."""
         self.cpu, self.device, self.dtype = cpu, torch.device(device), dtype
         self.cuda = self.device.type == "cuda"
         self.max_tokens, self.hidden = max_tokens, hidden
@@ -83,7 +124,8 @@ class DeviceCpuShare:
         self.mask_in = _pinned(MAX_PAIRS, torch.int8, pin)
         self.rows_out = _pinned((MAX_PAIRS, hidden), torch.float32, pin)
         self.ack = _pinned(1, torch.int64, pin)
-        self.share = _pinned(1, torch.int32, pin)  # of each call's misses, in 1/1024ths
+        # of each call's misses, in 1/1024ths; then every how many lookups at least one (auto's probe)
+        self.share = _pinned(2, torch.int32, pin)
         # the device's side
         dev = self.device
         self.seq = torch.zeros(1, dtype=torch.int64, device=dev)  # the last sequence number posted
@@ -97,11 +139,15 @@ class DeviceCpuShare:
         if self.cuda:  # the mailbox as the device's programs write and read it
             self.box_dev = {name: _device_side(getattr(self, name))
                             for name in ("header", "x_in", "ids_in", "w_in", "mask_in", "rows_out")}
-        self.copy_gb_s = START_COPY_GB_S
+        timed = time_copies(device_map) if device_map is not None and cpu.share == "auto" else None
+        self.copy_timed = timed is not None
+        self.copy_gb_s = timed or START_COPY_GB_S
+        self.tuner = ShareTuner(self.copy_gb_s)
         self.jobs = self.experts = self.pairs = self.errors = self.skipped = 0
         self.bytes = 0
         self.compute_s = 0.0
-        self._set_share(0.5 if cpu.share == "auto" else float(cpu.share))
+        self._set_share(self.tuner.share() if cpu.share == "auto" else float(cpu.share))
+        self.share[1] = PROBE_EVERY if cpu.share == "auto" else 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="moestream-cpu-experts-device", daemon=True)
         self._thread.start()
@@ -230,6 +276,7 @@ class DeviceCpuShare:
     @torch.inference_mode()  # the mailbox was made inside the engine's inference mode
     def _serve(self) -> None:
         torch.set_num_threads(self.cpu.threads)
+        self._warm()
         header, ack = self.header.numpy(), self.ack.numpy()
         done, idle = 0, time.perf_counter()
         while not self._stop.is_set():
@@ -238,7 +285,7 @@ class DeviceCpuShare:
                 time.sleep(0 if time.perf_counter() - idle < BUSY_S else IDLE_SLEEP_S)
                 continue
             started = time.perf_counter()
-            layer, tokens, pairs = (int(v) for v in header[1:4])
+            layer, tokens, pairs, misses = (int(v) for v in header[1:5])
             x = self.x_in[:tokens].clone()
             ids = self.ids_in[:pairs].tolist()
             w = self.w_in[:pairs].clone()
@@ -248,16 +295,39 @@ class DeviceCpuShare:
                 done = seq
                 continue
             try:
-                self._compute(layer, x, ids, w, mask, started)
+                kernel_s, nbytes, experts = self._compute(layer, x, ids, w, mask)
                 ack[0] = seq  # after the rows: x86 keeps stores in order
             except Exception as exc:  # noqa: BLE001 - the device computes them instead
                 self.errors += 1
                 log.warning("layer %d: CPU share failed (%s); the device computes those experts", layer, exc)
                 ack[0] = -seq
+            else:  # after the answer: the device does not wait for the retuning
+                self._retune(time.perf_counter() - started, kernel_s, nbytes, experts, misses)
             done, idle = seq, time.perf_counter()
 
-    def _compute(self, layer: int, x: torch.Tensor, ids: list[int], w: torch.Tensor, mask: list[int],
-                 started: float) -> None:
+    def _warm(self) -> None:
+        """Run the kernels a few times on this thread before the first job: its thread pool starts
+        and the first job's time is the kernels', not their start-up."""
+        key = next(iter(self.cpu._repacked), None)
+        if key is None:
+            return
+        weights, x = self.cpu._repacked[key], torch.zeros((1, self.hidden), dtype=self.cpu.dtype)
+        for _ in range(WARM_ROUNDS):
+            weights.ffn(x)
+
+    def _retune(self, job_s: float, kernel_s: float, nbytes: int, experts: int, misses: int) -> None:
+        """auto: the share from the jobs measured so far (moestream.layers.share_tuning)."""
+        if self.cpu.share != "auto":
+            return
+        self.tuner.record(job_s=job_s, kernel_s=kernel_s, nbytes=nbytes, experts=experts, misses=misses)
+        if self.tuner.measured:
+            self.cpu.cpu_gb_s = self.tuner.kernel_gb_s
+            self._set_share(self.tuner.share())
+
+    def _compute(self, layer: int, x: torch.Tensor, ids: list[int], w: torch.Tensor,
+                 mask: list[int]) -> tuple[float, int, int]:
+        """The job's rows into the mailbox; returns the kernels' seconds, the bytes of the experts
+        computed and their number."""
         cpu = self.cpu
         number = self.jobs
         self.jobs += 1
@@ -267,7 +337,7 @@ class DeviceCpuShare:
             raise RuntimeError(f"injected fault in CPU job {number}")
         mine = [p for p, m in enumerate(mask) if m]
         if not mine:
-            return
+            return 0.0, 0, 0
         A = len(ids) // x.shape[0]
         xd = x.to(self.dtype)
         t0 = time.perf_counter()
@@ -285,10 +355,7 @@ class DeviceCpuShare:
         self.pairs += len(mine)
         nbytes = cpu.record_bytes[layer] * len(distinct)
         self.bytes += nbytes
-        if cpu.share == "auto":  # the job's whole latency, hand-over included: what the device waits for
-            rate = nbytes / max(done - started, 1e-9) / 1e9
-            cpu.cpu_gb_s = rate if cpu.cpu_gb_s is None else (1 - EMA) * cpu.cpu_gb_s + EMA * rate
-            self._set_share(cpu.cpu_gb_s / (cpu.cpu_gb_s + self.copy_gb_s))
+        return done - t0, nbytes, len(distinct)
 
     def _set_share(self, share: float) -> None:
         self.share[0] = max(0, min(1024, int(round(share * 1024))))
@@ -304,7 +371,10 @@ class DeviceCpuShare:
                     "cpu_compute_s": round(self.compute_s, 6),
                     "cpu_gb_s": round(self.bytes / self.compute_s / 1e9, 3) if self.compute_s > 0 and self.bytes else None,
                     "cpu_empty_calls": int(self.empty),
-                    "cpu_share_now": round(int(self.share[0]) / 1024, 4), "copy_gb_s": round(self.copy_gb_s, 3)})
+                    "cpu_share_now": round(int(self.share[0]) / 1024, 4), "copy_gb_s": round(self.copy_gb_s, 3),
+                    "copy_gb_s_timed": self.copy_timed, "cpu_kernel_gb_s_ema": _round(self.tuner.kernel_gb_s, 3),
+                    "cpu_handover_us_ema": _round(self.tuner.handover_s and self.tuner.handover_s * 1e6, 1),
+                    "cpu_misses_per_job_ema": _round(self.tuner.misses, 2)})
         return out
 
     def close(self) -> None:

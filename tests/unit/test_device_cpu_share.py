@@ -6,7 +6,9 @@ by the device path itself, giving the bits of no share at all."""
 import pytest
 import torch
 
-from cpu_share_run import run_with_share
+from cpu_share_run import PROMPT, run_with_share
+from moestream.engine.engine import Engine
+from moestream.engine.options import EngineOptions
 from moestream.experts.device_map import DeviceMap
 from moestream.format.reader import PackedModel
 
@@ -59,6 +61,28 @@ def test_empty_calls_between_jobs_never_confuse_the_sequence_numbers(model, refe
     assert stats["cpu_empty_calls"] > 0 and stats["cpu_jobs"] > 0  # both kinds of call, interleaved
     assert stats["cpu_late_calls"] == 0 and stats["cpu_fallbacks"] == 0 and stats["cpu_errors"] == 0
     assert max(abs(a - b) for a, b in zip(logprobs, reference[1])) < LOGPROB_TOLERANCE
+
+
+def test_auto_rises_from_nothing_through_its_probes(model, reference):
+    options = EngineOptions(device="cpu", prefill_chunk_tokens=5, cache_size=slots(model, 16), host_cache_size="all",
+                            streaming="device", cpu_experts="auto")
+    engine = Engine.load(model, options=options)
+    try:
+        engine._make_resident()  # streaming starts (and the share with it) before the first step
+        ds = engine.experts.device_share
+        assert ds.copy_timed and ds.copy_gb_s > 0  # the copies were timed at start
+        ds.tuner.copy_gb_s = 1e-4  # as if the link crawled: the CPU should take every miss it may
+        ds._set_share(0)  # a share that gives the CPU nothing ...
+        ds.share[1] = 4  # ... but a probe every 4 lookups
+        events = list(engine.generate(engine.tokenizer.encode(PROMPT), max_new_tokens=12, logprobs=1,
+                                      stop_at_eos=False))
+        stats = engine.expert_stats()
+    finally:
+        engine.close()
+    assert stats["cpu_jobs"] > ds.tuner.warm_jobs and stats["cpu_late_calls"] == 0
+    assert stats["cpu_share_now"] > 0.5 and stats["cpu_kernel_gb_s_ema"] > 0 and stats["cpu_handover_us_ema"] > 0
+    assert stats["cpu_experts"] > stats["cpu_jobs"]  # after the probes, jobs of more than one expert
+    assert max(abs(e.logprob - b) for e, b in zip(events, reference[1])) < LOGPROB_TOLERANCE
 
 
 def test_a_bigger_share_gives_the_cpu_more(model):
