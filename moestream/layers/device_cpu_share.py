@@ -37,6 +37,7 @@ import logging
 import threading
 import time
 
+import numpy as np
 import torch
 
 from moestream.layers.share_tuning import ShareTuner
@@ -47,6 +48,7 @@ MAX_PAIRS = 64  # (token, expert) pairs of a call that can take a share: decode 
 SPINS_PER_SECOND = 1_000_000  # one poll of pinned RAM across PCIe takes about a microsecond
 BUSY_S = 0.005  # the worker polls without sleeping for this long after its last job (a step's layers)
 IDLE_SLEEP_S = 0.0002  # then it naps between polls (between requests)
+SPINS_PER_YIELD = 64  # polls (~10 us) between two releases of the interpreter while busy
 START_COPY_GB_S = 40.0  # the device's own copy speed from the host tier where it cannot be timed
 PROBE_EVERY = 64  # auto: every this many lookups withhold at least one miss, so the CPU is timed again
 COPY_TIMING_RECORDS = 6  # a layer's usual misses: the copy timed at start moves this many records
@@ -118,7 +120,7 @@ class DeviceCpuShare:
         pin = self.cuda
         # the mailbox, in pinned RAM: the device writes the request, the worker the answer
         self.header = _pinned(5, torch.int64, pin)  # sequence number, layer, tokens, pairs, the call's misses
-        self.x_in = _pinned((max_tokens, hidden), torch.float32, pin)
+        self.x_in = _pinned((max_tokens, hidden), cpu.dtype, pin)  # in the CPU kernels' dtype: no conversion there
         self.ids_in = _pinned(MAX_PAIRS, torch.int32, pin)
         self.w_in = _pinned(MAX_PAIRS, torch.float32, pin)
         self.mask_in = _pinned(MAX_PAIRS, torch.int8, pin)
@@ -275,35 +277,53 @@ class DeviceCpuShare:
     # -- the worker -------------------------------------------------------------------------------
     @torch.inference_mode()  # the mailbox was made inside the engine's inference mode
     def _serve(self) -> None:
+        """Poll the sequence number; per job read the request from the mailbox in place (numpy
+        views; the rows go straight into the answer's preallocated views), answer, then retune.
+        A late job's inputs may be overwritten by the next request while it runs: its answer
+        carries its own, older number, which the device no longer takes."""
         torch.set_num_threads(self.cpu.threads)
         self._warm()
         header, ack = self.header.numpy(), self.ack.numpy()
-        done, idle = 0, time.perf_counter()
-        while not self._stop.is_set():
+        ids_in, w_in, mask_in = self.ids_in.numpy(), self.w_in.numpy(), self.mask_in.numpy()
+        x_rows = [self.x_in[t:t + 1] for t in range(self.max_tokens)]
+        out_rows = [self.rows_out[p] for p in range(MAX_PAIRS)]
+        now, sleep, stop = time.perf_counter, time.sleep, self._stop
+        done, idle = 0, now()
+        while not stop.is_set():
             seq = int(header[0])
             if seq == done:
-                time.sleep(0 if time.perf_counter() - idle < BUSY_S else IDLE_SLEEP_S)
+                if now() - idle < BUSY_S:  # between a step's layers: a short spin, then let other threads run
+                    for _ in range(SPINS_PER_YIELD):
+                        if header[0] != done:
+                            break
+                    sleep(0)
+                else:
+                    sleep(IDLE_SLEEP_S)
                 continue
-            started = time.perf_counter()
-            layer, tokens, pairs, misses = (int(v) for v in header[1:5])
-            x = self.x_in[:tokens].clone()
-            ids = self.ids_in[:pairs].tolist()
-            w = self.w_in[:pairs].clone()
-            mask = self.mask_in[:pairs].tolist()
+            started = now()
+            layer, picks, misses, ids, w, mine = self._request(header, ids_in, w_in, mask_in)
             if int(header[0]) != seq:  # the device moved on while this was read: that call is lost
                 self.skipped += 1
                 done = seq
                 continue
             try:
-                kernel_s, nbytes, experts = self._compute(layer, x, ids, w, mask)
+                kernel_s, nbytes, experts = self._compute(layer, picks, ids, w, mine, x_rows, out_rows)
                 ack[0] = seq  # after the rows: x86 keeps stores in order
             except Exception as exc:  # noqa: BLE001 - the device computes them instead
                 self.errors += 1
                 log.warning("layer %d: CPU share failed (%s); the device computes those experts", layer, exc)
                 ack[0] = -seq
             else:  # after the answer: the device does not wait for the retuning
-                self._retune(time.perf_counter() - started, kernel_s, nbytes, experts, misses)
-            done, idle = seq, time.perf_counter()
+                self._retune(now() - started, kernel_s, nbytes, experts, misses)
+            done, idle = seq, now()
+
+    @staticmethod
+    def _request(header, ids_in, w_in, mask_in) -> tuple:
+        """The request in the mailbox (numpy views): layer, picks per token, the call's misses, the
+        ids and weights of its pairs and the withheld pairs' positions, as Python values."""
+        layer, tokens, pairs, misses = header[1:5].tolist()
+        return (layer, pairs // max(1, tokens), misses, ids_in[:pairs].tolist(), w_in[:pairs].tolist(),
+                np.flatnonzero(mask_in[:pairs]).tolist())
 
     def _warm(self) -> None:
         """Run the kernels a few times on this thread before the first job: its thread pool starts
@@ -324,9 +344,10 @@ class DeviceCpuShare:
             self.cpu.cpu_gb_s = self.tuner.kernel_gb_s
             self._set_share(self.tuner.share())
 
-    def _compute(self, layer: int, x: torch.Tensor, ids: list[int], w: torch.Tensor,
-                 mask: list[int]) -> tuple[float, int, int]:
-        """The job's rows into the mailbox; returns the kernels' seconds, the bytes of the experts
+    def _compute(self, layer: int, picks: int, ids: list[int], w: list[float], mine: list[int], x_rows: list,
+                 out_rows: list) -> tuple[float, int, int]:
+        """The withheld pairs `mine` (of `ids`, `picks` per token) into the answer's rows, one pair
+        at a time (bits never depend on T); returns the kernels' seconds, the bytes of the experts
         computed and their number."""
         cpu = self.cpu
         number = self.jobs
@@ -335,19 +356,17 @@ class DeviceCpuShare:
             time.sleep(cpu.fault_delay_s)
         if cpu.fault_after is not None and number >= cpu.fault_after:
             raise RuntimeError(f"injected fault in CPU job {number}")
-        mine = [p for p, m in enumerate(mask) if m]
         if not mine:
             return 0.0, 0, 0
-        A = len(ids) // x.shape[0]
-        xd = x.to(self.dtype)
+        repacked = cpu._repacked
         t0 = time.perf_counter()
         distinct = set()
-        for p in mine:  # one pair at a time: bits never depend on T
+        for p in mine:
             e = ids[p]
-            weights = cpu._repacked.get((layer, e))
+            weights = repacked.get((layer, e))
             if weights is None:
                 raise RuntimeError(f"expert {e} is not repacked for the CPU")
-            self.rows_out[p] = weights.ffn(xd[p // A:p // A + 1])[0].float() * w[p]
+            weights.weighted_row_into(x_rows[p // picks], out_rows[p], w[p])
             distinct.add(e)
         done = time.perf_counter()
         self.compute_s += done - t0
