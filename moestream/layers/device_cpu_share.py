@@ -48,7 +48,6 @@ MAX_PAIRS = 64  # (token, expert) pairs of a call that can take a share: decode 
 SPINS_PER_SECOND = 1_000_000  # one poll of pinned RAM across PCIe takes about a microsecond
 BUSY_S = 0.005  # the worker polls without sleeping for this long after its last job (a step's layers)
 IDLE_SLEEP_S = 0.0002  # then it naps between polls (between requests)
-SPINS_PER_YIELD = 64  # polls (~10 us) between two releases of the interpreter while busy
 START_COPY_GB_S = 40.0  # the device's own copy speed from the host tier where it cannot be timed
 PROBE_EVERY = 64  # auto: every this many lookups withhold at least one miss, so the CPU is timed again
 COPY_TIMING_RECORDS = 6  # a layer's usual misses: the copy timed at start moves this many records
@@ -291,14 +290,9 @@ class DeviceCpuShare:
         done, idle = 0, now()
         while not stop.is_set():
             seq = int(header[0])
-            if seq == done:
-                if now() - idle < BUSY_S:  # between a step's layers: a short spin, then let other threads run
-                    for _ in range(SPINS_PER_YIELD):
-                        if header[0] != done:
-                            break
-                    sleep(0)
-                else:
-                    sleep(IDLE_SLEEP_S)
+            if seq == done:  # between a step's layers: only let other threads run (a spin holding the
+                # interpreter measured slower on the CPU protocol: docs/bench/device-share-handover.json)
+                sleep(0 if now() - idle < BUSY_S else IDLE_SLEEP_S)
                 continue
             started = now()
             layer, picks, misses, ids, w, mine = self._request(header, ids_in, w_in, mask_in)
