@@ -107,6 +107,7 @@ def post(withheld, seq, x, ids, weights, table, layer: int, x_out, ids_out, w_ou
     """Where withheld[0] > 0: x [T, H] into x_out (its dtype), ids / weights [P] (flat, contiguous)
     into ids_out (int32) / w_out (float32), table[ids] < 0 into mask_out (int8), head_out[1:5] =
     (layer, T, P, withheld[1]) (int64), seq[0] += 1. The outputs are pinned RAM's device views."""
+    x = x if x.stride(1) == 1 else x.contiguous()
     T, H = x.shape
     P = ids.numel()
     _post[(T,)](withheld, seq, x, x.stride(0), ids, weights, table, layer, T, P, H, x_out, ids_out, w_out, mask_out,
