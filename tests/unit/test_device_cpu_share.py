@@ -138,3 +138,22 @@ def test_the_map_withholds_the_first_misses_and_always_keeps_one_expert(share, w
     before = (dm.hits.clone(), dm.misses.clone())
     dm.ensure(0, ids, count=False)
     assert torch.equal(dm.hits, before[0]) and torch.equal(dm.misses, before[1])
+
+
+def test_bench_json_reports_the_mailbox_calls_and_auto(model, tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "b.json"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    proc = subprocess.run([sys.executable, "-m", "moestream", "bench", "--model", str(model), "--device", "cpu",
+                           "--threads", "1", "--cache-sizes", slots(model, 16), "--host-cache-size", "all",
+                           "--prefill-tokens", "8", "--decode-tokens", "6", "--streaming", "device",
+                           "--cpu-experts", "auto", "--out", str(out)], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr
+    decode = json.loads(out.read_text())["runs"][0]["decode"]
+    assert decode["cpu_jobs"] + decode["cpu_empty_calls"] > 0 and decode["cpu_late_calls"] == 0
+    assert decode["copy_gb_s_timed"] is True and decode["copy_gb_s"] > 0 and 0 <= decode["cpu_share_now"] <= 1
