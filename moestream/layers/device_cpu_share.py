@@ -27,6 +27,10 @@ waits for; the wait returns at once without reading host memory, and the rows, t
 lookup, copy and kernels are programs that read the count and return. An answer the device gave up
 on (late) carries an older number than the one it waits for next, so it is never taken.
 
+`auto`: the worker retunes the share after each answer from the kernels' time, its hand-over and
+the calls' misses against the device's copy speed, timed once at start (moestream.layers.share_tuning);
+every PROBE_EVERY-th lookup withholds at least one miss, so a share at nothing is measured again.
+
 The CPU rounds differently from the device kernels, so with a share the output is within the
 dtype's tolerance of `off`, not bit for bit. Calls of more than MAX_PAIRS (token, expert) pairs
 (prefill chunks) get no share. On the CPU device the same protocol runs with plain tensors and a
