@@ -77,35 +77,43 @@ class DeviceMap:
         return self.table[off:off + self.num_experts[layer]]
 
     def ensure(self, layer: int, ids: torch.Tensor, *, withhold: torch.Tensor | None = None,
-               before_copy: Callable[[], None] | None = None, count: bool = True, keep_one: bool = True) -> None:
+               before_copy: Callable[[], None] | None = None, count: bool = True, keep_one: bool = True,
+               withheld: torch.Tensor | None = None, gate: torch.Tensor | None = None) -> None:
         """Make every expert in `ids` (any shape, this layer's ids) hold a slot with its record, on
         the device and in stream order: device ops only, no host sync (a CUDA graph can hold it).
         With `kernel` on CUDA one Triton program decides (moestream.kernels.triton_slot_map), else
         `decide` (~35 small kernels, inside the step's graph).
 
-        withhold: an int32 [1] tensor the device reads (a share of the misses in 1/1024ths): that
-        share of this call's misses, the first in expert order, get no slot and stay out of the
+        withhold: an int32 [1] or [2] tensor the device reads (a share of the misses in 1/1024ths):
+        that share of this call's misses, the first in expert order, get no slot and stay out of the
         table (another compute unit computes them: moestream.layers.device_cpu_share); at least one
         distinct expert of the call always stays unless keep_one is False (early copies a gate may
-        stop: moestream.experts.device_lookahead). before_copy runs after the decision, before the
-        records are copied. count: add this call to the hit and miss counts."""
+        stop: moestream.experts.device_lookahead). A second entry p > 0 withholds at least one miss
+        in every p-th lookup (by the map's clock): a probe, so the other unit's speed is measured
+        again even while the share gives it nothing. withheld (with withhold): an int64 [2] tensor
+        that receives the misses withheld by this call and all its misses (withheld included). gate: an int32 [1] tensor; where 0 the call
+        does nothing at all (no lookup, no stamp, no copy; the clock stands still), so a graph
+        can hold a lookup that runs only when the device decides. before_copy runs after the
+        decision, before the records are copied. count: add this call to the hit and miss counts."""
         if self.pool.device.type == "cuda" and self.kernel:
             from moestream.kernels import triton_slot_map
 
             if triton_slot_map.fits(ids, self.slots):
                 src, dst, todo = triton_slot_map.slot_map(self, layer, ids, withhold=withhold, count=count,
-                                                          keep_one=keep_one)
+                                                          keep_one=keep_one, withheld=withheld, gate=gate)
                 if before_copy is not None:
                     before_copy()
                 copy_records(self.host_pool, self.pool, src, dst, todo)
                 return
-        src, dst, todo = self.decide(layer, ids, withhold=withhold, count=count, keep_one=keep_one)
+        src, dst, todo = self.decide(layer, ids, withhold=withhold, count=count, keep_one=keep_one,
+                                     withheld=withheld, gate=gate)
         if before_copy is not None:
             before_copy()
         copy_records(self.host_pool, self.pool, src, dst, todo)
 
     def decide(self, layer: int, ids: torch.Tensor, *, withhold: torch.Tensor | None = None,
-               count: bool = True, keep_one: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               count: bool = True, keep_one: bool = True, withheld: torch.Tensor | None = None,
+               gate: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`ensure`'s decision in torch ops (the reference for the Triton program, and the CPU's
         way); returns what the record copy needs (source rows, destination slots, which to copy)."""
         n, S = self.total, self.slots
@@ -113,17 +121,28 @@ class DeviceMap:
         key = expert + self.offset[layer]
         first = torch.ones_like(key, dtype=torch.bool)
         first[1:] = key[1:] != key[:-1]  # each distinct expert once
+        go = None
+        if gate is not None:  # gated off: no expert counts, so nothing below changes anything
+            go = gate.reshape(1)[:1] != 0
+            first = first & go
         slot = self.table[key].to(torch.int64)
         miss = first & (slot < 0)
         hit = first & (slot >= 0)
         away = torch.zeros_like(miss)
         if withhold is not None:  # the first c misses (expert order) are computed elsewhere
-            c = (withhold.to(torch.int64) * miss.sum() + 512) >> 10
+            share = withhold.reshape(-1).to(torch.int64)
+            c = (share[:1] * miss.sum() + 512) >> 10
+            if share.numel() > 1:  # a probe every p-th lookup: at least one miss withheld
+                p = share[1:2]
+                probe = (p > 0) & (torch.remainder(self.clock + 1, p.clamp(min=1)) == 0)
+                c = torch.maximum(c, probe.to(torch.int64))
             if keep_one:
                 c = torch.minimum(c, first.sum() - 1)
+            if withheld is not None:
+                withheld.copy_(torch.stack([(miss & (torch.cumsum(miss, 0) <= c)).sum(), miss.sum()]))
             away = miss & (torch.cumsum(miss, 0) <= c)
             miss = miss & ~away
-        self.clock.add_(1)
+        self.clock.add_(1 if go is None else go.to(torch.int64).view(()))
         # stamps order slots by last use, then (within one call) by expert: strict LRU, no ties
         now = (self.clock << 20) + expert
         self.last_used.scatter_(0, torch.where(hit, slot, S), now)  # this layer's hits are no victims

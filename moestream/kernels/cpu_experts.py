@@ -130,6 +130,16 @@ class CpuExpert:
         h = F.silu(gu[:, :self.inter]) * gu[:, self.inter:]
         return self._apply(self.down, h)
 
+    def weighted_row_into(self, x: torch.Tensor, out: torch.Tensor, weight: float) -> None:
+        """out (float32 [H]) = weight * ffn(x)[0] for one row x [1, H] already in the compute dtype:
+        the same bits as `ffn` (the gate activated in place), with no temporaries beyond the
+        kernels' own outputs and no conversion of x (the CPU share's per-pair step)."""
+        gu = self._apply(self.gate_up, x)
+        h = gu[:, :self.inter]
+        F.silu(h, inplace=True).mul_(gu[:, self.inter:])
+        out.copy_(self._apply(self.down, h)[0])
+        out.mul_(weight)
+
     @staticmethod
     def _apply(matrix, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, matrix) if isinstance(matrix, torch.Tensor) else matrix(x)

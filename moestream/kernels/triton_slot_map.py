@@ -19,11 +19,13 @@ MAX_SLOTS = 8192  # slots it holds in registers at once
 
 @triton.jit
 def _slot_map(ids_ptr, P, offset, table_ptr, owner_ptr, stamp_ptr, host_slot_ptr, clock_ptr, hits_ptr, misses_ptr,
-              away_ptr, withhold_ptr, layer_index, S, N, src_ptr, dst_ptr, todo_ptr, BLOCK_P: tl.constexpr,
-              BLOCK_S: tl.constexpr, WITHHOLD: tl.constexpr, COUNT: tl.constexpr,
-              KEEP_ONE: tl.constexpr):
+              away_ptr, withhold_ptr, layer_index, S, N, src_ptr, dst_ptr, todo_ptr, withheld_ptr, gate_ptr,
+              BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr, WITHHOLD: tl.constexpr, COUNT: tl.constexpr,
+              KEEP_ONE: tl.constexpr, PROBE: tl.constexpr, WITHHELD: tl.constexpr, GATED: tl.constexpr):
     i = tl.arange(0, BLOCK_P)
     valid = i < P
+    if GATED:  # gated off: no position counts, no slot is read, the clock stands still
+        valid = valid & (tl.load(gate_ptr) != 0)
     expert = tl.load(ids_ptr + i, mask=valid, other=0).to(tl.int64)
     key = expert + offset
     # the first position of each distinct expert counts; later repeats ride along
@@ -36,21 +38,30 @@ def _slot_map(ids_ptr, P, offset, table_ptr, owner_ptr, stamp_ptr, host_slot_ptr
     before = (key[None, :] < key[:, None]) & miss[None, :]
     rank = tl.sum(before.to(tl.int32), 1)
     n_away = 0
+    clock = tl.load(clock_ptr) + 1
     if WITHHOLD:  # the first c misses in expert order get no slot (computed elsewhere); one expert stays
-        c = (tl.load(withhold_ptr).to(tl.int64) * tl.sum(miss.to(tl.int64), 0) + 512) >> 10
+        misses = tl.sum(miss.to(tl.int64), 0)
+        c = (tl.load(withhold_ptr).to(tl.int64) * misses + 512) >> 10
+        if PROBE:  # every p-th lookup withholds at least one miss (the other unit's speed measured again)
+            p = tl.load(withhold_ptr + 1).to(tl.int64)
+            c = tl.maximum(c, ((p > 0) & (clock % tl.maximum(p, 1) == 0)).to(tl.int64))
         if KEEP_ONE:
             c = tl.minimum(c, tl.sum(first.to(tl.int64), 0) - 1)
         away = miss & (rank < c)
         n_away = tl.sum(away.to(tl.int32), 0)
         miss = miss & (rank >= c)
         rank = rank - n_away
-    clock = tl.load(clock_ptr) + 1
+    if WITHHELD:
+        tl.store(withheld_ptr, n_away.to(tl.int64))
+        tl.store(withheld_ptr + 1, misses)
     now = (clock << 20) + expert
     # this call's hits take the newest stamps first, so they are never victims (as in torch)
     tl.store(stamp_ptr + slot, now, mask=hit)
     tl.debug_barrier()  # the stamps just written are what every thread reads below
     s = tl.arange(0, BLOCK_S)
     live = s < S
+    if GATED:
+        live = live & (tl.load(gate_ptr) != 0)
     big = 0x7FFFFFFFFFFFFFFF
     stamps = tl.load(stamp_ptr + s, mask=live, other=big)
     new = tl.zeros([BLOCK_P], dtype=tl.int64)
@@ -68,15 +79,19 @@ def _slot_map(ids_ptr, P, offset, table_ptr, owner_ptr, stamp_ptr, host_slot_ptr
     tl.store(table_ptr + key, new.to(tl.int32), mask=miss)
     tl.store(owner_ptr + new, key, mask=miss)
     tl.store(stamp_ptr + new, now, mask=miss)
-    tl.store(clock_ptr, clock)
+    if GATED:
+        tl.store(clock_ptr, clock, mask=tl.load(gate_ptr) != 0)
+    else:
+        tl.store(clock_ptr, clock)
     if COUNT:
         tl.store(hits_ptr + layer_index, tl.load(hits_ptr + layer_index) + tl.sum(hit.to(tl.int64), 0))
         tl.store(misses_ptr + layer_index, tl.load(misses_ptr + layer_index) + (n_miss + n_away).to(tl.int64))
         tl.store(away_ptr + layer_index, tl.load(away_ptr + layer_index) + n_away)
     src = tl.load(host_slot_ptr + tl.minimum(key, N - 1), mask=valid, other=0)
-    tl.store(src_ptr + i, src, mask=valid)
-    tl.store(dst_ptr + i, new, mask=valid)
-    tl.store(todo_ptr + i, miss.to(tl.int8), mask=valid)
+    stored = i < P  # every position, gated or not: the copy reads them all
+    tl.store(src_ptr + i, src, mask=stored)
+    tl.store(dst_ptr + i, new, mask=stored)
+    tl.store(todo_ptr + i, miss.to(tl.int8), mask=stored)
 
 
 def fits(ids: torch.Tensor, slots: int) -> bool:
@@ -85,9 +100,10 @@ def fits(ids: torch.Tensor, slots: int) -> bool:
 
 
 def slot_map(dm, layer: int, ids: torch.Tensor, *, withhold: torch.Tensor | None = None,
-             count: bool = True, keep_one: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             count: bool = True, keep_one: bool = True, withheld: torch.Tensor | None = None,
+             gate: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Run the lookup of `ids` (this layer's) on `dm`'s state; returns (src, dst, todo) per id for
-    the record copy. withhold / count: as DeviceMap.ensure."""
+    the record copy. withhold / count / withheld / gate: as DeviceMap.ensure."""
     flat = ids.reshape(-1)
     P, dev = flat.numel(), flat.device
     src = torch.empty(P, dtype=torch.int64, device=dev)
@@ -95,9 +111,11 @@ def slot_map(dm, layer: int, ids: torch.Tensor, *, withhold: torch.Tensor | None
     todo = torch.empty(P, dtype=torch.int8, device=dev)
     _slot_map[(1,)](flat, P, dm.offset[layer], dm.table, dm.owner, dm.last_used, dm.host_slot, dm.clock, dm.hits,
                     dm.misses, dm.away, withhold if withhold is not None else dm.hits, dm._index[layer], dm.slots,
-                    dm.total, src, dst, todo, BLOCK_P=max(16, triton.next_power_of_2(P)),
+                    dm.total, src, dst, todo, withheld if withheld is not None else dm.hits,
+                    gate if gate is not None else dm.hits, BLOCK_P=max(16, triton.next_power_of_2(P)),
                     BLOCK_S=triton.next_power_of_2(dm.slots), WITHHOLD=withhold is not None, COUNT=count,
-                    KEEP_ONE=keep_one,
+                    KEEP_ONE=keep_one, PROBE=withhold is not None and withhold.numel() > 1,
+                    WITHHELD=withhold is not None and withheld is not None, GATED=gate is not None,
                     num_warps=8 if dm.slots <= 4096 else 16)
     return src, dst, todo
 

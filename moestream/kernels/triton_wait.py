@@ -4,8 +4,9 @@ One program polls a 64-bit word of page-locked host memory (seen at its unified 
 moestream.experts.uva) until it equals the sequence number the device posted, or the host marks
 that number failed (its negative), or a spin budget runs out. It writes 1 (the host's answer is
 there) or 0 (failed or late: the caller computes the work itself) to a device flag, and counts the
-zeros. So a CUDA graph can wait for the CPU without any host launch or sync; the flag, not the
-host, decides what runs next (every later kernel reads it)."""
+zeros. Where the device asked nothing (the count it wrote itself, in device memory, is 0) it writes
+1 at once, without a single read of host memory. So a CUDA graph can wait for the CPU without any
+host launch or sync; the flag, not the host, decides what runs next (every later kernel reads it)."""
 from __future__ import annotations
 
 import torch
@@ -15,9 +16,11 @@ from triton.runtime.interpreter import InterpretedFunction
 
 
 @triton.jit
-def _wait_for_host(ack_ptr, seq_ptr, ok_ptr, late_ptr, max_spins):
+def _wait_for_host(ack_ptr, seq_ptr, ok_ptr, late_ptr, asked_ptr, max_spins):
     want = tl.load(seq_ptr)
-    got = tl.load(ack_ptr, volatile=True)  # volatile: each poll reads the host's memory again
+    asked = tl.load(asked_ptr) > 0
+    # volatile: each poll reads the host's memory again; nothing asked: no read, the answer is "there"
+    got = tl.load(ack_ptr, mask=asked, other=want, volatile=True)
     spins = 0
     while (got != want) & (got != -want) & (spins < max_spins):
         got = tl.load(ack_ptr, volatile=True)
@@ -27,10 +30,12 @@ def _wait_for_host(ack_ptr, seq_ptr, ok_ptr, late_ptr, max_spins):
     tl.store(late_ptr, tl.load(late_ptr) + 1 - ok.to(tl.int64))
 
 
-def wait_for_host(ack: torch.Tensor, seq: torch.Tensor, ok: torch.Tensor, late: torch.Tensor, max_spins: int) -> None:
+def wait_for_host(ack: torch.Tensor, seq: torch.Tensor, ok: torch.Tensor, late: torch.Tensor, asked: torch.Tensor,
+                  max_spins: int) -> None:
     """ack: int64 [1] the host writes (a device view of pinned RAM); seq: int64 [1+] whose first
-    entry is the number waited for; ok: int32 [1] set to 1 or 0; late: int64 [1] += 1 on a 0."""
-    _wait_for_host[(1,)](ack, seq, ok, late, max_spins, num_warps=1)
+    entry is the number waited for; ok: int32 [1] set to 1 or 0; late: int64 [1] += 1 on a 0;
+    asked: int64 [1+] (device) whose first entry is 0 where nothing was asked (then ok = 1 at once)."""
+    _wait_for_host[(1,)](ack, seq, ok, late, asked, max_spins, num_warps=1)
 
 
 _INTERPRETED = isinstance(_wait_for_host, InterpretedFunction)  # under Triton's CPU interpreter (tests)

@@ -7,9 +7,10 @@ worker thread meet in a mailbox of pinned RAM instead, with no host launch or sy
 
   1. the device map withholds a share of the layer's misses (the first in expert order; a number
      in 1/1024ths that the device reads from pinned RAM, so the worker can retune it between
-     layers): they get no slot and stay out of the layer's table;
-  2. the device posts the layer's input rows, ids, weights and which pairs are withheld to the
-     mailbox (stream-ordered copies into pinned RAM), then the sequence number, last;
+     layers): they get no slot and stay out of the layer's table; the lookup writes how many it
+     withheld into device memory;
+  2. where it withheld any, the device posts the layer's input rows, ids, weights and which pairs
+     are withheld to the mailbox, then the next sequence number, last (moestream.kernels.triton_mailbox);
   3. while the device copies its own misses and computes the hits and them, the worker, which
      polls the sequence number, computes the withheld pairs' weighted rows with the CPU kernels
      (moestream.kernels.cpu_experts, from the host tier repacked up front) and writes them back,
@@ -19,6 +20,16 @@ worker thread meet in a mailbox of pinned RAM instead, with no host launch or sy
   5. fail-closed: where it is not (error, late), the same graph loads the withheld experts and
      computes their pairs on the device (every kernel after the wait reads its flag), so the
      answer is the device's own, bit for bit.
+
+A call that withholds nothing (the share gives this layer no expert) posts nothing and takes no
+sequence number, so the worker never sees it and a later call's number is the next one the worker
+waits for; the wait returns at once without reading host memory, and the rows, the fallback's
+lookup, copy and kernels are programs that read the count and return. An answer the device gave up
+on (late) carries an older number than the one it waits for next, so it is never taken.
+
+`auto`: the worker retunes the share after each answer from the kernels' time, its hand-over and
+the calls' misses against the device's copy speed, timed once at start (moestream.layers.share_tuning);
+every PROBE_EVERY-th lookup withholds at least one miss, so a share at nothing is measured again.
 
 The CPU rounds differently from the device kernels, so with a share the output is within the
 dtype's tolerance of `off`, not bit for bit. Calls of more than MAX_PAIRS (token, expert) pairs
@@ -30,7 +41,10 @@ import logging
 import threading
 import time
 
+import numpy as np
 import torch
+
+from moestream.layers.share_tuning import ShareTuner
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +52,14 @@ MAX_PAIRS = 64  # (token, expert) pairs of a call that can take a share: decode 
 SPINS_PER_SECOND = 1_000_000  # one poll of pinned RAM across PCIe takes about a microsecond
 BUSY_S = 0.005  # the worker polls without sleeping for this long after its last job (a step's layers)
 IDLE_SLEEP_S = 0.0002  # then it naps between polls (between requests)
-START_COPY_GB_S = 40.0  # the device's own copy speed from the host tier until measured
-EMA = 0.25
+START_COPY_GB_S = 40.0  # the device's own copy speed from the host tier where it cannot be timed
+PROBE_EVERY = 64  # auto: every this many lookups withhold at least one miss, so the CPU is timed again
+COPY_TIMING_RECORDS = 6  # a layer's usual misses: the copy timed at start moves this many records
+WARM_ROUNDS = 3  # the worker runs its kernels this often before the first job
+
+
+def _round(value: float | None, digits: int) -> float | None:
+    return None if value is None else round(value, digits)
 
 
 def _pinned(shape, dtype: torch.dtype, cuda: bool) -> torch.Tensor:
@@ -57,11 +77,44 @@ def _device_side(host: torch.Tensor) -> torch.Tensor:
     return view.view(host.dtype).view(host.shape)
 
 
+def time_copies(device_map, records: int = COPY_TIMING_RECORDS, rounds: int = 3) -> float | None:
+    """The device's copy speed from the host tier in GB/s: `records` records gathered into a
+    scratch buffer by the path's own copy (moestream.experts.device_map.copy_records), the fastest
+    of `rounds` after one untimed round (its kernel compiled, the pages touched). None where the
+    host tier has no records."""
+    from moestream.experts.device_map import copy_records
+
+    host, dev = device_map.host_pool, device_map.pool.device
+    n = min(records, host.shape[0])
+    if n == 0:
+        return None
+    scratch = torch.empty((n, host.shape[1]), dtype=torch.uint8, device=dev)
+    idx = torch.arange(n, dtype=torch.int64, device=dev)
+    todo = torch.ones(n, dtype=torch.int8, device=dev)
+    best = None
+    for r in range(rounds + 1):
+        if dev.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            copy_records(host, scratch, idx, idx, todo)
+            end.record()
+            end.synchronize()
+            seconds = start.elapsed_time(end) / 1e3
+        else:
+            t0 = time.perf_counter()
+            copy_records(host, scratch, idx, idx, todo)
+            seconds = time.perf_counter() - t0
+        if r and seconds > 0:
+            best = seconds if best is None else min(best, seconds)
+    return None if best is None else scratch.numel() / best / 1e9
+
+
 class DeviceCpuShare:
     def __init__(self, cpu, *, device: torch.device, hidden: int, max_tokens: int, dtype: torch.dtype,
-                 timeout_s: float):
+                 timeout_s: float, device_map=None):
         """cpu: the moestream.layers.cpu_share.CpuShare holding the repacked experts, the share
-        setting ("auto" or a float), the worker's thread count and the fault injection of tests."""
+        setting ("auto" or a float), the worker's thread count and the fault injection of tests.
+        device_map: the lookup whose copies `auto` times once (else their speed is assumed)."""
         self.cpu, self.device, self.dtype = cpu, torch.device(device), dtype
         self.cuda = self.device.type == "cuda"
         self.max_tokens, self.hidden = max_tokens, hidden
@@ -69,29 +122,37 @@ class DeviceCpuShare:
         self.max_spins = max(1, int(self.timeout_s * SPINS_PER_SECOND))
         pin = self.cuda
         # the mailbox, in pinned RAM: the device writes the request, the worker the answer
-        self.header = _pinned(4, torch.int64, pin)  # sequence number, layer, tokens, pairs
-        self.x_in = _pinned((max_tokens, hidden), torch.float32, pin)
+        self.header = _pinned(5, torch.int64, pin)  # sequence number, layer, tokens, pairs, the call's misses
+        self.x_in = _pinned((max_tokens, hidden), cpu.dtype, pin)  # in the CPU kernels' dtype: no conversion there
         self.ids_in = _pinned(MAX_PAIRS, torch.int32, pin)
         self.w_in = _pinned(MAX_PAIRS, torch.float32, pin)
         self.mask_in = _pinned(MAX_PAIRS, torch.int8, pin)
         self.rows_out = _pinned((MAX_PAIRS, hidden), torch.float32, pin)
         self.ack = _pinned(1, torch.int64, pin)
-        self.share = _pinned(1, torch.int32, pin)  # of each call's misses, in 1/1024ths
+        # of each call's misses, in 1/1024ths; then every how many lookups at least one (auto's probe)
+        self.share = _pinned(2, torch.int32, pin)
         # the device's side
         dev = self.device
-        self.header_dev = torch.zeros(4, dtype=torch.int64, device=dev)
+        self.seq = torch.zeros(1, dtype=torch.int64, device=dev)  # the last sequence number posted
+        self.withheld = torch.zeros(2, dtype=torch.int64, device=dev)  # this call's withheld misses, all its misses
         self.rows = torch.zeros((MAX_PAIRS, hidden), dtype=torch.float32, device=dev)
         self.ok = torch.ones(1, dtype=torch.int32, device=dev)
         self.late = torch.zeros(1, dtype=torch.int64, device=dev)  # calls whose answer was missing
         self.lost = torch.zeros(1, dtype=torch.int64, device=dev)  # pairs the device computed instead
-        self.ack_dev = _device_side(self.ack) if self.cuda else self.ack
-        self.share_dev = _device_side(self.share) if self.cuda else self.share
-        self.copy_gb_s = START_COPY_GB_S
+        self.empty = torch.zeros(1, dtype=torch.int64, device=dev)  # calls that withheld nothing (posted nothing)
+        self.ack_dev, self.share_dev = (_device_side(self.ack), _device_side(self.share)) if self.cuda else (self.ack, self.share)
+        if self.cuda:  # the mailbox as the device's programs write and read it
+            self.box_dev = {name: _device_side(getattr(self, name))
+                            for name in ("header", "x_in", "ids_in", "w_in", "mask_in", "rows_out")}
+        timed = time_copies(device_map) if device_map is not None and cpu.share == "auto" else None
+        self.copy_timed = timed is not None
+        self.copy_gb_s = timed or START_COPY_GB_S
+        self.tuner = ShareTuner(self.copy_gb_s)
         self.jobs = self.experts = self.pairs = self.errors = self.skipped = 0
         self.bytes = 0
         self.compute_s = 0.0
-        self._mask: torch.Tensor | None = None
-        self._set_share(0.5 if cpu.share == "auto" else float(cpu.share))
+        self._set_share(self.tuner.share() if cpu.share == "auto" else float(cpu.share))
+        self.share[1] = PROBE_EVERY if cpu.share == "auto" else 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="moestream-cpu-experts-device", daemon=True)
         self._thread.start()
@@ -104,70 +165,106 @@ class DeviceCpuShare:
                 residual: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """RoutedExperts.compute on the device-driven path with the CPU's share (see the module doc)."""
         dm, table = experts.device_map, experts.tables[layer]
-        flat = ids.reshape(-1)
-        dm.ensure(layer, ids, withhold=self.share_dev,
-                  before_copy=lambda: self._post(layer, x, flat, weights, table))
+        flat = ids.reshape(-1).contiguous()
+        w = weights.reshape(-1).contiguous()
+        dm.ensure(layer, ids, withhold=self.share_dev, withheld=self.withheld,
+                  before_copy=lambda: self._post(layer, x, flat, w, table))
         plan = experts.plan(layer, x, ids, weights, per_pair=True)
         pool = experts.provider.slot_pool(layer)
         plan.run_table(pool, table)  # the withheld pairs have no slot: skipped here
-        self._take(layer, plan, flat, ids, table, dm, experts.num_experts[layer], pool)
+        if not self.cuda:
+            self._take_on_host(layer, plan, flat, ids, table, dm, pool)
+        elif hasattr(plan, "o"):  # the Triton plan: its per-pair rows, written by programs that read the flags
+            self._take(layer, plan, flat, ids, table, dm, pool)
+        else:
+            self._take_torch(layer, plan, flat, ids, table, dm, experts.num_experts[layer], pool)
         return plan.finish(residual, out=out) if out is not None else plan.finish(residual)
 
-    def _post(self, layer: int, x: torch.Tensor, flat: torch.Tensor, weights: torch.Tensor,
-              table: torch.Tensor) -> None:
+    def _post(self, layer: int, x: torch.Tensor, flat: torch.Tensor, w: torch.Tensor, table: torch.Tensor) -> None:
+        if self.cuda:
+            from moestream.kernels import triton_mailbox
+
+            box = self.box_dev
+            triton_mailbox.post(self.withheld, self.seq, x, flat, w, table, layer, box["x_in"], box["ids_in"],
+                                box["w_in"], box["mask_in"], box["header"])
+            triton_mailbox.publish(self.withheld, self.seq, box["header"], self.empty)
+            return
+        # the CPU device (tests): the same request, the host deciding
+        if int(self.withheld[0]) == 0:
+            self.empty += 1
+            return
         T, P = x.shape[0], flat.numel()
-        self._mask = table[flat] < 0  # the withheld pairs (everything else has a slot now)
-        h = self.header_dev
-        h[0].add_(1)
-        h[1].fill_(layer)
-        h[2].fill_(T)
-        h[3].fill_(P)
-        self.x_in[:T].copy_(x.float(), non_blocking=True)
-        self.ids_in[:P].copy_(flat.to(torch.int32), non_blocking=True)
-        self.w_in[:P].copy_(weights.reshape(-1).float(), non_blocking=True)
-        self.mask_in[:P].copy_(self._mask.to(torch.int8), non_blocking=True)
-        self.header[1:].copy_(h[1:], non_blocking=True)
-        self.header[:1].copy_(h[:1], non_blocking=True)  # the sequence number last: the worker starts on it
+        self.x_in[:T].copy_(x)
+        self.ids_in[:P].copy_(flat)
+        self.w_in[:P].copy_(w)
+        self.mask_in[:P].copy_(table[flat] < 0)
+        self.header[1:].copy_(torch.tensor([layer, T, P, int(self.withheld[1])]))
+        self.seq += 1
+        self.header[0] = self.seq[0]  # the sequence number last: the worker starts on it
 
     def _take(self, layer: int, plan, flat: torch.Tensor, ids: torch.Tensor, table: torch.Tensor, dm,
-              num_experts: int, pool: torch.Tensor) -> None:
+              pool: torch.Tensor) -> None:
+        """After the hits: wait for the answer, take its rows, and where it is missing load the
+        withheld experts and compute their pairs here (each pair's row is its own, summed later in
+        the fixed order: the bits of no share). Every program reads the withheld count and the
+        flag; with nothing withheld or the answer there, the fallback's lookup is gated off and its
+        copy and kernels find nothing to do."""
+        from moestream.kernels import triton_mailbox
+        from moestream.kernels.triton_wait import wait_for_host
+
         P = flat.numel()
-        if self.cuda:
-            from moestream.kernels.triton_wait import wait_for_host
+        wait_for_host(self.ack_dev, self.seq, self.ok, self.late, self.withheld, self.max_spins)
+        triton_mailbox.take_rows(self.withheld, self.ok, flat, table, self.box_dev["rows_out"], plan.o)
+        lookup = torch.empty_like(flat)
+        lost = torch.empty(P, dtype=torch.int64, device=flat.device)
+        gate = torch.empty(1, dtype=torch.int32, device=flat.device)
+        triton_mailbox.lost_pairs(self.withheld, self.ok, flat, table, lookup, lost, gate, self.lost)
+        dm.ensure(layer, lookup.view(ids.shape), count=False, gate=gate)
+        redo = torch.empty_like(table)
+        triton_mailbox.redo_table(gate, lost, table, redo)
+        plan.run_table(pool, redo)
 
-            wait_for_host(self.ack_dev, self.header_dev, self.ok, self.late, self.max_spins)
-            self.rows[:P].copy_(self.rows_out[:P], non_blocking=True)
-            plan.take_rows(self.rows, table)  # replaced below where the answer is missing
-        else:  # the CPU device (tests): the host knows; on failure the whole layer again, in the plain order
-            if self._wait_on_host():
-                self.rows[:P].copy_(self.rows_out[:P])
-                plan.take_rows(self.rows, table)
-            else:
-                self.lost.add_(self._mask.sum())
-                dm.ensure(layer, ids, count=False)
-                plan.out.zero_()
-                plan.run_table(pool, table)
-            return
-        self._lose(flat, table, dm, layer, ids, num_experts, plan, pool)
+    def _take_torch(self, layer: int, plan, flat: torch.Tensor, ids: torch.Tensor, table: torch.Tensor, dm,
+                    num_experts: int, pool: torch.Tensor) -> None:
+        """`_take` for a plan without per-pair rows (the torch reference on CUDA), in torch ops."""
+        from moestream.kernels.triton_wait import wait_for_host
 
-    def _lose(self, flat, table, dm, layer, ids, num_experts, plan, pool) -> None:
-        """Where the CPU's answer is missing (the flag says so, on the device): load the withheld
-        experts and compute their pairs here (each pair's row is its own, summed later in the fixed
-        order: the bits of no share). Runs in every call (a graph cannot branch), then costing a
-        lookup with no misses and two kernels whose programs return at once."""
-        lost = self._mask & (self.ok == 0)
+        P = flat.numel()
+        mask = table[flat] < 0
+        wait_for_host(self.ack_dev, self.seq, self.ok, self.late, self.withheld, self.max_spins)
+        self.rows[:P].copy_(self.rows_out[:P], non_blocking=True)
+        plan.take_rows(self.rows, table)  # replaced below where the answer is missing
+        lost = mask & (self.ok == 0)
         self.lost.add_(lost.sum())
         # a pair the device computed (its expert is held), gathered: indexing by a 0-d device tensor
         # would read it on the host, which a capture forbids
-        filler = flat.gather(0, torch.argmin(self._mask.to(torch.int8)).view(1))
+        filler = flat.gather(0, torch.argmin(mask.to(torch.int8)).view(1))
         dm.ensure(layer, torch.where(lost, flat, filler).view(ids.shape), count=False)
         redo = torch.zeros(num_experts, dtype=torch.int8, device=flat.device).scatter_(0, flat.to(torch.int64),
                                                                                           lost.to(torch.int8))
         plan.run_table(pool, torch.where(redo.bool(), table, torch.full_like(table, -1)))
 
+    def _take_on_host(self, layer: int, plan, flat: torch.Tensor, ids: torch.Tensor, table: torch.Tensor, dm,
+                      pool: torch.Tensor) -> None:
+        """The CPU device (tests): the host knows; on failure the whole layer again, in the plain order."""
+        P = flat.numel()
+        if self._wait_on_host():
+            if int(self.withheld[0]):
+                self.rows[:P].copy_(self.rows_out[:P])
+                plan.take_rows(self.rows, table)
+            return
+        self.lost.add_((table[flat] < 0).sum())
+        dm.ensure(layer, ids, count=False)
+        plan.out.zero_()
+        plan.run_table(pool, table)
+
     def _wait_on_host(self) -> bool:
-        """The CPU device's wait (tests): poll the answer like the kernel does."""
-        want = int(self.header_dev[0])
+        """The CPU device's wait (tests): poll the answer like the kernel does (not at all where
+        nothing was asked)."""
+        if int(self.withheld[0]) == 0:
+            self.ok.fill_(1)
+            return True
+        want = int(self.seq[0])
         deadline = time.perf_counter() + self.timeout_s
         while time.perf_counter() < deadline:
             got = int(self.ack[0])
@@ -183,35 +280,73 @@ class DeviceCpuShare:
     # -- the worker -------------------------------------------------------------------------------
     @torch.inference_mode()  # the mailbox was made inside the engine's inference mode
     def _serve(self) -> None:
+        """Poll the sequence number; per job read the request from the mailbox in place (numpy
+        views; the rows go straight into the answer's preallocated views), answer, then retune.
+        A late job's inputs may be overwritten by the next request while it runs: its answer
+        carries its own, older number, which the device no longer takes."""
         torch.set_num_threads(self.cpu.threads)
+        self._warm()
         header, ack = self.header.numpy(), self.ack.numpy()
-        done, idle = 0, time.perf_counter()
-        while not self._stop.is_set():
+        ids_in, w_in, mask_in = self.ids_in.numpy(), self.w_in.numpy(), self.mask_in.numpy()
+        x_rows = [self.x_in[t:t + 1] for t in range(self.max_tokens)]
+        out_rows = [self.rows_out[p] for p in range(MAX_PAIRS)]
+        now, sleep, stop = time.perf_counter, time.sleep, self._stop
+        done, idle = 0, now()
+        while not stop.is_set():
             seq = int(header[0])
-            if seq == done:
-                time.sleep(0 if time.perf_counter() - idle < BUSY_S else IDLE_SLEEP_S)
+            if seq == done:  # between a step's layers: only let other threads run (a spin holding the
+                # interpreter measured slower on the CPU protocol: docs/bench/device-share-handover.json)
+                sleep(0 if now() - idle < BUSY_S else IDLE_SLEEP_S)
                 continue
-            started = time.perf_counter()
-            layer, tokens, pairs = (int(v) for v in header[1:4])
-            x = self.x_in[:tokens].clone()
-            ids = self.ids_in[:pairs].tolist()
-            w = self.w_in[:pairs].clone()
-            mask = self.mask_in[:pairs].tolist()
+            started = now()
+            layer, picks, misses, ids, w, mine = self._request(header, ids_in, w_in, mask_in)
             if int(header[0]) != seq:  # the device moved on while this was read: that call is lost
                 self.skipped += 1
                 done = seq
                 continue
             try:
-                self._compute(layer, x, ids, w, mask, started)
+                kernel_s, nbytes, experts = self._compute(layer, picks, ids, w, mine, x_rows, out_rows)
                 ack[0] = seq  # after the rows: x86 keeps stores in order
             except Exception as exc:  # noqa: BLE001 - the device computes them instead
                 self.errors += 1
                 log.warning("layer %d: CPU share failed (%s); the device computes those experts", layer, exc)
                 ack[0] = -seq
-            done, idle = seq, time.perf_counter()
+            else:  # after the answer: the device does not wait for the retuning
+                self._retune(now() - started, kernel_s, nbytes, experts, misses)
+            done, idle = seq, now()
 
-    def _compute(self, layer: int, x: torch.Tensor, ids: list[int], w: torch.Tensor, mask: list[int],
-                 started: float) -> None:
+    @staticmethod
+    def _request(header, ids_in, w_in, mask_in) -> tuple:
+        """The request in the mailbox (numpy views): layer, picks per token, the call's misses, the
+        ids and weights of its pairs and the withheld pairs' positions, as Python values."""
+        layer, tokens, pairs, misses = header[1:5].tolist()
+        return (layer, pairs // max(1, tokens), misses, ids_in[:pairs].tolist(), w_in[:pairs].tolist(),
+                np.flatnonzero(mask_in[:pairs]).tolist())
+
+    def _warm(self) -> None:
+        """Run the kernels a few times on this thread before the first job: its thread pool starts
+        and the first job's time is the kernels', not their start-up."""
+        key = next(iter(self.cpu._repacked), None)
+        if key is None:
+            return
+        weights, x = self.cpu._repacked[key], torch.zeros((1, self.hidden), dtype=self.cpu.dtype)
+        for _ in range(WARM_ROUNDS):
+            weights.ffn(x)
+
+    def _retune(self, job_s: float, kernel_s: float, nbytes: int, experts: int, misses: int) -> None:
+        """auto: the share from the jobs measured so far (moestream.layers.share_tuning)."""
+        if self.cpu.share != "auto":
+            return
+        self.tuner.record(job_s=job_s, kernel_s=kernel_s, nbytes=nbytes, experts=experts, misses=misses)
+        if self.tuner.measured:
+            self.cpu.cpu_gb_s = self.tuner.kernel_gb_s
+            self._set_share(self.tuner.share())
+
+    def _compute(self, layer: int, picks: int, ids: list[int], w: list[float], mine: list[int], x_rows: list,
+                 out_rows: list) -> tuple[float, int, int]:
+        """The withheld pairs `mine` (of `ids`, `picks` per token) into the answer's rows, one pair
+        at a time (bits never depend on T); returns the kernels' seconds, the bytes of the experts
+        computed and their number."""
         cpu = self.cpu
         number = self.jobs
         self.jobs += 1
@@ -219,19 +354,17 @@ class DeviceCpuShare:
             time.sleep(cpu.fault_delay_s)
         if cpu.fault_after is not None and number >= cpu.fault_after:
             raise RuntimeError(f"injected fault in CPU job {number}")
-        mine = [p for p, m in enumerate(mask) if m]
         if not mine:
-            return
-        A = len(ids) // x.shape[0]
-        xd = x.to(self.dtype)
+            return 0.0, 0, 0
+        repacked = cpu._repacked
         t0 = time.perf_counter()
         distinct = set()
-        for p in mine:  # one pair at a time: bits never depend on T
+        for p in mine:
             e = ids[p]
-            weights = cpu._repacked.get((layer, e))
+            weights = repacked.get((layer, e))
             if weights is None:
                 raise RuntimeError(f"expert {e} is not repacked for the CPU")
-            self.rows_out[p] = weights.ffn(xd[p // A:p // A + 1])[0].float() * w[p]
+            weights.weighted_row_into(x_rows[p // picks], out_rows[p], w[p])
             distinct.add(e)
         done = time.perf_counter()
         self.compute_s += done - t0
@@ -239,10 +372,7 @@ class DeviceCpuShare:
         self.pairs += len(mine)
         nbytes = cpu.record_bytes[layer] * len(distinct)
         self.bytes += nbytes
-        if cpu.share == "auto":  # the job's whole latency, hand-over included: what the device waits for
-            rate = nbytes / max(done - started, 1e-9) / 1e9
-            cpu.cpu_gb_s = rate if cpu.cpu_gb_s is None else (1 - EMA) * cpu.cpu_gb_s + EMA * rate
-            self._set_share(cpu.cpu_gb_s / (cpu.cpu_gb_s + self.copy_gb_s))
+        return done - t0, nbytes, len(distinct)
 
     def _set_share(self, share: float) -> None:
         self.share[0] = max(0, min(1024, int(round(share * 1024))))
@@ -257,7 +387,11 @@ class DeviceCpuShare:
                     "cpu_errors": self.errors, "cpu_jobs": self.jobs, "cpu_bytes": self.bytes,
                     "cpu_compute_s": round(self.compute_s, 6),
                     "cpu_gb_s": round(self.bytes / self.compute_s / 1e9, 3) if self.compute_s > 0 and self.bytes else None,
-                    "cpu_share_now": round(int(self.share[0]) / 1024, 4), "copy_gb_s": round(self.copy_gb_s, 3)})
+                    "cpu_empty_calls": int(self.empty),
+                    "cpu_share_now": round(int(self.share[0]) / 1024, 4), "copy_gb_s": round(self.copy_gb_s, 3),
+                    "copy_gb_s_timed": self.copy_timed, "cpu_kernel_gb_s_ema": _round(self.tuner.kernel_gb_s, 3),
+                    "cpu_handover_us_ema": _round(self.tuner.handover_s and self.tuner.handover_s * 1e6, 1),
+                    "cpu_misses_per_job_ema": _round(self.tuner.misses, 2)})
         return out
 
     def close(self) -> None:

@@ -333,7 +333,7 @@ class RoutedExperts:
         from moestream.layers.device_cpu_share import DeviceCpuShare
 
         self.device_share = DeviceCpuShare(self.cpu, device=self.device, hidden=hidden, max_tokens=max_tokens,
-                                           dtype=dtype, timeout_s=timeout_s)
+                                           dtype=dtype, timeout_s=timeout_s, device_map=self.device_map)
 
     def _take_cpu_rows(self, layer: int, plan, ids: torch.Tensor, hidden: int, table: torch.Tensor) -> None:
         if self.cpu is not None and self.device_map is None and not self.cpu.refused.get(layer):

@@ -4,7 +4,9 @@ waiting on the CPU worker's answer in pinned RAM. Fed no share's greedy tokens, 
 log-probabilities are within the dtype's tolerance of no share's over 24 steps (the CPU kernels round
 unlike the device's, so a near-tied greedy choice may differ and free-running tokens part ways: the
 contract is the tolerance, as on the host path); a failing or late CPU gives the bits of no share
-(the graph computes the withheld experts itself); the Triton and torch lookups withhold alike."""
+(the graph computes the withheld experts itself); a share that withholds nothing posts nothing and
+gives the bits of no share; `auto` set to nothing rises again through its probes; the Triton and
+torch lookups withhold alike."""
 import pytest
 import torch
 
@@ -25,8 +27,10 @@ def packed(tiny_packed_model):
     return tiny_packed_model("qwen3_moe", "q4", dtype="bfloat16", num_hidden_layers=5, num_experts_per_tok=4)
 
 
-def run(packed, dtype="bfloat16", fault_after=None, fault_delay_s=0.0, slot_map="torch", forced=None, **opts):
-    """Greedy tokens and their log-probabilities, or with `forced` those tokens fed one step at a time."""
+def run(packed, dtype="bfloat16", fault_after=None, fault_delay_s=0.0, slot_map="torch", forced=None, before=None,
+        **opts):
+    """Greedy tokens and their log-probabilities, or with `forced` those tokens fed one step at a time.
+    before(engine): called once streaming has started, before the first step."""
     options = EngineOptions(device="cuda", dtype=dtype, max_context=256, cache_size="50%", host_cache_size="all",
                             streaming="device", slot_map=slot_map, **opts)
     engine = Engine.load(packed, options=options)
@@ -34,6 +38,9 @@ def run(packed, dtype="bfloat16", fault_after=None, fault_delay_s=0.0, slot_map=
         engine.experts.cpu.fault_after = fault_after
         engine.experts.cpu.fault_delay_s = fault_delay_s
     try:
+        if before is not None:
+            engine._make_resident()  # streaming (and the share with it) starts here
+            before(engine)
         prompt = engine.tokenizer.encode(PROMPT)
         tokens, logprobs = greedy_or_forced(engine, prompt, STEPS, forced)
         assert engine.streaming == "device"
@@ -73,6 +80,32 @@ def test_a_late_cpu_gives_the_bits_of_no_share(packed, off):
     tokens, logprobs, stats = run(packed, cpu_experts="1", cpu_experts_timeout=0.0005, fault_delay_s=0.01)
     assert (tokens, logprobs) == off["bfloat16"][:2]
     assert stats["cpu_late_calls"] > 0 and stats["cpu_fallbacks"] > 0
+
+
+@pytest.mark.parametrize("slot_map", ["torch", "triton"])
+def test_an_empty_share_posts_nothing_and_gives_the_bits_of_no_share(packed, off, slot_map):
+    tokens, logprobs, stats = run(packed, cpu_experts="0", slot_map=slot_map)
+    assert (tokens, logprobs) == off["bfloat16"][:2]
+    assert stats["cpu_jobs"] == 0 and stats["cpu_experts"] == 0  # the worker never saw a call
+    assert stats["cpu_empty_calls"] > 0 and stats["cpu_late_calls"] == 0 and stats["cpu_fallbacks"] == 0
+
+
+def slow_link_and_no_share(engine):
+    ds = engine.experts.device_share
+    assert ds.copy_timed and ds.copy_gb_s > 0  # the copies were timed at start
+    ds.tuner.copy_gb_s = 1e-4  # as if the link crawled: the CPU should take every miss it may
+    ds._set_share(0)  # a share that gives the CPU nothing ...
+    ds.share[1] = 4  # ... but a probe every 4 lookups
+
+
+@pytest.mark.parametrize("slot_map", ["torch", "triton"])
+def test_auto_rises_from_nothing_through_its_probes(packed, off, slot_map):
+    _, logprobs, stats = run(packed, cpu_experts="auto", slot_map=slot_map, forced=off["bfloat16"][0],
+                             before=slow_link_and_no_share)
+    assert stats["cpu_jobs"] > 2 and stats["cpu_late_calls"] == 0 and stats["cpu_fallbacks"] == 0
+    assert stats["cpu_share_now"] > 0.5 and stats["cpu_kernel_gb_s_ema"] > 0 and stats["cpu_handover_us_ema"] > 0
+    assert stats["cpu_experts"] > stats["cpu_jobs"]  # after the probes, jobs of more than one expert
+    assert max(abs(a - b) for a, b in zip(logprobs, off["bfloat16"][1])) < TOLERANCE["bfloat16"]
 
 
 def test_some_failures_mix_cpu_rows_and_fallbacks(packed, off):

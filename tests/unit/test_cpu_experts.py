@@ -62,6 +62,19 @@ def test_cpu_kernel_matches_the_reference_per_expert(bits, method, hidden, inter
 
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("method", INT8_METHODS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_weighted_row_in_place_has_the_bits_of_ffn(bits, method, dtype):
+    rec, quant = make_record(256, 128, bits, seed=3)
+    expert = repack(rec, quant, dtype, int8_method=method)
+    x = torch.randn(1, 256, generator=torch.Generator().manual_seed(2)).to(dtype)
+    weight = torch.tensor(0.3173, dtype=torch.float32)
+    out = torch.full((256,), float("nan"))
+    expert.weighted_row_into(x, out, float(weight))
+    assert torch.equal(out, expert.ffn(x)[0].float() * weight)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("method", INT8_METHODS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_repacked_bytes_are_known_before_repacking(bits, method, dtype):
     rec, quant = make_record(192, 96, bits, 32)

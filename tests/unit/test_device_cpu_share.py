@@ -6,7 +6,9 @@ by the device path itself, giving the bits of no share at all."""
 import pytest
 import torch
 
-from cpu_share_run import run_with_share
+from cpu_share_run import PROMPT, run_with_share
+from moestream.engine.engine import Engine
+from moestream.engine.options import EngineOptions
 from moestream.experts.device_map import DeviceMap
 from moestream.format.reader import PackedModel
 
@@ -45,6 +47,42 @@ def test_a_share_on_the_device_path_stays_within_tolerance(model, reference, sha
     assert stats["cpu_experts"] > 0 and stats["cpu_pairs"] >= stats["cpu_experts"] and stats["cpu_gb_s"] > 0
     assert stats["misses"] >= stats["cpu_experts"]  # what the CPU computed was missed on the device
     assert "cpu_experts" not in reference[2]
+
+
+def test_an_empty_share_posts_nothing_and_gives_the_bits_of_no_share(model, reference):
+    tokens, logprobs, stats = run(model, cpu_experts="0")
+    assert tokens == reference[0] and logprobs == reference[1]
+    assert stats["cpu_jobs"] == 0 and stats["cpu_experts"] == 0  # the worker never saw a call
+    assert stats["cpu_empty_calls"] > 0 and stats["cpu_late_calls"] == 0 and stats["cpu_fallbacks"] == 0
+
+
+def test_empty_calls_between_jobs_never_confuse_the_sequence_numbers(model, reference):
+    _, logprobs, stats = run(model, cpu_experts="0.5")
+    assert stats["cpu_empty_calls"] > 0 and stats["cpu_jobs"] > 0  # both kinds of call, interleaved
+    assert stats["cpu_late_calls"] == 0 and stats["cpu_fallbacks"] == 0 and stats["cpu_errors"] == 0
+    assert max(abs(a - b) for a, b in zip(logprobs, reference[1])) < LOGPROB_TOLERANCE
+
+
+def test_auto_rises_from_nothing_through_its_probes(model, reference):
+    options = EngineOptions(device="cpu", prefill_chunk_tokens=5, cache_size=slots(model, 16), host_cache_size="all",
+                            streaming="device", cpu_experts="auto")
+    engine = Engine.load(model, options=options)
+    try:
+        engine._make_resident()  # streaming starts (and the share with it) before the first step
+        ds = engine.experts.device_share
+        assert ds.copy_timed and ds.copy_gb_s > 0  # the copies were timed at start
+        ds.tuner.copy_gb_s = 1e-4  # as if the link crawled: the CPU should take every miss it may
+        ds._set_share(0)  # a share that gives the CPU nothing ...
+        ds.share[1] = 4  # ... but a probe every 4 lookups
+        events = list(engine.generate(engine.tokenizer.encode(PROMPT), max_new_tokens=12, logprobs=1,
+                                      stop_at_eos=False))
+        stats = engine.expert_stats()
+    finally:
+        engine.close()
+    assert stats["cpu_jobs"] > ds.tuner.warm_jobs and stats["cpu_late_calls"] == 0
+    assert stats["cpu_share_now"] > 0.5 and stats["cpu_kernel_gb_s_ema"] > 0 and stats["cpu_handover_us_ema"] > 0
+    assert stats["cpu_experts"] > stats["cpu_jobs"]  # after the probes, jobs of more than one expert
+    assert max(abs(e.logprob - b) for e, b in zip(events, reference[1])) < LOGPROB_TOLERANCE
 
 
 def test_a_bigger_share_gives_the_cpu_more(model):
@@ -100,3 +138,22 @@ def test_the_map_withholds_the_first_misses_and_always_keeps_one_expert(share, w
     before = (dm.hits.clone(), dm.misses.clone())
     dm.ensure(0, ids, count=False)
     assert torch.equal(dm.hits, before[0]) and torch.equal(dm.misses, before[1])
+
+
+def test_bench_json_reports_the_mailbox_calls_and_auto(model, tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "b.json"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    proc = subprocess.run([sys.executable, "-m", "moestream", "bench", "--model", str(model), "--device", "cpu",
+                           "--threads", "1", "--cache-sizes", slots(model, 16), "--host-cache-size", "all",
+                           "--prefill-tokens", "8", "--decode-tokens", "6", "--streaming", "device",
+                           "--cpu-experts", "auto", "--out", str(out)], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr
+    decode = json.loads(out.read_text())["runs"][0]["decode"]
+    assert decode["cpu_jobs"] + decode["cpu_empty_calls"] > 0 and decode["cpu_late_calls"] == 0
+    assert decode["copy_gb_s_timed"] is True and decode["copy_gb_s"] > 0 and 0 <= decode["cpu_share_now"] <= 1

@@ -25,21 +25,37 @@ def make(seed=0, slots=24, layers=(0, 2, 3), experts=10, width=8):
                      {l: width for l in layers})
 
 
-@pytest.mark.parametrize("share", [None, 512, 1024], ids=["all", "half-withheld", "all-but-one-withheld"])
-def test_the_program_decides_what_the_torch_version_decides(share):
+@pytest.mark.parametrize("share", [None, [512], [1024], [0, 3], [0, 0]],
+                         ids=["all", "half-withheld", "all-but-one-withheld", "probe-every-3", "none-withheld"])
+@pytest.mark.parametrize("gated", [False, True], ids=["ungated", "gated"])
+def test_the_program_decides_what_the_torch_version_decides(share, gated):
     sm = interpreted_module("moestream.kernels.triton_slot_map")
     a, b = make(), make()
-    withhold = None if share is None else torch.tensor([share], dtype=torch.int32)
+    withhold = None if share is None else torch.tensor(share, dtype=torch.int32)
+    counts = [torch.full((2,), -1, dtype=torch.int64) for _ in range(2)]
     g = torch.Generator().manual_seed(1)
-    for step in range(60):
+    probes = 0
+    for step in range(80 if gated else 60):
         layer = a.layers[step % 3]
         tokens = 1 if step % 5 else 4  # multi-token calls repeat experts
         ids = torch.stack([torch.randperm(10, generator=g)[:3] for _ in range(tokens)])
-        count = step % 4 != 3
-        src, dst, todo = sm.slot_map(a, layer, ids, withhold=withhold, count=count)
+        count = step % 7 != 3
+        gate = torch.tensor([step % 4 != 1], dtype=torch.int32) if gated else None
+        clock = int(a.clock)
+        src, dst, todo = sm.slot_map(a, layer, ids, withhold=withhold, count=count, withheld=counts[0], gate=gate)
         copy_records(a.host_pool, a.pool, src, dst, todo.bool())
-        b.ensure(layer, ids, withhold=withhold, count=count)
+        b.ensure(layer, ids, withhold=withhold, count=count, withheld=counts[1], gate=gate)
         for name in ("table", "owner", "last_used", "clock", "hits", "misses", "away", "pool"):
             assert torch.equal(getattr(a, name), getattr(b, name)), (step, name)
+        if withhold is not None:
+            assert torch.equal(counts[0], counts[1]), step
+        if gate is not None and not int(gate):
+            assert int(a.clock) == clock and not todo.any(), step  # gated off: nothing happened
+        elif share == [0, 3] and (clock + 1) % 3 == 0 and int(counts[0][1]) and len(set(ids.view(-1).tolist())) > 1:
+            assert int(counts[0][0]) == 1, step  # the probe: one miss withheld though the share is 0
+            probes += 1
+        elif share is not None and share[0] == 0:
+            assert int(counts[0][0]) == 0, step
     assert int(a.misses.sum()) > a.slots  # slots were reused
-    assert (int(a.away.sum()) > 0) == (share is not None)
+    assert (int(a.away.sum()) > 0) == (share is not None and share != [0, 0])
+    assert (probes > 0) == (share == [0, 3])
