@@ -97,8 +97,13 @@ class Decoder:
         self.cuda = dev.type == "cuda"
         self.use_graphs = graphs and self.cuda
         T = MAX_STEP_TOKENS
-        self.tokens = torch.zeros(T, dtype=torch.long, device=dev)
-        self.pos = torch.zeros(T, dtype=torch.long, device=dev)
+        # each row's token, position and sequence slot, filled from the host once per step (one copy)
+        self._rows = torch.zeros((3, T), dtype=torch.long, device=dev)
+        self.tokens, self.pos = self._rows[0], self._rows[1]
+        # CUDA: two pinned staging copies in turn, each reused once the copy that read it has run
+        self._staging = [torch.zeros((3, T), dtype=torch.long, pin_memory=True) for _ in range(2)] if self.cuda else []
+        self._staged = [None, None]  # the event after each staging copy's last transfer
+        self._turn = 0
         self.x = torch.zeros((T, model.hidden_size), dtype=dtype, device=dev)  # the residual stream
         self.logits = torch.zeros((T, model.vocab_size), dtype=torch.float32, device=dev)
         if self.cuda:  # head_rows' own fixed-shape input and output
@@ -122,7 +127,7 @@ class Decoder:
         self.rows_at_once = rows and self.cuda and (len(self.caches) == 1 or pooled) and \
             all(getattr(layer, "takes_slot", lambda: False)() for layer in model.layers)
         # each row's sequence slot as the kernels read it (rows at once over a pool), filled like pos
-        self.row_slot = torch.zeros(T, dtype=torch.long, device=dev) if self.rows_at_once and pooled else None
+        self.row_slot = self._rows[2] if self.rows_at_once and pooled else None
 
     def _mode(self, key) -> dict[int, _Routed]:
         if key not in self._modes:
@@ -300,12 +305,7 @@ class Decoder:
         T = len(tokens)
         if not 1 <= T <= MAX_STEP_TOKENS:
             raise ValueError(f"a step takes 1..{MAX_STEP_TOKENS} tokens, not {T}")
-        for t, token in enumerate(tokens):  # fills from host values: no sync
-            self.tokens[t].fill_(token)
-            self.pos[t].fill_(positions[t])
-            self.row_slots[t] = slots[t]
-            if self.row_slot is not None:
-                self.row_slot[t].fill_(slots[t])
+        self._fill_rows(tokens, positions, slots)
         first = slots[0]
         single = all(s == first for s in slots)
         if self.rows_at_once:
@@ -343,6 +343,23 @@ class Decoder:
             return self.x[:T]
         self._replay(("head",) if self.cuda else ("head", T), lambda: self._head(T))
         return self.logits[:T]
+
+    def _fill_rows(self, tokens: list[int], positions: list[int], slots: list[int]) -> None:
+        """The step's tokens, positions and slots into the device rows the graphs read: one copy
+        from pinned memory on CUDA (no sync: a staging copy is rewritten only after the copy that read
+        it two steps ago has run), rather than a fill kernel per row and field."""
+        T = len(tokens)
+        self.row_slots[:T] = slots
+        host = self._staging[self._turn] if self.cuda else self._rows
+        if self.cuda and self._staged[self._turn] is not None:
+            self._staged[self._turn].synchronize()
+        rows = host.numpy()
+        rows[0, :T], rows[1, :T], rows[2, :T] = tokens, positions, slots
+        if self.cuda:
+            self._rows.copy_(host, non_blocking=True)
+            event = self._staged[self._turn] or torch.cuda.Event()
+            event.record(self.stream)
+            self._staged[self._turn], self._turn = event, 1 - self._turn
 
     def _step_at_once(self, T: int, single: bool, head: bool) -> torch.Tensor:
         """step_rows with the rows at once: one graph per T whatever sequences the rows come from
