@@ -179,7 +179,7 @@ def run_http(parallel: int, requests: int, max_tokens: int, tokenizer: str, stre
     try:
         with ctx.Pool(1) as pool:
             pool.apply(_clients, (url, parallel, 1, max_tokens, stream, 10_000))  # warm up
-            steps0, prefills0 = engine.steps, engine.prefills
+            steps0, prefills0, rows0 = engine.steps, engine.prefills, engine.rows
             t0 = time.perf_counter()
             tokens = pool.apply(_clients, (url, parallel, requests, max_tokens, stream, 0))
             wall = time.perf_counter() - t0
@@ -192,7 +192,7 @@ def run_http(parallel: int, requests: int, max_tokens: int, tokenizer: str, stre
     per_round.append({"wall_s": wall, "steps": steps, "prefills": engine.prefills - prefills0})
     result = _summary(per_round, parallel, max_tokens * requests, step_ms)
     result.update(stream=stream, clients=parallel, requests_per_client=requests, tokens=sum(tokens),
-                  mean_batch=round(engine.rows / max(1, engine.steps), 2))
+                  mean_batch=round((engine.rows - rows0) / max(1, steps), 2))
     return result
 
 
