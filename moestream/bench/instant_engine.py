@@ -51,7 +51,7 @@ class InstantEngine:
     """The engine interface the batch scheduler uses; every step and prefill returns at once."""
 
     def __init__(self, slots: int, tokenizer, *, vocab: int = VOCAB, max_context: int = 4096,
-                 step_s: float = 0.0, misses_per_row: int = 0) -> None:
+                 step_s: float = 0.0, misses_per_row: int = 0, prompt_steps: bool = False) -> None:
         g = torch.Generator().manual_seed(0)
         self.bank = torch.randn(BANK, vocab, generator=g)
         self.bank_tokens = [32 + (k * 37) % 95 for k in range(BANK)]  # printable ASCII
@@ -68,13 +68,16 @@ class InstantEngine:
         self.step_s = step_s  # a device's step time, waited for without the interpreter lock (as a CUDA sync waits)
         self.steps = self.prefills = self.rows = 0
         self.layers = 48
+        self.prompt_steps = prompt_steps  # short prompts may join a step (Engine.prompt_step on CUDA)
         self.misses_per_row = misses_per_row  # counted cache misses (a test of the server's accounting)
         self._hits = self._misses = 0
         self.stats_reads = 0
 
-    def _row(self, slot: int) -> torch.Tensor:
+    def _row(self, slot: int, rows: int = 1) -> torch.Tensor:
+        """Logits [rows, V] of the slot's last `rows` positions: each a function of its prefix alone."""
         tokens = self.caches[slot].tokens
-        return self.bank[(len(tokens) * 7 + tokens[-1]) % BANK].unsqueeze(0)
+        picks = [((n + 1) * 7 + tokens[n]) % BANK for n in range(len(tokens) - rows, len(tokens))]
+        return self.bank[picks[0]].unsqueeze(0) if rows == 1 else self.bank[picks]
 
     def open_sequence(self, prefix=None, *, slot=None) -> int:
         cache = self.caches[slot]
@@ -99,6 +102,14 @@ class InstantEngine:
         self._count(len(prompt_ids) - reuse)
         return self._row(seq), reuse
 
+    def prompt_step(self, prompt_ids, *, seq, rows):
+        cache = self.caches[seq]
+        reuse = min(common_prefix(cache.tokens, prompt_ids), len(prompt_ids) - 1)
+        if not self.prompt_steps or len(prompt_ids) - reuse > min(rows, 16):
+            return None
+        del cache.tokens[reuse:]
+        return list(prompt_ids[reuse:])
+
     def step_many(self, batch: dict[int, list[int]]) -> dict[int, torch.Tensor]:
         self.steps += 1
         self.rows += sum(len(t) for t in batch.values())
@@ -107,7 +118,7 @@ class InstantEngine:
         out = {}
         for seq, tokens in batch.items():
             self.caches[seq].tokens += tokens
-            out[seq] = self._row(seq)
+            out[seq] = self._row(seq, len(tokens))
         self._count(sum(len(t) for t in batch.values()))
         return out
 

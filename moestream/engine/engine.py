@@ -235,6 +235,26 @@ class Engine:
         self.release_workspace()
         return (torch.cat(outputs) if all_logits else outputs[-1]), reuse
 
+    def prompt_step(self, prompt_ids: list[int], *, seq: int, rows: int) -> list[int] | None:
+        """The prompt tokens that `prefill(prompt_ids, seq=seq)` would run as one decoder step of their
+        own (`_prefill_by_steps`), at most `rows` of them, for a caller to run in a `step_many` beside
+        other sequences' rows: a row's bits never depend on the other rows of its step, so their last
+        row's logits are the bits prefill gives. The slot's cache is brought to the reused start first.
+        None where prefill would run a pass or they are more than `rows`: then call prefill (which
+        reuses the same start)."""
+        cache = self.sequences.open_cache(seq)
+        reuse = min(common_prefix(cache.tokens, prompt_ids), len(prompt_ids) - 1)
+        if self.hidden_tap is not None and seq == 0:
+            reuse = max(0, reuse - 1)
+        if len(prompt_ids) - reuse > rows or not self._prefill_by_steps(len(prompt_ids) - reuse, seq):
+            return None
+        reuse = cache.truncate(reuse)  # less where a recurrent layer keeps no state at `reuse`
+        new = len(prompt_ids) - reuse
+        if new > rows or not self._prefill_by_steps(new, seq):
+            return None
+        self.sequences.check_room(new, cache)
+        return list(prompt_ids[reuse:])
+
     def _prefill_by_steps(self, new: int, seq: int) -> bool:
         """Whether `new` prompt tokens run as one decoder step rather than a prefill pass: on CUDA with
         a step's rows at once, up to a step's rows (a replayed graph costs a fraction of the pass's

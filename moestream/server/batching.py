@@ -6,10 +6,13 @@ one step boundary:
   whose cached tokens share the longest start with it (that start is not computed again); where
   none shares any, the least recently used slot (eviction is slot reuse). So the prefix cache is
   the slots' KV caches, shared by all requests.
-- prefill: one chunk (--prefill-chunk-tokens) of the oldest newcomer's prompt, so a long prompt
-  costs the running streams one chunk's time per token, not the whole prefill at once.
 - decode: one `step_many` for every sequence that has a token to run: each MoE layer loads the
-  experts its rows route to once, and each row gets the bits it gets alone.
+  experts its rows route to once, and each row gets the bits it gets alone. On CUDA, newcomers whose
+  prompt the engine would prefill as one step of its own (a few new tokens) join it while a step's
+  rows last (`Engine.prompt_step`): a row's bits never depend on the other rows, so their first
+  choice is the one their own prefill gives.
+- prefill: one chunk (--prefill-chunk-tokens) of the oldest newcomer's prompt still to compute, so
+  a long prompt costs the running streams one chunk's time per token, not the whole prefill at once.
 - retire: a sequence leaves at EOS, its length, a stop string or its client's disconnect (seen at
   the next boundary); its slot keeps its tokens for a later prompt's prefix.
 
@@ -118,8 +121,8 @@ class BatchScheduler:
             for job in admitted:
                 self._admit(job)
             self._retire_cancelled()
-            self._prefill_one_chunk()
             self._decode_step()
+            self._prefill_one_chunk()
         for r in list(self.active):  # stopping: whatever still runs is cancelled
             r.job.cancelled.set()
             self._finish(r, "cancelled")
@@ -218,30 +221,59 @@ class BatchScheduler:
             r.t_decode = time.perf_counter()
             self._take(r, logits[-1])
 
+    def _joining(self, ready: list[Running]) -> dict[int, list[int]]:
+        """{id(newcomer): its prompt tokens} of the newcomers that join this decode step, oldest first,
+        while the step's rows last (none with speculation: the drafts' rows are not known yet)."""
+        from moestream.engine.decoder import MAX_STEP_TOKENS
+
+        prompt_step = getattr(self.engine, "prompt_step", None)
+        if prompt_step is None or self.worker.speculative is not None:
+            return {}
+        left, out = MAX_STEP_TOKENS - len(ready), {}
+        for r in self.active:
+            if left <= 0:
+                break
+            if r.prefilling and r.computed == r.reused:  # not begun by chunks
+                tokens = prompt_step(r.prompt, seq=r.slot, rows=left)
+                if tokens is not None:
+                    out[id(r)] = tokens
+                    left -= len(tokens)
+        return out
+
     def _decode_step(self) -> None:
         ready = [r for r in self.active if r.next_token is not None]
-        if not ready:
+        joining = self._joining(ready)
+        newcomers = [r for r in self.active if id(r) in joining]
+        if not ready and not newcomers:
             return
-        self.worker._observe("batch_step", len(ready))
+        if ready:
+            self.worker._observe("batch_step", len(ready))
         drafts = {id(r): self._draft(r) for r in ready}
+        batch = {r.slot: [r.next_token] + drafts[id(r)][1] for r in ready}
+        batch.update({r.slot: joining[id(r)] for r in newcomers})
         t0 = time.perf_counter()
         try:
-            logits = self.engine.step_many({r.slot: [r.next_token] + drafts[id(r)][1] for r in ready})
+            logits = self.engine.step_many(batch)
             if any(r.spec is not None for r in ready):
                 getattr(self.engine, "_sync", lambda: None)()  # the step's time is the policies' measurement
         except BaseException as exc:  # the whole step failed: so does every request in it
             self._account()
-            for r in ready:
+            for r in ready + newcomers:
                 self._drop(r)
                 self._fail(r.job, exc)
             return
         step_s = time.perf_counter() - t0
         self._account()
+        now = time.perf_counter()
+        for r in newcomers:  # their prompts are in their slots now; their first choice follows
+            r.computed = len(r.prompt)
+            r.prefill_s, r.t_decode = now - r.t0, now
+        ready = newcomers + ready
         # the plain greedy rows' choices at once: one reduction and one wait for the device per step, not one each
         plain = [r for r in ready if r.spec is None and r.emit.plain_argmax]
         picks = dict(zip(map(id, plain), argmax_rows([logits[r.slot][-1] for r in plain])))
         for r in ready:
-            chosen, draft = drafts[id(r)]
+            chosen, draft = drafts.get(id(r), (0, []))
             if r.spec is None:
                 r.next_token = None
                 self._take(r, logits[r.slot][-1], picks.get(id(r)))

@@ -1,6 +1,6 @@
 """The batch scheduler's host work per step, on a stand-in engine that answers every step at once
 (moestream.bench.instant_engine): requests of every kind sharing steps each get what they get alone
-while the plain greedy rows of a step are chosen together; the expert cache's counters are read
+while the plain greedy rows of a step are chosen together and short prompts join the step; the expert cache's counters are read
 once per engine call, and the metrics still count all of its work."""
 from __future__ import annotations
 
@@ -29,9 +29,10 @@ REQUESTS = [([10 + i, 20, 30 + i], 12 + i, GREEDY, [], None) for i in range(6)] 
 ]
 
 
-def run(requests, parallel: int, *, misses_per_row: int = 0):
+def run(requests, parallel: int, *, misses_per_row: int = 0, prompt_steps: bool = False):
     """Every request submitted at once; (each one's events, the engine, the metrics)."""
-    engine = InstantEngine(parallel, BytesTokenizer(), vocab=VOCAB, misses_per_row=misses_per_row)
+    engine = InstantEngine(parallel, BytesTokenizer(), vocab=VOCAB, misses_per_row=misses_per_row,
+                           prompt_steps=prompt_steps)
     worker = Worker(lambda: engine, max_queue=len(requests), parallel=parallel)
     metrics = ServerMetrics(worker)
     worker.observers.append(metrics)
@@ -88,3 +89,19 @@ def test_the_cache_counters_are_read_once_per_engine_call_and_all_counted():
     assert metrics.registry.get_sample_value("moestream_expert_misses_total") == engine._misses > 0
     receipt = outs[0][-1].receipt
     assert receipt["misses"] > 0 and receipt["generated_tokens"] == outs[0][-1].completion_tokens
+
+
+def test_short_prompts_join_the_decode_step_and_get_what_their_prefill_gives():
+    """Where the engine runs a short prompt as a step of its own (CUDA), newcomers join the running
+    rows' step instead of a prefill apart, while the step's 16 rows last; their replies are the
+    replies their own prefill gives."""
+    long_prompt = ([5] * 20, 6, GREEDY, [], None)  # more than a step's rows: prefilled apart
+    requests = REQUESTS + [long_prompt]
+    joined, engine, metrics = run(requests, parallel=4, prompt_steps=True)
+    apart = [run([r], parallel=2)[0][0] for r in requests]
+    for i, (got, want) in enumerate(zip(joined, apart)):
+        assert reply(got) == reply(want), f"request {i} differs from its reply with a prefill of its own"
+    assert engine.prefills == 1  # only the long prompt
+    assert metrics.registry.get_sample_value("moestream_batch_size_count") < engine.steps  # some steps only prefill
+    receipt = joined[0][-1].receipt
+    assert receipt["prompt_tokens"] == 3 and receipt["prefill_s"] >= 0 and receipt["generated_tokens"] == 12
