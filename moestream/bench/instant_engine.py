@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import torch
 
 from moestream.engine.emitter import Emitter
+from moestream.engine.sampling import argmax_rows
 from moestream.engine.types import common_prefix
 from moestream.errors import MoestreamError
 
@@ -102,10 +103,13 @@ class InstantEngine:
         self._count(len(prompt_ids) - reuse)
         return self._row(seq), reuse
 
-    def prompt_step(self, prompt_ids, *, seq, rows):
+    def greedy_choices(self, rows: list[torch.Tensor]) -> list[int]:
+        return argmax_rows(rows)
+
+    def prompt_step(self, prompt_ids, *, seq, beside):
         cache = self.caches[seq]
         reuse = min(common_prefix(cache.tokens, prompt_ids), len(prompt_ids) - 1)
-        if not self.prompt_steps or len(prompt_ids) - reuse > min(rows, 16):
+        if not self.prompt_steps or len(prompt_ids) - reuse > 16 - beside:
             return None
         del cache.tokens[reuse:]
         return list(prompt_ids[reuse:])

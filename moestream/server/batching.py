@@ -35,7 +35,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from moestream.engine.receipt import COUNTERS, Receipt
-from moestream.engine.sampling import argmax_rows
 from moestream.engine.types import common_prefix
 from moestream.errors import MoestreamError
 from moestream.server.stops import IncrementalDecoder, StopMatcher
@@ -224,20 +223,16 @@ class BatchScheduler:
     def _joining(self, ready: list[Running]) -> dict[int, list[int]]:
         """{id(newcomer): its prompt tokens} of the newcomers that join this decode step, oldest first,
         while the step's rows last (none with speculation: the drafts' rows are not known yet)."""
-        from moestream.engine.decoder import MAX_STEP_TOKENS
-
         prompt_step = getattr(self.engine, "prompt_step", None)
         if prompt_step is None or self.worker.speculative is not None:
             return {}
-        left, out = MAX_STEP_TOKENS - len(ready), {}
+        rows, out = len(ready), {}
         for r in self.active:
-            if left <= 0:
-                break
             if r.prefilling and r.computed == r.reused:  # not begun by chunks
-                tokens = prompt_step(r.prompt, seq=r.slot, rows=left)
+                tokens = prompt_step(r.prompt, seq=r.slot, beside=rows)
                 if tokens is not None:
                     out[id(r)] = tokens
-                    left -= len(tokens)
+                    rows += len(tokens)
         return out
 
     def _decode_step(self) -> None:
@@ -271,7 +266,10 @@ class BatchScheduler:
         ready = newcomers + ready
         # the plain greedy rows' choices at once: one reduction and one wait for the device per step, not one each
         plain = [r for r in ready if r.spec is None and r.emit.plain_argmax]
-        picks = dict(zip(map(id, plain), argmax_rows([logits[r.slot][-1] for r in plain])))
+        choose = getattr(self.engine, "greedy_choices", None)
+        if choose is None:
+            plain = []
+        picks = dict(zip(map(id, plain), choose([logits[r.slot][-1] for r in plain]) if plain else []))
         for r in ready:
             chosen, draft = drafts.get(id(r), (0, []))
             if r.spec is None:

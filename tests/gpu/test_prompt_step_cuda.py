@@ -31,9 +31,9 @@ def test_a_prompt_in_a_shared_step_equals_its_own_prefill(cache_size, tiny_packe
         engine.open_sequence(running, slot=0)
         first = engine.prefill(running, seq=0)[0][-1]
         engine.open_sequence([], slot=1)  # an emptied slot: nothing of the prompt is reused
-        assert engine.prompt_step(newcomer, seq=1, rows=len(newcomer) - 1) is None  # more than the rows left
-        assert engine.prompt_step(list(range(1, 18)), seq=1, rows=16) is None  # more than a step's rows
-        tokens = engine.prompt_step(newcomer, seq=1, rows=15)
+        assert engine.prompt_step(newcomer, seq=1, beside=17 - len(newcomer)) is None  # no room
+        assert engine.prompt_step(list(range(1, 18)), seq=1, beside=0) is None  # more than a step's rows
+        tokens = engine.prompt_step(newcomer, seq=1, beside=1)
         assert tokens == newcomer
         out = engine.step_many({0: [int(first.argmax())], 1: tokens})
         together = [out[1][-1]]

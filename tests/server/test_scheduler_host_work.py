@@ -11,7 +11,6 @@ import pytest
 pytest.importorskip("torch")
 from moestream.bench.instant_engine import BytesTokenizer, InstantEngine  # noqa: E402
 from moestream.engine.types import SamplingParams  # noqa: E402
-from moestream.server import batching  # noqa: E402
 from moestream.server.metrics import ServerMetrics  # noqa: E402
 from moestream.server.worker import Choice, Failed, Finished, Job, Worker  # noqa: E402
 
@@ -69,8 +68,8 @@ def reply(events) -> tuple:
 
 def test_requests_sharing_steps_get_what_they_get_alone(monkeypatch):
     sizes = []
-    real = batching.argmax_rows
-    monkeypatch.setattr(batching, "argmax_rows", lambda rows: sizes.append(len(rows)) or real(rows))
+    real = InstantEngine.greedy_choices
+    monkeypatch.setattr(InstantEngine, "greedy_choices", lambda self, rows: sizes.append(len(rows)) or real(self, rows))
     together, engine, _ = run(REQUESTS, parallel=4)
     alone = [run([r], parallel=2)[0][0] for r in REQUESTS]
     for i, (got, want) in enumerate(zip(together, alone)):
