@@ -9,7 +9,7 @@ from typing import Callable
 import torch
 
 from moestream.engine import timeline
-from moestream.engine.sampling import choose_token, greedy_rows, plain_greedy
+from moestream.engine.sampling import argmax_rows, choose_token, plain_argmax
 from moestream.engine.types import SamplingParams, TokenEvent
 
 
@@ -29,20 +29,30 @@ class Emitter:
         self.eos_ids, self.should_stop, self.stop_at_eos = eos_ids, should_stop, stop_at_eos
 
     def choices(self, rows: torch.Tensor) -> list[int] | None:
-        """What __call__ would choose from each of rows [n, V], all read at once (one host sync for a
-        verification's rows), where the choice needs nothing but each row; else None."""
-        return greedy_rows(rows) if plain_greedy(self.sampling) else None
+        """What __call__ would choose from each of rows [n, V], all read at once (one host wait for a
+        verification's rows) where the choice needs nothing but each row (`plain_argmax`); else None."""
+        return argmax_rows(list(rows)) if self.plain_argmax else None
+
+    @property
+    def plain_argmax(self) -> bool:
+        """Whether its choice is the raw row's argmax (a caller may then pass it in, `chosen`)."""
+        return plain_argmax(self.sampling)
 
     def __call__(self, row: torch.Tensor, chosen: int | None = None) -> TokenEvent | None:
         """The token plain decoding chooses at len(seq) from logits `row`, as an event; None: stop.
-        chosen: that token, already read by `choices`."""
+        `chosen`: the row's argmax, already taken (argmax_rows) where `plain_argmax`."""
         if self.should_stop is not None and self.should_stop():
             self.state["finish"] = "cancelled"
             return None
         seq, sampling = self.seq, self.sampling
-        previous = torch.tensor(seq, device=row.device) if sampling.repetition_penalty != 1.0 else None
-        with timeline.span("sample", position=len(seq)):
-            token = chosen if chosen is not None else choose_token(row, sampling, position=len(seq), previous=previous)
+        if chosen is not None:
+            if not self.plain_argmax:
+                raise ValueError("a chosen token is only taken for plain greedy choices")
+            token = int(chosen)
+        else:
+            previous = torch.tensor(seq, device=row.device) if sampling.repetition_penalty != 1.0 else None
+            with timeline.span("sample", position=len(seq)):
+                token = choose_token(row, sampling, position=len(seq), previous=previous)
         if self.stop_at_eos and token in self.eos_ids:
             self.state["finish"] = "stop"
             return None

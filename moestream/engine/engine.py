@@ -24,6 +24,7 @@ from moestream.engine import expert_setup, generation, timeline
 from moestream.engine.emitter import Emitter
 from moestream.engine.generation import Generation
 from moestream.engine.options import EngineOptions
+from moestream.engine.sampling import argmax_rows
 from moestream.engine.sequences import PromptTooLongError, SequenceSlots
 from moestream.engine.tokenizer import load_tokenizer
 from moestream.engine.types import SamplingParams, common_prefix
@@ -234,6 +235,34 @@ class Engine:
             self.model.on_hidden = None
         self.release_workspace()
         return (torch.cat(outputs) if all_logits else outputs[-1]), reuse
+
+    def prompt_step(self, prompt_ids: list[int], *, seq: int, beside: int) -> list[int] | None:
+        """The prompt tokens that `prefill(prompt_ids, seq=seq)` would run as one decoder step of their
+        own (`_prefill_by_steps`), for a caller to run in a `step_many` beside `beside` other rows,
+        all in one decoder step: a row's bits never depend on the other rows of its step, so their
+        last row's logits are the bits prefill gives. The slot's cache is brought to the reused start
+        first. None where prefill would run a pass or the step has no room for them: then call
+        prefill (which reuses the same start)."""
+        from moestream.engine.decoder import MAX_STEP_TOKENS
+
+        rows = MAX_STEP_TOKENS - beside
+        cache = self.sequences.open_cache(seq)
+        reuse = min(common_prefix(cache.tokens, prompt_ids), len(prompt_ids) - 1)
+        if self.hidden_tap is not None and seq == 0:
+            reuse = max(0, reuse - 1)
+        if len(prompt_ids) - reuse > rows or not self._prefill_by_steps(len(prompt_ids) - reuse, seq):
+            return None
+        reuse = cache.truncate(reuse)  # less where a recurrent layer keeps no state at `reuse`
+        new = len(prompt_ids) - reuse
+        if new > rows or not self._prefill_by_steps(new, seq):
+            return None
+        self.sequences.check_room(new, cache)
+        return list(prompt_ids[reuse:])
+
+    def greedy_choices(self, rows: list[torch.Tensor]) -> list[int]:
+        """Each logits row's greedy choice (choose_token's for plain greedy settings), with one wait for
+        the device for all of them (moestream.engine.sampling.argmax_rows)."""
+        return argmax_rows(rows)
 
     def _prefill_by_steps(self, new: int, seq: int) -> bool:
         """Whether `new` prompt tokens run as one decoder step rather than a prefill pass: on CUDA with

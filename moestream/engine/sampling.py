@@ -103,16 +103,32 @@ def adjusted_logits(logits: torch.Tensor, params: SamplingParams, *, position: i
     return logits
 
 
-def plain_greedy(params: SamplingParams) -> bool:
-    """Whether choose_token is the argmax of the raw logits (nothing adjusts them, nothing records)."""
-    return params.greedy and params.repetition_penalty == 1.0 and not params.uses_generated and \
-        not params.logit_bias and params.history is None
+def plain_argmax(params: SamplingParams) -> bool:
+    """Whether choose_token's choice is the argmax of the raw logits row, with nothing recorded: greedy,
+    no penalties, bias, mask or history. Such rows may be chosen many at once (`argmax_rows`)."""
+    return (params.greedy and params.repetition_penalty == 1.0 and not params.frequency_penalty
+            and not params.presence_penalty and not params.logit_bias and params.allowed_tokens is None
+            and params.history is None)
 
 
-def greedy_rows(rows: torch.Tensor) -> list[int]:
-    """choose_token of each row [n, V] under plain_greedy params, with one host read for all: the
-    first index of each row's maximum, as a one-row argmax gives."""
-    return rows.argmax(dim=-1).tolist()
+def argmax_index(row: torch.Tensor) -> int:
+    """The index of a row's largest value (the first of equal ones; a NaN counts as largest, as in
+    torch.argmax). On the CPU through numpy, whose vectorized argmax reads a 150k-token row about
+    ten times faster than torch's and gives the same index."""
+    if row.device.type == "cpu" and row.dtype in (torch.float32, torch.float64) and not row.requires_grad:
+        return int(row.numpy().argmax())
+    return int(torch.argmax(row))
+
+
+def argmax_rows(rows: list[torch.Tensor]) -> list[int]:
+    """Each logits row's argmax_index (choose_token's choice for plain_argmax settings). Off the CPU,
+    one reduction and one transfer to the host for all rows rather than one wait each; the indices
+    are the same as one row at a time (the first of equal maxima either way)."""
+    if not rows:
+        return []
+    if rows[0].device.type == "cpu":
+        return [argmax_index(row) for row in rows]
+    return torch.argmax(torch.stack(rows), dim=-1).tolist()
 
 
 def choose_token(logits: torch.Tensor, params: SamplingParams, *, position: int,
@@ -121,7 +137,7 @@ def choose_token(logits: torch.Tensor, params: SamplingParams, *, position: int,
     `generated` the tokens generated before it (when None: `params.history`, which this records)."""
     logits = adjusted_logits(logits, params, position=position, previous=previous, generated=generated)
     if params.greedy:
-        token = int(torch.argmax(logits))
+        token = argmax_index(logits)
     else:
         scaled = logits.to(torch.float64) / params.temperature
         allowed = allowed_mask(scaled, params)

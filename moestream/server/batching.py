@@ -6,10 +6,13 @@ one step boundary:
   whose cached tokens share the longest start with it (that start is not computed again); where
   none shares any, the least recently used slot (eviction is slot reuse). So the prefix cache is
   the slots' KV caches, shared by all requests.
-- prefill: one chunk (--prefill-chunk-tokens) of the oldest newcomer's prompt, so a long prompt
-  costs the running streams one chunk's time per token, not the whole prefill at once.
 - decode: one `step_many` for every sequence that has a token to run: each MoE layer loads the
-  experts its rows route to once, and each row gets the bits it gets alone.
+  experts its rows route to once, and each row gets the bits it gets alone. On CUDA, newcomers whose
+  prompt the engine would prefill as one step of its own (a few new tokens) join it while a step's
+  rows last (`Engine.prompt_step`): a row's bits never depend on the other rows, so their first
+  choice is the one their own prefill gives.
+- prefill: one chunk (--prefill-chunk-tokens) of the oldest newcomer's prompt still to compute, so
+  a long prompt costs the running streams one chunk's time per token, not the whole prefill at once.
 - retire: a sequence leaves at EOS, its length, a stop string or its client's disconnect (seen at
   the next boundary); its slot keeps its tokens for a later prompt's prefix.
 
@@ -94,11 +97,15 @@ class BatchScheduler:
         self.active: list[Running] = []
         self.last_used = {s: 0.0 for s in range(self.slots)}
         self.job_started: dict[int, float] = {}  # id(job) -> when admitted
+        # the expert cache's counters as last read (once per engine call, _account): the metrics count the
+        # work since, and a request's receipt starts and ends at such a reading
+        self.stats: dict = {}
 
     # ---- the loop
 
     def run(self) -> None:
         w = self.worker
+        self.stats = self.engine.expert_stats()
         while True:
             with w._cond:
                 while not w._waiting and not self.active and not w._stopping:
@@ -113,8 +120,8 @@ class BatchScheduler:
             for job in admitted:
                 self._admit(job)
             self._retire_cancelled()
-            self._prefill_one_chunk()
             self._decode_step()
+            self._prefill_one_chunk()
         for r in list(self.active):  # stopping: whatever still runs is cancelled
             r.job.cancelled.set()
             self._finish(r, "cancelled")
@@ -150,6 +157,7 @@ class BatchScheduler:
                     engine.close_sequence(slot)
                     self._fail(job, exc)
                     return
+                self._account()  # the prompt's scoring is cache work too
                 if not ok:
                     engine.close_sequence(slot)
                     break
@@ -181,7 +189,7 @@ class BatchScheduler:
         r = Running(job, index, slot, queue_s, self.job_started.get(id(job), time.monotonic()), prompt,
                     budget=min(choice.max_new_tokens, engine.max_context - len(prompt)), emit=emit, state=state,
                     decoder=IncrementalDecoder(self.worker.tokenizer.decode), matcher=StopMatcher(job.stops),
-                    before=engine.expert_stats(), computed=reused, reused=reused)
+                    before=self.stats, computed=reused, reused=reused)
         spec = self.worker.speculative
         if spec is not None:
             r.spec_off = spec.not_used_reason(choice.sampling)
@@ -197,47 +205,76 @@ class BatchScheduler:
             return
         r = newcomers[0]
         end = min(len(r.prompt), r.computed + self.chunk)
-        before = self.engine.expert_stats()
         try:
             # the slot holds prompt[:computed]: prefill reuses it and computes prompt[computed:end]
             logits, _ = self.engine.prefill(r.prompt[:end], seq=r.slot)
         except BaseException as exc:
-            self._work_since(before)
+            self._account()
             self._drop(r)
             self._fail(r.job, exc)
             return
-        self._work_since(before)
+        self._account()
         r.computed = end
         if not r.prefilling:
             r.prefill_s = time.perf_counter() - r.t0
             r.t_decode = time.perf_counter()
             self._take(r, logits[-1])
 
+    def _joining(self, ready: list[Running]) -> dict[int, list[int]]:
+        """{id(newcomer): its prompt tokens} of the newcomers that join this decode step, oldest first,
+        while the step's rows last (none with speculation: the drafts' rows are not known yet)."""
+        prompt_step = getattr(self.engine, "prompt_step", None)
+        if prompt_step is None or self.worker.speculative is not None:
+            return {}
+        rows, out = len(ready), {}
+        for r in self.active:
+            if r.prefilling and r.computed == r.reused:  # not begun by chunks
+                tokens = prompt_step(r.prompt, seq=r.slot, beside=rows)
+                if tokens is not None:
+                    out[id(r)] = tokens
+                    rows += len(tokens)
+        return out
+
     def _decode_step(self) -> None:
         ready = [r for r in self.active if r.next_token is not None]
-        if not ready:
+        joining = self._joining(ready)
+        newcomers = [r for r in self.active if id(r) in joining]
+        if not ready and not newcomers:
             return
-        self.worker._observe("batch_step", len(ready))
+        if ready:
+            self.worker._observe("batch_step", len(ready))
         drafts = {id(r): self._draft(r) for r in ready}
-        before = self.engine.expert_stats()
+        batch = {r.slot: [r.next_token] + drafts[id(r)][1] for r in ready}
+        batch.update({r.slot: joining[id(r)] for r in newcomers})
         t0 = time.perf_counter()
         try:
-            logits = self.engine.step_many({r.slot: [r.next_token] + drafts[id(r)][1] for r in ready})
+            logits = self.engine.step_many(batch)
             if any(r.spec is not None for r in ready):
                 getattr(self.engine, "_sync", lambda: None)()  # the step's time is the policies' measurement
         except BaseException as exc:  # the whole step failed: so does every request in it
-            self._work_since(before)
-            for r in ready:
+            self._account()
+            for r in ready + newcomers:
                 self._drop(r)
                 self._fail(r.job, exc)
             return
         step_s = time.perf_counter() - t0
-        self._work_since(before)
+        self._account()
+        now = time.perf_counter()
+        for r in newcomers:  # their prompts are in their slots now; their first choice follows
+            r.computed = len(r.prompt)
+            r.prefill_s, r.t_decode = now - r.t0, now
+        ready = newcomers + ready
+        # the plain greedy rows' choices at once: one reduction and one wait for the device per step, not one each
+        plain = [r for r in ready if r.spec is None and r.emit.plain_argmax]
+        choose = getattr(self.engine, "greedy_choices", None)
+        if choose is None:
+            plain = []
+        picks = dict(zip(map(id, plain), choose([logits[r.slot][-1] for r in plain]) if plain else []))
         for r in ready:
-            chosen, draft = drafts[id(r)]
+            chosen, draft = drafts.get(id(r), (0, []))
             if r.spec is None:
                 r.next_token = None
-                self._take(r, logits[r.slot][-1])
+                self._take(r, logits[r.slot][-1], picks.get(id(r)))
             else:
                 self._verify(r, logits[r.slot], chosen, draft, step_s)
 
@@ -280,10 +317,11 @@ class BatchScheduler:
         if r in self.active and accepted < len(draft):
             self.engine.rollback(length + accepted, seq=r.slot)
 
-    def _take(self, r: Running, row: Any) -> None:
-        """The choice at the sequence's next position from logits `row`: deliver its text, or retire."""
+    def _take(self, r: Running, row: Any, chosen: int | None = None) -> None:
+        """The choice at the sequence's next position from logits `row` (`chosen`: its argmax, already
+        taken for a plain greedy choice): deliver its text, or retire."""
         job = r.job
-        event = r.emit(row)
+        event = r.emit(row, chosen)
         if event is None:  # EOS, or cancelled
             self._flush(r)
             self._finish(r, "cancelled" if job.cancelled.is_set() else r.state["finish"])
@@ -327,7 +365,7 @@ class BatchScheduler:
         # the cache's counters over the steps this request shared with the others running then
         receipt = dict(Receipt.of_run(prompt_tokens=len(r.prompt), reused=r.reused, generated=r.generated,
                                       finish=reason, prefill_s=r.prefill_s, decode_s=decode_s, before=r.before,
-                                      after=engine.expert_stats(), memory=engine.memory_ledger(),
+                                      after=self.stats, memory=engine.memory_ledger(),
                                       device=str(engine.device), model=engine.model_name,
                                       verify=engine.options.verify))
         if r.spec is not None:
@@ -362,6 +400,8 @@ class BatchScheduler:
         started = self.job_started.pop(id(job), time.monotonic())
         self.worker._job_done(job, started)
 
-    def _work_since(self, before: dict) -> None:
-        after = self.engine.expert_stats()
-        self.worker._observe("expert_work", {k: after.get(k, 0) - before.get(k, 0) for k in COUNTERS})
+    def _account(self) -> None:
+        """Read the cache's counters once after an engine call; the metrics count its work (a step shared
+        by several requests once)."""
+        before, self.stats = self.stats, self.engine.expert_stats()
+        self.worker._observe("expert_work", {k: self.stats.get(k, 0) - before.get(k, 0) for k in COUNTERS})

@@ -115,7 +115,8 @@ def register(router: APIRouter, rt: Runtime, read_json: ReadJSON) -> None:
                 if bad:
                     raise invalid(f"Token id {bad[0]} is outside the vocabulary (0..{(vocab or 0) - 1}).", "prompt")
                 ids = prompt
-                texts.append(await run_in_threadpool(tokenizer.decode, ids))
+                # its text only for echo: a decode per request takes the tokenizer's lock from the engine thread
+                texts.append(await run_in_threadpool(tokenizer.decode, ids) if req.echo else "")
             if req.suffix:  # an empty suffix is no suffix
                 fim = [tokenizer.token_id(t) for t in FIM_TOKENS]
                 if None in fim:
