@@ -52,7 +52,7 @@ def run_worker(parallel: int, rounds: int, max_tokens: int, tokenizer: str, prof
     from moestream.engine.types import SamplingParams
     from moestream.server.batching import BatchScheduler
     from moestream.server.metrics import ServerMetrics
-    from moestream.server.worker import Choice, Failed, Finished, Job, Worker
+    from moestream.server.worker import Choice, Job, Worker, event_collector
 
     engine = make_engine(parallel, tokenizer, step_ms)
     profiler = cProfile.Profile() if profile else None
@@ -77,14 +77,7 @@ def run_worker(parallel: int, rounds: int, max_tokens: int, tokenizer: str, prof
         for rnd in range(rounds + 1):  # round 0 warms up
             jobs, outs = [], []
             for c in range(parallel):
-                out: list = []
-                done = threading.Event()
-
-                def sink(event, out=out, done=done):
-                    out.append(event)
-                    if isinstance(event, Failed) or (isinstance(event, Finished) and event.last):
-                        done.set()
-
+                out, done, sink = event_collector()
                 job = Job([Choice(prompt_ids(c, rnd), max_tokens, SamplingParams(temperature=0.0))], sink=sink)
                 jobs.append((job, done))
                 outs.append(out)

@@ -525,6 +525,20 @@ class Worker:
         return TokenLogprobInfo(decode([event.token_id]), float(logprob) if logprob is not None else 0.0, top)
 
 
+def event_collector() -> tuple[list, threading.Event, Callable]:
+    """(events, done, sink): a Job's sink that keeps its events and sets `done` at its end (its last
+    choice's Finished, or Failed), for callers that submit jobs directly (benchmarks, tests)."""
+    events: list = []
+    done = threading.Event()
+
+    def sink(event) -> None:
+        events.append(event)
+        if isinstance(event, Failed) or (isinstance(event, Finished) and event.last):
+            done.set()
+
+    return events, done, sink
+
+
 def _is_user_error(exc: BaseException) -> bool:
     return isinstance(exc, MoestreamError)
 

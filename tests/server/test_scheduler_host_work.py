@@ -4,7 +4,6 @@ while the plain greedy rows of a step are chosen together and short prompts join
 once per engine call, and the metrics still count all of its work."""
 from __future__ import annotations
 
-import threading
 
 import pytest
 
@@ -12,7 +11,7 @@ pytest.importorskip("torch")
 from moestream.bench.instant_engine import BytesTokenizer, InstantEngine  # noqa: E402
 from moestream.engine.types import SamplingParams  # noqa: E402
 from moestream.server.metrics import ServerMetrics  # noqa: E402
-from moestream.server.worker import Choice, Failed, Finished, Job, Worker  # noqa: E402
+from moestream.server.worker import Choice, Finished, Job, Worker, event_collector  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -40,14 +39,7 @@ def run(requests, parallel: int, *, misses_per_row: int = 0, prompt_steps: bool 
     outs, dones = [], []
     try:
         for prompt, max_new, sampling, stops, logprobs in requests:
-            out: list = []
-            done = threading.Event()
-
-            def sink(event, out=out, done=done):
-                out.append(event)
-                if isinstance(event, Failed) or (isinstance(event, Finished) and event.last):
-                    done.set()
-
+            out, done, sink = event_collector()
             worker.submit(Job([Choice(prompt, max_new, sampling)], sink=sink, stops=stops, logprobs=logprobs))
             outs.append(out)
             dones.append(done)
