@@ -70,7 +70,7 @@ for part in "$@"; do
   tests)  # one pytest process (one CUDA start), capped as a whole; --durations says what to trim next time
     files=""
     for f in test_batching test_speculative_cuda test_server_batching_cuda test_device_cpu_share_cuda \
-             test_decode_kernels ${EXTRA_TESTS:-}; do
+             test_decode_kernels test_greedy_rows_cuda test_prompt_step_cuda ${EXTRA_TESTS:-}; do
       [ -f tests/gpu/$f.py ] && files="$files tests/gpu/$f.py"
     done
     timeout -s ABRT ${TESTS_LIMIT:-300} python3 -m pytest $files -q -p no:cacheprovider -rfE --durations=15 \
