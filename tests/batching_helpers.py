@@ -1,4 +1,6 @@
 """Decoding several prompts alone and together (step_many), for the CPU and GPU batching tests."""
+import torch
+
 PROMPTS = ["def fibonacci(n):\n    if n < 2:", "The quick brown fox", "import os\nclass Thing:", "Hello world! 12"]
 STEPS = 16
 # (first step, last step + 1) each sequence takes part in: one joins late, one leaves early, and
@@ -33,3 +35,11 @@ def together(engine, prompts, schedule):
         for n, slot in slots.items():
             outs[n].append(logits[slot][-1])
     return outs
+
+
+def assert_same_bits(got: dict, expected: list) -> None:
+    """Every sequence's logits taken together equal, bit for bit and step for step, its logits alone."""
+    for n in range(len(expected)):
+        assert len(got[n]) == len(expected[n])
+        for step, (a, b) in enumerate(zip(got[n], expected[n])):
+            assert torch.equal(a, b), f"sequence {n} differs at step {step}"

@@ -206,9 +206,7 @@ class Engine:
         `prefill_chunk_tokens`; returns (logits [T, V] of the computed positions with all_logits, else
         of the last one [1, V]; tokens reused). (None, reused) if should_stop interrupted it."""
         cache = self.sequences.open_cache(seq)
-        reuse = 0 if all_logits else min(common_prefix(cache.tokens, prompt_ids), len(prompt_ids) - 1)
-        if self.hidden_tap is not None and seq == 0:  # the tap sees the state before the first new token too
-            reuse = max(0, reuse - 1)
+        reuse = 0 if all_logits else self._reusable(cache, prompt_ids, seq)
         reuse = cache.truncate(reuse)  # less where a recurrent layer keeps no state at `reuse`
         self.sequences.check_room(len(prompt_ids) - reuse, cache)
         if self._prefill_by_steps(len(prompt_ids) - reuse, seq):  # a few tokens: one step's graph
@@ -247,9 +245,7 @@ class Engine:
 
         rows = MAX_STEP_TOKENS - beside
         cache = self.sequences.open_cache(seq)
-        reuse = min(common_prefix(cache.tokens, prompt_ids), len(prompt_ids) - 1)
-        if self.hidden_tap is not None and seq == 0:
-            reuse = max(0, reuse - 1)
+        reuse = self._reusable(cache, prompt_ids, seq)
         if len(prompt_ids) - reuse > rows or not self._prefill_by_steps(len(prompt_ids) - reuse, seq):
             return None
         reuse = cache.truncate(reuse)  # less where a recurrent layer keeps no state at `reuse`
@@ -263,6 +259,15 @@ class Engine:
         """Each logits row's greedy choice (choose_token's for plain greedy settings), with one wait for
         the device for all of them (moestream.engine.sampling.argmax_rows)."""
         return argmax_rows(rows)
+
+    def _reusable(self, cache: KVCache, prompt_ids: list[int], seq: int) -> int:
+        """How much of `prompt_ids` sequence `seq`'s cache may keep: the shared start, less its last token
+        (its logits start decoding), less one more where the hidden tap must see the state before the
+        first new token."""
+        reuse = min(common_prefix(cache.tokens, prompt_ids), len(prompt_ids) - 1)
+        if self.hidden_tap is not None and seq == 0:
+            reuse = max(0, reuse - 1)
+        return reuse
 
     def _prefill_by_steps(self, new: int, seq: int) -> bool:
         """Whether `new` prompt tokens run as one decoder step rather than a prefill pass: on CUDA with

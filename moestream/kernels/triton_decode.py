@@ -110,6 +110,12 @@ def _head(x_ptr, w_ptr, i, mask, rstd_eps, inv_d, cos, sin, HALF: tl.constexpr, 
 
 
 @triton.jit
+def _slot_of(slot_ptr, num_slots):
+    """The row's sequence slot, read from the device and clamped to 0..num_slots-1 (never out of bounds)."""
+    return tl.minimum(tl.maximum(tl.load(slot_ptr).to(tl.int64), 0), num_slots - 1)
+
+
+@triton.jit
 def _rope_qk_store_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, qn_ptr, kn_ptr, qo_ptr, keys_ptr, values_ptr,
                           stride_kh, stride_kt, stride_vh, stride_vt, max_tokens, eps, inv_d,
                           slot_ptr, stride_ks, stride_vs, num_slots, stride_qr, stride_kr, stride_vr,
@@ -127,7 +133,7 @@ def _rope_qk_store_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, qn_ptr, kn
     pos_ptr += r
     slot_ptr += r
     if HAS_SLOT:
-        slot = tl.minimum(tl.maximum(tl.load(slot_ptr).to(tl.int64), 0), num_slots - 1)
+        slot = _slot_of(slot_ptr, num_slots)
         keys_ptr += slot * stride_ks
         values_ptr += slot * stride_vs
     HALF: tl.constexpr = D // 2
@@ -178,7 +184,7 @@ def _attn_split_kernel(q_ptr, stride_qh, k_ptr, stride_kh, stride_kt, v_ptr, str
     m_ptr += rows_before
     l_ptr += rows_before
     if HAS_SLOT:
-        slot = tl.minimum(tl.maximum(tl.load(slot_ptr).to(tl.int64), 0), num_slots - 1)
+        slot = _slot_of(slot_ptr, num_slots)
         k_ptr += slot * stride_ks
         v_ptr += slot * stride_vs
     kvh = tl.program_id(0)

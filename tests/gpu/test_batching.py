@@ -10,7 +10,7 @@ import torch
 from moestream.engine.engine import Engine
 from moestream.engine.options import EngineOptions
 
-from batching_helpers import PROMPTS, SCHEDULE, alone, together
+from batching_helpers import PROMPTS, SCHEDULE, alone, assert_same_bits, together
 
 pytestmark = pytest.mark.gpu
 FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"]
@@ -36,10 +36,7 @@ def test_sequences_decoded_together_get_the_bits_each_gets_alone(family, cache_s
     assert engine.decoder.rows_at_once == (step_rows == "auto")
     engine.close_sequence(0)
     got = together(engine, prompts, SCHEDULE)
-    for n in range(len(prompts)):
-        assert len(got[n]) == len(expected[n])
-        for step, (a, b) in enumerate(zip(got[n], expected[n])):
-            assert torch.equal(a, b), f"sequence {n} differs at step {step}"
+    assert_same_bits(got, expected)
     if graphs and step_rows == "auto":  # one attention segment per layer and row count, never per row
         assert not any(k[0] == "attention" for k in engine.decoder.graphs)
     elif graphs:  # rows of other slots ran their own attention graphs (bound to their caches)
@@ -68,10 +65,7 @@ def test_one_graph_per_row_count_serves_every_arrangement(family, tiny_packed_mo
     assert {("step", 1), ("step", 2), ("step", 3)} <= warmed and all(c.length == 0 for c in engine.caches)
     engine.close_sequence(0)
     got = together(engine, prompts, SCHEDULE)
-    for n in range(len(prompts)):
-        assert len(got[n]) == len(expected[n])
-        for step, (a, b) in enumerate(zip(got[n], expected[n])):
-            assert torch.equal(a, b), f"sequence {n} differs at step {step}"
+    assert_same_bits(got, expected)
     keys = set(engine.decoder.graphs)
     # every decode step of the schedule was captured before it began; the prompts (under 16 tokens)
     # prefilled as steps of their lengths

@@ -8,7 +8,7 @@ from moestream.engine.engine import Engine
 from moestream.engine.options import EngineOptions
 from moestream.errors import MoestreamError
 
-from batching_helpers import PROMPTS, SCHEDULE, STEPS, alone, together
+from batching_helpers import PROMPTS, SCHEDULE, STEPS, alone, assert_same_bits, together
 
 FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"]
 
@@ -30,10 +30,7 @@ def test_sequences_decoded_together_get_the_bits_each_gets_alone(family, cache_s
     engine.close_sequence(0)  # every slot through open_sequence
     got = together(engine, prompts, SCHEDULE)
     assert engine.open_sequences == [0, 1, 2]
-    for n in range(len(prompts)):
-        assert len(got[n]) == len(expected[n])
-        for step, (a, b) in enumerate(zip(got[n], expected[n])):
-            assert torch.equal(a, b), f"sequence {n} differs at step {step}"
+    assert_same_bits(got, expected)
     engine.close()
 
 
