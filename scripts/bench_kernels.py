@@ -195,10 +195,29 @@ def one_case(pool_set, bits: int, tokens: int, config, *, reference_ms: bool, ch
     return r
 
 
+def skewed_routing(tokens: int, device: str, seed: int = 0, s: float = 1.1):
+    """Like `routing`, but the experts drawn with Zipf weights (p of rank r ~ 1 / r^s, in a random order)
+    without replacement (Gumbel top-k): a few experts take many of the pairs, as model routing does."""
+    x, _, weights = routing(tokens, device, seed)
+    g = torch.Generator(device=device).manual_seed(seed + 1)
+    ranks = torch.randperm(EXPERTS, device=device, generator=g).float() + 1
+    logp = -s * torch.log(ranks)
+    gumbel = -torch.log(-torch.log(torch.rand(tokens, EXPERTS, device=device, generator=g).clamp_min(1e-20)))
+    ids = (logp + gumbel).topk(TOP_K, dim=-1).indices
+    return x, ids, weights
+
+
+# the grouped (prefill) kernels' candidates: (block_m (0: by the mean pairs per expert), gate_up block_n,
+# down block_n, warps, stages); each with the product swapped or not and the codes gathered or not
+GROUPED_TILES = [(0, 64, 64, 4, 3), (0, 64, 128, 4, 3), (0, 128, 128, 4, 3), (0, 128, 128, 8, 3), (0, 64, 64, 4, 4),
+                 (0, 64, 64, 8, 2), (32, 64, 64, 4, 3), (64, 64, 128, 4, 3), (64, 128, 128, 8, 3), (16, 128, 128, 4, 3)]
+
+
 def sweep(pool_set, bits: int, tokens: int, base, seconds: float) -> dict:
     """Time other block sizes at `tokens` tokens (CUDA graphs, as `one_case`); the gemv kernels
     (decode) are independent, so each gets its own best; the grouped kernels (prefill) share
-    block_m, warps and stages, so their tiles are timed together. Returns every timing and the best."""
+    block_m, warps and stages, so their tiles are timed together, with uniform and with skewed
+    routing (the best is the lowest sum of both). Returns every timing and the best."""
     from moestream.kernels import triton_moe as tm
 
     pool, fields, quant, slot_of = pool_set
@@ -212,12 +231,12 @@ def sweep(pool_set, bits: int, tokens: int, base, seconds: float) -> dict:
         kinds = {"gate_up": [dict(gemv_gate_up_n=n, gemv_gate_up_words=w, gemv_gate_up_warps=nw) for n, w, nw in tiles],
                  "down": [dict(gemv_down_n=n, gemv_down_words=w, gemv_down_warps=nw) for n, w, nw in tiles
                           if w <= 128]}  # down's rows are I * bits / 32 = 96 words at 4 bits
-    else:  # (block_m, gate_up block_n, down block_n, warps, stages)
-        tiles = [(64, 64, 128, 4, 3), (64, 64, 64, 4, 3), (64, 64, 128, 4, 4), (64, 64, 128, 8, 3), (64, 128, 128, 8, 3),
-                 (32, 64, 128, 4, 3), (32, 128, 128, 4, 3), (32, 64, 64, 4, 2), (16, 64, 128, 4, 3), (16, 128, 128, 4, 3),
-                 (128, 64, 128, 8, 3), (64, 32, 64, 4, 3), (64, 64, 128, 4, 2), (32, 64, 128, 8, 4)]
-        kinds = {"grouped": [dict(block_m=bm, gate_up_n=gn, down_n=dn, grouped_warps=nw, grouped_stages=st)
-                             for bm, gn, dn, nw, st in tiles]}
+        routings = {"uniform": routing}
+    else:
+        kinds = {"grouped": [dict(block_m=bm, gate_up_n=gn, down_n=dn, grouped_warps=nw, grouped_stages=st,
+                                  grouped_swap=sw, grouped_gather=ga)
+                             for sw, ga in ((1, 0), (1, 1), (0, 0), (0, 1)) for bm, gn, dn, nw, st in GROUPED_TILES]}
+        routings = {"uniform": routing, "skewed": skewed_routing}
     out = {}
     for kind, options in kinds.items():
         deadline = time.monotonic() + seconds / len(kinds)
@@ -227,18 +246,22 @@ def sweep(pool_set, bits: int, tokens: int, base, seconds: float) -> dict:
                 rows.append({"config": opt, "skipped": "time budget"})
                 continue
             cfg = replace(base, **opt)
+            row = {"config": opt}
             try:
-                plans = decode_plans(tokens, layout, cfg) if decode else \
-                    [tm.MoEPlan(*routing(tokens, DEVICE, seed=tokens), EXPERTS, layout, config=cfg)]
-                if kind == "gate_up":
-                    fns = [lambda p=p: p.gate_up(pool, full) for p in plans]
-                elif kind == "down":
-                    fns = [lambda p=p: p.down(pool, full) for p in plans]
-                else:
-                    fns = [lambda p=p: (p.gate_up(pool, full), p.down(pool, full)) for p in plans]
-                rows.append({"config": opt, "ms": graph_ms(fns)})
+                for name, draw in routings.items():
+                    plans = decode_plans(tokens, layout, cfg) if decode else \
+                        [tm.MoEPlan(*draw(tokens, DEVICE, seed=tokens), EXPERTS, layout, config=cfg)]
+                    if kind == "gate_up":
+                        fns = [lambda p=p: p.gate_up(pool, full) for p in plans]
+                    elif kind == "down":
+                        fns = [lambda p=p: p.down(pool, full) for p in plans]
+                    else:
+                        fns = [lambda p=p: (p.gate_up(pool, full), p.down(pool, full)) for p in plans]
+                    row[f"{name}_ms"] = graph_ms(fns)
+                row["ms"] = sum(row[f"{name}_ms"] for name in routings)
             except Exception as exc:  # a tile that does not fit (shared memory, registers)
-                rows.append({"config": opt, "error": f"{type(exc).__name__}: {str(exc)[:160]}"})
+                row["error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
+            rows.append(row)
             torch.cuda.synchronize()
         timed = [r for r in rows if "ms" in r]
         best = min(timed, key=lambda r: r["ms"]) if timed else None
@@ -248,12 +271,23 @@ def sweep(pool_set, bits: int, tokens: int, base, seconds: float) -> dict:
 
 
 def best_config(sweeps: dict) -> dict:
-    """The fastest block sizes of every kernel swept: a MOESTREAM_KERNEL_CONFIG object."""
-    chosen = {}
+    """The fastest block sizes of every kernel swept: a MOESTREAM_KERNEL_CONFIG object. The grouped
+    kernels take one setting for every prefill length: the lowest sum over the token counts swept of
+    its time over that count's best time (so each length counts alike)."""
+    chosen, scores, cases = {}, {}, 0
     for result in sweeps.values():
-        for kind in result.values():
-            if kind["best"]:
-                chosen.update(kind["best"]["config"])
+        for kind, found in result.items():
+            if kind != "grouped":
+                if found["best"]:
+                    chosen.update(found["best"]["config"])
+                continue
+            cases += 1
+            best = found["best"]["ms"] if found["best"] else float("inf")
+            for row in found["all"]:
+                key = json.dumps(row["config"], sort_keys=True)
+                scores[key] = scores.get(key, 0.0) + (row["ms"] / best if "ms" in row else float("inf"))
+    if scores:
+        chosen.update(json.loads(min(scores, key=scores.get)))
     return chosen
 
 

@@ -185,6 +185,8 @@ class KernelConfig:
     down_n: int = 64
     grouped_warps: int = 4
     grouped_stages: int = 3
+    grouped_swap: int = 0  # 1: the product as W x^T (weight rows on the MMA's M side: Hopper's wgmma for any block_m)
+    grouped_gather: int = 0  # 1: each input's code word loaded where it is used (no reshape of the weight tile)
     combine_tokens: int = 4
     combine_block: int = 256
 

@@ -272,11 +272,28 @@ def _down_gemv(hs_ptr, ids_ptr, rw_ptr, slot_table_ptr, pool_w, pool_s, pool_b, 
 
 @triton.jit
 def _dequant_tile(wq_ptr, ws_ptr, wb_ptr, row_words, row_scales, rows, row_mask, g,
-                  BITS: tl.constexpr, BN: tl.constexpr, DTYPE: tl.constexpr, MX: tl.constexpr):
+                  BITS: tl.constexpr, BN: tl.constexpr, DTYPE: tl.constexpr, MX: tl.constexpr, GATHER: tl.constexpr):
     """Weight tile [BN, 64] of inputs 64g.. for rows [BN], as w = q*s + b rounded to DTYPE (MX:
     w = e2m1(q) * 2^(s - 127), two scales per tile). row_scales: scales per row."""
     CPW: tl.constexpr = 32 // BITS
     GW: tl.constexpr = 64 // CPW
+    if GATHER:  # each input's word loaded where its code is used (cached loads): no reshape of the tile
+        kk = tl.arange(0, 64)
+        woff = rows[:, None] * row_words + g * GW + (kk // CPW)[None, :]
+        words = tl.load(wq_ptr + woff, mask=row_mask[:, None], other=0).to(tl.uint32, bitcast=True)  # [BN, 64]
+        shift = ((kk % CPW) * BITS).to(tl.uint32)[None, :]
+        code = (words >> shift) & ((1 << BITS) - 1)
+        if MX:
+            v = _e2m1_f32(code)
+            s = _e8m0_f32(tl.load(ws_ptr + rows[:, None] * row_scales + g * 2 + (kk // 32)[None, :],
+                                  mask=row_mask[:, None], other=0))
+            w = v * s
+        else:
+            q = (code | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+            s = tl.load(ws_ptr + rows * row_scales + g, mask=row_mask, other=0.0).to(tl.float32)
+            b = tl.load(wb_ptr + rows * row_scales + g, mask=row_mask, other=0.0).to(tl.float32)
+            w = q * s[:, None] + b[:, None]
+        return w.to(DTYPE)
     woff = rows[:, None] * row_words + g * GW + tl.arange(0, GW)[None, :]
     words = tl.load(wq_ptr + woff, mask=row_mask[:, None], other=0).to(tl.uint32, bitcast=True)  # [BN, GW]
     if MX:
@@ -314,7 +331,8 @@ def _gate_up_grouped(x_ptr, stride_x, block_rank_ptr, num_experts, slot_table_pt
                      slot_bias, gw_off, gs_off, gb_off, uw_off, us_off, ub_off, g_add_off, u_add_off, alpha, limit,
                      h_ptr, H: tl.constexpr, I: tl.constexpr, A: tl.constexpr, BITS: tl.constexpr, BM: tl.constexpr,
                      BN: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr, ACT: tl.constexpr,
-                     HAS_BIAS: tl.constexpr, MX: tl.constexpr):
+                     HAS_BIAS: tl.constexpr, MX: tl.constexpr, SWAP: tl.constexpr,
+                     GATHER: tl.constexpr):
     b = tl.program_id(0)
     nb = tl.program_id(1)
     slot, pairs, pmask = _block_pairs(b, block_rank_ptr, num_experts, slot_table_ptr, starts_ptr,
@@ -331,21 +349,31 @@ def _gate_up_grouped(x_ptr, stride_x, block_rank_ptr, num_experts, slot_table_pt
         row_groups: tl.constexpr = H // 64  # steps of 64 inputs
         row_scales: tl.constexpr = H // (32 if MX else 64)
         kk = tl.arange(0, 64)
-        acc_g = tl.zeros([BM, BN], dtype=tl.float32)
-        acc_u = tl.zeros([BM, BN], dtype=tl.float32)
+        if SWAP:  # the weight rows are the product's M side: [BN, BM] accumulators (see the module notes)
+            acc_g = tl.zeros([BN, BM], dtype=tl.float32)
+            acc_u = tl.zeros([BN, BM], dtype=tl.float32)
+        else:
+            acc_g = tl.zeros([BM, BN], dtype=tl.float32)
+            acc_u = tl.zeros([BM, BN], dtype=tl.float32)
         for g in range(0, row_groups):
             xt = tl.load(x_ptr + toks[:, None] * stride_x + g * 64 + kk[None, :], mask=pmask[:, None], other=0.0)
             wg = _dequant_tile(wbase + gw_off, sbase + gs_off, sbase + gb_off, row_words, row_scales, rows,
-                               row_mask, g, BITS, BN, DTYPE, MX)
+                               row_mask, g, BITS, BN, DTYPE, MX, GATHER)
+            wu = _dequant_tile(wbase + uw_off, sbase + us_off, sbase + ub_off, row_words, row_scales, rows,
+                               row_mask, g, BITS, BN, DTYPE, MX, GATHER)
             if DOT_F32:
                 xt = xt.to(tl.float32)
                 wg = wg.to(tl.float32)
-            acc_g = tl.dot(xt, tl.trans(wg), acc_g, input_precision=PRECISION)
-            wu = _dequant_tile(wbase + uw_off, sbase + us_off, sbase + ub_off, row_words, row_scales, rows,
-                               row_mask, g, BITS, BN, DTYPE, MX)
-            if DOT_F32:
                 wu = wu.to(tl.float32)
-            acc_u = tl.dot(xt, tl.trans(wu), acc_u, input_precision=PRECISION)
+            if SWAP:
+                acc_g = tl.dot(wg, tl.trans(xt), acc_g, input_precision=PRECISION)
+                acc_u = tl.dot(wu, tl.trans(xt), acc_u, input_precision=PRECISION)
+            else:
+                acc_g = tl.dot(xt, tl.trans(wg), acc_g, input_precision=PRECISION)
+                acc_u = tl.dot(xt, tl.trans(wu), acc_u, input_precision=PRECISION)
+        if SWAP:
+            acc_g = tl.trans(acc_g)
+            acc_u = tl.trans(acc_u)
         if HAS_BIAS:
             bbase = pool_b + slot.to(tl.int64) * slot_bias
             acc_g += _bias_f32(bbase + g_add_off, rows, row_mask, DTYPE)[None, :]
@@ -360,7 +388,8 @@ def _down_grouped(h_ptr, rw_ptr, block_rank_ptr, num_experts, slot_table_ptr, st
                   counts_ptr, block_start_ptr, order_ptr, pool_w, pool_s, pool_b, slot_words, slot_halves,
                   slot_bias, dw_off, ds_off, db_off, d_add_off, o_ptr, H: tl.constexpr, I: tl.constexpr,
                   BITS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, PRECISION: tl.constexpr,
-                  DOT_F32: tl.constexpr, HAS_BIAS: tl.constexpr, MX: tl.constexpr):
+                  DOT_F32: tl.constexpr, HAS_BIAS: tl.constexpr, MX: tl.constexpr, SWAP: tl.constexpr,
+                     GATHER: tl.constexpr):
     b = tl.program_id(0)
     nb = tl.program_id(1)
     slot, pairs, pmask = _block_pairs(b, block_rank_ptr, num_experts, slot_table_ptr, starts_ptr,
@@ -377,15 +406,23 @@ def _down_grouped(h_ptr, rw_ptr, block_rank_ptr, num_experts, slot_table_ptr, st
         row_groups: tl.constexpr = I // 64
         row_scales: tl.constexpr = I // (32 if MX else 64)
         kk = tl.arange(0, 64)
-        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        if SWAP:
+            acc = tl.zeros([BN, BM], dtype=tl.float32)
+        else:
+            acc = tl.zeros([BM, BN], dtype=tl.float32)
         for g in range(0, row_groups):
             ht = tl.load(h_ptr + prow[:, None] * I + g * 64 + kk[None, :], mask=pmask[:, None], other=0.0)
             wd = _dequant_tile(wbase + dw_off, sbase + ds_off, sbase + db_off, row_words, row_scales, rows,
-                               row_mask, g, BITS, BN, DTYPE, MX)
+                               row_mask, g, BITS, BN, DTYPE, MX, GATHER)
             if DOT_F32:
                 ht = ht.to(tl.float32)
                 wd = wd.to(tl.float32)
-            acc = tl.dot(ht, tl.trans(wd), acc, input_precision=PRECISION)
+            if SWAP:
+                acc = tl.dot(wd, tl.trans(ht), acc, input_precision=PRECISION)
+            else:
+                acc = tl.dot(ht, tl.trans(wd), acc, input_precision=PRECISION)
+        if SWAP:
+            acc = tl.trans(acc)
         w = tl.load(rw_ptr + pairs, mask=pmask, other=0.0).to(tl.float32)
         if HAS_BIAS:
             acc += _bias_f32(pool_b + slot.to(tl.int64) * slot_bias + d_add_off, rows, row_mask, DTYPE)[None, :]
@@ -542,6 +579,11 @@ class MoEPlan:
         """The compile-time activation and bias choice of the gate/up kernels."""
         return dict(ACT=self.layout.activation, HAS_BIAS=self.layout.has_bias, MX=self.layout.mx)
 
+    def _grouped_args(self) -> dict:
+        """The grouped kernels' compile-time product shape: swapped (weight rows on the product's M side)
+        and the codes gathered per input, or not (KernelConfig.grouped_swap / grouped_gather)."""
+        return dict(SWAP=bool(self.config.grouped_swap), GATHER=bool(self.config.grouped_gather))
+
     def _scale_group(self) -> int:
         """Inputs per scale: the gemv kernels' group."""
         return MX_GROUP if self.layout.mx else GROUP
@@ -570,8 +612,8 @@ class MoEPlan:
             _gate_up_grouped[grid](self.x, self.x.stride(0), self.block_rank, self.num_experts,
                                    slot_table, self.starts, self.counts, self.block_start, self.order, *common,
                                    BITS=bits, BM=self.block_m, BN=cfg.gate_up_n, PRECISION=self.precision,
-                                   DOT_F32=_INTERPRETED, **self._act_args(), num_warps=self.warps,
-                                   num_stages=cfg.grouped_stages)
+                                   DOT_F32=_INTERPRETED, **self._act_args(), **self._grouped_args(),
+                                   num_warps=self.warps, num_stages=cfg.grouped_stages)
 
     def down(self, pool: torch.Tensor, slot_table: torch.Tensor) -> None:
         """Kernel 2: o[p] = w[p] * (h[p] Wd^T + bd) for this batch's pairs."""
@@ -590,8 +632,8 @@ class MoEPlan:
             _down_grouped[grid](self.h, self.weights, self.block_rank, self.num_experts,
                                 slot_table, self.starts, self.counts, self.block_start, self.order, *common,
                                 BITS=bits, BM=self.block_m, BN=cfg.down_n, PRECISION=self.precision,
-                                DOT_F32=_INTERPRETED, HAS_BIAS=lay.has_bias, MX=lay.mx, num_warps=self.warps,
-                                num_stages=cfg.grouped_stages)
+                                DOT_F32=_INTERPRETED, HAS_BIAS=lay.has_bias, MX=lay.mx, **self._grouped_args(),
+                                num_warps=self.warps, num_stages=cfg.grouped_stages)
 
     def take_rows(self, rows: torch.Tensor, table: torch.Tensor) -> None:
         """o[p] = rows[p] (float32 [>= P, H]) for the pairs whose expert has no slot in `table`:

@@ -6,9 +6,11 @@
 # Start the q30 synth in the background first (`python3 -m moestream synth --shape qwen3-30b-a3b
 # /tmp/q30 --force & SP=$!` ... `wait $SP`: never wait with pgrep -f, which matches its own command).
 # Usage: scripts/gpu/run_pending.sh OUTDIR PART...
-#   PART: synth | sweep | tests | stream | lookahead | resident | profile | families | cpu-share | server
+#   PART: synth | kernel-shapes | sweep | tuned | tests | stream | lookahead | resident | profile | families | cpu-share | server
 #   synth:    every shape the other parts read, side by side (one core each), so later calls find them
-#   sweep:    the expert kernels' block sizes tried at the 30B shape (scripts/bench_kernels.py --sweep)
+#   kernel-shapes: the grouped kernels' product shapes (swapped, gathered codes, tiles) against the reference
+#   sweep:    the expert kernels' block sizes tried at the 30B shape (scripts/bench_kernels.py --sweep); the
+#             grouped ones (SWEEP_TOKENS=512,2048) with uniform and skewed routing; best into /tmp/best-config.json
 #   tuned:    resident bench with the default block sizes, then with the sweep's, and the kernel tests with them
 #   tests:    the GPU tests written or changed since the last GPU run (one pytest, TESTS_LIMIT seconds in all;
 #             --step-rows off beside the default auto); server: SITE=/tmp/site
@@ -52,14 +54,22 @@ for part in "$@"; do
     timeout ${SWEEP_LIMIT:-330} python3 scripts/bench_kernels.py --out "$out/kernels-sweep.json" --bits ${SWEEP_BITS:-4} \
       --tokens 1,4,512,2048 --no-reference --sweep --sweep-tokens ${SWEEP_TOKENS:-1,512} \
       --sweep-seconds ${SWEEP_SECONDS:-260} --best-out "$out/best-config.json" > "$out/kernels-sweep.log" 2>&1
-    say sweep "rc=$?"; grep -E "bit T=|sweep|rror" "$out/kernels-sweep.log" | tail -12; cat "$out/best-config.json" ;;
+    say sweep "rc=$?"; grep -E "bit T=|sweep|rror" "$out/kernels-sweep.log" | tail -12; cat "$out/best-config.json"
+    cp "$out/best-config.json" /tmp/best-config.json ;;  # for a later call's tuned part on the same machine
   tuned)  # resident decode and prefill with the default block sizes, then with the sweep's (one process each)
     synth
-    bench resident-default 150 --cache-sizes all --prefill-tokens 512,2048
-    if [ -f "$out/best-config.json" ]; then
-      MOESTREAM_KERNEL_CONFIG="$out/best-config.json" bench resident-tuned 150 --cache-sizes all --prefill-tokens 512,2048
-      MOESTREAM_KERNEL_CONFIG="$out/best-config.json" timeout -s ABRT 120 python3 -m pytest tests/gpu/test_kernels.py -q \
-        -p no:cacheprovider -k "matches_reference or kernel_shapes or same_bits or 30b_a3b or mixed_bits" \
+    best=${BEST:-$out/best-config.json}; [ -f "$best" ] || best=/tmp/best-config.json
+    lengths=${PREFILL_LENGTHS:-128,512,2048,8192}
+    bench resident-default 150 --cache-sizes all --prefill-tokens $lengths
+    if [ -f "$best" ]; then
+      cp "$best" "$out/tuned-config.json"
+      MOESTREAM_KERNEL_CONFIG="$best" bench resident-tuned 150 --cache-sizes all --prefill-tokens $lengths
+      MOESTREAM_KERNEL_CONFIG="$best" timeout 150 python3 scripts/bench_kernels.py --out "$out/kernels-tuned.json" \
+        --bits 4,8 --tokens 1,4,512,2048 --no-reference > "$out/kernels-tuned.log" 2>&1
+      say kernels-tuned "rc=$?"; grep -E "bit T=|rror" "$out/kernels-tuned.log" | tail -8
+      MOESTREAM_KERNEL_CONFIG="$best" timeout -s ABRT 120 python3 -m pytest tests/gpu/test_kernels.py \
+        tests/gpu/test_mxfp4_kernels_cuda.py -q -p no:cacheprovider \
+        -k "matches_reference or kernel_shapes or same_bits or 30b_a3b or mixed_bits or mxfp4" \
         > "$out/tuned-kernel-tests.log" 2>&1
       say tuned-kernel-tests "rc=$?"; tail -2 "$out/tuned-kernel-tests.log"
     fi ;;
@@ -67,6 +77,10 @@ for part in "$@"; do
     synth
     timeout 150 python3 scripts/gpu/profile_decode.py --model $model --prefill 512 > "$out/profile-512.log" 2>&1
     say profile-512 "rc=$?" ;;
+  kernel-shapes)  # the grouped kernels' product shapes the sweep may choose, against the reference
+    timeout -s ABRT ${SHAPES_LIMIT:-120} python3 -m pytest tests/gpu/test_kernels.py -k grouped_product -q \
+      -p no:cacheprovider -rfE > "$out/kernel-shapes.log" 2>&1
+    say kernel-shapes "rc=$?"; grep -E "passed|failed|FAILED|ERROR|Fatal" "$out/kernel-shapes.log" | tail -8 ;;
   tests)  # one pytest process (one CUDA start), capped as a whole; --durations says what to trim next time
     files=""
     for f in test_batching test_speculative_cuda test_server_batching_cuda test_device_cpu_share_cuda \

@@ -2,6 +2,8 @@
 within the activation dtype's tolerance, for every gated activation (SwiGLU, GELU-tanh, gpt-oss's
 clamped SwiGLU with biases), give the same bits for any batching, slot assignment and run, and the
 engine takes them and still gives the same tokens for every cache size."""
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -351,3 +353,22 @@ def test_engine_same_tokens_for_every_cache_size(tiny_packed_model, dtype):
         ref, triton_layers = generate(model, dtype=dtype, cache_size="all", expert_kernels="torch")
         assert not triton_layers
         assert [t for t, _ in ref] == [t for t, _ in outs["all"]]
+
+
+GROUPED_SHAPES = [(sw, ga, bm, bn, "bf16", 4) for sw, ga in ((0, 0), (1, 0), (0, 1), (1, 1))
+                  for bm, bn in ((16, 64), (32, 128), (64, 64))]
+GROUPED_SHAPES += [(1, ga, 32, 128, dtype, bits) for ga in (0, 1) for dtype, bits in (("fp32", 4), ("fp16", 8))]
+
+
+@pytest.mark.parametrize("swap,gather,block_m,block_n,dtype,bits", GROUPED_SHAPES)
+def test_grouped_product_shapes(pools, swap, gather, block_m, block_n, dtype, bits):
+    """Every grouped product shape the kernel sweep may choose (swapped or not, codes gathered or not,
+    its tiles) agrees with the reference and gives the same bits for any batching of the experts."""
+    dtype = DTYPES[dtype]
+    config = replace(DEFAULT_CONFIG, grouped_swap=swap, grouped_gather=gather, block_m=block_m, gate_up_n=block_n,
+                     down_n=block_n)
+    pool_set = pools(bits)
+    x, ids, weights = routing(150, dtype, seed=7 + bits)
+    y = run(pool_set, x, ids, weights, mode="grouped", config=config)
+    assert relative_error(y, reference(pool_set, x, ids, weights)) < TOL[dtype]
+    assert torch.equal(y, run(pool_set, x, ids, weights, mode="grouped", config=config, batch=3))

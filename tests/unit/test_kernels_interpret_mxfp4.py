@@ -82,12 +82,12 @@ def reference(pool_set, x, ids, weights):
     return reference_moe(x, *pool_set[:3], ids, weights, pool_set[3], dtype=torch.float64)
 
 
-def run(tm, pool_set, x, ids, weights, *, mode="auto", batch=None, slot_of=None):
+def run(tm, pool_set, x, ids, weights, *, mode="auto", batch=None, slot_of=None, config=CONFIG):
     pool, fields, quant, default_slots = pool_set
     slot_of = slot_of or default_slots
     layout = SlotLayout.from_fields(fields, quant)
     experts = torch.unique(ids).tolist()
-    plan = tm.MoEPlan(x, ids, weights, len(default_slots), layout, mode=mode, config=KernelConfig(**CONFIG))
+    plan = tm.MoEPlan(x, ids, weights, len(default_slots), layout, mode=mode, config=KernelConfig(**config))
     step = batch or len(experts)
     for i in range(0, len(experts), step):
         part = experts[i:i + step]
@@ -260,3 +260,14 @@ def test_converted_gpt_oss_mxfp4_records_run_on_the_kernels(tm, tiny_checkpoint,
                                       top_k=2)
             y = run(tm, pool_set, x, ids, weights, mode=mode)
             assert relative_error(y, reference(pool_set, x, ids, weights)) < TOL[torch.float32]
+
+
+@pytest.mark.parametrize("swap,gather", [(1, 0), (0, 1), (1, 1)])
+@pytest.mark.parametrize("act", list(ACTS))
+def test_grouped_product_shapes_read_mxfp4(tm, pools, swap, gather, act):
+    """The grouped kernels' other product shapes dequantize MXFP4 records as the default one does."""
+    pool_set = pools(**ACTS[act])
+    x, ids, weights = routing(21, torch.bfloat16, seed=swap + 2 * gather)
+    y = run(tm, pool_set, x, ids, weights, mode="grouped",
+            config=dict(CONFIG, grouped_swap=swap, grouped_gather=gather))
+    assert relative_error(y, reference(pool_set, x, ids, weights)) < TOL[torch.bfloat16]
