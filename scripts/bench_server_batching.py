@@ -107,6 +107,16 @@ def measure(url: str, clients: list[int], requests: int, max_tokens: int, token_
     return rows
 
 
+def over_one_request(runs: list[dict]) -> dict:
+    """Each batched server's total tok/s per client count over the one-at-a-time server's with one client."""
+    one = next((r["total_tok_s"] for run in runs if run.get("parallel") == 1 for r in run["rounds"]
+                if r["clients"] == 1), None)
+    if not one:
+        return {}
+    return {f"parallel {run['parallel']}": {str(r["clients"]): round(r["total_tok_s"] / one, 2) for r in run["rounds"]}
+            for run in runs if run.get("parallel", 1) != 1}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="JSON file to write")
@@ -115,6 +125,9 @@ def main() -> None:
     p.add_argument("--model", default=None, help="packed model for the started servers (default: the demo model)")
     p.add_argument("--server-args", default="--device cpu", help="more flags for the started servers")
     p.add_argument("--clients", default="1,4,16,32", help="comma-separated client counts")
+    p.add_argument("--baseline-clients", default=None,
+                   help="client counts for the --parallel 1 server (default: --clients; it serves one at a time, "
+                        "so more clients only queue)")
     p.add_argument("--requests", type=int, default=2, help="requests per client per round")
     p.add_argument("--max-tokens", type=int, default=32, help="max_tokens of every request")
     p.add_argument("--token-ids", action="store_true",
@@ -130,6 +143,7 @@ def main() -> None:
         out = {"machine": {**machine_info(), "affinity_cores": len(os.sched_getaffinity(0)),
                            "load_average": [round(x, 2) for x in os.getloadavg()]},
                "command": shlex.join(["python", *sys.argv]), "settings": settings, "runs": runs,
+               "over_one_request": over_one_request(runs),
                **({"partial": True} if partial else {})}
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
@@ -141,8 +155,10 @@ def main() -> None:
             proc, url, command = start_server(parallel, args.model, shlex.split(args.server_args))
             try:
                 print(f"# {shlex.join(command)}", flush=True)
+                counts = clients if parallel != 1 or not args.baseline_clients else \
+                    [int(x) for x in args.baseline_clients.split(",")]
                 runs.append({"server_command": shlex.join(command), "parallel": parallel,
-                             "rounds": measure(url, clients, args.requests, args.max_tokens, token_ids)})
+                             "rounds": measure(url, counts, args.requests, args.max_tokens, token_ids)})
             finally:
                 proc.terminate()
                 proc.wait(60)

@@ -157,9 +157,10 @@ for part in "$@"; do
     synth
     for size in ${SERVER_SIZES:-all 25%}; do
       timeout ${SERVER_LIMIT:-240} python3 scripts/bench_server_batching.py --model $model --parallel ${SERVER_PARALLEL:-1,16} --clients 1,4,16,32 \
-        --max-tokens 32 --server-args "--device cuda --cache-size $size --host-cache-size all --step-rows ${STEP_ROWS:-auto}" \
-        --out "$out/server-batching-${size%\%}.json" > "$out/server-batching-${size%\%}.log" 2>&1
-      say "server $size" "rc=$?"; tail -6 "$out/server-batching-${size%\%}.log"
+        --baseline-clients ${BASELINE_CLIENTS:-1,16} --requests ${SERVER_REQUESTS:-2} \
+        --max-tokens ${SERVER_TOKENS:-32} --server-args "--device cuda --cache-size $size --host-cache-size all --step-rows ${STEP_ROWS:-auto}" \
+        --out "$out/server-batching-${size%\%}${SERVER_TAG:-}.json" > "$out/server-batching-${size%\%}${SERVER_TAG:-}.log" 2>&1
+      say "server $size" "rc=$?"; tail -6 "$out/server-batching-${size%\%}${SERVER_TAG:-}.log"
     done ;;
   esac
 done
