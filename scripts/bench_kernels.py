@@ -207,10 +207,14 @@ def skewed_routing(tokens: int, device: str, seed: int = 0, s: float = 1.1):
     return x, ids, weights
 
 
-# the grouped (prefill) kernels' candidates: (block_m (0: by the mean pairs per expert), gate_up block_n,
-# down block_n, warps, stages); each with the product swapped or not and the codes gathered or not
-GROUPED_TILES = [(0, 64, 64, 4, 3), (0, 64, 128, 4, 3), (0, 128, 128, 4, 3), (0, 128, 128, 8, 3), (0, 64, 64, 4, 4),
-                 (0, 64, 64, 8, 2), (32, 64, 64, 4, 3), (64, 64, 128, 4, 3), (64, 128, 128, 8, 3), (16, 128, 128, 4, 3)]
+# the grouped (prefill) kernels' candidates: (block_m (0: a power of two from the mean pairs per expert
+# times block_m_scale, up to block_m_max), block_m_scale, block_m_max, gate_up block_n, down block_n, warps,
+# stages), each with the product swapped or not and the codes unpacked by joins or not
+GROUPED_TILES = [(0, 1, 64, 64, 64, 4, 3), (0, 2, 128, 64, 128, 4, 3), (0, 2, 128, 64, 128, 8, 3),
+                 (0, 2, 64, 64, 128, 4, 3), (0, 1, 128, 64, 128, 4, 3), (0, 2, 128, 128, 128, 8, 3),
+                 (0, 2, 128, 64, 64, 4, 4), (0, 4, 128, 64, 128, 4, 3), (0, 2, 256, 64, 128, 8, 3),
+                 (0, 2, 128, 128, 128, 4, 3)]
+GROUPED_VARIANTS = ((1, 1), (0, 1), (1, 0), (0, 0))  # (swap, join)
 
 
 def sweep(pool_set, bits: int, tokens: int, base, seconds: float) -> dict:
@@ -233,9 +237,9 @@ def sweep(pool_set, bits: int, tokens: int, base, seconds: float) -> dict:
                           if w <= 128]}  # down's rows are I * bits / 32 = 96 words at 4 bits
         routings = {"uniform": routing}
     else:
-        kinds = {"grouped": [dict(block_m=bm, gate_up_n=gn, down_n=dn, grouped_warps=nw, grouped_stages=st,
-                                  grouped_swap=sw, grouped_gather=ga)
-                             for sw, ga in ((1, 0), (1, 1), (0, 0), (0, 1)) for bm, gn, dn, nw, st in GROUPED_TILES]}
+        kinds = {"grouped": [dict(block_m=bm, block_m_scale=sc, block_m_max=mx, gate_up_n=gn, down_n=dn,
+                                  grouped_warps=nw, grouped_stages=st, grouped_swap=sw, grouped_join=jo)
+                             for sw, jo in GROUPED_VARIANTS for bm, sc, mx, gn, dn, nw, st in GROUPED_TILES]}
         routings = {"uniform": routing, "skewed": skewed_routing}
     out = {}
     for kind, options in kinds.items():

@@ -180,13 +180,15 @@ class KernelConfig:
     gemv_down_n: int = 32
     gemv_down_words: int = 32
     gemv_down_warps: int = 8
-    block_m: int = 0  # grouped: pairs per tile; 0 picks 16/32/64 from the mean pairs per expert
+    block_m: int = 0  # grouped: pairs per tile; 0: the power of two >= block_m_scale x the mean pairs per expert
+    block_m_scale: int = 1  # (from 16 up to block_m_max)
+    block_m_max: int = 64
     gate_up_n: int = 64
     down_n: int = 64
     grouped_warps: int = 4
     grouped_stages: int = 3
     grouped_swap: int = 0  # 1: the product as W x^T (weight rows on the MMA's M side: Hopper's wgmma for any block_m)
-    grouped_gather: int = 0  # 1: each input's code word loaded where it is used (no reshape of the weight tile)
+    grouped_join: int = 0  # 1: a word's codes unpacked by joins (they stay in its thread: no shared-memory shuffle)
     combine_tokens: int = 4
     combine_block: int = 256
 

@@ -66,11 +66,21 @@ _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.floa
 # -- kernels ------------------------------------------------------------------------------------------
 
 @triton.jit
-def _codes_f32(words, BITS: tl.constexpr):
-    """uint32 words [..., W] -> float32 codes [..., W, 32/BITS], element j of a word at bits j*BITS."""
-    shifts = tl.arange(0, 32 // BITS).to(tl.uint32) * BITS
-    q = (tl.expand_dims(words, -1) >> shifts) & ((1 << BITS) - 1)
-    return (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0  # 2^23 + q read as float, minus 2^23
+def _codes_joined(words, BITS: tl.constexpr):
+    """uint32 words [..., W] -> codes [..., W, 32/BITS] (code j of a word at bits j*BITS), built by joins,
+    so a word's codes stay in the registers of the thread that loaded it: the tile's later reshape
+    and its way into the product need no shuffle through shared memory (a reshape of an expanded
+    dim may take one)."""
+    M: tl.constexpr = (1 << BITS) - 1
+    # a join appends a dim of 2, so the first join's pairs are codes 4 (8-bit: 2) apart, the last's 1 apart
+    if BITS == 4:
+        c04 = tl.join(words & M, (words >> 16) & M)
+        c15 = tl.join((words >> 4) & M, (words >> 20) & M)
+        c26 = tl.join((words >> 8) & M, (words >> 24) & M)
+        c37 = tl.join((words >> 12) & M, (words >> 28) & M)
+        return tl.join(tl.join(c04, c26), tl.join(c15, c37))
+    else:
+        return tl.join(tl.join(words & M, (words >> 16) & M), tl.join((words >> 8) & M, (words >> 24) & M))
 
 
 @triton.jit
@@ -272,38 +282,25 @@ def _down_gemv(hs_ptr, ids_ptr, rw_ptr, slot_table_ptr, pool_w, pool_s, pool_b, 
 
 @triton.jit
 def _dequant_tile(wq_ptr, ws_ptr, wb_ptr, row_words, row_scales, rows, row_mask, g,
-                  BITS: tl.constexpr, BN: tl.constexpr, DTYPE: tl.constexpr, MX: tl.constexpr, GATHER: tl.constexpr):
+                  BITS: tl.constexpr, BN: tl.constexpr, DTYPE: tl.constexpr, MX: tl.constexpr, JOIN: tl.constexpr):
     """Weight tile [BN, 64] of inputs 64g.. for rows [BN], as w = q*s + b rounded to DTYPE (MX:
     w = e2m1(q) * 2^(s - 127), two scales per tile). row_scales: scales per row."""
     CPW: tl.constexpr = 32 // BITS
     GW: tl.constexpr = 64 // CPW
-    if GATHER:  # each input's word loaded where its code is used (cached loads): no reshape of the tile
-        kk = tl.arange(0, 64)
-        woff = rows[:, None] * row_words + g * GW + (kk // CPW)[None, :]
-        words = tl.load(wq_ptr + woff, mask=row_mask[:, None], other=0).to(tl.uint32, bitcast=True)  # [BN, 64]
-        shift = ((kk % CPW) * BITS).to(tl.uint32)[None, :]
-        code = (words >> shift) & ((1 << BITS) - 1)
-        if MX:
-            v = _e2m1_f32(code)
-            s = _e8m0_f32(tl.load(ws_ptr + rows[:, None] * row_scales + g * 2 + (kk // 32)[None, :],
-                                  mask=row_mask[:, None], other=0))
-            w = v * s
-        else:
-            q = (code | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-            s = tl.load(ws_ptr + rows * row_scales + g, mask=row_mask, other=0.0).to(tl.float32)
-            b = tl.load(wb_ptr + rows * row_scales + g, mask=row_mask, other=0.0).to(tl.float32)
-            w = q * s[:, None] + b[:, None]
-        return w.to(DTYPE)
     woff = rows[:, None] * row_words + g * GW + tl.arange(0, GW)[None, :]
     words = tl.load(wq_ptr + woff, mask=row_mask[:, None], other=0).to(tl.uint32, bitcast=True)  # [BN, GW]
+    if JOIN:
+        codes = tl.reshape(_codes_joined(words, BITS), (BN, 64))  # [BN, GW, CPW] flattened
+    else:
+        codes = tl.reshape((tl.expand_dims(words, -1) >> (tl.arange(0, CPW).to(tl.uint32) * BITS)) & ((1 << BITS) - 1),
+                           (BN, 64))
     if MX:
-        shifts = tl.arange(0, CPW).to(tl.uint32) * 4
-        v = tl.reshape(_e2m1_f32((tl.expand_dims(words, -1) >> shifts) & 15), (BN, 2, 32))
+        v = tl.reshape(_e2m1_f32(codes), (BN, 2, 32))
         soff = rows[:, None] * row_scales + g * 2 + tl.arange(0, 2)[None, :]
         s = _e8m0_f32(tl.load(ws_ptr + soff, mask=row_mask[:, None], other=0))  # [BN, 2]
         w = tl.reshape(v * s[:, :, None], (BN, 64))
     else:
-        q = tl.reshape(_codes_f32(words, BITS), (BN, 64))
+        q = (codes | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0  # 2^23 + q read as float, minus 2^23
         s = tl.load(ws_ptr + rows * row_scales + g, mask=row_mask, other=0.0).to(tl.float32)
         b = tl.load(wb_ptr + rows * row_scales + g, mask=row_mask, other=0.0).to(tl.float32)
         w = q * s[:, None] + b[:, None]
@@ -332,7 +329,7 @@ def _gate_up_grouped(x_ptr, stride_x, block_rank_ptr, num_experts, slot_table_pt
                      h_ptr, H: tl.constexpr, I: tl.constexpr, A: tl.constexpr, BITS: tl.constexpr, BM: tl.constexpr,
                      BN: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr, ACT: tl.constexpr,
                      HAS_BIAS: tl.constexpr, MX: tl.constexpr, SWAP: tl.constexpr,
-                     GATHER: tl.constexpr):
+                     JOIN: tl.constexpr):
     b = tl.program_id(0)
     nb = tl.program_id(1)
     slot, pairs, pmask = _block_pairs(b, block_rank_ptr, num_experts, slot_table_ptr, starts_ptr,
@@ -358,9 +355,9 @@ def _gate_up_grouped(x_ptr, stride_x, block_rank_ptr, num_experts, slot_table_pt
         for g in range(0, row_groups):
             xt = tl.load(x_ptr + toks[:, None] * stride_x + g * 64 + kk[None, :], mask=pmask[:, None], other=0.0)
             wg = _dequant_tile(wbase + gw_off, sbase + gs_off, sbase + gb_off, row_words, row_scales, rows,
-                               row_mask, g, BITS, BN, DTYPE, MX, GATHER)
+                               row_mask, g, BITS, BN, DTYPE, MX, JOIN)
             wu = _dequant_tile(wbase + uw_off, sbase + us_off, sbase + ub_off, row_words, row_scales, rows,
-                               row_mask, g, BITS, BN, DTYPE, MX, GATHER)
+                               row_mask, g, BITS, BN, DTYPE, MX, JOIN)
             if DOT_F32:
                 xt = xt.to(tl.float32)
                 wg = wg.to(tl.float32)
@@ -389,7 +386,7 @@ def _down_grouped(h_ptr, rw_ptr, block_rank_ptr, num_experts, slot_table_ptr, st
                   slot_bias, dw_off, ds_off, db_off, d_add_off, o_ptr, H: tl.constexpr, I: tl.constexpr,
                   BITS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, PRECISION: tl.constexpr,
                   DOT_F32: tl.constexpr, HAS_BIAS: tl.constexpr, MX: tl.constexpr, SWAP: tl.constexpr,
-                     GATHER: tl.constexpr):
+                     JOIN: tl.constexpr):
     b = tl.program_id(0)
     nb = tl.program_id(1)
     slot, pairs, pmask = _block_pairs(b, block_rank_ptr, num_experts, slot_table_ptr, starts_ptr,
@@ -413,7 +410,7 @@ def _down_grouped(h_ptr, rw_ptr, block_rank_ptr, num_experts, slot_table_ptr, st
         for g in range(0, row_groups):
             ht = tl.load(h_ptr + prow[:, None] * I + g * 64 + kk[None, :], mask=pmask[:, None], other=0.0)
             wd = _dequant_tile(wbase + dw_off, sbase + ds_off, sbase + db_off, row_words, row_scales, rows,
-                               row_mask, g, BITS, BN, DTYPE, MX, GATHER)
+                               row_mask, g, BITS, BN, DTYPE, MX, JOIN)
             if DOT_F32:
                 ht = ht.to(tl.float32)
                 wd = wd.to(tl.float32)
@@ -484,8 +481,11 @@ def _block_m(pairs: int, num_experts: int, config: KernelConfig) -> int:
     """Pairs per row block, from the call's shape alone (pairs and the layer's expert count)."""
     if config.block_m:
         return config.block_m
-    mean = pairs / max(1, num_experts)
-    return 16 if mean <= 16 else 32 if mean <= 32 else 64
+    want = config.block_m_scale * pairs / max(1, num_experts)  # the mean pairs per expert, scaled
+    bm = 16
+    while bm < want and bm < config.block_m_max:
+        bm *= 2
+    return bm
 
 
 def _groups_per_step(words: int, bits: int, group: int = GROUP) -> int:
@@ -528,7 +528,7 @@ class MoEPlan:
             fp32 = x.dtype == torch.float32
             # float32 activations: three tf32 passes (about float32 accuracy), which need smaller tiles
             self.precision = "tf32x3" if fp32 else "tf32"
-            self.block_m = min(_block_m(pairs, num_experts, config), 32 if fp32 else 64)
+            self.block_m = min(_block_m(pairs, num_experts, config), 32 if fp32 else 256)
             self.warps = max(config.grouped_warps, 8) if fp32 else config.grouped_warps
             if pairs:
                 self._group(dev)
@@ -581,8 +581,8 @@ class MoEPlan:
 
     def _grouped_args(self) -> dict:
         """The grouped kernels' compile-time product shape: swapped (weight rows on the product's M side)
-        and the codes gathered per input, or not (KernelConfig.grouped_swap / grouped_gather)."""
-        return dict(SWAP=bool(self.config.grouped_swap), GATHER=bool(self.config.grouped_gather))
+        or not, and the codes unpacked by joins or not (KernelConfig.grouped_swap / grouped_join)."""
+        return dict(SWAP=bool(self.config.grouped_swap), JOIN=bool(self.config.grouped_join))
 
     def _scale_group(self) -> int:
         """Inputs per scale: the gemv kernels' group."""

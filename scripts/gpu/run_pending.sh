@@ -11,7 +11,8 @@
 #   kernel-shapes: the grouped kernels' product shapes (swapped, gathered codes, tiles) against the reference
 #   sweep:    the expert kernels' block sizes tried at the 30B shape (scripts/bench_kernels.py --sweep); the
 #             grouped ones (SWEEP_TOKENS=512,2048) with uniform and skewed routing; best into /tmp/best-config.json
-#   tuned:    resident bench with the default block sizes, then with the sweep's, and the kernel tests with them
+#   tuned:    resident bench with the default block sizes, then with the sweep's (its best-config.json, else /tmp's)
+#   tuned-kernels: the kernel table (4 and 8 bits) with the sweep's block sizes, and the kernel tests with them
 #   tests:    the GPU tests written or changed since the last GPU run (one pytest, TESTS_LIMIT seconds in all;
 #             --step-rows off beside the default auto); server: SITE=/tmp/site
 #             after installing the carried wheels, and BATCH_GRAPHS=rows for the new batched graphs
@@ -64,6 +65,10 @@ for part in "$@"; do
     if [ -f "$best" ]; then
       cp "$best" "$out/tuned-config.json"
       MOESTREAM_KERNEL_CONFIG="$best" bench resident-tuned 150 --cache-sizes all --prefill-tokens $lengths
+    fi ;;
+  tuned-kernels)  # the kernel table with the sweep's block sizes (the sweep part's table has the defaults), their tests
+    best=${BEST:-$out/best-config.json}; [ -f "$best" ] || best=/tmp/best-config.json
+    if [ -f "$best" ]; then
       MOESTREAM_KERNEL_CONFIG="$best" timeout 150 python3 scripts/bench_kernels.py --out "$out/kernels-tuned.json" \
         --bits 4,8 --tokens 1,4,512,2048 --no-reference > "$out/kernels-tuned.log" 2>&1
       say kernels-tuned "rc=$?"; grep -E "bit T=|rror" "$out/kernels-tuned.log" | tail -8

@@ -322,14 +322,14 @@ def test_converted_family_records_run_on_the_kernels(tm, tiny_packed_model, fami
         assert relative_error(y, reference(pool_set, x, ids, weights)) < TOL[torch.float32]
 
 
-@pytest.mark.parametrize("swap,gather", [(1, 0), (0, 1), (1, 1)])
+@pytest.mark.parametrize("swap,join", [(1, 0), (0, 1), (1, 1)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("bits,act", [(4, None), (8, "clamped_swiglu")])
-def test_grouped_product_shapes_match_the_reference(tm, pools, swap, gather, dtype, bits, act):
+def test_grouped_product_shapes_match_the_reference(tm, pools, swap, join, dtype, bits, act):
     """The grouped kernels' other product shapes (the weight rows on the product's M side; the codes
-    gathered per input) compute the same FFN: odd shapes, partial output blocks, biases."""
+    joined per input) compute the same FFN: odd shapes, partial output blocks, biases."""
     pool_set = pools(bits, shape=ODD, **ACTS.get(act, {}))
-    x, ids, weights = odd_routing(21, dtype, seed=bits + swap + 2 * gather)
-    config = dict(ODD_CONFIG, grouped_swap=swap, grouped_gather=gather)
+    x, ids, weights = odd_routing(21, dtype, seed=bits + swap + 2 * join)
+    config = dict(ODD_CONFIG, grouped_swap=swap, grouped_join=join)
     y = run(tm, pool_set, x, ids, weights, mode="grouped", config=config)
     assert relative_error(y, reference(pool_set, x, ids, weights)) < TOL[dtype]

@@ -262,12 +262,12 @@ def test_converted_gpt_oss_mxfp4_records_run_on_the_kernels(tm, tiny_checkpoint,
             assert relative_error(y, reference(pool_set, x, ids, weights)) < TOL[torch.float32]
 
 
-@pytest.mark.parametrize("swap,gather", [(1, 0), (0, 1), (1, 1)])
+@pytest.mark.parametrize("swap,join", [(1, 0), (0, 1), (1, 1)])
 @pytest.mark.parametrize("act", list(ACTS))
-def test_grouped_product_shapes_read_mxfp4(tm, pools, swap, gather, act):
+def test_grouped_product_shapes_read_mxfp4(tm, pools, swap, join, act):
     """The grouped kernels' other product shapes dequantize MXFP4 records as the default one does."""
     pool_set = pools(**ACTS[act])
-    x, ids, weights = routing(21, torch.bfloat16, seed=swap + 2 * gather)
+    x, ids, weights = routing(21, torch.bfloat16, seed=swap + 2 * join)
     y = run(tm, pool_set, x, ids, weights, mode="grouped",
-            config=dict(CONFIG, grouped_swap=swap, grouped_gather=gather))
+            config=dict(CONFIG, grouped_swap=swap, grouped_join=join))
     assert relative_error(y, reference(pool_set, x, ids, weights)) < TOL[torch.bfloat16]
