@@ -70,9 +70,9 @@ for part in "$@"; do
     best=${BEST:-$out/best-config.json}; [ -f "$best" ] || best=/tmp/best-config.json
     if [ -f "$best" ]; then
       MOESTREAM_KERNEL_CONFIG="$best" timeout 150 python3 scripts/bench_kernels.py --out "$out/kernels-tuned.json" \
-        --bits 4,8 --tokens 1,4,512,2048 --no-reference > "$out/kernels-tuned.log" 2>&1
+        --bits ${TUNED_BITS:-4,8} --tokens 1,4,512,2048 --no-reference > "$out/kernels-tuned.log" 2>&1
       say kernels-tuned "rc=$?"; grep -E "bit T=|rror" "$out/kernels-tuned.log" | tail -8
-      MOESTREAM_KERNEL_CONFIG="$best" timeout -s ABRT 120 python3 -m pytest tests/gpu/test_kernels.py \
+      [ -n "${TUNED_TESTS-1}" ] && MOESTREAM_KERNEL_CONFIG="$best" timeout -s ABRT 120 python3 -m pytest tests/gpu/test_kernels.py \
         tests/gpu/test_mxfp4_kernels_cuda.py -q -p no:cacheprovider \
         -k "matches_reference or kernel_shapes or same_bits or 30b_a3b or mixed_bits or mxfp4" \
         > "$out/tuned-kernel-tests.log" 2>&1
@@ -88,8 +88,8 @@ for part in "$@"; do
     say kernel-shapes "rc=$?"; grep -E "passed|failed|FAILED|ERROR|Fatal" "$out/kernel-shapes.log" | tail -8 ;;
   tests)  # one pytest process (one CUDA start), capped as a whole; --durations says what to trim next time
     files=""
-    for f in test_batching test_speculative_cuda test_server_batching_cuda test_device_cpu_share_cuda \
-             test_decode_kernels test_greedy_rows_cuda test_prompt_step_cuda ${EXTRA_TESTS:-}; do
+    for f in ${TEST_FILES:-test_batching test_speculative_cuda test_server_batching_cuda test_device_cpu_share_cuda \
+             test_decode_kernels test_greedy_rows_cuda test_prompt_step_cuda} ${EXTRA_TESTS:-}; do
       [ -f tests/gpu/$f.py ] && files="$files tests/gpu/$f.py"
     done
     timeout -s ABRT ${TESTS_LIMIT:-300} python3 -m pytest $files -q -p no:cacheprovider -rfE --durations=15 \
