@@ -38,6 +38,9 @@ class EngineOptions:
     # exists), none, or a file
     lookahead_maps: str = "auto"
     memory_budget: str | None = None
+    # after a prefill, give its transient device memory back (release) or keep it for the next prompt (keep);
+    # auto: release under a memory budget (decode then holds only what it needs), else keep
+    prefill_workspace: str = "auto"
     verify: bool = True  # crc32 of every expert record read, sha256 of the resident files at load
     verify_cache_dir: str | None = None  # where resident files' digests are remembered; None: ~/.cache/moestream
     trace_routing: str | None = None
@@ -117,6 +120,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "MODEL/lookahead.safetensors where it exists), none (the plain routers), or a file; they "
                         "change which copies start early, never the output")
     c.add_argument("--memory-budget", default=None, metavar="SIZE", help="size everything to fit SIZE of device memory; refuse if impossible")
+    c.add_argument("--prefill-workspace", default="auto", choices=["auto", "keep", "release"],
+                   help="a prefill's transient device memory (activations of a chunk, the expert kernels' scratch): "
+                        "release gives it back after each prefill (decode holds only what it needs; the next prompt "
+                        "allocates it again), keep holds it for the next prompt; auto (default): release under "
+                        "--memory-budget, else keep")
     c.add_argument("--no-verify", dest="verify", action="store_false",
                    help="skip the integrity checks (on by default: each expert record's crc32 as it is read, the "
                         f"resident files' sha256 at load, remembered in ${CACHE_DIR_ENV} or ~/.cache/moestream)")

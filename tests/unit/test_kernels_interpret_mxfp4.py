@@ -262,7 +262,7 @@ def test_converted_gpt_oss_mxfp4_records_run_on_the_kernels(tm, tiny_checkpoint,
             assert relative_error(y, reference(pool_set, x, ids, weights)) < TOL[torch.float32]
 
 
-@pytest.mark.parametrize("swap,join", [(1, 0), (0, 1), (1, 1)])
+@pytest.mark.parametrize("swap,join", [(0, 0), (1, 0), (0, 1)])
 @pytest.mark.parametrize("act", list(ACTS))
 def test_grouped_product_shapes_read_mxfp4(tm, pools, swap, join, act):
     """The grouped kernels' other product shapes dequantize MXFP4 records as the default one does."""
