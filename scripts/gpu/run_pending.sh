@@ -12,6 +12,7 @@
 #   sweep:    the expert kernels' block sizes tried at the 30B shape (scripts/bench_kernels.py --sweep); the
 #             grouped ones (SWEEP_TOKENS=512,2048) with uniform and skewed routing; best into /tmp/best-config.json
 #   tuned:    resident bench with the default block sizes, then with the sweep's (its best-config.json, else /tmp's)
+#   workspace: resident prefill at 128..8192 tokens with --prefill-workspace keep, then release
 #   tuned-kernels: the kernel table (4 and 8 bits) with the sweep's block sizes, and the kernel tests with them
 #   tests:    the GPU tests written or changed since the last GPU run (one pytest, TESTS_LIMIT seconds in all;
 #             --step-rows off beside the default auto); server: SITE=/tmp/site
@@ -66,6 +67,12 @@ for part in "$@"; do
       cp "$best" "$out/tuned-config.json"
       MOESTREAM_KERNEL_CONFIG="$best" bench resident-tuned 150 --cache-sizes all --prefill-tokens $lengths
     fi ;;
+  workspace)  # resident prefill at every length with the prefill workspace kept (the default) and given back
+    synth
+    for mode in ${WORKSPACE_MODES:-keep release}; do
+      bench "resident-workspace-$mode" 120 --cache-sizes all --prefill-tokens ${PREFILL_LENGTHS:-128,512,2048,8192} \
+        --prefill-workspace $mode
+    done ;;
   tuned-kernels)  # the kernel table with the sweep's block sizes (the sweep part's table has the defaults), their tests
     best=${BEST:-$out/best-config.json}; [ -f "$best" ] || best=/tmp/best-config.json
     if [ -f "$best" ]; then
