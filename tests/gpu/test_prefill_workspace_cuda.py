@@ -24,7 +24,8 @@ def test_the_workspace_is_kept_or_given_back(mode, budget, released, tiny_packed
                                                        cache_size="all", prefill_workspace=mode,
                                                        memory_budget=budget))
     try:
-        prompt = list(range(3, 700))
+        vocab = engine.args.vocab_size
+        prompt = [3 + i % (vocab - 3) for i in range(697)]  # token ids the model has
         logits = engine.prefill(prompt)[0].clone()
         assert bool(emptied) == released
         engine.reset()

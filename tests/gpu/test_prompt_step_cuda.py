@@ -19,8 +19,8 @@ def test_a_prompt_in_a_shared_step_equals_its_own_prefill(cache_size, tiny_packe
         for seq in list(engine.open_sequences):  # slots are opened here, by number
             engine.close_sequence(seq)
         tok = engine.tokenizer
-        running, newcomer = tok.encode("def fibonacci(n):"), tok.encode("The quick brown fox")
-        assert len(newcomer) <= 12
+        running, newcomer = tok.encode("def fibonacci(n):"), tok.encode("The quick brown fox")[:10]
+        assert 2 <= len(newcomer) <= 12
         # alone: the newcomer's prefill in slot 1, then two decode steps
         engine.open_sequence(newcomer, slot=1)
         alone = [engine.prefill(newcomer, seq=1)[0][-1].clone()]
