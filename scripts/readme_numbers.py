@@ -286,30 +286,54 @@ def h200_step_rows() -> str:
 
 
 def h200_demo_drafters() -> str:
-    """The demo's n-gram drafter on the H200 at 100 %: each prompt's second and first speculative run against plain."""
-    path = H200 / "demo-drafters.json"
+    """The demo's n-gram drafter on the H200 at 100 % (the captures in the warm-up): each prompt's speedup."""
+    path = H200 / "demo-drafters-warmed.json"
     runs = [r for r in load(path)["runs"] if r["drafter"] == "ngram" and r["cache_size"] == "100%"]
     if not runs:
         raise NumbersError(f"{path.relative_to(ROOT)}: no n-gram run at 100%")
-    ratios = [[s / (sum(r["plain_tok_s"]) / len(r["plain_tok_s"])) for s in r["speculative_tok_s"]] for r in runs]
-    return (f"n-gram on {len(runs)} held-out prompts at 100 % cache: the second speculative run "
-            + " / ".join(f"{x[1]:.2f}×" for x in ratios) + " plain decoding (the first, which captured its step "
-            "graphs, " + " / ".join(f"{x[0]:.2f}×" for x in ratios) + ")")
+    speedups = [r["speedup"] for r in runs]
+    return (f"n-gram on {len(runs)} held-out prompts at 100 % cache: " + " / ".join(f"{x:.2f}×" for x in speedups)
+            + f" plain decoding (mean {sum(speedups) / len(speedups):.2f}×; both speculative runs of each prompt "
+            "against both plain runs)")
 
 
 def h200_server_batching() -> str:
-    """Total tok/s of `serve --parallel 16` against `--parallel 1` at 16 and 32 clients."""
-    path = H200 / "server-batching-100pct-step-rows-short-prefill.json"
-    by = {r["parallel"]: {x["clients"]: x for x in r["rounds"]} for r in load(path)["runs"]}
-    rounds = []
-    for clients in (16, 32):
-        for parallel in (1, 16):
-            if clients not in by.get(parallel, {}):
-                raise NumbersError(f"{path.relative_to(ROOT)}: no round of {clients} clients at --parallel {parallel}")
-        rounds.append((clients, by[1][clients], by[16][clients]))
-    return "; ".join(f"{c} clients {tok_s(b['total_tok_s'])} against {tok_s(a['total_tok_s'])} tok/s "
-                     f"({b['total_tok_s'] / a['total_tok_s']:.2f}×, mean batch {b['mean_batch_size']:.1f})"
-                     for c, a, b in rounds)
+    """Total tok/s of `serve --parallel 16` at 16 and 32 clients against one request at a time (`--parallel 1`)."""
+    path = H200 / "server-batching-100pct-128tok.json"
+    data = load(path)
+    by = {r["parallel"]: {x["clients"]: x for x in r["rounds"]} for r in data["runs"]}
+    one = by.get(1, {}).get(1)
+    if one is None or any(c not in by.get(16, {}) for c in (16, 32)):
+        raise NumbersError(f"{path.relative_to(ROOT)}: needs --parallel 1 at 1 client and --parallel 16 at 16 and 32")
+    rounds = [by[16][c] for c in (16, 32)]
+    return (f"{data['settings']['max_tokens']}-token requests: 16 clients {tok_s(rounds[0]['total_tok_s'])} tok/s, "
+            f"32 clients {tok_s(rounds[1]['total_tok_s'])}, against {tok_s(one['total_tok_s'])} for one request at a "
+            f"time: {rounds[0]['total_tok_s'] / one['total_tok_s']:.2f}× and {rounds[1]['total_tok_s'] / one['total_tok_s']:.2f}× "
+            f"(mean batch {rounds[0]['mean_batch_size']:.1f} and {rounds[1]['mean_batch_size']:.1f})")
+
+
+def h200_prefill() -> str:
+    """Resident prefill at every length with the workspace kept (the default), and given back (before), one call."""
+    keep, release = (only_run(H200 / f"prefill-workspace-{m}.json") for m in ("keep", "release"))
+    lengths = [p["tokens"] for p in keep["prefill"]]
+    return (" / ".join(f"{n:,}" for n in lengths) + " tokens: "
+            + " / ".join(f"{prefill_tok_s(keep, n):,.0f}" for n in lengths) + " tok/s (given back after each prefill, as "
+            "before: " + " / ".join(f"{prefill_tok_s(release, n):,.0f}" for n in lengths) + "); decode "
+            + tok_s(keep["decode"]["tok_s"]) + " tok/s")
+
+
+def h200_grouped() -> str:
+    """The grouped (prefill) kernels before and after the sweep, uniform routing, from one sweep."""
+    path = H200 / "grouped-kernels-sweep.json"
+    sweep = load(path).get("sweep", {})
+    parts = []
+    for tokens in (512, 2048):
+        found = sweep.get(f"4bit_T{tokens}", {}).get("grouped")
+        if not found or not found.get("current") or not found.get("best"):
+            raise NumbersError(f"{path.relative_to(ROOT)}: no grouped sweep at {tokens} tokens")
+        before, after = found["current"]["uniform_ms"] * 1e3, found["best"]["uniform_ms"] * 1e3
+        parts.append(f"{tokens:,} tokens {before:,.0f} → {after:,.0f} µs ({before / after:.1f}×)")
+    return "; ".join(parts)
 
 
 BLOCKS: dict[str, Callable[[], str]] = {
@@ -331,6 +355,8 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "h200-server-batching": h200_server_batching,
     "h200-step-rows": h200_step_rows,
     "h200-demo-drafters": h200_demo_drafters,
+    "h200-prefill": h200_prefill,
+    "h200-grouped": h200_grouped,
 }
 
 
