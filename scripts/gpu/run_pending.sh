@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # What has not yet run on a GPU, in priority order, in parts that each fit one device call (≤ 10 min).
-# Next: tests (the batching test's graph keys, speculation's warmed steps and batched greedy reads, the
-# server's step warm-up, the device CPU share's changes), drafters (bench --warmup now warms the
-# speculative steps), server (SERVER_SIZES="all 25%": the scheduler's host work cut), cpu-share.
+# Next: server (SERVER_SIZES=25% SERVER_TOKENS=128 SERVER_REQUESTS=4 BASELINE_CLIENTS=1: the batched server at a
+# partial cache; SERVER_TOKENS=32 at all: the short requests again on this build), drafters (--cache-sizes 100%,25%,
+# both drafters: the draft model's policy must keep it at or above plain), cpu-share (--cpu-experts auto at 25 %
+# uniform), tuned-kernels (TUNED_BITS=4,8: the kernel table with the swept grouped defaults, 8-bit included),
+# tests (the CPU rows-at-once and unpacked-experts changes touch no CUDA path; the kernel split into
+# triton_grouped/triton_expert_math: test_kernels, test_mxfp4_kernels_cuda, test_decoder).
 # Start the q30 synth in the background first (`python3 -m moestream synth --shape qwen3-30b-a3b
 # /tmp/q30 --force & SP=$!` ... `wait $SP`: never wait with pgrep -f, which matches its own command).
 # Usage: scripts/gpu/run_pending.sh OUTDIR PART...
