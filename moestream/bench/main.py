@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import statistics
 import subprocess
 import sys
 import time
@@ -101,21 +102,24 @@ def parse_step_tokens(text: str) -> list[int]:
 
 
 def measure(engine, *, prefill_sizes: list[int], decode_tokens: int, seed: int, prompt: list[int] | None = None,
-            speculative=None) -> dict:
+            speculative=None, prefill_repeats: int = 1) -> dict:
     vocab = engine.args.vocab_size
     out = {"prefill": []}
     for n in prefill_sizes:
         if n + 1 >= engine.max_context:
             continue
-        engine.reset()
-        before = engine.expert_stats()
-        t0 = time.perf_counter()
-        engine.prefill(random_prompt(n, vocab, seed + n))
-        engine._sync()
-        dt = time.perf_counter() - t0
+        times, before = [], engine.expert_stats()
+        for _ in range(prefill_repeats):  # the same prompt each time, from an empty cache
+            engine.reset()
+            t0 = time.perf_counter()
+            engine.prefill(random_prompt(n, vocab, seed + n))
+            engine._sync()
+            times.append(time.perf_counter() - t0)
         after = engine.expert_stats()
+        dt = statistics.median(times)
         out["prefill"].append({"tokens": n, "s": round(dt, 4), "tok_s": round(n / dt, 2),
-                               "hit_rate": _hit_rate(before, after)})
+                               "hit_rate": _hit_rate(before, after),
+                               **({"runs_s": [round(t, 4) for t in times]} if prefill_repeats > 1 else {})})
     engine.reset()
     cuda = engine.device.type == "cuda"
     if cuda:
@@ -220,6 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-sizes", default=None, help="comma-separated cache sizes to sweep, e.g. 10%%,25%%,50%%,100%% "
                                                       "(default: --cache-size)")
     p.add_argument("--prefill-tokens", default="512,2048", help="prompt lengths to time (default 512,2048)")
+    p.add_argument("--prefill-repeats", type=at_least(1), default=1, metavar="N",
+                   help="time each prompt length N times and report the median (each run listed in the JSON; "
+                        "a single prefill call varies by up to ~15 %% on the H200)")
     p.add_argument("--decode-tokens", type=at_least(1), default=128, help="tokens to decode (default 128)")
     p.add_argument("--prompt", default=None,
                    help="decode after this text (default: 16 random tokens); speculation gains where the text repeats")
@@ -310,6 +317,7 @@ def run(args) -> dict:
                             e.warm_steps(MAX_STEP_TOKENS)
             with timeline.recording(timeline_path(args.timeline, size, len(sizes)), device=engine.device):
                 measured = measure(engine, prefill_sizes=prefill_sizes, decode_tokens=args.decode_tokens, seed=args.seed,
+                                   prefill_repeats=args.prefill_repeats,
                                    prompt=prompt, speculative=speculative)
             run_result = {"cache_size": size, "slots": engine.plan.slots, "total_experts": engine.plan.total_experts,
                           "streaming": engine.streaming, **run_facts(engine.options), **measured}

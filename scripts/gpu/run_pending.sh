@@ -42,7 +42,7 @@ synth() { [ -f $model/moestream.json ] || python3 -m moestream synth --shape qwe
 bench() {  # name, seconds, flags...
   local name=$1 limit=$2; shift 2
   timeout "$limit" python3 -m moestream bench --model $model --host-cache-size all --expert-source mmap \
-    --decode-tokens 128 --warmup --out "$out/$name.json" "$@" > "$out/$name.log" 2>&1
+    --decode-tokens 128 --warmup --prefill-repeats ${PREFILL_REPEATS:-3} --out "$out/$name.json" "$@" > "$out/$name.log" 2>&1
   say "$name" "rc=$?"; grep -E "^cache|rror" "$out/$name.log" | tail -3
 }
 for part in "$@"; do

@@ -41,7 +41,7 @@ def sweep(tmp_path_factory):
     """One warm sweep of the demo model over a 25 % and a 100 % device cache."""
     tmp = tmp_path_factory.mktemp("bench")
     argv = ["--device", "cpu", "--threads", "1", "--cache-sizes", "25%,100%", "--prefill-tokens", "16",
-            "--decode-tokens", "4", "--warmup", "--out", str(tmp / "OUT.json"), "--plot", str(tmp / "OUT.png"),
+            "--prefill-repeats", "2", "--decode-tokens", "4", "--warmup", "--out", str(tmp / "OUT.json"), "--plot", str(tmp / "OUT.png"),
             "--heatmap", str(tmp / "HEAT.png")]
     before = torch.get_num_threads()
     try:
@@ -78,6 +78,7 @@ def test_one_run_per_cache_size_with_speeds_and_hit_rates(sweep):
         assert [p["tokens"] for p in r["prefill"]] == [16]
         for p in r["prefill"]:
             assert p["tok_s"] > 0 and p["s"] > 0 and 0 <= p["hit_rate"] <= 1
+            assert len(p["runs_s"]) == 2 and min(p["runs_s"]) <= p["s"] <= max(p["runs_s"])  # the median of 2
         d = r["decode"]
         assert d["tokens"] == 4 and d["tok_s"] > 0 and d["s"] > 0
         assert 0 <= d["hit_rate"] <= 1
