@@ -50,6 +50,8 @@ class EngineOptions:
     # the CPU computes a share of each streamed layer's misses from host RAM: "off", "auto" or "0".."1"
     cpu_experts: str = "off"
     cpu_experts_timeout: float = 1.0  # seconds a layer waits for its CPU share before loading those experts
+    # CPU runs: dequantized copies of the experts in the slots, kept (moestream.experts.unpacked): auto, 0, or a size
+    unpacked_experts: str = "auto"
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, environ: dict | None = None) -> "EngineOptions":
@@ -127,6 +129,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "within the dtype's tolerance of off, not bit for bit")
     c.add_argument("--cpu-experts-timeout", type=positive_float, default=1.0, metavar="SECONDS",
                    help="a layer waits this long for its CPU share, then computes those experts on the device (default 1)")
+    c.add_argument("--unpacked-experts", default="auto", metavar="auto|0|SIZE",
+                   help="CPU runs: keep the dequantized matrices of up to SIZE of the experts in the slots (bytes, or a "
+                        "share of all experts as --cache-size takes it), so a step multiplies instead of unpacking "
+                        "4-bit codes; the same bits either way. Default auto: what fits in a quarter of the memory "
+                        "budget (or of free RAM), at most one per slot; 0: none")
     c.add_argument("--trace-routing", default=None, metavar="FILE", help="record (layer, position, experts) of every token to FILE (.npz)")
 
 
