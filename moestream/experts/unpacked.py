@@ -3,7 +3,7 @@
 The torch reference dequantizes every expert it computes, on every step (on the demo model 40 % of
 a CPU decode). This keeps the dequantized matrices of recently computed experts, keyed by the slot
 they were read from, under a byte budget (least recently used first out). An entry is valid while
-its slot holds the same expert: a record never changes, so its copy is exactly what dequantizing
+its slot holds the same (layer, expert): a record never changes, so its copy is exactly what dequantizing
 it again would give, and the bits of every output stay the same. Its capacity is at most the
 pool's slots (the engine sizes it so), and what is read from disk stays the pool's business: the
 cache size keeps its meaning."""
@@ -17,22 +17,23 @@ class UnpackedExperts:
     def __init__(self, capacity: int, *, entry_bytes: int = 0):
         """capacity: experts kept at most (0 keeps none); entry_bytes: one expert's unpacked bytes (stats)."""
         self.capacity, self.entry_bytes = capacity, entry_bytes
-        self._entries: OrderedDict[tuple[int, int], tuple[int, tuple]] = OrderedDict()  # (layer, slot) -> (expert, matrices)
+        # slot -> (layer, expert, matrices): one entry a slot (the pool is one tensor for all layers)
+        self._entries: OrderedDict[int, tuple[int, int, tuple]] = OrderedDict()
         self.hits = self.misses = 0
 
     def get(self, layer: int, expert: int, slot: int, unpack: Callable[[], tuple]) -> tuple:
-        """The expert's unpacked matrices: kept ones while `slot` still holds (layer, expert), else unpack()."""
-        key = (layer, slot)
-        entry = self._entries.get(key)
-        if entry is not None and entry[0] == expert:
-            self._entries.move_to_end(key)
+        """The expert's unpacked matrices: kept ones while `slot` (an index into the one pool all
+        layers share) still holds (layer, expert), else unpack()."""
+        entry = self._entries.get(slot)
+        if entry is not None and entry[0] == layer and entry[1] == expert:
+            self._entries.move_to_end(slot)
             self.hits += 1
-            return entry[1]
+            return entry[2]
         matrices = unpack()
         self.misses += 1
         if self.capacity > 0:
-            self._entries[key] = (expert, matrices)
-            self._entries.move_to_end(key)
+            self._entries[slot] = (layer, expert, matrices)
+            self._entries.move_to_end(slot)
             while len(self._entries) > self.capacity:
                 self._entries.popitem(last=False)
         return matrices

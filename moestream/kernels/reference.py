@@ -36,6 +36,9 @@ def rows_linear(x: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor | No
     """x [n, K] @ weight [N, K]^T -> [n, 1, N] with, row by row, the bits of F.linear(x[i:i+1], weight)
     (where `rows_exact`): a step's rows share one call but never each other's rounding."""
     n, K = x.shape
+    if n == 1:  # F.linear's own call (mm), without the batched call's overhead
+        y = torch.mm(x, weight.t(), out=None if out is None else out.view(1, -1))
+        return y.view(1, 1, -1)
     return torch.bmm(x.unsqueeze(1), weight.t().expand(n, K, weight.shape[0]), out=out)
 
 

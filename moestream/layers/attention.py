@@ -167,7 +167,8 @@ class Attention:
         """Whether `cpu_rows` gives every row `step`'s bits: plain attention, q/k/v in one unbiased
         matrix, no output bias, and products `rows_exact` takes."""
         w = self.w
-        if not self.plain or w.qkv is None or w.qkv_bias is not None or w.o_bias is not None:
+        if not self.plain or not isinstance(self.rope, Rope) or w.qkv is None or w.qkv_bias is not None or \
+                w.o_bias is not None:
             return False
         return rows_exact(dtype, w.qkv.shape[1], w.qkv.shape[0]) and rows_exact(dtype, w.o.shape[1], w.o.shape[0])
 
@@ -187,9 +188,7 @@ class Attention:
         q, k = q.reshape(T, self.num_heads, D), k.reshape(T, self.num_kv_heads, D)
         if self.qk_norm == "head":
             q, k = rms_norm(q, w.q_norm, self.eps), rms_norm(k, w.k_norm, self.eps)
-        # cos/sin row by row: a vectorized cos may round a vector's tail otherwise
-        rows = [self.rope.cos_sin(torch.tensor([start + t], device=x.device), x.dtype) for t in range(T)]
-        cos, sin = torch.cat([c for c, _ in rows]), torch.cat([s for _, s in rows])
+        cos, sin = self.rope.rows_cos_sin(start, T, x.dtype)
         q = apply_rope(q.transpose(0, 1), cos, sin)  # [Nq, T, D]
         k = apply_rope(k.transpose(0, 1), cos, sin)  # [Nkv, T, D]
         v = v.reshape(T, self.num_kv_heads, D).transpose(0, 1)
