@@ -155,7 +155,10 @@ def unpacked_limit(options: EngineOptions, device: torch.device, *, unpacked_byt
     if text == "auto":
         room = parse_bytes(options.memory_budget) if options.memory_budget else free_memory(device)
         return min(total_experts, int(room * UNPACKED_SHARE) // unpacked_bytes)
-    return slots_for(text, slot_bytes=unpacked_bytes, total_experts=total_experts, min_slots=0, flag="--unpacked-experts")
+    try:
+        return slots_for(text, slot_bytes=unpacked_bytes, total_experts=total_experts, min_slots=0, flag="--unpacked-experts")
+    except MoestreamError as exc:
+        raise MoestreamError(str(exc) if "--unpacked-experts" in str(exc) else f"--unpacked-experts: {exc}") from None
 
 
 def resolve_policy(name: str, *, slots: int, working_set: int, partition: str) -> str:
