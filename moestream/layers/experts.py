@@ -35,13 +35,14 @@ from moestream.kernels.reference import BIASED_ACTIVATIONS, projection, rows_exa
 from moestream.layers.clamped_swiglu import clamped_swiglu
 from moestream.layers.gelu_mlp import gelu_glu
 from moestream.layers.mlp import swiglu
-from moestream.quant.affine import QuantSpec
+from moestream.quant.affine import QuantSpec, dequantize_many
 
 log = logging.getLogger(__name__)
 KERNELS = ("auto", "torch", "triton")
 # a record's gate activation (QuantSpec.activation) -> its gated FFN (the Triton kernels compute each too)
 ACTIVATIONS = {"silu": swiglu, "gelu_tanh": gelu_glu, "clamped_swiglu": clamped_swiglu}
 BIASED = BIASED_ACTIVATIONS  # activations whose records hold gate_proj.bias, up_proj.bias, down_proj.bias
+PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 # torch's CPU SiLU runs whole vectors of 2 x 16 floats (AVX-512) and a tail in scalar code; rows of a
 # multiple of 64 fall on whole vectors alone or side by side. Under SERIAL_ELEMENTS (torch's grain
 # size) an elementwise op is never split between threads, so no thread's range starts mid-row
@@ -136,7 +137,12 @@ class TorchPlan:
         """Expert e's gate, up and down matrices in x's dtype, from its record in `slot`."""
         def unpack():
             record = decode_record(self.fields, pool[slot])
-            return tuple(projection(record, p, self.quant[p], self.x.dtype) for p in ("gate_proj", "up_proj", "down_proj"))
+            specs = {(s.mode, s.bits, s.group_size) for s in (self.quant[p] for p in PROJECTIONS)}
+            if len(specs) == 1 and self.quant["gate_proj"].quantized and self.quant["gate_proj"].mode == "affine":
+                spec = self.quant["gate_proj"]  # all three in one pass, each with dequantize's bits
+                parts = [(record[f"{p}.weight"], record[f"{p}.scales"], record[f"{p}.biases"]) for p in PROJECTIONS]
+                return tuple(dequantize_many(parts, spec.bits, spec.group_size, self.x.dtype))
+            return tuple(projection(record, p, self.quant[p], self.x.dtype) for p in PROJECTIONS)
 
         if self.unpacked is None or pool.device.type != "cpu":
             return unpack()

@@ -54,6 +54,16 @@ def test_float_codes_are_unpacks_codes(bits):
         assert torch.equal(affine.dequantize(words, scales, biases, bits, 64), reference)
 
 
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_dequantize_many_gives_each_matrix_dequantizes_bits(bits):
+    torch.manual_seed(2)
+    parts = [affine.quantize(torch.randn(o, i), bits, 64) for o, i in ((128, 256), (128, 256), (256, 128))]
+    parts = [(q.view(torch.int32), s.to(torch.bfloat16), b.to(torch.bfloat16)) for q, s, b in parts]
+    together = affine.dequantize_many(parts, bits, 64)
+    for (q, s, b), w in zip(parts, together):
+        assert torch.equal(w, affine.dequantize(q, s, b, bits, 64))
+
+
 def test_unpacked_experts_keep_a_copy_while_the_slot_holds_the_expert():
     made = []
 
