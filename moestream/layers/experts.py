@@ -138,7 +138,8 @@ class TorchPlan:
         def unpack():
             record = decode_record(self.fields, pool[slot])
             specs = {(s.mode, s.bits, s.group_size) for s in (self.quant[p] for p in PROJECTIONS)}
-            if len(specs) == 1 and self.quant["gate_proj"].quantized and self.quant["gate_proj"].mode == "affine":
+            if pool.device.type == "cpu" and len(specs) == 1 and self.quant["gate_proj"].quantized and \
+                    self.quant["gate_proj"].mode == "affine":
                 spec = self.quant["gate_proj"]  # all three in one pass, each with dequantize's bits
                 parts = [(record[f"{p}.weight"], record[f"{p}.scales"], record[f"{p}.biases"]) for p in PROJECTIONS]
                 return tuple(dequantize_many(parts, spec.bits, spec.group_size, self.x.dtype))
