@@ -6,8 +6,10 @@ decode: else the first plain run pays for loading experts) bench decodes plain, 
 speculative, plain on the prompt at each cache size and reports both sides' tok/s, the speedup, the
 accept rate and whether all four runs gave the same tokens. The prompts are the first
 --prompt-tokens tokens of test-split files (build/demo-data from `scripts/demo/train_demo.py
-prepare`), chosen by a fixed seed. Writes one JSON with every bench result, the machine's load
-before each run, and means over the prompts.
+prepare`), chosen by a fixed seed. With --repeats N every (drafter, prompt) is run N times, the
+rounds interleaved (each round runs every drafter and prompt once), and a prompt's speedup is the
+median of its runs. Writes one JSON with every bench result, the machine's load before each run,
+and means over the prompts.
 
     python scripts/bench_draft.py --out docs/bench/cpu/demo-drafters.json
     python scripts/bench_draft.py --device cuda --prompts-from docs/bench/cpu/demo-drafters.json --out r.json
@@ -59,6 +61,7 @@ def main() -> None:
     p.add_argument("--drafters", default=",".join(DRAFTERS), help="which of: " + ", ".join(DRAFTERS))
     p.add_argument("--prompts-from", type=Path, help="an earlier run's JSON: take its prompts (no build/demo-data)")
     p.add_argument("--device", default="cpu", help="cpu (one compute thread) or cuda")
+    p.add_argument("--repeats", type=int, default=1, help="runs of every (drafter, prompt), in interleaved rounds")
     args = p.parse_args()
     if args.prompts_from:
         prompts = json.loads(args.prompts_from.read_text())["prompts"][:args.prompts]
@@ -68,39 +71,47 @@ def main() -> None:
     common = ["--device", args.device, *threads, "--warmup", "--prefill-tokens", "", "--decode-tokens", str(args.decode_tokens),
               "--cache-sizes", args.cache_sizes]
     runs = []
+    rounds = [(r, name, i, prompt) for r in range(args.repeats) for name in args.drafters.split(",")
+              for i, prompt in enumerate(prompts)]
     with tempfile.TemporaryDirectory() as tmp:
-        for name in args.drafters.split(","):
-            for i, prompt in enumerate(prompts):
-                out = Path(tmp) / "bench.json"
-                cmd = [sys.executable, "-m", "moestream", "bench", "--draft", DRAFTERS[name], "--prompt", prompt,
-                       *common, "--out", str(out)]
-                load = os.getloadavg()[0]
-                subprocess.run(cmd, check=True, stdout=sys.stderr)
-                result = json.loads(out.read_text())
-                for run in result["runs"]:
-                    sp = run["speculative"]
-                    runs.append({"drafter": name, "prompt": i, "cache_size": run["cache_size"],
-                                 "load_before": round(load, 2), "plain_tok_s": sp["plain_tok_s"],
-                                 "speculative_tok_s": sp["speculative_tok_s"], "speedup": sp["speedup"],
-                                 "accept_rate": sp["accept_rate"], "tokens_per_step": sp["tokens_per_step"],
-                                 "drafted": sp["drafted"], "accepted": sp["accepted"], "same_tokens": sp["same_tokens"],
-                                 "draft_lengths": sp["receipt"]["draft_lengths"],
-                                 "step_s_by_tokens": sp["receipt"]["step_s_by_tokens"],
-                                 "draft_s": sp["receipt"]["draft_s"], "verify_s": sp["receipt"]["verify_s"]})
-                    print(name, i, run["cache_size"], sp["speedup"], sp["accept_rate"], sp["same_tokens"], flush=True)
+        for repeat, name, i, prompt in rounds:
+            out = Path(tmp) / "bench.json"
+            cmd = [sys.executable, "-m", "moestream", "bench", "--draft", DRAFTERS[name], "--prompt", prompt,
+                   *common, "--out", str(out)]
+            load = os.getloadavg()[0]
+            subprocess.run(cmd, check=True, stdout=sys.stderr)
+            result = json.loads(out.read_text())
+            for run in result["runs"]:
+                sp = run["speculative"]
+                runs.append({"drafter": name, "prompt": i, "repeat": repeat, "cache_size": run["cache_size"],
+                             "load_before": round(load, 2), "plain_tok_s": sp["plain_tok_s"],
+                             "speculative_tok_s": sp["speculative_tok_s"], "speedup": sp["speedup"],
+                             "accept_rate": sp["accept_rate"], "tokens_per_step": sp["tokens_per_step"],
+                             "drafted": sp["drafted"], "accepted": sp["accepted"], "same_tokens": sp["same_tokens"],
+                             "draft_lengths": sp["receipt"]["draft_lengths"],
+                             "step_s_by_tokens": sp["receipt"]["step_s_by_tokens"],
+                             "draft_s": sp["receipt"]["draft_s"], "verify_s": sp["receipt"]["verify_s"]})
+                print(name, i, run["cache_size"], sp["speedup"], sp["accept_rate"], sp["same_tokens"], flush=True)
     summary = {}
     for r in runs:
         key = f"{r['drafter']} @ {r['cache_size']}"
         summary.setdefault(key, []).append(r)
-    summary = {k: {"mean_speedup": round(statistics.mean(r["speedup"] for r in v), 3),
-                   "speedups": [r["speedup"] for r in v],
+
+    def per_prompt(v):  # a prompt's speedup: the median of its runs
+        by = {}
+        for r in v:
+            by.setdefault(r["prompt"], []).append(r["speedup"])
+        return [round(statistics.median(x), 3) for _, x in sorted(by.items())]
+
+    summary = {k: {"mean_speedup": round(statistics.mean(per_prompt(v)), 3),
+                   "speedups": per_prompt(v),
                    "accept_rate": round(sum(r["accepted"] for r in v) / max(1, sum(r["drafted"] for r in v)), 4),
                    "drafted": sum(r["drafted"] for r in v), "accepted": sum(r["accepted"] for r in v),
                    "same_tokens": all(r["same_tokens"] for r in v)} for k, v in summary.items()}
     doc = {"machine": {**machine_info(), "command": shlex.join(["python", *sys.argv]),
                        "affinity_cores": len(os.sched_getaffinity(0)), "load_at_end": round(os.getloadavg()[0], 2)},
            "bench_command": shlex.join(["moestream", "bench", "--draft", "DRAFTER", "--prompt", "PROMPT", *common]),
-           "drafters": {k: DRAFTERS[k] for k in args.drafters.split(",")}, "prompts": prompts,
+           "drafters": {k: DRAFTERS[k] for k in args.drafters.split(",")}, "repeats": args.repeats, "prompts": prompts,
            "runs": runs, "summary": summary}
     Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
     for k, v in summary.items():

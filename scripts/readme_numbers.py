@@ -243,7 +243,9 @@ def demo_drafters() -> str:
         rows = [data["summary"][f"{drafter} @ {size}"] for size in ("100%", "25%")]
         parts.append(f"{label} {rows[0]['mean_speedup']:.2f}× / {rows[1]['mean_speedup']:.2f}× "
                      f"(accept rate {rows[0]['accept_rate']:.2f} / {rows[1]['accept_rate']:.2f})")
-    return f"{len(data['prompts'])} held-out prompts, greedy, at 100 % / 25 % cache: " + "; ".join(parts)
+    repeats = data.get("repeats", 1)
+    runs = f", the median of {repeats} interleaved runs each" if repeats > 1 else ""
+    return f"{len(data['prompts'])} held-out prompts{runs}, greedy, at 100 % / 25 % cache: " + "; ".join(parts)
 
 
 

@@ -12,6 +12,7 @@ from moestream.format.reader import PackedModel
 from moestream.kernels.cpu_experts import refusal, repacked_nbytes
 from moestream.layers.kv_cache import KVCache
 from moestream.quant.affine import QuantSpec
+from moestream.quant.mxfp4 import MODE as MXFP4
 
 
 # the CUDA caching allocator rounds blocks up: it reserved 2.5-2.8 % more than the tensors it held
@@ -28,10 +29,12 @@ class Ledger:
     host_tier: int
     read_buffers: int
     cpu_repacked: int = 0  # RAM: the CPU share's repacked copies of the host tier's records (--cpu-experts)
+    unpacked_experts: int = 0  # CPU runs (the device is RAM): dequantized copies of the slots' experts (--unpacked-experts)
 
     @property
     def device_total(self) -> int:
-        return self.resident_weights + self.kv_cache + self.workspace + self.expert_slots + self.read_buffers
+        return (self.resident_weights + self.kv_cache + self.workspace + self.expert_slots + self.read_buffers
+                + self.unpacked_experts)
 
     def to_json(self) -> dict:
         return {**asdict(self), "device_total": self.device_total}
@@ -40,8 +43,10 @@ class Ledger:
         rows = [("resident weights", self.resident_weights), ("KV caches (max context each)", self.kv_cache),
                 ("workspace (estimate)", self.workspace),
                 (f"expert slots ({slots} of {total_experts}, {100 * slots / total_experts:.0f}%)", self.expert_slots),
-                ("read buffers", self.read_buffers), ("device total", self.device_total),
-                ("host tier (RAM)", self.host_tier)]
+                ("read buffers", self.read_buffers)]
+        if self.unpacked_experts:
+            rows.append(("unpacked experts (CPU)", self.unpacked_experts))
+        rows += [("device total", self.device_total), ("host tier (RAM)", self.host_tier)]
         if self.cpu_repacked:
             rows.append(("CPU share: repacked experts (RAM)", self.cpu_repacked))
         return "\n".join(f"  {name:<40} {format_bytes(value):>12}" for name, value in rows)
@@ -72,9 +77,30 @@ def cpu_repacked_bytes(packed: PackedModel, dtype: torch.dtype, host_slots: int)
     return total
 
 
+def unpacked_expert_bytes(packed: PackedModel, dtype: torch.dtype) -> int:
+    """RAM one expert's dequantized gate, up and down matrices take in `dtype` (the largest layer's):
+    what moestream.experts.unpacked keeps per expert."""
+    item = torch.finfo(dtype).bits // 8
+    largest = 0
+    for entry in packed.manifest.expert_layers:
+        quant = {p: QuantSpec.from_json(s) for p, s in entry.quant.items()}
+        by_name = {f.name: f for f in entry.fields}
+        numel = 0
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            rows, cols = by_name[f"{proj}.weight"].shape
+            spec = quant[proj]
+            if spec.mode == MXFP4:  # two codes a byte
+                cols *= 2
+            elif spec.quantized:  # uint32 words of 32 / bits codes
+                cols = cols * 32 // spec.bits
+            numel += rows * cols
+        largest = max(largest, numel * item)
+    return largest
+
+
 def plan_ledger(packed: PackedModel, args, *, dtype: torch.dtype, max_context: int, chunk: int, slots: int,
                 slot_bytes: int, host_slots: int, staging: int, cuda: bool = False, sequences: int = 1,
-                cpu_repacked: int = 0) -> Ledger:
+                cpu_repacked: int = 0, unpacked: int = 0) -> Ledger:
     """sequences: KV caches allocated (one per sequence slot, each for the whole context)."""
     item = torch.finfo(dtype).bits // 8
     kv = sequences * KVCache.bytes_for_layout(args.kv_layout(), max_context, dtype)
@@ -83,7 +109,7 @@ def plan_ledger(packed: PackedModel, args, *, dtype: torch.dtype, max_context: i
         workspace = max(workspace, decode_workspace(args, context=max_context))
     return Ledger(resident_weights=resident_bytes(packed, dtype), kv_cache=kv, workspace=workspace,
                   expert_slots=slots * slot_bytes, host_tier=host_slots * slot_bytes, read_buffers=staging * slot_bytes,
-                  cpu_repacked=cpu_repacked)
+                  cpu_repacked=cpu_repacked, unpacked_experts=unpacked)
 
 
 def prefill_workspace(args, *, tokens: int, context: int, item: int) -> int:

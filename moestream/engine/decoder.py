@@ -128,6 +128,9 @@ class Decoder:
             all(getattr(layer, "takes_slot", lambda: False)() for layer in model.layers)
         # each row's sequence slot as the kernels read it (rows at once over a pool), filled like pos
         self.row_slot = self._rows[2] if self.rows_at_once and pooled else None
+        # the CPU's rows at once: a step of one sequence's T > 1 rows through each layer's cpu_rows
+        self.cpu_rows = rows and not self.cuda and \
+            all(getattr(layer, "takes_cpu_rows", lambda dtype: False)(dtype) for layer in model.layers)
 
     def _mode(self, key) -> dict[int, _Routed]:
         if key not in self._modes:
@@ -231,9 +234,10 @@ class Decoder:
     def _head(self, T: int) -> None:
         if self.cuda:
             self.logits.copy_(self.model.head(self.x))  # [MAX_STEP_TOKENS, V], whatever T
-            return
-        for t in range(T):
-            self.logits[t:t + 1].copy_(self.model.head(self.x[t:t + 1]))
+        elif T == 1:
+            self.logits[:1].copy_(self.model.head(self.x[:1]))
+        else:
+            self.logits[:T].copy_(self.model.rows_head(self.x[:T]))
 
     def _saved_head(self) -> None:
         self.saved_logits.copy_(self.model.head(self.saved_x))
@@ -245,7 +249,7 @@ class Decoder:
         if not 1 <= n <= MAX_STEP_TOKENS:
             raise ValueError(f"head_rows takes 1..{MAX_STEP_TOKENS} rows, not {n}")
         if not self.cuda:
-            return torch.cat([self.model.head(hidden[t:t + 1]).float() for t in range(n)])
+            return self.model.head(hidden) if n == 1 else self.model.rows_head(hidden)
         self.saved_x[:n].copy_(hidden)
         self._replay(("saved-head",), self._saved_head)
         return self.saved_logits[:n]
@@ -310,6 +314,8 @@ class Decoder:
         single = all(s == first for s in slots)
         if self.rows_at_once:
             return self._step_at_once(T, single, head)
+        if self.cpu_rows and single and T > 1:
+            return self._cpu_rows_step(T, positions[0], first, head)
         # a whole-step graph binds the caches of its rows' sequences: one per sequence, and one per
         # arrangement of several sequences' rows once it repeats (a batch that keeps its members);
         # until then such a step runs in segments (graphs per layer, row and sequence, which any
@@ -342,6 +348,32 @@ class Decoder:
         if not head:
             return self.x[:T]
         self._replay(("head",) if self.cuda else ("head", T), lambda: self._head(T))
+        return self.logits[:T]
+
+    def _cpu_rows_step(self, T: int, start: int, slot: int, head: bool) -> torch.Tensor:
+        """step_rows for T > 1 rows of one sequence on the CPU: each layer's attention half once for
+        all rows (DecoderLayer.cpu_rows), then per row its router (or dense FFN), then the layer's
+        experts for all rows; every row's bits those of a step of its own."""
+        self.routed = self._mode("segments")
+        self._start(T)
+        cache = self.caches[slot]
+        for i, layer in enumerate(self.model.layers):
+            with timeline.segment(("attention-rows", i, T)):
+                h, hn = layer.cpu_rows(self.x[:T], start, cache, i)
+                r = self.routed.get(i)
+                for t in range(T):
+                    if r is None:  # a dense FFN layer: finish it here
+                        self.x[t:t + 1].copy_(layer.ffn(hn[t:t + 1], residual=h[t:t + 1]))
+                        continue
+                    for name, value in self._route(i, h[t:t + 1], hn[t:t + 1]).items():
+                        getattr(r, name)[t] = value
+            if r is not None:
+                self._run_experts(i, T)
+        self._after_step()
+        if not head:
+            return self.x[:T]
+        with timeline.segment(("head", T)):
+            self._head(T)
         return self.logits[:T]
 
     def _fill_rows(self, tokens: list[int], positions: list[int], slots: list[int]) -> None:

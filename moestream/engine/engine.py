@@ -95,6 +95,10 @@ class Engine:
                 Lookahead(self.provider, depth=2 if options.prefetch == "two-layers" else 1)
             self.tokenizer = load_tokenizer(packed.directory, packed.config)
             expert_setup.share_with_cpu(self.experts, options, parallel=self.parallel, dtype=self.dtype)
+            if self.plan.unpacked:  # CPU: steps multiply kept dequantized experts (the same bits)
+                from moestream.experts.unpacked import UnpackedExperts
+
+                self.experts.unpacked = UnpackedExperts(self.plan.unpacked, entry_bytes=self.plan.unpacked_bytes)
         except BaseException:
             self.provider.close()
             raise
@@ -451,6 +455,8 @@ class Engine:
             stats.update(self.experts.device_share.stats())
         elif self.experts.cpu is not None:
             stats.update(self.experts.cpu.stats())
+        if self.experts.unpacked is not None:
+            stats.update(self.experts.unpacked.stats())
         return stats
 
     def stats(self) -> dict:

@@ -20,8 +20,8 @@ class EngineOptions:
     prefill_chunk_tokens: int = 2048  # each pass streams the experts it routes to once
     threads: int = 0  # CPU compute threads; 0: torch's default (the CLI resolves it: plan.choose_threads)
     cuda_graphs: bool = True  # CUDA decode steps replay as CUDA graphs (one per step when all experts are resident)
-    # a step's rows: auto (on CUDA, each layer's attention half once for all rows, where the family's
-    # attention allows) or off (row by row)
+    # a step's rows: auto (each layer's attention half once for all rows, where the family's attention
+    # allows: on CUDA any rows, on the CPU one sequence's) or off (row by row)
     step_rows: str = "auto"
     cache_size: str = "auto"
     cache_policy: str = "auto"  # clock, or lfu where the pool is smaller than one token's experts
@@ -53,6 +53,8 @@ class EngineOptions:
     # the CPU computes a share of each streamed layer's misses from host RAM: "off", "auto" or "0".."1"
     cpu_experts: str = "off"
     cpu_experts_timeout: float = 1.0  # seconds a layer waits for its CPU share before loading those experts
+    # CPU runs: dequantized copies of the experts in the slots, kept (moestream.experts.unpacked): auto, 0, or a size
+    unpacked_experts: str = "auto"
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, environ: dict | None = None) -> "EngineOptions":
@@ -80,10 +82,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="run decode steps without CUDA graphs (on CUDA they are on by default)")
     g.add_argument("--step-rows", default="auto", choices=["auto", "off"],
-                   help="steps of several tokens or sequences on CUDA: auto (each layer's attention half once for "
+                   help="steps of several tokens or sequences: auto (on CUDA each layer's attention half once for "
                         "all rows, products over a fixed 16-row tile, one CUDA graph per row count whatever "
-                        "sequences the rows come from; families with plain attention) or off (row by row). "
-                        "Each row's bits never depend on the rows beside it either way")
+                        "sequences the rows come from; on the CPU one sequence's rows through each layer's "
+                        "attention half and the head at once, batched one-row products; families with plain "
+                        "attention) or off (row by row). Each row's bits never depend on the rows beside it "
+                        "either way")
     c = parser.add_argument_group("expert cache")
     c.add_argument("--cache-size", default="auto",
                    help="device expert slots: bytes (4GiB), a share of all experts (25%%), min, all; "
@@ -135,6 +139,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "within the dtype's tolerance of off, not bit for bit")
     c.add_argument("--cpu-experts-timeout", type=positive_float, default=1.0, metavar="SECONDS",
                    help="a layer waits this long for its CPU share, then computes those experts on the device (default 1)")
+    c.add_argument("--unpacked-experts", type=unpacked_arg, default="auto", metavar="auto|0|SIZE",
+                   help="CPU runs: keep the dequantized matrices of up to SIZE of the experts in the slots (bytes, or a "
+                        "share of all experts as --cache-size takes it), so a step multiplies instead of unpacking "
+                        "4-bit codes; the same bits either way. Default auto: what fits in a quarter of the memory "
+                        "budget (or of free RAM), at most one per slot; 0: none")
     c.add_argument("--trace-routing", default=None, metavar="FILE", help="record (layer, position, experts) of every token to FILE (.npz)")
 
 
@@ -154,3 +163,26 @@ def cpu_share_arg(text: str) -> str:
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return value if isinstance(value, str) else repr(value)
+
+
+def unpacked_arg(text: str) -> str:
+    """--unpacked-experts: auto, 0 (none), a share of all experts (25%), all, or bytes (4GiB)."""
+    from moestream.errors import MoestreamError
+    from moestream.experts.sizing import parse_bytes
+
+    value = text.strip().lower()
+    if value in ("auto", "0", "none", "off", "all", "max", "min"):
+        return value
+    if value.endswith("%"):
+        try:
+            share = float(value[:-1])
+        except ValueError:
+            share = -1.0
+        if not 0 < share <= 100:
+            raise argparse.ArgumentTypeError(f"a share must be in (0%, 100%], not {text}")
+        return value
+    try:
+        parse_bytes(value)
+    except MoestreamError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value

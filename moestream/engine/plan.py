@@ -9,7 +9,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from moestream.engine.budget import Ledger, cpu_repacked_bytes, plan_ledger, slots_within
+from moestream.engine.budget import Ledger, cpu_repacked_bytes, plan_ledger, slots_within, unpacked_expert_bytes
 from moestream.engine.options import EngineOptions
 from moestream.errors import MoestreamError
 from moestream.experts.sizing import parse_bytes, slots_for
@@ -23,6 +23,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 MAX_DEFAULT_CONTEXT = 32768
 # under --memory-budget without --max-context: a KV cache for 8k tokens leaves the rest to experts
 BUDGET_DEFAULT_CONTEXT = 8192
+# --unpacked-experts auto: on the CPU, at most this share of the memory budget (or of free RAM)
+UNPACKED_SHARE = 0.25
 # under --memory-budget the prefill chunk is halved until its workspace takes at most this share
 BUDGET_WORKSPACE_SHARE = 0.08
 MIN_BUDGET_CHUNK = 128
@@ -42,6 +44,8 @@ class RunPlan:
     staging: int
     ledger: Ledger
     prefill_chunk: int = 2048  # prompt tokens per prefill pass (a memory budget may lower it)
+    unpacked: int = 0  # experts whose dequantized copies the CPU keeps (moestream.experts.unpacked)
+    unpacked_bytes: int = 0  # one such copy's bytes
     cache_policy: str = "clock"  # the device cache's policy, "auto" resolved
 
     def describe(self) -> str:
@@ -111,11 +115,14 @@ def plan_run(packed: PackedModel, options: EngineOptions, *, default_cache_size:
 
     chunk = options.prefill_chunk_tokens
     cpu_repacked = cpu_repacked_bytes(packed, dtype, host_slots) if options.cpu_experts != "off" else 0
+    unpacked_bytes = unpacked_expert_bytes(packed, dtype)
+    most_unpacked = unpacked_limit(options, device, unpacked_bytes=unpacked_bytes, total_experts=total)
 
-    def ledger(slots: int) -> Ledger:
+    def ledger(slots: int, unpacked: int = most_unpacked) -> Ledger:
         return plan_ledger(packed, args, dtype=dtype, max_context=max_context, chunk=chunk,
                            slots=slots, slot_bytes=slot_bytes, host_slots=host_slots, staging=staging,
-                           cuda=device.type == "cuda", sequences=options.max_sequences, cpu_repacked=cpu_repacked)
+                           cuda=device.type == "cuda", sequences=options.max_sequences, cpu_repacked=cpu_repacked,
+                           unpacked=min(slots, unpacked) * unpacked_bytes if slots else unpacked * unpacked_bytes)
 
     size = options.cache_size if options.cache_size != "auto" else default_cache_size
     if options.memory_budget:
@@ -133,9 +140,25 @@ def plan_run(packed: PackedModel, options: EngineOptions, *, default_cache_size:
     working_set = args.num_experts_per_tok * len(layers)  # (layer, expert) pairs one token touches
     return RunPlan(device=device, dtype=dtype, max_context=max_context, slots=slots, host_slots=host_slots,
                    slot_bytes=slot_bytes, total_experts=total, min_slots=floor, staging=staging, ledger=ledger(slots),
-                   prefill_chunk=chunk,
+                   prefill_chunk=chunk, unpacked=min(slots, most_unpacked), unpacked_bytes=unpacked_bytes,
                    cache_policy=resolve_policy(options.cache_policy, slots=slots, working_set=working_set,
                                                partition=options.cache_partition))
+
+
+def unpacked_limit(options: EngineOptions, device: torch.device, *, unpacked_bytes: int, total_experts: int) -> int:
+    """Experts whose dequantized copies a CPU run may keep (--unpacked-experts; the slots bound it
+    too): none on CUDA or with "0"; "auto": what fits in UNPACKED_SHARE of the memory budget (or of
+    free RAM); else a size as --cache-size takes it (bytes, a share of all experts, all)."""
+    text = options.unpacked_experts.strip().lower()
+    if device.type != "cpu" or text in ("0", "none", "off") or unpacked_bytes <= 0:
+        return 0
+    if text == "auto":
+        room = parse_bytes(options.memory_budget) if options.memory_budget else free_memory(device)
+        return min(total_experts, int(room * UNPACKED_SHARE) // unpacked_bytes)
+    try:
+        return slots_for(text, slot_bytes=unpacked_bytes, total_experts=total_experts, min_slots=0, flag="--unpacked-experts")
+    except MoestreamError as exc:
+        raise MoestreamError(str(exc) if "--unpacked-experts" in str(exc) else f"--unpacked-experts: {exc}") from None
 
 
 def resolve_policy(name: str, *, slots: int, working_set: int, partition: str) -> str:

@@ -106,7 +106,7 @@ def runs_on_cpu(device: str | None) -> bool:
 def auto_draft(model_dir: str | Path | None, *, on_cpu: bool = False) -> tuple[str, str | None]:
     """The best drafter measured for where the run computes: on the CPU prompt lookup (ngram), since
     there each drafted token makes a verification step dearer and a draft model's own steps cost
-    more than they save (docs/PERFORMANCE.md: the demo's draft model 0.89x, ngram 1.19-1.31x); on a
+    more than they save (docs/PERFORMANCE.md: the demo's draft model 0.95-1.00x, ngram 1.42-1.73x); on a
     GPU the model's shipped draft model (its draft/ folder) where there is one, else off."""
     from moestream.engine.engine import DEMO_MODEL
     from moestream.engine.draft_choice import shipped_draft

@@ -20,6 +20,28 @@ def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Te
     return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
 
 
+# A row of torch.bmm over [n, 1, K] rows against one stored matrix is the very BLAS call F.linear
+# makes for that row alone (one-row gemm per batch item; measured equal on MKL for every shape tried,
+# tests/unit/test_rows_exact.py). torch computes products under 400 multiply-adds with its own loop,
+# and bf16/fp16 through oneDNN, so there the rows are computed one by one.
+SMALL_PRODUCT = 400
+
+
+def rows_exact(dtype: torch.dtype, inputs: int, outputs: int) -> bool:
+    """Whether `rows_linear` gives each row F.linear's bits for that row alone (CPU, this dtype and shape)."""
+    return dtype == torch.float32 and inputs * outputs >= SMALL_PRODUCT
+
+
+def rows_linear(x: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [n, K] @ weight [N, K]^T -> [n, 1, N] with, row by row, the bits of F.linear(x[i:i+1], weight)
+    (where `rows_exact`): a step's rows share one call but never each other's rounding."""
+    n, K = x.shape
+    if n == 1:  # F.linear's own call (mm), without the batched call's overhead
+        y = torch.mm(x, weight.t(), out=None if out is None else out.view(1, -1))
+        return y.view(1, 1, -1)
+    return torch.bmm(x.unsqueeze(1), weight.t().expand(n, K, weight.shape[0]), out=out)
+
+
 def projection(tensors: dict[str, torch.Tensor], proj: str, spec: QuantSpec, dtype: torch.dtype) -> torch.Tensor:
     """One projection of a record as a float [out, in] matrix in `dtype`."""
     if spec.mode == mxfp4.MODE:  # exact: every e2m1 value times a power of two

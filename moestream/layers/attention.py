@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from moestream.kernels.reference import rows_exact, rows_linear
 from moestream.layers.kv_cache import KVCache
 from moestream.layers.norm import rms_norm
 from moestream.layers.rope import Rope, apply_rope
@@ -161,6 +162,48 @@ class Attention:
                                   q_norm=w.q_norm if head else None, k_norm=w.k_norm if head else None, eps=self.eps,
                                   slot=slot)
         return F.linear(td.decode_attention_rows(q, keys, values, pos[:T], out_rows=x.shape[0], slot=slot), w.o)
+
+    def takes_cpu_rows(self, dtype: torch.dtype) -> bool:
+        """Whether `cpu_rows` gives every row `step`'s bits: plain attention, q/k/v in one unbiased
+        matrix, no output bias, and products `rows_exact` takes."""
+        w = self.w
+        if not self.plain or not isinstance(self.rope, Rope) or w.qkv is None or w.qkv_bias is not None or \
+                w.o_bias is not None:
+            return False
+        return rows_exact(dtype, w.qkv.shape[1], w.qkv.shape[0]) and rows_exact(dtype, w.o.shape[1], w.o.shape[0])
+
+    def cpu_rows(self, x: torch.Tensor, start: int, cache: KVCache, layer: int) -> torch.Tensor:
+        """T tokens x [T, H] (normed) at positions start.. of one sequence on the CPU (`takes_cpu_rows`),
+        each row with the bits `step` gives it alone: its products are one-row products batched
+        (`rows_linear`), its norms and rotary work row by row alike, and each row attends alone to
+        the keys up to its own position, as the row-by-row step does."""
+        w, T, D = self.w, x.shape[0], self.head_dim
+        qkv = rows_linear(x, w.qkv).view(T, -1)
+        nq, nkv = self.num_heads * D, self.num_kv_heads * D
+        q, k, v = qkv[:, :nq], qkv[:, nq:nq + nkv], qkv[:, nq + nkv:]
+        if self.qk_norm == "full":
+            q, k = rms_norm(q, w.q_norm, self.eps), rms_norm(k, w.k_norm, self.eps)
+        if self.clip_qkv is not None:
+            q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
+        q, k = q.reshape(T, self.num_heads, D), k.reshape(T, self.num_kv_heads, D)
+        if self.qk_norm == "head":
+            q, k = rms_norm(q, w.q_norm, self.eps), rms_norm(k, w.k_norm, self.eps)
+        cos, sin = self.rope.rows_cos_sin(start, T, x.dtype)
+        q = apply_rope(q.transpose(0, 1), cos, sin)  # [Nq, T, D]
+        k = apply_rope(k.transpose(0, 1), cos, sin)  # [Nkv, T, D]
+        v = v.reshape(T, self.num_kv_heads, D).transpose(0, 1)
+        keys, values = cache.update(layer, start, k, v)  # [Nkv, start + T, D]
+        groups = self.num_heads // self.num_kv_heads
+        if groups > 1:
+            keys = keys.repeat_interleave(groups, dim=0)
+            values = values.repeat_interleave(groups, dim=0)
+        out = x.new_empty((T, nq))
+        with sdpa_kernel(SDPA_BACKENDS):
+            for t in range(T):  # row t sees keys 0 .. start + t
+                end = start + t + 1
+                a = F.scaled_dot_product_attention(q[None, :, t:t + 1].contiguous(), keys[None, :, :end], values[None, :, :end])
+                out[t] = a[0].transpose(0, 1).reshape(nq)
+        return rows_linear(out, w.o).view(T, -1)
 
     def step(self, x: torch.Tensor, pos: torch.Tensor, cache: KVCache, layer: int) -> torch.Tensor:
         """One token x [1, H] at position `pos` (a one-element tensor on x's device). On CUDA it reads

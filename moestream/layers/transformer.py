@@ -13,6 +13,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from moestream.kernels.reference import rows_exact, rows_linear
 from moestream.layers.attention import Attention
 from moestream.layers.kv_cache import KVCache
 from moestream.layers.norm import rms_norm
@@ -58,6 +59,16 @@ class DecoderLayer:
         a = self.attn.rows(td.rms_norm(x, self.input_norm, self.eps), pos, cache, layer, T, slot=slot)
         return td.add_rms_norm(x, a, self.post_norm, self.eps)
 
+    def takes_cpu_rows(self, dtype: torch.dtype) -> bool:
+        """Whether cpu_rows can run (Attention.takes_cpu_rows)."""
+        return isinstance(self.attn, Attention) and self.attn.takes_cpu_rows(dtype)
+
+    def cpu_rows(self, x: torch.Tensor, start: int, cache: KVCache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """attention_step for T tokens x [T, H] at positions start.. of one sequence at once, on the
+        CPU (Attention.cpu_rows): (h, hn) [T, H], each row's bits those it gets in a step of its own."""
+        h = x + self.attn.cpu_rows(rms_norm(x, self.input_norm, self.eps), start, cache, layer)
+        return h, rms_norm(h, self.post_norm, self.eps)
+
     def takes_slot(self) -> bool:
         """Whether attention_rows can run (each row's sequence slot a device value)."""
         return isinstance(self.attn, Attention) and self.attn.takes_slot()
@@ -97,6 +108,15 @@ class MoETransformer:
         td = _fused_norms() if x.is_cuda and x.shape[0] == 1 else None
         normed = td.rms_norm(x, self.final_norm, self.eps) if td is not None else rms_norm(x, self.final_norm, self.eps)
         return F.linear(normed, self.lm_head).to(torch.float32)
+
+    def rows_head(self, x: torch.Tensor) -> torch.Tensor:
+        """head for rows x [T, H] on the CPU, each row with the bits `head` gives it alone: one
+        batched call of one-row products where `rows_exact` allows (a family's own head: row by row)."""
+        if type(self).head is MoETransformer.head and not x.is_cuda and \
+                rows_exact(x.dtype, self.lm_head.shape[1], self.lm_head.shape[0]):
+            normed = rms_norm(x, self.final_norm, self.eps)
+            return rows_linear(normed, self.lm_head).view(x.shape[0], -1).to(torch.float32)
+        return torch.cat([self.head(x[t:t + 1]) for t in range(x.shape[0])])
 
     def forward(self, ids: torch.Tensor, start: int, cache: KVCache, *, all_logits: bool = False) -> torch.Tensor:
         """A prefill chunk: ids [T] at positions start.. -> logits [T, V] (or [1, V] for the last

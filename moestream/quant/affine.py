@@ -122,11 +122,62 @@ def unpack(weight: torch.Tensor, bits: int) -> torch.Tensor:
     return codes.reshape(words.shape[0], -1)
 
 
+def float_codes(weight: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint32/int32 [O, W] -> the codes as float32 [O, W*32/b] (unpack's values, exactly). On the CPU
+    4- and 8-bit codes are read through bytes (a word's bytes in memory order hold its codes in
+    order on little-endian CPUs): a few operations instead of a shift per code lane."""
+    if weight.device.type != "cpu" or bits not in (4, 8):
+        return unpack(weight, bits).to(torch.float32)
+    raw = weight.contiguous().view(torch.uint8)  # [O, W*4]
+    if bits == 8:
+        return raw.to(torch.float32)
+    codes = torch.empty((*raw.shape, 2), dtype=torch.float32)  # byte k: codes 2k (low nibble), 2k + 1
+    codes[..., 0] = raw & 15
+    codes[..., 1] = raw >> 4
+    return codes.view(raw.shape[0], -1)
+
+
 def dequantize(weight: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, bits: int, group_size: int,
                dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """w = q * scale + bias, computed in float32, returned as [O, I] in `dtype`."""
-    codes = unpack(weight, bits).to(torch.float32)
+    codes = float_codes(weight, bits)
     out_features = codes.shape[0]
     grouped = codes.reshape(out_features, -1, group_size)
     w = grouped * scales.to(torch.float32)[..., None] + biases.to(torch.float32)[..., None]
     return w.reshape(out_features, -1).to(dtype)
+
+
+def dequantize_many(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], bits: int, group_size: int,
+                    dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
+    """`dequantize` of several (weight, scales, biases) of one bit width and group size at once
+    (an expert's gate, up and down): every group's w = q * scale + bias is the same float32
+    arithmetic whatever matrix it belongs to, so one multiply and one add serve all of them and
+    each result has `dequantize`'s bits. Returns views of one tensor."""
+    shapes = [(w.shape[0], w.shape[1] * 32 // bits) for w, _, _ in parts]
+    codes = torch.empty(sum(o * i for o, i in shapes), dtype=torch.float32, device=parts[0][0].device)
+    at = 0
+    for (w, _, _), (o, i) in zip(parts, shapes):
+        if w.device.type == "cpu" and bits in (4, 8):
+            _codes_into(w, bits, codes[at:at + o * i])
+        else:
+            codes[at:at + o * i].view(o, i).copy_(float_codes(w, bits))
+        at += o * i
+    scales = torch.cat([s.reshape(-1) for _, s, _ in parts]).to(torch.float32)
+    biases = torch.cat([b.reshape(-1) for _, _, b in parts]).to(torch.float32)
+    w = codes.view(-1, group_size).mul_(scales[:, None]).add_(biases[:, None]).to(dtype).view(-1)  # in place: one buffer
+    out, at = [], 0
+    for o, i in shapes:
+        out.append(w[at:at + o * i].view(o, i))
+        at += o * i
+    return out
+
+
+def _codes_into(weight: torch.Tensor, bits: int, out: torch.Tensor) -> None:
+    """float_codes(weight, bits) written into the flat float32 `out` (CPU, 4 or 8 bits)."""
+    raw = weight.contiguous().view(torch.uint8).view(-1)
+    if bits == 8:
+        out.copy_(raw)
+        return
+    pairs = out.view(-1, 2)
+    pairs[:, 0] = raw & 15
+    pairs[:, 1] = raw >> 4

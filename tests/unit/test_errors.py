@@ -70,6 +70,8 @@ CASES = [
      "moestream generate: error: argument --cpu-experts-timeout: must be more than 0, not 0"),
     ("generate", "--devices cpu,cpu --cpu-experts auto", 2,
      "moestream generate: error: argument --cpu-experts: not with expert parallelism (--devices, torchrun)"),
+    ("generate", "--unpacked-experts lots", 2,
+     "moestream generate: error: argument --unpacked-experts: cannot read size 'lots' (examples: 4GiB, 512MB, 1000000)"),
     ("generate", "--lookahead-maps {missing}/m.safetensors", 2,
      "moestream generate: error: argument --lookahead-maps: no such file: {missing}/m.safetensors"),
     ("bench", "--cpu-experts fast", 2,
