@@ -10,23 +10,20 @@ T one-token steps dashed for reference."""
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from moestream.bench.labelled_runs import labelled_runs  # noqa: E402
 
 
 def lines(spec: str) -> list[tuple[str, list[int], list[float]]]:
     """[(label, T values, ms)] of every run with step costs in LABEL=FILE."""
-    label, sep, path = spec.partition("=")
-    if not sep:
-        raise SystemExit(f"plot_step_costs: --run {spec!r}: expected LABEL=FILE")
-    try:
-        runs = json.loads(Path(path).read_text())["runs"]
-    except (OSError, ValueError, KeyError) as exc:
-        raise SystemExit(f"plot_step_costs: {path}: not a bench JSON with runs ({exc})")
+    label, runs = labelled_runs(spec, "plot_step_costs")
     found = [r for r in runs if "step_cost" in r]
     if not found:
-        raise SystemExit(f"plot_step_costs: {path}: no run has step costs (bench --step-tokens)")
+        raise SystemExit(f"plot_step_costs: {spec.partition('=')[2]}: no run has step costs (bench --step-tokens)")
     out = []
     for run in found:
         ms = run["step_cost"]["step_ms"]
