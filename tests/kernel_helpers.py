@@ -10,7 +10,7 @@ import torch
 
 from moestream.format.records import encode_record, plan_record
 from moestream.kernels.reference import BIASED_ACTIVATIONS
-from moestream.layers.experts import TorchPlan
+from moestream.layers.torch_experts import TorchPlan
 from moestream.quant import mxfp4
 from moestream.quant.affine import QuantSpec
 

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from moestream.errors import MoestreamError
-from moestream.layers.experts import TorchPlan
+from moestream.layers.torch_experts import TorchPlan
 
 
 class ExpertParallelError(MoestreamError):

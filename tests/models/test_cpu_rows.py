@@ -10,7 +10,7 @@ from moestream.engine.engine import DEMO_MODEL, Engine
 from moestream.engine.options import EngineOptions
 from moestream.engine.speculative import NGramDrafter, SpeculativeOptions
 from moestream.engine.types import SamplingParams
-from moestream.layers.experts import TorchPlan
+from moestream.layers.torch_experts import TorchPlan
 from moestream.layers.transformer import MoETransformer
 from moestream.quant import affine
 

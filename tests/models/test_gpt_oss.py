@@ -9,7 +9,7 @@ from safetensors.torch import save_file
 from moestream.convert.main import convert
 from moestream.errors import MoestreamError
 from moestream.format.reader import PackedModel
-from moestream.layers.experts import activation_of
+from moestream.layers.torch_experts import activation_of
 from moestream.models import gpt_oss
 from moestream.quant.affine import QuantSpec
 from tests.tiny import FAMILY_CONFIGS, load_all
