@@ -4,8 +4,9 @@
 # partial cache; SERVER_TOKENS=32 at all: the short requests again on this build), drafters (--cache-sizes 100%,25%,
 # both drafters: the draft model's policy must keep it at or above plain), cpu-share (--cpu-experts auto at 25 %
 # uniform), tuned-kernels (TUNED_BITS=4,8: the kernel table with the swept grouped defaults, 8-bit included),
+# profile (the 512-token prefill's host time after the kernel rebuild: ~68 ms a call against ~33 ms of GPU work),
 # tests (the CPU rows-at-once and unpacked-experts changes touch no CUDA path; the kernel split into
-# triton_grouped/triton_expert_math: test_kernels, test_mxfp4_kernels_cuda, test_decoder).
+# triton_grouped/triton_expert_math and torch_experts: test_kernels, test_mxfp4_kernels_cuda, test_decoder).
 # Start the q30 synth in the background first (`python3 -m moestream synth --shape qwen3-30b-a3b
 # /tmp/q30 --force & SP=$!` ... `wait $SP`: never wait with pgrep -f, which matches its own command).
 # Usage: scripts/gpu/run_pending.sh OUTDIR PART...
