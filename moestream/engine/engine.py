@@ -108,6 +108,10 @@ class Engine:
         self.caches = self.sequences.caches
         self.decoder = Decoder(self.model, self.caches, self.experts, graphs=options.cuda_graphs, lookahead=lookahead,
                                maps=self.guess_maps, rows=options.step_rows != "off")
+        if options.prefill_kernels == "fused" and self.device.type == "cuda":  # layers whose attention allows it
+            for layer in self.model.layers:
+                if getattr(layer, "takes_fused_prefill", lambda: False)():
+                    layer.fused_prefill = True
         self._resident_checked = False
         self._warmed: set[int] = set()  # row counts whose step graphs warm_steps captured
         # sees the final residual stream (before the final norm) of every position slot 0 computes:

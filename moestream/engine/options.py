@@ -41,6 +41,8 @@ class EngineOptions:
     # after a prefill, give its transient device memory back (release) or keep it for the next prompt (keep);
     # auto: release under a memory budget (decode then holds only what it needs), else keep
     prefill_workspace: str = "auto"
+    # the prefill's attention half: torch ops (torch) or the decode step's fused Triton kernels (fused; CUDA)
+    prefill_kernels: str = "torch"
     verify: bool = True  # crc32 of every expert record read, sha256 of the resident files at load
     verify_cache_dir: str | None = None  # where resident files' digests are remembered; None: ~/.cache/moestream
     trace_routing: str | None = None
@@ -124,6 +126,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "MODEL/lookahead.safetensors where it exists), none (the plain routers), or a file; they "
                         "change which copies start early, never the output")
     c.add_argument("--memory-budget", default=None, metavar="SIZE", help="size everything to fit SIZE of device memory; refuse if impossible")
+    g.add_argument("--prefill-kernels", default="torch", choices=["torch", "fused"],
+                   help="a prefill's attention half on CUDA: torch ops (default), or the decode step's fused Triton "
+                        "kernels (norms, q/k norms + rotary + K/V write in one launch per layer; families with plain "
+                        "attention): fewer launches, the same tokens within the dtype's tolerance; not yet timed")
     c.add_argument("--prefill-workspace", default="auto", choices=["auto", "keep", "release"],
                    help="a prefill's transient device memory (activations of a chunk, the expert kernels' scratch): "
                         "release gives it back after each prefill (decode holds only what it needs; the next prompt "

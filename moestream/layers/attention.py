@@ -117,15 +117,25 @@ class Attention:
         k = apply_rope(k.transpose(0, 1), cos, sin)  # [Nkv, T, D]
         v = v.view(T, self.num_kv_heads, self.head_dim).transpose(0, 1)
         keys, values = cache.update(layer, start, k, v)  # [Nkv, S, D], S = start + T
-        groups = self.num_heads // self.num_kv_heads
-        if groups > 1:
-            keys = keys.repeat_interleave(groups, dim=0)
-            values = values.repeat_interleave(groups, dim=0)
         if not self.plain:  # the KV cache stays full length; the window is a mask
+            groups = self.num_heads // self.num_kv_heads
+            if groups > 1:
+                keys = keys.repeat_interleave(groups, dim=0)
+                values = values.repeat_interleave(groups, dim=0)
             positions = torch.arange(keys.shape[1], device=x.device)
             mask = visible(positions[start:], positions, self.window)
             out = attend_with_sinks(q, keys, values, mask, self.w.sinks)
             return F.linear(out.transpose(0, 1).reshape(T, self.num_heads * self.head_dim), w.o, w.o_bias)
+        return self._attend(q, keys, values, start)
+
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int) -> torch.Tensor:
+        """Plain causal attention of q [Nq, T, D] (positions start..) over keys/values [Nkv or Nq, S, D],
+        S = start + T, then the output projection: [T, H]."""
+        T = q.shape[1]
+        groups = self.num_heads // keys.shape[0]
+        if groups > 1:
+            keys = keys.repeat_interleave(groups, dim=0)
+            values = values.repeat_interleave(groups, dim=0)
         with sdpa_kernel(SDPA_BACKENDS):
             if T == 1:
                 out = F.scaled_dot_product_attention(q[None], keys[None], values[None])
@@ -133,10 +143,26 @@ class Attention:
                 out = F.scaled_dot_product_attention(q[None], keys[None], values[None], is_causal=True)
             else:  # a later prefill chunk: row i sees keys 0 .. start+i
                 S = keys.shape[1]
-                mask = torch.arange(S, device=x.device)[None, :] <= (start + torch.arange(T, device=x.device))[:, None]
+                mask = torch.arange(S, device=q.device)[None, :] <= (start + torch.arange(T, device=q.device))[:, None]
                 out = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask)
         out = out[0].transpose(0, 1).reshape(T, self.num_heads * self.head_dim)
-        return F.linear(out, w.o, w.o_bias)
+        return F.linear(out, self.w.o, self.w.o_bias)
+
+    def prefill_rows(self, x: torch.Tensor, start: int, cache: KVCache, layer: int) -> torch.Tensor:
+        """`__call__` for a prefill chunk x [T, H] (normed) at positions start.. on the decode step's fused
+        kernels (`takes_slot`; CUDA): one q/k/v product, then the q/k norms, rotary and K/V write of all
+        T rows in one launch (rope_qk_store_rows), then the same attention. Within the dtype's tolerance
+        of `__call__` (the kernels reduce in another order), the same for every cache size."""
+        td = _fused_kernels()
+        if not self.takes_slot() or not (x.is_cuda or td._INTERPRETED):
+            raise ValueError("a fused prefill needs CUDA, the fused kernels and plain attention")
+        w, T, head = self.w, x.shape[0], self.qk_norm == "head"
+        keys, values = cache.keys[layer], cache.values[layer]
+        q, k, v = self._project(x, td.rms_norm, fused=True)
+        pos = torch.arange(start, start + T, device=x.device)
+        q = td.rope_qk_store_rows(q, k, v, pos, self.rope.inv_freq, keys, values, q_norm=w.q_norm if head else None,
+                                  k_norm=w.k_norm if head else None, eps=self.eps)  # [T, Nq, D]
+        return self._attend(q.transpose(0, 1), keys[:, :start + T], values[:, :start + T], start)
 
     def takes_slot(self) -> bool:
         """Whether `rows` can run (the fused kernels; each row's sequence slot as a device value)."""

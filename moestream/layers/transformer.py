@@ -35,10 +35,21 @@ class DecoderLayer:
     input_norm: torch.Tensor
     post_norm: torch.Tensor
     eps: float
+    fused_prefill: bool = False  # the prefill's attention half on the fused kernels (--prefill-kernels fused)
 
     def __call__(self, x, cos, sin, cache: KVCache, layer: int, start: int) -> torch.Tensor:
+        if self.fused_prefill:  # the norms, q/k norms, rotary and K/V write as a decode step runs them
+            td = _fused_norms()
+            a = self.attn.prefill_rows(td.rms_norm(x, self.input_norm, self.eps), start, cache, layer)
+            h, hn = td.add_rms_norm(x, a, self.post_norm, self.eps)
+            return self.ffn(hn, residual=h)
         h = x + self.attn(rms_norm(x, self.input_norm, self.eps), cos, sin, cache, layer, start)
         return self.ffn(rms_norm(h, self.post_norm, self.eps), residual=h)
+
+    def takes_fused_prefill(self) -> bool:
+        """Whether `fused_prefill` can be set: this class's own prefill, with attention that `prefill_rows`
+        computes."""
+        return type(self).__call__ is DecoderLayer.__call__ and self.takes_slot()
 
     def attention_step(self, x: torch.Tensor, pos: torch.Tensor, cache: KVCache,
                        layer: int) -> tuple[torch.Tensor, torch.Tensor]:

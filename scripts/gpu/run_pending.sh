@@ -5,6 +5,7 @@
 # both drafters: the draft model's policy must keep it at or above plain), cpu-share (--cpu-experts auto at 25 %
 # uniform), tuned-kernels (TUNED_BITS=4,8: the kernel table with the swept grouped defaults, 8-bit included),
 # profile (the 512-token prefill's host time after the kernel rebuild: ~68 ms a call against ~33 ms of GPU work),
+# fused prefill (test_fused_prefill_cuda, then the resident bench with --prefill-kernels torch and fused: 128..8192),
 # tests (the CPU rows-at-once and unpacked-experts changes touch no CUDA path; the kernel split into
 # triton_grouped/triton_expert_math and torch_experts: test_kernels, test_mxfp4_kernels_cuda, test_decoder).
 # Start the q30 synth in the background first (`python3 -m moestream synth --shape qwen3-30b-a3b
@@ -16,6 +17,7 @@
 #   sweep:    the expert kernels' block sizes tried at the 30B shape (scripts/bench_kernels.py --sweep); the
 #             grouped ones (SWEEP_TOKENS=512,2048) with uniform and skewed routing; best into /tmp/best-config.json
 #   tuned:    resident bench with the default block sizes, then with the sweep's (its best-config.json, else /tmp's)
+#   fused-prefill: test_fused_prefill_cuda, then resident prefill with --prefill-kernels torch, then fused
 #   workspace: resident prefill at 128..8192 tokens with --prefill-workspace keep, then release
 #   tuned-kernels: the kernel table (4 and 8 bits) with the sweep's block sizes, and the kernel tests with them
 #   tests:    the GPU tests written or changed since the last GPU run (one pytest, TESTS_LIMIT seconds in all;
@@ -76,6 +78,15 @@ for part in "$@"; do
     for mode in ${WORKSPACE_MODES:-keep release}; do
       bench "resident-workspace-$mode" 120 --cache-sizes all --prefill-tokens ${PREFILL_LENGTHS:-128,512,2048,8192} \
         --prefill-workspace $mode
+    done ;;
+  fused-prefill)  # --prefill-kernels fused: its GPU tests, then resident prefill at every length against torch
+    timeout -s ABRT 120 python3 -m pytest tests/gpu/test_fused_prefill_cuda.py -q -p no:cacheprovider -rfE \
+      > "$out/fused-prefill-tests.log" 2>&1
+    say fused-prefill-tests "rc=$?"; grep -E "passed|failed|FAILED|ERROR" "$out/fused-prefill-tests.log" | tail -4
+    synth
+    for kernels in torch fused; do
+      bench "resident-prefill-$kernels" 120 --cache-sizes all --prefill-tokens ${PREFILL_LENGTHS:-128,512,2048,8192} \
+        --prefill-kernels $kernels
     done ;;
   tuned-kernels)  # the kernel table with the sweep's block sizes (the sweep part's table has the defaults), their tests
     best=${BEST:-$out/best-config.json}; [ -f "$best" ] || best=/tmp/best-config.json

@@ -339,6 +339,62 @@ def test_a_layers_rows_at_once_match_the_attention_layer(td, qk_norm):
     assert relative_error(cache.keys[1, :, :11], ref_cache.keys[1, :, :11]) < TOL[torch.float32]
 
 
+@pytest.mark.parametrize("qk_norm", [None, "head", "full"])
+def test_a_fused_prefill_matches_the_attention_layer(td, qk_norm):
+    """Attention.prefill_rows (--prefill-kernels fused): a prompt in two chunks (the second attending to
+    the first through the cache) against the layer's own prefill, and the same cache."""
+    H, Nq, Nkv, D, max_tokens = 64, 4, 2, 16, 48
+    g = gen(17)
+    w = AttentionWeights(q=randn(Nq * D, H, g=g) / 8, k=randn(Nkv * D, H, g=g) / 8, v=randn(Nkv * D, H, g=g) / 8,
+                         o=randn(H, Nq * D, g=g) / 8)
+    if qk_norm == "head":
+        w.q_norm, w.k_norm = 1 + randn(D, g=g) / 4, 1 + randn(D, g=g) / 4
+    if qk_norm == "full":
+        w.q_norm, w.k_norm = 1 + randn(Nq * D, g=g) / 4, 1 + randn(Nkv * D, g=g) / 4
+    w.fuse_qkv()
+    rope = Rope(D, THETA, torch.device("cpu"))
+    attn = Attention(w, rope, num_heads=Nq, num_kv_heads=Nkv, head_dim=D, qk_norm=qk_norm, eps=EPS)
+    ref_cache, cache = (KVCache(2, Nkv, D, max_tokens, dtype=torch.float32, device=torch.device("cpu"))
+                        for _ in range(2))
+    x = randn(16, H, g=g)
+    for start, end in ((0, 11), (11, 16)):
+        cos, sin = rope.cos_sin(torch.arange(start, end), torch.float32)
+        ref = attn(x[start:end], cos, sin, ref_cache, 1, start)
+        out = attn.prefill_rows(x[start:end], start, cache, 1)
+        assert out.shape == ref.shape
+        assert relative_error(out, ref) < TOL[torch.float32]
+    assert relative_error(cache.keys[1, :, :16], ref_cache.keys[1, :, :16]) < TOL[torch.float32]
+    assert torch.equal(cache.values[1, :, :16], ref_cache.values[1, :, :16])
+
+
+def test_a_decoder_layer_with_a_fused_prefill_matches_its_torch_prefill(td):
+    """DecoderLayer.fused_prefill: the input norm, the fused attention half and the residual add with the
+    post norm (one kernel) give the layer's torch prefill, the FFN fed the same way."""
+    from moestream.layers.transformer import DecoderLayer
+
+    H, Nq, Nkv, D = 64, 4, 2, 16
+    g = gen(19)
+    w = AttentionWeights(q=randn(Nq * D, H, g=g) / 8, k=randn(Nkv * D, H, g=g) / 8, v=randn(Nkv * D, H, g=g) / 8,
+                         o=randn(H, Nq * D, g=g) / 8, q_norm=1 + randn(D, g=g) / 4, k_norm=1 + randn(D, g=g) / 4)
+    w.fuse_qkv()
+    rope = Rope(D, THETA, torch.device("cpu"))
+    attn = Attention(w, rope, num_heads=Nq, num_kv_heads=Nkv, head_dim=D, qk_norm="head", eps=EPS)
+    up = randn(H, H, g=g) / 8
+
+    def ffn(x, residual):
+        return residual + F.linear(x, up)
+
+    layers = [DecoderLayer(attn, ffn, 1 + randn(H, g=g) / 4, 1 + randn(H, g=g) / 4, EPS) for _ in range(2)]
+    layers[1].input_norm, layers[1].post_norm = layers[0].input_norm, layers[0].post_norm
+    assert layers[1].takes_fused_prefill()
+    layers[1].fused_prefill = True
+    caches = [KVCache(1, Nkv, D, 32, dtype=torch.float32, device=torch.device("cpu")) for _ in range(2)]
+    x = randn(9, H, g=g)
+    cos, sin = rope.cos_sin(torch.arange(9), torch.float32)
+    ref, out = (layer(x, cos, sin, cache, 0, 0) for layer, cache in zip(layers, caches))
+    assert relative_error(out, ref) < TOL[torch.float32]
+
+
 def test_bad_arguments_are_refused(td):
     keys = torch.zeros(2, 32, 16)
     pos = torch.tensor([0])
