@@ -305,12 +305,10 @@ def test_matches_the_attention_layer(td, qk_norm):
     assert torch.equal(cache.values, ref_cache.values)
 
 
-@pytest.mark.parametrize("qk_norm", [None, "head", "full"])
-def test_a_layers_rows_at_once_match_the_attention_layer(td, qk_norm):
-    """Attention.rows: a prompt's tokens as a few steps of several rows (a fixed 8-row tile, later
-    rows seeing the earlier rows' K/V) against the layer's prefill of the whole prompt."""
-    H, Nq, Nkv, D, max_tokens, R = 64, 4, 2, 16, 48, 8
-    g = gen(13)
+def plain_attention(qk_norm, *, seed, H=64, Nq=4, Nkv=2, D=16, max_tokens=48):
+    """An Attention layer with q/k/v in one matrix (qk_norm None, "head" or "full") and two empty
+    two-layer caches: (attn, rope, reference cache, cache)."""
+    g = gen(seed)
     w = AttentionWeights(q=randn(Nq * D, H, g=g) / 8, k=randn(Nkv * D, H, g=g) / 8, v=randn(Nkv * D, H, g=g) / 8,
                          o=randn(H, Nq * D, g=g) / 8)
     if qk_norm == "head":
@@ -320,10 +318,18 @@ def test_a_layers_rows_at_once_match_the_attention_layer(td, qk_norm):
     w.fuse_qkv()
     rope = Rope(D, THETA, torch.device("cpu"))
     attn = Attention(w, rope, num_heads=Nq, num_kv_heads=Nkv, head_dim=D, qk_norm=qk_norm, eps=EPS)
+    caches = [KVCache(2, Nkv, D, max_tokens, dtype=torch.float32, device=torch.device("cpu")) for _ in range(2)]
+    return attn, rope, *caches
+
+
+@pytest.mark.parametrize("qk_norm", [None, "head", "full"])
+def test_a_layers_rows_at_once_match_the_attention_layer(td, qk_norm):
+    """Attention.rows: a prompt's tokens as a few steps of several rows (a fixed 8-row tile, later
+    rows seeing the earlier rows' K/V) against the layer's prefill of the whole prompt."""
+    H, R = 64, 8
+    attn, rope, ref_cache, cache = plain_attention(qk_norm, seed=13)
     assert attn.takes_slot()
-    ref_cache, cache = (KVCache(2, Nkv, D, max_tokens, dtype=torch.float32, device=torch.device("cpu"))
-                        for _ in range(2))
-    x = randn(11, H, g=g)
+    x = randn(11, H, g=gen(14))
     cos, sin = rope.cos_sin(torch.arange(11), torch.float32)
     ref = attn(x, cos, sin, ref_cache, 1, 0)
     start = 0
@@ -343,20 +349,8 @@ def test_a_layers_rows_at_once_match_the_attention_layer(td, qk_norm):
 def test_a_fused_prefill_matches_the_attention_layer(td, qk_norm):
     """Attention.prefill_rows (--prefill-kernels fused): a prompt in two chunks (the second attending to
     the first through the cache) against the layer's own prefill, and the same cache."""
-    H, Nq, Nkv, D, max_tokens = 64, 4, 2, 16, 48
-    g = gen(17)
-    w = AttentionWeights(q=randn(Nq * D, H, g=g) / 8, k=randn(Nkv * D, H, g=g) / 8, v=randn(Nkv * D, H, g=g) / 8,
-                         o=randn(H, Nq * D, g=g) / 8)
-    if qk_norm == "head":
-        w.q_norm, w.k_norm = 1 + randn(D, g=g) / 4, 1 + randn(D, g=g) / 4
-    if qk_norm == "full":
-        w.q_norm, w.k_norm = 1 + randn(Nq * D, g=g) / 4, 1 + randn(Nkv * D, g=g) / 4
-    w.fuse_qkv()
-    rope = Rope(D, THETA, torch.device("cpu"))
-    attn = Attention(w, rope, num_heads=Nq, num_kv_heads=Nkv, head_dim=D, qk_norm=qk_norm, eps=EPS)
-    ref_cache, cache = (KVCache(2, Nkv, D, max_tokens, dtype=torch.float32, device=torch.device("cpu"))
-                        for _ in range(2))
-    x = randn(16, H, g=g)
+    attn, rope, ref_cache, cache = plain_attention(qk_norm, seed=17)
+    x = randn(16, 64, g=gen(18))
     for start, end in ((0, 11), (11, 16)):
         cos, sin = rope.cos_sin(torch.arange(start, end), torch.float32)
         ref = attn(x[start:end], cos, sin, ref_cache, 1, start)
