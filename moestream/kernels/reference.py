@@ -3,6 +3,8 @@
 The Triton kernels must agree with these; on CPU these are the kernels."""
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -23,13 +25,32 @@ def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Te
 # A row of torch.bmm over [n, 1, K] rows against one stored matrix is the very BLAS call F.linear
 # makes for that row alone (one-row gemm per batch item; measured equal on MKL for every shape tried,
 # tests/unit/test_rows_exact.py). torch computes products under 400 multiply-adds with its own loop,
-# and bf16/fp16 through oneDNN, so there the rows are computed one by one.
+# and bf16/fp16 through oneDNN, so there the rows are computed one by one. Another BLAS may batch
+# otherwise, so each shape is also checked once on this machine (PROBE_LIMIT: the largest matrix
+# checked; a larger one, a big vocabulary's head, runs row by row).
 SMALL_PRODUCT = 400
+PROBE_LIMIT = 1 << 24  # elements (64 MB of float32)
 
 
 def rows_exact(dtype: torch.dtype, inputs: int, outputs: int) -> bool:
-    """Whether `rows_linear` gives each row F.linear's bits for that row alone (CPU, this dtype and shape)."""
-    return dtype == torch.float32 and inputs * outputs >= SMALL_PRODUCT
+    """Whether `rows_linear` gives each row F.linear's bits for that row alone (CPU, this dtype and shape,
+    with this process's thread count)."""
+    return dtype == torch.float32 and SMALL_PRODUCT <= inputs * outputs <= PROBE_LIMIT and \
+        _rows_agree(inputs, outputs, torch.get_num_threads())
+
+
+@functools.lru_cache(maxsize=None)
+def _rows_agree(inputs: int, outputs: int, threads: int) -> bool:
+    """rows_linear against F.linear row by row on random float32 rows (side by side and strided), once
+    per shape and thread count."""
+    g = torch.Generator().manual_seed(inputs * 7919 + outputs)
+    weight = torch.randn(outputs, inputs, generator=g)
+    x = torch.randn(6, inputs, generator=g)
+    for rows in (x[:3], x[::2]):
+        alone = torch.cat([F.linear(rows[i:i + 1], weight) for i in range(rows.shape[0])])
+        if not torch.equal(rows_linear(rows, weight).view(rows.shape[0], outputs), alone):
+            return False
+    return True
 
 
 def rows_linear(x: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -11,6 +11,7 @@ from moestream.engine.options import EngineOptions
 from moestream.engine.plan import unpacked_limit
 from moestream.errors import MoestreamError
 from moestream.experts.unpacked import UnpackedExperts
+from moestream.kernels import reference
 from moestream.kernels.reference import rows_exact, rows_linear
 from moestream.quant import affine
 
@@ -40,6 +41,28 @@ def test_rows_exact_refuses_what_torch_computes_otherwise():
     assert rows_exact(torch.float32, 256, 128)
     assert not rows_exact(torch.float32, 8, 16)  # under 400 multiply-adds: torch's own loop
     assert not rows_exact(torch.bfloat16, 256, 128)  # oneDNN
+    assert not rows_exact(torch.float32, 4096, reference.PROBE_LIMIT // 4096 + 1)  # too big to check here
+
+
+def test_rows_exact_checks_each_shape_on_this_machine(monkeypatch):
+    """A BLAS whose batched rows round otherwise (here: one row's product nudged by an ulp) makes
+    rows_exact say no for that shape, so the rows run one by one."""
+    real = reference.rows_linear
+
+    def nudged(x, weight, *, out=None):
+        y = real(x, weight, out=out)
+        if x.shape[0] > 1:
+            y[-1].copy_(torch.nextafter(y[-1], torch.full_like(y[-1], float("inf"))))
+        return y
+
+    reference._rows_agree.cache_clear()
+    monkeypatch.setattr(reference, "rows_linear", nudged)
+    try:
+        assert not rows_exact(torch.float32, 96, 80)
+    finally:
+        reference._rows_agree.cache_clear()
+    monkeypatch.undo()
+    assert rows_exact(torch.float32, 96, 80)
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])
