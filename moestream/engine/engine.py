@@ -286,13 +286,13 @@ class Engine:
 
         return 0 < new <= MAX_STEP_TOKENS and self.decoder.rows_at_once and (self.hidden_tap is None or seq != 0)
 
-    def release_workspace(self, *, force: bool = False) -> None:
+    def release_workspace(self) -> None:
         """Give the prefill's transient memory back to the device (decode needs a small part of it),
         where the allocator keeps more than WORKSPACE_SLACK of it cached, when --prefill-workspace says
-        so (`force`: whatever it says). Kept, the next prompt's prefill reuses it: giving it back costs
-        each prefill its allocations again (~0.1 s on the H200 at the 30B shape, for any prompt length)."""
+        so. Kept, the next prompt's prefill reuses it: giving it back costs each prefill its allocations
+        again (~0.1 s on the H200 at the 30B shape, for any prompt length up to a chunk)."""
         mode = self.options.prefill_workspace
-        if not force and (mode == "keep" or (mode == "auto" and not self.options.memory_budget)):
+        if mode == "keep" or (mode == "auto" and not self.options.memory_budget):
             return
         if self.device.type == "cuda":
             cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
