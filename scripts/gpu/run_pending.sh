@@ -79,8 +79,8 @@ for part in "$@"; do
       bench "resident-workspace-$mode" 120 --cache-sizes all --prefill-tokens ${PREFILL_LENGTHS:-128,512,2048,8192} \
         --prefill-workspace $mode
     done ;;
-  fused-prefill)  # --prefill-kernels fused: its GPU tests, then resident prefill at every length against torch
-    timeout -s ABRT 120 python3 -m pytest tests/gpu/test_fused_prefill_cuda.py -q -p no:cacheprovider -rfE \
+  fused-prefill)  # --prefill-kernels fused: its GPU tests (NO_TESTS=1: none), then resident prefill at every length against torch
+    [ -z "${NO_TESTS:-}" ] && timeout -s ABRT 120 python3 -m pytest tests/gpu/test_fused_prefill_cuda.py -q -p no:cacheprovider -rfE \
       > "$out/fused-prefill-tests.log" 2>&1
     say fused-prefill-tests "rc=$?"; grep -E "passed|failed|FAILED|ERROR" "$out/fused-prefill-tests.log" | tail -4
     synth
@@ -156,8 +156,8 @@ for part in "$@"; do
         > "$out/family-$shape.log" 2>&1
       say "bench $shape" "rc=$?"; grep -E "^cache|rror" "$out/family-$shape.log" | tail -3
     done ;;
-  cpu-share)  # the device path's CPU share: its CUDA tests, then auto at 25 % (fixed shares with CPU_SHARES)
-    timeout -s ABRT ${TESTS_LIMIT:-120} python3 -m pytest tests/gpu/test_device_cpu_share_cuda.py -q -p no:cacheprovider \
+  cpu-share)  # the device path's CPU share: its CUDA tests (NO_TESTS=1: none), then auto at 25 % (fixed shares with CPU_SHARES)
+    [ -z "${NO_TESTS:-}" ] && timeout -s ABRT ${TESTS_LIMIT:-120} python3 -m pytest tests/gpu/test_device_cpu_share_cuda.py -q -p no:cacheprovider \
       -rfE > "$out/cpu-share-tests.log" 2>&1
     say cpu-share-tests "rc=$?"; grep -E "passed|failed|FAILED|Fatal" "$out/cpu-share-tests.log" | tail -6
     synth
