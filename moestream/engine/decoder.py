@@ -294,15 +294,19 @@ class Decoder:
         with timeline.segment(key):
             graph.replay()
 
-    def step(self, tokens: list[int], start: int, *, slot: int = 0, head: bool = True) -> torch.Tensor:
+    def step(self, tokens: list[int], start: int, *, slot: int = 0, head: bool = True,
+             device_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [T, V] (float32, a static buffer: copy before the next step) of `tokens` at
         positions start.. of sequence `slot`, T <= MAX_STEP_TOKENS. The caller records the tokens
         in the KV cache. head=False: stop before the head and return the final residual stream
-        [T, H] (a static buffer too; `head_rows` turns saved rows into logits)."""
-        return self.step_rows(tokens, [start + t for t in range(len(tokens))], [slot] * len(tokens), head=head)
+        [T, H] (a static buffer too; `head_rows` turns saved rows into logits).
+        device_tokens: the T token ids as a tensor on the model's device, in place of `tokens` (the
+        host has not read them: the step is queued behind the work that computes them)."""
+        return self.step_rows(tokens, [start + t for t in range(len(tokens))], [slot] * len(tokens), head=head,
+                              device_tokens=device_tokens)
 
     def step_rows(self, tokens: list[int], positions: list[int], slots: list[int], *,
-                  head: bool = True) -> torch.Tensor:
+                  head: bool = True, device_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [T, V] as `step`, row t being token tokens[t] at positions[t] of sequence slots[t]
         (a sequence's rows in order of position). The layers' experts run once for all rows; a
         row's bits are those it gets in a step of its own. head=False: the rows [T, H] before the head."""
@@ -310,6 +314,8 @@ class Decoder:
         if not 1 <= T <= MAX_STEP_TOKENS:
             raise ValueError(f"a step takes 1..{MAX_STEP_TOKENS} tokens, not {T}")
         self._fill_rows(tokens, positions, slots)
+        if device_tokens is not None:  # stream-ordered after the rows' copy, before anything reads them
+            self.tokens[:T].copy_(device_tokens.reshape(-1)[:T])
         first = slots[0]
         single = all(s == first for s in slots)
         if self.rows_at_once:

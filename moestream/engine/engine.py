@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 DEMO_MODEL = Path(__file__).resolve().parent.parent / "demo" / "model"
 DEMO_CACHE_SIZE = "30%"  # smaller than the demo model, so its first run really streams experts
 WORKSPACE_SLACK = 256 << 20  # cached-but-free device bytes kept after a prefill
+UNREAD = -1  # a cached position's id while the host has not read it yet (step_unread, then name_token)
 
 
 class Engine:
@@ -317,7 +318,26 @@ class Engine:
         with torch.inference_mode():
             return self.decoder.head_rows(hidden).clone()
 
-    def _step(self, tokens: list[int], seq: int, *, head: bool) -> torch.Tensor:
+    def step_unread(self, token: torch.Tensor, *, seq: int = 0) -> torch.Tensor:
+        """`step([t])` for a token the host has not read: `token` is t on the model's device (the
+        argmax of the last logits), so the step is queued behind the work that computes t and the host
+        reads t while the step runs. The cache holds the position with the id UNREAD until `name_token`
+        names it, which the caller does before anything else uses the sequence. Logits [1, V]."""
+        if token.numel() != 1 or token.device != self.device:
+            raise ValueError("step_unread takes one token id on the model's device")
+        if self.hidden_tap is not None and seq == 0:
+            raise ValueError("step_unread cannot feed the hidden-state tap (it needs the token on the host)")
+        return self._step([UNREAD], seq, head=True, device_tokens=token)
+
+    def name_token(self, position: int, token: int, *, seq: int = 0) -> None:
+        """The id of the token `step_unread` ran at `position` of sequence `seq`, once read."""
+        cache = self.sequences.open_cache(seq)
+        if cache.tokens[position] != UNREAD:
+            raise ValueError(f"position {position} of sequence {seq} holds a known token")
+        cache.tokens[position] = int(token)
+
+    def _step(self, tokens: list[int], seq: int, *, head: bool,
+              device_tokens: torch.Tensor | None = None) -> torch.Tensor:
         from moestream.engine.decoder import MAX_STEP_TOKENS
 
         cache = self.sequences.open_cache(seq)
@@ -332,7 +352,8 @@ class Engine:
                 piece = tokens[i:i + MAX_STEP_TOKENS]
                 self._position = cache.length
                 with timeline.span("step", position=cache.length, tokens=len(piece)):
-                    out = self.decoder.step(piece, cache.length, slot=seq, head=head and tap is None).clone()
+                    out = self.decoder.step(piece, cache.length, slot=seq, head=head and tap is None,
+                                            device_tokens=device_tokens).clone()
                     if tap is not None:  # the rows before the head, then the head's bits for them
                         tap(cache.length, out)
                         out = self.decoder.head_rows(out).clone() if head else out

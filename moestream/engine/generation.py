@@ -73,6 +73,9 @@ def generate(engine: "Engine", prompt_ids: list[int], *, max_new_tokens: int, sa
                 return
             emit = Emitter(seq, state, sampling=sampling, logprobs=logprobs, eos_ids=engine.tokenizer.eos_token_ids,
                            should_stop=should_stop, stop_at_eos=stop_at_eos)
+            if decodes_ahead(engine, emit):
+                yield from _decode_ahead(engine, emit, logits, budget)
+                return
             for n in range(budget):
                 event = emit(logits[-1])
                 if event is None:
@@ -98,6 +101,63 @@ def generate(engine: "Engine", prompt_ids: list[int], *, max_new_tokens: int, sa
         return GenerationResult(list(state["tokens"]), state["finish"], receipt)
 
     return Generation(steps(), finish)
+
+
+def decodes_ahead(engine: "Engine", emit: Emitter) -> bool:
+    """Whether plain decoding queues each step before reading the token it takes (`--decode-ahead`):
+    greedy choices of the raw logits with no log-probabilities (the choice is an argmax on the
+    device), on CUDA unless forced on, and no hidden-state tap (which reads each token on the host)."""
+    mode = engine.options.decode_ahead
+    return (mode == "on" or (mode == "auto" and engine.device.type == "cuda")) and emit.plain_argmax \
+        and not emit.logprobs and engine.hidden_tap is None
+
+
+def _decode_ahead(engine: "Engine", emit: Emitter, logits: torch.Tensor, budget: int) -> Iterator[TokenEvent]:
+    """Greedy decoding that keeps the device busy: step n + 1 is queued with token n still on the
+    device (its argmax), then the host reads token n while the step runs, names it in the cache,
+    and checks the stops. The same tokens as one step at a time (the same steps, fed the same ids);
+    a stop leaves one step more in the cache, the KV of a real token at its position, which the next
+    prompt reuses or truncates like any other."""
+    reader = _TokenReader(engine.device)
+    token = torch.argmax(logits[-1:], dim=-1)  # [1] on the device: argmax_index's choice
+    for n in range(budget):
+        reader.queue(token)
+        ahead = n + 1 < budget
+        if ahead:
+            position = len(emit.seq)
+            logits = engine.step_unread(token)
+            token = torch.argmax(logits[-1:], dim=-1)
+        chosen = reader.read()
+        if ahead:
+            engine.name_token(position, chosen)
+        event = emit(logits[-1], chosen=chosen)
+        if event is None:
+            return
+        yield event
+
+
+class _TokenReader:
+    """One token id from the device to the host without waiting for work queued after it: a copy
+    into pinned memory and an event recorded right behind it (on the CPU, a plain read)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.host = torch.zeros(1, dtype=torch.long, pin_memory=self.cuda)
+        self.done = torch.cuda.Event() if self.cuda else None
+        self._token: torch.Tensor | None = None
+
+    def queue(self, token: torch.Tensor) -> None:
+        if self.cuda:
+            self.host.copy_(token.reshape(1), non_blocking=True)
+            self.done.record()
+        else:
+            self._token = token
+
+    def read(self) -> int:
+        if self.cuda:
+            self.done.synchronize()
+            return int(self.host[0])
+        return int(self._token.reshape(1)[0])
 
 
 def score_prompt(logits: torch.Tensor, prompt_ids: list[int], k: int

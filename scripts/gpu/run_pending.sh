@@ -17,6 +17,7 @@
 #   sweep:    the expert kernels' block sizes tried at the 30B shape (scripts/bench_kernels.py --sweep); the
 #             grouped ones (SWEEP_TOKENS=512,2048) with uniform and skewed routing; best into /tmp/best-config.json
 #   tuned:    resident bench with the default block sizes, then with the sweep's (its best-config.json, else /tmp's)
+#   decode-ahead: resident and 25 % uniform decode with --decode-ahead off, then auto (AHEAD_MODES, AHEAD_STREAMED_MODES)
 #   fused-prefill: test_fused_prefill_cuda, then resident prefill with --prefill-kernels torch, then fused
 #   workspace: resident prefill at 128..8192 tokens with --prefill-workspace keep, then release
 #   tuned-kernels: the kernel table (4 and 8 bits) with the sweep's block sizes, and the kernel tests with them
@@ -87,6 +88,15 @@ for part in "$@"; do
     for kernels in torch fused; do
       bench "resident-prefill-$kernels" 120 --cache-sizes all --prefill-tokens ${PREFILL_LENGTHS:-128,512,2048,8192} \
         --prefill-kernels $kernels
+    done ;;
+  decode-ahead)  # greedy decode with each step queued before its token is read, against one step at a time
+    synth
+    for mode in ${AHEAD_MODES:-off auto}; do
+      bench "resident-ahead-$mode" 120 --cache-sizes all --prefill-tokens ${PREFILL_LENGTHS:-512,2048} --decode-ahead $mode
+    done
+    for mode in ${AHEAD_STREAMED_MODES:-off auto}; do
+      bench "stream-25pct-uniform-ahead-$mode" 120 --routing uniform --cache-sizes 25% --prefill-tokens 512 \
+        --decode-ahead $mode
     done ;;
   tuned-kernels)  # the kernel table with the sweep's block sizes (the sweep part's table has the defaults), their tests
     best=${BEST:-$out/best-config.json}; [ -f "$best" ] || best=/tmp/best-config.json

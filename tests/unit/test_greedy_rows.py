@@ -42,6 +42,8 @@ def test_argmax_rows_equal_torch_argmax_one_row_at_a_time():
     assert argmax_rows(rows) == expected
     assert argmax_rows([r.view(1, -1)[-1] for r in rows[:3]]) == expected[:3]  # views, as a step's last rows
     assert argmax_rows([]) == []
+    # decode-ahead's argmax over the last logits row, [1, V] -> [1], chooses the same
+    assert [int(torch.argmax(row.view(1, -1), dim=-1)[0]) for row in rows] == expected
     greedy = SamplingParams()
     assert [choose_token(row, greedy, position=5) for row in rows] == expected
 

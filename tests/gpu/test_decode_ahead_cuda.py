@@ -1,0 +1,32 @@
+"""--decode-ahead on CUDA (the default there): greedy decoding with each step queued before the host
+reads its token gives the tokens of one step at a time, resident (one graph per step), streamed by the
+host and by the device, and stops with the same tokens."""
+import pytest
+
+from moestream.engine.engine import UNREAD, Engine
+from moestream.engine.options import EngineOptions
+
+pytestmark = pytest.mark.gpu
+
+
+def tokens(packed, mode, **options):
+    engine = Engine.load(packed, options=EngineOptions(device="cuda", max_context=512, decode_ahead=mode,
+                                                       **options))
+    try:
+        prompt = [t % engine.args.vocab_size for t in range(11, 90)]
+        gen = engine.generate(prompt, max_new_tokens=64, stop_at_eos=False)
+        out = [event.token_id for event in gen]
+        again = [event.token_id for event in engine.generate(prompt[:40], max_new_tokens=16, stop_at_eos=False)]
+        assert UNREAD not in engine.cache.tokens
+        return out, again, list(engine.cache.tokens)
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("options", [dict(cache_size="all"),
+                                     dict(cache_size="50%", streaming="host"),
+                                     dict(cache_size="50%", host_cache_size="all", streaming="device")],
+                         ids=["resident", "host-streamed", "device-streamed"])
+def test_decode_ahead_gives_the_tokens_of_one_step_at_a_time(options, tiny_packed_model):
+    packed = tiny_packed_model("qwen3_moe", "q4", dtype="bfloat16")
+    assert tokens(packed, "auto", **options) == tokens(packed, "off", **options)
