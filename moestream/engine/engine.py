@@ -323,7 +323,7 @@ class Engine:
         argmax of the last logits), so the step is queued behind the work that computes t and the host
         reads t while the step runs. The cache holds the position with the id UNREAD until `name_token`
         names it, which the caller does before anything else uses the sequence. Logits [1, V]."""
-        if token.numel() != 1 or token.device != self.device:
+        if token.numel() != 1 or token.device.type != self.device.type:  # "cuda:0" is "cuda"
             raise ValueError("step_unread takes one token id on the model's device")
         if self.hidden_tap is not None and seq == 0:
             raise ValueError("step_unread cannot feed the hidden-state tap (it needs the token on the host)")
