@@ -288,8 +288,8 @@ def h200_step_rows() -> str:
 
 
 def h200_demo_drafters() -> str:
-    """The demo's n-gram drafter on the H200 at 100 % (the captures in the warm-up): each prompt's speedup."""
-    path = H200 / "demo-drafters-warmed.json"
+    """The demo's n-gram drafter on the H200 at 100 % (plain decoding deciding ahead): each prompt's speedup."""
+    path = H200 / "demo-ngram-decode-ahead.json"
     runs = [r for r in load(path)["runs"] if r["drafter"] == "ngram" and r["cache_size"] == "100%"]
     if not runs:
         raise NumbersError(f"{path.relative_to(ROOT)}: no n-gram run at 100%")
@@ -322,6 +322,21 @@ def h200_prefill() -> str:
             + " / ".join(f"{prefill_tok_s(keep, n):,.0f}" for n in lengths) + " tok/s (given back after each prefill, as "
             "before: " + " / ".join(f"{prefill_tok_s(release, n):,.0f}" for n in lengths) + "); decode "
             + tok_s(keep["decode"]["tok_s"]) + " tok/s")
+
+
+def h200_prefill_kernels() -> str:
+    """Resident prefill at every length with the attention half on torch ops and on the fused kernels, one call."""
+    torch_run, fused = (only_run(H200 / f"prefill-kernels-{k}.json") for k in ("torch", "fused"))
+    lengths = [p["tokens"] for p in fused["prefill"]]
+    return (" / ".join(f"{n:,}" for n in lengths) + " tokens: "
+            + " / ".join(f"{prefill_tok_s(torch_run, n):,.0f}" for n in lengths) + " → "
+            + " / ".join(f"{prefill_tok_s(fused, n):,.0f}" for n in lengths) + " tok/s")
+
+
+def h200_decode_ahead() -> str:
+    """Resident decode one step at a time against decoding ahead, one call."""
+    off, on = (only_run(H200 / f"decode-ahead-{m}-resident.json") for m in ("off", "auto"))
+    return f"{tok_s(off['decode']['tok_s'])} → {tok_s(on['decode']['tok_s'])} tok/s"
 
 
 def h200_grouped() -> str:
@@ -358,6 +373,8 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "h200-step-rows": h200_step_rows,
     "h200-demo-drafters": h200_demo_drafters,
     "h200-prefill": h200_prefill,
+    "h200-prefill-kernels": h200_prefill_kernels,
+    "h200-decode-ahead": h200_decode_ahead,
     "h200-grouped": h200_grouped,
 }
 
