@@ -257,6 +257,12 @@ def _block_m(pairs: int, num_experts: int, config: KernelConfig) -> int:
     return bm
 
 
+def grouped_block_m(tokens: int, top_k: int, num_experts: int, dtype: torch.dtype,
+                    config: KernelConfig = DEFAULT_CONFIG) -> int:
+    """The grouped kernels' row block for a call of `tokens` tokens (MoEPlan's choice)."""
+    return min(_block_m(tokens * top_k, num_experts, config), 32 if dtype == torch.float32 else 256)
+
+
 def _groups_per_step(words: int, bits: int, group: int = GROUP) -> int:
     return max(1, words // (group * bits // 32))  # a group of `group` codes is group*bits/32 words
 
@@ -269,7 +275,11 @@ class MoEPlan:
     and each `run` takes a device slot table, so the whole call can be captured in a CUDA graph."""
 
     def __init__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, num_experts: int,
-                 layout: SlotLayout, *, mode: str = "auto", config: KernelConfig = DEFAULT_CONFIG):
+                 layout: SlotLayout, *, mode: str = "auto", config: KernelConfig = DEFAULT_CONFIG,
+                 tile_tokens: int | None = None):
+        """tile_tokens: the token count the kernel and tile choices are made for, where x's rows past
+        it are padding (a prefill graph's length bucket): the real rows then get the bits of a call of
+        tile_tokens rows, since padding pairs sort after theirs."""
         if x.dtype not in ACT_DTYPES:
             raise UnsupportedLayout(f"activations in {x.dtype}")
         if x.dim() != 2 or x.shape[1] != layout.hidden:
@@ -283,7 +293,8 @@ class MoEPlan:
         self.tokens, self.top_k = ids.shape
         self.ids = ids.reshape(-1).contiguous()  # [P]
         self.weights = weights.reshape(-1).contiguous()  # [P]
-        self.mode = mode if mode != "auto" else "gemv" if self.tokens <= config.gemv_max_tokens else "grouped"
+        chosen_for = self.tokens if tile_tokens is None else tile_tokens
+        self.mode = mode if mode != "auto" else "gemv" if chosen_for <= config.gemv_max_tokens else "grouped"
         pairs, dev = self.ids.numel(), x.device
         self.o = torch.empty((pairs, layout.hidden), dtype=torch.float32, device=dev)  # [P, H]
         if self.mode == "gemv":
@@ -297,7 +308,7 @@ class MoEPlan:
             fp32 = x.dtype == torch.float32
             # float32 activations: three tf32 passes (about float32 accuracy), which need smaller tiles
             self.precision = "tf32x3" if fp32 else "tf32"
-            self.block_m = min(_block_m(pairs, num_experts, config), 32 if fp32 else 256)
+            self.block_m = grouped_block_m(chosen_for, self.top_k, num_experts, x.dtype, config)
             self.warps = max(config.grouped_warps, 8) if fp32 else config.grouped_warps
             if pairs:
                 self._group(dev)

@@ -119,6 +119,8 @@ class RoutedExperts:
         self.after_fetch: Callable[[int, torch.Tensor, list[int]], None] | None = None
         # benchmarks only (moestream.bench.routing): (layer, weights, ids) -> replaced weights, ids
         self.reroute: Callable | None = None
+        # while a padded prefill graph is captured: its real token count (MoEPlan's tile_tokens)
+        self.tile_tokens: int | None = None
 
     # -- which kernels -------------------------------------------------------------------------
     def _layout(self, layer: int):
@@ -157,7 +159,7 @@ class RoutedExperts:
             from moestream.kernels import triton_moe
 
             return triton_moe.MoEPlan(x, ids, weights, self.num_experts[layer], self.layouts[layer],
-                                      mode="gemv" if per_pair else "auto")
+                                      mode="gemv" if per_pair else "auto", tile_tokens=self.tile_tokens)
         return TorchPlan(x, ids, weights, self.provider.record_fields(layer), self.provider.quant(layer),
                          per_pair=per_pair, unpacked=self.unpacked, layer=layer)
 

@@ -129,9 +129,11 @@ class MoETransformer:
             return rows_linear(normed, self.lm_head).view(x.shape[0], -1).to(torch.float32)
         return torch.cat([self.head(x[t:t + 1]) for t in range(x.shape[0])])
 
-    def forward(self, ids: torch.Tensor, start: int, cache: KVCache, *, all_logits: bool = False) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, start: int, cache: KVCache, *, all_logits: bool = False,
+                last_row: torch.Tensor | None = None) -> torch.Tensor:
         """A prefill chunk: ids [T] at positions start.. -> logits [T, V] (or [1, V] for the last
-        token) in float32. The caller records the tokens in the cache."""
+        token) in float32. The caller records the tokens in the cache. last_row: a device index [1]
+        of the row whose logits to return instead of the last (rows past it are padding)."""
         x = self.embed(ids)  # [T, H]
         positions = torch.arange(start, start + ids.shape[0], device=ids.device)
         cos, sin = self.rope.cos_sin(positions, x.dtype)
@@ -140,5 +142,5 @@ class MoETransformer:
         if self.on_hidden is not None:
             self.on_hidden(start, x)
         if not all_logits:
-            x = x[-1:]
+            x = x[-1:] if last_row is None else x.index_select(0, last_row)
         return F.linear(rms_norm(x, self.final_norm, self.eps), self.lm_head).to(torch.float32)
