@@ -352,30 +352,29 @@ def rows_table(config) -> dict:
 
 
 def rows_tiles(narrow: bool) -> list[dict]:
-    """Block sizes the rows sweep tries (those whose pipeline stages fit in ~200 KB of shared memory)."""
-    prefix = "rows_narrow_" if narrow else "rows_"
+    """Block sizes the rows sweep tries, likelier ones first (pipeline stages within ~200 KB of shared
+    memory). Narrow (the router's 128 outputs): 16 columns per program, so that 8 programs share it."""
     if narrow:
-        ns, ks, warps_, stages_ = (16, 32), (256, 512, 1024), (2, 4, 8), (2, 3, 4)
-    else:
-        ns, ks, warps_, stages_ = (16, 32, 64), (128, 256, 512), (4, 8), (3, 4, 5)
-    out = []
-    for n, k, warps, stages, swap in itertools.product(ns, ks, warps_, stages_, (0, 1)):
-        if (TILE_ROWS + n) * k * 2 * stages > 200 << 10 or (swap and (narrow or n < 64)):
-            continue
-        tile = {f"{prefix}n": n, f"{prefix}k": k, f"{prefix}warps": warps, f"{prefix}stages": stages}
-        out.append(tile if narrow else {**tile, "rows_swap": swap})
-    return out
+        return [{"rows_narrow_n": 16, "rows_narrow_k": k, "rows_narrow_warps": warps, "rows_narrow_stages": stages}
+                for k, warps, stages in itertools.product((512, 256, 1024), (2, 1, 4), (3, 2, 4))
+                if (TILE_ROWS + 16) * k * 2 * stages <= 200 << 10]
+    out = [{"rows_n": n, "rows_k": k, "rows_warps": warps, "rows_stages": stages, "rows_swap": 0}
+           for n, k, warps, stages in itertools.product((16, 32), (256, 128, 512), (2, 4), (4, 3, 5))
+           if (TILE_ROWS + n) * k * 2 * stages <= 200 << 10]
+    # the weights on the MMA's M side (Hopper's wgmma: 64 columns, a warpgroup of 4 warps)
+    return out + [{"rows_n": 64, "rows_k": k, "rows_warps": 4, "rows_stages": stages, "rows_swap": 1}
+                  for k, stages in itertools.product((128, 256), (3, 4))]
 
 
 def rows_sweep(base, seconds: float) -> dict:
     """Time rows_tiles on the router (narrow) and on q/k/v, o and head (wide; scored as a step runs
-    them: 48 x (q/k/v + o) + head), each kind within half of `seconds`. Returns every timing and the best."""
+    them: 48 x (q/k/v + o) + head), within a third and two thirds of `seconds`. Returns every timing and the best."""
     from moestream.kernels.triton_rows import tile_linear
 
     out = {}
-    for kind, names in (("narrow", ("router",)), ("wide", ("qkv", "o", "head"))):
+    for kind, names, share in (("narrow", ("router",), 1 / 3), ("wide", ("qkv", "o", "head"), 2 / 3)):
         operands = {name: row_operands(name) for name in names}
-        deadline = time.monotonic() + seconds / 2
+        deadline = time.monotonic() + seconds * share
         rows = []
         for opt in rows_tiles(kind == "narrow"):
             if time.monotonic() > deadline:

@@ -195,16 +195,17 @@ class KernelConfig:
     combine_block: int = 256
     # products over a decode step's 16-row tile (moestream.kernels.triton_rows, --rows-products triton):
     # output columns per program, inputs per loop step, warps and pipeline stages; products with at
-    # most rows_narrow_max outputs (a router) take the rows_narrow_* sizes. Not yet swept on a GPU
+    # most rows_narrow_max outputs (a router) take the rows_narrow_* sizes. Not yet swept on a GPU; 2 warps:
+    # a 16 x 16 output is two m16n8 MMA tiles, so more warps would only repeat the shared-memory reads
     rows_n: int = 16
     rows_k: int = 256
-    rows_warps: int = 4
+    rows_warps: int = 2
     rows_stages: int = 4
     rows_swap: int = 0  # 1: the weights on the MMA's M side (wgmma needs rows_n >= 64)
     rows_narrow_max: int = 1024
     rows_narrow_n: int = 16
     rows_narrow_k: int = 512
-    rows_narrow_warps: int = 4
+    rows_narrow_warps: int = 2
     rows_narrow_stages: int = 3
 
 

@@ -39,14 +39,16 @@ def test_the_default_tiles_compile_on_the_tensor_cores(N, K):
     assert "cp.async.cg.shared.global" in code  # the loads pipelined: 16-byte asynchronous copies to shared memory
 
 
-@pytest.mark.parametrize("n,k,warps,stages", [(16, 128, 4, 3), (32, 256, 8, 4), (64, 512, 4, 3), (64, 128, 8, 5)])
-def test_the_sweeps_wide_tiles_compile(n, k, warps, stages):
-    cfg = KernelConfig(rows_n=n, rows_k=k, rows_warps=warps, rows_stages=stages)
-    assert "mma.sync" in ptx(5120, 2048, torch.bfloat16, cfg)
+@pytest.mark.parametrize("n,k,warps,stages", [(16, 128, 4, 3), (32, 256, 2, 5), (32, 512, 4, 3), (16, 256, 1, 4)])
+def test_the_sweeps_tiles_compile(n, k, warps, stages):
+    wide = KernelConfig(rows_n=n, rows_k=k, rows_warps=warps, rows_stages=stages)
+    assert "mma.sync" in ptx(2048, 4096, torch.bfloat16, wide)
+    narrow = KernelConfig(rows_narrow_n=n, rows_narrow_k=2 * k, rows_narrow_warps=warps, rows_narrow_stages=stages - 1)
+    assert "mma.sync" in ptx(128, 2048, torch.bfloat16, narrow)
 
 
 def test_weights_on_the_m_side_take_hopper_wgmma():
-    cfg = KernelConfig(rows_n=64, rows_k=256, rows_swap=1)
+    cfg = KernelConfig(rows_n=64, rows_k=256, rows_warps=4, rows_swap=1)
     assert "wgmma.mma_async" in ptx(5120, 2048, torch.bfloat16, cfg)
 
 
