@@ -39,6 +39,7 @@
 #   rows-products: its GPU tests (NO_TESTS=1: none), the cuBLAS/Triton table at the 30B shapes and the kernel's
 #             block-size sweep (best into $out/rows-best-config.json and /tmp/rows-best-config.json)
 #   rows-products-ab: resident decode with --rows-products cublas, triton, and triton with the sweep's block sizes
+#             (ROWS_CONFIG: their JSON, where the machine is not the one the sweep ran on)
 set -u
 out=${1:?output folder}; shift
 export PYTHONPATH=${SITE:+$SITE:}$PWD PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
@@ -210,8 +211,9 @@ for part in "$@"; do
     for products in cublas triton; do
       bench "resident-rows-products-$products" 150 --cache-sizes all --prefill-tokens 512 --rows-products $products
     done
-    best=${BEST:-$out/rows-best-config.json}; [ -f "$best" ] || best=/tmp/rows-best-config.json
-    [ -f "$best" ] && MOESTREAM_KERNEL_CONFIG="$best" bench resident-rows-products-triton-tuned 150 --cache-sizes all \
+    cfg=${ROWS_CONFIG:-}  # the sweep's sizes: JSON text (a fresh machine) or a file an earlier part wrote
+    for f in "$out/rows-best-config.json" /tmp/rows-best-config.json; do [ -z "$cfg" ] && [ -f "$f" ] && cfg=$f; done
+    [ -n "$cfg" ] && MOESTREAM_KERNEL_CONFIG="$cfg" bench resident-rows-products-triton-tuned 150 --cache-sizes all \
       --prefill-tokens 512 --rows-products triton ;;
   esac
 done
