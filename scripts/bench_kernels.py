@@ -5,7 +5,14 @@ Reports the achieved bandwidth over the weight bytes of the experts touched (cod
 biases) and, for prefill, the matmul rate; checks the result against the float64 reference;
 with --sweep, tries other block sizes and reports the fastest. Writes JSON to --out.
 
-    python3 scripts/bench_kernels.py --out kernels.json [--sweep]
+With --rows-products, also the products over a decode step's 16-row tile (--rows-products of the
+engine) at the same model's shapes: cuBLAS (F.linear) against moestream.kernels.triton_rows for the
+fused q/k/v, o, router and head matrices, each timed in a CUDA graph over enough copies of the
+matrix that it is read from HBM (as in a step, where 48 layers' matrices pass between two calls);
+--rows-sweep tries the kernel's block sizes (the score of the wide ones: a step's 48 x (q/k/v + o)
++ head) and --best-out writes the fastest rows_* fields with the rest.
+
+    python3 scripts/bench_kernels.py --out kernels.json [--sweep] [--rows-products [--rows-sweep]] [--no-experts]
 """
 from __future__ import annotations
 
@@ -26,6 +33,10 @@ from moestream.kernels.expert_layout import DEFAULT_CONFIG, SlotLayout  # noqa: 
 
 HIDDEN, INTER, EXPERTS, TOP_K = 2048, 768, 128, 8
 DEVICE = "cuda"
+TILE_ROWS, LAYERS = 16, 48  # the decoder's row tile; the model's layers (each runs q/k/v, o and router once)
+# (N, K) of the row tile's products: fused q/k/v (32 + 2 x 4 heads of 128), o, router, head
+ROW_SHAPES = {"qkv": (5120, HIDDEN), "o": (HIDDEN, 4096), "router": (EXPERTS, HIDDEN), "head": (151936, HIDDEN)}
+L2_FLUSH_BYTES = 200 << 20  # copies of a matrix timed in turn: at least this many bytes (the H200's L2 is 50 MB)
 
 
 def record_layout(bits: int):
@@ -295,6 +306,103 @@ def best_config(sweeps: dict) -> dict:
     return chosen
 
 
+def row_operands(name: str, seed: int = 0):
+    """x [16, K] and enough copies of a random [N, K] bf16 matrix that a graph of calls over them reads HBM."""
+    N, K = ROW_SHAPES[name]
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    x = torch.randn(TILE_ROWS, K, device=DEVICE, generator=g).to(torch.bfloat16)
+    copies = max(2, min(256, -(-L2_FLUSH_BYTES // (N * K * 2))))
+    ws = [(torch.randn(N, K, device=DEVICE, generator=g) / K ** 0.5).to(torch.bfloat16) for _ in range(copies)]
+    return x, ws
+
+
+def rows_case(name: str, config) -> dict:
+    """cuBLAS and the Triton kernel on one of ROW_SHAPES: microseconds per call, GB/s of the matrix,
+    error against float64."""
+    from moestream.kernels.triton_rows import tile_linear
+
+    x, ws = row_operands(name)
+    N, K = ROW_SHAPES[name]
+    nbytes = N * K * 2
+    r = {"shape": [TILE_ROWS, N, K], "matrix_bytes": nbytes, "copies": len(ws)}
+    ref = torch.nn.functional.linear(x.double(), ws[0].double())
+    for kind, fn in (("cublas", torch.nn.functional.linear), ("triton", lambda a, w: tile_linear(a, w, config=config))):
+        ms = graph_ms([lambda w=w: fn(x, w) for w in ws])
+        y = fn(x, ws[0])
+        r[kind] = {"us": ms * 1e3, "gb_s": nbytes / ms / 1e6,
+                   "max_rel_error_vs_fp64": ((y.double() - ref).abs().max() / ref.abs().max()).item()}
+    r["speedup"] = r["cublas"]["us"] / r["triton"]["us"]
+    return r
+
+
+def rows_table(config) -> dict:
+    out = {}
+    for name in ROW_SHAPES:
+        r = out[name] = rows_case(name, config)
+        print(f"rows {name:6s} [16 x {r['shape'][2]}] x [{r['shape'][1]} x {r['shape'][2]}]^T: cuBLAS "
+              f"{r['cublas']['us']:7.1f} us ({r['cublas']['gb_s']:6.0f} GB/s)  Triton {r['triton']['us']:7.1f} us "
+              f"({r['triton']['gb_s']:6.0f} GB/s)  {r['speedup']:.2f}x  err {r['triton']['max_rel_error_vs_fp64']:.1e} "
+              f"(cuBLAS {r['cublas']['max_rel_error_vs_fp64']:.1e})", flush=True)
+        torch.cuda.empty_cache()
+    per_layer = {k: sum(out[n][k]["us"] for n in ("qkv", "o", "router")) for k in ("cublas", "triton")}
+    out["per_step_us"] = {k: LAYERS * per_layer[k] + out["head"][k]["us"] for k in per_layer}
+    print(f"rows per step (48 x (q/k/v + o + router) + head): cuBLAS {out['per_step_us']['cublas']:.0f} us, "
+          f"Triton {out['per_step_us']['triton']:.0f} us", flush=True)
+    return out
+
+
+def rows_tiles(narrow: bool) -> list[dict]:
+    """Block sizes the rows sweep tries, likelier ones first (pipeline stages within ~200 KB of shared
+    memory). Narrow (the router's 128 outputs): 16 columns per program, so that 8 programs share it."""
+    if narrow:
+        return [{"rows_narrow_n": 16, "rows_narrow_k": k, "rows_narrow_warps": warps, "rows_narrow_stages": stages}
+                for k, warps, stages in itertools.product((512, 256, 1024), (2, 1, 4), (3, 2, 4))
+                if (TILE_ROWS + 16) * k * 2 * stages <= 200 << 10]
+    out = [{"rows_n": n, "rows_k": k, "rows_warps": warps, "rows_stages": stages, "rows_swap": 0}
+           for n, k, warps, stages in itertools.product((16, 32), (256, 128, 512), (2, 4), (4, 3, 5))
+           if (TILE_ROWS + n) * k * 2 * stages <= 200 << 10]
+    # the weights on the MMA's M side (Hopper's wgmma: 64 columns, a warpgroup of 4 warps)
+    return out + [{"rows_n": 64, "rows_k": k, "rows_warps": 4, "rows_stages": stages, "rows_swap": 1}
+                  for k, stages in itertools.product((128, 256), (3, 4))]
+
+
+def rows_sweep(base, seconds: float) -> dict:
+    """Time rows_tiles on the router (narrow) and on q/k/v, o and head (wide; scored as a step runs
+    them: 48 x (q/k/v + o) + head), within a third and two thirds of `seconds`. Returns every timing and the best."""
+    from moestream.kernels.triton_rows import tile_linear
+
+    out = {}
+    for kind, names, share in (("narrow", ("router",), 1 / 3), ("wide", ("qkv", "o", "head"), 2 / 3)):
+        operands = {name: row_operands(name) for name in names}
+        deadline = time.monotonic() + seconds * share
+        rows = []
+        for opt in rows_tiles(kind == "narrow"):
+            if time.monotonic() > deadline:
+                rows.append({"config": opt, "skipped": "time budget"})
+                continue
+            cfg = replace(base, **opt)
+            row = {"config": opt}
+            try:
+                for name, (x, ws) in operands.items():
+                    row[f"{name}_us"] = graph_ms([lambda w=w: tile_linear(x, w, config=cfg) for w in ws]) * 1e3
+                row["score_us"] = row["router_us"] if kind == "narrow" else \
+                    LAYERS * (row["qkv_us"] + row["o_us"]) + row["head_us"]
+            except Exception as exc:  # a tile that does not fit (shared memory, registers)
+                row["error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
+            rows.append(row)
+            torch.cuda.synchronize()
+        del operands
+        torch.cuda.empty_cache()
+        timed = [r for r in rows if "score_us" in r]
+        best = min(timed, key=lambda r: r["score_us"]) if timed else None
+        current = next((r for r in timed if all(getattr(base, k) == v for k, v in r["config"].items())), None)
+        out[kind] = {"best": best, "current": current, "all": rows}
+        if best:
+            print(f"rows sweep {kind}: best {best['score_us']:.1f} us with {best['config']} (current "
+                  f"{current['score_us'] if current else float('nan'):.1f} us)", flush=True)
+    return out
+
+
 def write(path: str, result: dict) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(path).with_suffix(".tmp")
@@ -312,6 +420,11 @@ def main() -> int:
     ap.add_argument("--sweep-seconds", type=float, default=120.0, help="time budget of the whole sweep")
     ap.add_argument("--best-out", help="write the fastest block sizes found here (JSON for MOESTREAM_KERNEL_CONFIG)")
     ap.add_argument("--no-reference", action="store_true", help="skip timing the torch reference")
+    ap.add_argument("--rows-products", action="store_true",
+                    help="also time the decode step's 16-row tile products: cuBLAS against the Triton kernel")
+    ap.add_argument("--rows-sweep", action="store_true", help="also sweep the row tile kernel's block sizes")
+    ap.add_argument("--rows-sweep-seconds", type=float, default=240.0, help="time budget of the rows sweep")
+    ap.add_argument("--no-experts", action="store_true", help="skip the expert kernels (only the rows products)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
@@ -323,7 +436,7 @@ def main() -> int:
               "python": platform.python_version(),
               "shape": {"hidden": HIDDEN, "moe_intermediate": INTER, "experts": EXPERTS, "top_k": TOP_K},
               "config": asdict(config), "cases": [], "sweep": {}}
-    for bits in [int(b) for b in args.bits.split(",")]:
+    for bits in [] if args.no_experts else [int(b) for b in args.bits.split(",")]:
         pool_set = build_pool(bits, EXPERTS + 16, DEVICE)
         for tokens in [int(t) for t in args.tokens.split(",")]:
             t0 = time.perf_counter()
@@ -353,6 +466,17 @@ def main() -> int:
                     write(args.best_out, best_config(result["sweep"]))
         del pool_set
         torch.cuda.empty_cache()
+    if args.rows_products or args.rows_sweep:
+        result["rows_products"] = rows_table(config)
+        write(args.out, result)
+    if args.rows_sweep:
+        result["rows_sweep"] = rows_sweep(config, args.rows_sweep_seconds)
+        if args.best_out:
+            chosen = best_config(result["sweep"])
+            for found in result["rows_sweep"].values():
+                if found["best"]:
+                    chosen.update(found["best"]["config"])
+            write(args.best_out, chosen)
     write(args.out, result)
     print(f"wrote {args.out}")
     return 0

@@ -35,9 +35,13 @@ MAX_STEP_TOKENS rows of the residual stream whatever T, like the head: a fixed s
 bits never depend on T or on the rows beside it; the rotary/K/V-write kernel then the attention
 kernels take the T rows, each with its own position and, with several sequences, its sequence
 slot as a device value (the caches are one pool): one graph per T serves every arrangement of
-sequences. Row by row instead, a step whose rows come from several sequences (batched serving)
-runs in segments, a graph per layer, row and sequence; with every expert resident it becomes one
-graph too once the same arrangement of sequences repeats (each such graph binds its rows' caches)."""
+sequences. Those products run on cuBLAS (F.linear) or, with rows_products="triton"
+(--rows-products), on moestream.kernels.triton_rows (moestream.layers.tile_products): the same
+kernels for every step, so the same bits for every cache size either way (the head's product
+too; a dense FFN keeps F.linear). Row by row instead, a step whose rows come from several sequences
+(batched serving) runs in segments, a graph per layer, row and sequence; with every expert resident
+it becomes one graph too once the same arrangement of sequences repeats (each such graph binds its
+rows' caches)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -48,6 +52,7 @@ from moestream.engine import timeline
 from moestream.layers.experts import RoutedExperts
 from moestream.layers.kv_cache import KVCache
 from moestream.layers.moe import MoEBlock
+from moestream.layers.tile_products import tile_linear
 
 MAX_STEP_TOKENS = 16  # tokens one step takes at most (longer lists are cut into steps)
 MAX_BATCH_GRAPHS = 4  # whole-step graphs kept for steps whose rows come from several sequences
@@ -83,13 +88,15 @@ class _Routed:
 
 class Decoder:
     def __init__(self, model, cache: KVCache | list[KVCache], experts: RoutedExperts, *, graphs: bool = True,
-                 lookahead=None, maps=None, rows: bool = True):
+                 lookahead=None, maps=None, rows: bool = True, rows_products: str = "cublas"):
         """cache: one KV cache, or one per sequence slot (a step's rows may come from several).
         lookahead: a moestream.experts.predict.Lookahead, or None: streamed one-token steps then
         guess the next MoE layers' experts on the device and start their copies early.
         maps: moestream.experts.guess_maps.GuessMaps (on the model's device) that correct those guesses.
         rows: a step's rows at once where the model allows it (CUDA, every layer `takes_slot`, one
-        cache or a pool of them); False: row by row."""
+        cache or a pool of them); False: row by row.
+        rows_products: the kernel of the rows-at-once step's products over its row tile, "cublas" or
+        "triton" (moestream.layers.tile_products); row by row they stay F.linear."""
         self.caches = list(cache) if isinstance(cache, (list, tuple)) else [cache]
         self.model, self.cache, self.experts, self.lookahead = model, self.caches[0], experts, lookahead
         self.maps = maps
@@ -126,6 +133,8 @@ class Decoder:
         pooled = pool is not None and all(c.pool is pool for c in self.caches)
         self.rows_at_once = rows and self.cuda and (len(self.caches) == 1 or pooled) and \
             all(getattr(layer, "takes_slot", lambda: False)() for layer in model.layers)
+        # the row tile's products (q/k/v, o, router, shared expert, head) with the rows at once
+        self.tile_linear = tile_linear(rows_products) if self.rows_at_once else tile_linear("cublas")
         # each row's sequence slot as the kernels read it (rows at once over a pool), filled like pos
         self.row_slot = self._rows[2] if self.rows_at_once and pooled else None
         # the CPU's rows at once: a step of one sequence's T > 1 rows through each layer's cpu_rows
@@ -175,33 +184,34 @@ class Decoder:
     def _attention_rows(self, i: int, T: int) -> None:
         """Layer i's attention half for the step's T rows at once (rows at once; see the module doc)."""
         layer = self.model.layers[i]
-        if self.row_slot is None:
-            h, hn = layer.attention_rows(self.x, self.pos, self.caches[0], i, T)
-        else:
-            h, hn = layer.attention_rows(self.x, self.pos, self.caches[0], i, T, slot=self.row_slot[:T])
+        slot = None if self.row_slot is None else self.row_slot[:T]
+        h, hn = layer.attention_rows(self.x, self.pos, self.caches[0], i, T, slot=slot, linear=self.tile_linear)
         r = self.routed.get(i)
         if r is None:  # a dense FFN layer: finish it here
             self.x.copy_(layer.ffn(hn, residual=h))
             return
-        for name, value in self._route(i, h, hn).items():
+        for name, value in self._route(i, h, hn, tile=True).items():
             getattr(r, name)[0] = value
         r.whole = True
 
-    def _route(self, i: int, h: torch.Tensor, hn: torch.Tensor) -> dict:
-        """An MoE layer's router (and the later layers' guessed routers) and shared expert on hn."""
+    def _route(self, i: int, h: torch.Tensor, hn: torch.Tensor, *, tile: bool = False) -> dict:
+        """An MoE layer's router (and the later layers' guessed routers) and shared expert on hn
+        (tile: the rows-at-once step's row tile, its products on `tile_linear`)."""
         block = self.model.layers[i].ffn
-        weights, ids = block.route(hn)
+        over = {"linear": self.tile_linear} if tile else {}
+        weights, ids = block.route(hn, **over)
         guesses = None
         ahead = self.device_ahead.get(i) if self.experts.device_driven else self.ahead.get(i)
         if ahead:  # the later layers' routers on this input (top-k of logits)
             nxt = [self.model.layers[j].ffn for j in ahead]
-            guesses = torch.cat([torch.topk(self._guess_logits(b, depth, hn), b.top_k, dim=-1).indices
+            guesses = torch.cat([torch.topk(self._guess_logits(b, depth, hn, over), b.top_k, dim=-1).indices
                                  for depth, b in enumerate(nxt, start=1)], dim=-1)
-        return {"weights": weights, "ids": ids, "h": h, "hn": hn, "shared": block.shared_out(hn), "guesses": guesses}
+        return {"weights": weights, "ids": ids, "h": h, "hn": hn, "shared": block.shared_out(hn, **over),
+                "guesses": guesses}
 
-    def _guess_logits(self, block: MoEBlock, depth: int, hn: torch.Tensor) -> torch.Tensor:
+    def _guess_logits(self, block: MoEBlock, depth: int, hn: torch.Tensor, over: dict) -> torch.Tensor:
         """block's router logits guessed from an expert input `depth` MoE layers earlier (fixed-shape ops)."""
-        return block.router_logits(hn) if self.maps is None else self.maps.logits(block, depth, hn)
+        return block.router_logits(hn, **over) if self.maps is None else self.maps.logits(block, depth, hn)
 
     def _experts(self, i: int, T: int) -> None:
         r, block = self.routed[i], self.model.layers[i].ffn
@@ -233,14 +243,19 @@ class Decoder:
 
     def _head(self, T: int) -> None:
         if self.cuda:
-            self.logits.copy_(self.model.head(self.x))  # [MAX_STEP_TOKENS, V], whatever T
+            self.logits.copy_(self._tile_head(self.x))  # [MAX_STEP_TOKENS, V], whatever T
         elif T == 1:
             self.logits[:1].copy_(self.model.head(self.x[:1]))
         else:
             self.logits[:T].copy_(self.model.rows_head(self.x[:T]))
 
+    def _tile_head(self, x: torch.Tensor) -> torch.Tensor:
+        """The head over the row tile x [MAX_STEP_TOKENS, H], its product on `tile_linear`."""
+        tile_head = getattr(self.model, "tile_head", None)
+        return self.model.head(x) if tile_head is None else tile_head(x, self.tile_linear)
+
     def _saved_head(self) -> None:
-        self.saved_logits.copy_(self.model.head(self.saved_x))
+        self.saved_logits.copy_(self._tile_head(self.saved_x))
 
     def head_rows(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [n, V] (float32; a static buffer on CUDA) of saved residual-stream rows [n, H]

@@ -108,7 +108,8 @@ class Engine:
                                        dtype=self.dtype, device=self.device)
         self.caches = self.sequences.caches
         self.decoder = Decoder(self.model, self.caches, self.experts, graphs=options.cuda_graphs, lookahead=lookahead,
-                               maps=self.guess_maps, rows=options.step_rows != "off")
+                               maps=self.guess_maps, rows=options.step_rows != "off",
+                               rows_products=options.rows_products)
         if options.prefill_kernels == "fused" and self.device.type == "cuda":  # layers whose attention allows it
             for layer in self.model.layers:
                 if getattr(layer, "takes_fused_prefill", lambda: False)():

@@ -23,6 +23,9 @@ class EngineOptions:
     # a step's rows: auto (each layer's attention half once for all rows, where the family's attention
     # allows: on CUDA any rows, on the CPU one sequence's) or off (row by row)
     step_rows: str = "auto"
+    # the kernel of the products over a rows-at-once step's 16-row tile (q/k/v, o, router, shared expert,
+    # head): cuBLAS or the Triton kernel of moestream.kernels.triton_rows
+    rows_products: str = "cublas"
     cache_size: str = "auto"
     cache_policy: str = "auto"  # clock, or lfu where the pool is smaller than one token's experts
     cache_partition: str = "shared"
@@ -94,6 +97,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "attention half and the head at once, batched one-row products; families with plain "
                         "attention) or off (row by row). Each row's bits never depend on the rows beside it "
                         "either way")
+    g.add_argument("--rows-products", default="cublas", choices=["cublas", "triton"],
+                   help="with a step's rows at once on CUDA (--step-rows auto), the kernel of the products over the "
+                        "step's 16-row tile (q/k/v, o, router, shared expert, head): cublas (default) or triton (one "
+                        "program per block of outputs streaming the weights once, no split-K; each row's bits still "
+                        "independent of the rows beside it and of the cache size). The same tokens within the "
+                        "dtype's rounding, not the same bits; not yet timed on a GPU")
     c = parser.add_argument_group("expert cache")
     c.add_argument("--cache-size", default="auto",
                    help="device expert slots: bytes (4GiB), a share of all experts (25%%), min, all; "

@@ -193,6 +193,20 @@ class KernelConfig:
     grouped_join: int = 1  # 1: a word's codes unpacked by joins (they stay in its thread: no shared-memory shuffle)
     combine_tokens: int = 4
     combine_block: int = 256
+    # products over a decode step's 16-row tile (moestream.kernels.triton_rows, --rows-products triton):
+    # output columns per program, inputs per loop step, warps and pipeline stages; products with at
+    # most rows_narrow_max outputs (a router) take the rows_narrow_* sizes. Not yet swept on a GPU; 2 warps:
+    # a 16 x 16 output is two m16n8 MMA tiles, so more warps would only repeat the shared-memory reads
+    rows_n: int = 16
+    rows_k: int = 256
+    rows_warps: int = 2
+    rows_stages: int = 4
+    rows_swap: int = 0  # 1: the weights on the MMA's M side (wgmma needs rows_n >= 64)
+    rows_narrow_max: int = 1024
+    rows_narrow_n: int = 16
+    rows_narrow_k: int = 512
+    rows_narrow_warps: int = 2
+    rows_narrow_stages: int = 3
 
 
 CONFIG_ENV = "MOESTREAM_KERNEL_CONFIG"

@@ -17,9 +17,10 @@ GATE_ACTIVATIONS = ("silu", "gelu_tanh", "clamped_swiglu")
 BIASED_ACTIVATIONS = ("clamped_swiglu",)
 
 
-def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """down(silu(gate x) * up x); x [T, H], gate/up [I, H], down [H, I]."""
-    return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, *, linear=F.linear
+           ) -> torch.Tensor:
+    """down(silu(gate x) * up x); x [T, H], gate/up [I, H], down [H, I]; linear: the products' kernel."""
+    return linear(F.silu(linear(x, gate)) * linear(x, up), down)
 
 
 # A row of torch.bmm over [n, 1, K] rows against one stored matrix is the very BLAS call F.linear

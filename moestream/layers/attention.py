@@ -88,12 +88,14 @@ class Attention:
         """No sinks, no window: SDPA and the fused decode kernels compute it."""
         return self.w.sinks is None and self.window is None
 
-    def _project(self, x: torch.Tensor, norm, fused: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _project(self, x: torch.Tensor, norm, fused: bool = False, linear=F.linear
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [T, Nq*D], k, v [T, Nkv*D] after the full-projection norm and clipping (if any).
-        fused: one product over the stacked rows even for T > 1 (a step's fixed-size row tile)."""
+        fused: one product over the stacked rows even for T > 1 (a step's fixed-size row tile),
+        computed by `linear` (F.linear, or the row tile's kernel: moestream.layers.tile_products)."""
         w = self.w
         if (fused or x.shape[0] == 1) and w.qkv is not None:  # one token: one matmul
-            qkv = F.linear(x, w.qkv, w.qkv_bias)
+            qkv = linear(x, w.qkv, w.qkv_bias)
             nq, nkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
             q, k, v = qkv[:, :nq], qkv[:, nq:nq + nkv], qkv[:, nq + nkv:]
         else:
@@ -169,12 +171,13 @@ class Attention:
         return self.rope.plain and self.plain and self.w.o_bias is None and _fused_kernels() is not None
 
     def rows(self, x: torch.Tensor, pos: torch.Tensor, cache: KVCache, layer: int, T: int, *,
-             slot: torch.Tensor | None = None) -> torch.Tensor:
+             slot: torch.Tensor | None = None, linear=F.linear) -> torch.Tensor:
         """The first T rows of x [R, H] (R >= T, a fixed tile) as T tokens at device positions pos[:T],
         on CUDA with the fused kernels (`takes_slot`): every product over all R rows (a fixed shape,
         so a row's bits never depend on the rows beside it or on T), K/V of all T rows written before
         any row attends, so a later row of a sequence sees the earlier ones. Returns [R, H] (rows
-        past T: the product of zeros). slot [T]: each row's sequence slot of the pool `cache` is in."""
+        past T: the product of zeros). slot [T]: each row's sequence slot of the pool `cache` is in.
+        linear: the q/k/v and o products' kernel (moestream.layers.tile_products)."""
         if not self.takes_slot() or not (x.is_cuda or _fused_kernels()._INTERPRETED) or \
                 (slot is not None and cache.pool is None):
             raise ValueError("a step's rows at once need CUDA, the fused kernels and plain attention")
@@ -183,11 +186,11 @@ class Attention:
             keys, values = cache.keys[layer], cache.values[layer]
         else:
             keys, values = cache.pool[0][:, layer], cache.pool[1][:, layer]
-        q, k, v = self._project(x, td.rms_norm, fused=True)
+        q, k, v = self._project(x, td.rms_norm, fused=True, linear=linear)
         q = td.rope_qk_store_rows(q[:T], k[:T], v[:T], pos[:T], self.rope.inv_freq, keys, values,
                                   q_norm=w.q_norm if head else None, k_norm=w.k_norm if head else None, eps=self.eps,
                                   slot=slot)
-        return F.linear(td.decode_attention_rows(q, keys, values, pos[:T], out_rows=x.shape[0], slot=slot), w.o)
+        return linear(td.decode_attention_rows(q, keys, values, pos[:T], out_rows=x.shape[0], slot=slot), w.o)
 
     def takes_cpu_rows(self, dtype: torch.dtype) -> bool:
         """Whether `cpu_rows` gives every row `step`'s bits: plain attention, q/k/v in one unbiased

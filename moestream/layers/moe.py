@@ -23,10 +23,10 @@ class SharedExpert:
     down: torch.Tensor
     gate_weight: torch.Tensor | None = None  # [1, H]: sigmoid gate on the shared expert's output (Qwen2-MoE)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = swiglu(x, self.gate, self.up, self.down)
+    def __call__(self, x: torch.Tensor, *, linear=F.linear) -> torch.Tensor:
+        y = swiglu(x, self.gate, self.up, self.down, linear=linear)
         if self.gate_weight is not None:
-            y = torch.sigmoid(F.linear(x, self.gate_weight)) * y
+            y = torch.sigmoid(linear(x, self.gate_weight)) * y
         return y
 
 
@@ -40,20 +40,21 @@ class MoEBlock:
     def num_experts(self) -> int:
         return self.router.shape[0]
 
-    def router_logits(self, x: torch.Tensor) -> torch.Tensor:
+    def router_logits(self, x: torch.Tensor, *, linear=F.linear) -> torch.Tensor:
         """x [T, H] -> [T, E] in the router's dtype (a family keeping its router in float32 computes
-        the logits in float32 from any activation dtype, as its reference does)."""
-        return F.linear(x.to(self.router.dtype), self.router, self.router_bias)
+        the logits in float32 from any activation dtype, as its reference does). linear: the
+        product's kernel (a decode step's row tile: moestream.layers.tile_products)."""
+        return linear(x.to(self.router.dtype), self.router, self.router_bias)
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def route(self, x: torch.Tensor, *, linear=F.linear) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> routing weights [T, A], expert ids [T, A]."""
-        weights, ids = self.route_fn(self.router_logits(x))
+        weights, ids = self.route_fn(self.router_logits(x, linear=linear))
         if self.experts.reroute is not None:  # benchmarks only: routing at a known hit rate
             weights, ids = self.experts.reroute(self.layer, weights, ids)
         return weights, ids
 
-    def shared_out(self, x: torch.Tensor) -> torch.Tensor | None:
-        return self.shared(x) if self.shared is not None else None
+    def shared_out(self, x: torch.Tensor, *, linear=F.linear) -> torch.Tensor | None:
+        return self.shared(x, linear=linear) if self.shared is not None else None
 
     def combine(self, routed: torch.Tensor, shared: torch.Tensor | None, residual: torch.Tensor | None) -> torch.Tensor:
         """routed + shared (if any), + residual (if given): the order every path adds them in."""

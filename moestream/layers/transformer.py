@@ -63,11 +63,11 @@ class DecoderLayer:
         return td.add_rms_norm(x, a, self.post_norm, self.eps)
 
     def attention_rows(self, x: torch.Tensor, pos: torch.Tensor, cache: KVCache, layer: int, T: int, *,
-                       slot: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       slot: torch.Tensor | None = None, linear=F.linear) -> tuple[torch.Tensor, torch.Tensor]:
         """attention_step for the first T rows of x [R, H] at once (Attention.rows; CUDA, `takes_slot`):
-        (h, hn) [R, H], each row's bits those it gets in a step of its own."""
+        (h, hn) [R, H], each row's bits those it gets in a step of its own. linear: the products' kernel."""
         td = _fused_norms()
-        a = self.attn.rows(td.rms_norm(x, self.input_norm, self.eps), pos, cache, layer, T, slot=slot)
+        a = self.attn.rows(td.rms_norm(x, self.input_norm, self.eps), pos, cache, layer, T, slot=slot, linear=linear)
         return td.add_rms_norm(x, a, self.post_norm, self.eps)
 
     def takes_cpu_rows(self, dtype: torch.dtype) -> bool:
@@ -119,6 +119,13 @@ class MoETransformer:
         td = _fused_norms() if x.is_cuda and x.shape[0] == 1 else None
         normed = td.rms_norm(x, self.final_norm, self.eps) if td is not None else rms_norm(x, self.final_norm, self.eps)
         return F.linear(normed, self.lm_head).to(torch.float32)
+
+    def tile_head(self, x: torch.Tensor, linear=F.linear) -> torch.Tensor:
+        """head over a decode step's fixed row tile x [R, H], its product computed by `linear` (the
+        row tile's kernel: moestream.layers.tile_products); a family's own head keeps its own products."""
+        if type(self).head is not MoETransformer.head or linear is F.linear:
+            return self.head(x)
+        return linear(rms_norm(x, self.final_norm, self.eps), self.lm_head).to(torch.float32)
 
     def rows_head(self, x: torch.Tensor) -> torch.Tensor:
         """head for rows x [T, H] on the CPU, each row with the bits `head` gives it alone: one

@@ -10,8 +10,10 @@
 # triton_grouped/triton_expert_math and torch_experts: test_kernels, test_mxfp4_kernels_cuda, test_decoder).
 # Start the q30 synth in the background first (`python3 -m moestream synth --shape qwen3-30b-a3b
 # /tmp/q30 --force & SP=$!` ... `wait $SP`: never wait with pgrep -f, which matches its own command).
+# rows-products then rows-products-ab (--rows-products triton: the row tile's Triton products; two calls).
 # Usage: scripts/gpu/run_pending.sh OUTDIR PART...
 #   PART: synth | kernel-shapes | sweep | tuned | tests | stream | lookahead | resident | profile | families | cpu-share | server
+#         | rows-products | rows-products-ab
 #   synth:    every shape the other parts read, side by side (one core each), so later calls find them
 #   kernel-shapes: the grouped kernels' product shapes (swapped, gathered codes, tiles) against the reference
 #   sweep:    the expert kernels' block sizes tried at the 30B shape (scripts/bench_kernels.py --sweep); the
@@ -35,6 +37,10 @@
 #   drafters: the batching GPU test with warmed steps, the demo's drafters on CUDA on the held-out prompts
 #   server:   scripts/bench_server_batching.py at 100 % and 25 % (needs .whl: scripts/gpu/fetch_wheels.sh here,
 #             `carry: [".whl"]` in the call)
+#   rows-products: its GPU tests (NO_TESTS=1: none), the cuBLAS/Triton table at the 30B shapes and the kernel's
+#             block-size sweep (best into $out/rows-best-config.json and /tmp/rows-best-config.json)
+#   rows-products-ab: resident decode with --rows-products cublas, triton, and triton with the sweep's block sizes
+#             (ROWS_CONFIG: their JSON, where the machine is not the one the sweep ran on)
 set -u
 out=${1:?output folder}; shift
 export PYTHONPATH=${SITE:+$SITE:}$PWD PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
@@ -199,5 +205,25 @@ for part in "$@"; do
         --out "$out/server-batching-${size%\%}${SERVER_TAG:-}.json" > "$out/server-batching-${size%\%}${SERVER_TAG:-}.log" 2>&1
       say "server $size" "rc=$?"; tail -6 "$out/server-batching-${size%\%}${SERVER_TAG:-}.log"
     done ;;
+  rows-products)  # the q30 synth runs beside the tests and the kernel bench, for the A/B part
+    synth &
+    [ -z "${NO_TESTS:-}" ] && timeout -s ABRT ${TESTS_LIMIT:-150} python3 -m pytest tests/gpu/test_rows_products_cuda.py \
+      -q -p no:cacheprovider -rfE --durations=5 > "$out/rows-products-tests.log" 2>&1
+    say rows-products-tests "rc=$?"; grep -E "passed|failed|FAILED|ERROR|Fatal" "$out/rows-products-tests.log" | tail -8
+    timeout ${ROWS_SWEEP_LIMIT:-360} python3 scripts/bench_kernels.py --out "$out/rows-products.json" --no-experts \
+      --rows-products --rows-sweep --rows-sweep-seconds ${ROWS_SWEEP_SECONDS:-240} \
+      --best-out "$out/rows-best-config.json" > "$out/rows-products.log" 2>&1
+    say rows-products-bench "rc=$?"; grep -E "^rows|rror" "$out/rows-products.log" | tail -10
+    [ -f "$out/rows-best-config.json" ] && cat "$out/rows-best-config.json" && cp "$out/rows-best-config.json" /tmp/
+    wait ;;
+  rows-products-ab)  # one process per mode; the sweep's sizes where an earlier call left them
+    synth
+    for products in cublas triton; do
+      bench "resident-rows-products-$products" 150 --cache-sizes all --prefill-tokens 512 --rows-products $products
+    done
+    cfg=${ROWS_CONFIG:-}  # the sweep's sizes: JSON text (a fresh machine) or a file an earlier part wrote
+    for f in "$out/rows-best-config.json" /tmp/rows-best-config.json; do [ -z "$cfg" ] && [ -f "$f" ] && cfg=$f; done
+    [ -n "$cfg" ] && MOESTREAM_KERNEL_CONFIG="$cfg" bench resident-rows-products-triton-tuned 150 --cache-sizes all \
+      --prefill-tokens 512 --rows-products triton ;;
   esac
 done

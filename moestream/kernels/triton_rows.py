@@ -1,0 +1,124 @@
+"""Products over a decode step's fixed row tile in Triton: y [R, N] = x [R, K] @ W [N, K]^T (+ bias).
+
+A decode step with its rows at once (moestream.engine.decoder) multiplies all MAX_STEP_TOKENS = 16
+rows of the residual stream by each attention and router matrix whatever T, so a row's bits never
+depend on T. At 16 rows such a product is bound by the weight bytes (the q/k/v matrix of
+Qwen3-30B-A3B is 21 MB, its rows are 4 KB), and cuBLAS reaches ~1.9-2.7 TB/s of the H200's 4.3 with
+a split-K reduce for some (measured: docs/PERFORMANCE.md). This kernel streams W once:
+
+  - one program per block of BN output columns, looping over all of K in steps of BK (no split-K:
+    each output is reduced by one program in a fixed order, so the bits are the same every run);
+  - each step one tl.dot of the [RB, BK] x tile and the [BN, BK] weight tile (or, `swap`, the
+    weights on the MMA's M side: Hopper's wgmma takes M >= 64), float32 accumulation, several
+    pipeline stages of loads in flight;
+  - x's rows padded to RB >= 16 (a tl.dot tile) by reading its last row again; W's columns past
+    N read its last row: no masks in the loop unless K is not a multiple of BK. Padding is never stored.
+
+Row r of the output is its own row of x times W: the MMA computes each output from one row and one
+column, and the tile's shape follows from R, N, K and the dtype alone, so a row's bits do not depend
+on the rows beside it (tests/unit/test_rows_products_interpret.py, tests/gpu/test_rows_products_cuda.py).
+Block sizes come from KernelConfig (rows_* fields; MOESTREAM_KERNEL_CONFIG overrides them), one set
+for narrow products (N <= rows_narrow_max: a router) and one for the rest.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+from moestream.kernels.expert_layout import ACT_DTYPES, DEFAULT_CONFIG, KernelConfig
+
+MAX_ROWS = 64  # rows of x one call takes (the decoder's tile is 16)
+
+
+@triton.jit
+def _tile_linear_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, R, N, stride_x, stride_w, stride_y, K: tl.constexpr,
+                        RB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
+                        HAS_BIAS: tl.constexpr, SWAP: tl.constexpr, PRECISION: tl.constexpr,
+                        DOT_F32: tl.constexpr):
+    first = tl.program_id(0) * BN
+    w_ptr += first.to(tl.int64) * stride_w
+    kk = tl.arange(0, BK)
+    rows = tl.arange(0, RB)
+    cols = first + tl.arange(0, BN)
+    # padding rows of x read its last row, columns past N the weights' last row: unmasked loads
+    x_tile = x_ptr + tl.minimum(rows, R - 1)[:, None] * stride_x + kk[None, :]
+    w_tile = w_ptr + (tl.minimum(cols, N - 1) - first)[:, None] * stride_w + kk[None, :]
+    if SWAP:
+        acc = tl.zeros([BN, RB], dtype=tl.float32)
+    else:
+        acc = tl.zeros([RB, BN], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        if EVEN_K:
+            xt = tl.load(x_tile + k0)
+            wt = tl.load(w_tile + k0)
+        else:
+            kmask = (k0 + kk < K)[None, :]
+            xt = tl.load(x_tile + k0, mask=kmask, other=0.0)
+            wt = tl.load(w_tile + k0, mask=kmask, other=0.0)
+        if DOT_F32:
+            xt = xt.to(tl.float32)
+            wt = wt.to(tl.float32)
+        if SWAP:
+            acc = tl.dot(wt, tl.trans(xt), acc, input_precision=PRECISION)
+        else:
+            acc = tl.dot(xt, tl.trans(wt), acc, input_precision=PRECISION)
+    if SWAP:
+        acc = tl.trans(acc)
+    cmask = cols < N
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    y = y_ptr + rows[:, None] * stride_y + cols[None, :]
+    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=(rows < R)[:, None] & cmask[None, :])
+
+
+# Triton's CPU interpreter multiplies bfloat16 dot operands as their raw bits: there they are widened first.
+_INTERPRETED = isinstance(_tile_linear_kernel, InterpretedFunction)
+
+
+def tile(N: int, K: int, dtype: torch.dtype, config: KernelConfig = DEFAULT_CONFIG) -> dict:
+    """The launch settings of a product with N outputs over K inputs: a function of the shape,
+    the dtype and the config alone, so a row's bits are too."""
+    if N <= config.rows_narrow_max:
+        bn, bk, warps, stages = config.rows_narrow_n, config.rows_narrow_k, config.rows_narrow_warps, \
+            config.rows_narrow_stages
+    else:
+        bn, bk, warps, stages = config.rows_n, config.rows_k, config.rows_warps, config.rows_stages
+    if dtype == torch.float32:  # an FMA dot holds its tiles in registers: keep them small
+        bk = min(bk, 64)
+    bk = min(bk, max(16, triton.next_power_of_2(K)))
+    return dict(BN=bn, BK=bk, EVEN_K=K % bk == 0, SWAP=bool(config.rows_swap), num_warps=warps, num_stages=stages)
+
+
+def tile_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                out: torch.Tensor | None = None, config: KernelConfig = DEFAULT_CONFIG) -> torch.Tensor:
+    """F.linear(x, weight, bias) for x [R, K] (R <= MAX_ROWS rows, e.g. a decode step's 16-row tile)
+    and weight [N, K], one dtype (bf16, fp16 or fp32), float32 accumulation, the output in x's
+    dtype. Rows of x and weight may be strided (last dimension contiguous). One launch, no host sync."""
+    if x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != x.shape[1]:
+        raise ValueError(f"x {list(x.shape)} and weight {list(weight.shape)}: expected [R, K] and [N, K]")
+    if x.dtype not in ACT_DTYPES or weight.dtype != x.dtype:
+        raise ValueError(f"x {x.dtype}, weight {weight.dtype}: one of bf16, fp16, fp32 for both")
+    if x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError("x and weight: the last dimension must be contiguous")
+    R, K = x.shape
+    N = weight.shape[0]
+    if not 0 < R <= MAX_ROWS:
+        raise ValueError(f"x has {R} rows (the kernel takes 1..{MAX_ROWS})")
+    if bias is not None and (bias.shape != (N,) or bias.dtype != x.dtype or not bias.is_contiguous()):
+        raise ValueError(f"bias: {bias.dtype} {list(bias.shape)}, expected contiguous {x.dtype} [{N}]")
+    if out is None:
+        out = torch.empty((R, N), dtype=x.dtype, device=x.device)
+    elif out.shape != (R, N) or out.dtype != x.dtype or out.stride(1) != 1:
+        raise ValueError(f"out: {out.dtype} {list(out.shape)}, expected {x.dtype} [{R}, {N}]")
+    if N == 0:
+        return out
+    if K == 0:
+        return out.copy_(bias.expand(R, N)) if bias is not None else out.zero_()
+    settings = tile(N, K, x.dtype, config)
+    _tile_linear_kernel[(triton.cdiv(N, settings["BN"]),)](
+        x, weight, weight if bias is None else bias, out, R, N, x.stride(0), weight.stride(0), out.stride(0), K=K,
+        RB=max(16, triton.next_power_of_2(R)), HAS_BIAS=bias is not None,
+        PRECISION="ieee" if x.dtype == torch.float32 or _INTERPRETED else "tf32", DOT_F32=_INTERPRETED, **settings)
+    return out
