@@ -58,8 +58,15 @@ class PrefillGraphs:
             all(getattr(layer, "takes_fused_prefill", lambda: False)() for layer in model.layers)
 
     def takes(self, tokens: int, start: int, cache: KVCache) -> bool:
-        """Whether a chunk of `tokens` at `start` runs here (the caller checks residency and hooks)."""
-        return start == 0 and SMALLEST // 2 < tokens <= self.largest and bucket(tokens) <= cache.max_tokens
+        """Whether a chunk of `tokens` at `start` runs here (the caller checks residency and hooks):
+        captured, every MoE layer must run the Triton kernels (the torch reference reads ids on the host)."""
+        return start == 0 and SMALLEST // 2 < tokens <= self.largest and bucket(tokens) <= cache.max_tokens and \
+            (not self.capture or self._capturable())
+
+    def _capturable(self) -> bool:
+        dtype = self.model.dtype
+        return all(self.experts.uses_triton(layer.ffn.layer, dtype) for layer in self.model.layers
+                   if isinstance(layer.ffn, MoEBlock))
 
     def _key(self, tokens: int) -> tuple:
         from moestream.kernels.triton_moe import grouped_block_m
