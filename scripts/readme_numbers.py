@@ -268,15 +268,16 @@ def h200_families() -> str:
 
 
 def h200_cpu_share_device() -> str:
-    """The device path's CPU share (auto) at 25 % against no share, same shape and routing."""
-    path = H200 / "device-cpu-share-auto-25pct-uniform.json"
-    run = only_run(path)
-    off = only_run(H200 / "stream-25pct-uniform-slot-map-triton.json")
-    share = run["experts"]["cpu_share_now"]
-    return (f"{tok_s(run['decode']['tok_s'])} tok/s with `--cpu-experts auto` at 25 % (hit rate "
-            f"{run['decode']['hit_rate']:.2f}) against {tok_s(off['decode']['tok_s'])} without a share; "
-            f"`auto` settled at a share of {share:.3f}, and the CPU computed {run['decode']['cpu_experts']} "
-            f"experts in the timed decode")
+    """The device path's CPU share (auto, and 0: the mailbox alone) at 25 % against no share, this build."""
+    auto = only_run(H200 / "device-cpu-share-25pct-uniform-auto-v2.json")
+    empty = only_run(H200 / "device-cpu-share-25pct-uniform-0-v2.json")
+    off = only_run(H200 / "decode-ahead-off-25pct-uniform.json")
+    ex = auto["experts"]
+    return (f"{tok_s(auto['decode']['tok_s'])} tok/s with `--cpu-experts auto` and {tok_s(empty['decode']['tok_s'])} "
+            f"with a share of 0 at 25 % (hit rate {auto['decode']['hit_rate']:.2f}) against "
+            f"{tok_s(off['decode']['tok_s'])} without a share; `auto` measured the worker's kernels at "
+            f"{ex['cpu_kernel_gb_s_ema']:.1f} GB/s and its hand-over at {ex['cpu_handover_us_ema']:.0f} µs against "
+            f"{ex['copy_gb_s']:.1f} GB/s copies and settled at a share of {ex['cpu_share_now']:.3f}")
 
 
 def h200_step_rows() -> str:
@@ -339,6 +340,15 @@ def h200_decode_ahead() -> str:
     return f"{tok_s(off['decode']['tok_s'])} → {tok_s(on['decode']['tok_s'])} tok/s"
 
 
+def h200_prefill_graphs() -> str:
+    """Resident prefill, eager against one CUDA graph per length bucket, one call."""
+    off, on = (only_run(H200 / f"prefill-graphs-{m}.json") for m in ("off", "on"))
+    lengths = [p["tokens"] for p in on["prefill"]]
+    return (" / ".join(f"{n:,}" for n in lengths) + " tokens at "
+            + " / ".join(f"{prefill_tok_s(on, n):,.0f}" for n in lengths) + " tok/s (eager: "
+            + " / ".join(f"{prefill_tok_s(off, n):,.0f}" for n in lengths) + ")")
+
+
 def h200_grouped() -> str:
     """The grouped (prefill) kernels before and after the sweep, uniform routing, from one sweep."""
     path = H200 / "grouped-kernels-sweep.json"
@@ -375,6 +385,7 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "h200-prefill": h200_prefill,
     "h200-prefill-kernels": h200_prefill_kernels,
     "h200-decode-ahead": h200_decode_ahead,
+    "h200-prefill-graphs": h200_prefill_graphs,
     "h200-grouped": h200_grouped,
 }
 
