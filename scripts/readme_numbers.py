@@ -325,13 +325,17 @@ def h200_prefill() -> str:
             + tok_s(keep["decode"]["tok_s"]) + " tok/s")
 
 
+def prefill_by_length(before: dict, after: dict) -> tuple[list[int], str, str]:
+    """The lengths of a run pair's prefills and each run's tok/s at them, "a / b / c"."""
+    lengths = [p["tokens"] for p in after["prefill"]]
+    return lengths, *(" / ".join(f"{prefill_tok_s(run, n):,.0f}" for n in lengths) for run in (before, after))
+
+
 def h200_prefill_kernels() -> str:
     """Resident prefill at every length with the attention half on torch ops and on the fused kernels, one call."""
-    torch_run, fused = (only_run(H200 / f"prefill-kernels-{k}.json") for k in ("torch", "fused"))
-    lengths = [p["tokens"] for p in fused["prefill"]]
-    return (" / ".join(f"{n:,}" for n in lengths) + " tokens: "
-            + " / ".join(f"{prefill_tok_s(torch_run, n):,.0f}" for n in lengths) + " → "
-            + " / ".join(f"{prefill_tok_s(fused, n):,.0f}" for n in lengths) + " tok/s")
+    lengths, torch_ops, fused = prefill_by_length(*(only_run(H200 / f"prefill-kernels-{k}.json")
+                                                    for k in ("torch", "fused")))
+    return " / ".join(f"{n:,}" for n in lengths) + f" tokens: {torch_ops} → {fused} tok/s"
 
 
 def h200_decode_ahead() -> str:
@@ -342,11 +346,8 @@ def h200_decode_ahead() -> str:
 
 def h200_prefill_graphs() -> str:
     """Resident prefill, eager against one CUDA graph per length bucket, one call."""
-    off, on = (only_run(H200 / f"prefill-graphs-{m}.json") for m in ("off", "on"))
-    lengths = [p["tokens"] for p in on["prefill"]]
-    return (" / ".join(f"{n:,}" for n in lengths) + " tokens at "
-            + " / ".join(f"{prefill_tok_s(on, n):,.0f}" for n in lengths) + " tok/s (eager: "
-            + " / ".join(f"{prefill_tok_s(off, n):,.0f}" for n in lengths) + ")")
+    lengths, eager, graphs = prefill_by_length(*(only_run(H200 / f"prefill-graphs-{m}.json") for m in ("off", "on")))
+    return " / ".join(f"{n:,}" for n in lengths) + f" tokens at {graphs} tok/s (eager: {eager})"
 
 
 def h200_grouped() -> str:

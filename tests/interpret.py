@@ -37,3 +37,23 @@ def interpreted_module(name: str):
     module = importlib.import_module(name)
     assert module._INTERPRETED
     return module
+
+
+def gen(seed: int):
+    """A seeded CPU generator (the kernels' inputs are drawn on the CPU, then moved)."""
+    import torch
+
+    return torch.Generator().manual_seed(seed)
+
+
+def randn(*shape, g, dtype=None):
+    """Normal values drawn in float32 with generator g, then cast to dtype."""
+    import torch
+
+    return torch.randn(*shape, generator=g).to(dtype or torch.float32)
+
+
+def relative_error(y, ref) -> float:
+    """max |y - ref| / max |ref|, in float64."""
+    return ((y.double() - ref.double()).abs().max() / ref.double().abs().max()).item()
+

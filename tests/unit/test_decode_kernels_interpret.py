@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-from interpret import interpreted_module, run_file_interpreted  # noqa: E402
+from interpret import gen, interpreted_module, randn, relative_error, run_file_interpreted  # noqa: E402
 
 from moestream.layers.kv_cache import KVCache  # noqa: E402
 from moestream.layers.attention import Attention, AttentionWeights  # noqa: E402
@@ -33,18 +33,6 @@ def test_decode_kernels_under_the_interpreter():
 @pytest.fixture(scope="module")
 def td():
     return interpreted_module("moestream.kernels.triton_decode")
-
-
-def gen(seed):
-    return torch.Generator().manual_seed(seed)
-
-
-def randn(*shape, g, dtype=torch.float32):
-    return torch.randn(*shape, generator=g).to(dtype)
-
-
-def relative_error(y, ref):
-    return ((y.double() - ref.double()).abs().max() / ref.double().abs().max()).item()
 
 
 # -- norms ----------------------------------------------------------------------------------------------
