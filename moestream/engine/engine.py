@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from moestream.layers.kv_cache import KVCache
-from moestream.engine import expert_setup, generation, timeline
+from moestream.engine import expert_setup, generation, prefill_graphs, timeline
 from moestream.engine.emitter import Emitter
 from moestream.engine.generation import Generation
 from moestream.engine.options import EngineOptions
@@ -114,7 +114,8 @@ class Engine:
             for layer in self.model.layers:
                 if getattr(layer, "takes_fused_prefill", lambda: False)():
                     layer.fused_prefill = True
-        self.prefill_graphs = self._prefill_graphs(options)
+        self.prefill_graphs = prefill_graphs.for_engine(self.model, self.experts, options, self.device,
+                                                        self.plan.prefill_chunk)
         self._resident_checked = False
         self._warmed: set[int] = set()  # row counts whose step graphs warm_steps captured
         # sees the final residual stream (before the final norm) of every position slot 0 computes:
@@ -124,19 +125,6 @@ class Engine:
         self.trace = None
         if options.trace_routing:
             self._start_trace()
-
-    def _prefill_graphs(self, options: EngineOptions):
-        """The prefill's CUDA graphs per length bucket (moestream.engine.prefill_graphs), where they can run:
-        auto on CUDA with graphs and no memory budget (they keep their activations); on also pads
-        eagerly on the CPU (for tests); None elsewhere."""
-        from moestream.engine.prefill_graphs import PrefillGraphs
-
-        mode = options.prefill_graphs
-        cuda = self.device.type == "cuda" and options.cuda_graphs
-        if mode == "off" or not PrefillGraphs.fits(self.model) or (mode == "auto" and (
-                not cuda or options.memory_budget is not None or options.prefill_workspace == "release")):
-            return None
-        return PrefillGraphs(self.model, self.experts, largest=max(1, self.plan.prefill_chunk), capture=cuda)
 
     @property
     def lookahead(self):
@@ -250,7 +238,8 @@ class Engine:
                     piece = prompt_ids[start:start + chunk]
                     self._position = start
                     with timeline.span("prefill_chunk", position=start, tokens=len(piece)):
-                        if self._graphs_take(piece, start, cache, all_logits):
+                        if self.prefill_graphs is not None and not all_logits and \
+                                self.prefill_graphs.takes(len(piece), start, cache):
                             outputs.append(self.prefill_graphs.run(piece, cache))
                         else:
                             ids = torch.tensor(piece, dtype=torch.long, device=self.device)
@@ -260,16 +249,6 @@ class Engine:
             self.model.on_hidden = None
         self.release_workspace()
         return (torch.cat(outputs) if all_logits else outputs[-1]), reuse
-
-    def _graphs_take(self, piece: list[int], start: int, cache: KVCache, all_logits: bool) -> bool:
-        """Whether a prefill chunk runs as a padded graph: every expert resident (no lookups; on the CPU,
-        where nothing is captured, lookups too), nothing that watches each row (routing trace or
-        replacement, hidden-state tap), the last row's logits."""
-        ex, graphs = self.experts, self.prefill_graphs
-        return graphs is not None and not all_logits and (ex.resident or not graphs.capture) and \
-            ex.device_map is None and \
-            ex.on_route is None and ex.reroute is None and self.model.on_hidden is None and \
-            self.prefill_graphs.takes(len(piece), start, cache)
 
     def prompt_step(self, prompt_ids: list[int], *, seq: int, beside: int) -> list[int] | None:
         """The prompt tokens that `prefill(prompt_ids, seq=seq)` would run as one decoder step of their

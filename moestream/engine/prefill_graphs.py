@@ -39,6 +39,18 @@ def bucket(tokens: int) -> int:
     return n
 
 
+def for_engine(model: MoETransformer, experts, options, device: torch.device, chunk: int) -> "PrefillGraphs | None":
+    """An engine's prefill graphs where `--prefill-graphs` lets them run: auto on CUDA with CUDA graphs
+    and no memory budget or released workspace (the graphs keep their activations); on also pads
+    eagerly on the CPU (for tests); None elsewhere."""
+    mode = options.prefill_graphs
+    cuda = device.type == "cuda" and options.cuda_graphs
+    if mode == "off" or not PrefillGraphs.fits(model) or (mode == "auto" and (
+            not cuda or options.memory_budget is not None or options.prefill_workspace == "release")):
+        return None
+    return PrefillGraphs(model, experts, largest=max(1, chunk), capture=cuda)
+
+
 class PrefillGraphs:
     def __init__(self, model: MoETransformer, experts, *, largest: int, capture: bool = True):
         """largest: the longest chunk taken (the prefill chunk size). capture=False runs the padded
@@ -58,10 +70,14 @@ class PrefillGraphs:
             all(getattr(layer, "takes_fused_prefill", lambda: False)() for layer in model.layers)
 
     def takes(self, tokens: int, start: int, cache: KVCache) -> bool:
-        """Whether a chunk of `tokens` at `start` runs here (the caller checks residency and hooks):
-        captured, every MoE layer must run the Triton kernels (the torch reference reads ids on the host)."""
+        """Whether a chunk of `tokens` at `start` runs here: a fresh chunk of a bucket the cache holds;
+        every expert resident (no lookups; on the CPU, where nothing is captured, lookups too) and, when
+        captured, every MoE layer on the Triton kernels (the torch reference reads ids on the host);
+        nothing that watches each row (a routing trace or replacement, the hidden-state tap)."""
+        ex = self.experts
         return start == 0 and SMALLEST // 2 < tokens <= self.largest and bucket(tokens) <= cache.max_tokens and \
-            (not self.capture or self._capturable())
+            (ex.resident or not self.capture) and ex.device_map is None and ex.on_route is None and \
+            ex.reroute is None and self.model.on_hidden is None and (not self.capture or self._capturable())
 
     def _capturable(self) -> bool:
         dtype = self.model.dtype
