@@ -11,6 +11,12 @@ expert kernels choose their kernels and row blocks for the real token count
 ones, so every expert's real rows fall into the same row blocks as in the eager call. The padding's
 K/V land at positions past the prompt, which the next tokens overwrite before any row reads them.
 
+What a graph may touch: a replay writes into every tensor the capture saw, so those must live as long
+as the graph, at the same address. The KV cache is bound (a graph per sequence slot's cache), and the
+resident hits are not counted inside the graph (the engine's hit counter is the engine's to read and
+reset): the capture hands each layer's expert ids out (`RoutedExperts.booked`), and they are counted
+after each replay, for the real rows only, as the eager prefill counts them.
+
 Where: CUDA graphs on, every expert resident (no lookups), a chunk starting at position 0 (keys
 then have the bucket's length), plain attention on the fused prefill kernels in every layer and the
 generic forward, no routing trace or hidden-state tap, and no memory budget (the graphs keep their
@@ -19,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -51,12 +58,25 @@ def for_engine(model: MoETransformer, experts, options, device: torch.device, ch
     return PrefillGraphs(model, experts, largest=max(1, chunk), capture=cuda)
 
 
+@dataclass
+class _Graph:
+    """A captured bucket: the graph, its static inputs (padded ids, the last real row's index), its
+    logits, and each resident layer's (layer, expert ids) as the graph leaves them, kept with it."""
+
+    graph: torch.cuda.CUDAGraph
+    ids: torch.Tensor
+    last: torch.Tensor
+    logits: torch.Tensor
+    routed: list
+
+
 class PrefillGraphs:
     def __init__(self, model: MoETransformer, experts, *, largest: int, capture: bool = True):
         """largest: the longest chunk taken (the prefill chunk size). capture=False runs the padded
         chunk eagerly (the CPU: the same padding, nothing captured; for tests)."""
         self.model, self.experts, self.largest, self.capture = model, experts, largest, capture
-        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.graphs: dict[tuple, _Graph] = {}
+        self._caches: dict[int, int] = {}  # the address of a KV cache's keys -> its number in the graphs' keys
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         blocks = {(layer.ffn.top_k, layer.ffn.num_experts) for layer in model.layers if isinstance(layer.ffn, MoEBlock)}
         self._moe_shapes = sorted(blocks)
@@ -84,11 +104,15 @@ class PrefillGraphs:
         return all(self.experts.uses_triton(layer.ffn.layer, dtype) for layer in self.model.layers
                    if isinstance(layer.ffn, MoEBlock))
 
-    def _key(self, tokens: int) -> tuple:
+    def _key(self, tokens: int, cache: KVCache) -> tuple:
+        """(bucket, each MoE shape's row block, the cache's number): a graph writes the K/V of the
+        cache it was captured with."""
         from moestream.kernels.triton_moe import grouped_block_m
 
         dtype = self.model.dtype
-        return (bucket(tokens),) + tuple(grouped_block_m(tokens, k, e, dtype) for k, e in self._moe_shapes)
+        keys = cache.keys if isinstance(cache.keys, torch.Tensor) else cache.keys[0]
+        number = self._caches.setdefault(keys.data_ptr(), len(self._caches))
+        return (bucket(tokens),) + tuple(grouped_block_m(tokens, k, e, dtype) for k, e in self._moe_shapes) + (number,)
 
     def run(self, piece: list[int], cache: KVCache) -> torch.Tensor:
         """Logits [1, V] (float32) of the last token of `piece`, prefilled at positions 0.. of `cache`;
@@ -98,36 +122,47 @@ class PrefillGraphs:
         ids = torch.tensor(piece + [piece[-1]] * (padded - T), dtype=torch.long, device=dev)
         last = torch.tensor([T - 1], dtype=torch.long, device=dev)
         if not self.capture:
-            return self._forward(ids, last, cache, T)
-        key = self._key(T)
+            routed: list = []
+            logits = self._forward(ids, last, cache, T, routed)
+            self._book(routed, T)
+            return logits
+        key = self._key(T, cache)
         entry = self.graphs.get(key)
         if entry is None:
             t0 = time.perf_counter()
             entry = self.graphs[key] = self._capture(ids, last, cache, T)
-            log.info("captured the prefill graph of %d tokens (row blocks %s) in %.1f s", padded, key[1:],
+            log.info("captured the prefill graph of %d tokens (row blocks %s) in %.1f s", padded, key[1:-1],
                      time.perf_counter() - t0)
-        graph, ids_in, last_in, logits = entry
-        ids_in.copy_(ids)
-        last_in.copy_(last)
-        graph.replay()
-        return logits.clone()
+        entry.ids.copy_(ids)
+        entry.last.copy_(last)
+        entry.graph.replay()
+        self._book(entry.routed, T)
+        return entry.logits.clone()
 
-    def _forward(self, ids: torch.Tensor, last: torch.Tensor, cache: KVCache, tokens: int) -> torch.Tensor:
-        self.experts.tile_tokens = tokens
+    def _forward(self, ids: torch.Tensor, last: torch.Tensor, cache: KVCache, tokens: int,
+                 routed: list) -> torch.Tensor:
+        """The padded chunk through the model; `routed` takes each resident layer's (layer, ids [padded, A])."""
+        self.experts.tile_tokens, self.experts.booked = tokens, routed
         try:
             return self.model.forward(ids, 0, cache, last_row=last)
         finally:
-            self.experts.tile_tokens = None
+            self.experts.tile_tokens = self.experts.booked = None
 
-    def _capture(self, ids: torch.Tensor, last: torch.Tensor, cache: KVCache, tokens: int):
+    def _book(self, routed: list, tokens: int) -> None:
+        """The resident hits of the real rows (after the run, outside any graph; the padding's rows are
+        not the prompt's)."""
+        if routed:
+            self.experts.count_resident_step([(layer, ids[:tokens]) for layer, ids in routed])
+
+    def _capture(self, ids: torch.Tensor, last: torch.Tensor, cache: KVCache, tokens: int) -> _Graph:
         ids_in, last_in = ids.clone(), last.clone()
         current = torch.cuda.current_stream(ids.device)
         side = torch.cuda.Stream(ids.device)
         side.wait_stream(current)
         with torch.cuda.stream(side):  # warm up outside the capture (Triton compiles, cuBLAS plans)
-            self._forward(ids_in, last_in, cache, tokens)
+            self._forward(ids_in, last_in, cache, tokens, [])  # its hits are not booked: the replay's are
         current.wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
+        graph, routed = torch.cuda.CUDAGraph(), []
         with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            logits = self._forward(ids_in, last_in, cache, tokens)
-        return graph, ids_in, last_in, logits
+            logits = self._forward(ids_in, last_in, cache, tokens, routed)
+        return _Graph(graph, ids_in, last_in, logits, routed)

@@ -76,7 +76,9 @@ class ExpertCache:
         self._prefetch_loading: set = set()  # those of them still loading
         self._deferred: list = []  # (copy event, callback): host tier slots to unpin once their copy is done
         self.resident_tables: dict[int, torch.Tensor] = {}  # layer -> int32 [E] slots, once all are resident
-        self._device_hits: torch.Tensor | None = None  # per MoE layer, counted by resident layers
+        # per MoE layer, counted by resident layers: made once (`_hit_counter`) and zeroed when read,
+        # never replaced, so no queued or captured work can add into memory the allocator gave back
+        self._device_hits: torch.Tensor | None = None
         self._hit_rows: dict[tuple, torch.Tensor] = {}  # count_resident_many's layer rows, per set of layers
         self.device_map = None  # a DeviceMap once device-driven streaming started (start_device_map)
         self.stats_ = CacheStats()
@@ -258,6 +260,7 @@ class ExpertCache:
             tables[layer] = torch.tensor(self.slots_of(layer, experts), dtype=torch.int32).to(self.device)
         st.hits, st.misses, st.layer_hits, st.layer_misses = counts
         self.resident_tables = tables
+        self._hit_counter()  # now, outside any graph capture
         return True
 
     def resident_table(self, layer: int) -> torch.Tensor | None:
@@ -270,12 +273,11 @@ class ExpertCache:
         if ids.shape[0] == 1:  # one token's top-k ids are distinct
             self.stats_.count(layer, hit=True, n=ids.numel())
             return
-        if self._device_hits is None:
-            self._device_hits = torch.zeros(len(self.moe_layers), dtype=torch.int64, device=self.device)
+        hits = self._hit_counter()
         flat = ids.reshape(-1).to(torch.int64)
         seen = torch.zeros(self.entries[layer].num_experts, dtype=torch.int64, device=self.device)
         seen.scatter_(0, flat, 1)  # torch.bincount would sync with the host on CUDA
-        self._device_hits[self._index[layer]] += seen.sum()
+        hits[self._index[layer]] += seen.sum()
 
     def count_resident_many(self, routed: list[tuple[int, torch.Tensor]]) -> None:
         """count_resident for every MoE layer of a step at once [(layer, ids [T, A])]: a handful of
@@ -284,8 +286,7 @@ class ExpertCache:
             for layer, ids in routed:
                 self.count_resident(layer, ids)
             return
-        if self._device_hits is None:
-            self._device_hits = torch.zeros(len(self.moe_layers), dtype=torch.int64, device=self.device)
+        hits = self._hit_counter()
         flat = torch.stack([ids.reshape(-1) for _, ids in routed]).to(torch.int64)  # [L, T*A]
         experts = max(self.entries[layer].num_experts for layer, _ in routed)
         seen = torch.zeros((len(routed), experts), dtype=torch.int64, device=self.device).scatter_(1, flat, 1)
@@ -293,7 +294,17 @@ class ExpertCache:
         rows = self._hit_rows.get(key)
         if rows is None:
             rows = self._hit_rows[key] = torch.tensor([self._index[layer] for layer in key], device=self.device)
-        self._device_hits.index_add_(0, rows, seen.sum(dim=1))
+        hits.index_add_(0, rows, seen.sum(dim=1))
+
+    def _hit_counter(self) -> torch.Tensor:
+        """The device counters of resident hits (int64, one per MoE layer), made on first use (made by
+        make_resident, before any capture). Never counted inside a CUDA graph's capture: the graph
+        would add into the counter at every replay, whatever reads or resets it in between."""
+        if self.cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("resident hits are counted outside CUDA graph captures (book them after the replay)")
+        if self._device_hits is None:
+            self._device_hits = torch.zeros(len(self.moe_layers), dtype=torch.int64, device=self.device)
+        return self._device_hits
 
     # -- device-driven streaming ----------------------------------------------------------
     def start_device_map(self):
@@ -331,7 +342,9 @@ class ExpertCache:
     def _collect_device_hits(self) -> None:
         self._collect_device_map()
         if self._device_hits is not None:
-            counts, self._device_hits = self._device_hits.tolist(), None
+            counts = self._device_hits.tolist()
+            with torch.inference_mode():  # the counter is made inside the engine's inference mode
+                self._device_hits.zero_()  # in place: work queued earlier may hold its address
             for layer, n in zip(self.moe_layers, counts):
                 self.stats_.count(layer, hit=True, n=n)
 

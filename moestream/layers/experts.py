@@ -119,8 +119,11 @@ class RoutedExperts:
         self.after_fetch: Callable[[int, torch.Tensor, list[int]], None] | None = None
         # benchmarks only (moestream.bench.routing): (layer, weights, ids) -> replaced weights, ids
         self.reroute: Callable | None = None
-        # while a padded prefill graph is captured: its real token count (MoEPlan's tile_tokens)
+        # while a padded prefill graph is captured: its real token count (MoEPlan's tile_tokens), and
+        # the list that takes each resident layer's (layer, ids) in place of counting its hits there
+        # (moestream.engine.prefill_graphs books them after each replay, for the real rows)
         self.tile_tokens: int | None = None
+        self.booked: list | None = None
 
     # -- which kernels -------------------------------------------------------------------------
     def _layout(self, layer: int):
@@ -182,7 +185,10 @@ class RoutedExperts:
         table = self.provider.resident_table(layer)
         if table is not None:
             plan.run_table(pool, table)
-            self.provider.count_resident(layer, ids)
+            if self.booked is not None:
+                self.booked.append((layer, ids))
+            else:
+                self.provider.count_resident(layer, ids)
             return plan.finish(residual)
         experts = chosen = torch.unique(ids).tolist()  # sorted
         if self.parallel is not None:  # this rank's share; the plan's finish brings the others' rows

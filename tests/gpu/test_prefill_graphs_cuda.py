@@ -1,6 +1,9 @@
 """--prefill-graphs on CUDA: a fresh prompt's chunk replayed from its length bucket's graph gives the
 eager prefill's logits bit for bit (so the bits still do not depend on the cache size: a partial cache
 prefills eagerly), reuses one graph per bucket and row-block choice, and decodes the same tokens."""
+import functools
+import inspect
+
 import pytest
 import torch
 
@@ -42,3 +45,45 @@ def test_prefill_graphs_give_the_eager_bits(dtype, tiny_packed_model):
         assert torch.equal(got, ref), (got - ref).abs().max()
         assert torch.equal(part, ref)
         assert tokens == ref_tokens == part_tokens
+
+
+def test_a_bucket_replayed_after_the_hits_were_read(tiny_packed_model):
+    """A bucket's graph captured (23 tokens), the hit counter read (every generate reads it), the graph
+    replayed for another length of the bucket (30), then a decode step, with a sync after each: the
+    eager prefill's logits and hits (the real rows'), and the same step."""
+    packed = tiny_packed_model("qwen3_moe", "q4", dtype="bfloat16")
+    runs = {}
+    for mode in ("off", "on"):
+        engine = Engine.load(packed, options=EngineOptions(device="cuda", dtype="bfloat16", max_context=256,
+                                                           cache_size="all", prefill_graphs=mode))
+        try:
+            vocab, out = engine.args.vocab_size, []
+            for n in (23, 30, 23):
+                prompt = [(11 * i + n) % vocab for i in range(n)]
+                engine.reset()
+                before = engine.expert_stats()["hits"]
+                logits, _ = engine.prefill(prompt)
+                torch.cuda.synchronize()
+                hits = engine.expert_stats()["hits"] - before
+                step = engine.step([5]).clone()
+                torch.cuda.synchronize()
+                out.append((logits.clone(), hits, step))
+            runs[mode] = out
+            if mode == "on":
+                assert {key[0] for key in engine.prefill_graphs.graphs} == {32}
+        finally:
+            engine.close()
+    for (ref, ref_hits, ref_step), (got, hits, step) in zip(runs["off"], runs["on"]):
+        assert torch.equal(got, ref) and torch.equal(step, ref_step)
+        assert hits == ref_hits > 0
+
+
+@pytest.mark.skipif("check_input_liveness" not in inspect.signature(torch.cuda.graph.__init__).parameters,
+                    reason="this torch cannot track a graph's inputs")
+def test_no_replay_reads_a_tensor_freed_since_its_capture(tiny_packed_model, monkeypatch):
+    """Every capture (prefill and decoder graphs) with torch's input-liveness tracking: a replay raises,
+    naming the tensor, where a torch op of the capture used a tensor that has been freed since."""
+    monkeypatch.setattr(torch.cuda, "graph", functools.partial(torch.cuda.graph, check_input_liveness=True))
+    packed = tiny_packed_model("qwen3_moe", "q4", dtype="bfloat16")
+    _, keys = prefills(packed, "bfloat16", cache_size="all", prefill_graphs="on")
+    assert {k[0] for k in keys} == {32, 64, 128, 256}

@@ -66,3 +66,72 @@ def test_only_fresh_chunks_of_a_fitting_model_are_padded(tiny_packed_model):
     off = load(tiny_packed_model("qwen3_moe", "q4"), "auto")  # auto: CUDA only
     assert off.prefill_graphs is None
     off.close()
+
+
+def resident_on_cpu(engine: Engine) -> None:
+    """Every expert in a slot for good and the layers reading the resident tables, as
+    ExpertCache.make_resident leaves a CUDA engine (the CPU's engine never asks for it)."""
+    provider = engine.provider
+    for layer in provider.moe_layers:
+        experts = list(range(provider.entries[layer].num_experts))
+        provider.fetch(layer, experts, views=False)
+        provider.resident_tables[layer] = torch.tensor(provider.slots_of(layer, experts), dtype=torch.int32)
+    engine.experts.resident = True
+
+
+def test_padded_prefill_books_the_real_rows_hits_after_the_run(tiny_packed_model):
+    """The resident hits are counted outside the padded run (a graph must not add into the engine's
+    counter), for the real rows only: the eager prefill's figures."""
+    packed = tiny_packed_model("qwen3_moe", "q4")
+    hits, counted = {}, {}
+    for mode in ("off", "on"):
+        engine = load(packed, mode)
+        try:
+            resident_on_cpu(engine)
+            provider, rows = engine.provider, []
+            count_one, count_many = provider.count_resident, provider.count_resident_many
+            provider.count_resident = lambda layer, ids: rows.append(ids.shape[0]) or count_one(layer, ids)
+            provider.count_resident_many = lambda routed: rows.extend(i.shape[0] for _, i in routed) or count_many(routed)
+            vocab = engine.args.vocab_size
+            before = engine.expert_stats()
+            engine.prefill([(7 * i + 3) % vocab for i in range(23)])
+            after = engine.expert_stats()
+            hits[mode] = (after["hits"] - before["hits"], after["misses"] - before["misses"])
+            counted[mode] = rows
+            assert engine.experts.booked is None and engine.experts.tile_tokens is None
+        finally:
+            engine.close()
+    layers = len(engine.provider.moe_layers)
+    assert counted["off"] == [23] * layers and counted["on"] == [23] * layers  # never the 32 padded rows
+    assert hits["on"] == hits["off"] and hits["off"][0] > 0 and hits["off"][1] == 0
+
+
+def test_the_hit_counter_is_kept_and_zeroed_when_read(tiny_packed_model):
+    """Reading the resident hits zeroes the device counter in place rather than dropping it: work
+    queued or captured earlier may still add into its memory."""
+    engine = load(tiny_packed_model("qwen3_moe", "q4"), "off")
+    try:
+        provider = engine.provider
+        layer = provider.moe_layers[0]
+        ids = torch.tensor([[0, 1], [1, 2], [2, 0]])  # three distinct experts
+        provider.count_resident(layer, ids)
+        counter = provider._device_hits
+        before = engine.expert_stats()["hits"]
+        assert provider._device_hits is counter and int(counter.sum()) == 0
+        provider.count_resident_many([(layer, ids), (provider.moe_layers[1], torch.tensor([[0, 1]] * 3))])
+        assert engine.expert_stats()["hits"] - before == 3 + 2
+        assert provider._device_hits is counter and int(counter.sum()) == 0
+    finally:
+        engine.close()
+
+
+def test_graph_keys_bind_the_sequence_cache(tiny_packed_model):
+    """A graph writes the K/V of the cache it was captured with: another sequence slot has its own."""
+    engine = load(tiny_packed_model("qwen3_moe", "q4"), "on", max_sequences=2)
+    try:
+        graphs, (first, second) = engine.prefill_graphs, engine.caches
+        assert graphs._key(23, first) == graphs._key(30, first) != graphs._key(23, second)
+        assert graphs._key(23, first)[0] == graphs._key(23, second)[0] == 32
+        assert graphs._key(23, first)[-1] == 0 and graphs._key(23, second)[-1] == 1
+    finally:
+        engine.close()
