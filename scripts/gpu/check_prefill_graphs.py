@@ -1,5 +1,7 @@
 """Prefill graphs against the eager prefill, one length at a time with a sync after each (run with
-CUDA_LAUNCH_BLOCKING=1 to name a failing kernel): logits bit for bit, and the time of each.
+CUDA_LAUNCH_BLOCKING=1 to name a failing kernel): logits bit for bit, and the time of each. The hit
+counts are read after every prefill, as each generate reads them, so a length whose bucket was
+captured before replays its graph after a read.
 Usage: python scripts/gpu/check_prefill_graphs.py MODEL_DIR LENGTH... (MODEL_DIR 'tiny': a tiny qwen3_moe)"""
 import sys
 import tempfile
@@ -39,6 +41,7 @@ def main():
                 logits, _ = engine.prefill(prompt)
                 torch.cuda.synchronize()
                 dt = time.perf_counter() - t0
+                engine.expert_stats()
                 print(f"{mode} T={n} run {rep}: {dt * 1e3:.1f} ms", flush=True)
             results[(mode, n)] = logits.clone()
         graphs = engine.prefill_graphs
