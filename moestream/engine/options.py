@@ -149,8 +149,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="a fresh prompt's prefill chunk (17..chunk tokens, every expert resident) as one CUDA graph per "
                         "length bucket: padded to a power of two after its real rows, which keep the eager prefill's "
                         "bits; captured on a bucket's first use and kept (like --prefill-workspace keep). 2.8-5x the "
-                        "prefill of 128-2,048 tokens on the H200. Experimental, off by default: a GPU test crashed "
-                        "(an illegal memory access in a decode step after a padded graph prefill of a tiny model). "
+                        "prefill of 128-2,048 tokens on the H200. Experimental, off by default until its GPU tests pass "
+                        "again (one crashed after a padded graph prefill; the likely cause is fixed). "
                         "auto: on CUDA with CUDA graphs and no --memory-budget; on: also pads eagerly on the CPU "
                         "(for tests); off (default): every prefill eager")
     g.add_argument("--decode-ahead", default="auto", choices=["auto", "on", "off"],
