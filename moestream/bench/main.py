@@ -233,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cold", action="store_true", help="drop the OS page cache before each run (needs root)")
     p.add_argument("--warmup", action="store_true",
                    help="first fill the host tier (every record it can hold), prefill 2048 tokens and each measured length, "
-                        "decode 32: caches start warm and kernels are compiled")
+                        "decode 32 (and prefill 2048 on a draft model): caches start warm and kernels are compiled")
     p.add_argument("--compare-transformers", action="store_true", help="also run the same weights through transformers (bf16, all on the device)")
     p.add_argument("--routing", default="model", metavar="KIND",
                    help="model (the router's choice, default), uniform, zipf:S[:L] or trace:FILE: replace the chosen "
@@ -311,7 +311,11 @@ def run(args) -> dict:
                 if speculative is not None:  # steps of every length a verification or a draft prompt takes
                     from moestream.engine.decoder import MAX_STEP_TOKENS
 
-                    for e in (engine, getattr(speculative.drafter, "engine", None)):
+                    draft_engine = getattr(speculative.drafter, "engine", None)
+                    if draft_engine is not None:  # its prefill's kernels, first used by a probe's catch-up
+                        draft_engine.prefill(random_prompt(min(2048, draft_engine.max_context - 1), vocab,
+                                                           args.seed + 1))
+                    for e in (engine, draft_engine):
                         if e is not None:
                             e.reset()
                             e.warm_steps(MAX_STEP_TOKENS)

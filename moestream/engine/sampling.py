@@ -126,7 +126,7 @@ def argmax_rows(rows: list[torch.Tensor]) -> list[int]:
     are the same as one row at a time (the first of equal maxima either way)."""
     if not rows:
         return []
-    if rows[0].device.type == "cpu":
+    if rows[0].device.type == "cpu" or len(rows) == 1:  # (one row: no stacking copy)
         return [argmax_index(row) for row in rows]
     return torch.argmax(torch.stack(rows), dim=-1).tolist()
 

@@ -100,7 +100,9 @@ class ModelDrafter(Drafter):
 class DraftModelDrafter(ModelDrafter):
     """A small model that shares the main model's tokenizer, run as its own Engine (its own KV
     cache). Each proposal brings its cache to the context (the engine's prefill reuses the common
-    prefix, which is the rollback after rejected drafts) and drafts as ModelDrafter chooses."""
+    prefix, which is the rollback after rejected drafts) and drafts as ModelDrafter chooses. Between
+    proposals it runs nothing: the tokens of plain steps are read in one prefill when it next drafts
+    (the policy counts that catch-up in a probe's cost)."""
 
     name = "draft"
 
@@ -128,7 +130,9 @@ class DraftModelDrafter(ModelDrafter):
         self.engine.close()
 
 
-MAX_PROBE_GAP = 256  # most plain steps between two probes of a drafter that keeps failing
+MAX_PROBE_GAP = 256  # most plain steps between two probes of a drafter that keeps failing, while probes are cheap
+PROBE_SHARE = 0.02  # the most of plain decoding's time that the probes of a failing drafter may take
+MAX_PRICED_GAP = 4096  # ... unless that would space them further than this (a probe dearer than 82 plain steps)
 
 
 class AdaptivePolicy:
@@ -151,10 +155,17 @@ class AdaptivePolicy:
     measured (k once step(k) is known), so lengths are explored one longer at a time and a drafter
     that is seldom right costs one short try. Each a_i is a ratio of decayed counts (kept,
     tried; decayed each time the position is verified) with a prior of `prior_accept` weighing
-    `prior_weight` tokens. While plain steps win, a probe of one drafted token after `probe_every`
-    plain steps keeps a_1 current (text that starts repeating turns speculation back on); each
-    probe that does not turn drafting back on doubles the gap to the next (up to MAX_PROBE_GAP), so
-    a drafter that never pays costs a few probes, not one in every `probe_every` steps."""
+    `prior_weight` tokens. draft(k) is measured on drafts that follow a drafted verification: a
+    drafter with a model of its own reads the tokens it has not seen when it next drafts (a draft
+    engine's prefill of them), so the first draft after plain steps also pays for catching up.
+
+    While plain steps win, a probe of one drafted token keeps a_1 current (text that starts
+    repeating turns speculation back on). Probes are priced: what the last draft after plain steps
+    cost beyond the plain steps of the tokens it gave (its drafter's catch-up, the longer step)
+    spaces the next probe so that probes take at most PROBE_SHARE of the plain steps' time, and
+    each probe that does not turn drafting back on doubles the gap (from `probe_every`, up to
+    MAX_PROBE_GAP where probes cost nothing). A drafter that never pays costs a few probes, about
+    PROBE_SHARE of the run at most, and a plain step's decision is a few comparisons."""
 
     def __init__(self, max_draft: int = 8, *, smoothing: float = 0.25, accept_decay: float = 0.95,
                  prior_accept: float = 0.5, prior_weight: float = 1.0, probe_every: int = 16,
@@ -166,11 +177,15 @@ class AdaptivePolicy:
         self.prior_accept, self.prior_weight = prior_accept, prior_weight
         self.step_cost: dict[int, float] = {}  # T -> EMA seconds of step(T)
         self._steps_seen: dict[int, int] = {}  # T -> steps of T recorded
-        self.draft_cost: dict[int, float] = {}  # k -> EMA seconds of proposing k tokens
+        self.draft_cost: dict[int, float] = {}  # k -> EMA seconds of proposing k tokens (drafter in step)
         self.kept = [0.0] * max_draft  # per draft position: decayed count of tokens kept there
         self.tried = [0.0] * max_draft  # ... and of tokens verified there (the ones before it all kept)
         self._plain_run = 0
         self._probe_gap = probe_every  # doubles after each probe that does not turn drafting on
+        self.probe_s = 0.0  # what the last draft after plain steps cost beyond plain steps of its tokens
+        self._chosen = 0  # the current verification's draft length
+        self._in_step = False  # whether the verification before it drafted (the drafter then has little to read)
+        self._draft_s = self._step_s = 0.0  # the current verification's measured times
 
     def acceptance_at(self, i: int) -> float:
         """a_(i+1): the chance that draft position i (from 0) is kept, given all before it were."""
@@ -202,6 +217,10 @@ class AdaptivePolicy:
         old = table.get(key)
         table[key] = seconds if old is None else old + self.smoothing * (seconds - old)
 
+    def begin(self) -> None:
+        """A generation starts: its first draft pays for the drafter's reading of the prompt."""
+        self._in_step, self._chosen = False, 0
+
     def record_step(self, tokens: int, seconds: float) -> None:
         # a length's first step may include its kernels' first use (compilation, a graph's capture):
         # the second replaces it rather than averaging with it
@@ -211,12 +230,21 @@ class AdaptivePolicy:
             self.step_cost[tokens] = seconds
         else:
             self._ema(self.step_cost, tokens, seconds)
+        self._step_s = seconds
 
     def record_draft(self, k: int, seconds: float) -> None:
-        if k > 0:
+        if k <= 0:
+            return
+        self._draft_s = seconds
+        if self._in_step:  # else the draft paid for catching up over plain steps: the probe's cost
             self._ema(self.draft_cost, k, seconds)
 
     def record_accept(self, drafted: int, accepted: int) -> None:
+        if self._chosen > 0 and not self._in_step:
+            plain = self.step_cost.get(1, 0.0)
+            self.probe_s = max(0.0, self._draft_s + self._step_s - (1 + accepted) * plain)
+        self._in_step, self._chosen = self._chosen > 0, 0
+        self._draft_s = self._step_s = 0.0
         if drafted <= 0:
             return
         d = self.accept_decay
@@ -236,25 +264,45 @@ class AdaptivePolicy:
         tokens = self.expected(k)
         return math.inf if cost <= 0 else tokens / cost
 
+    def _best(self, top: int) -> int:
+        """The k in 0..top with the most expected tokens per second (estimated_rate's, in one pass)."""
+        steps = self.step_cost
+        step = steps.get(1, 0.0)
+        if step <= 0:  # a plain step's rate not known to be finite: nothing beats it
+            return 0
+        best, best_rate = 0, (1.0 + self.min_gain) / step
+        tokens, run = 1.0, 1.0
+        for k in range(1, top + 1):  # ties keep the shorter draft
+            run *= self.acceptance_at(k - 1)
+            tokens += run
+            step = max(step, steps.get(k + 1, 0.0))
+            rate = tokens / (step + self.draft_cost.get(k, 0.0))
+            if rate > best_rate:
+                best, best_rate = k, rate
+        return best
+
+    def _gap(self) -> int:
+        """Plain steps before the next probe: the backed-off gap, or more where probes are dear."""
+        plain = self.step_cost.get(1, 0.0)
+        priced = math.ceil(self.probe_s / (PROBE_SHARE * plain)) if plain > 0 else 0
+        return max(self._probe_gap, min(priced, MAX_PRICED_GAP))
+
     def choose(self, limit: int | None = None) -> int:
         """Draft length for the next verification, at most `limit` (room left in budget/context)."""
         top = self.max_draft if limit is None else max(0, min(self.max_draft, limit))
         # lengths are tried one longer at a time (k drafted only once step(k) is measured): a drafter
         # that is seldom right costs one short try, not a first draft of max_draft tokens
         top = min(top, max(self.step_cost, default=0))
-        best, best_rate = 0, self.estimated_rate(0) * (1.0 + self.min_gain)
-        for k in range(1, top + 1):  # ties keep the shorter draft
-            rate = self.estimated_rate(k)
-            if rate > best_rate:
-                best, best_rate = k, rate
+        best = self._best(top)
         if best == 0 and top > 0:
             self._plain_run += 1
-            if self._plain_run >= self._probe_gap:
+            if self._plain_run >= self._gap():
                 self._plain_run = 0
                 self._probe_gap = min(2 * self._probe_gap, MAX_PROBE_GAP)
-                return 1
+                best = 1
         elif best > 0:
             self._plain_run, self._probe_gap = 0, self.probe_every
+        self._chosen = best
         return best
 
 
@@ -353,6 +401,8 @@ def run(engine, seq: list[int], logits: torch.Tensor, *, budget: int, sampling: 
                              policy=policy)
     state["speculative"] = stats
     drafter.begin(sampling)
+    if policy is not None:
+        policy.begin()
     for e in (engine, getattr(drafter, "engine", None)):  # no graph capture inside a timed step
         warm = getattr(e, "warm_steps", None)
         if warm is not None:
@@ -378,7 +428,11 @@ def run(engine, seq: list[int], logits: torch.Tensor, *, budget: int, sampling: 
         draft = drafter.propose(seq, k)[:k] if k > 0 else []
         t1 = time.perf_counter()
         rows = engine.step([seq[-1]] + draft)
-        engine._sync()
+        # the step is timed to its first row's choice, read on the host, where a plain step's time ends
+        # too (a wait of its own would add a round trip to the device to every step); greedy reads
+        # every row's choice at once
+        chosen = emit.choices(rows[:len(draft) + 1]) if draft else None
+        event = emit(rows[0], None if chosen is None else chosen[0])
         t2 = time.perf_counter()
         stats.verify_steps += 1
         stats.drafted += len(draft)
@@ -389,9 +443,9 @@ def run(engine, seq: list[int], logits: torch.Tensor, *, budget: int, sampling: 
             policy.record_draft(k, t1 - t0)
             policy.record_step(len(draft) + 1, t2 - t1)
         accepted = 0
-        chosen = emit.choices(rows[:len(draft) + 1]) if draft else None
         for i in range(len(draft) + 1):
-            event = emit(rows[i], None if chosen is None else chosen[i])
+            if i:
+                event = emit(rows[i], None if chosen is None else chosen[i])
             if event is None:
                 return
             produced += 1
@@ -407,4 +461,5 @@ def run(engine, seq: list[int], logits: torch.Tensor, *, budget: int, sampling: 
         drafter.observe(len(draft), accepted)
         if policy is not None:
             policy.record_accept(len(draft), accepted)
-        engine.rollback(len(seq) - 1)  # forget the rejected drafts
+        if accepted < len(draft):
+            engine.rollback(len(seq) - 1)  # forget the rejected drafts

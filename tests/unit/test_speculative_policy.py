@@ -2,13 +2,14 @@
 and the hot-vocabulary head as a function of hidden rows and the head's weights."""
 import random
 from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from moestream.engine.hot_head import HotHead, hot_vocabulary, usable
 from moestream.engine.draft_choice import parse_draft
-from moestream.engine.speculative import AdaptivePolicy, NGramDrafter
+from moestream.engine.speculative import AdaptivePolicy, Drafter, NGramDrafter
 from moestream.engine.types import SamplingParams
 from moestream.errors import MoestreamError
 
@@ -45,17 +46,27 @@ def test_no_acceptance_means_plain_steps():
     assert chosen[1] <= 2  # probes back off (below)
 
 
-def test_probes_of_a_failing_drafter_back_off():
-    policy = AdaptivePolicy(4, probe_every=16)
+def probe_steps(policy, step_cost, steps=1000):
+    """The verifications at which a policy drafts, every draft rejected, on a fake clock."""
     probes = []
-    for i in range(1000):
+    for i in range(steps):
         k = policy.choose()
-        policy.record_step(k + 1, 0.01 * (1 + k))
+        policy.record_step(k + 1, step_cost(k + 1))
         policy.record_accept(k, 0)
         if k:
             probes.append(i)
-    # step 1 tries one drafted token (step(2) unmeasured), then probes after 16, 32, 64, 128, 256, 256 plain steps
-    assert probes == [1, 17, 49, 113, 241, 497, 753]
+    return probes
+
+
+def test_probes_of_a_failing_drafter_back_off():
+    # a cheap probe (a quarter of a plain step more: 2 % of the time allows one every 13 steps): step 1
+    # tries one drafted token (step(2) unmeasured), step 2 two (a_2 is still the prior), then probes
+    # follow after 16, 32, 64, 128, 256, 256 plain steps
+    cheap = probe_steps(AdaptivePolicy(4, probe_every=16), lambda T: 0.01 if T == 1 else 0.0125)
+    assert cheap == [1, 2, 18, 50, 114, 242, 498, 754]
+    # each probe a plain step dearer: at most 2 % of the time goes to probes, so 50 plain steps between
+    # them at least, more as they back off
+    assert probe_steps(AdaptivePolicy(4, probe_every=16), lambda T: 0.01 * T) == [1, 51, 101, 165, 293, 549, 805]
 
 
 def test_high_acceptance_and_flat_cost_drafts_the_most():
@@ -176,3 +187,98 @@ def test_acceptance_per_position_favours_long_drafts_for_copies():
     for T in range(1, 10):
         policy.record_step(T, 1.0 + 0.1 * (T - 1))
     assert policy.choose() == 8
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self):
+        return self.now
+
+
+class ClockedEngine:
+    """An engine whose step of T tokens takes step_s(T) on a fake clock; its choice at position p is
+    (7 p) mod V, so the text is known in advance."""
+
+    max_context = 4096
+    tokenizer = SimpleNamespace(eos_token_ids=set())
+    V = 50
+
+    def __init__(self, clock, step_s):
+        self.clock, self.step_s, self.length = clock, step_s, 0
+
+    def rows(self, positions):
+        out = torch.zeros(len(positions), self.V)
+        for i, p in enumerate(positions):
+            out[i, (7 * p) % self.V] = 1.0
+        return out
+
+    def step(self, tokens):
+        self.clock.now += self.step_s(len(tokens))
+        self.length += len(tokens)
+        return self.rows(range(self.length - len(tokens) + 1, self.length + 1))
+
+    def rollback(self, length):
+        self.length = length
+
+    def _sync(self):
+        pass
+
+
+class WrongDrafter(Drafter):
+    """Never agrees with ClockedEngine. Costs like a draft model's engine: each call reads the tokens
+    it has not seen (read_s each, in one batch) after a fixed call_s."""
+
+    def __init__(self, clock, call_s, read_s):
+        self.clock, self.call_s, self.read_s, self.seen, self.calls = clock, call_s, read_s, 0, 0
+
+    def propose(self, context, k):
+        self.calls += 1
+        self.clock.now += self.call_s + self.read_s * (len(context) - self.seen)
+        self.seen = len(context)
+        return [(7 * (len(context) + i) + 1) % ClockedEngine.V for i in range(k)]
+
+
+def test_a_drafter_that_never_agrees_costs_about_plain_time(monkeypatch):
+    """200 tokens with a drafter that is never right and dear (a call costs 1.5 plain steps, reading
+    a token a hundredth of one): the policy drafts on two verifications (the first try and one priced
+    probe), the tokens are plain decoding's, and the run takes under 3 % more than plain steps would."""
+    from moestream.engine import speculative
+
+    clock = FakeClock()
+    monkeypatch.setattr(speculative, "time", clock)
+    step_s = 0.010
+    engine = ClockedEngine(clock, lambda T: step_s * (1 + 0.5 * (T - 1)))
+    drafter = WrongDrafter(clock, call_s=0.015, read_s=0.0001)
+    prompt = list(range(32))
+    engine.length = len(prompt)
+    state = {"tokens": [], "finish": "length"}
+    options = speculative.SpeculativeOptions(drafter=drafter)
+    first = engine.rows([len(prompt)])
+    tokens = [e.token_id for e in speculative.run(
+        engine, prompt, first, budget=200, sampling=SamplingParams(), logprobs=0, should_stop=None,
+        stop_at_eos=False, options=options, state=state)]
+    assert tokens == [(7 * p) % ClockedEngine.V for p in range(len(prompt), len(prompt) + 200)]
+    assert drafter.calls <= 2
+    assert clock.now <= 1.03 * 199 * step_s
+
+
+def test_the_choice_is_the_best_estimated_rate():
+    """choose's one pass gives the k of the highest estimated_rate (ties to the shorter, plain kept
+    unless a draft gains min_gain)."""
+    rng = random.Random(1)
+    for _ in range(200):
+        policy = AdaptivePolicy(6, probe_every=10 ** 6)
+        for T in range(1, rng.randint(1, 8)):
+            policy.record_step(T, rng.uniform(0.005, 0.02))
+        for k in range(1, 7):
+            if rng.random() < 0.5:
+                policy.draft_cost[k] = rng.uniform(0.0, 0.01)
+        for _ in range(rng.randint(0, 30)):
+            k = rng.randint(1, 6)
+            policy.record_accept(k, rng.randint(0, k))
+        top = min(6, max(policy.step_cost, default=0))
+        rates = [policy.estimated_rate(k) * (1.0 + policy.min_gain if k == 0 else 1.0) for k in range(top + 1)]
+        expected = max(range(top + 1), key=lambda k: (rates[k], -k)) if top else 0
+        assert policy.choose() == expected
