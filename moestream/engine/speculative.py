@@ -182,6 +182,7 @@ class AdaptivePolicy:
         self.tried = [0.0] * max_draft  # ... and of tokens verified there (the ones before it all kept)
         self._plain_run = 0
         self._probe_gap = probe_every  # doubles after each probe that does not turn drafting on
+        self._fresh = False  # no draft yet in this generation (begin): the next probe is not priced
         self.probe_s = 0.0  # what the last draft after plain steps cost beyond plain steps of its tokens
         self._chosen = 0  # the current verification's draft length
         self._in_step = False  # whether the verification before it drafted (the drafter then has little to read)
@@ -218,8 +219,11 @@ class AdaptivePolicy:
         table[key] = seconds if old is None else old + self.smoothing * (seconds - old)
 
     def begin(self) -> None:
-        """A generation starts: its first draft pays for the drafter's reading of the prompt."""
+        """A generation starts: its first draft pays for the drafter's reading of the prompt. The probe
+        schedule starts again (the first probe after `probe_every` plain steps, whatever probes cost
+        before): a kept policy still tries each new text once."""
         self._in_step, self._chosen = False, 0
+        self._plain_run, self._probe_gap, self._fresh = 0, self.probe_every, True
 
     def record_step(self, tokens: int, seconds: float) -> None:
         # a length's first step may include its kernels' first use (compilation, a graph's capture):
@@ -283,6 +287,8 @@ class AdaptivePolicy:
 
     def _gap(self) -> int:
         """Plain steps before the next probe: the backed-off gap, or more where probes are dear."""
+        if self._fresh:  # a generation that has not drafted yet: its probe is not spaced by earlier costs
+            return self._probe_gap
         plain = self.step_cost.get(1, 0.0)
         priced = math.ceil(self.probe_s / (PROBE_SHARE * plain)) if plain > 0 else 0
         return max(self._probe_gap, min(priced, MAX_PRICED_GAP))
@@ -297,11 +303,11 @@ class AdaptivePolicy:
         if best == 0 and top > 0:
             self._plain_run += 1
             if self._plain_run >= self._gap():
-                self._plain_run = 0
+                self._plain_run, self._fresh = 0, False
                 self._probe_gap = min(2 * self._probe_gap, MAX_PROBE_GAP)
                 best = 1
         elif best > 0:
-            self._plain_run, self._probe_gap = 0, self.probe_every
+            self._plain_run, self._probe_gap, self._fresh = 0, self.probe_every, False
         self._chosen = best
         return best
 

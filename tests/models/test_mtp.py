@@ -17,7 +17,7 @@ from moestream.engine.engine import Engine
 from moestream.engine.mtp_drafter import MTPDrafter
 from moestream.engine.options import EngineOptions
 from moestream.engine.draft_choice import make_options
-from moestream.engine.speculative import AdaptivePolicy, SpeculativeOptions
+from moestream.engine.speculative import SpeculativeOptions
 from moestream.engine.types import SamplingParams
 from moestream.errors import MoestreamError
 from moestream.format.manifest import read_manifest
@@ -153,8 +153,6 @@ def test_speculation_with_mtp_gives_the_plain_tokens(family, draft_tokens, sampl
     try:
         assert isinstance(options.drafter, MTPDrafter)
         for _ in range(2):  # a second generation reuses the prompt's cached prefix (and the drafter's)
-            if draft_tokens is None:  # a new policy tries a draft at once (a kept one waits for its next probe)
-                options.policy = AdaptivePolicy(4)
             tokens, result = generate(engine, prompt, 72, sampling, options)
             assert tokens == expected
             spec = result.receipt.to_json()["speculative"]

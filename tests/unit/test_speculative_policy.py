@@ -69,6 +69,17 @@ def test_probes_of_a_failing_drafter_back_off():
     assert probe_steps(AdaptivePolicy(4, probe_every=16), lambda T: 0.01 * T) == [1, 51, 101, 165, 293, 549, 805]
 
 
+def test_a_kept_policy_probes_each_new_generation_early():
+    """The server keeps one policy across requests: after a request where drafting never paid (probes
+    priced far apart), the next request still gets a probe after `probe_every` plain steps."""
+    policy = AdaptivePolicy(4, probe_every=16)
+    policy.begin()
+    first = probe_steps(policy, lambda T: 0.01 * T ** 3, steps=600)  # dear probes: spaced by their cost
+    assert len(first) >= 2 and first[-1] - first[-2] > 100
+    policy.begin()
+    assert probe_steps(policy, lambda T: 0.01 * T ** 3, steps=40)[:1] == [15]  # its 16th choice, not ~350 steps on
+
+
 def test_high_acceptance_and_flat_cost_drafts_the_most():
     policy = AdaptivePolicy(8)
     chosen = simulate(policy, lambda T: 0.01, accept=0.97)
