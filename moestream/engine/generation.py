@@ -121,16 +121,22 @@ def _decode_ahead(engine: "Engine", emit: Emitter, logits: torch.Tensor, budget:
     reader = _TokenReader(engine.device)
     token = torch.argmax(logits[-1:], dim=-1)  # [1] on the device: argmax_index's choice
     for n in range(budget):
+        row = logits[-1]  # the row token n was chosen from
         reader.queue(token)
         ahead = n + 1 < budget
         if ahead:
             position = len(emit.seq)
             logits = engine.step_unread(token)
             token = torch.argmax(logits[-1:], dim=-1)
-        chosen = reader.read()
+        try:
+            chosen = reader.read()
+        except BaseException:  # an interrupt or a device error: no position stays unread
+            if ahead:
+                engine.rollback(position)
+            raise
         if ahead:
             engine.name_token(position, chosen)
-        event = emit(logits[-1], chosen=chosen)
+        event = emit(row, chosen=chosen)
         if event is None:
             return
         yield event
@@ -147,9 +153,9 @@ class _TokenReader:
         self._token: torch.Tensor | None = None
 
     def queue(self, token: torch.Tensor) -> None:
-        if self.cuda:
+        if self.cuda:  # the copy runs on the token's device's stream: the event follows it there
             self.host.copy_(token.reshape(1), non_blocking=True)
-            self.done.record()
+            self.done.record(torch.cuda.current_stream(token.device))
         else:
             self._token = token
 

@@ -76,6 +76,7 @@ class PrefillGraphs:
         chunk eagerly (the CPU: the same padding, nothing captured; for tests)."""
         self.model, self.experts, self.largest, self.capture = model, experts, largest, capture
         self.graphs: dict[tuple, _Graph] = {}
+        self.broken = False  # a capture failed: every later prefill runs eagerly
         self._caches: dict[int, int] = {}  # the address of a KV cache's keys -> its number in the graphs' keys
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         blocks = {(layer.ffn.top_k, layer.ffn.num_experts) for layer in model.layers if isinstance(layer.ffn, MoEBlock)}
@@ -95,9 +96,16 @@ class PrefillGraphs:
         captured, every MoE layer on the Triton kernels (the torch reference reads ids on the host);
         nothing that watches each row (a routing trace or replacement, the hidden-state tap)."""
         ex = self.experts
-        return start == 0 and SMALLEST // 2 < tokens <= self.largest and bucket(tokens) <= cache.max_tokens and \
+        return not self.broken and start == 0 and SMALLEST // 2 < tokens <= self.largest and bucket(tokens) <= cache.max_tokens and \
             (ex.resident or not self.capture) and ex.device_map is None and ex.on_route is None and \
-            ex.reroute is None and self.model.on_hidden is None and (not self.capture or self._capturable())
+            ex.reroute is None and ex.parallel is None and self.model.on_hidden is None and \
+            self._first_cache(cache) and (not self.capture or self._capturable())
+
+    def _first_cache(self, cache: KVCache) -> bool:
+        """Graphs write the K/V of the cache they were captured with: only the first sequence slot's
+        prompts take them (a graph per slot and bucket would cost captures in the middle of serving)."""
+        keys = cache.keys if isinstance(cache.keys, torch.Tensor) else cache.keys[0]
+        return self._caches.setdefault(keys.data_ptr(), len(self._caches)) == 0
 
     def _capturable(self) -> bool:
         dtype = self.model.dtype
@@ -109,10 +117,14 @@ class PrefillGraphs:
         cache it was captured with."""
         from moestream.kernels.triton_moe import grouped_block_m
 
+        from moestream.kernels.triton_moe import DEFAULT_CONFIG
+
         dtype = self.model.dtype
         keys = cache.keys if isinstance(cache.keys, torch.Tensor) else cache.keys[0]
         number = self._caches.setdefault(keys.data_ptr(), len(self._caches))
-        return (bucket(tokens),) + tuple(grouped_block_m(tokens, k, e, dtype) for k, e in self._moe_shapes) + (number,)
+        gemv = tokens <= DEFAULT_CONFIG.gemv_max_tokens  # the expert kernels' mode (a config may raise it)
+        return (bucket(tokens),) + tuple(grouped_block_m(tokens, k, e, dtype) for k, e in self._moe_shapes) + \
+            (gemv, number)
 
     def run(self, piece: list[int], cache: KVCache) -> torch.Tensor:
         """Logits [1, V] (float32) of the last token of `piece`, prefilled at positions 0.. of `cache`;
@@ -130,8 +142,16 @@ class PrefillGraphs:
         entry = self.graphs.get(key)
         if entry is None:
             t0 = time.perf_counter()
-            entry = self.graphs[key] = self._capture(ids, last, cache, T)
-            log.info("captured the prefill graph of %d tokens (row blocks %s) in %.1f s", padded, key[1:-1],
+            try:
+                entry = self._capture(ids, last, cache, T)
+            except Exception as exc:  # noqa: BLE001 - the eager prefill gives the same logits
+                log.warning("the prefill graph of %d tokens could not be captured (%s): prefills run eagerly",
+                            padded, exc)
+                self.broken = True
+                torch.cuda.synchronize(dev)
+                return self.model.forward(torch.tensor(piece, dtype=torch.long, device=dev), 0, cache)
+            self.graphs[key] = entry
+            log.info("captured the prefill graph of %d tokens (row blocks %s) in %.1f s", padded, key[1:-2],
                      time.perf_counter() - t0)
         entry.ids.copy_(ids)
         entry.last.copy_(last)

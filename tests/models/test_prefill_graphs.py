@@ -133,5 +133,9 @@ def test_graph_keys_bind_the_sequence_cache(tiny_packed_model):
         assert graphs._key(23, first) == graphs._key(30, first) != graphs._key(23, second)
         assert graphs._key(23, first)[0] == graphs._key(23, second)[0] == 32
         assert graphs._key(23, first)[-1] == 0 and graphs._key(23, second)[-1] == 1
+        # only the first slot's prompts take graphs (one graph per slot would capture mid-serving)
+        assert graphs.takes(23, 0, first) and not graphs.takes(23, 0, second)
+        graphs.broken = True  # a capture failed once: everything eager from then on
+        assert not graphs.takes(23, 0, first)
     finally:
         engine.close()
