@@ -3,8 +3,9 @@
 # Next (in this order; run new GPU test files first and alone: a device-side fault poisons the process):
 # 1. prefill-graphs: CUDA_LAUNCH_BLOCKING=1 pytest tests/gpu/test_prefill_graphs_cuda.py (the crash's likely cause,
 #    a captured hit count into a freed counter, is fixed but not rerun), scripts/gpu/check_prefill_graphs.py tiny
-#    23 30 64 100 200; then the resident bench with --prefill-graphs auto at PREFILL_LENGTHS=128,300,512,1000,2048
-#    (padded lengths on the 30B shape); if all pass, make auto the default.
+#    23 30 64 100 200 and /tmp/q30 100 300 700 1500 (the padded rows' bits at the 30B shape: cuBLAS and SDPA see the
+#    padded row count); then the resident bench with --prefill-graphs auto at PREFILL_LENGTHS=128,300,512,1000,2048;
+#    if all pass and the bits are equal, make auto the default.
 # 2. rows products: tests/gpu/test_rows_products_cuda.py (float32 bound restated; its greedy test failed in the
 #    prefill graphs' capture, now excluded); if it passes, make --rows-products triton the default.
 # 3. tests/gpu/test_decode_ahead_cuda.py (its device-streamed case on a model large enough for that path).
