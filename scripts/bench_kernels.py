@@ -254,35 +254,44 @@ def sweep(pool_set, bits: int, tokens: int, base, seconds: float) -> dict:
         routings = {"uniform": routing, "skewed": skewed_routing}
     out = {}
     for kind, options in kinds.items():
-        deadline = time.monotonic() + seconds / len(kinds)
-        rows = []
-        for opt in options:
-            if time.monotonic() > deadline:
-                rows.append({"config": opt, "skipped": "time budget"})
-                continue
-            cfg = replace(base, **opt)
-            row = {"config": opt}
-            try:
-                for name, draw in routings.items():
-                    plans = decode_plans(tokens, layout, cfg) if decode else \
-                        [tm.MoEPlan(*draw(tokens, DEVICE, seed=tokens), EXPERTS, layout, config=cfg)]
-                    if kind == "gate_up":
-                        fns = [lambda p=p: p.gate_up(pool, full) for p in plans]
-                    elif kind == "down":
-                        fns = [lambda p=p: p.down(pool, full) for p in plans]
-                    else:
-                        fns = [lambda p=p: (p.gate_up(pool, full), p.down(pool, full)) for p in plans]
-                    row[f"{name}_ms"] = graph_ms(fns)
-                row["ms"] = sum(row[f"{name}_ms"] for name in routings)
-            except Exception as exc:  # a tile that does not fit (shared memory, registers)
-                row["error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
-            rows.append(row)
-            torch.cuda.synchronize()
-        timed = [r for r in rows if "ms" in r]
-        best = min(timed, key=lambda r: r["ms"]) if timed else None
-        current = next((r for r in timed if all(getattr(base, k) == v for k, v in r["config"].items())), None)
-        out[kind] = {"best": best, "current": current, "all": rows}
+        def measure(cfg, row, kind=kind):
+            for name, draw in routings.items():
+                plans = decode_plans(tokens, layout, cfg) if decode else \
+                    [tm.MoEPlan(*draw(tokens, DEVICE, seed=tokens), EXPERTS, layout, config=cfg)]
+                if kind == "gate_up":
+                    fns = [lambda p=p: p.gate_up(pool, full) for p in plans]
+                elif kind == "down":
+                    fns = [lambda p=p: p.down(pool, full) for p in plans]
+                else:
+                    fns = [lambda p=p: (p.gate_up(pool, full), p.down(pool, full)) for p in plans]
+                row[f"{name}_ms"] = graph_ms(fns)
+            row["ms"] = sum(row[f"{name}_ms"] for name in routings)
+
+        out[kind] = swept(options, seconds / len(kinds), base, measure, "ms")
     return out
+
+
+def swept(options: list[dict], seconds: float, base, measure, score: str) -> dict:
+    """Each option's row ({"config": option} filled by measure(config, row)) until `seconds` run out,
+    the rest marked skipped and a tile that does not fit kept with its error; then the best row and
+    the current settings' row by `score`."""
+    deadline = time.monotonic() + seconds
+    rows = []
+    for opt in options:
+        if time.monotonic() > deadline:
+            rows.append({"config": opt, "skipped": "time budget"})
+            continue
+        row = {"config": opt}
+        try:
+            measure(replace(base, **opt), row)
+        except Exception as exc:  # a tile that does not fit (shared memory, registers)
+            row["error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
+        rows.append(row)
+        torch.cuda.synchronize()
+    timed = [r for r in rows if score in r]
+    best = min(timed, key=lambda r: r[score]) if timed else None
+    current = next((r for r in timed if all(getattr(base, k) == v for k, v in r["config"].items())), None)
+    return {"best": best, "current": current, "all": rows}
 
 
 def best_config(sweeps: dict) -> dict:
@@ -374,29 +383,17 @@ def rows_sweep(base, seconds: float) -> dict:
     out = {}
     for kind, names, share in (("narrow", ("router",), 1 / 3), ("wide", ("qkv", "o", "head"), 2 / 3)):
         operands = {name: row_operands(name) for name in names}
-        deadline = time.monotonic() + seconds * share
-        rows = []
-        for opt in rows_tiles(kind == "narrow"):
-            if time.monotonic() > deadline:
-                rows.append({"config": opt, "skipped": "time budget"})
-                continue
-            cfg = replace(base, **opt)
-            row = {"config": opt}
-            try:
-                for name, (x, ws) in operands.items():
-                    row[f"{name}_us"] = graph_ms([lambda w=w: tile_linear(x, w, config=cfg) for w in ws]) * 1e3
-                row["score_us"] = row["router_us"] if kind == "narrow" else \
-                    LAYERS * (row["qkv_us"] + row["o_us"]) + row["head_us"]
-            except Exception as exc:  # a tile that does not fit (shared memory, registers)
-                row["error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
-            rows.append(row)
-            torch.cuda.synchronize()
-        del operands
+
+        def measure(cfg, row, kind=kind, operands=operands):
+            for name, (x, ws) in operands.items():
+                row[f"{name}_us"] = graph_ms([lambda w=w: tile_linear(x, w, config=cfg) for w in ws]) * 1e3
+            row["score_us"] = row["router_us"] if kind == "narrow" else \
+                LAYERS * (row["qkv_us"] + row["o_us"]) + row["head_us"]
+
+        out[kind] = swept(rows_tiles(kind == "narrow"), seconds * share, base, measure, "score_us")
+        del operands, measure
         torch.cuda.empty_cache()
-        timed = [r for r in rows if "score_us" in r]
-        best = min(timed, key=lambda r: r["score_us"]) if timed else None
-        current = next((r for r in timed if all(getattr(base, k) == v for k, v in r["config"].items())), None)
-        out[kind] = {"best": best, "current": current, "all": rows}
+        best, current = out[kind]["best"], out[kind]["current"]
         if best:
             print(f"rows sweep {kind}: best {best['score_us']:.1f} us with {best['config']} (current "
                   f"{current['score_us'] if current else float('nan'):.1f} us)", flush=True)

@@ -47,6 +47,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 from moestream.engine import timeline
 from moestream.layers.experts import RoutedExperts
@@ -198,7 +199,8 @@ class Decoder:
         """An MoE layer's router (and the later layers' guessed routers) and shared expert on hn
         (tile: the rows-at-once step's row tile, its products on `tile_linear`)."""
         block = self.model.layers[i].ffn
-        over = {"linear": self.tile_linear} if tile else {}
+        # only a kernel other than F.linear is passed: a family's own route/shared_out need not take it
+        over = {"linear": self.tile_linear} if tile and self.tile_linear is not F.linear else {}
         weights, ids = block.route(hn, **over)
         guesses = None
         ahead = self.device_ahead.get(i) if self.experts.device_driven else self.ahead.get(i)

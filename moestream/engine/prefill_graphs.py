@@ -104,8 +104,12 @@ class PrefillGraphs:
     def _first_cache(self, cache: KVCache) -> bool:
         """Graphs write the K/V of the cache they were captured with: only the first sequence slot's
         prompts take them (a graph per slot and bucket would cost captures in the middle of serving)."""
+        return self._cache_number(cache) == 0
+
+    def _cache_number(self, cache: KVCache) -> int:
+        """The cache's number in the graphs' keys, in the order caches were first seen."""
         keys = cache.keys if isinstance(cache.keys, torch.Tensor) else cache.keys[0]
-        return self._caches.setdefault(keys.data_ptr(), len(self._caches)) == 0
+        return self._caches.setdefault(keys.data_ptr(), len(self._caches))
 
     def _capturable(self) -> bool:
         dtype = self.model.dtype
@@ -120,8 +124,7 @@ class PrefillGraphs:
         from moestream.kernels.triton_moe import DEFAULT_CONFIG
 
         dtype = self.model.dtype
-        keys = cache.keys if isinstance(cache.keys, torch.Tensor) else cache.keys[0]
-        number = self._caches.setdefault(keys.data_ptr(), len(self._caches))
+        number = self._cache_number(cache)
         gemv = tokens <= DEFAULT_CONFIG.gemv_max_tokens  # the expert kernels' mode (a config may raise it)
         return (bucket(tokens),) + tuple(grouped_block_m(tokens, k, e, dtype) for k, e in self._moe_shapes) + \
             (gemv, number)
