@@ -11,16 +11,27 @@ expert kernels choose their kernels and row blocks for the real token count
 ones, so every expert's real rows fall into the same row blocks as in the eager call. The padding's
 K/V land at positions past the prompt, which the next tokens overwrite before any row reads them.
 
+Why the padding is not the graph's alone: the products (cuBLAS) choose their algorithm by row count,
+so a chunk of 100 rows and the same rows padded to 128 differ in the last bits (measured at the
+Qwen3-30B-A3B shape; a tiny model happened to agree). So wherever the mode pads, every fresh chunk is
+padded, graph or not: at every cache size (a graph needs every expert resident; a streamed prefill
+runs the same padded chunk eagerly), in every sequence slot, and after a failed capture. The padding
+changes bits only against `--prefill-graphs off`, never with the cache. Every MoE layer routes the
+padding's rows to the last real row's experts, so a streamed chunk's padding reads no expert the prompt
+did not (`padding_on_last_row`, in the graph too: the same expert ids in every mode).
+
 What a graph may touch: a replay writes into every tensor the capture saw, so those must live as long
 as the graph, at the same address. The KV cache is bound (a graph per sequence slot's cache), and the
 resident hits are not counted inside the graph (the engine's hit counter is the engine's to read and
 reset): the capture hands each layer's expert ids out (`RoutedExperts.booked`), and they are counted
 after each replay, for the real rows only, as the eager prefill counts them.
 
-Where: CUDA graphs on, every expert resident (no lookups), a chunk starting at position 0 (keys
-then have the bucket's length), plain attention on the fused prefill kernels in every layer and the
-generic forward, no routing trace or hidden-state tap, and no memory budget (the graphs keep their
-activations, like `--prefill-workspace keep`). Elsewhere the eager prefill runs."""
+Where it pads: a chunk starting at position 0 (keys then have the bucket's length) of plain attention
+in every layer and the generic forward, no routing trace, routing replacement, hidden-state tap or
+expert parallelism. Where a graph replays: besides, CUDA graphs on, every expert resident (no
+lookups), the first sequence slot, the Triton expert kernels, no device map, no memory budget (the
+graphs keep their activations, like `--prefill-workspace keep`). Elsewhere the padded chunk runs
+eagerly."""
 from __future__ import annotations
 
 import logging
@@ -47,15 +58,15 @@ def bucket(tokens: int) -> int:
 
 
 def for_engine(model: MoETransformer, experts, options, device: torch.device, chunk: int) -> "PrefillGraphs | None":
-    """An engine's prefill graphs where `--prefill-graphs` lets them run: auto on CUDA with CUDA graphs
-    and no memory budget or released workspace (the graphs keep their activations); on also pads
-    eagerly on the CPU (for tests); None elsewhere."""
+    """An engine's padded prefill where `--prefill-graphs` asks for it: auto on CUDA, on everywhere (the
+    CPU pads eagerly: tests); None elsewhere. Graphs are captured on CUDA with CUDA graphs and no memory
+    budget or released workspace (the graphs keep their activations)."""
     mode = options.prefill_graphs
-    cuda = device.type == "cuda" and options.cuda_graphs
-    if mode == "off" or not PrefillGraphs.fits(model) or (mode == "auto" and (
-            not cuda or options.memory_budget is not None or options.prefill_workspace == "release")):
+    if mode == "off" or not PrefillGraphs.fits(model) or (mode == "auto" and device.type != "cuda"):
         return None
-    return PrefillGraphs(model, experts, largest=max(1, chunk), capture=cuda)
+    capture = device.type == "cuda" and options.cuda_graphs and options.memory_budget is None and \
+        options.prefill_workspace != "release"
+    return PrefillGraphs(model, experts, largest=max(1, chunk), capture=capture)
 
 
 @dataclass
@@ -72,11 +83,11 @@ class _Graph:
 
 class PrefillGraphs:
     def __init__(self, model: MoETransformer, experts, *, largest: int, capture: bool = True):
-        """largest: the longest chunk taken (the prefill chunk size). capture=False runs the padded
-        chunk eagerly (the CPU: the same padding, nothing captured; for tests)."""
+        """largest: the longest chunk taken (the prefill chunk size). capture=False runs every padded
+        chunk eagerly (the same padding, nothing captured)."""
         self.model, self.experts, self.largest, self.capture = model, experts, largest, capture
         self.graphs: dict[tuple, _Graph] = {}
-        self.broken = False  # a capture failed: every later prefill runs eagerly
+        self.broken = False  # a capture failed: every later padded chunk runs eagerly
         self._caches: dict[int, int] = {}  # the address of a KV cache's keys -> its number in the graphs' keys
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         blocks = {(layer.ffn.top_k, layer.ffn.num_experts) for layer in model.layers if isinstance(layer.ffn, MoEBlock)}
@@ -91,20 +102,21 @@ class PrefillGraphs:
             all(getattr(layer, "takes_fused_prefill", lambda: False)() for layer in model.layers)
 
     def takes(self, tokens: int, start: int, cache: KVCache) -> bool:
-        """Whether a chunk of `tokens` at `start` runs here: a fresh chunk of a bucket the cache holds;
-        every expert resident (no lookups; on the CPU, where nothing is captured, lookups too) and, when
-        captured, every MoE layer on the Triton kernels (the torch reference reads ids on the host);
-        nothing that watches each row (a routing trace or replacement, the hidden-state tap)."""
+        """Whether a chunk of `tokens` at `start` is padded: a fresh chunk of a bucket the cache holds,
+        nothing that watches each row (a routing trace or replacement, the hidden-state tap) and no
+        expert parallelism. Nothing here may depend on the expert cache: the padding changes bits."""
         ex = self.experts
-        return not self.broken and start == 0 and SMALLEST // 2 < tokens <= self.largest and bucket(tokens) <= cache.max_tokens and \
-            (ex.resident or not self.capture) and ex.device_map is None and ex.on_route is None and \
-            ex.reroute is None and ex.parallel is None and self.model.on_hidden is None and \
-            self._first_cache(cache) and (not self.capture or self._capturable())
+        return start == 0 and SMALLEST // 2 < tokens <= self.largest and bucket(tokens) <= cache.max_tokens and \
+            ex.on_route is None and ex.reroute is None and ex.parallel is None and self.model.on_hidden is None
 
-    def _first_cache(self, cache: KVCache) -> bool:
-        """Graphs write the K/V of the cache they were captured with: only the first sequence slot's
-        prompts take them (a graph per slot and bucket would cost captures in the middle of serving)."""
-        return self._cache_number(cache) == 0
+    def replays(self, cache: KVCache) -> bool:
+        """Whether a padded chunk runs as a graph: captured here, every expert resident with no device
+        map (no lookups), the first sequence slot's cache (a graph per slot and bucket would cost
+        captures in the middle of serving) and every MoE layer on the Triton kernels (the torch
+        reference reads ids on the host)."""
+        ex = self.experts
+        return self.capture and not self.broken and ex.resident and ex.device_map is None and \
+            self._cache_number(cache) == 0 and self._capturable()
 
     def _cache_number(self, cache: KVCache) -> int:
         """The cache's number in the graphs' keys, in the order caches were first seen."""
@@ -136,23 +148,20 @@ class PrefillGraphs:
         dev = self.model.device
         ids = torch.tensor(piece + [piece[-1]] * (padded - T), dtype=torch.long, device=dev)
         last = torch.tensor([T - 1], dtype=torch.long, device=dev)
-        if not self.capture:
-            routed: list = []
-            logits = self._forward(ids, last, cache, T, routed)
-            self._book(routed, T)
-            return logits
+        if not self.replays(cache):
+            return self._eager(ids, last, cache, T)
         key = self._key(T, cache)
         entry = self.graphs.get(key)
         if entry is None:
             t0 = time.perf_counter()
             try:
                 entry = self._capture(ids, last, cache, T)
-            except Exception as exc:  # noqa: BLE001 - the eager prefill gives the same logits
-                log.warning("the prefill graph of %d tokens could not be captured (%s): prefills run eagerly",
+            except Exception as exc:  # noqa: BLE001 - the padded chunk run eagerly gives the same logits
+                log.warning("the prefill graph of %d tokens could not be captured (%s): padded prefills run eagerly",
                             padded, exc)
                 self.broken = True
                 torch.cuda.synchronize(dev)
-                return self.model.forward(torch.tensor(piece, dtype=torch.long, device=dev), 0, cache)
+                return self._eager(ids, last, cache, T)
             self.graphs[key] = entry
             log.info("captured the prefill graph of %d tokens (row blocks %s) in %.1f s", padded, key[1:-2],
                      time.perf_counter() - t0)
@@ -162,14 +171,21 @@ class PrefillGraphs:
         self._book(entry.routed, T)
         return entry.logits.clone()
 
+    def _eager(self, ids: torch.Tensor, last: torch.Tensor, cache: KVCache, tokens: int) -> torch.Tensor:
+        routed: list = []
+        logits = self._forward(ids, last, cache, tokens, routed)
+        self._book(routed, tokens)
+        return logits
+
     def _forward(self, ids: torch.Tensor, last: torch.Tensor, cache: KVCache, tokens: int,
                  routed: list) -> torch.Tensor:
         """The padded chunk through the model; `routed` takes each resident layer's (layer, ids [padded, A])."""
-        self.experts.tile_tokens, self.experts.booked = tokens, routed
+        ex = self.experts
+        ex.tile_tokens, ex.last_real_row, ex.booked = tokens, last, routed
         try:
             return self.model.forward(ids, 0, cache, last_row=last)
         finally:
-            self.experts.tile_tokens = self.experts.booked = None
+            ex.tile_tokens = ex.last_real_row = ex.booked = None
 
     def _book(self, routed: list, tokens: int) -> None:
         """The resident hits of the real rows (after the run, outside any graph; the padding's rows are

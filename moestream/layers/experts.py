@@ -36,6 +36,17 @@ log = logging.getLogger(__name__)
 KERNELS = ("auto", "torch", "triton")
 
 
+
+def padding_on_last_row(ids: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+    """ids [T, A] with the rows past `last` ([1], a padded prefill's last real row, on the device: a
+    graph's input) routed to that row's experts, so the padding reads no expert the prompt did not.
+    The real rows keep their bits: the expert kernels choose tiles for the real token count and the
+    padding's pairs sort after the real ones; the padding's outputs reach only K/V past the prompt,
+    which later tokens overwrite."""
+    rows = torch.arange(ids.shape[0], device=ids.device).unsqueeze(1)
+    return torch.where(rows > last, ids.index_select(0, last), ids)
+
+
 class ExpertProvider(Protocol):
     """Where routed-expert records live: a pool of slots, filled on demand (moestream.experts.cache)."""
 
@@ -119,10 +130,12 @@ class RoutedExperts:
         self.after_fetch: Callable[[int, torch.Tensor, list[int]], None] | None = None
         # benchmarks only (moestream.bench.routing): (layer, weights, ids) -> replaced weights, ids
         self.reroute: Callable | None = None
-        # while a padded prefill graph is captured: its real token count (MoEPlan's tile_tokens), and
-        # the list that takes each resident layer's (layer, ids) in place of counting its hits there
-        # (moestream.engine.prefill_graphs books them after each replay, for the real rows)
+        # while a padded prefill chunk runs (moestream.engine.prefill_graphs): its real token count
+        # (MoEPlan's tile_tokens), its last real row ([1] on the device; the padding takes that row's
+        # experts), and the list that takes each resident layer's (layer, ids) in place of counting its
+        # hits there (booked after each run, for the real rows)
         self.tile_tokens: int | None = None
+        self.last_real_row: torch.Tensor | None = None
         self.booked: list | None = None
 
     # -- which kernels -------------------------------------------------------------------------
@@ -176,6 +189,8 @@ class RoutedExperts:
         `batch_limit`; each batch computes only its own pairs, so batching never changes the bits."""
         if notify and self.on_route is not None:
             self.on_route(layer, ids)
+        if self.last_real_row is not None:
+            ids = padding_on_last_row(ids, self.last_real_row)
         plan = self.plan(layer, x, ids, weights, per_pair=per_pair)
         pool = self.provider.slot_pool(layer)
         if self.device_map is not None:

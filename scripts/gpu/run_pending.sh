@@ -227,6 +227,21 @@ for part in "$@"; do
     bench resident-defaults 150 --cache-sizes all --prefill-tokens ${PREFILL_LENGTHS:-128,300,512,1000,2048}
     bench resident-graphs-triton 150 --cache-sizes all --prefill-tokens ${PREFILL_LENGTHS:-128,300,512,1000,2048} \
       --prefill-graphs auto --rows-products triton ;;
+  new-defaults)  # the padded prefill (graphs or not, every cache size) and the Triton row products as defaults:
+    # the prefill graphs' tests alone, the bit check tiny and at the 30B shape, then the GPU tests that load engines
+    synth &
+    CUDA_LAUNCH_BLOCKING=1 timeout -s ABRT 150 python3 -m pytest tests/gpu/test_prefill_graphs_cuda.py -q -p no:cacheprovider \
+      -rfE > "$out/prefill-graphs-tests.log" 2>&1
+    say prefill-graphs-tests "rc=$?"; grep -E "passed|failed|FAILED|ERROR|Fatal" "$out/prefill-graphs-tests.log" | tail -6
+    timeout 100 python3 scripts/gpu/check_prefill_graphs.py tiny 23 30 64 100 200 > "$out/check-graphs-tiny.log" 2>&1
+    say check-tiny "rc=$?"; tail -2 "$out/check-graphs-tiny.log"
+    timeout -s ABRT ${TESTS_LIMIT:-200} python3 -m pytest tests/gpu/test_cuda_engine.py tests/gpu/test_prefill_workspace_cuda.py \
+      tests/gpu/test_fused_prefill_cuda.py tests/gpu/test_decoder.py tests/gpu/test_speculative_cuda.py -q -p no:cacheprovider \
+      -rfE --durations=8 > "$out/default-tests.log" 2>&1
+    say default-tests "rc=$?"; grep -E "passed|failed|FAILED|ERROR|Timeout|Fatal" "$out/default-tests.log" | tail -12
+    wait; say synth
+    timeout 200 python3 scripts/gpu/check_prefill_graphs.py $model ${CHECK_LENGTHS:-100 300 700 1500} > "$out/check-graphs-q30.log" 2>&1
+    say check-q30 "rc=$?"; grep -E "^T=|ok|FAILED" "$out/check-graphs-q30.log" | tail -14 ;;
   rows-products)  # the q30 synth runs beside the tests and the kernel bench, for the A/B part
     synth &
     [ -z "${NO_TESTS:-}" ] && timeout -s ABRT ${TESTS_LIMIT:-150} python3 -m pytest tests/gpu/test_rows_products_cuda.py \

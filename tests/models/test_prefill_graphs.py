@@ -7,10 +7,12 @@ from moestream.engine.engine import Engine
 from moestream.engine.options import EngineOptions
 from moestream.engine.prefill_graphs import SMALLEST, PrefillGraphs, bucket
 from moestream.engine.types import SamplingParams
+from moestream.layers.experts import padding_on_last_row
 
 
 def load(packed, mode: str, **opts) -> Engine:
-    return Engine.load(packed, options=EngineOptions(device="cpu", threads=1, prefetch="none", cache_size="all",
+    opts.setdefault("cache_size", "all")
+    return Engine.load(packed, options=EngineOptions(device="cpu", threads=1, prefetch="none",
                                                      prefill_graphs=mode, **opts))
 
 
@@ -133,9 +135,65 @@ def test_graph_keys_bind_the_sequence_cache(tiny_packed_model):
         assert graphs._key(23, first) == graphs._key(30, first) != graphs._key(23, second)
         assert graphs._key(23, first)[0] == graphs._key(23, second)[0] == 32
         assert graphs._key(23, first)[-1] == 0 and graphs._key(23, second)[-1] == 1
-        # only the first slot's prompts take graphs (one graph per slot would capture mid-serving)
-        assert graphs.takes(23, 0, first) and not graphs.takes(23, 0, second)
-        graphs.broken = True  # a capture failed once: everything eager from then on
-        assert not graphs.takes(23, 0, first)
+        # every slot's fresh prompts are padded (the bits must not depend on the slot); only the first
+        # slot's replay graphs (one graph per slot would capture mid-serving); the CPU captures none
+        assert graphs.takes(23, 0, first) and graphs.takes(23, 0, second)
+        assert not graphs.replays(first) and not graphs.replays(second)
+        graphs.broken = True  # a capture failed once: the padded chunks run eagerly, still padded
+        assert graphs.takes(23, 0, first)
+    finally:
+        engine.close()
+
+
+def test_the_padding_rows_take_the_last_real_rows_experts():
+    ids = torch.tensor([[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]])
+    got = padding_on_last_row(ids, torch.tensor([2]))
+    assert got.tolist() == [[0, 1], [2, 3], [4, 5], [4, 5], [4, 5]]
+    assert padding_on_last_row(ids, torch.tensor([4])).tolist() == ids.tolist()
+
+
+def prefill_logits(engine: Engine, n: int, *, seq: int = 0) -> torch.Tensor:
+    """A fresh prompt's logits (the slot emptied first: a reused start would not be padded)."""
+    vocab = engine.args.vocab_size
+    engine.caches[seq].truncate(0)
+    logits, _ = engine.prefill([(7 * i + 3) % vocab for i in range(n)], seq=seq)
+    return logits.clone()
+
+
+@pytest.mark.parametrize("cache_size", ["min", "50%"])
+def test_padded_prefill_has_the_same_bits_at_every_cache_size_and_reads_no_padding_expert(cache_size,
+                                                                                        tiny_packed_model):
+    """A streamed chunk is padded as the resident one is (a graph needs every expert resident; the
+    padding changes the last bits, so it must not depend on the cache), and its padding rows read no
+    expert the real rows did not."""
+    packed = tiny_packed_model("qwen3_moe", "q4")
+    resident = load(packed, "on")
+    try:
+        resident_on_cpu(resident)
+        expected = {n: prefill_logits(resident, n) for n in (23, 100)}
+    finally:
+        resident.close()
+    streamed = load(packed, "on", **{"cache_size": cache_size})
+    try:
+        assert not streamed.experts.resident
+        seen = []
+        plan = streamed.experts.plan
+        streamed.experts.plan = lambda layer, x, ids, w, **kw: seen.append(ids.clone()) or plan(layer, x, ids, w, **kw)
+        for n in (23, 100):
+            seen.clear()
+            assert torch.equal(prefill_logits(streamed, n), expected[n])
+            assert seen and all(ids.shape[0] == bucket(n) for ids in seen)
+            assert all(set(ids.unique().tolist()) == set(ids[:n].unique().tolist()) for ids in seen)
+    finally:
+        streamed.close()
+
+
+def test_every_sequence_slot_pads_its_fresh_prompt(tiny_packed_model):
+    """The second slot's prompt gets the first slot's bits (padded too, though it replays no graph)."""
+    engine = load(tiny_packed_model("qwen3_moe", "q4"), "on", max_sequences=2)
+    try:
+        second = engine.open_sequence()
+        assert second != 0
+        assert torch.equal(prefill_logits(engine, 40, seq=second), prefill_logits(engine, 40, seq=0))
     finally:
         engine.close()
