@@ -293,3 +293,12 @@ def test_the_choice_is_the_best_estimated_rate():
         rates = [policy.estimated_rate(k) * (1.0 + policy.min_gain if k == 0 else 1.0) for k in range(top + 1)]
         expected = max(range(top + 1), key=lambda k: (rates[k], -k)) if top else 0
         assert policy.choose() == expected
+
+
+def test_the_draft_engine_captures_no_prefill_graphs():
+    """Its prefills are catch-ups in the middle of decoding: a bucket's first capture would stall it."""
+    from moestream.engine.draft_choice import draft_engine_options
+    from moestream.engine.options import EngineOptions
+
+    options = draft_engine_options(EngineOptions(device="cuda", prefill_graphs="auto", cache_size="25%"))
+    assert options.prefill_graphs == "off" and options.cache_size == "auto" and options.device == "cuda"
