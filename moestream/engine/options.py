@@ -148,10 +148,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--prefill-graphs", default="auto", choices=["auto", "on", "off"],
                    help="a fresh prompt's prefill chunk (17..chunk tokens) padded to a power of two after its real "
                         "rows and, where every expert is resident, replayed as one CUDA graph per length bucket "
-                        "(captured on a bucket's first use and kept, like --prefill-workspace keep; 1.4-5x the "
-                        "prefill of 128-1,000 tokens on the H200). The padding changes the last bits against off, "
-                        "never with the cache size (a partial cache runs the same padded chunk eagerly). "
-                        "auto (default): on CUDA; on: also on the CPU (eagerly, for tests); off: no padding")
+                        "(kept, like --prefill-workspace keep; 1.4-5x the prefill of 128-1,000 tokens on the H200). "
+                        "The padding changes the last bits against off, never with the cache size (a partial cache "
+                        "runs the same padded chunk eagerly). auto (default): on CUDA, a bucket captured at its "
+                        "second prompt (a capture costs ~0.2 s and more); on: captured at the first, and padded "
+                        "on the CPU too (eagerly, for tests); off: no padding")
     g.add_argument("--decode-ahead", default="auto", choices=["auto", "on", "off"],
                    help="plain greedy decoding (no log-probabilities) queues each step with the previous token still "
                         "on the device, so the host reads a token while the next step runs: auto (default) on CUDA, "

@@ -60,13 +60,14 @@ def bucket(tokens: int) -> int:
 def for_engine(model: MoETransformer, experts, options, device: torch.device, chunk: int) -> "PrefillGraphs | None":
     """An engine's padded prefill where `--prefill-graphs` asks for it: auto on CUDA, on everywhere (the
     CPU pads eagerly: tests); None elsewhere. Graphs are captured on CUDA with CUDA graphs and no memory
-    budget or released workspace (the graphs keep their activations)."""
+    budget or released workspace (the graphs keep their activations): by auto on a key's second use,
+    by on at its first."""
     mode = options.prefill_graphs
     if mode == "off" or not PrefillGraphs.fits(model) or (mode == "auto" and device.type != "cuda"):
         return None
     capture = device.type == "cuda" and options.cuda_graphs and options.memory_budget is None and \
         options.prefill_workspace != "release"
-    return PrefillGraphs(model, experts, largest=max(1, chunk), capture=capture)
+    return PrefillGraphs(model, experts, largest=max(1, chunk), capture=capture, capture_after=1 if mode == "auto" else 0)
 
 
 @dataclass
@@ -82,10 +83,14 @@ class _Graph:
 
 
 class PrefillGraphs:
-    def __init__(self, model: MoETransformer, experts, *, largest: int, capture: bool = True):
+    def __init__(self, model: MoETransformer, experts, *, largest: int, capture: bool = True, capture_after: int = 0):
         """largest: the longest chunk taken (the prefill chunk size). capture=False runs every padded
-        chunk eagerly (the same padding, nothing captured)."""
+        chunk eagerly (the same padding, nothing captured). capture_after: how many chunks of a graph's
+        key run eagerly before it is captured (a capture costs ~0.2 s and more on the H200: auto waits
+        for a bucket's second prompt, so a one-prompt run never pays it; on captures at once)."""
         self.model, self.experts, self.largest, self.capture = model, experts, largest, capture
+        self.capture_after = capture_after
+        self._uses: dict[tuple, int] = {}  # a graph's key -> the chunks run eagerly before its capture
         self.graphs: dict[tuple, _Graph] = {}
         self.broken = False  # a capture failed: every later padded chunk runs eagerly
         self._caches: dict[int, int] = {}  # the address of a KV cache's keys -> its number in the graphs' keys
@@ -152,6 +157,9 @@ class PrefillGraphs:
             return self._eager(ids, last, cache, T)
         key = self._key(T, cache)
         entry = self.graphs.get(key)
+        if entry is None and self._uses.get(key, 0) < self.capture_after:
+            self._uses[key] = self._uses.get(key, 0) + 1  # one prompt of a bucket never repays its capture
+            return self._eager(ids, last, cache, T)
         if entry is None:
             t0 = time.perf_counter()
             try:

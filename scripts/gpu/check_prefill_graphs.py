@@ -30,7 +30,7 @@ def main():
     model, lengths = sys.argv[1], [int(n) for n in sys.argv[2:]]
     model = tiny() if model == "tiny" else model
     results = {}
-    runs = {"graphs": dict(prefill_graphs="auto"), "padded-eager": dict(prefill_graphs="auto", cuda_graphs=False),
+    runs = {"graphs": dict(prefill_graphs="on"), "padded-eager": dict(prefill_graphs="auto", cuda_graphs=False),
             "padded-25%": dict(prefill_graphs="auto", cache_size="25%", host_cache_size="all"),
             "unpadded": dict(prefill_graphs="off")}
     for mode, options in runs.items():

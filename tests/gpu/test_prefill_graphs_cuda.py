@@ -37,7 +37,7 @@ def prefills(packed, dtype, **options):
 def test_prefill_graphs_give_the_padded_eager_bits(dtype, tiny_packed_model):
     packed = tiny_packed_model("qwen3_moe", "q4", dtype="bfloat16")
     unpadded, none = prefills(packed, dtype, cache_size="all", prefill_graphs="off")
-    graphed, keys = prefills(packed, dtype, cache_size="all", prefill_graphs="auto")
+    graphed, keys = prefills(packed, dtype, cache_size="all", prefill_graphs="on")
     eager, no_graphs = prefills(packed, dtype, cache_size="all", prefill_graphs="auto", cuda_graphs=False)
     streamed, _ = prefills(packed, dtype, cache_size="50%", prefill_graphs="auto")
     assert none is None and keys and not no_graphs, "the graphs did not run, or ran without CUDA graphs"
@@ -91,3 +91,21 @@ def test_no_replay_reads_a_tensor_freed_since_its_capture(tiny_packed_model, mon
     packed = tiny_packed_model("qwen3_moe", "q4", dtype="bfloat16")
     _, keys = prefills(packed, "bfloat16", cache_size="all", prefill_graphs="on")
     assert {k[0] for k in keys} == {32, 64, 128, 256}
+
+
+def test_auto_captures_a_bucket_at_its_second_prompt(tiny_packed_model):
+    """A capture costs more than a few eager prefills: auto runs a bucket's first prompt padded but
+    eagerly (the same bits), captures at the second and replays from the third."""
+    packed = tiny_packed_model("qwen3_moe", "q4", dtype="bfloat16")
+    engine = Engine.load(packed, options=EngineOptions(device="cuda", dtype="bfloat16", max_context=256,
+                                                       cache_size="all", prefill_graphs="auto"))
+    try:
+        prompt = [(11 * i + 3) % engine.args.vocab_size for i in range(40)]
+        got = []
+        for _ in range(3):
+            engine.reset()
+            got.append((engine.prefill(prompt)[0].clone(), len(engine.prefill_graphs.graphs)))
+        assert [n for _, n in got] == [0, 1, 1]
+        assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[1][0], got[2][0])
+    finally:
+        engine.close()
