@@ -350,6 +350,15 @@ def h200_prefill_graphs() -> str:
     return " / ".join(f"{n:,}" for n in lengths) + f" tokens at {graphs} tok/s (eager: {eager})"
 
 
+def h200_new_defaults() -> str:
+    """Resident decode and prefill with the old defaults against the padded prefill's graphs and the Triton row
+    products (the defaults since), one call."""
+    before, after = (only_run(H200 / f"defaults-{m}.json") for m in ("before-graphs-triton", "graphs-triton"))
+    lengths, eager, graphs = prefill_by_length(before, after)
+    return (f"decode {tok_s(before['decode']['tok_s'])} → {tok_s(after['decode']['tok_s'])} tok/s; prefill of "
+            + " / ".join(f"{n:,}" for n in lengths) + f" tokens {eager} → {graphs} tok/s")
+
+
 def h200_grouped() -> str:
     """The grouped (prefill) kernels before and after the sweep, uniform routing, from one sweep."""
     path = H200 / "grouped-kernels-sweep.json"
@@ -387,6 +396,7 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "h200-prefill-kernels": h200_prefill_kernels,
     "h200-decode-ahead": h200_decode_ahead,
     "h200-prefill-graphs": h200_prefill_graphs,
+    "h200-new-defaults": h200_new_defaults,
     "h200-grouped": h200_grouped,
 }
 
