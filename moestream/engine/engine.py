@@ -21,6 +21,7 @@ import torch
 
 from moestream.layers.kv_cache import KVCache
 from moestream.engine import expert_setup, generation, prefill_graphs, timeline
+from moestream.engine.budget import prefill_workspace
 from moestream.engine.emitter import Emitter
 from moestream.engine.generation import Generation
 from moestream.engine.options import EngineOptions
@@ -114,8 +115,10 @@ class Engine:
             for layer in self.model.layers:
                 if getattr(layer, "takes_fused_prefill", lambda: False)():
                     layer.fused_prefill = True
-        self.prefill_graphs = prefill_graphs.for_engine(self.model, self.experts, options, self.device,
-                                                        self.plan.prefill_chunk)
+        item = torch.finfo(self.dtype).bits // 8
+        self.prefill_graphs = prefill_graphs.for_engine(
+            self.model, self.experts, options, self.device, self.plan.prefill_chunk,
+            workspace=lambda tokens: prefill_workspace(self.args, tokens=tokens, context=self.max_context, item=item))
         self._resident_checked = False
         self._warmed: set[int] = set()  # row counts whose step graphs warm_steps captured
         # sees the final residual stream (before the final norm) of every position slot 0 computes:

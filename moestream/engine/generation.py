@@ -73,16 +73,7 @@ def generate(engine: "Engine", prompt_ids: list[int], *, max_new_tokens: int, sa
                 return
             emit = Emitter(seq, state, sampling=sampling, logprobs=logprobs, eos_ids=engine.tokenizer.eos_token_ids,
                            should_stop=should_stop, stop_at_eos=stop_at_eos)
-            if decodes_ahead(engine, emit):
-                yield from _decode_ahead(engine, emit, logits, budget)
-                return
-            for n in range(budget):
-                event = emit(logits[-1])
-                if event is None:
-                    return
-                yield event
-                if n + 1 < budget:
-                    logits = engine.step([event.token_id])
+            yield from plain_tokens(engine, emit, logits, budget)
         finally:
             state["decode_s"] = time.perf_counter() - t1
 
@@ -101,6 +92,22 @@ def generate(engine: "Engine", prompt_ids: list[int], *, max_new_tokens: int, sa
         return GenerationResult(list(state["tokens"]), state["finish"], receipt)
 
     return Generation(steps(), finish)
+
+
+def plain_tokens(engine: "Engine", emit: Emitter, logits: torch.Tensor, budget: int) -> Iterator[TokenEvent]:
+    """Plain decoding of up to `budget` tokens, the first chosen from `logits`' last row: decoding
+    ahead where it may, else one step a token. The cache then holds every token emitted but the last
+    (after a stop while decoding ahead, the last too)."""
+    if decodes_ahead(engine, emit):
+        yield from _decode_ahead(engine, emit, logits, budget)
+        return
+    for n in range(budget):
+        event = emit(logits[-1])
+        if event is None:
+            return
+        yield event
+        if n + 1 < budget:
+            logits = engine.step([event.token_id])
 
 
 def decodes_ahead(engine: "Engine", emit: Emitter) -> bool:

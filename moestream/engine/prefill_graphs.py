@@ -37,6 +37,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -57,17 +58,19 @@ def bucket(tokens: int) -> int:
     return n
 
 
-def for_engine(model: MoETransformer, experts, options, device: torch.device, chunk: int) -> "PrefillGraphs | None":
+def for_engine(model: MoETransformer, experts, options, device: torch.device, chunk: int,
+               workspace: Callable[[int], int] | None = None) -> "PrefillGraphs | None":
     """An engine's padded prefill where `--prefill-graphs` asks for it: auto on CUDA, on everywhere (the
     CPU pads eagerly: tests); None elsewhere. Graphs are captured on CUDA with CUDA graphs and no memory
     budget or released workspace (the graphs keep their activations): by auto on a key's second use,
-    by on at its first."""
+    by on at its first. workspace(tokens): a chunk's transient bytes (a capture needs that much free)."""
     mode = options.prefill_graphs
     if mode == "off" or not PrefillGraphs.fits(model) or (mode == "auto" and device.type != "cuda"):
         return None
     capture = device.type == "cuda" and options.cuda_graphs and options.memory_budget is None and \
         options.prefill_workspace != "release"
-    return PrefillGraphs(model, experts, largest=max(1, chunk), capture=capture, capture_after=1 if mode == "auto" else 0)
+    return PrefillGraphs(model, experts, largest=max(1, chunk), capture=capture, capture_after=1 if mode == "auto" else 0,
+                         workspace=workspace)
 
 
 @dataclass
@@ -83,13 +86,17 @@ class _Graph:
 
 
 class PrefillGraphs:
-    def __init__(self, model: MoETransformer, experts, *, largest: int, capture: bool = True, capture_after: int = 0):
+    def __init__(self, model: MoETransformer, experts, *, largest: int, capture: bool = True, capture_after: int = 0,
+                 workspace: Callable[[int], int] | None = None):
         """largest: the longest chunk taken (the prefill chunk size). capture=False runs every padded
         chunk eagerly (the same padding, nothing captured). capture_after: how many chunks of a graph's
         key run eagerly before it is captured (a capture costs ~0.2 s and more on the H200: auto waits
-        for a bucket's second prompt, so a one-prompt run never pays it; on captures at once)."""
+        for a bucket's second prompt, so a one-prompt run never pays it; on captures at once).
+        workspace(tokens): the transient bytes of a chunk of `tokens` rows; a graph keeps its own, beside
+        the eager prefill's, so a bucket is captured only where that much device memory is free."""
         self.model, self.experts, self.largest, self.capture = model, experts, largest, capture
-        self.capture_after = capture_after
+        self.capture_after, self.workspace = capture_after, workspace
+        self._short: set[int] = set()  # buckets left eager for want of memory (logged once)
         self._uses: dict[tuple, int] = {}  # a graph's key -> the chunks run eagerly before its capture
         self.graphs: dict[tuple, _Graph] = {}
         self.broken = False  # a capture failed: every later padded chunk runs eagerly
@@ -160,6 +167,8 @@ class PrefillGraphs:
         if entry is None and self._uses.get(key, 0) < self.capture_after:
             self._uses[key] = self._uses.get(key, 0) + 1  # one prompt of a bucket never repays its capture
             return self._eager(ids, last, cache, T)
+        if entry is None and not self._room(padded):
+            return self._eager(ids, last, cache, T)
         if entry is None:
             t0 = time.perf_counter()
             try:
@@ -178,6 +187,22 @@ class PrefillGraphs:
         entry.graph.replay()
         self._book(entry.routed, T)
         return entry.logits.clone()
+
+    def _room(self, padded: int) -> bool:
+        """Whether a bucket's graph fits beside what the device holds: its workspace estimate against
+        the free memory and the allocator's unused cache (a capture empties that cache first)."""
+        if self.workspace is None:
+            return True
+        dev = self.model.device
+        free = torch.cuda.mem_get_info(dev)[0] + torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
+        need = self.workspace(padded)
+        if free >= need:
+            return True
+        if padded not in self._short:
+            self._short.add(padded)
+            log.info("the prefill graph of %d tokens needs ~%.1f GB, %.1f GB free: its prompts prefill eagerly",
+                     padded, need / 1e9, free / 1e9)
+        return False
 
     def _eager(self, ids: torch.Tensor, last: torch.Tensor, cache: KVCache, tokens: int) -> torch.Tensor:
         routed: list = []

@@ -21,6 +21,7 @@ import torch
 
 from moestream.engine.sampling import choose_token
 from moestream.engine.emitter import Emitter
+from moestream.engine.generation import plain_tokens
 from moestream.engine.types import SamplingParams, TokenEvent
 from moestream.errors import MoestreamError
 
@@ -187,6 +188,7 @@ class AdaptivePolicy:
         self._chosen = 0  # the current verification's draft length
         self._in_step = False  # whether the verification before it drafted (the drafter then has little to read)
         self._draft_s = self._step_s = 0.0  # the current verification's measured times
+        self._stretch = 1  # after choose gave 0: the plain steps in a row it gives, that one included
 
     def acceptance_at(self, i: int) -> float:
         """a_(i+1): the chance that draft position i (from 0) is kept, given all before it were."""
@@ -293,6 +295,19 @@ class AdaptivePolicy:
         priced = math.ceil(self.probe_s / (PROBE_SHARE * plain)) if plain > 0 else 0
         return max(self._probe_gap, min(priced, MAX_PRICED_GAP))
 
+    def plain_stretch(self) -> int:
+        """After choose() gave 0: how many plain steps in a row, that one included, it gives before its
+        next probe (1 while it is still measuring), so that the caller can run them as plain decoding."""
+        return self._stretch
+
+    def took_plain(self, steps: int, seconds_per_token: float) -> None:
+        """The caller ran plain_stretch()'s `steps` plain steps at once: they count toward the next probe,
+        and their time per token (decoding ahead, no drafter between them) is what a plain step costs."""
+        self._plain_run += steps - 1
+        self._stretch = 1
+        self.record_step(1, seconds_per_token)
+        self.record_accept(0, 0)  # as after a plain verification: the next draft pays for catching up
+
     def choose(self, limit: int | None = None) -> int:
         """Draft length for the next verification, at most `limit` (room left in budget/context)."""
         top = self.max_draft if limit is None else max(0, min(self.max_draft, limit))
@@ -300,12 +315,15 @@ class AdaptivePolicy:
         # that is seldom right costs one short try, not a first draft of max_draft tokens
         top = min(top, max(self.step_cost, default=0))
         best = self._best(top)
+        self._stretch = 1
         if best == 0 and top > 0:
             self._plain_run += 1
             if self._plain_run >= self._gap():
                 self._plain_run, self._fresh = 0, False
                 self._probe_gap = min(2 * self._probe_gap, MAX_PROBE_GAP)
                 best = 1
+            else:  # nothing but the probe changes a plain choice (plain steps teach it no acceptance)
+                self._stretch = self._gap() - self._plain_run
         elif best > 0:
             self._plain_run, self._probe_gap, self._fresh = 0, self.probe_every, False
         self._chosen = best
@@ -366,12 +384,21 @@ class SpeculativeStats:
     draft_lengths: dict = field(default_factory=dict)  # k -> verifications that drafted k
     policy: "AdaptivePolicy | None" = None  # its learned step costs go in the receipt
     steps: list = field(default_factory=list)  # per verification: STEP_FIELDS
+    plain_stretches: int = 0  # runs of plain steps decoded as plain decoding (not in steps)
 
     def record(self, chosen: int, drafted: int, accepted: int, verify_s: float) -> None:
         """One verification: the length the policy (or the fixed setting) chose, the drafter's
         proposal (it may propose fewer), the tokens kept, the step's time."""
         if len(self.steps) < MAX_STEP_RECORDS:
             self.steps.append([chosen, drafted, accepted, round(verify_s * 1000.0, 3)])
+
+    def plain_stretch(self, steps: int, seconds: float) -> None:
+        """`steps` plain steps run as plain decoding (one verification of 0 drafted tokens each)."""
+        self.verify_steps += steps
+        self.step_tokens += steps
+        self.verify_s += seconds
+        self.draft_lengths[0] = self.draft_lengths.get(0, 0) + steps
+        self.plain_stretches += 1
 
     def to_json(self) -> dict:
         return {"drafter": self.drafter, "draft_tokens": self.mode, "verify_steps": self.verify_steps,
@@ -383,6 +410,7 @@ class SpeculativeStats:
                 "step_s_by_tokens": None if self.policy is None else
                 {str(t): round(c, 6) for t, c in sorted(self.policy.step_cost.items())},
                 "acceptance_estimate": None if self.policy is None else round(self.policy.acceptance, 4),
+                "plain_stretches": self.plain_stretches,
                 "step_fields": STEP_FIELDS, "steps": self.steps,
                 "steps_truncated": self.verify_steps > len(self.steps)}
 
@@ -430,6 +458,21 @@ def run(engine, seq: list[int], logits: torch.Tensor, *, budget: int, sampling: 
         # the cache holds seq[:-1]; seq[-1] is the next token to run
         limit = min(budget - produced - 1, engine.max_context - len(seq))
         k = min(options.draft_tokens, limit) if policy is None else policy.choose(limit)
+        if k == 0 and limit > 0:  # plain steps until the policy's next probe: plain decoding (ahead where it may)
+            n = limit + 1 if policy is None else min(limit + 1, policy.plain_stretch())
+            if n > 1:
+                t0, got = time.perf_counter(), 0
+                for event in plain_tokens(engine, emit, engine.step([seq[-1]]), n):
+                    got += 1
+                    produced += 1
+                    yield event
+                if got < n:  # a stop
+                    return
+                seconds = time.perf_counter() - t0
+                stats.plain_stretch(n, seconds)
+                if policy is not None:
+                    policy.took_plain(n, seconds / n)
+                continue
         t0 = time.perf_counter()
         draft = drafter.propose(seq, k)[:k] if k > 0 else []
         t1 = time.perf_counter()

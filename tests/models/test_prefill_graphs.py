@@ -197,3 +197,20 @@ def test_every_sequence_slot_pads_its_fresh_prompt(tiny_packed_model):
         assert torch.equal(prefill_logits(engine, 40, seq=second), prefill_logits(engine, 40, seq=0))
     finally:
         engine.close()
+
+
+def test_a_bucket_is_captured_only_where_its_workspace_fits(tiny_packed_model, monkeypatch):
+    """A graph keeps its activations beside the eager prefill's: too little free memory leaves the
+    bucket eager (padded: the same bits), said once."""
+    engine = load(tiny_packed_model("qwen3_moe", "q4"), "on")
+    try:
+        graphs = PrefillGraphs(engine.model, engine.experts, largest=256, capture=False,
+                               workspace=lambda tokens: tokens * 1000)
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (50_000, 10 ** 9))
+        monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 20_000)
+        monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 5_000)
+        assert graphs._room(64)  # 64,000 needed, 65,000 free (50,000 + 15,000 cached unused)
+        assert not graphs._room(128) and graphs._short == {128}
+        assert PrefillGraphs(engine.model, engine.experts, largest=256, capture=False)._room(2048)  # no estimate
+    finally:
+        engine.close()

@@ -223,3 +223,29 @@ def test_demo_model_hot_head_over_200_tokens_bit_for_bit():
             r = result.receipt["speculative"]
             assert r["drafter"] == "hot-head" and 0 < r["accepted"] <= r["drafted"]
     engine.close()
+
+
+class NeverDrafter(Drafter):
+    """Always wrong: the policy turns drafting off and probes now and then."""
+
+    name = "never"
+
+    def propose(self, context, k):
+        return [(context[-1] + 1 + i) % 7 for i in range(k)]
+
+
+def test_plain_stretches_decode_ahead_and_give_the_plain_tokens(tiny_packed_model):
+    """While the policy chooses plain steps, the loop runs them as plain decoding (ahead where it may,
+    forced on here): the plain tokens, and the stretches in the receipt."""
+    engine = load(tiny_packed_model("qwen3_moe", "q4"), decode_ahead="on")
+    prompt = engine.tokenizer.encode(PROMPTS[2])
+    plain, _, _ = run(engine, prompt, 120)
+    unread = []
+    step_unread = engine.step_unread
+    engine.step_unread = lambda token, **kw: unread.append(1) or step_unread(token, **kw)
+    out, _, result = run(engine, prompt, 120, speculative=SpeculativeOptions(drafter=NeverDrafter()))
+    assert out == plain
+    r = result.receipt["speculative"]
+    assert r["plain_stretches"] >= 1 and r["draft_lengths"]["0"] > 60 and len(unread) > 60
+    assert r["accepted"] <= r["drafted"] and r["tokens_per_step"] == pytest.approx(1.0, abs=0.1)
+    engine.close()

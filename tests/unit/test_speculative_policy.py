@@ -214,6 +214,9 @@ class ClockedEngine:
 
     max_context = 4096
     tokenizer = SimpleNamespace(eos_token_ids=set())
+    options = SimpleNamespace(decode_ahead="off")  # plain stretches one step a token
+    device = torch.device("cpu")
+    hidden_tap = None
     V = 50
 
     def __init__(self, clock, step_s):
@@ -302,3 +305,32 @@ def test_the_draft_engine_captures_no_prefill_graphs():
 
     options = draft_engine_options(EngineOptions(device="cuda", prefill_graphs="auto", cache_size="25%"))
     assert options.prefill_graphs == "off" and options.cache_size == "auto" and options.device == "cuda"
+
+
+def test_a_plain_choice_says_how_many_plain_steps_follow_until_the_probe():
+    """Plain steps teach the policy no acceptance, so after choosing 0 it knows how many plain steps
+    in a row it will give; a caller that runs them at once (took_plain) meets the probe where one
+    choose() per step would have."""
+    def drive(at_once: bool) -> list[int]:
+        policy = AdaptivePolicy(8, probe_every=16)
+        chosen, step = [], 0
+        while step < 600:
+            k = policy.choose()
+            if k == 0 and at_once and policy.plain_stretch() > 1:
+                n = policy.plain_stretch()
+                policy.took_plain(n, 0.01)
+                chosen += [0] * n
+                step += n
+                continue
+            policy.record_draft(k, 0.0)
+            policy.record_step(k + 1, 0.01)
+            policy.record_accept(k, 0)  # every draft rejected
+            chosen.append(k)
+            step += 1
+        return chosen[:600]
+
+    one_by_one, at_once = drive(False), drive(True)
+    assert at_once == one_by_one
+    assert one_by_one.count(1) >= 3  # the probes, backing off
+    policy = AdaptivePolicy(8, probe_every=16)
+    assert policy.choose() == 0 and policy.plain_stretch() == 1  # nothing measured yet: one step
