@@ -1,0 +1,141 @@
+"""The decoder's fused layer boundaries on CUDA (moestream.engine.decoder.Decoder._boundaries): the
+kernels at the Qwen3-30B-A3B shape (add_rms_norm's split copy is the experts' own input bit for bit;
+the expert sum with the next norm gives finish's bits and rms_norm's up to the float32 summation
+order), and the decoder with them: the greedy tokens and logits of the unfused step in float32,
+the same bits for every cache size, a step of T tokens the bits of T one-token steps."""
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+pytest.importorskip("triton")
+
+from kernel_helpers import build_pool  # noqa: E402
+from moestream.engine.decoder import Decoder  # noqa: E402
+from moestream.engine.engine import Engine  # noqa: E402
+from moestream.engine.options import EngineOptions  # noqa: E402
+from moestream.kernels import triton_decode as td  # noqa: E402
+from moestream.kernels import triton_moe as tm  # noqa: E402
+from moestream.kernels.expert_layout import SlotLayout  # noqa: E402
+
+DEV = "cuda"
+H, I, E, A, R = 2048, 768, 16, 8, 16  # the 30B shape's hidden, expert intermediate and top-k; the step's tile
+EPS = 1e-6
+
+
+def randn(*shape, seed, dtype=torch.bfloat16):
+    return torch.randn(*shape, generator=torch.Generator(device=DEV).manual_seed(seed), device=DEV).to(dtype)
+
+
+def relative_error(y, ref):
+    return ((y.double() - ref.double()).abs().max() / ref.double().abs().max()).item()
+
+
+def test_the_split_copy_is_the_experts_input_and_changes_no_bits():
+    x, y, w = randn(R, H, seed=1), randn(R, H, seed=2), 1 + randn(H, seed=3) / 4
+    pool, fields, quant, slot_of = build_pool(E, H, I, bits=4, device=DEV)
+    layout = SlotLayout.from_fields(fields, quant)
+    split = torch.zeros(tm.split_shape(layout, R), dtype=torch.float32, device=DEV)
+    h_ref, hn_ref = td.add_rms_norm(x, y, w, EPS)
+    h, hn = td.add_rms_norm(x, y, w, EPS, split=split)
+    assert torch.equal(h, h_ref) and torch.equal(hn, hn_ref)
+    table = torch.tensor(slot_of, dtype=torch.int32, device=DEV)
+    g = torch.Generator(device=DEV).manual_seed(4)
+    for T in (1, 3):
+        ids = torch.rand(T, E, generator=g, device=DEV).topk(A, dim=-1).indices
+        weights = torch.softmax(torch.randn(T, A, generator=g, device=DEV), -1).to(torch.bfloat16)
+        outs = []
+        for given in (None, split[:T]):
+            plan = tm.MoEPlan(hn[:T], ids, weights, E, layout, mode="gemv", split_x=given)
+            plan.run_table(pool, table)
+            outs.append(plan.finish(h[:T]))
+        assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("T", [1, 5])
+def test_the_expert_sum_with_the_next_norm(T):
+    pool, fields, quant, slot_of = build_pool(E, H, I, bits=4, device=DEV)
+    layout = SlotLayout.from_fields(fields, quant)
+    x, residual, w = randn(T, H, seed=T), randn(T, H, seed=10 + T), 1 + randn(H, seed=20) / 4
+    g = torch.Generator(device=DEV).manual_seed(T)
+    ids = torch.rand(T, E, generator=g, device=DEV).topk(A, dim=-1).indices
+    weights = torch.softmax(torch.randn(T, A, generator=g, device=DEV), -1).to(torch.bfloat16)
+    plan = tm.MoEPlan(x, ids, weights, E, layout, mode="gemv")
+    plan.run_table(pool, torch.tensor(slot_of, dtype=torch.int32, device=DEV))
+    y_ref = plan.finish(residual)
+    y, normed = torch.empty_like(x), torch.empty_like(x)
+    plan.finish(residual, out=y, norm=(w, EPS, normed))
+    assert torch.equal(y, y_ref)
+    ref = td.rms_norm(y, w, EPS)
+    # the same arithmetic; only the float32 sum of squares may be reduced in another order (an ulp of rstd)
+    ulp = ref.float().abs() * 2.0 ** -7
+    assert ((normed.float() - ref.float()).abs() <= 2 * ulp).all()
+    assert (normed == ref).float().mean() >= 0.999
+    again = torch.empty_like(x)
+    plan.finish(residual, out=y, norm=(w, EPS, again))
+    assert torch.equal(again, normed)  # run to run
+
+
+def load(packed, **opts):
+    return Engine.load(packed, options=EngineOptions(**{"device": "cuda", "max_context": 256,
+                                                        "rows_products": "triton", **opts}))
+
+
+def greedy(engine, prompt, n=16):
+    logits = engine.prefill(prompt)[0][-1]
+    out, rows = [int(logits.argmax())], []
+    for _ in range(n - 1):
+        rows.append(engine.step([out[-1]])[-1].clone())
+        out.append(int(rows[-1].argmax()))
+    return out, rows
+
+
+def unfused(engine):
+    """The engine's decoder rebuilt with each boundary kernel on its own (the step before the fusion)."""
+    d = engine.decoder
+    engine.decoder = Decoder(engine.model, engine.caches, engine.experts, graphs=d.use_graphs, maps=d.maps,
+                             rows_products="triton", fuse_boundaries=False)
+    assert not engine.decoder.norm_after and not engine.decoder.split_in
+    return engine
+
+
+def test_the_fused_step_gives_the_unfused_tokens_and_logits(tiny_packed_model):
+    packed = tiny_packed_model("qwen3_moe", "q4", dtype="float32")
+    runs = {}
+    for fused in (True, False):
+        engine = load(packed, dtype="float32", cache_size="all")
+        try:
+            d = engine.decoder
+            moe = sorted(d.routed)
+            if fused:  # every MoE layer's boundary fused, the last one's next norm excepted (the head's)
+                assert d.rows_at_once and sorted(d.split_in) == moe
+                assert sorted(d.norm_after) == [i for i in moe if i + 1 < len(engine.model.layers)]
+            else:
+                unfused(engine)
+            prompt = [t % engine.args.vocab_size for t in range(5, 60)]
+            runs[fused] = greedy(engine, prompt)
+            assert ("step", 1) in engine.decoder.graphs
+        finally:
+            engine.close()
+    (tokens, rows), (ref_tokens, ref_rows) = runs[True], runs[False]
+    assert tokens == ref_tokens
+    assert max(relative_error(a, b) for a, b in zip(rows, ref_rows)) < 1e-4
+
+
+def test_the_fused_step_gives_the_same_bits_for_every_cache_size(tiny_packed_model):
+    packed = tiny_packed_model("qwen3_moe", "q4", dtype="bfloat16")
+    runs = []
+    for size, graphs in (("all", True), ("50%", True), ("min", False)):
+        engine = load(packed, dtype="bfloat16", cache_size=size, cuda_graphs=graphs)
+        try:
+            assert engine.decoder.norm_after
+            prompt = [t % engine.args.vocab_size for t in range(7, 90)]
+            runs.append(greedy(engine, prompt, n=12))
+            engine.reset()
+            engine.prefill(prompt)
+            many = engine.step(runs[-1][0][:4])  # four rows at once: each the bits of its one-token step
+            assert all(torch.equal(many[t], runs[-1][1][t]) for t in range(4))
+        finally:
+            engine.close()
+    for tokens, rows in runs[1:]:
+        assert tokens == runs[0][0]
+        assert all(torch.equal(a, b) for a, b in zip(rows, runs[0][1]))
