@@ -46,6 +46,7 @@ row and sequence; with every expert resident it becomes one graph too once the s
 sequences repeats (each such graph binds its rows' caches)."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -149,24 +150,36 @@ class Decoder:
         self._boundaries(fuse_boundaries and self.rows_at_once)
 
     def _boundaries(self, fuse: bool) -> None:
-        """Fewer kernels where one layer ends and the next begins (rows at once, Triton expert kernels):
-          - a layer's post-attention norm also writes the experts' gemv input (MoEPlan's split_x) into
-            `split_in[i]`, which the experts then read in place of a copy kernel of their own;
-          - a layer's expert sum (+ residual) also writes the next layer's input norm into `normed`
-            (`norm_after[i]`), which that layer's attention then takes in place of its own norm kernel.
+        """Fewer kernels where one layer ends and the next begins (with the rows at once):
+          - (Triton expert kernels) a layer's post-attention norm also writes the experts' gemv input
+            (MoEPlan's split_x) into `split_in[i]`, which the experts then read in place of a copy
+            kernel of their own;
+          - (Triton expert kernels, no shared expert) a layer's expert sum (+ residual) also writes the
+            next layer's input norm into `normed` (`norm_after[i]`), which that layer's attention then
+            takes in place of its own norm kernel;
+          - with the Triton row products, the router product also takes the top-k (`fused_route`:
+            moestream.kernels.triton_route.route_rows).
         Which layers do so follows from the model and the expert kernels alone, never from the cache,
         and every path of those layers' experts (resident, streamed, in batches, with a CPU share) ends
         in that same kernel: the bits stay the same for every cache size."""
         self.split_in: dict[int, torch.Tensor] = {}  # MoE layer -> its experts' gemv input [MAX_STEP_TOKENS, C, H/C]
         self.norm_after: dict[int, tuple] = {}  # MoE layer -> (weight, eps) of the next layer's input norm
         self.normed = None  # [MAX_STEP_TOKENS, H]: the next layer's normed input, written by the expert sum
+        self.fused_route: dict[int, object] = {}  # MoE layer -> its router's kernel with the top-k
         if not fuse:
             return
         from moestream.kernels.triton_moe import split_shape
+        from moestream.kernels.triton_route import MAX_FUSED_EXPERTS, route_rows
+
+        counter = torch.zeros(1, dtype=torch.int32, device=self.x.device)  # route_rows' own: one launch at a time
+        router = functools.partial(route_rows, counter=counter)
 
         layers, dtype, buffers = self.model.layers, self.model.dtype, {}
         for i, layer in enumerate(layers):
             block = layer.ffn
+            if isinstance(block, MoEBlock) and self.tile_linear is not F.linear and \
+                    type(block).route is MoEBlock.route and block.fuses(dtype, MAX_FUSED_EXPERTS):
+                self.fused_route[i] = router
             if not isinstance(block, MoEBlock) or not self.experts.uses_triton(block.layer, dtype):
                 continue
             shape = split_shape(self.experts.layouts[block.layer], MAX_STEP_TOKENS)
@@ -235,17 +248,21 @@ class Decoder:
         if r is None:  # a dense FFN layer: finish it here
             self.x.copy_(layer.ffn(hn, residual=h))
             return
-        for name, value in self._route(i, h, hn, tile=True).items():
+        for name, value in self._route(i, h, hn, tile=T).items():
             getattr(r, name)[0] = value
         r.whole = True
 
-    def _route(self, i: int, h: torch.Tensor, hn: torch.Tensor, *, tile: bool = False) -> dict:
+    def _route(self, i: int, h: torch.Tensor, hn: torch.Tensor, *, tile: int = 0) -> dict:
         """An MoE layer's router (and the later layers' guessed routers) and shared expert on hn
-        (tile: the rows-at-once step's row tile, its products on `tile_linear`)."""
+        (tile: the rows-at-once step's row tile, of which the first `tile` rows are the step's, its
+        products on `tile_linear`)."""
         block = self.model.layers[i].ffn
         # only a kernel other than F.linear is passed: a family's own route/shared_out need not take it
         over = {"linear": self.tile_linear} if tile and self.tile_linear is not F.linear else {}
-        weights, ids = block.route(hn, **over)
+        # (not where an instance attribute stands in for the method: moestream.engine.fit_lookahead's)
+        fused = {"fused": functools.partial(self.fused_route[i], rows=tile)} \
+            if tile and i in self.fused_route and "route" not in vars(block) else {}
+        weights, ids = block.route(hn, **over, **fused)
         guesses = None
         ahead = self.device_ahead.get(i) if self.experts.device_driven else self.ahead.get(i)
         if ahead:  # the later layers' routers on this input (top-k of logits)

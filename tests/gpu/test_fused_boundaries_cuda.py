@@ -75,6 +75,38 @@ def test_the_expert_sum_with_the_next_norm(T):
     assert torch.equal(again, normed)  # run to run
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_the_router_product_with_its_top_k_in_a_replayed_graph(dtype):
+    """route_rows at the 30B router (128 experts, top 8, 16-row tile): route_topk's choice of
+    tile_linear's logits, the weights within a float32 ulp or two; 64 launches captured in one graph
+    and replayed give the same every time (the counter that finds the last program is back at zero
+    after each launch), for one real row and for all 16."""
+    from moestream.kernels.triton_route import route_rows, route_topk
+    from moestream.kernels.triton_rows import tile_linear
+
+    experts, k = 128, 8
+    x, router = randn(R, H, seed=30, dtype=dtype), randn(experts, H, seed=31, dtype=dtype) / 16
+    w_ref, ids_ref = route_topk(tile_linear(x, router), k, normalize=True, out_dtype=dtype)
+    counter = torch.zeros(1, dtype=torch.int32, device=DEV)
+    for rows in (R, 1):
+        w, ids = route_rows(x, router, k, normalize=True, out_dtype=dtype, counter=counter, rows=rows)
+        assert torch.equal(ids[:rows], ids_ref[:rows]) and not ids[rows:].any()
+        assert relative_error(w[:rows], w_ref[:rows]) < (1e-6 if dtype == torch.float32 else 1e-2)
+        outs = []
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            for _ in range(64):
+                outs.append(route_rows(x, router, k, normalize=True, out_dtype=dtype, counter=counter, rows=rows))
+        for _ in range(3):
+            graph.replay()
+            torch.cuda.synchronize()
+            assert int(counter) == 0
+            for got_w, got_ids in outs:
+                assert torch.equal(got_ids, ids) and torch.equal(got_w, w)
+
+
 def load(packed, **opts):
     return Engine.load(packed, options=EngineOptions(**{"device": "cuda", "max_context": 256,
                                                         "rows_products": "triton", **opts}))
@@ -94,7 +126,7 @@ def unfused(engine):
     d = engine.decoder
     engine.decoder = Decoder(engine.model, engine.caches, engine.experts, graphs=d.use_graphs, maps=d.maps,
                              rows_products="triton", fuse_boundaries=False)
-    assert not engine.decoder.norm_after and not engine.decoder.split_in
+    assert not engine.decoder.norm_after and not engine.decoder.split_in and not engine.decoder.fused_route
     return engine
 
 
@@ -107,7 +139,7 @@ def test_the_fused_step_gives_the_unfused_tokens_and_logits(tiny_packed_model):
             d = engine.decoder
             moe = sorted(d.routed)
             if fused:  # every MoE layer's boundary fused, the last one's next norm excepted (the head's)
-                assert d.rows_at_once and sorted(d.split_in) == moe
+                assert d.rows_at_once and sorted(d.split_in) == moe and sorted(d.fused_route) == moe
                 assert sorted(d.norm_after) == [i for i in moe if i + 1 < len(engine.model.layers)]
             else:
                 unfused(engine)

@@ -1,7 +1,8 @@
 """The kernels that end one decoder layer and begin the next (the decoder's fused boundaries,
 moestream.engine.decoder.Decoder._boundaries) under Triton's CPU interpreter (TRITON_INTERPRET=1), at
 odd sizes: add_rms_norm's float32 split copy of hn is the gemv expert kernels' input, bit for bit,
-and a plan that reads it gives the bits of one that copies x itself; MoEPlan.finish with a norm
+and a plan that reads it gives the bits of one that copies x itself; route_rows gives the router
+product's logits and route_topk's choice in one kernel; MoEPlan.finish with a norm
 writes the expert sum (+ residual) with finish's bits and the next layer's input norm with
 triton_decode.rms_norm's; DecoderLayer.attention_rows given both gives the bits it gives alone.
 
@@ -68,6 +69,85 @@ def test_a_bad_split_is_refused(td):
                 torch.zeros(2, 8, 8).transpose(1, 2)):
         with pytest.raises(ValueError, match="split"):
             td.add_rms_norm(x, x, torch.ones(64), EPS, split=bad)
+
+
+# -- the router product with its top-k ------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def troute():
+    return interpreted_module("moestream.kernels.triton_route")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("R,E,K,k", [(16, 40, 100, 4), (5, 128, 64, 8), (16, 8, 48, 2), (1, 60, 200, 6)])
+def test_the_router_product_with_its_top_k(troute, R, E, K, k, dtype):
+    """route_rows: tile_linear's logits (the same bits), then route_topk's choice and weights; the
+    counter back at zero after every launch, so the next launch (or a graph's replay) counts anew."""
+    tr = interpreted_module("moestream.kernels.triton_rows")
+    g = gen(R * E + K)
+    x = randn(R, K + 8, g=g, dtype=dtype)[:, 8:]  # strided rows
+    router = randn(E, K, g=g, dtype=dtype)
+    counter = torch.zeros(1, dtype=torch.int32)
+    for normalize in (True, False):
+        for out_dtype in (dtype, torch.float32):
+            w_ref, ids_ref = troute.route_topk(tr.tile_linear(x, router), k, normalize=normalize, out_dtype=out_dtype)
+            w, ids = troute.route_rows(x, router, k, normalize=normalize, out_dtype=out_dtype, counter=counter)
+            assert int(counter) == 0
+            assert w.dtype == out_dtype and w.shape == ids.shape == (R, k) and ids.dtype == torch.int64
+            assert torch.equal(ids, ids_ref)
+            assert torch.allclose(w.float(), w_ref.float(), rtol=1e-6, atol=0)
+            again = troute.route_rows(x, router, k, normalize=normalize, out_dtype=out_dtype, counter=counter)
+            assert torch.equal(again[0], w) and torch.equal(again[1], ids)
+    some = min(3, R)  # a step's real rows: theirs routed with the same bits, the tile's others zeros
+    w, ids = troute.route_rows(x, router, k, normalize=False, out_dtype=dtype, counter=counter)
+    w_some, ids_some = troute.route_rows(x, router, k, normalize=False, out_dtype=dtype, counter=counter, rows=some)
+    assert torch.equal(w_some[:some], w[:some]) and torch.equal(ids_some[:some], ids[:some])
+    assert not w_some[some:].any() and not ids_some[some:].any() and int(counter) == 0
+
+
+def test_route_rows_refuses_what_it_cannot_take(troute):
+    x, router = torch.zeros(4, 32), torch.zeros(16, 32)
+    counter = torch.zeros(1, dtype=torch.int32)
+    for kw in (dict(counter=torch.zeros(1, dtype=torch.int64)), dict(counter=torch.zeros(2, dtype=torch.int32))):
+        with pytest.raises(ValueError, match="counter"):
+            troute.route_rows(x, router, 2, normalize=True, out_dtype=torch.float32, **kw)
+    for args in ((x, torch.zeros(16, 31)), (x, router.double()), (torch.zeros(4, 32), torch.zeros(2000, 32)),
+                 (torch.zeros(65, 32), router)):
+        with pytest.raises(ValueError):
+            troute.route_rows(*args, 2, normalize=True, out_dtype=torch.float32, counter=counter)
+    with pytest.raises(ValueError, match="rows"):
+        troute.route_rows(x, router, 2, normalize=True, out_dtype=torch.float32, counter=counter, rows=5)
+
+
+def test_a_moe_block_routes_through_the_fused_kernel_where_it_can(troute):
+    """MoEBlock.route(fused=...): the kernel for models.base's softmax router, with the choice the
+    block's own route gives; not for another routing function or a router bias."""
+    from types import SimpleNamespace
+
+    from moestream.layers.moe import MoEBlock
+    from moestream.models.base import softmax_router
+
+    g = gen(9)
+    H, E, k = 64, 24, 4
+    x, router = randn(16, H, g=g), randn(E, H, g=g)
+    route = softmax_router(SimpleNamespace(num_experts_per_tok=k), normalize=True)
+    block = MoEBlock(3, router, route, SimpleNamespace(reroute=None), top_k=k)
+    calls = []
+
+    def fused(*args, **kw):
+        calls.append(kw)
+        return troute.route_rows(*args, **kw, counter=torch.zeros(1, dtype=torch.int32))
+
+    assert block.fuses(torch.float32, 256) and not block.fuses(torch.bfloat16) and not block.fuses(torch.float32, 16)
+    w, ids = block.route(x, fused=fused)
+    w_ref, ids_ref = block.route(x)
+    assert calls == [dict(normalize=True, out_dtype=torch.float32)]
+    assert torch.equal(ids, ids_ref) and relative_error(w, w_ref) < TOL[torch.float32]  # F.linear, torch top-k
+    other = MoEBlock(3, router, lambda logits: route(logits), SimpleNamespace(reroute=None), top_k=k)
+    biased = MoEBlock(3, router, route, SimpleNamespace(reroute=None), top_k=k, router_bias=torch.zeros(E))
+    for b in (other, biased):
+        assert not b.fuses(torch.float32)
+        assert torch.equal(b.route(x, fused=fused)[1], ids_ref) and len(calls) == 1
 
 
 # -- the experts' ends -----------------------------------------------------------------------------------
