@@ -38,12 +38,15 @@ slot as a device value (the caches are one pool): one graph per T serves every a
 sequences. Those products run on cuBLAS (F.linear) or, with rows_products="triton"
 (--rows-products), on moestream.kernels.triton_rows (moestream.layers.tile_products): the same
 kernels for every step, so the same bits for every cache size either way (the head's product
-too; a dense FFN keeps F.linear). Row by row instead, a step whose rows come from several sequences
-(batched serving) runs in segments, a graph per layer, row and sequence; with every expert resident
-it becomes one graph too once the same arrangement of sequences repeats (each such graph binds its
-rows' caches)."""
+too; a dense FFN keeps F.linear). With the rows at once and the Triton expert kernels, a layer
+boundary is one kernel: the expert sum (+ residual) also writes the next layer's input norm, and the
+post-attention norm also writes the experts' float32 input (`_boundaries`). Row by row instead, a
+step whose rows come from several sequences (batched serving) runs in segments, a graph per layer,
+row and sequence; with every expert resident it becomes one graph too once the same arrangement of
+sequences repeats (each such graph binds its rows' caches)."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -89,7 +92,8 @@ class _Routed:
 
 class Decoder:
     def __init__(self, model, cache: KVCache | list[KVCache], experts: RoutedExperts, *, graphs: bool = True,
-                 lookahead=None, maps=None, rows: bool = True, rows_products: str = "cublas"):
+                 lookahead=None, maps=None, rows: bool = True, rows_products: str = "cublas",
+                 fuse_boundaries: bool = True):
         """cache: one KV cache, or one per sequence slot (a step's rows may come from several).
         lookahead: a moestream.experts.predict.Lookahead, or None: streamed one-token steps then
         guess the next MoE layers' experts on the device and start their copies early.
@@ -97,7 +101,9 @@ class Decoder:
         rows: a step's rows at once where the model allows it (CUDA, every layer `takes_slot`, one
         cache or a pool of them); False: row by row.
         rows_products: the kernel of the rows-at-once step's products over its row tile, "cublas" or
-        "triton" (moestream.layers.tile_products); row by row they stay F.linear."""
+        "triton" (moestream.layers.tile_products); row by row they stay F.linear.
+        fuse_boundaries: with the rows at once, the kernels that end a layer also write what the next
+        kernels read (see `_boundaries`); False: each its own kernel, as before (A/B comparisons)."""
         self.caches = list(cache) if isinstance(cache, (list, tuple)) else [cache]
         self.model, self.cache, self.experts, self.lookahead = model, self.caches[0], experts, lookahead
         self.maps = maps
@@ -141,6 +147,51 @@ class Decoder:
         # the CPU's rows at once: a step of one sequence's T > 1 rows through each layer's cpu_rows
         self.cpu_rows = rows and not self.cuda and \
             all(getattr(layer, "takes_cpu_rows", lambda dtype: False)(dtype) for layer in model.layers)
+        self._boundaries(fuse_boundaries and self.rows_at_once)
+
+    def _boundaries(self, fuse: bool) -> None:
+        """Fewer kernels where one layer ends and the next begins (with the rows at once):
+          - (Triton expert kernels) a layer's post-attention norm also writes the experts' gemv input
+            (MoEPlan's split_x) into `split_in[i]`, which the experts then read in place of a copy
+            kernel of their own;
+          - (Triton expert kernels, no shared expert) a layer's expert sum (+ residual) also writes the
+            next layer's input norm into `normed` (`norm_after[i]`), which that layer's attention then
+            takes in place of its own norm kernel;
+          - with the Triton row products, the router product also takes the top-k (`fused_route`:
+            moestream.kernels.triton_route.route_rows).
+        Which layers do so follows from the model and the expert kernels alone, never from the cache,
+        and every path of those layers' experts (resident, streamed, in batches, with a CPU share) ends
+        in that same kernel: the bits stay the same for every cache size."""
+        self.split_in: dict[int, torch.Tensor] = {}  # MoE layer -> its experts' gemv input [MAX_STEP_TOKENS, C, H/C]
+        self.norm_after: dict[int, tuple] = {}  # MoE layer -> (weight, eps) of the next layer's input norm
+        self.normed = None  # [MAX_STEP_TOKENS, H]: the next layer's normed input, written by the expert sum
+        self.fused_route: dict[int, object] = {}  # MoE layer -> its router's kernel with the top-k
+        if not fuse:
+            return
+        from moestream.kernels.triton_moe import split_shape
+        from moestream.kernels.triton_route import MAX_FUSED_EXPERTS, route_rows
+
+        counter = torch.zeros(1, dtype=torch.int32, device=self.x.device)  # route_rows' own: one launch at a time
+        router = functools.partial(route_rows, counter=counter)
+
+        layers, dtype, buffers = self.model.layers, self.model.dtype, {}
+        for i, layer in enumerate(layers):
+            block = layer.ffn
+            if isinstance(block, MoEBlock) and self.tile_linear is not F.linear and \
+                    type(block).route is MoEBlock.route and block.fuses(dtype, MAX_FUSED_EXPERTS):
+                self.fused_route[i] = router
+            if not isinstance(block, MoEBlock) or not self.experts.uses_triton(block.layer, dtype):
+                continue
+            shape = split_shape(self.experts.layouts[block.layer], MAX_STEP_TOKENS)
+            if shape not in buffers:  # one per shape: the layers run one after another
+                buffers[shape] = torch.zeros(shape, dtype=torch.float32, device=self.x.device)
+            self.split_in[i] = buffers[shape]
+            nxt = layers[i + 1].rows_input_norm() if i + 1 < len(layers) and \
+                hasattr(layers[i + 1], "rows_input_norm") else None
+            if block.shared is None and nxt is not None:  # (a shared expert's sum runs in torch ops)
+                self.norm_after[i] = nxt
+        if self.norm_after:
+            self.normed = torch.zeros_like(self.x)
 
     def _mode(self, key) -> dict[int, _Routed]:
         if key not in self._modes:
@@ -186,22 +237,32 @@ class Decoder:
         """Layer i's attention half for the step's T rows at once (rows at once; see the module doc)."""
         layer = self.model.layers[i]
         slot = None if self.row_slot is None else self.row_slot[:T]
-        h, hn = layer.attention_rows(self.x, self.pos, self.caches[0], i, T, slot=slot, linear=self.tile_linear)
+        fused = {}
+        if i - 1 in self.norm_after:
+            fused["normed"] = self.normed
+        if i in self.split_in:
+            fused["split"] = self.split_in[i]
+        h, hn = layer.attention_rows(self.x, self.pos, self.caches[0], i, T, slot=slot, linear=self.tile_linear,
+                                     **fused)
         r = self.routed.get(i)
         if r is None:  # a dense FFN layer: finish it here
             self.x.copy_(layer.ffn(hn, residual=h))
             return
-        for name, value in self._route(i, h, hn, tile=True).items():
+        for name, value in self._route(i, h, hn, tile=T).items():
             getattr(r, name)[0] = value
         r.whole = True
 
-    def _route(self, i: int, h: torch.Tensor, hn: torch.Tensor, *, tile: bool = False) -> dict:
+    def _route(self, i: int, h: torch.Tensor, hn: torch.Tensor, *, tile: int = 0) -> dict:
         """An MoE layer's router (and the later layers' guessed routers) and shared expert on hn
-        (tile: the rows-at-once step's row tile, its products on `tile_linear`)."""
+        (tile: the rows-at-once step's row tile, of which the first `tile` rows are the step's, its
+        products on `tile_linear`)."""
         block = self.model.layers[i].ffn
         # only a kernel other than F.linear is passed: a family's own route/shared_out need not take it
         over = {"linear": self.tile_linear} if tile and self.tile_linear is not F.linear else {}
-        weights, ids = block.route(hn, **over)
+        # (not where an instance attribute stands in for the method: moestream.engine.fit_lookahead's)
+        fused = {"fused": functools.partial(self.fused_route[i], rows=tile)} \
+            if tile and i in self.fused_route and "route" not in vars(block) else {}
+        weights, ids = block.route(hn, **over, **fused)
         guesses = None
         ahead = self.device_ahead.get(i) if self.experts.device_driven else self.ahead.get(i)
         if ahead:  # the later layers' routers on this input (top-k of logits)
@@ -221,9 +282,20 @@ class Decoder:
         ids, weights = r.rows("ids", T), r.rows("weights", T)
         ahead = self._device_guesses(i, r) if T == 1 else None
         if shared is None:  # the experts' last kernel adds the residual into x
-            self.experts.compute(block.layer, hn, ids, weights, residual=h, out=self.x[:T], ahead=ahead)
+            self.experts.compute(block.layer, hn, ids, weights, residual=h, out=self.x[:T], ahead=ahead,
+                                 **self._fused_ends(i, T))
         else:
-            self.x[:T].copy_(block.combine(self.experts.compute(block.layer, hn, ids, weights, ahead=ahead), shared, h))
+            routed = self.experts.compute(block.layer, hn, ids, weights, ahead=ahead, **self._fused_ends(i, T))
+            self.x[:T].copy_(block.combine(routed, shared, h))
+
+    def _fused_ends(self, i: int, T: int) -> dict:
+        """The fused boundary's arguments of MoE layer i's experts for T rows (see `_boundaries`)."""
+        out = {}
+        if self.routed[i].whole and i in self.split_in:
+            out["split_x"] = self.split_in[i][:T]
+        if i in self.norm_after:
+            out["norm"] = (*self.norm_after[i], self.normed[:T])
+        return out
 
     def _device_guesses(self, i: int, r: _Routed) -> list | None:
         """[(later MoE layer, its guessed ids)] for the device-driven path's early copies, or None."""
@@ -511,6 +583,10 @@ class Decoder:
     def _experts_in_batches(self, i: int, T: int) -> None:
         r, block = self.routed[i], self.model.layers[i].ffn
         hn, h, shared = r.rows("hn", T), r.rows("h", T), r.rows("shared", T)
+        if i in self.norm_after:  # the same last kernel as `_experts`
+            self.experts(block.layer, hn, r.rows("ids", T), r.rows("weights", T), residual=h, per_pair=True,
+                         notify=False, out=self.x[:T], norm=(*self.norm_after[i], self.normed[:T]))
+            return
         routed = self.experts(block.layer, hn, r.rows("ids", T), r.rows("weights", T), per_pair=True,
                               notify=False)
         self.x[:T].copy_(block.combine(routed, shared, h))

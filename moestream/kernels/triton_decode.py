@@ -6,7 +6,8 @@ pow, mean, add, rsqrt, mul, to(dtype), mul). These kernels do the same work in a
 launches per layer:
 
   rms_norm          1 launch   y = rms_norm(x)                          x [T, N]
-  add_rms_norm      1 launch   h = x + y, hn = rms_norm(h)              (the residual add)
+  add_rms_norm      1 launch   h = x + y, hn = rms_norm(h)              (the residual add; optionally
+                               hn in float32 too, in the expert gemv kernels' input order)
   rope_qk_store     1 launch   q/k head norms, rotary, K/V written into the cache at `pos`
   decode_attention  2 launches split-K attention over cache positions 0..pos, then a fixed-order combine
 
@@ -75,8 +76,9 @@ def _rms_norm_kernel(x_ptr, stride_x, w_ptr, out_ptr, stride_o, N, eps, inv_n, B
 
 
 @triton.jit
-def _add_rms_norm_kernel(x_ptr, stride_x, y_ptr, stride_y, w_ptr, h_ptr, hn_ptr, N, eps, inv_n,
-                         BLOCK: tl.constexpr):
+def _add_rms_norm_kernel(x_ptr, stride_x, y_ptr, stride_y, w_ptr, h_ptr, hn_ptr, split_ptr, N, eps, inv_n,
+                         BLOCK: tl.constexpr, SPLIT: tl.constexpr):
+    # SPLIT > 0: hn also in float32 at split_ptr [T, SPLIT, N/SPLIT], element n at [n % SPLIT, n // SPLIT]
     DTYPE: tl.constexpr = h_ptr.dtype.element_ty
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -86,7 +88,10 @@ def _add_rms_norm_kernel(x_ptr, stride_x, y_ptr, stride_y, w_ptr, h_ptr, hn_ptr,
     h = (x + y).to(DTYPE)  # float32 add, then one rounding, as torch adds two bf16 tensors
     tl.store(h_ptr + row * N + cols, h, mask=mask)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-    tl.store(hn_ptr + row * N + cols, _rms_scale(h.to(tl.float32), w, eps, inv_n, DTYPE), mask=mask)
+    hn = _rms_scale(h.to(tl.float32), w, eps, inv_n, DTYPE)
+    tl.store(hn_ptr + row * N + cols, hn, mask=mask)
+    if SPLIT > 0:
+        tl.store(split_ptr + row * N + (cols % SPLIT) * (N // SPLIT) + cols // SPLIT, hn.to(tl.float32), mask=mask)
 
 
 @triton.jit
@@ -330,17 +335,24 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tenso
     return out
 
 
-def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(h, rms_norm(h)) with h = x + y in x's dtype: a residual add and the next norm in one kernel."""
+def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float, *,
+                 split: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h, rms_norm(h)) with h = x + y in x's dtype: a residual add and the next norm in one kernel.
+    split: a contiguous float32 [T, C, N/C] tensor that also takes rms_norm(h) in float32, element n
+    of a row at [n % C, n // C] (the input order of the gemv expert kernels, moestream.kernels.triton_moe):
+    the expert input written here rather than by a copy kernel of its own."""
     T, N, block, warps = _row_setup(x, weight)
     _check_act("y", y)
     if y.shape != x.shape or y.dtype != x.dtype:
         raise ValueError(f"y: {y.dtype} {list(y.shape)}, expected {x.dtype} {list(x.shape)}")
+    if split is not None and (split.dim() != 3 or split.shape[0] != T or split.shape[1] * split.shape[2] != N
+                              or split.dtype != torch.float32 or not split.is_contiguous()):
+        raise ValueError(f"split: {split.dtype} {list(split.shape)}, expected contiguous float32 [{T}, C, {N}/C]")
     h = torch.empty((T, N), dtype=x.dtype, device=x.device)
     hn = torch.empty_like(h)
     if T:
-        _add_rms_norm_kernel[(T,)](x, x.stride(0), y, y.stride(0), weight, h, hn, N, eps, _inv(N), BLOCK=block,
+        _add_rms_norm_kernel[(T,)](x, x.stride(0), y, y.stride(0), weight, h, hn, hn if split is None else split,
+                                   N, eps, _inv(N), BLOCK=block, SPLIT=0 if split is None else split.shape[1],
                                    num_warps=warps, enable_fp_fusion=False)
     return h, hn
 

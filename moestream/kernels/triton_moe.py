@@ -7,6 +7,7 @@ Three kernels per layer call:
   1. gate/up:  h[p] = act(x[tok] @ Wg^T + bg, x[tok] @ Wu^T + bu)    h [P, I]
   2. down:     o[p] = w[p] * (h[p] @ Wd^T + bd)                      o [P, H] float32
   3. combine:  y[t] = sum over a = 0..A-1 of o[t*A + a]               y [T, H] in x's dtype
+     (finish(norm=...): one program per token that also writes the next layer's input norm of y)
 Weights are dequantized on the fly from the MLX affine layout (uint32 words, least-significant
 bits first, w = q*scale + bias, groups of 64 along the input dim), addressed as
 pool[slot] + field offset: the pool is read as int32 words, as scale-dtype halves and as the
@@ -57,6 +58,7 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from moestream.kernels.expert_layout import (ACT_DTYPES, DEFAULT_CONFIG, GROUP, MX_GROUP, PROJECTIONS, KernelConfig,
                                              SlotLayout, UnsupportedLayout)
+from moestream.kernels.triton_decode import MAX_N, _inv, _rms_scale
 from moestream.kernels.triton_expert_math import _bias_f32, _code_f32, _e2m1_f32, _e8m0_f32, _gate_act, _up_act
 from moestream.kernels.triton_grouped import _down_grouped, _gate_up_grouped
 
@@ -214,6 +216,26 @@ def _combine(o_ptr, y_ptr, res_ptr, T, H, A: tl.constexpr, HAS_RESIDUAL: tl.cons
     tl.store(y_ptr + yoff, out, mask=mask)
 
 
+@triton.jit
+def _combine_norm(o_ptr, y_ptr, res_ptr, w_ptr, n_ptr, H, eps, inv_n, A: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                  BLOCK: tl.constexpr):
+    # _combine for one token's whole row (y's bits are _combine's: the same per-column sums), then the
+    # next layer's input RMSNorm of y with weight w into n [T, H] (triton_decode.rms_norm's arithmetic)
+    DTYPE: tl.constexpr = y_ptr.dtype.element_ty
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < H
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for a in tl.static_range(A):
+        acc += tl.load(o_ptr + (t * A + a) * H + cols, mask=mask, other=0.0)
+    out = acc.to(DTYPE)
+    if HAS_RESIDUAL:
+        out = (tl.load(res_ptr + t * H + cols, mask=mask, other=0.0).to(tl.float32) + out.to(tl.float32)).to(DTYPE)
+    tl.store(y_ptr + t * H + cols, out, mask=mask)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    tl.store(n_ptr + t * H + cols, _rms_scale(out.to(tl.float32), w, eps, inv_n, DTYPE), mask=mask)
+
+
 # Triton's CPU interpreter multiplies bfloat16 dot operands as their raw bits; there the operands
 # (already rounded to the activation dtype) are widened to float32 first, which gives the same products.
 _INTERPRETED = isinstance(_combine, InterpretedFunction)
@@ -276,10 +298,13 @@ class MoEPlan:
 
     def __init__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, num_experts: int,
                  layout: SlotLayout, *, mode: str = "auto", config: KernelConfig = DEFAULT_CONFIG,
-                 tile_tokens: int | None = None):
+                 tile_tokens: int | None = None, split_x: torch.Tensor | None = None):
         """tile_tokens: the token count the kernel and tile choices are made for, where x's rows past
         it are padding (a prefill graph's length bucket): the real rows then get the bits of a call of
-        tile_tokens rows, since padding pairs sort after theirs."""
+        tile_tokens rows, since padding pairs sort after theirs.
+        split_x: x already in the gemv kernels' input order (`split_shape`; e.g. written by the kernel
+        that computed x: triton_decode.add_rms_norm's split), which the gemv mode then reads in place
+        of a copy of its own; the grouped mode does not read it."""
         if x.dtype not in ACT_DTYPES:
             raise UnsupportedLayout(f"activations in {x.dtype}")
         if x.dim() != 2 or x.shape[1] != layout.hidden:
@@ -299,9 +324,15 @@ class MoEPlan:
         self.o = torch.empty((pairs, layout.hidden), dtype=torch.float32, device=dev)  # [P, H]
         if self.mode == "gemv":
             # x in split order (see the gemv kernels) and float32; h is written split for the down kernel
-            cpw = 32 // layout.bits_gate_up
-            self.xs = torch.empty((self.tokens, cpw, layout.hidden // cpw), dtype=torch.float32, device=dev)
-            self.xs.copy_(self.x.view(self.tokens, layout.hidden // cpw, cpw).transpose(1, 2))
+            shape = split_shape(layout, self.tokens)
+            if split_x is not None:
+                if split_x.shape != shape or split_x.dtype != torch.float32 or not split_x.is_contiguous():
+                    raise ValueError(f"split_x: {split_x.dtype} {list(split_x.shape)}, expected contiguous "
+                                     f"float32 {list(shape)}")
+                self.xs = split_x
+            else:
+                self.xs = torch.empty(shape, dtype=torch.float32, device=dev)
+                self.xs.copy_(self.x.view(self.tokens, shape[2], shape[1]).transpose(1, 2))
             self.h = torch.empty((pairs, layout.inter), dtype=torch.float32, device=dev)  # [P, I]
         else:
             self.h = torch.empty((pairs, layout.inter), dtype=x.dtype, device=dev)  # [P, I]
@@ -423,19 +454,47 @@ class MoEPlan:
             elsewhere = (table[self.ids] < 0).unsqueeze(1)  # [P, 1]
             torch.where(elsewhere, rows[:pairs], self.o, out=self.o)
 
-    def finish(self, residual: torch.Tensor | None = None, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    def finish(self, residual: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
+               norm: tuple | None = None) -> torch.Tensor:
         """Kernel 3: y [T, H] in x's dtype, each token's pairs summed in top-k order a = 0..A-1;
         with `residual` [T, H], returns residual + y (rounded once more, like a separate add).
-        `out`: a contiguous [T, H] tensor to write into (may be the residual itself)."""
+        `out`: a contiguous [T, H] tensor to write into (may be the residual itself).
+        norm: (weight [H], eps, normed [T, H]): the same kernel also writes rms_norm(y) into normed
+        (the next layer's input norm, triton_decode.rms_norm's arithmetic); y's bits are the same."""
         lay = self.layout
         y = out if out is not None else torch.empty((self.tokens, lay.hidden), dtype=self.x.dtype, device=self.x.device)
-        if self.tokens:
+        if norm is not None:
+            self._finish_norm(residual, y, *norm)
+        elif self.tokens:
             bt, block = self.config.combine_tokens, self.config.combine_block
             grid = (triton.cdiv(self.tokens, bt), triton.cdiv(lay.hidden, block))
             res = residual if residual is not None else y
             _combine[grid](self.o, y, res, self.tokens, lay.hidden, self.top_k, HAS_RESIDUAL=residual is not None,
                            BT=bt, BLOCK=block)
         return y
+
+    def _finish_norm(self, residual: torch.Tensor | None, y: torch.Tensor, weight: torch.Tensor, eps: float,
+                     normed: torch.Tensor) -> None:
+        """finish with the norm: one program per token over its whole row."""
+        T, H = self.tokens, self.layout.hidden
+        for name, t in (("out", y), ("residual", residual), ("normed", normed)):
+            if t is not None and (t.shape != (T, H) or t.dtype != self.x.dtype or not t.is_contiguous()):
+                raise ValueError(f"{name}: {t.dtype} {list(t.shape)}, expected contiguous {self.x.dtype} [{T}, {H}]")
+        if weight.shape != (H,) or weight.dtype != self.x.dtype or not weight.is_contiguous() or H > MAX_N:
+            raise ValueError(f"norm weight: {weight.dtype} {list(weight.shape)}, expected contiguous {self.x.dtype} "
+                             f"[{H}] (H <= {MAX_N})")
+        if T:
+            block = triton.next_power_of_2(H)
+            _combine_norm[(T,)](self.o, y, y if residual is None else residual, weight, normed, H, eps, _inv(H),
+                                A=self.top_k, HAS_RESIDUAL=residual is not None, BLOCK=block,
+                                num_warps=min(16, max(1, block // 256)), enable_fp_fusion=False)
+
+
+def split_shape(layout: SlotLayout, tokens: int) -> tuple[int, int, int]:
+    """The gemv kernels' float32 input [T, C, H/C] (C codes per uint32 word of gate/up): x[t, n] at
+    [t, n % C, n // C]."""
+    cpw = 32 // layout.bits_gate_up
+    return (tokens, cpw, layout.hidden // cpw)
 
 
 def grouped_moe_ffn(x: torch.Tensor, pool: torch.Tensor, layout: SlotLayout, ids: torch.Tensor,
@@ -451,4 +510,4 @@ def grouped_moe_ffn(x: torch.Tensor, pool: torch.Tensor, layout: SlotLayout, ids
     return plan.finish()
 
 
-__all__ = ["MoEPlan", "grouped_moe_ffn", "slot_table", "expert_counts"]
+__all__ = ["MoEPlan", "grouped_moe_ffn", "slot_table", "expert_counts", "split_shape"]

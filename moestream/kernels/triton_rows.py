@@ -18,7 +18,8 @@ Row r of the output is its own row of x times W: the MMA computes each output fr
 column, and the tile's shape follows from R, N, K and the dtype alone, so a row's bits do not depend
 on the rows beside it (tests/unit/test_rows_products_interpret.py, tests/gpu/test_rows_products_cuda.py).
 Block sizes come from KernelConfig (rows_* fields; MOESTREAM_KERNEL_CONFIG overrides them), one set
-for narrow products (N <= rows_narrow_max: a router) and one for the rest.
+for narrow products (N <= rows_narrow_max: a router) and one for the rest. The product's loop
+(_tile_acc) is shared with the router kernel that also takes the top-k (moestream.kernels.triton_route).
 """
 from __future__ import annotations
 
@@ -33,11 +34,10 @@ MAX_ROWS = 64  # rows of x one call takes (the decoder's tile is 16)
 
 
 @triton.jit
-def _tile_linear_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, R, N, stride_x, stride_w, stride_y, K: tl.constexpr,
-                        RB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
-                        HAS_BIAS: tl.constexpr, SWAP: tl.constexpr, PRECISION: tl.constexpr,
-                        DOT_F32: tl.constexpr):
-    first = tl.program_id(0) * BN
+def _tile_acc(x_ptr, w_ptr, R, N, stride_x, stride_w, first, K: tl.constexpr, RB: tl.constexpr, BN: tl.constexpr,
+              BK: tl.constexpr, EVEN_K: tl.constexpr, SWAP: tl.constexpr, PRECISION: tl.constexpr,
+              DOT_F32: tl.constexpr):
+    """The float32 [RB, BN] product of x's rows and W's columns first..first+BN-1 (see the module doc)."""
     w_ptr += first.to(tl.int64) * stride_w
     kk = tl.arange(0, BK)
     rows = tl.arange(0, RB)
@@ -66,6 +66,18 @@ def _tile_linear_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, R, N, stride_x, stride_w,
             acc = tl.dot(xt, tl.trans(wt), acc, input_precision=PRECISION)
     if SWAP:
         acc = tl.trans(acc)
+    return acc
+
+
+@triton.jit
+def _tile_linear_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, R, N, stride_x, stride_w, stride_y, K: tl.constexpr,
+                        RB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
+                        HAS_BIAS: tl.constexpr, SWAP: tl.constexpr, PRECISION: tl.constexpr,
+                        DOT_F32: tl.constexpr):
+    first = tl.program_id(0) * BN
+    acc = _tile_acc(x_ptr, w_ptr, R, N, stride_x, stride_w, first, K, RB, BN, BK, EVEN_K, SWAP, PRECISION, DOT_F32)
+    rows = tl.arange(0, RB)
+    cols = first + tl.arange(0, BN)
     cmask = cols < N
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]

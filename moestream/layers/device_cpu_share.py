@@ -162,14 +162,15 @@ class DeviceCpuShare:
         return ids.numel() <= MAX_PAIRS and x.shape[0] <= self.max_tokens
 
     def compute(self, experts, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, *,
-                residual: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                split_x: torch.Tensor | None = None, norm: tuple | None = None) -> torch.Tensor:
         """RoutedExperts.compute on the device-driven path with the CPU's share (see the module doc)."""
         dm, table = experts.device_map, experts.tables[layer]
         flat = ids.reshape(-1).contiguous()
         w = weights.reshape(-1).contiguous()
         dm.ensure(layer, ids, withhold=self.share_dev, withheld=self.withheld,
                   before_copy=lambda: self._post(layer, x, flat, w, table))
-        plan = experts.plan(layer, x, ids, weights, per_pair=True)
+        plan = experts.plan(layer, x, ids, weights, per_pair=True, split_x=split_x)
         pool = experts.provider.slot_pool(layer)
         plan.run_table(pool, table)  # the withheld pairs have no slot: skipped here
         if not self.cuda:
@@ -178,7 +179,7 @@ class DeviceCpuShare:
             self._take(layer, plan, flat, ids, table, dm, pool)
         else:
             self._take_torch(layer, plan, flat, ids, table, dm, experts.num_experts[layer], pool)
-        return plan.finish(residual, out=out) if out is not None else plan.finish(residual)
+        return experts.finish_plan(plan, residual, out, norm)
 
     def _post(self, layer: int, x: torch.Tensor, flat: torch.Tensor, w: torch.Tensor, table: torch.Tensor) -> None:
         if self.cuda:

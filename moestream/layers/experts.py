@@ -163,9 +163,11 @@ class RoutedExperts:
     def uses_triton(self, layer: int, dtype: torch.dtype) -> bool:
         return self.layouts[layer] is not None and dtype in ACT_DTYPES
 
-    def plan(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, *, per_pair: bool = False):
+    def plan(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, *, per_pair: bool = False,
+             split_x: torch.Tensor | None = None):
         """The device half's work for one layer call: Triton's MoEPlan or the torch reference.
-        per_pair: a token's bits must not depend on how many tokens are computed together."""
+        per_pair: a token's bits must not depend on how many tokens are computed together.
+        split_x: x as the Triton gemv kernels read it (MoEPlan's split_x), already written."""
         if self.parallel is not None:
             from moestream.layers.expert_parallel import ExpertParallelPlan
 
@@ -175,14 +177,17 @@ class RoutedExperts:
             from moestream.kernels import triton_moe
 
             return triton_moe.MoEPlan(x, ids, weights, self.num_experts[layer], self.layouts[layer],
-                                      mode="gemv" if per_pair else "auto", tile_tokens=self.tile_tokens)
+                                      mode="gemv" if per_pair else "auto", tile_tokens=self.tile_tokens,
+                                      split_x=split_x)
         return TorchPlan(x, ids, weights, self.provider.record_fields(layer), self.provider.quant(layer),
                          per_pair=per_pair, unpacked=self.unpacked, layer=layer)
 
     # -- both halves, eagerly ------------------------------------------------------------------
     def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, *,
-                 residual: torch.Tensor | None = None, per_pair: bool = False, notify: bool = True) -> torch.Tensor:
+                 residual: torch.Tensor | None = None, per_pair: bool = False, notify: bool = True,
+                 out: torch.Tensor | None = None, norm: tuple | None = None) -> torch.Tensor:
         """sum_a weights[t, a] * FFN_{ids[t, a]}(x[t]) (+ residual), for x [T, H], ids/weights [T, A].
+        out, norm: as `compute` (the Triton kernels only).
 
         Where every expert is resident the kernels index the resident table (no lookup, no sync).
         Else the distinct ids come to the host (the one sync) and are pinned in batches of at most
@@ -196,7 +201,7 @@ class RoutedExperts:
         if self.device_map is not None:
             self.device_map.ensure(layer, ids)
             plan.run_table(pool, self.tables[layer])
-            return plan.finish(residual)
+            return self.finish_plan(plan, residual, out, norm)
         table = self.provider.resident_table(layer)
         if table is not None:
             plan.run_table(pool, table)
@@ -204,7 +209,7 @@ class RoutedExperts:
                 self.booked.append((layer, ids))
             else:
                 self.provider.count_resident(layer, ids)
-            return plan.finish(residual)
+            return self.finish_plan(plan, residual, out, norm)
         experts = chosen = torch.unique(ids).tolist()  # sorted
         if self.parallel is not None:  # this rank's share; the plan's finish brings the others' rows
             experts = self.parallel.mine(layer, experts)
@@ -220,7 +225,13 @@ class RoutedExperts:
                 plan.run(pool, batch, self.provider.slots_of(layer, batch))
             finally:  # a victim slot is rewritten only after the work queued above (stream order)
                 self.provider.release(layer)
-        return plan.finish(residual)
+        return self.finish_plan(plan, residual, out, norm)
+
+    @staticmethod
+    def finish_plan(plan, residual: torch.Tensor | None, out: torch.Tensor | None, norm: tuple | None) -> torch.Tensor:
+        """plan.finish, passing out and norm only where given (the torch reference takes neither)."""
+        extra = {k: v for k, v in (("out", out), ("norm", norm)) if v is not None}
+        return plan.finish(residual, **extra)
 
     # -- a CPU share of the misses -------------------------------------------------------------
     def share_with_cpu(self, share, *, dtype: torch.dtype, timeout_s: float, threads: int = 0) -> None:
@@ -369,23 +380,28 @@ class RoutedExperts:
 
     def compute(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, *,
                 residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                per_pair: bool = True, ahead: list | None = None) -> torch.Tensor:
+                per_pair: bool = True, ahead: list | None = None, split_x: torch.Tensor | None = None,
+                norm: tuple | None = None) -> torch.Tensor:
         """Device half: the routed experts from the layer's slot table (set by `load`, resident, or
         brought up to date here by the device map). ahead: [(later MoE layer, guessed ids)] whose
-        copies the device map starts beside this layer's kernels (device-driven path only)."""
+        copies the device map starts beside this layer's kernels (device-driven path only).
+        split_x, norm (the Triton kernels only): x already in the gemv kernels' input order
+        (MoEPlan's split_x), and (weight, eps, normed) to write the next layer's input norm of the
+        result into normed in the same last kernel (MoEPlan.finish)."""
         guessing = None
         if self.device_map is not None:
             if self.device_share is not None and self.device_share.takes(x, ids) and not self.cpu.refused.get(layer):
-                return self.device_share.compute(self, layer, x, ids, weights, residual=residual, out=out)
+                return self.device_share.compute(self, layer, x, ids, weights, residual=residual, out=out,
+                                                 split_x=split_x, norm=norm)
             guessing = self.device_lookahead if ahead else None
             if self.device_lookahead is not None:
                 self.device_lookahead.score(layer, ids)
             self.device_map.ensure(layer, ids)
             if guessing is not None:
                 guessing.fork(ahead)
-        plan = self.plan(layer, x, ids, weights, per_pair=per_pair)
+        plan = self.plan(layer, x, ids, weights, per_pair=per_pair, split_x=split_x)
         plan.run_table(self.provider.slot_pool(layer), self.tables[layer])
         self._take_cpu_rows(layer, plan, ids, x.shape[1], self.tables[layer])
         if guessing is not None:
             guessing.join()
-        return plan.finish(residual, out=out) if out is not None else plan.finish(residual)
+        return self.finish_plan(plan, residual, out, norm)

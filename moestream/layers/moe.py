@@ -46,9 +46,23 @@ class MoEBlock:
         product's kernel (a decode step's row tile: moestream.layers.tile_products)."""
         return linear(x.to(self.router.dtype), self.router, self.router_bias)
 
-    def route(self, x: torch.Tensor, *, linear=F.linear) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, H] -> routing weights [T, A], expert ids [T, A]."""
-        weights, ids = self.route_fn(self.router_logits(x, linear=linear))
+    def route(self, x: torch.Tensor, *, linear=F.linear, fused=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> routing weights [T, A], expert ids [T, A]. fused: a kernel that takes the
+        router product and a softmax top-k at once, called as fused(x, router, top_k, normalize=,
+        out_dtype=) (moestream.kernels.triton_route.route_rows), where `fuses` allows it."""
+        spec = getattr(self.route_fn, "softmax_topk", None)
+        if fused is not None and self.fuses(x.dtype):
+            return self._rerouted(*fused(x, self.router, spec["top_k"], normalize=spec["normalize"],
+                                         out_dtype=torch.float32 if spec["float32_weights"] else x.dtype))
+        return self._rerouted(*self.route_fn(self.router_logits(x, linear=linear)))
+
+    def fuses(self, dtype: torch.dtype, max_experts: int | None = None) -> bool:
+        """Whether route(x, fused=...) takes the fused kernel for x of `dtype`: a softmax top-k router
+        (models.base's softmax_router) with no bias, in that dtype (and at most max_experts experts)."""
+        return getattr(self.route_fn, "softmax_topk", None) is not None and self.router_bias is None and \
+            self.router.dtype == dtype and (max_experts is None or self.num_experts <= max_experts)
+
+    def _rerouted(self, weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.experts.reroute is not None:  # benchmarks only: routing at a known hit rate
             weights, ids = self.experts.reroute(self.layer, weights, ids)
         return weights, ids

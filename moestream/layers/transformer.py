@@ -63,12 +63,23 @@ class DecoderLayer:
         return td.add_rms_norm(x, a, self.post_norm, self.eps)
 
     def attention_rows(self, x: torch.Tensor, pos: torch.Tensor, cache: KVCache, layer: int, T: int, *,
-                       slot: torch.Tensor | None = None, linear=F.linear) -> tuple[torch.Tensor, torch.Tensor]:
+                       slot: torch.Tensor | None = None, linear=F.linear, normed: torch.Tensor | None = None,
+                       split: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """attention_step for the first T rows of x [R, H] at once (Attention.rows; CUDA, `takes_slot`):
-        (h, hn) [R, H], each row's bits those it gets in a step of its own. linear: the products' kernel."""
+        (h, hn) [R, H], each row's bits those it gets in a step of its own. linear: the products' kernel.
+        normed: the input norm of x (`rows_input_norm`) where the caller's last kernel computed it
+        already; split: hn's float32 copy for the gemv expert kernels (triton_decode.add_rms_norm)."""
         td = _fused_norms()
-        a = self.attn.rows(td.rms_norm(x, self.input_norm, self.eps), pos, cache, layer, T, slot=slot, linear=linear)
-        return td.add_rms_norm(x, a, self.post_norm, self.eps)
+        if normed is None:
+            normed = td.rms_norm(x, self.input_norm, self.eps)
+        a = self.attn.rows(normed, pos, cache, layer, T, slot=slot, linear=linear)
+        return td.add_rms_norm(x, a, self.post_norm, self.eps, split=split)
+
+    def rows_input_norm(self) -> tuple[torch.Tensor, float] | None:
+        """(weight, eps) of the RMSNorm attention_rows applies to x first, which a caller may compute
+        itself and pass as `normed` (triton_decode.rms_norm's arithmetic); None where a class's own
+        attention_rows does otherwise."""
+        return (self.input_norm, self.eps) if type(self).attention_rows is DecoderLayer.attention_rows else None
 
     def takes_cpu_rows(self, dtype: torch.dtype) -> bool:
         """Whether cpu_rows can run (Attention.takes_cpu_rows)."""
@@ -125,7 +136,9 @@ class MoETransformer:
         row tile's kernel: moestream.layers.tile_products); a family's own head keeps its own products."""
         if type(self).head is not MoETransformer.head or linear is F.linear:
             return self.head(x)
-        return linear(rms_norm(x, self.final_norm, self.eps), self.lm_head).to(torch.float32)
+        td = _fused_norms() if x.is_cuda else None  # one kernel, not torch's eight
+        normed = td.rms_norm(x, self.final_norm, self.eps) if td is not None else rms_norm(x, self.final_norm, self.eps)
+        return linear(normed, self.lm_head).to(torch.float32)
 
     def rows_head(self, x: torch.Tensor) -> torch.Tensor:
         """head for rows x [T, H] on the CPU, each row with the bits `head` gives it alone: one

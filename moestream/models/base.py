@@ -255,6 +255,8 @@ def softmax_router(args: BaseModelArgs, *, normalize: bool, float32_weights: boo
     def route(logits):
         return softmax_topk(logits, args.num_experts_per_tok, normalize=normalize,
                             out_dtype=torch.float32 if float32_weights else logits.dtype)
+    # what MoEBlock.route tells a kernel that takes the router product and this routing at once
+    route.softmax_topk = dict(top_k=args.num_experts_per_tok, normalize=normalize, float32_weights=float32_weights)
     return route
 
 

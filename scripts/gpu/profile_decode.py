@@ -21,9 +21,11 @@ def main():
     p.add_argument("--prefill", type=int, default=2048)
     p.add_argument("--cache-size", default="all")
     p.add_argument("--no-cuda-graphs", dest="graphs", action="store_false")
+    p.add_argument("--rows-products", default=EngineOptions.rows_products, choices=["cublas", "triton"])
     a = p.parse_args()
     engine = Engine.load(a.model, options=EngineOptions(device="cuda", cache_size=a.cache_size, max_context=4096,
-                                                        cuda_graphs=a.graphs, host_cache_size="all"))
+                                                        cuda_graphs=a.graphs, host_cache_size="all",
+                                                        rows_products=a.rows_products))
     vocab = engine.args.vocab_size
     for _ in engine.generate(random_prompt(64, vocab, 1), max_new_tokens=16, stop_at_eos=False):
         pass
