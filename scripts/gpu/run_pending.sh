@@ -1,17 +1,13 @@
 #!/usr/bin/env bash
 # What has not yet run on a GPU, in priority order, in parts that each fit one device call (≤ 10 min).
 # Next (in this order; run new GPU test files first and alone: a device-side fault poisons the process):
-# 1. prefill-graphs: CUDA_LAUNCH_BLOCKING=1 pytest tests/gpu/test_prefill_graphs_cuda.py (the crash's likely cause,
-#    a captured hit count into a freed counter, is fixed but not rerun), scripts/gpu/check_prefill_graphs.py tiny
-#    23 30 64 100 200 and /tmp/q30 100 300 700 1500 (the padded rows' bits at the 30B shape: cuBLAS and SDPA see the
-#    padded row count); then the resident bench with --prefill-graphs auto at PREFILL_LENGTHS=128,300,512,1000,2048;
-#    if all pass and the bits are equal, make auto the default.
-# 2. rows products: tests/gpu/test_rows_products_cuda.py (float32 bound restated; its greedy test failed in the
-#    prefill graphs' capture, now excluded); if it passes, make --rows-products triton the default.
-# 3. tests/gpu/test_decode_ahead_cuda.py (its device-streamed case on a model large enough for that path).
-# 4. drafters (both drafters, --cache-sizes 100%,25%: the priced probes must keep the draft model at plain).
-# 5. server at 25 % with SERVER_REQUESTS=2 and SERVER_LIMIT=300 (its 32-client round), and at all with 32-token requests.
-# 6. tuned-kernels (TUNED_BITS=4,8: the kernel table, 8-bit included).
+# 1. fused-boundaries (BEFORE=.before: the build before the fused layer boundaries, carried): its GPU test, the tests
+#    it touches, resident decode before/after in one call; then the decode profile (scripts/gpu/profile_decode.py).
+# 2. drafters (both drafters, --cache-sizes 100%,25%: the policy's plain stretches decode ahead; the draft engine
+#    without prefill graphs): the draft model must no longer be slower than plain on the H200.
+# 3. the CPU expert kernels across cores (scripts/bench_cpu_experts.py on the 16-core box), then cpu-share.
+# 4. server at 25 % with SERVER_REQUESTS=2 and SERVER_LIMIT=300 (its 32-client round).
+# 5. tuned-kernels (TUNED_BITS=4,8: the kernel table, 8-bit included).
 # Start the q30 synth in the background first (`python3 -m moestream synth --shape qwen3-30b-a3b
 # /tmp/q30 --force & SP=$!` ... `wait $SP`: never wait with pgrep -f, which matches its own command).
 # rows-products then rows-products-ab (--rows-products triton: the row tile's Triton products; two calls).
@@ -242,6 +238,18 @@ for part in "$@"; do
     wait; say synth
     timeout 200 python3 scripts/gpu/check_prefill_graphs.py $model ${CHECK_LENGTHS:-100 300 700 1500} > "$out/check-graphs-q30.log" 2>&1
     say check-q30 "rc=$?"; grep -E "^T=|ok|FAILED" "$out/check-graphs-q30.log" | tail -14 ;;
+  fused-boundaries)  # fewer kernels per decode layer: its GPU test alone, the tests it touches, then resident decode
+    # with the build before it (BEFORE: a folder holding that build's moestream/) and this one, one process each
+    synth &
+    timeout -s ABRT 120 python3 -m pytest tests/gpu/test_fused_boundaries_cuda.py -q -p no:cacheprovider -rfE \
+      > "$out/fused-boundaries-tests.log" 2>&1
+    say fused-boundaries-tests "rc=$?"; grep -E "passed|failed|FAILED|ERROR|Fatal" "$out/fused-boundaries-tests.log" | tail -8
+    timeout -s ABRT ${TESTS_LIMIT:-120} python3 -m pytest tests/gpu/test_decoder.py tests/gpu/test_prefill_graphs_cuda.py \
+      tests/gpu/test_decode_ahead_cuda.py -q -p no:cacheprovider -rfE --durations=5 > "$out/touched-tests.log" 2>&1
+    say touched-tests "rc=$?"; grep -E "passed|failed|FAILED|ERROR|Timeout|Fatal" "$out/touched-tests.log" | tail -8
+    wait; say synth
+    [ -n "${BEFORE:-}" ] && PYTHONPATH=$BEFORE bench resident-before-fused 100 --cache-sizes all --prefill-tokens 512
+    bench resident-fused 100 --cache-sizes all --prefill-tokens 512 ;;
   rows-products)  # the q30 synth runs beside the tests and the kernel bench, for the A/B part
     synth &
     [ -z "${NO_TESTS:-}" ] && timeout -s ABRT ${TESTS_LIMIT:-150} python3 -m pytest tests/gpu/test_rows_products_cuda.py \
