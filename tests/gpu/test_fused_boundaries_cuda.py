@@ -136,10 +136,11 @@ def unfused(engine):
 
 
 def test_the_fused_step_gives_the_unfused_tokens_and_logits(tiny_packed_model):
-    packed = tiny_packed_model("qwen3_moe", "q4", dtype="float32")
+    # bfloat16: the Triton expert kernels (and so the fused boundaries) take 16-bit activations only
+    packed = tiny_packed_model("qwen3_moe", "q4", dtype="bfloat16")
     runs = {}
     for fused in (True, False):
-        engine = load(packed, dtype="float32", cache_size="all")
+        engine = load(packed, dtype="bfloat16", cache_size="all")
         try:
             d = engine.decoder
             moe = sorted(d.routed)
@@ -155,7 +156,8 @@ def test_the_fused_step_gives_the_unfused_tokens_and_logits(tiny_packed_model):
             engine.close()
     (tokens, rows), (ref_tokens, ref_rows) = runs[True], runs[False]
     assert tokens == ref_tokens
-    assert max(relative_error(a, b) for a, b in zip(rows, ref_rows)) < 1e-4
+    # the norms' float32 sums in another order, rounded to bfloat16
+    assert max(relative_error(a, b) for a, b in zip(rows, ref_rows)) < 2e-2
 
 
 def test_the_fused_step_gives_the_same_bits_for_every_cache_size(tiny_packed_model):
