@@ -95,16 +95,26 @@ def intra_op_count_is_per_thread() -> bool:
     return per_thread
 
 
-def pair_overhead_us(dtype) -> float:
-    """Microseconds of one pair's row for an expert too small to cost anything but the calls
-    (hidden 128, intermediate 64): about what each pair holds the interpreter's lock for, the
-    part of a job that job threads cannot run side by side."""
-    tiny = repack(record(128, 64, 4, 64), {p: QuantSpec(4, 64) for p in PROJS}, dtype)
-    x, out = torch.randn(1, 128, dtype=dtype), torch.empty(128)
+def tiny_jobs(dtype, job_threads: list[int]) -> dict:
+    """Experts too small to cost anything but the calls (hidden 128, intermediate 64): one pair's
+    microseconds (about what each pair holds the interpreter's lock for, the part of a job that job
+    threads cannot run side by side), and per job-threads count n a job of n of them on n threads
+    (its excess over one pair: waking the helpers and their turns at the lock)."""
+    tiny = [repack(record(128, 64, 4, 64), {p: QuantSpec(4, 64) for p in PROJS}, dtype) for _ in range(max(job_threads))]
+    x, rows = torch.randn(1, 128, dtype=dtype), torch.empty((len(tiny), 128))
     caller_threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return timed(lambda i: tiny.weighted_row_into(x, out, 0.5), 2000) * 1e6
+        out = {"pair_overhead_us": round(timed(lambda i: tiny[0].weighted_row_into(x, rows[0], 0.5), 2000) * 1e6, 2),
+               "job_of_n_on_n_threads_us": {}}
+        for n in job_threads:
+            runner = ExpertJobs(n)
+            job = [(tiny[i], x, rows[i], 0.5) for i in range(n)]
+            try:
+                out["job_of_n_on_n_threads_us"][n] = round(timed(lambda i: runner.run(job), 500) * 1e6, 1)
+            finally:
+                runner.close()
+        return out
     finally:
         torch.set_num_threads(caller_threads)
 
@@ -249,7 +259,7 @@ def main() -> None:
                f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
                for k, v in vars(args).items() if v is not None and k != "out"),
            "load_avg_1min_before_after": load + [os.getloadavg()[0]],
-           "pair_overhead_us": round(pair_overhead_us(dtype), 2) if args.jobs else None,
+           "tiny_experts": tiny_jobs(dtype, args.job_threads) if args.jobs else None,
            "results": results, "jobs": jobs}
     if args.out:
         with open(args.out, "w") as f:

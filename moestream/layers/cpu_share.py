@@ -17,7 +17,7 @@ their pairs' places before the layer's per-token sum.
   - share: only repacked experts go to the CPU. A float f in 0..1 gives it floor(f * misses + 0.5)
     of a layer's misses (at most the repacked ones); "auto" the number that makes both finish
     together, from an EMA of the CPU's GB/s (the job's whole latency, as the caller waits for it)
-    and of the copy GB/s.
+    and of the copy GB/s (the CPU's per job thread: a job's experts run side by side).
   - threads: a job's experts are computed in parallel, each on one core, by the worker and its
     helpers (moestream.kernels.cpu_expert_jobs: `threads` in all, one intra-op thread each; by
     default one per core less one), so the caller's intra-op count stays as it was.
@@ -284,7 +284,8 @@ class CpuShare:
 
     def _pick(self, layer: int, misses: int, ready: list[int]) -> list[int]:
         """How many of the repacked misses the CPU takes: a share, or (auto) the count after which
-        giving it one more would no longer shorten max(CPU time, copy time of the rest)."""
+        giving it one more would no longer shorten max(CPU time, copy time of the rest); c experts
+        on the job threads take ceil(c / threads) times one expert's time on one thread."""
         if self.share != "auto":
             return ready[:min(len(ready), math.floor(self.share * misses + 0.5))]
         self._collect_copy_timings()
@@ -293,7 +294,7 @@ class CpuShare:
         copy_each = nbytes / ((self.copy_gb_s or START_COPY_GB_S) * 1e9)
         best, best_t = 0, misses * copy_each
         for c in range(1, len(ready) + 1):
-            t = max(c * cpu_each, (misses - c) * copy_each)
+            t = max(math.ceil(c / self.threads) * cpu_each, (misses - c) * copy_each)
             if t < best_t:
                 best, best_t = c, t
         return ready[:best]
@@ -314,8 +315,10 @@ class CpuShare:
         done = time.perf_counter()
         with self._lock:
             self.st.compute_s += done - t0
-            # auto's speed is the whole job's, hand-over included: what the caller will wait for
-            rate = self.record_bytes[layer] * len(experts) / max(done - started, 1e-9) / 1e9
+            # auto's speed is the whole job's, hand-over included (what the caller will wait for), per
+            # expert on one job thread: the job took ceil(experts / threads) rounds of them
+            rounds = math.ceil(len(experts) / self.threads)
+            rate = self.record_bytes[layer] * rounds / max(done - started, 1e-9) / 1e9
             self.cpu_gb_s = rate if self.cpu_gb_s is None else (1 - EMA) * self.cpu_gb_s + EMA * rate
         return rows
 

@@ -148,7 +148,7 @@ class DeviceCpuShare:
         timed = time_copies(device_map) if device_map is not None and cpu.share == "auto" else None
         self.copy_timed = timed is not None
         self.copy_gb_s = timed or START_COPY_GB_S
-        self.tuner = ShareTuner(self.copy_gb_s)
+        self.tuner = ShareTuner(self.copy_gb_s, threads=cpu.threads)
         self.jobs = self.experts = self.pairs = self.errors = self.skipped = 0
         self.bytes = 0
         self.compute_s = 0.0
