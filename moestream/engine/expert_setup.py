@@ -99,7 +99,8 @@ def share_with_cpu(experts, options: EngineOptions, *, parallel, dtype: torch.dt
     if not options.cpu_experts_timeout > 0:
         raise MoestreamError(f"cpu_experts_timeout must be more than 0 seconds, not {options.cpu_experts_timeout}")
     if options.cpu_experts_threads < 0:
-        raise MoestreamError(f"cpu_experts_threads must be 0 (one per core less one) or more, not {options.cpu_experts_threads}")
+        raise MoestreamError(f"cpu_experts_threads must be 0 (one per core less one) or more, "
+                             f"not {options.cpu_experts_threads}")
     experts.share_with_cpu(share, dtype=dtype, timeout_s=options.cpu_experts_timeout, threads=options.cpu_experts_threads)
 
 

@@ -24,9 +24,8 @@ import threading
 
 import torch
 
-from moestream.kernels.cpu_experts import CpuExpert
-
-Pair = tuple  # (CpuExpert, x row [1, H] in its compute dtype, float32 output row [H], weight)
+# (a moestream.kernels.cpu_experts.CpuExpert, x row [1, H] in its compute dtype, float32 output row [H], weight)
+Pair = tuple
 
 
 def default_job_threads() -> int:
@@ -133,4 +132,4 @@ class ExpertJobs:
             t.join(timeout=5)
 
 
-__all__ = ["CpuExpert", "ExpertJobs", "default_job_threads", "group_by_expert"]
+__all__ = ["ExpertJobs", "default_job_threads", "group_by_expert"]

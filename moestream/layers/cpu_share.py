@@ -311,7 +311,8 @@ class CpuShare:
         rows = torch.empty((len(pair_ta), x.shape[1]), dtype=torch.float32)
         x, w = x.to(self.dtype), w.tolist()
         # one pair at a time into its own row (bits never depend on T nor on the job threads)
-        self.jobs.run([(weights[e], x[t:t + 1], rows[i], w[t][a]) for i, (e, (t, a)) in enumerate(zip(pair_experts, pair_ta))])
+        self.jobs.run([(weights[e], x[t:t + 1], rows[i], w[t][a])
+                       for i, (e, (t, a)) in enumerate(zip(pair_experts, pair_ta))])
         done = time.perf_counter()
         with self._lock:
             self.st.compute_s += done - t0
