@@ -1,13 +1,12 @@
 """Does the CPU share's worker starve the thread that drives the engine? A CPU-device engine decodes
 with `--cpu-experts 1` (the worker computes every repacked miss while the main thread loads the
-others and waits) for each count of worker threads (the share's job threads, the worker among
-them, one intra-op thread each: moestream/kernels/cpu_expert_jobs.py), against `off`; JSON out.
+others and waits) for each count of worker threads, against `off`; JSON out.
 
     python scripts/bench_cpu_share_threads.py --main-threads 1 --worker-threads 1 2 --out docs/bench/cpu_share_threads.json
 
 Per setting: decode tok/s, the main thread's own time per token (decode time less the time it
 waited for the worker), and the worker's kernel GB/s. Torch's intra-op thread count is per thread
-(OpenMP), so the job threads' do not change the main thread's; they all still share the cores. Settings
+(OpenMP), so the worker's does not change the main thread's; both still share the cores. Settings
 are interleaved over --rounds rounds; medians. Default model: the demo (30 % cache, host tier all)."""
 from __future__ import annotations
 

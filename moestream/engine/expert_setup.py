@@ -84,7 +84,7 @@ def load_guess_maps(packed: PackedModel, options: EngineOptions, model, *, hidde
 
 def share_with_cpu(experts, options: EngineOptions, *, parallel, dtype: torch.dtype) -> None:
     """--cpu-experts: the CPU computes a share of each streamed layer's misses from host RAM,
-    on --cpu-experts-threads threads. Its weights are repacked before the first
+    on a worker with the compute threads (--threads). Its weights are repacked before the first
     step (`prepare_cpu_share`)."""
     from moestream.layers.cpu_share import parse_share
 
@@ -98,10 +98,7 @@ def share_with_cpu(experts, options: EngineOptions, *, parallel, dtype: torch.dt
         raise MoestreamError("--cpu-experts does not run with expert parallelism (--devices)")
     if not options.cpu_experts_timeout > 0:
         raise MoestreamError(f"cpu_experts_timeout must be more than 0 seconds, not {options.cpu_experts_timeout}")
-    if options.cpu_experts_threads < 0:
-        raise MoestreamError(f"cpu_experts_threads must be 0 (one per core less one) or more, "
-                             f"not {options.cpu_experts_threads}")
-    experts.share_with_cpu(share, dtype=dtype, timeout_s=options.cpu_experts_timeout, threads=options.cpu_experts_threads)
+    experts.share_with_cpu(share, dtype=dtype, timeout_s=options.cpu_experts_timeout, threads=options.threads)
 
 
 def prepare_cpu_share(provider, experts) -> None:

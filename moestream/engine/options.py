@@ -63,7 +63,6 @@ class EngineOptions:
     # the CPU computes a share of each streamed layer's misses from host RAM: "off", "auto" or "0".."1"
     cpu_experts: str = "off"
     cpu_experts_timeout: float = 1.0  # seconds a layer waits for its CPU share before loading those experts
-    cpu_experts_threads: int = 0  # threads computing a CPU share's experts side by side; 0: one per core less one
     # CPU runs: dequantized copies of the experts in the slots, kept (moestream.experts.unpacked): auto, 0, or a size
     unpacked_experts: str = "auto"
 
@@ -173,9 +172,6 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "within the dtype's tolerance of off, not bit for bit")
     c.add_argument("--cpu-experts-timeout", type=positive_float, default=1.0, metavar="SECONDS",
                    help="a layer waits this long for its CPU share, then computes those experts on the device (default 1)")
-    c.add_argument("--cpu-experts-threads", type=at_least(0), default=0, metavar="N",
-                   help="threads computing the CPU share's experts side by side, each expert on one core (default 0: "
-                        "one per core this process may use, less one for the thread driving the device)")
     c.add_argument("--unpacked-experts", type=unpacked_arg, default="auto", metavar="auto|0|SIZE",
                    help="CPU runs: keep the dequantized matrices of up to SIZE of the experts in the slots (bytes, or a "
                         "share of all experts as --cache-size takes it), so a step multiplies instead of unpacking "

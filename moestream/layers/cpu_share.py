@@ -17,10 +17,9 @@ their pairs' places before the layer's per-token sum.
   - share: only repacked experts go to the CPU. A float f in 0..1 gives it floor(f * misses + 0.5)
     of a layer's misses (at most the repacked ones); "auto" the number that makes both finish
     together, from an EMA of the CPU's GB/s (the job's whole latency, as the caller waits for it)
-    and of the copy GB/s (the CPU's per job thread: a job's experts run side by side).
-  - threads: a job's experts are computed in parallel, each on one core, by the worker and its
-    helpers (moestream.kernels.cpu_expert_jobs: `threads` in all, one intra-op thread each; by
-    default one per core less one), so the caller's intra-op count stays as it was.
+    and of the copy GB/s.
+  - threads: the worker runs torch's kernels on its own intra-op thread count (OpenMP's is per
+    thread), so the caller's stays as it was.
   - fail-closed: an error, or no result within `timeout_s`, hands the experts back to the caller,
     which loads them on the device and computes them there (counted as `cpu_fallbacks`). A worker
     still running after a timeout is left to finish; no layer gets a CPU share until it has.
@@ -46,7 +45,6 @@ import torch
 
 from moestream.experts.sizing import format_bytes
 from moestream.format.records import decode_record
-from moestream.kernels.cpu_expert_jobs import ExpertJobs
 from moestream.kernels.cpu_experts import compute_dtype, refusal, repack, repacked_nbytes
 
 log = logging.getLogger(__name__)
@@ -134,14 +132,12 @@ class CpuShare:
     def __init__(self, provider, layers, *, share: str | float, dtype: torch.dtype, timeout_s: float = 1.0,
                  threads: int = 0):
         """provider: the ExpertCache (needs `holds`, `host_view`, `record_fields`, `quant`).
-        layers: the MoE layer indices. threads: the job threads, the worker among them (0: one per
-        core this process may use, less one: moestream.kernels.cpu_expert_jobs)."""
+        layers: the MoE layer indices. threads: the worker's intra-op threads (0: the caller's)."""
         if share == "off" or share is None:
             raise ValueError("CpuShare is for a share other than off")
         self.provider, self.share, self.timeout_s = provider, share, float(timeout_s)
         self.dtype = compute_dtype(dtype)
-        self.jobs = ExpertJobs(threads)
-        self.threads = self.jobs.threads
+        self.threads = threads or torch.get_num_threads()
         self.st = CpuShareStats()
         self.refused: dict[int, str | None] = {}
         self.record_bytes: dict[int, int] = {}
@@ -159,7 +155,7 @@ class CpuShare:
         self._repacked_bytes = 0
         self._lock = threading.Lock()  # guards the repacked weights and the stats the threads update
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moestream-cpu-experts",
-                                            initializer=ExpertJobs.enter)
+                                            initializer=torch.set_num_threads, initargs=(self.threads,))
         self._last: Future | None = None
         self.cpu_gb_s: float | None = None  # EMAs (auto)
         self.copy_gb_s: float | None = None
@@ -236,14 +232,11 @@ class CpuShare:
             self.st.repack_s += seconds
 
     def set_threads(self, threads: int) -> None:
-        """The job threads from the next job on (new threads; the old ones finish their job).
-        Host path only: the device path's worker reads `jobs` per job but sets up its thread once."""
+        """The worker's intra-op threads from its next job on (a new worker thread; the old one finishes)."""
         self._executor.shutdown(wait=True)
-        self.jobs.close()
-        self.jobs = ExpertJobs(threads)
-        self.threads = self.jobs.threads
+        self.threads = threads
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moestream-cpu-experts",
-                                            initializer=ExpertJobs.enter)
+                                            initializer=torch.set_num_threads, initargs=(threads,))
 
     def is_repacked(self, layer: int, expert: int) -> bool:
         return (layer, expert) in self._repacked
@@ -284,8 +277,7 @@ class CpuShare:
 
     def _pick(self, layer: int, misses: int, ready: list[int]) -> list[int]:
         """How many of the repacked misses the CPU takes: a share, or (auto) the count after which
-        giving it one more would no longer shorten max(CPU time, copy time of the rest); c experts
-        on the job threads take ceil(c / threads) times one expert's time on one thread."""
+        giving it one more would no longer shorten max(CPU time, copy time of the rest)."""
         if self.share != "auto":
             return ready[:min(len(ready), math.floor(self.share * misses + 0.5))]
         self._collect_copy_timings()
@@ -294,7 +286,7 @@ class CpuShare:
         copy_each = nbytes / ((self.copy_gb_s or START_COPY_GB_S) * 1e9)
         best, best_t = 0, misses * copy_each
         for c in range(1, len(ready) + 1):
-            t = max(math.ceil(c / self.threads) * cpu_each, (misses - c) * copy_each)
+            t = max(c * cpu_each, (misses - c) * copy_each)
             if t < best_t:
                 best, best_t = c, t
         return ready[:best]
@@ -309,17 +301,13 @@ class CpuShare:
         weights = {e: self._repacked[(layer, e)] for e in experts}
         t0 = time.perf_counter()
         rows = torch.empty((len(pair_ta), x.shape[1]), dtype=torch.float32)
-        x, w = x.to(self.dtype), w.tolist()
-        # one pair at a time into its own row (bits never depend on T nor on the job threads)
-        self.jobs.run([(weights[e], x[t:t + 1], rows[i], w[t][a])
-                       for i, (e, (t, a)) in enumerate(zip(pair_experts, pair_ta))])
+        for i, (e, (t, a)) in enumerate(zip(pair_experts, pair_ta)):  # one pair at a time: bits never depend on T
+            rows[i] = weights[e].ffn(x[t:t + 1])[0].float() * w[t, a]
         done = time.perf_counter()
         with self._lock:
             self.st.compute_s += done - t0
-            # auto's speed is the whole job's, hand-over included (what the caller will wait for), per
-            # expert on one job thread: the job took ceil(experts / threads) rounds of them
-            rounds = math.ceil(len(experts) / self.threads)
-            rate = self.record_bytes[layer] * rounds / max(done - started, 1e-9) / 1e9
+            # auto's speed is the whole job's, hand-over included: what the caller will wait for
+            rate = self.record_bytes[layer] * len(experts) / max(done - started, 1e-9) / 1e9
             self.cpu_gb_s = rate if self.cpu_gb_s is None else (1 - EMA) * self.cpu_gb_s + EMA * rate
         return rows
 
@@ -402,4 +390,3 @@ class CpuShare:
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)
-        self.jobs.close()

@@ -37,7 +37,6 @@ dtype's tolerance of `off`, not bit for bit. Calls of more than MAX_PAIRS (token
 host-side wait (tests)."""
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
 import time
@@ -114,7 +113,7 @@ class DeviceCpuShare:
     def __init__(self, cpu, *, device: torch.device, hidden: int, max_tokens: int, dtype: torch.dtype,
                  timeout_s: float, device_map=None):
         """cpu: the moestream.layers.cpu_share.CpuShare holding the repacked experts, the share
-        setting ("auto" or a float), the job threads (`jobs`) and the fault injection of tests.
+        setting ("auto" or a float), the worker's thread count and the fault injection of tests.
         device_map: the lookup whose copies `auto` times once (else their speed is assumed)."""
         self.cpu, self.device, self.dtype = cpu, torch.device(device), dtype
         self.cuda = self.device.type == "cuda"
@@ -148,7 +147,7 @@ class DeviceCpuShare:
         timed = time_copies(device_map) if device_map is not None and cpu.share == "auto" else None
         self.copy_timed = timed is not None
         self.copy_gb_s = timed or START_COPY_GB_S
-        self.tuner = ShareTuner(self.copy_gb_s, threads=cpu.threads)
+        self.tuner = ShareTuner(self.copy_gb_s)
         self.jobs = self.experts = self.pairs = self.errors = self.skipped = 0
         self.bytes = 0
         self.compute_s = 0.0
@@ -286,7 +285,7 @@ class DeviceCpuShare:
         views; the rows go straight into the answer's preallocated views), answer, then retune.
         A late job's inputs may be overwritten by the next request while it runs: its answer
         carries its own, older number, which the device no longer takes."""
-        self.cpu.jobs.enter()  # this thread computes experts too, one intra-op thread each
+        torch.set_num_threads(self.cpu.threads)
         self._warm()
         header, ack = self.header.numpy(), self.ack.numpy()
         ids_in, w_in, mask_in = self.ids_in.numpy(), self.w_in.numpy(), self.mask_in.numpy()
@@ -326,16 +325,14 @@ class DeviceCpuShare:
                 np.flatnonzero(mask_in[:pairs]).tolist())
 
     def _warm(self) -> None:
-        """Run a job of as many experts as there are job threads a few times before the first job,
-        so that the first job's time is the kernels', not their start-up on each thread."""
-        cpu = self.cpu
-        experts = [cpu._repacked[key] for key in itertools.islice(cpu._repacked, cpu.jobs.threads)]
-        if not experts:
+        """Run the kernels a few times on this thread before the first job: its thread pool starts
+        and the first job's time is the kernels', not their start-up."""
+        key = next(iter(self.cpu._repacked), None)
+        if key is None:
             return
-        x = torch.zeros((1, self.hidden), dtype=cpu.dtype)
-        rows = torch.empty((len(experts), self.hidden), dtype=torch.float32)
+        weights, x = self.cpu._repacked[key], torch.zeros((1, self.hidden), dtype=self.cpu.dtype)
         for _ in range(WARM_ROUNDS):
-            cpu.jobs.run([(weights, x, rows[i], 1.0) for i, weights in enumerate(experts)])
+            weights.ffn(x)
 
     def _retune(self, job_s: float, kernel_s: float, nbytes: int, experts: int, misses: int) -> None:
         """auto: the share from the jobs measured so far (moestream.layers.share_tuning)."""
@@ -349,8 +346,8 @@ class DeviceCpuShare:
     def _compute(self, layer: int, picks: int, ids: list[int], w: list[float], mine: list[int], x_rows: list,
                  out_rows: list) -> tuple[float, int, int]:
         """The withheld pairs `mine` (of `ids`, `picks` per token) into the answer's rows, one pair
-        at a time, the experts in parallel (bits never depend on T nor on the job threads); returns
-        the kernels' seconds, the bytes of the experts computed and their number."""
+        at a time (bits never depend on T); returns the kernels' seconds, the bytes of the experts
+        computed and their number."""
         cpu = self.cpu
         number = self.jobs
         self.jobs += 1
@@ -362,11 +359,14 @@ class DeviceCpuShare:
             return 0.0, 0, 0
         repacked = cpu._repacked
         t0 = time.perf_counter()
-        distinct = {ids[p] for p in mine}
-        missing = [e for e in distinct if (layer, e) not in repacked]
-        if missing:
-            raise RuntimeError(f"expert {missing[0]} is not repacked for the CPU")
-        cpu.jobs.run([(repacked[(layer, ids[p])], x_rows[p // picks], out_rows[p], w[p]) for p in mine])
+        distinct = set()
+        for p in mine:
+            e = ids[p]
+            weights = repacked.get((layer, e))
+            if weights is None:
+                raise RuntimeError(f"expert {e} is not repacked for the CPU")
+            weights.weighted_row_into(x_rows[p // picks], out_rows[p], w[p])
+            distinct.add(e)
         done = time.perf_counter()
         self.compute_s += done - t0
         self.experts += len(distinct)

@@ -2,14 +2,12 @@
 
 A layer call's m misses split: c experts to the CPU, m - c copied by the device. The CPU's side
 takes a fixed hand-over h (the request posted, the worker noticing and reading it, Python, the answer
-back) plus its kernels' time: c experts side by side on T job threads (moestream.kernels.cpu_expert_jobs)
-take ceil(c / T) times one expert's time on one thread k; the device's side (m - c) times its copy
-time per expert d. A call with c = 0 posts nothing and pays no hand-over. The best c minimizes
-max(h + ceil(c / T) k, (m - c) d), and the share the device reads is c / m for the calls' usual m.
+back) plus c times its kernels' time per expert k; the device's side (m - c) times its copy time per
+expert d. A call with c = 0 posts nothing and pays no hand-over. The best c minimizes
+max(h + c k, (m - c) d), and the share the device reads is c / m for the calls' usual m.
 
 What is measured, and how:
-  - k: the kernels' own time in each job over its ceil(c / T) rounds, per byte of one expert (an
-    EMA; where the threads slow each other, the interpreter's lock or the memory, k grows with them);
+  - k: the kernels' own time in each job, per byte of the records it computed (an EMA);
   - h: each job's latency in the worker less its kernels (an EMA), plus `link_s`, the part the
     worker cannot see (the device's post and its wait noticing the answer: PCIe round trips);
   - m: the misses of the calls that posted a job (an EMA);
@@ -21,7 +19,6 @@ the first time: they measured 0.72 GB/s on the H200 machine where the kernels do
 Pure Python (no torch), so the retuning is unit-tested with made-up timings."""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 EMA = 0.25  # weight of the newest job in the averages
@@ -31,12 +28,12 @@ START_SHARE = 0.5  # until a job has been measured
 START_MISSES = 4.0
 
 
-def best_count(misses: int, cpu_each_s: float, handover_s: float, copy_each_s: float, threads: int = 1) -> int:
+def best_count(misses: int, cpu_each_s: float, handover_s: float, copy_each_s: float) -> int:
     """The number of a call's `misses` the CPU should take: the smallest c minimizing
-    max(handover + ceil(c / threads) * cpu_each, (misses - c) * copy_each), c = 0 costing no hand-over."""
+    max(handover + c * cpu_each, (misses - c) * copy_each), c = 0 costing no hand-over."""
     best, best_t = 0, misses * copy_each_s
     for c in range(1, misses + 1):
-        t = max(handover_s + math.ceil(c / threads) * cpu_each_s, (misses - c) * copy_each_s)
+        t = max(handover_s + c * cpu_each_s, (misses - c) * copy_each_s)
         if t < best_t:
             best, best_t = c, t
     return best
@@ -45,12 +42,11 @@ def best_count(misses: int, cpu_each_s: float, handover_s: float, copy_each_s: f
 @dataclass
 class ShareTuner:
     copy_gb_s: float  # the device's copy speed from the host tier
-    threads: int = 1  # the CPU's job threads: experts computed side by side
     warm_jobs: int = WARM_JOBS
     link_s: float = LINK_S
     ema: float = EMA
     jobs: int = 0  # every job seen, the warm ones too
-    kernel_s_per_byte: float | None = None  # one expert on one job thread
+    kernel_s_per_byte: float | None = None
     worker_s: float | None = None  # a job's latency in the worker beyond its kernels
     bytes_per_expert: float | None = None
     misses: float | None = None  # a posting call's misses
@@ -61,8 +57,7 @@ class ShareTuner:
         self.jobs += 1
         if self.jobs <= self.warm_jobs or experts <= 0 or nbytes <= 0:
             return
-        rounds = math.ceil(experts / max(1, self.threads))
-        self.kernel_s_per_byte = self._avg(self.kernel_s_per_byte, kernel_s / rounds / (nbytes / experts))
+        self.kernel_s_per_byte = self._avg(self.kernel_s_per_byte, kernel_s / nbytes)
         self.worker_s = self._avg(self.worker_s, max(0.0, job_s - kernel_s))
         self.bytes_per_expert = self._avg(self.bytes_per_expert, nbytes / experts)
         self.misses = self._avg(self.misses, float(max(misses, experts)))
@@ -80,7 +75,6 @@ class ShareTuner:
 
     @property
     def kernel_gb_s(self) -> float | None:
-        """One expert on one job thread."""
         return None if not self.kernel_s_per_byte else 1 / self.kernel_s_per_byte / 1e9
 
     def share(self) -> float:
@@ -89,6 +83,5 @@ class ShareTuner:
             return START_SHARE
         m = max(1, round(self.misses if self.misses is not None else START_MISSES))
         nbytes = self.bytes_per_expert
-        c = best_count(m, self.kernel_s_per_byte * nbytes, self.handover_s, nbytes / (self.copy_gb_s * 1e9),
-                       self.threads)
+        c = best_count(m, self.kernel_s_per_byte * nbytes, self.handover_s, nbytes / (self.copy_gb_s * 1e9))
         return c / m

@@ -191,34 +191,18 @@ def test_without_a_host_tier_the_cpu_gets_nothing(model, reference, caplog):
     assert tokens == reference[0] and logprobs == reference[1]  # every expert on the device: the bits of off
 
 
-class Probe:
-    """An expert that notes its thread's intra-op count, then waits for the other probe (so two
-    probes run on two threads, or the barrier breaks)."""
-
-    def __init__(self, counts, both):
-        self.counts, self.both = counts, both
-
-    def weighted_row_into(self, x, out, weight):
-        self.counts.append(torch.get_num_threads())
-        self.both.wait()
-
-
 def test_the_worker_has_its_own_threads_and_the_callers_stay(model):
     saved = torch.get_num_threads()  # the other tests' bits depend on it: given back below
     engine = Engine.load(model, options=EngineOptions(device="cpu", cache_size="min", host_cache_size="all",
-                                                       cpu_experts="1", cpu_experts_threads=2, threads=1))
+                                                       cpu_experts="1", threads=1))
     try:
-        assert engine.experts.cpu.threads == 2  # --cpu-experts-threads, the worker among them
+        assert engine.experts.cpu.threads == 1  # the engine's --threads
         torch.set_num_threads(2)  # the caller changes its own count after loading
         for _ in engine.generate(engine.tokenizer.encode(PROMPT), max_new_tokens=3, stop_at_eos=False):
             pass
         assert torch.get_num_threads() == 2  # neither the repack pool (1 each) nor the worker changed it
         assert engine.expert_stats()["cpu_experts"] > 0
         assert engine.experts.cpu._executor.submit(torch.get_num_threads).result() == 1  # the worker's own
-        counts, both = [], threading.Barrier(2, timeout=10)
-        job = [(Probe(counts, both), None, None, 0.0), (Probe(counts, both), None, None, 0.0)]
-        engine.experts.cpu._executor.submit(engine.experts.cpu.jobs.run, job).result()
-        assert counts == [1, 1]  # both job threads (the worker and its helper): one intra-op thread each
     finally:
         engine.close()
         torch.set_num_threads(saved)
@@ -288,8 +272,6 @@ def test_refused_layout_never_goes_to_the_cpu(tiny_packed_model):
 def test_bad_engine_option_is_a_clear_error(model):
     with pytest.raises(MoestreamError, match="cpu_experts"):
         Engine.load(model, options=EngineOptions(device="cpu", cpu_experts="2"))
-    with pytest.raises(MoestreamError, match="cpu_experts_threads"):
-        Engine.load(model, options=EngineOptions(device="cpu", cpu_experts="1", cpu_experts_threads=-1))
 
 
 @pytest.mark.parametrize("command", ["generate", "bench", "serve"])
@@ -300,14 +282,6 @@ def test_bad_cli_values_give_one_line(command, value, message):
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "--cpu-experts" in lines[0] and message in lines[0], proc.stderr
-
-
-def test_a_negative_thread_count_gives_one_line():
-    proc = subprocess.run([sys.executable, "-m", "moestream", "generate", "--cpu-experts-threads", "-1"],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and "--cpu-experts-threads" in lines[0] and "at least 0" in lines[0], proc.stderr
 
 
 def test_bench_json_and_generate_stats_line_report_the_cpu_share(model, tmp_path):

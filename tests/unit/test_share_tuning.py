@@ -65,18 +65,3 @@ def test_the_share_follows_the_calls_misses():
         fast_job(tuner, misses=12)
     # 12 misses: 25 + 6*66 = 421 against 6*52 = 312, 5: 355 vs 364
     assert tuner.misses == pytest.approx(12, rel=0.01) and tuner.share() == pytest.approx(5 / 12)
-
-
-def test_experts_side_by_side_on_job_threads_cost_one_round_each():
-    # 4 threads: up to 4 experts take one expert's time; 4 take max(20 + 66, 2*52) = 104 us, 5 take 152
-    assert best_count(6, 66 * US, 20 * US, 52 * US, threads=4) == 4
-    assert best_count(6, 66 * US, 20 * US, 52 * US, threads=1) == best_count(6, 66 * US, 20 * US, 52 * US)
-    tuner = ShareTuner(copy_gb_s=51.0, threads=4, warm_jobs=0)
-    for _ in range(10):  # 3 experts side by side in one expert's time on one thread
-        tuner.record(job_s=(66 + 15) * US, kernel_s=66 * US, nbytes=3 * MB, experts=3, misses=6)
-    assert tuner.kernel_gb_s == pytest.approx(MB / 66e-6 / 1e9)  # one expert on one job thread
-    assert tuner.share() == pytest.approx(4 / 6)
-    for _ in range(40):  # the threads slowed each other: 5 experts (two rounds) in 4 experts' time
-        tuner.record(job_s=(4 * 66 + 15) * US, kernel_s=4 * 66 * US, nbytes=5 * MB, experts=5, misses=6)
-    assert tuner.kernel_gb_s == pytest.approx(MB / 132e-6 / 1e9, rel=0.01)
-    assert tuner.share() == pytest.approx(3 / 6)  # 2: max(25 + 132, 4*52) = 208; 3: max(157, 156); 4: no shorter
