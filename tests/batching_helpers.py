@@ -1,4 +1,5 @@
-"""Decoding several prompts alone and together (step_many), for the CPU and GPU batching tests."""
+"""Decoding several prompts alone and together (step_many), for the CPU and GPU batching tests; greedy
+steps with their logits rows (GPU kernel tests)."""
 import torch
 
 PROMPTS = ["def fibonacci(n):\n    if n < 2:", "The quick brown fox", "import os\nclass Thing:", "Hello world! 12"]
@@ -43,3 +44,13 @@ def assert_same_bits(got: dict, expected: list) -> None:
         assert len(got[n]) == len(expected[n])
         for step, (a, b) in enumerate(zip(got[n], expected[n])):
             assert torch.equal(a, b), f"sequence {n} differs at step {step}"
+
+
+def greedy_rows(engine, prompt, n):
+    """n greedy tokens after prefilling `prompt`, one step each, and the logits row each step gave."""
+    logits = engine.prefill(prompt)[0][-1]
+    out, rows = [int(logits.argmax())], []
+    for _ in range(n - 1):
+        rows.append(engine.step([out[-1]])[-1].clone())
+        out.append(int(rows[-1].argmax()))
+    return out, rows

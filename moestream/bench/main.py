@@ -320,6 +320,7 @@ def run(args) -> dict:
                     if draft_engine is not None:  # its prefill's kernels, first used by a probe's catch-up
                         draft_engine.prefill(random_prompt(min(2048, draft_engine.max_context - 1), vocab,
                                                            args.seed + 1))
+                        speculative.drafter.probe_price_s  # timed once here (the policy's first price), not in a run
                     for e in (engine, draft_engine):
                         if e is not None:
                             e.reset()

@@ -50,6 +50,12 @@ class Drafter:
     def close(self) -> None:
         pass
 
+    @property
+    def probe_price_s(self) -> float:
+        """What a probe after plain steps costs beyond them, as far as known before the first (0: cheap
+        or unknown; the policy then learns it from the first probe)."""
+        return 0.0
+
 
 class NGramDrafter(Drafter):
     """Prompt lookup: find the latest earlier occurrence of the context's last n tokens (n from
@@ -110,6 +116,27 @@ class DraftModelDrafter(ModelDrafter):
     def __init__(self, engine):
         super().__init__()
         self.engine = engine
+        self._price: float | None = None
+
+    @property
+    def probe_price_s(self) -> float:
+        """A probe after plain steps first reads the tokens this engine has not seen, one prefill: timed
+        once (a catch-up of PRICE_TOKENS tokens, the second of two: the first compiles), the engine
+        left empty. On a fast GPU that prefill costs more than a run of plain steps (the demo model on
+        the H200: ~10 ms against 0.23 ms a token), which the policy must know before its first probe."""
+        if self._price is None:
+            e = self.engine
+            tokens = [(7 * i + 3) % e.args.vocab_size for i in range(min(PRICE_TOKENS, e.max_context - 1))]
+            times = []
+            for _ in range(2):
+                e.reset()
+                t0 = time.perf_counter()
+                e.prefill(tokens)
+                e._sync()
+                times.append(time.perf_counter() - t0)
+            e.reset()
+            self._price = times[-1]
+        return self._price
 
     def propose(self, context: Sequence[int], k: int) -> list[int]:
         ctx = list(context)
@@ -131,6 +158,7 @@ class DraftModelDrafter(ModelDrafter):
         self.engine.close()
 
 
+PRICE_TOKENS = 64  # the catch-up a draft engine's probe price is timed on
 MAX_PROBE_GAP = 256  # most plain steps between two probes of a drafter that keeps failing, while probes are cheap
 PROBE_SHARE = 0.02  # the most of plain decoding's time that the probes of a failing drafter may take
 MAX_PRICED_GAP = 4096  # ... unless that would space them further than this (a probe dearer than 82 plain steps)
@@ -162,8 +190,8 @@ class AdaptivePolicy:
 
     While plain steps win, a probe of one drafted token keeps a_1 current (text that starts
     repeating turns speculation back on). Probes are priced: what the last draft after plain steps
-    cost beyond the plain steps of the tokens it gave (its drafter's catch-up, the longer step)
-    spaces the next probe so that probes take at most PROBE_SHARE of the plain steps' time, and
+    cost beyond the plain steps of the tokens it gave (its drafter's catch-up, the longer step; before
+    any, the drafter's own estimate, `Drafter.probe_price_s`) spaces the next probe so that probes take at most PROBE_SHARE of the plain steps' time, and
     each probe that does not turn drafting back on doubles the gap (from `probe_every`, up to
     MAX_PROBE_GAP where probes cost nothing). A drafter that never pays costs a few probes, about
     PROBE_SHARE of the run at most, and a plain step's decision is a few comparisons."""
@@ -264,9 +292,15 @@ class AdaptivePolicy:
         known = [c for t, c in self.step_cost.items() if t <= tokens]
         return max(known) if known else 0.0
 
+    def _catch_up(self) -> float:
+        """What drafting now costs besides the draft and the step: after plain steps the drafter reads
+        what it has not seen (a draft engine's prefill), priced as the last probe was (or the drafter's
+        own estimate); after a drafted verification nothing."""
+        return 0.0 if self._in_step else self.probe_s
+
     def estimated_rate(self, k: int) -> float:
         """Expected tokens per second of drafting k (inf for a cost not yet known to be > 0)."""
-        cost = self.estimated_step(k + 1) + self.draft_cost.get(k, 0.0)
+        cost = self.estimated_step(k + 1) + self.draft_cost.get(k, 0.0) + (self._catch_up() if k else 0.0)
         tokens = self.expected(k)
         return math.inf if cost <= 0 else tokens / cost
 
@@ -277,19 +311,21 @@ class AdaptivePolicy:
         if step <= 0:  # a plain step's rate not known to be finite: nothing beats it
             return 0
         best, best_rate = 0, (1.0 + self.min_gain) / step
-        tokens, run = 1.0, 1.0
+        tokens, run, catch = 1.0, 1.0, self._catch_up()
         for k in range(1, top + 1):  # ties keep the shorter draft
             run *= self.acceptance_at(k - 1)
             tokens += run
             step = max(step, steps.get(k + 1, 0.0))
-            rate = tokens / (step + self.draft_cost.get(k, 0.0))
+            rate = tokens / (step + self.draft_cost.get(k, 0.0) + catch)
             if rate > best_rate:
                 best, best_rate = k, rate
         return best
 
     def _gap(self) -> int:
-        """Plain steps before the next probe: the backed-off gap, or more where probes are dear."""
-        if self._fresh:  # a generation that has not drafted yet: its probe is not spaced by earlier costs
+        """Plain steps before the next probe: the backed-off gap, or more where probes are dear (a
+        generation's first probe too, once a probe's price is known: a probe dearer than PROBE_SHARE of
+        a generation's plain steps is not worth its chance)."""
+        if self._fresh and self.probe_s <= 0:  # no price known yet: the first probe at the backed-off gap
             return self._probe_gap
         plain = self.step_cost.get(1, 0.0)
         priced = math.ceil(self.probe_s / (PROBE_SHARE * plain)) if plain > 0 else 0
@@ -393,7 +429,10 @@ class SpeculativeStats:
             self.steps.append([chosen, drafted, accepted, round(verify_s * 1000.0, 3)])
 
     def plain_stretch(self, steps: int, seconds: float) -> None:
-        """`steps` plain steps run as plain decoding (one verification of 0 drafted tokens each)."""
+        """`steps` plain steps run as plain decoding (one verification of 0 drafted tokens each, at the
+        stretch's mean time)."""
+        for _ in range(steps):
+            self.record(0, 0, 0, seconds / steps)
         self.verify_steps += steps
         self.step_tokens += steps
         self.verify_s += seconds
@@ -437,6 +476,8 @@ def run(engine, seq: list[int], logits: torch.Tensor, *, budget: int, sampling: 
     drafter.begin(sampling)
     if policy is not None:
         policy.begin()
+        if policy.probe_s <= 0:  # no probe paid yet: the drafter's own estimate prices the first
+            policy.probe_s = drafter.probe_price_s
     for e in (engine, getattr(drafter, "engine", None)):  # no graph capture inside a timed step
         warm = getattr(e, "warm_steps", None)
         if warm is not None:

@@ -205,24 +205,6 @@ for part in "$@"; do
         --out "$out/server-batching-${size%\%}${SERVER_TAG:-}.json" > "$out/server-batching-${size%\%}${SERVER_TAG:-}.log" 2>&1
       say "server $size" "rc=$?"; tail -6 "$out/server-batching-${size%\%}${SERVER_TAG:-}.log"
     done ;;
-  prefill-graphs)  # its GPU tests alone (a device fault poisons the process), the bit check tiny and at the 30B
-    # shape with padded lengths, then resident prefill and decode with the defaults against graphs + Triton row products
-    synth &
-    CUDA_LAUNCH_BLOCKING=1 timeout -s ABRT 150 python3 -m pytest tests/gpu/test_prefill_graphs_cuda.py -q -p no:cacheprovider \
-      -rfE > "$out/prefill-graphs-tests.log" 2>&1
-    say prefill-graphs-tests "rc=$?"; grep -E "passed|failed|FAILED|ERROR|Fatal" "$out/prefill-graphs-tests.log" | tail -6
-    timeout 120 python3 scripts/gpu/check_prefill_graphs.py tiny 23 30 64 100 200 > "$out/check-graphs-tiny.log" 2>&1
-    say check-tiny "rc=$?"; tail -4 "$out/check-graphs-tiny.log"
-    for f in ${GRAPH_TESTS:-test_rows_products_cuda test_decode_ahead_cuda}; do
-      timeout -s ABRT 150 python3 -m pytest tests/gpu/$f.py -q -p no:cacheprovider -rfE > "$out/$f.log" 2>&1
-      say $f "rc=$?"; grep -E "passed|failed|FAILED|ERROR|Fatal" "$out/$f.log" | tail -6
-    done
-    wait; say synth
-    timeout 150 python3 scripts/gpu/check_prefill_graphs.py $model ${CHECK_LENGTHS:-100 300 700 1500} > "$out/check-graphs-q30.log" 2>&1
-    say check-q30 "rc=$?"; tail -6 "$out/check-graphs-q30.log"
-    bench resident-defaults 150 --cache-sizes all --prefill-tokens ${PREFILL_LENGTHS:-128,300,512,1000,2048}
-    bench resident-graphs-triton 150 --cache-sizes all --prefill-tokens ${PREFILL_LENGTHS:-128,300,512,1000,2048} \
-      --prefill-graphs auto --rows-products triton ;;
   new-defaults)  # the padded prefill (graphs or not, every cache size) and the Triton row products as defaults:
     # the prefill graphs' tests alone, the bit check tiny and at the 30B shape, then the GPU tests that load engines
     synth &

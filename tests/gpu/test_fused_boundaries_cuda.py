@@ -17,6 +17,8 @@ from moestream.kernels import triton_decode as td  # noqa: E402
 from moestream.kernels import triton_moe as tm  # noqa: E402
 from moestream.kernels.expert_layout import SlotLayout  # noqa: E402
 
+from batching_helpers import greedy_rows  # noqa: E402
+
 DEV = "cuda"
 H, I, E, A, R = 2048, 768, 16, 8, 16  # the 30B shape's hidden, expert intermediate and top-k; the step's tile
 EPS = 1e-6
@@ -118,12 +120,7 @@ def load(packed, **opts):
 
 
 def greedy(engine, prompt, n=16):
-    logits = engine.prefill(prompt)[0][-1]
-    out, rows = [int(logits.argmax())], []
-    for _ in range(n - 1):
-        rows.append(engine.step([out[-1]])[-1].clone())
-        out.append(int(rows[-1].argmax()))
-    return out, rows
+    return greedy_rows(engine, prompt, n)
 
 
 def unfused(engine):

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from moestream.engine.engine import Engine
 from moestream.engine.options import EngineOptions
 
-from batching_helpers import PROMPTS, SCHEDULE, alone, assert_same_bits, together
+from batching_helpers import PROMPTS, SCHEDULE, alone, assert_same_bits, greedy_rows, together
 
 pytestmark = pytest.mark.gpu
 # (N, K): the fused q/k/v, o and router products of Qwen3-30B-A3B, and an odd shape
@@ -78,12 +78,7 @@ def load(packed, **options):
 
 
 def greedy(engine, prompt, n=20):
-    logits = engine.prefill(prompt)[0][-1]
-    out, rows = [int(logits.argmax())], []
-    for _ in range(n - 1):
-        rows.append(engine.step([out[-1]])[-1].clone())
-        out.append(int(rows[-1].argmax()))
-    return out, rows
+    return greedy_rows(engine, prompt, n)
 
 
 def test_greedy_decode_with_the_kernel_gives_cublas_tokens(tiny_packed_model):

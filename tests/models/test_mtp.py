@@ -152,11 +152,16 @@ def test_speculation_with_mtp_gives_the_plain_tokens(family, draft_tokens, sampl
     options = make_options("mtp", None, draft_tokens=draft_tokens, max_draft_tokens=4, main_engine=engine)
     try:
         assert isinstance(options.drafter, MTPDrafter)
+        drafted = 0
         for _ in range(2):  # a second generation reuses the prompt's cached prefix (and the drafter's)
             tokens, result = generate(engine, prompt, 72, sampling, options)
             assert tokens == expected
             spec = result.receipt.to_json()["speculative"]
-            assert spec["drafter"] == "mtp" and spec["drafted"] > 0
+            assert spec["drafter"] == "mtp"
+            drafted += spec["drafted"]
+        # (the adaptive policy may draft nothing in the second: a kept policy prices its first probe by
+        # what the rejected ones cost)
+        assert drafted > 0
     finally:
         options.drafter.close()
         engine.close()

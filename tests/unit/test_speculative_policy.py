@@ -69,15 +69,34 @@ def test_probes_of_a_failing_drafter_back_off():
     assert probe_steps(AdaptivePolicy(4, probe_every=16), lambda T: 0.01 * T) == [1, 51, 101, 165, 293, 549, 805]
 
 
-def test_a_kept_policy_probes_each_new_generation_early():
-    """The server keeps one policy across requests: after a request where drafting never paid (probes
-    priced far apart), the next request still gets a probe after `probe_every` plain steps."""
-    policy = AdaptivePolicy(4, probe_every=16)
-    policy.begin()
-    first = probe_steps(policy, lambda T: 0.01 * T ** 3, steps=600)  # dear probes: spaced by their cost
+def test_a_kept_policy_probes_each_new_generation_at_its_price():
+    """The server keeps one policy across requests: after a request where drafting never paid, the next
+    request's first probe comes after `probe_every` plain steps where probes are cheap, and where they
+    are dear only once a probe is worth PROBE_SHARE of the plain steps before it (not at once again)."""
+    cheap = AdaptivePolicy(4, probe_every=16)
+    cheap.begin()
+    probe_steps(cheap, lambda T: 0.01 * (1 + 0.01 * (T - 1)), steps=600)
+    cheap.begin()
+    assert probe_steps(cheap, lambda T: 0.01 * (1 + 0.01 * (T - 1)), steps=40)[:1] == [15]  # its 16th choice
+    dear = AdaptivePolicy(4, probe_every=16)
+    dear.begin()
+    first = probe_steps(dear, lambda T: 0.01 * T ** 3, steps=600)  # dear probes: spaced by their cost
     assert len(first) >= 2 and first[-1] - first[-2] > 100
-    policy.begin()
-    assert probe_steps(policy, lambda T: 0.01 * T ** 3, steps=40)[:1] == [15]  # its 16th choice, not ~350 steps on
+    dear.begin()
+    again = probe_steps(dear, lambda T: 0.01 * T ** 3, steps=600)
+    assert again and again[0] > 100  # priced (0.07 s against 0.2 ms of 2 % of a plain step: ~350 steps)
+
+
+def test_a_drafters_own_price_spaces_the_first_probe():
+    """Before any probe was paid, a drafter that knows its catch-up is dear (a draft engine's prefill)
+    prices its first draft and probe; a drafter with no price (n-gram) tries one at once."""
+    priced, unpriced = AdaptivePolicy(4, probe_every=16), AdaptivePolicy(4, probe_every=16)
+    for policy, price in ((priced, 0.02), (unpriced, 0.0)):
+        policy.begin()
+        policy.probe_s = price
+    step = lambda T: 0.01 * (1 + 0.01 * (T - 1))  # noqa: E731
+    assert probe_steps(unpriced, step, steps=100)[:1] == [1]  # the first try, once step(1) is known
+    assert not probe_steps(priced, step, steps=90)  # 0.02 s / (2 % of 10 ms) = 100 plain steps first
 
 
 def test_high_acceptance_and_flat_cost_drafts_the_most():
