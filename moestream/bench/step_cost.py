@@ -7,7 +7,7 @@ random tokens after a short prompt (the cache rolled back after each, so every s
 same position), the first step of each T untimed (its kernels' first use). From those costs the
 speedup a drafter with acceptance a could give is predicted for each a: the best draft length k of
 E(k) / (step(k + 1) / step(1)) tokens per step time, where E(k) = (1 - a^(k+1)) / (1 - a) is the
-expected tokens of a verification (moestream.engine.speculative.AdaptivePolicy); the drafter's own
+expected tokens of a verification (moestream.engine.draft_policy.AdaptivePolicy); the drafter's own
 time is left out (an upper bound for a model drafter, about right for prompt lookup)."""
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ ACCEPTANCE = (0.5, 0.6, 0.7, 0.8, 0.9)
 
 def measure_step_costs(engine, sizes: list[int], *, repeats: int = 8, seed: int = 0, prompt_tokens: int = 64) -> dict:
     """{"step_ms": {T: median ms}, "step_ms_all": {T: [ms...]}, "predicted": [...]} for steps of each T in sizes."""
-    from moestream.engine.speculative import AdaptivePolicy
+    from moestream.engine.draft_policy import AdaptivePolicy
 
     rng = random.Random(seed)
     vocab = engine.args.vocab_size

@@ -9,7 +9,8 @@ import torch
 
 from moestream.engine.hot_head import HotHead, hot_vocabulary, usable
 from moestream.engine.draft_choice import parse_draft
-from moestream.engine.speculative import AdaptivePolicy, Drafter, NGramDrafter
+from moestream.engine.draft_policy import AdaptivePolicy
+from moestream.engine.speculative import Drafter, NGramDrafter
 from moestream.engine.types import SamplingParams
 from moestream.errors import MoestreamError
 
