@@ -143,9 +143,7 @@ class PrefillGraphs:
     def _key(self, tokens: int, cache: KVCache) -> tuple:
         """(bucket, each MoE shape's row block, the cache's number): a graph writes the K/V of the
         cache it was captured with."""
-        from moestream.kernels.triton_moe import grouped_block_m
-
-        from moestream.kernels.triton_moe import DEFAULT_CONFIG
+        from moestream.kernels.triton_moe import DEFAULT_CONFIG, grouped_block_m
 
         dtype = self.model.dtype
         number = self._cache_number(cache)

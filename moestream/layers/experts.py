@@ -36,7 +36,6 @@ log = logging.getLogger(__name__)
 KERNELS = ("auto", "torch", "triton")
 
 
-
 def padding_on_last_row(ids: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
     """ids [T, A] with the rows past `last` ([1], a padded prefill's last real row, on the device: a
     graph's input) routed to that row's experts, so the padding reads no expert the prompt did not.
