@@ -360,37 +360,42 @@ def rows_table(config) -> dict:
     return out
 
 
-def rows_tiles(narrow: bool) -> list[dict]:
-    """Block sizes the rows sweep tries, likelier ones first (pipeline stages within ~200 KB of shared
-    memory). Narrow (the router's 128 outputs): 16 columns per program, so that 8 programs share it."""
-    if narrow:
-        return [{"rows_narrow_n": 16, "rows_narrow_k": k, "rows_narrow_warps": warps, "rows_narrow_stages": stages}
-                for k, warps, stages in itertools.product((512, 256, 1024), (2, 1, 4), (3, 2, 4))
-                if (TILE_ROWS + 16) * k * 2 * stages <= 200 << 10]
-    out = [{"rows_n": n, "rows_k": k, "rows_warps": warps, "rows_stages": stages, "rows_swap": 0}
-           for n, k, warps, stages in itertools.product((16, 32), (256, 128, 512), (2, 4), (4, 3, 5))
-           if (TILE_ROWS + n) * k * 2 * stages <= 200 << 10]
-    # the weights on the MMA's M side (Hopper's wgmma: 64 columns, a warpgroup of 4 warps)
-    return out + [{"rows_n": 64, "rows_k": k, "rows_warps": 4, "rows_stages": stages, "rows_swap": 1}
-                  for k, stages in itertools.product((128, 256), (3, 4))]
+def rows_tiles(kind: str) -> list[dict]:
+    """Block sizes the rows sweep tries for one class of product (triton_rows.row_class), likelier
+    ones first, within ~200 KB of shared memory for the pipeline stages; each tile with K split in
+    1..16 (more programs in flight where the product has few column blocks). Narrow (the router's
+    128 outputs): 16 columns per program, so that 8 programs share it (times the split)."""
+    prefix = {"narrow": "rows_narrow_", "deep": "rows_deep_", "wide": "rows_"}[kind]
+    if kind == "narrow":
+        tiles = [(16, k, warps, stages, 0) for k, warps, stages in itertools.product((256, 128, 512), (4, 2), (3, 2))]
+        splits = (8, 16, 4, 2, 1)
+    else:  # the weights on the MMA's M side: Hopper's wgmma, 64 columns, a warpgroup of 4 warps
+        tiles = [(64, 256, 4, 4, 1), (64, 128, 4, 4, 1), (32, 128, 2, 4, 0), (16, 256, 2, 4, 0), (64, 128, 4, 3, 1),
+                 (32, 128, 2, 3, 0), (32, 256, 2, 4, 0), (16, 128, 2, 4, 0), (32, 128, 4, 4, 0), (64, 256, 4, 3, 1)]
+        splits = (1, 2, 4, 8)
+    return [{prefix + "n": n, prefix + "k": k, prefix + "warps": warps, prefix + "stages": stages,
+             prefix + "swap": swap, prefix + "split": sp}
+            for (n, k, warps, stages, swap), sp in itertools.product(tiles, splits)
+            if (TILE_ROWS + n) * k * 2 * stages <= 200 << 10]
 
 
 def rows_sweep(base, seconds: float) -> dict:
-    """Time rows_tiles on the router (narrow) and on q/k/v, o and head (wide; scored as a step runs
-    them: 48 x (q/k/v + o) + head), within a third and two thirds of `seconds`. Returns every timing and the best."""
+    """Time rows_tiles on each class of product, scored as a step runs them: the router (narrow),
+    48 x o (deep), 48 x q/k/v + head (wide), each within a third of `seconds`. Returns every timing
+    and the best."""
     from moestream.kernels.triton_rows import tile_linear
 
     out = {}
-    for kind, names, share in (("narrow", ("router",), 1 / 3), ("wide", ("qkv", "o", "head"), 2 / 3)):
+    for kind, names in (("narrow", ("router",)), ("deep", ("o",)), ("wide", ("qkv", "head"))):
         operands = {name: row_operands(name) for name in names}
 
-        def measure(cfg, row, kind=kind, operands=operands):
+        def measure(cfg, row, operands=operands):
             for name, (x, ws) in operands.items():
                 row[f"{name}_us"] = graph_ms([lambda w=w: tile_linear(x, w, config=cfg) for w in ws]) * 1e3
-            row["score_us"] = row["router_us"] if kind == "narrow" else \
-                LAYERS * (row["qkv_us"] + row["o_us"]) + row["head_us"]
+            row["score_us"] = row.get("router_us", 0) + LAYERS * (row.get("o_us", 0) + row.get("qkv_us", 0)) + \
+                row.get("head_us", 0)
 
-        out[kind] = swept(rows_tiles(kind == "narrow"), seconds * share, base, measure, "score_us")
+        out[kind] = swept(rows_tiles(kind), seconds / 3, base, measure, "score_us")
         del operands, measure
         torch.cuda.empty_cache()
         best, current = out[kind]["best"], out[kind]["current"]

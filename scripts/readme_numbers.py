@@ -359,6 +359,20 @@ def h200_new_defaults() -> str:
             + " / ".join(f"{n:,}" for n in lengths) + f" tokens {eager} → {graphs} tok/s")
 
 
+def h200_rows_split() -> str:
+    """The row products with K splits and three classes of sizes: kernel times before (old defaults, first
+    sweep's table) and after (the new defaults' table), decode in the first sweep's call and the next."""
+    before, after = (load(H200 / f"rows-{m}-sweep.json").get("rows_products", {}) for m in ("split", "classes"))
+    names = (("router", "the router"), ("o", "o"), ("qkv", "q/k/v"))
+    if any(n not in before or n not in after for n, _ in names):
+        raise NumbersError("docs/bench/h200/rows-{split,classes}-sweep.json: no rows_products table")
+    kernels = ", ".join(f"{label} {before[n]['triton']['us']:.1f} → {after[n]['triton']['us']:.1f} µs" for n, label in names)
+    old, swept, now = (only_run(H200 / f"rows-{m}.json") for m in ("split-before", "split-after", "classes-defaults"))
+    return (f"{kernels}; resident decode {tok_s(old['decode']['tok_s'])} → {tok_s(swept['decode']['tok_s'])} tok/s "
+            f"in one call (the first sweep's sizes), {tok_s(now['decode']['tok_s'])} tok/s with the three classes "
+            f"as the defaults (the next call)")
+
+
 def h200_grouped() -> str:
     """The grouped (prefill) kernels before and after the sweep, uniform routing, from one sweep."""
     path = H200 / "grouped-kernels-sweep.json"
@@ -397,6 +411,7 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "h200-decode-ahead": h200_decode_ahead,
     "h200-prefill-graphs": h200_prefill_graphs,
     "h200-new-defaults": h200_new_defaults,
+    "h200-rows-split": h200_rows_split,
     "h200-grouped": h200_grouped,
 }
 

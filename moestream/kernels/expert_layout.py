@@ -193,21 +193,35 @@ class KernelConfig:
     grouped_join: int = 1  # 1: a word's codes unpacked by joins (they stay in its thread: no shared-memory shuffle)
     combine_tokens: int = 4
     combine_block: int = 256
-    # products over a decode step's 16-row tile (moestream.kernels.triton_rows, --rows-products triton):
-    # output columns per program, inputs per loop step, warps and pipeline stages; products with at
-    # most rows_narrow_max outputs (a router) take the rows_narrow_* sizes. Not yet swept on a GPU; 2 warps:
-    # a 16 x 16 output is two m16n8 MMA tiles, so more warps would only repeat the shared-memory reads
-    rows_n: int = 16
+    # products over a decode step's 16-row tile (moestream.kernels.triton_rows, --rows-products triton),
+    # in three classes by shape: narrow (at most rows_narrow_max outputs: a router), deep (at least
+    # rows_deep_from inputs: an o projection) and wide (the rest: q/k/v, a head). Each: output columns
+    # per program, inputs per loop step, warps, pipeline stages, the weights on the MMA's M side (swap:
+    # Hopper's wgmma, n >= 64) and the splits of K (their partials added in a fixed order; only for
+    # products with fewer than rows_split_below column blocks). Swept on the H200 at the 30B shape
+    # (scripts/bench_kernels.py --rows-sweep): the router 4.7 -> 3.4 us with 8 splits, o 8.6 -> 7.7
+    # with 4, q/k/v 8.6 -> 7.8 on wgmma
+    rows_n: int = 64
     rows_k: int = 256
-    rows_warps: int = 2
+    rows_warps: int = 4
     rows_stages: int = 4
-    rows_swap: int = 0  # 1: the weights on the MMA's M side (wgmma needs rows_n >= 64)
+    rows_swap: int = 1
+    rows_split: int = 1
     rows_narrow_max: int = 1024
     rows_narrow_n: int = 16
-    rows_narrow_k: int = 512
-    rows_narrow_warps: int = 2
+    rows_narrow_k: int = 256
+    rows_narrow_warps: int = 4
     rows_narrow_stages: int = 3
-
+    rows_narrow_swap: int = 0
+    rows_narrow_split: int = 8
+    rows_deep_from: int = 4096
+    rows_deep_n: int = 32
+    rows_deep_k: int = 128
+    rows_deep_warps: int = 2
+    rows_deep_stages: int = 4
+    rows_deep_swap: int = 0
+    rows_deep_split: int = 4
+    rows_split_below: int = 1024
 
 CONFIG_ENV = "MOESTREAM_KERNEL_CONFIG"
 

@@ -10,7 +10,8 @@ moestream.kernels.triton_rows): each program computes its block of logits as til
 same bits) and stores them; the last program to finish, known from a counter every program
 increments (acquire-release), takes the softmax and top-k of each row with route_topk's code, then
 resets the counter for the next launch. A row's choice depends only on its logits, never on which
-program is last or on the other rows."""
+program is last or on the other rows. With a split of K (KernelConfig.rows_narrow_split) the programs
+store float32 partials and the last one adds them in tile_linear's order: the same logits."""
 from __future__ import annotations
 
 import torch
@@ -19,7 +20,7 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from moestream.kernels.expert_layout import ACT_DTYPES, DEFAULT_CONFIG, KernelConfig
-from moestream.kernels.triton_rows import MAX_ROWS, _tile_acc, tile
+from moestream.kernels.triton_rows import MAX_ROWS, _tile_acc, split_parts, tile
 
 MAX_FUSED_EXPERTS = 1024  # route_rows' last program holds one row of logits in registers per step
 
@@ -72,25 +73,40 @@ def route_topk(logits: torch.Tensor, top_k: int, *, normalize: bool, out_dtype: 
 
 
 @triton.jit
-def _route_rows(x_ptr, w_ptr, logits_ptr, weights_ptr, ids_ptr, counter_ptr, R, E, chosen_rows, stride_x, stride_w,
-                K: tl.constexpr, RB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
-                SWAP: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr, A: tl.constexpr,
-                BLOCK_E: tl.constexpr, BLOCK_A: tl.constexpr, NORMALIZE: tl.constexpr):
-    # logits [R, E] in x's dtype (rounded as tile_linear's output); weights, ids [R, A]
+def _route_rows(x_ptr, w_ptr, logits_ptr, part_ptr, weights_ptr, ids_ptr, counter_ptr, R, E, chosen_rows, stride_x,
+                stride_w, K: tl.constexpr, RB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
+                SWAP: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr, SPLIT: tl.constexpr,
+                A: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_A: tl.constexpr, NORMALIZE: tl.constexpr):
+    # logits [R, E] in x's dtype (rounded as tile_linear's output); weights, ids [R, A]; with SPLIT > 1
+    # the programs store float32 partials [blocks, SPLIT, RB, BN] instead, summed in split order at the end
     first = tl.program_id(0) * BN
-    acc = _tile_acc(x_ptr, w_ptr, R, E, stride_x, stride_w, first, K, RB, BN, BK, EVEN_K, SWAP, PRECISION, DOT_F32)
+    KS: tl.constexpr = K // SPLIT
+    s = tl.program_id(1)
+    acc = _tile_acc(x_ptr + s * KS, w_ptr + s * KS, R, E, stride_x, stride_w, first, KS, RB, BN, BK, EVEN_K, SWAP,
+                    PRECISION, DOT_F32)
     rows = tl.arange(0, RB)
     cols = first + tl.arange(0, BN)
-    tl.store(logits_ptr + rows[:, None] * E + cols[None, :], acc.to(logits_ptr.dtype.element_ty),
-             mask=(rows < R)[:, None] & (cols < E)[None, :])
+    if SPLIT == 1:
+        tl.store(logits_ptr + rows[:, None] * E + cols[None, :], acc.to(logits_ptr.dtype.element_ty),
+                 mask=(rows < R)[:, None] & (cols < E)[None, :])
+    else:
+        tile = rows[:, None] * BN + tl.arange(0, BN)[None, :]
+        tl.store(part_ptr + (tl.program_id(0) * SPLIT + s).to(tl.int64) * (RB * BN) + tile, acc)
     tl.debug_barrier()  # every thread's logits stored before the program counts itself done
     done = tl.atomic_add(counter_ptr, 1, sem="acq_rel")  # releases this program's logits, acquires the others'
-    if done == tl.num_programs(0) - 1:  # the last program: every block of logits is in
+    if done == tl.num_programs(0) * SPLIT - 1:  # the last program: every block of logits is in
         tl.atomic_xchg(counter_ptr, 0, sem="relaxed")  # the next launch counts from zero (kernels run in order)
         e = tl.arange(0, BLOCK_E)
         for r in range(0, RB):  # a trip count known at compile time, guarded (the interpreter takes no other)
             if r < chosen_rows:
-                z = tl.load(logits_ptr + r * E + e, mask=e < E, other=float("-inf"), cache_modifier=".cg")
+                if SPLIT == 1:
+                    z = tl.load(logits_ptr + r * E + e, mask=e < E, other=float("-inf"), cache_modifier=".cg")
+                else:  # tile_linear's sum of the splits, in its order, rounded as its output
+                    at = part_ptr + ((e // BN) * SPLIT).to(tl.int64) * (RB * BN) + r * BN + e % BN
+                    z = tl.load(at, mask=e < E, other=0.0, cache_modifier=".cg")
+                    for j in tl.static_range(1, SPLIT):
+                        z += tl.load(at + j * (RB * BN), mask=e < E, other=0.0, cache_modifier=".cg")
+                    z = tl.where(e < E, z.to(logits_ptr.dtype.element_ty).to(tl.float32), float("-inf"))
                 _choose(z.to(tl.float32), e, E, weights_ptr + r * A, ids_ptr + r * A, A, BLOCK_E, BLOCK_A,
                         NORMALIZE)
         slots = tl.arange(0, BLOCK_A)
@@ -124,12 +140,14 @@ def route_rows(x: torch.Tensor, router: torch.Tensor, top_k: int, *, normalize: 
     if not 0 <= rows <= R:
         raise ValueError(f"rows {rows}: expected 0..{R}")
     settings = tile(E, K, x.dtype, config)
+    blocks, rb = triton.cdiv(E, settings["BN"]), max(16, triton.next_power_of_2(R))
     logits = torch.empty((R, E), dtype=x.dtype, device=x.device)
     weights = torch.empty((R, top_k), dtype=out_dtype, device=x.device)
     ids = torch.empty((R, top_k), dtype=torch.int64, device=x.device)
-    _route_rows[(triton.cdiv(E, settings["BN"]),)](
-        x, router, logits, weights, ids, counter, R, E, rows, x.stride(0), router.stride(0), K=K,
-        RB=max(16, triton.next_power_of_2(R)), PRECISION="ieee" if x.dtype == torch.float32 or _INTERPRETED else "tf32",
+    _route_rows[(blocks, settings["SPLIT"])](
+        x, router, logits, split_parts(blocks, rb, settings, x.device), weights, ids, counter, R, E, rows,
+        x.stride(0), router.stride(0), K=K, RB=rb,
+        PRECISION="ieee" if x.dtype == torch.float32 or _INTERPRETED else "tf32",
         DOT_F32=_INTERPRETED, A=top_k, BLOCK_E=triton.next_power_of_2(E), BLOCK_A=triton.next_power_of_2(top_k),
         NORMALIZE=normalize, **settings)
     return weights, ids

@@ -6,8 +6,11 @@ depend on T. At 16 rows such a product is bound by the weight bytes (the q/k/v m
 Qwen3-30B-A3B is 21 MB, its rows are 4 KB), and cuBLAS reaches ~1.9-2.7 TB/s of the H200's 4.3 with
 a split-K reduce for some (measured: docs/PERFORMANCE.md). This kernel streams W once:
 
-  - one program per block of BN output columns, looping over all of K in steps of BK (no split-K:
-    each output is reduced by one program in a fixed order, so the bits are the same every run);
+  - one program per block of BN output columns and split of K, looping over its K / SPLIT inputs in
+    steps of BK; with SPLIT > 1 (products with few column blocks, whose programs would leave most of
+    the GPU's memory pipes idle) each program stores its float32 partial sums, and the last of a
+    column block's programs to finish (a counter per block, acquire-release) adds the SPLIT partials
+    in split order: a fixed order whichever program is last, so the bits are the same every run;
   - each step one tl.dot of the [RB, BK] x tile and the [BN, BK] weight tile (or, `swap`, the
     weights on the MMA's M side: Hopper's wgmma takes M >= 64), float32 accumulation, several
     pipeline stages of loads in flight;
@@ -17,8 +20,9 @@ a split-K reduce for some (measured: docs/PERFORMANCE.md). This kernel streams W
 Row r of the output is its own row of x times W: the MMA computes each output from one row and one
 column, and the tile's shape follows from R, N, K and the dtype alone, so a row's bits do not depend
 on the rows beside it (tests/unit/test_rows_products_interpret.py, tests/gpu/test_rows_products_cuda.py).
-Block sizes come from KernelConfig (rows_* fields; MOESTREAM_KERNEL_CONFIG overrides them), one set
-for narrow products (N <= rows_narrow_max: a router) and one for the rest. The product's loop
+Block sizes and splits come from KernelConfig (rows_* fields; MOESTREAM_KERNEL_CONFIG overrides them),
+one set for each class of shape (row_class: narrow, a router; deep, an o projection; wide, the rest);
+the split follows from the shape and the config alone, like the tile. The product's loop
 (_tile_acc) is shared with the router kernel that also takes the top-k (moestream.kernels.triton_route).
 """
 from __future__ import annotations
@@ -31,6 +35,7 @@ from triton.runtime.interpreter import InterpretedFunction
 from moestream.kernels.expert_layout import ACT_DTYPES, DEFAULT_CONFIG, KernelConfig
 
 MAX_ROWS = 64  # rows of x one call takes (the decoder's tile is 16)
+MAX_SPLIT_BLOCKS = 4096  # column blocks a split product may have: one counter each (_counters)
 
 
 @triton.jit
@@ -70,37 +75,97 @@ def _tile_acc(x_ptr, w_ptr, R, N, stride_x, stride_w, first, K: tl.constexpr, RB
 
 
 @triton.jit
-def _tile_linear_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, R, N, stride_x, stride_w, stride_y, K: tl.constexpr,
-                        RB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
+def _split_acc(x_ptr, w_ptr, part_ptr, counter_ptr, R, N, stride_x, stride_w, first, K: tl.constexpr,
+               RB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr, SWAP: tl.constexpr,
+               PRECISION: tl.constexpr, DOT_F32: tl.constexpr, SPLIT: tl.constexpr):
+    """This program's [RB, BN] product over its split of K (program_id(1)); with SPLIT > 1 also
+    (partials [blocks, SPLIT, RB, BN] float32, counter_ptr this column block's counter): the sum of
+    every split's partial in split order where this program is its block's last, and `last` says so."""
+    KS: tl.constexpr = K // SPLIT
+    s = tl.program_id(1)
+    acc = _tile_acc(x_ptr + s * KS, w_ptr + s * KS, R, N, stride_x, stride_w, first, KS, RB, BN, BK, EVEN_K, SWAP,
+                    PRECISION, DOT_F32)
+    last = True
+    if SPLIT > 1:
+        tile = tl.arange(0, RB)[:, None] * BN + tl.arange(0, BN)[None, :]
+        block = part_ptr + tl.program_id(0).to(tl.int64) * (SPLIT * RB * BN)
+        tl.store(block + s * (RB * BN) + tile, acc)
+        tl.debug_barrier()  # every thread's partial stored before the program counts itself done
+        done = tl.atomic_add(counter_ptr, 1, sem="acq_rel")  # releases this partial, acquires the others'
+        last = done == SPLIT - 1
+        if last:
+            tl.atomic_xchg(counter_ptr, 0, sem="relaxed")  # the next launch counts from zero (kernels run in order)
+            acc = tl.load(block + tile, cache_modifier=".cg")
+            for j in tl.static_range(1, SPLIT):
+                acc += tl.load(block + j * (RB * BN) + tile, cache_modifier=".cg")
+    return acc, last
+
+
+@triton.jit
+def _tile_linear_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, counters_ptr, R, N, stride_x, stride_w, stride_y,
+                        K: tl.constexpr, RB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
                         HAS_BIAS: tl.constexpr, SWAP: tl.constexpr, PRECISION: tl.constexpr,
-                        DOT_F32: tl.constexpr):
+                        DOT_F32: tl.constexpr, SPLIT: tl.constexpr):
     first = tl.program_id(0) * BN
-    acc = _tile_acc(x_ptr, w_ptr, R, N, stride_x, stride_w, first, K, RB, BN, BK, EVEN_K, SWAP, PRECISION, DOT_F32)
-    rows = tl.arange(0, RB)
-    cols = first + tl.arange(0, BN)
-    cmask = cols < N
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
-    y = y_ptr + rows[:, None] * stride_y + cols[None, :]
-    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=(rows < R)[:, None] & cmask[None, :])
+    acc, last = _split_acc(x_ptr, w_ptr, part_ptr, counters_ptr + tl.program_id(0), R, N, stride_x, stride_w, first,
+                           K, RB, BN, BK, EVEN_K, SWAP, PRECISION, DOT_F32, SPLIT)
+    if last:
+        rows = tl.arange(0, RB)
+        cols = first + tl.arange(0, BN)
+        cmask = cols < N
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        y = y_ptr + rows[:, None] * stride_y + cols[None, :]
+        tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=(rows < R)[:, None] & cmask[None, :])
 
 
 # Triton's CPU interpreter multiplies bfloat16 dot operands as their raw bits: there they are widened first.
 _INTERPRETED = isinstance(_tile_linear_kernel, InterpretedFunction)
 
 
+ROW_CLASSES = {"narrow": "rows_narrow_", "deep": "rows_deep_", "wide": "rows_"}  # KernelConfig's field prefixes
+
+
+def row_class(N: int, K: int, config: KernelConfig = DEFAULT_CONFIG) -> str:
+    """Which of KernelConfig's three sets of sizes a product of N outputs over K inputs takes."""
+    return "narrow" if N <= config.rows_narrow_max else "deep" if K >= config.rows_deep_from else "wide"
+
+
 def tile(N: int, K: int, dtype: torch.dtype, config: KernelConfig = DEFAULT_CONFIG) -> dict:
     """The launch settings of a product with N outputs over K inputs: a function of the shape,
     the dtype and the config alone, so a row's bits are too."""
-    if N <= config.rows_narrow_max:
-        bn, bk, warps, stages = config.rows_narrow_n, config.rows_narrow_k, config.rows_narrow_warps, \
-            config.rows_narrow_stages
-    else:
-        bn, bk, warps, stages = config.rows_n, config.rows_k, config.rows_warps, config.rows_stages
+    prefix = ROW_CLASSES[row_class(N, K, config)]
+    bn, bk, warps, stages, swap, split = (getattr(config, prefix + f) for f in ("n", "k", "warps", "stages", "swap",
+                                                                               "split"))
+    if N > config.rows_narrow_max and triton.cdiv(N, bn) >= config.rows_split_below:  # programs enough (a head)
+        split = 1
     if dtype == torch.float32:  # an FMA dot holds its tiles in registers: keep them small
         bk = min(bk, 64)
     bk = min(bk, max(16, triton.next_power_of_2(K)))
-    return dict(BN=bn, BK=bk, EVEN_K=K % bk == 0, SWAP=bool(config.rows_swap), num_warps=warps, num_stages=stages)
+    # a split takes whole steps of K; fewer splits where K does not divide so
+    while split > 1 and (K % (split * bk) or triton.cdiv(N, bn) > MAX_SPLIT_BLOCKS):
+        split //= 2
+    return dict(BN=bn, BK=bk, EVEN_K=K % bk == 0, SWAP=bool(swap), SPLIT=max(1, split), num_warps=warps,
+                num_stages=stages)
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _counters(device: torch.device) -> torch.Tensor:
+    """MAX_SPLIT_BLOCKS int32 zeros on `device`, shared by every split product there: each launch
+    leaves them zero, and launches on one device run one after another (one stream, as the
+    engine's). Made once and kept, since CUDA graphs hold their address; the decoder's eager
+    warm-up step makes them before any capture."""
+    if device not in _COUNTERS:
+        _COUNTERS[device] = torch.zeros(MAX_SPLIT_BLOCKS, dtype=torch.int32, device=device)
+    return _COUNTERS[device]
+
+
+def split_parts(blocks: int, rows: int, settings: dict, device: torch.device) -> torch.Tensor:
+    """The float32 partials a launch of `settings` over `blocks` column blocks writes (none without a split)."""
+    split = settings["SPLIT"]
+    return torch.empty(blocks * split * rows * settings["BN"] if split > 1 else 1, dtype=torch.float32, device=device)
 
 
 def tile_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
@@ -129,8 +194,9 @@ def tile_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     if K == 0:
         return out.copy_(bias.expand(R, N)) if bias is not None else out.zero_()
     settings = tile(N, K, x.dtype, config)
-    _tile_linear_kernel[(triton.cdiv(N, settings["BN"]),)](
-        x, weight, weight if bias is None else bias, out, R, N, x.stride(0), weight.stride(0), out.stride(0), K=K,
-        RB=max(16, triton.next_power_of_2(R)), HAS_BIAS=bias is not None,
+    blocks, rb = triton.cdiv(N, settings["BN"]), max(16, triton.next_power_of_2(R))
+    _tile_linear_kernel[(blocks, settings["SPLIT"])](
+        x, weight, weight if bias is None else bias, out, split_parts(blocks, rb, settings, x.device),
+        _counters(x.device), R, N, x.stride(0), weight.stride(0), out.stride(0), K=K, RB=rb, HAS_BIAS=bias is not None,
         PRECISION="ieee" if x.dtype == torch.float32 or _INTERPRETED else "tf32", DOT_F32=_INTERPRETED, **settings)
     return out

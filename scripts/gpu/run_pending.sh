@@ -39,6 +39,7 @@
 #             `carry: [".whl"]` in the call)
 #   rows-products: its GPU tests (NO_TESTS=1: none), the cuBLAS/Triton table at the 30B shapes and the kernel's
 #             block-size sweep (best into $out/rows-best-config.json and /tmp/rows-best-config.json)
+#   rows-split: the row products' classes with K splits: GPU tests, the rows sweep, decode defaults vs swept sizes
 #   rows-products-ab: resident decode with --rows-products cublas, triton, and triton with the sweep's block sizes
 #             (ROWS_CONFIG: their JSON, where the machine is not the one the sweep ran on)
 set -u
@@ -252,5 +253,20 @@ for part in "$@"; do
     for f in "$out/rows-best-config.json" /tmp/rows-best-config.json; do [ -z "$cfg" ] && [ -f "$f" ] && cfg=$f; done
     [ -n "$cfg" ] && MOESTREAM_KERNEL_CONFIG="$cfg" bench resident-rows-products-triton-tuned 150 --cache-sizes all \
       --prefill-tokens 512 --rows-products triton ;;
+  rows-split)  # the row products' three classes (narrow / deep / wide) with K splits: their GPU tests, the rows
+    # sweep, then resident decode with the defaults and with the sweep's sizes, one process each
+    synth &
+    timeout -s ABRT ${TESTS_LIMIT:-150} python3 -m pytest tests/gpu/test_rows_products_cuda.py -q -p no:cacheprovider \
+      -rfE > "$out/rows-split-tests.log" 2>&1
+    say rows-split-tests "rc=$?"; grep -E "passed|failed|FAILED|ERROR|Fatal" "$out/rows-split-tests.log" | tail -6
+    timeout ${ROWS_SWEEP_LIMIT:-300} python3 scripts/bench_kernels.py --out "$out/rows-split.json" --no-experts \
+      --rows-products --rows-sweep --rows-sweep-seconds ${ROWS_SWEEP_SECONDS:-210} \
+      --best-out "$out/rows-split-best-config.json" > "$out/rows-split.log" 2>&1
+    say rows-split-sweep "rc=$?"; grep -E "^rows|rror" "$out/rows-split.log" | tail -8
+    wait
+    bench rows-split-defaults 120 --cache-sizes all --prefill-tokens 512
+    [ -f "$out/rows-split-best-config.json" ] && cat "$out/rows-split-best-config.json" && \
+      MOESTREAM_KERNEL_CONFIG="$out/rows-split-best-config.json" bench rows-split-swept 120 --cache-sizes all --prefill-tokens 512
+    [ -n "${ABA:-}" ] && bench rows-split-defaults-again 120 --cache-sizes all --prefill-tokens 512 ;;
   esac
 done

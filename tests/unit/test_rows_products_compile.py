@@ -23,8 +23,9 @@ def ptx(N: int, K: int, dtype: torch.dtype, config: KernelConfig, *, bias: bool 
                      DOT_F32=False)
     t = {torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype]
     names = tr._tile_linear_kernel.arg_names
-    signature = {name: "constexpr" if name in constants else ("*" + t if name.endswith("_ptr") else "i32")
-                 for name in names}
+    pointers = {"part_ptr": "*fp32", "counters_ptr": "*i32"}  # a split's partials and its column blocks' counters
+    signature = {name: "constexpr" if name in constants else pointers.get(name, "*" + t) if name.endswith("_ptr")
+                 else "i32" for name in names}
     # as a launch specializes them: pointers 16-byte aligned, row strides multiples of 16 elements
     aligned = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n.endswith("_ptr") or n.startswith("stride")}
     compiled = triton.compile(ASTSource(tr._tile_linear_kernel, signature, constants, aligned),
@@ -34,22 +35,42 @@ def ptx(N: int, K: int, dtype: torch.dtype, config: KernelConfig, *, bias: bool 
 
 @pytest.mark.parametrize("N,K", [(5120, 2048), (2048, 4096), (128, 2048), (333, 1000)])
 def test_the_default_tiles_compile_on_the_tensor_cores(N, K):
-    code = ptx(N, K, torch.bfloat16, KernelConfig(), bias=N == 333)
-    assert ".target sm_90" in code and "mma.sync" in code
-    assert "cp.async.cg.shared.global" in code  # the loads pipelined: 16-byte asynchronous copies to shared memory
+    cfg = KernelConfig()
+    settings = tr.tile(N, K, torch.bfloat16, cfg)
+    code = ptx(N, K, torch.bfloat16, cfg, bias=N == 333)
+    assert ".target sm_90" in code and ("wgmma.mma_async" if settings["SWAP"] and settings["BN"] >= 64 else "mma.sync") in code
+    if K // settings["SPLIT"] > settings["BK"]:  # the loads pipelined: 16-byte asynchronous copies to shared memory
+        assert "cp.async.cg.shared.global" in code
+    if settings["SPLIT"] > 1:
+        assert "atom" in code
 
 
 @pytest.mark.parametrize("n,k,warps,stages", [(16, 128, 4, 3), (32, 256, 2, 5), (32, 512, 4, 3), (16, 256, 1, 4)])
 def test_the_sweeps_tiles_compile(n, k, warps, stages):
-    wide = KernelConfig(rows_n=n, rows_k=k, rows_warps=warps, rows_stages=stages)
-    assert "mma.sync" in ptx(2048, 4096, torch.bfloat16, wide)
-    narrow = KernelConfig(rows_narrow_n=n, rows_narrow_k=2 * k, rows_narrow_warps=warps, rows_narrow_stages=stages - 1)
+    wide = KernelConfig(rows_n=n, rows_k=k, rows_warps=warps, rows_stages=stages, rows_swap=0, rows_split=1)
+    assert "mma.sync" in ptx(5120, 2048, torch.bfloat16, wide)
+    deep = KernelConfig(rows_deep_n=n, rows_deep_k=k, rows_deep_warps=warps, rows_deep_stages=stages, rows_deep_split=2)
+    assert "mma.sync" in ptx(2048, 4096, torch.bfloat16, deep)
+    narrow = KernelConfig(rows_narrow_n=n, rows_narrow_k=2 * k, rows_narrow_warps=warps, rows_narrow_stages=stages - 1,
+                          rows_narrow_split=1)
     assert "mma.sync" in ptx(128, 2048, torch.bfloat16, narrow)
 
 
+@pytest.mark.parametrize("N,K,split", [(2048, 4096, 4), (5120, 2048, 2), (128, 2048, 4)])
+def test_a_split_product_compiles_with_its_counter(N, K, split):
+    cfg = KernelConfig(rows_split=split, rows_narrow_split=split, rows_deep_split=split, rows_swap=0, rows_n=16)
+    assert tr.tile(N, K, torch.bfloat16, cfg)["SPLIT"] == split
+    code = ptx(N, K, torch.bfloat16, cfg)
+    assert "mma.sync" in code and "atom" in code
+    if K // split > 512:  # several steps of K per split: their loads pipelined
+        assert "cp.async.cg.shared.global" in code
+
+
 def test_weights_on_the_m_side_take_hopper_wgmma():
-    cfg = KernelConfig(rows_n=64, rows_k=256, rows_warps=4, rows_swap=1)
+    cfg = KernelConfig(rows_n=64, rows_k=256, rows_warps=4, rows_swap=1, rows_deep_n=64, rows_deep_warps=4,
+                       rows_deep_swap=1, rows_deep_split=4)
     assert "wgmma.mma_async" in ptx(5120, 2048, torch.bfloat16, cfg)
+    assert "wgmma.mma_async" in ptx(2048, 4096, torch.bfloat16, cfg)  # with a split too
 
 
 def test_float32_products_stay_ieee():

@@ -22,9 +22,18 @@ from moestream.layers.rope import Rope  # noqa: E402
 EPS = 1e-6
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}  # max |y - ref| / max |ref|
 # small blocks, so a tiny product takes several programs and several steps of K
-SMALL = KernelConfig(rows_n=16, rows_k=32, rows_narrow_max=24, rows_narrow_n=16, rows_narrow_k=64)
-CONFIGS = {"default": KernelConfig(), "small": SMALL, "swap": KernelConfig(rows_n=32, rows_k=64, rows_swap=1),
-           "wide": KernelConfig(rows_n=64, rows_k=128, rows_warps=8, rows_stages=2)}
+SMALL = KernelConfig(rows_n=16, rows_k=32, rows_swap=0, rows_narrow_max=24, rows_narrow_n=16, rows_narrow_k=64,
+                     rows_narrow_split=1)
+CONFIGS = {"default": KernelConfig(), "small": SMALL,
+           "swap": KernelConfig(rows_n=32, rows_k=64, rows_swap=1, rows_narrow_n=32, rows_narrow_k=64, rows_narrow_swap=1,
+                                rows_narrow_split=1),
+           "wide": KernelConfig(rows_n=64, rows_k=128, rows_warps=8, rows_stages=2, rows_swap=0, rows_narrow_max=8),
+           # K split in 2 (wide) and 4 (narrow): partials added by each column block's last program
+           "split": KernelConfig(rows_n=16, rows_k=16, rows_swap=0, rows_split=2, rows_narrow_max=24, rows_narrow_n=16,
+                                 rows_narrow_k=16, rows_narrow_split=4),
+           # the deep class (K >= 64 here) on its own sizes, split in 2, on the M side
+           "deep": KernelConfig(rows_narrow_max=8, rows_deep_from=64, rows_deep_n=16, rows_deep_k=16, rows_deep_swap=1,
+                                rows_deep_split=2, rows_n=16, rows_k=32, rows_swap=0)}
 
 
 def test_rows_products_under_the_interpreter():
@@ -63,7 +72,7 @@ def test_strided_weights_and_an_output_buffer(tr):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("config", ["default", "small", "swap"])
+@pytest.mark.parametrize("config", ["default", "small", "swap", "split", "deep"])
 def test_a_rows_bits_do_not_depend_on_the_rows_beside_it(tr, config, dtype):
     """The same row among other neighbours, at another place of the tile, or with fewer rows in
     the call: the same bits."""
@@ -104,6 +113,44 @@ def test_the_tile_follows_from_the_shape_and_the_config(tr):
     assert wide["BN"] == 32 and wide["BK"] == 256 and wide["EVEN_K"]
     assert tr.tile(5120, 2048, torch.float32, cfg)["BK"] == 64  # an FMA dot's tiles stay small
     assert not tr.tile(5120, 100, torch.bfloat16, cfg)["EVEN_K"]
+
+
+def test_the_split_follows_from_the_shape_and_the_config(tr):
+    cfg = KernelConfig(rows_n=16, rows_k=256, rows_split=4, rows_split_below=1024, rows_narrow_n=16,
+                       rows_narrow_k=256, rows_narrow_split=8, rows_deep_from=8192)
+    assert tr.tile(2048, 4096, torch.bfloat16, cfg)["SPLIT"] == 4  # o: 128 column blocks
+    assert tr.tile(128, 2048, torch.bfloat16, cfg)["SPLIT"] == 8  # a router: 2,048 = 8 x 256
+    assert tr.tile(151936, 2048, torch.bfloat16, cfg)["SPLIT"] == 1  # a head: programs enough without
+    assert tr.tile(2048, 512, torch.bfloat16, cfg)["SPLIT"] == 2  # K = 2 steps: 2 splits at most
+    assert tr.tile(2048, 300, torch.bfloat16, cfg)["SPLIT"] == 1  # K not in whole steps
+    deep = KernelConfig(rows_deep_from=4096, rows_deep_n=32, rows_deep_k=128, rows_deep_split=2, rows_deep_swap=0,
+                        rows_n=64, rows_swap=1, rows_split=1)
+    assert tr.row_class(2048, 4096, deep) == "deep" and tr.row_class(5120, 2048, deep) == "wide"
+    assert tr.row_class(128, 8192, deep) == "narrow"
+    assert tr.tile(2048, 4096, torch.bfloat16, deep) == dict(BN=32, BK=128, EVEN_K=True, SWAP=False, SPLIT=2,
+                                                             num_warps=2, num_stages=4)
+    assert tr.tile(5120, 2048, torch.bfloat16, deep)["BN"] == 64 and tr.tile(5120, 2048, torch.bfloat16, deep)["SWAP"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_split_product_sums_its_partials_in_a_fixed_order(tr, dtype):
+    """Each column block's last program adds the partials in split order: the same bits every call
+    (whichever program ends last), the counters back at zero, and the sum of the unsplit products
+    over each split of K in that order."""
+    g = gen(11)
+    R, N, K = 16, 48, 128
+    x, w, b = randn(R, K, g=g, dtype=dtype), randn(N, K, g=g, dtype=dtype), randn(N, g=g, dtype=dtype)
+    cfg = CONFIGS["split"]
+    assert tr.tile(N, K, dtype, cfg)["SPLIT"] == 2
+    y = tr.tile_linear(x, w, b, config=cfg)
+    assert not tr._counters(x.device).any()
+    assert torch.equal(tr.tile_linear(x, w, b, config=cfg), y)
+    one = KernelConfig(rows_n=16, rows_k=16, rows_narrow_max=24)  # the same tile, no split
+    halves = [tr.tile_linear(x[:, k:k + K // 2].contiguous(), w[:, k:k + K // 2].contiguous(), config=one)
+              for k in (0, K // 2)]
+    if dtype == torch.float32:  # float32 outputs are the partials themselves
+        assert torch.equal(y, (halves[0] + halves[1]) + b)
+    assert relative_error(y, F.linear(x.double(), w.double(), b.double())) < TOL[dtype]
 
 
 # -- the layers with the kernel ---------------------------------------------------------------------------
