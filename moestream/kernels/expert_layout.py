@@ -222,6 +222,7 @@ class KernelConfig:
     rows_deep_swap: int = 0
     rows_deep_split: int = 4
     rows_split_below: int = 1024
+    pdl: int = 1  # the decode step's Triton kernels with programmatic dependent launch (moestream.kernels.pdl)
 
 CONFIG_ENV = "MOESTREAM_KERNEL_CONFIG"
 

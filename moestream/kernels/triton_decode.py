@@ -48,6 +48,7 @@ from triton.language.extra import libdevice
 from triton.runtime.interpreter import InterpretedFunction
 
 from moestream.kernels.expert_layout import ACT_DTYPES
+from moestream.kernels.pdl import pdl_launch
 
 MAX_N = 16384  # rms_norm keeps one whole row in registers
 DEFAULT_SPLIT = 128  # keys per attention split (a power of two >= 16)
@@ -66,7 +67,11 @@ def _rms_scale(x32, w, eps, inv_n, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, stride_x, w_ptr, out_ptr, stride_o, N, eps, inv_n, BLOCK: tl.constexpr):
+def _rms_norm_kernel(x_ptr, stride_x, w_ptr, out_ptr, stride_o, N, eps, inv_n, BLOCK: tl.constexpr,
+                     PDL: tl.constexpr):
+    if PDL:  # launched with PDL: the kernel before it complete and visible first; the next may be scheduled
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
@@ -77,7 +82,10 @@ def _rms_norm_kernel(x_ptr, stride_x, w_ptr, out_ptr, stride_o, N, eps, inv_n, B
 
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, stride_x, y_ptr, stride_y, w_ptr, h_ptr, hn_ptr, split_ptr, N, eps, inv_n,
-                         BLOCK: tl.constexpr, SPLIT: tl.constexpr):
+                         BLOCK: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # launched with PDL: the kernel before it complete and visible first; the next may be scheduled
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     # SPLIT > 0: hn also in float32 at split_ptr [T, SPLIT, N/SPLIT], element n at [n % SPLIT, n // SPLIT]
     DTYPE: tl.constexpr = h_ptr.dtype.element_ty
     row = tl.program_id(0).to(tl.int64)
@@ -125,7 +133,10 @@ def _rope_qk_store_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, qn_ptr, kn
                           stride_kh, stride_kt, stride_vh, stride_vt, max_tokens, eps, inv_d,
                           slot_ptr, stride_ks, stride_vs, num_slots, stride_qr, stride_kr, stride_vr,
                           NQ: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, Q_NORM: tl.constexpr,
-                          K_NORM: tl.constexpr, LIBDEVICE: tl.constexpr, HAS_SLOT: tl.constexpr):
+                          K_NORM: tl.constexpr, LIBDEVICE: tl.constexpr, HAS_SLOT: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # launched with PDL: the kernel before it complete and visible first; the next may be scheduled
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     # axis 0, programs 0..NQ-1: query heads; NQ..NQ+NKV-1: key heads, each also copying its value
     # head; axis 1: the row (token), with its own position (and slot)
     # HAS_SLOT: keys/values are every sequence slot's caches, the row's slot read from slot_ptr
@@ -176,7 +187,10 @@ def _attn_split_kernel(q_ptr, stride_qh, k_ptr, stride_kh, stride_kt, v_ptr, str
                        acc_ptr, m_ptr, l_ptr, num_splits, qk_scale, slot_ptr, stride_ks, stride_vs, num_slots,
                        stride_qr, G: tl.constexpr, GB: tl.constexpr, D: tl.constexpr,
                        BD: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
-                       DOT_F32: tl.constexpr, HAS_SLOT: tl.constexpr):
+                       DOT_F32: tl.constexpr, HAS_SLOT: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # launched with PDL: the kernel before it complete and visible first; the next may be scheduled
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     # One program: row r's G query heads of kv head `kvh` against keys [s*SPLIT, (s+1)*SPLIT) ∩ [0, pos_r].
     # Writes the unnormalized output acc [G, D], the running max m (log2 units) and the sum l.
     # HAS_SLOT: k/v are every sequence slot's caches, the row's slot read from slot_ptr.
@@ -241,7 +255,10 @@ def _attn_split_kernel(q_ptr, stride_qh, k_ptr, stride_kh, stride_kt, v_ptr, str
 @triton.jit
 def _attn_combine_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, pos_ptr, max_tokens, rows, stride_or,
                          NUM_SPLITS: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, SPLIT: tl.constexpr,
-                         SB: tl.constexpr):
+                         SB: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # launched with PDL: the kernel before it complete and visible first; the next may be scheduled
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     # One program per (query head, output row); splits 0..pos//SPLIT in a fixed order: the same bits
     # every run. Steps of SB splits up to a trip count known at launch, guarded by the device position.
     # Output rows from `rows` on (a fixed-size product's padding) are written as zeros.
@@ -331,7 +348,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tenso
         raise ValueError(f"out: {out.dtype} {list(out.shape)}, expected {x.dtype} {list(x.shape)}")
     if T:
         _rms_norm_kernel[(T,)](x, x.stride(0), weight, out, out.stride(0), N, eps, _inv(N), BLOCK=block,
-                               num_warps=warps, enable_fp_fusion=False)
+                               num_warps=warps, enable_fp_fusion=False, **pdl_launch(x, _INTERPRETED))
     return out
 
 
@@ -353,7 +370,7 @@ def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: fl
     if T:
         _add_rms_norm_kernel[(T,)](x, x.stride(0), y, y.stride(0), weight, h, hn, hn if split is None else split,
                                    N, eps, _inv(N), BLOCK=block, SPLIT=0 if split is None else split.shape[1],
-                                   num_warps=warps, enable_fp_fusion=False)
+                                   num_warps=warps, enable_fp_fusion=False, **pdl_launch(x, _INTERPRETED))
     return h, hn
 
 
@@ -408,7 +425,8 @@ def rope_qk_store_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: t
             q_out, keys, values, keys.stride(0), keys.stride(1), values.stride(0), values.stride(1), max_tokens, eps,
             _inv(D), *slot_args, q.stride(0), k.stride(0), v.stride(0), NQ=Nq, D=D, BLOCK=block,
             Q_NORM=q_norm is not None, K_NORM=k_norm is not None, LIBDEVICE=not _INTERPRETED,
-            HAS_SLOT=slot is not None, num_warps=1, enable_fp_fusion=False)
+            HAS_SLOT=slot is not None, num_warps=1, enable_fp_fusion=False,
+            **pdl_launch(q, _INTERPRETED))
     return q_out
 
 
@@ -467,9 +485,11 @@ def decode_attention_rows(q: torch.Tensor, keys: torch.Tensor, values: torch.Ten
             max_tokens, acc, m, l, splits, scale * _LOG2E, *slot_args, q.stride(0), G=G,
             GB=max(16, triton.next_power_of_2(G)), D=D, BD=bd, BLOCK_N=block_n, SPLIT=split,
             PRECISION="ieee" if q.dtype == torch.float32 or _INTERPRETED else "tf32",
-            DOT_F32=_INTERPRETED, HAS_SLOT=slot is not None, num_warps=4, num_stages=2)
+            DOT_F32=_INTERPRETED, HAS_SLOT=slot is not None, num_warps=4, num_stages=2,
+            **pdl_launch(q, _INTERPRETED))
     out = torch.empty((out_rows, Nq * D), dtype=q.dtype, device=q.device)
     if out_rows:
         _attn_combine_kernel[(Nq, out_rows)](acc, m, l, out, pos, max_tokens, T, out.stride(0), NUM_SPLITS=splits,
-                                             D=D, BD=bd, SPLIT=split, SB=_COMBINE_SPLITS, num_warps=4)
+                                             D=D, BD=bd, SPLIT=split, SB=_COMBINE_SPLITS, num_warps=4,
+                                             **pdl_launch(q, _INTERPRETED))
     return out

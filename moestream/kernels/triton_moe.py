@@ -61,6 +61,7 @@ from moestream.kernels.expert_layout import (ACT_DTYPES, DEFAULT_CONFIG, GROUP, 
 from moestream.kernels.triton_decode import MAX_N, _inv, _rms_scale
 from moestream.kernels.triton_expert_math import _bias_f32, _code_f32, _e2m1_f32, _e8m0_f32, _gate_act, _up_act
 from moestream.kernels.triton_grouped import _down_grouped, _gate_up_grouped
+from moestream.kernels.pdl import pdl_launch
 
 # torch -> Triton dtypes: the gemv kernels compute in float32 but round the biases to x's dtype
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -73,7 +74,10 @@ def _gate_up_gemv(xs_ptr, ids_ptr, slot_table_ptr, pool_w, pool_s, pool_b, slot_
                   gw_off, gs_off, gb_off, uw_off, us_off, ub_off, g_add_off, u_add_off, alpha, limit, h_ptr,
                   H: tl.constexpr, I: tl.constexpr, A: tl.constexpr, BITS: tl.constexpr, BN: tl.constexpr,
                   NG: tl.constexpr, H_CPW: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                  X_DTYPE: tl.constexpr, MX: tl.constexpr):
+                  X_DTYPE: tl.constexpr, MX: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # launched with PDL: the kernel before it complete and visible first; the next may be scheduled
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     # xs [T, CPW, H/CPW] float32 split x; h [P, H_CPW, I/H_CPW] float32, split for the down kernel.
     # g_add_off, u_add_off: gate_proj.bias, up_proj.bias in pool_b (the added biases, not the quantization's)
     # MX: pool_s is the pool's bytes (E8M0 scales, one per 32 inputs; slot_halves is then in bytes)
@@ -147,7 +151,10 @@ def _gate_up_gemv(xs_ptr, ids_ptr, slot_table_ptr, pool_w, pool_s, pool_b, slot_
 def _down_gemv(hs_ptr, ids_ptr, rw_ptr, slot_table_ptr, pool_w, pool_s, pool_b, slot_words, slot_halves, slot_bias,
                dw_off, ds_off, db_off, d_add_off, o_ptr, H: tl.constexpr, I: tl.constexpr,
                BITS: tl.constexpr, BN: tl.constexpr, NG: tl.constexpr, HAS_BIAS: tl.constexpr, X_DTYPE: tl.constexpr,
-               MX: tl.constexpr):
+               MX: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # launched with PDL: the kernel before it complete and visible first; the next may be scheduled
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     # hs [P, CPW, I/CPW] float32 split h; o [P, H] float32
     pair = tl.program_id(0)
     nb = tl.program_id(1)
@@ -200,7 +207,10 @@ def _down_gemv(hs_ptr, ids_ptr, rw_ptr, slot_table_ptr, pool_w, pool_s, pool_b, 
 
 @triton.jit
 def _combine(o_ptr, y_ptr, res_ptr, T, H, A: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BT: tl.constexpr,
-             BLOCK: tl.constexpr):
+             BLOCK: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # launched with PDL: the kernel before it complete and visible first; the next may be scheduled
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     # o [T*A, H] float32 -> y [T, H] (+ the residual res [T, H], added after rounding y as torch would)
     toks = tl.program_id(0) * BT + tl.arange(0, BT)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -218,7 +228,10 @@ def _combine(o_ptr, y_ptr, res_ptr, T, H, A: tl.constexpr, HAS_RESIDUAL: tl.cons
 
 @triton.jit
 def _combine_norm(o_ptr, y_ptr, res_ptr, w_ptr, n_ptr, H, eps, inv_n, A: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                  BLOCK: tl.constexpr):
+                  BLOCK: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # launched with PDL: the kernel before it complete and visible first; the next may be scheduled
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     # _combine for one token's whole row (y's bits are _combine's: the same per-column sums), then the
     # next layer's input RMSNorm of y with weight w into n [T, H] (triton_decode.rms_norm's arithmetic)
     DTYPE: tl.constexpr = y_ptr.dtype.element_ty
@@ -417,7 +430,7 @@ class MoEPlan:
             _gate_up_gemv[grid](self.xs, self.ids, slot_table, *common, BITS=bits, BN=cfg.gemv_gate_up_n,
                                 NG=_groups_per_step(cfg.gemv_gate_up_words, bits, self._scale_group()),
                                 H_CPW=32 // lay.bits_down, X_DTYPE=self._x_dtype(), **self._act_args(),
-                                num_warps=cfg.gemv_gate_up_warps)
+                                num_warps=cfg.gemv_gate_up_warps, **pdl_launch(self.x, _INTERPRETED))
         else:
             grid = (self.num_blocks, triton.cdiv(lay.inter, cfg.gate_up_n))
             _gate_up_grouped[grid](self.x, self.x.stride(0), self.block_rank, self.num_experts,
@@ -437,7 +450,8 @@ class MoEPlan:
             grid = (self.ids.numel(), triton.cdiv(lay.hidden, cfg.gemv_down_n))
             _down_gemv[grid](self.h, self.ids, self.weights, slot_table, *common, BITS=bits, BN=cfg.gemv_down_n,
                              NG=_groups_per_step(cfg.gemv_down_words, bits, self._scale_group()), HAS_BIAS=lay.has_bias,
-                             X_DTYPE=self._x_dtype(), MX=lay.mx, num_warps=cfg.gemv_down_warps)
+                             X_DTYPE=self._x_dtype(), MX=lay.mx, num_warps=cfg.gemv_down_warps,
+                             **pdl_launch(self.x, _INTERPRETED))
         else:
             grid = (self.num_blocks, triton.cdiv(lay.hidden, cfg.down_n))
             _down_grouped[grid](self.h, self.weights, self.block_rank, self.num_experts,
@@ -470,7 +484,7 @@ class MoEPlan:
             grid = (triton.cdiv(self.tokens, bt), triton.cdiv(lay.hidden, block))
             res = residual if residual is not None else y
             _combine[grid](self.o, y, res, self.tokens, lay.hidden, self.top_k, HAS_RESIDUAL=residual is not None,
-                           BT=bt, BLOCK=block)
+                           BT=bt, BLOCK=block, **pdl_launch(y, _INTERPRETED))
         return y
 
     def _finish_norm(self, residual: torch.Tensor | None, y: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -487,7 +501,8 @@ class MoEPlan:
             block = triton.next_power_of_2(H)
             _combine_norm[(T,)](self.o, y, y if residual is None else residual, weight, normed, H, eps, _inv(H),
                                 A=self.top_k, HAS_RESIDUAL=residual is not None, BLOCK=block,
-                                num_warps=min(16, max(1, block // 256)), enable_fp_fusion=False)
+                                num_warps=min(16, max(1, block // 256)), enable_fp_fusion=False,
+                                **pdl_launch(y, _INTERPRETED))
 
 
 def split_shape(layout: SlotLayout, tokens: int) -> tuple[int, int, int]:

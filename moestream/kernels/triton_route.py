@@ -20,6 +20,7 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from moestream.kernels.expert_layout import ACT_DTYPES, DEFAULT_CONFIG, KernelConfig
+from moestream.kernels.pdl import pdl_launch
 from moestream.kernels.triton_rows import MAX_ROWS, _tile_acc, split_parts, tile
 
 MAX_FUSED_EXPERTS = 1024  # route_rows' last program holds one row of logits in registers per step
@@ -49,7 +50,10 @@ def _choose(z, cols, E, weights_ptr, ids_ptr, A: tl.constexpr, BLOCK_E: tl.const
 
 @triton.jit
 def _route_topk(logits_ptr, stride, weights_ptr, ids_ptr, E, A: tl.constexpr, BLOCK_E: tl.constexpr,
-                BLOCK_A: tl.constexpr, NORMALIZE: tl.constexpr):
+                BLOCK_A: tl.constexpr, NORMALIZE: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # launched with PDL: the kernel before it complete and visible first; the next may be scheduled
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0)
     cols = tl.arange(0, BLOCK_E)
     z = tl.load(logits_ptr + t.to(tl.int64) * stride + cols, mask=cols < E, other=float("-inf")).to(tl.float32)
@@ -68,7 +72,8 @@ def route_topk(logits: torch.Tensor, top_k: int, *, normalize: bool, out_dtype: 
     if tokens:
         _route_topk[(tokens,)](logits, logits.stride(0), weights, ids, experts, A=top_k,
                                BLOCK_E=triton.next_power_of_2(experts), BLOCK_A=triton.next_power_of_2(top_k),
-                               NORMALIZE=normalize, num_warps=4 if experts > 256 else 1)
+                               NORMALIZE=normalize, num_warps=4 if experts > 256 else 1,
+                               **pdl_launch(logits, _INTERPRETED))
     return weights, ids
 
 
@@ -76,7 +81,10 @@ def route_topk(logits: torch.Tensor, top_k: int, *, normalize: bool, out_dtype: 
 def _route_rows(x_ptr, w_ptr, logits_ptr, part_ptr, weights_ptr, ids_ptr, counter_ptr, R, E, chosen_rows, stride_x,
                 stride_w, K: tl.constexpr, RB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
                 SWAP: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr, SPLIT: tl.constexpr,
-                A: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_A: tl.constexpr, NORMALIZE: tl.constexpr):
+                A: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_A: tl.constexpr, NORMALIZE: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # launched with PDL: the kernel before it complete and visible first; the next may be scheduled
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     # logits [R, E] in x's dtype (rounded as tile_linear's output); weights, ids [R, A]; with SPLIT > 1
     # the programs store float32 partials [blocks, SPLIT, RB, BN] instead, summed in split order at the end
     first = tl.program_id(0) * BN
@@ -149,7 +157,7 @@ def route_rows(x: torch.Tensor, router: torch.Tensor, top_k: int, *, normalize: 
         x.stride(0), router.stride(0), K=K, RB=rb,
         PRECISION="ieee" if x.dtype == torch.float32 or _INTERPRETED else "tf32",
         DOT_F32=_INTERPRETED, A=top_k, BLOCK_E=triton.next_power_of_2(E), BLOCK_A=triton.next_power_of_2(top_k),
-        NORMALIZE=normalize, **settings)
+        NORMALIZE=normalize, **settings, **pdl_launch(x, _INTERPRETED))
     return weights, ids
 
 

@@ -33,6 +33,7 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from moestream.kernels.expert_layout import ACT_DTYPES, DEFAULT_CONFIG, KernelConfig
+from moestream.kernels.pdl import pdl_launch
 
 MAX_ROWS = 64  # rows of x one call takes (the decoder's tile is 16)
 MAX_SPLIT_BLOCKS = 4096  # column blocks a split product may have: one counter each (_counters)
@@ -105,7 +106,10 @@ def _split_acc(x_ptr, w_ptr, part_ptr, counter_ptr, R, N, stride_x, stride_w, fi
 def _tile_linear_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, counters_ptr, R, N, stride_x, stride_w, stride_y,
                         K: tl.constexpr, RB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
                         HAS_BIAS: tl.constexpr, SWAP: tl.constexpr, PRECISION: tl.constexpr,
-                        DOT_F32: tl.constexpr, SPLIT: tl.constexpr):
+                        DOT_F32: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # launched with PDL: the kernel before it complete and visible first; the next may be scheduled
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     first = tl.program_id(0) * BN
     acc, last = _split_acc(x_ptr, w_ptr, part_ptr, counters_ptr + tl.program_id(0), R, N, stride_x, stride_w, first,
                            K, RB, BN, BK, EVEN_K, SWAP, PRECISION, DOT_F32, SPLIT)
@@ -198,5 +202,6 @@ def tile_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     _tile_linear_kernel[(blocks, settings["SPLIT"])](
         x, weight, weight if bias is None else bias, out, split_parts(blocks, rb, settings, x.device),
         _counters(x.device), R, N, x.stride(0), weight.stride(0), out.stride(0), K=K, RB=rb, HAS_BIAS=bias is not None,
-        PRECISION="ieee" if x.dtype == torch.float32 or _INTERPRETED else "tf32", DOT_F32=_INTERPRETED, **settings)
+        PRECISION="ieee" if x.dtype == torch.float32 or _INTERPRETED else "tf32", DOT_F32=_INTERPRETED, **settings,
+        **pdl_launch(x, _INTERPRETED))
     return out

@@ -39,6 +39,7 @@
 #             `carry: [".whl"]` in the call)
 #   rows-products: its GPU tests (NO_TESTS=1: none), the cuBLAS/Triton table at the 30B shapes and the kernel's
 #             block-size sweep (best into $out/rows-best-config.json and /tmp/rows-best-config.json)
+#   pdl:      PDL's GPU tests, the fused boundaries' tests, resident decode without / with / without PDL
 #   rows-split: the row products' classes with K splits: GPU tests, the rows sweep, decode defaults vs swept sizes
 #   rows-products-ab: resident decode with --rows-products cublas, triton, and triton with the sweep's block sizes
 #             (ROWS_CONFIG: their JSON, where the machine is not the one the sweep ran on)
@@ -268,5 +269,17 @@ for part in "$@"; do
     [ -f "$out/rows-split-best-config.json" ] && cat "$out/rows-split-best-config.json" && \
       MOESTREAM_KERNEL_CONFIG="$out/rows-split-best-config.json" bench rows-split-swept 120 --cache-sizes all --prefill-tokens 512
     [ -n "${ABA:-}" ] && bench rows-split-defaults-again 120 --cache-sizes all --prefill-tokens 512 ;;
+  pdl)  # programmatic dependent launch of the decode step's Triton kernels: its GPU test alone, the fused boundaries'
+    # tests (the router's split defaults), then resident decode without / with / without PDL, one process each
+    synth &
+    timeout -s ABRT 120 python3 -m pytest tests/gpu/test_pdl_cuda.py -q -p no:cacheprovider -rfE > "$out/pdl-tests.log" 2>&1
+    say pdl-tests "rc=$?"; grep -E "passed|failed|FAILED|ERROR|Fatal" "$out/pdl-tests.log" | tail -6
+    timeout -s ABRT ${TESTS_LIMIT:-150} python3 -m pytest tests/gpu/test_fused_boundaries_cuda.py -q -p no:cacheprovider \
+      -rfE > "$out/pdl-fused-tests.log" 2>&1
+    say fused-tests "rc=$?"; grep -E "passed|failed|FAILED|ERROR|Fatal" "$out/pdl-fused-tests.log" | tail -6
+    wait
+    MOESTREAM_KERNEL_CONFIG='{"pdl": 0}' bench pdl-off 120 --cache-sizes all --prefill-tokens 512
+    bench pdl-on 120 --cache-sizes all --prefill-tokens 512
+    MOESTREAM_KERNEL_CONFIG='{"pdl": 0}' bench pdl-off-again 120 --cache-sizes all --prefill-tokens 512 ;;
   esac
 done

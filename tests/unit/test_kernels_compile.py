@@ -25,6 +25,8 @@ def compile_for_sm90(kernel, constants: dict, *, x: str, h: str, bias: str, scal
     """The kernel's PTX for sm_90 with these compile-time arguments (every other argument an i32, fp32
     for alpha and limit, or a pointer; the pool read as `scales`: bf16 halves, or u8 bytes for MXFP4)."""
     types = {"X": x, "H": h, "B": bias, "bf16": scales}
+    if "PDL" in kernel.arg_names:  # launched without programmatic dependent launch unless asked
+        constants = {"PDL": False, **constants}
     signature = {}
     for name in kernel.arg_names:
         if name in constants:
@@ -80,3 +82,11 @@ def test_the_swapped_grouped_product_takes_hopper_wgmma(mx, join):
     plain = all_four("silu", None, "bf16", mx=mx, join=join)[2:]
     assert all("wgmma.mma_async" in p for p in swapped)
     assert all("wgmma.mma_async" not in p and "mma.sync" in p for p in plain)
+
+
+def test_a_pdl_launch_waits_for_the_kernel_before_it():
+    """moestream.kernels.pdl: a kernel launched with PDL starts with griddepcontrol.wait; without, none."""
+    gemv = dict(H=H, I=I, BITS=BITS, BN=16, NG=4, HAS_BIAS=False, X_DTYPE=tl.bfloat16, MX=False)
+    kinds = dict(x="bf16", bias="bf16", scales="bf16", h="fp32")
+    assert "griddepcontrol.wait" in compile_for_sm90(tm._down_gemv, dict(gemv, PDL=True), **kinds)
+    assert "griddepcontrol" not in compile_for_sm90(tm._down_gemv, gemv, **kinds)

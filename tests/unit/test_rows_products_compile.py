@@ -16,11 +16,11 @@ from moestream.kernels import triton_rows as tr  # noqa: E402
 from moestream.kernels.expert_layout import KernelConfig  # noqa: E402
 
 
-def ptx(N: int, K: int, dtype: torch.dtype, config: KernelConfig, *, bias: bool = False) -> str:
+def ptx(N: int, K: int, dtype: torch.dtype, config: KernelConfig, *, bias: bool = False, pdl: bool = False) -> str:
     settings = tr.tile(N, K, dtype, config)
     warps, stages = settings.pop("num_warps"), settings.pop("num_stages")
     constants = dict(settings, K=K, RB=16, HAS_BIAS=bias, PRECISION="ieee" if dtype == torch.float32 else "tf32",
-                     DOT_F32=False)
+                     DOT_F32=False, PDL=pdl)
     t = {torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype]
     names = tr._tile_linear_kernel.arg_names
     pointers = {"part_ptr": "*fp32", "counters_ptr": "*i32"}  # a split's partials and its column blocks' counters
@@ -76,3 +76,8 @@ def test_weights_on_the_m_side_take_hopper_wgmma():
 def test_float32_products_stay_ieee():
     code = ptx(333, 1000, torch.float32, KernelConfig(), bias=True)
     assert ".target sm_90" in code and "mma" not in code and "fma.rn.f32" in code
+
+
+def test_a_pdl_launch_waits_for_the_kernel_before_it():
+    assert "griddepcontrol.wait" in ptx(2048, 4096, torch.bfloat16, KernelConfig(), pdl=True)
+    assert "griddepcontrol" not in ptx(2048, 4096, torch.bfloat16, KernelConfig())
