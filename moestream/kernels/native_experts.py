@@ -33,6 +33,7 @@ GROUPS = (32, 64, 128, 256)
 SCALE_TYPES = {"BF16": 0, "F16": 1, "F32": 2}
 SCALE_ITEM = {"BF16": 2, "F16": 2, "F32": 4}
 DISABLE_ENV = "MOESTREAM_NATIVE_CPU"  # "0": never build or use the native code (torch's kernels run)
+LAYOUT_LEN = 16  # entries of a layout tensor (the native code's LayoutIndex)
 
 _lock = threading.Lock()
 _state: dict = {}  # "module" once built, or "reason" why not

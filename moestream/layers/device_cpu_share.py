@@ -56,6 +56,7 @@ START_COPY_GB_S = 40.0  # the device's own copy speed from the host tier where i
 PROBE_EVERY = 64  # auto: every this many lookups withhold at least one miss, so the CPU is timed again
 COPY_TIMING_RECORDS = 6  # a layer's usual misses: the copy timed at start moves this many records
 WARM_ROUNDS = 3  # the worker runs its kernels this often before the first job
+TUNE_EVERY_S = 0.002  # with the native worker: how often its jobs' figures are read for `auto`
 
 
 def _round(value: float | None, digits: int) -> float | None:
@@ -154,8 +155,33 @@ class DeviceCpuShare:
         self._set_share(self.tuner.share() if cpu.share == "auto" else float(cpu.share))
         self.share[1] = PROBE_EVERY if cpu.share == "auto" else 0
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, name="moestream-cpu-experts-device", daemon=True)
+        self.native = self._start_native(device_map)
+        if self.native is None and not cpu._repacked:  # the Python worker computes from repacked records
+            cpu.repack_host_tier(cpu.provider.host_records())
+        self._thread = threading.Thread(target=self._tune if self.native is not None else self._serve,
+                                        name="moestream-cpu-experts-device", daemon=True)
         self._thread.start()
+
+    def _start_native(self, device_map):
+        """The native worker (moestream.layers.native_worker) where it can run, else None (the
+        Python worker runs); a log line says which."""
+        from moestream.layers import native_worker
+
+        cpu = self.cpu
+        why = native_worker.unavailable(cpu) if device_map is not None else "no device map"
+        if why is None:
+            try:
+                host_pool = cpu.provider.host.pool
+                layouts, addresses = native_worker.record_tables(cpu, device_map, host_pool)
+                worker = native_worker.NativeWorker(self, layouts, addresses, threads=cpu.threads, busy_s=BUSY_S,
+                                                    idle_sleep_s=IDLE_SLEEP_S, host_pool=host_pool)
+                worker.set_faults(cpu.fault_after, cpu.fault_delay_s)
+                log.info("CPU share: the native worker on %d threads, from the host tier's records", cpu.threads)
+                return worker
+            except Exception as exc:  # noqa: BLE001 - the Python worker serves instead
+                why = f"the native worker did not start: {exc}"
+        log.info("CPU share: the Python worker on %d threads (%s)", cpu.threads, why)
+        return None
 
     # -- the device's side (inside the step's graph) ----------------------------------------------
     def takes(self, x: torch.Tensor, ids: torch.Tensor) -> bool:
@@ -316,6 +342,21 @@ class DeviceCpuShare:
                 self._retune(now() - started, kernel_s, nbytes, experts, misses)
             done, idle = seq, now()
 
+    @torch.inference_mode()  # the share's pinned tensors were made inside the engine's inference mode
+    def _tune(self) -> None:
+        """With the native worker: every TUNE_EVERY_S, retune from the jobs it answered since (its
+        ring of per-job figures), log its new errors and pass on the tests' fault injection."""
+        native, errors = self.native, 0
+        while not self._stop.wait(TUNE_EVERY_S):
+            native.set_faults(self.cpu.fault_after, self.cpu.fault_delay_s)
+            for job in native.new_jobs():
+                self._retune(job["job_ns"] / 1e9, job["kernel_ns"] / 1e9, job["bytes"], job["experts"], job["misses"])
+            now = native.count()["errors"]
+            if now > errors:
+                log.warning("CPU share failed in %d job(s) (last: %s); the device computes those experts", now - errors,
+                            native.last_error())
+                errors = now
+
     @staticmethod
     def _request(header, ids_in, w_in, mask_in) -> tuple:
         """The request in the mailbox (numpy views): layer, picks per token, the call's misses, the
@@ -383,11 +424,19 @@ class DeviceCpuShare:
         """The host path's figures (the repack's among them) with this path's own in their place."""
         late, lost = int(self.late), int(self.lost)
         out = self.cpu.stats()
-        out.update({"cpu_share_path": "device", "cpu_experts": self.experts, "cpu_pairs": self.pairs,
-                    "cpu_fallbacks": lost, "cpu_late_calls": late, "cpu_timeouts": late - min(late, self.errors),
-                    "cpu_errors": self.errors, "cpu_jobs": self.jobs, "cpu_bytes": self.bytes,
-                    "cpu_compute_s": round(self.compute_s, 6),
-                    "cpu_gb_s": round(self.bytes / self.compute_s / 1e9, 3) if self.compute_s > 0 and self.bytes else None,
+        experts, pairs, errors, jobs, nbytes, compute_s, skipped = (self.experts, self.pairs, self.errors, self.jobs,
+                                                                    self.bytes, self.compute_s, self.skipped)
+        if self.native is not None:
+            c = self.native.count()
+            experts, pairs, errors, jobs, nbytes, skipped = (c["experts"], c["pairs"], c["errors"], c["jobs"], c["bytes"],
+                                                             c["skipped"])
+            compute_s = c["kernel_ns"] / 1e9
+        out.update({"cpu_share_path": "device", "cpu_worker": "native" if self.native is not None else "python",
+                    "cpu_worker_threads": self.cpu.threads, "cpu_experts": experts, "cpu_pairs": pairs,
+                    "cpu_fallbacks": lost, "cpu_late_calls": late, "cpu_timeouts": late - min(late, errors),
+                    "cpu_errors": errors, "cpu_jobs": jobs, "cpu_skipped_jobs": skipped, "cpu_bytes": nbytes,
+                    "cpu_compute_s": round(compute_s, 6),
+                    "cpu_gb_s": round(nbytes / compute_s / 1e9, 3) if compute_s > 0 and nbytes else None,
                     "cpu_empty_calls": int(self.empty),
                     "cpu_share_now": round(int(self.share[0]) / 1024, 4), "copy_gb_s": round(self.copy_gb_s, 3),
                     "copy_gb_s_timed": self.copy_timed, "cpu_kernel_gb_s_ema": _round(self.tuner.kernel_gb_s, 3),
@@ -398,3 +447,5 @@ class DeviceCpuShare:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
+        if self.native is not None:
+            self.native.close()

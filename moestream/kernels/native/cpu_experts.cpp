@@ -141,9 +141,9 @@ class Worker {
     while (!stop_.load(std::memory_order_relaxed)) {
       const int64_t seq = load_acquire(header);
       if (seq == done) {
-        if (now_ns() - idle < busy_ns_) {
-          MOESTREAM_PAUSE();
-        } else {
+        if (now_ns() - idle < busy_ns_) {  // between a step's layers: poll, letting other threads run
+          std::this_thread::yield();
+        } else {  // between requests: nap
           std::this_thread::sleep_for(std::chrono::nanoseconds(idle_sleep_ns_));
         }
         continue;
