@@ -155,12 +155,16 @@ def test_an_error_inside_the_native_worker_falls_back_with_the_bits_of_no_share(
     assert any("not in host RAM" in r.getMessage() for r in caplog.records)
 
 
-def test_the_native_worker_reports_what_auto_needs_and_stops_at_close(model):
+def test_the_native_worker_reports_what_auto_needs_and_stops_at_close(model, caplog):
+    import logging
+
     options = EngineOptions(device="cpu", prefill_chunk_tokens=5, cache_size=slots(model, 16), host_cache_size="all",
-                            streaming="device", cpu_experts="auto")
+                            streaming="device", cpu_experts="auto", threads=1)
     engine = Engine.load(model, options=options)
     try:
-        engine._make_resident()
+        with caplog.at_level(logging.INFO, logger="moestream"):
+            engine._make_resident()
+        assert any("the native worker on 1 threads" in r.getMessage() for r in caplog.records)  # which worker runs
         ds = engine.experts.device_share
         ds._set_share(1)  # every miss the CPU may take
         for _ in engine.generate(engine.tokenizer.encode(PROMPT), max_new_tokens=8, stop_at_eos=False):
@@ -224,3 +228,17 @@ def test_bench_json_reports_the_mailbox_calls_and_auto(model, tmp_path):
     decode = json.loads(out.read_text())["runs"][0]["decode"]
     assert decode["cpu_jobs"] + decode["cpu_empty_calls"] > 0 and decode["cpu_late_calls"] == 0
     assert decode["copy_gb_s_timed"] is True and decode["copy_gb_s"] > 0 and 0 <= decode["cpu_share_now"] <= 1
+    assert decode["cpu_worker"] == "native" and decode["cpu_worker_threads"] == 1 and decode["cpu_errors"] == 0
+    assert decode["cpu_repacked_experts"] == 0  # the native worker reads the host tier's records as they are
+
+
+def test_without_the_native_kernels_the_python_worker_serves_from_repacked_records(model, reference, monkeypatch):
+    from moestream.kernels import native_experts
+
+    monkeypatch.setattr(native_experts, "_state", {})  # as if never built ...
+    monkeypatch.setenv(native_experts.DISABLE_ENV, "0")  # ... and unable to be
+    tokens, logprobs, stats = run(model, cpu_experts="1")
+    assert stats["cpu_worker"] == "python" and stats["cpu_repacked_experts"] == stats["total_experts"]
+    assert stats["cpu_experts"] > 0 and stats["cpu_fallbacks"] == 0
+    assert tokens == reference[0]
+    assert max(abs(a - b) for a, b in zip(logprobs, reference[1])) < LOGPROB_TOLERANCE
