@@ -12,9 +12,12 @@ worker thread meet in a mailbox of pinned RAM instead, with no host launch or sy
   2. where it withheld any, the device posts the layer's input rows, ids, weights and which pairs
      are withheld to the mailbox, then the next sequence number, last (moestream.kernels.triton_mailbox);
   3. while the device copies its own misses and computes the hits and them, the worker, which
-     polls the sequence number, computes the withheld pairs' weighted rows with the CPU kernels
-     (moestream.kernels.cpu_experts, from the host tier repacked up front) and writes them back,
-     then the sequence number as its answer (its negative on an error);
+     polls the sequence number, computes the withheld pairs' weighted rows and writes them back,
+     then the sequence number as its answer (its negative on an error). The worker is native code
+     where it builds (moestream.layers.native_worker: a C++ thread, the native kernels straight
+     from the host tier's records, nothing repacked), else a Python thread here (`_serve`: torch's
+     kernels, moestream.kernels.cpu_experts, on the host tier repacked up front); a log line and
+     the stats' `cpu_worker` say which;
   4. a one-program kernel waits for that answer (moestream.kernels.triton_wait) up to a spin
      budget (~`cpu_experts_timeout`), and the rows come in where the answer is there;
   5. fail-closed: where it is not (error, late), the same graph loads the withheld experts and
@@ -27,8 +30,10 @@ waits for; the wait returns at once without reading host memory, and the rows, t
 lookup, copy and kernels are programs that read the count and return. An answer the device gave up
 on (late) carries an older number than the one it waits for next, so it is never taken.
 
-`auto`: the worker retunes the share after each answer from the kernels' time, its hand-over and
-the calls' misses against the device's copy speed, timed once at start (moestream.layers.share_tuning);
+`auto`: the share is retuned from each job's kernel time, its hand-over and the calls' misses
+against the device's copy speed, timed once at start (moestream.layers.share_tuning): by the Python
+worker after each answer, or for the native one by a Python thread reading its per-job figures
+every TUNE_EVERY_S;
 every PROBE_EVERY-th lookup withholds at least one miss, so a share at nothing is measured again.
 
 The CPU rounds differently from the device kernels, so with a share the output is within the
@@ -349,8 +354,14 @@ class DeviceCpuShare:
         native, errors = self.native, 0
         while not self._stop.wait(TUNE_EVERY_S):
             native.set_faults(self.cpu.fault_after, self.cpu.fault_delay_s)
-            for job in native.new_jobs():
-                self._retune(job["job_ns"] / 1e9, job["kernel_ns"] / 1e9, job["bytes"], job["experts"], job["misses"])
+            jobs = native.new_jobs()
+            if jobs and self.cpu.share == "auto":  # every job into the averages, the share set once
+                for job in jobs:
+                    self.tuner.record(job_s=job["job_ns"] / 1e9, kernel_s=job["kernel_ns"] / 1e9, nbytes=job["bytes"],
+                                      experts=job["experts"], misses=job["misses"])
+                if self.tuner.measured:
+                    self.cpu.cpu_gb_s = self.tuner.kernel_gb_s
+                    self._set_share(self.tuner.share())
             now = native.count()["errors"]
             if now > errors:
                 log.warning("CPU share failed in %d job(s) (last: %s); the device computes those experts", now - errors,
