@@ -19,6 +19,7 @@ MOESTREAM_CPU_SHARE_WORKER=python, no extension (no compiler), or a layer the na
 from __future__ import annotations
 
 import os
+import weakref
 
 import torch
 
@@ -84,6 +85,8 @@ class NativeWorker:
                                      int(busy_s * 1e9), int(idle_sleep_s * 1e9))
         self.threads = int(threads)
         self._worker.start()
+        # stopped at close, or when this object goes, or at exit: never a thread left polling freed memory
+        self._stop = weakref.finalize(self, self._worker.stop)
 
     def set_faults(self, fail_from: int | None, delay_s: float) -> None:
         self._control[0] = -1 if fail_from is None else int(fail_from)
@@ -104,4 +107,4 @@ class NativeWorker:
         return self._worker.last_error()
 
     def close(self) -> None:
-        self._worker.stop()
+        self._stop()
