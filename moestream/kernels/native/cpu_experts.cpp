@@ -6,9 +6,13 @@
 // inputs (w = scale * q + bias). So a row's product with x is, per group g,
 //   scale_g * sum_k q_k x_k + bias_g * sum_k x_k,
 // with x split once into its even and odd inputs (the low and high nibbles' partners) and its group
-// sums taken once per token. The inner loops keep one float lane per byte of a group and add the
-// scaled products into them, so gcc -O3 -march=native turns them into byte-to-float conversions and
-// FMAs with no reduction until the row ends. Float32 throughout.
+// sums taken once per token. The inner step (expert_kernels.h) turns a run of code bytes into floats
+// and multiplies them into a group's partial sums with AVX-512 or AVX2 where -march=native has them
+// (gcc's own vectorization of the plain loop, kept for other CPUs, ran at a fraction of that), then
+// one FMA by the group's scale; no reduction until the row ends. Float32 throughout.
+//
+// The worker loop (Worker, below) serves the mailbox of moestream.layers.device_cpu_share: it never
+// takes the GIL; Python starts and stops it and reads its counters and per-job ring.
 //
 // A job: pairs (expert, token, weight) of one layer; for each distinct expert its gate and up rows
 // (h = silu(gate) * up, per token of it), then its down rows (out = weight * down h, per pair). One
