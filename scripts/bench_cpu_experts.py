@@ -3,6 +3,11 @@ in GB/s of expert record bytes, for each way of computing it, on N threads; JSON
 
     python scripts/bench_cpu_experts.py --threads 16 --out docs/bench/cpu_experts_kernels.json
 
+Then the CPU share's jobs (--jobs: 1, 2, 4 and 8 experts, one token): torch's kernel on the repacked
+records one expert after another (the Python worker's way) beside the native kernels
+(moestream/kernels/native_experts.py) on the records as they are, one call per job, same threads;
+`native_over_torch` is the ratio of their GB/s.
+
 The shape defaults to Qwen3-30B-A3B's expert (hidden 2048, intermediate 768, group 64). Each timed
 call uses the next of --experts distinct experts (more bytes than the last-level cache holds), so
 weights come from RAM as they do when decoding. Also: repacking one expert (paid once per expert,
@@ -18,6 +23,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from moestream.kernels import native_experts
 from moestream.kernels.cpu_experts import repack
 from moestream.kernels.reference import expert_ffn
 from moestream.quant.affine import QuantSpec, quantize
@@ -50,6 +56,40 @@ def timed(fn, calls: int) -> float:
     return sorted(rounds)[2]
 
 
+def job_row(recs, quant, bits: int, threads: int, n: int, hidden: int, dtype) -> dict:
+    """A CPU-share job of n experts for one token: torch's kernel (repacked records, one expert after
+    another into preallocated rows) and the native kernels (the records as they are), GB/s of records."""
+    nbytes = record_bytes(recs[0])
+    row = {"bits": bits, "threads": threads, "experts_per_job": n, "job_bytes": n * nbytes}
+    method = "int4" if bits == 4 else "int4x2"
+    packed = [repack(r, quant, dtype, int8_method="dequantized" if method == "int4" else method) for r in recs]
+    x, out = torch.randn(1, hidden, dtype=dtype), torch.empty(n, hidden)
+
+    def torch_job(i):
+        for k in range(n):
+            packed[(i * n + k) % len(packed)].weighted_row_into(x, out[k], 1.0)
+
+    s = timed(torch_job, max(8, 4 * len(recs) // n))
+    row["torch_us"], row["torch_gb_s"] = round(s * 1e6, 1), round(n * nbytes / s / 1e9, 3)
+    module = native_experts.load()
+    if module is None:
+        return row
+    blobs, fields = zip(*(native_experts.record_blob(r) for r in recs))
+    layout = native_experts.layout(fields[0], quant)
+    addresses = torch.tensor([b.data_ptr() for b in blobs], dtype=torch.int64)
+    ones, zeros, picks = torch.ones(n), torch.zeros(n, dtype=torch.int32), torch.arange(n, dtype=torch.int32)
+    xf = x.float()
+
+    def native_job(i):
+        start = (i * n) % (len(blobs) - n + 1)
+        module.weighted_rows(layout, addresses[start:start + n], picks, zeros, ones, xf, out, threads)
+
+    s = timed(native_job, max(8, 4 * len(recs) // n))
+    row["native_us"], row["native_gb_s"] = round(s * 1e6, 1), round(n * nbytes / s / 1e9, 3)
+    row["native_over_torch"] = round(row["native_gb_s"] / row["torch_gb_s"], 2)
+    return row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, nargs="+", default=[torch.get_num_threads()])
@@ -58,10 +98,11 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=64)
     ap.add_argument("--experts", type=int, default=48, help="distinct experts cycled through (default 48: ~130 MB at 4 bits)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--jobs", type=int, nargs="*", default=[1, 2, 4, 8], help="experts per CPU-share job (none: skip)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
-    results = []
+    results, jobs = [], []
     for bits in (4, 8):
         quant = {p: QuantSpec(bits, args.group) for p in PROJS}
         recs = [record(args.hidden, args.inter, bits, args.group) for _ in range(args.experts)]
@@ -97,6 +138,10 @@ def main() -> None:
             row["dequantize_then_matmul_gb_s"] = round(nbytes / s / 1e9, 3)
             results.append(row)
             print(json.dumps(row))
+            for n in args.jobs:
+                job = job_row(recs, quant, bits, threads, n, args.hidden, dtype)
+                jobs.append(job)
+                print(json.dumps(job))
     out = {"what": "one token through one routed expert on the CPU, GB/s of record bytes",
            "shape": {"hidden": args.hidden, "inter": args.inter, "group": args.group}, "dtype": args.dtype,
            "experts_cycled": args.experts, "torch": torch.__version__, "cpu": platform.processor() or platform.machine(),
@@ -104,7 +149,8 @@ def main() -> None:
            "command": "python scripts/bench_cpu_experts.py " + " ".join(
                f"--threads {' '.join(map(str, args.threads))}" if k == "threads" else f"--{k} {v}"
                for k, v in vars(args).items() if v is not None and k != "out"),
-           "results": results}
+           "results": results, "jobs": jobs,
+           "native": "built" if native_experts.load() is not None else native_experts.reason()}
     if args.out:
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1)

@@ -150,10 +150,12 @@ def measure(engine, *, prefill_sizes: list[int], decode_tokens: int, seed: int, 
             "cpu_repack_wall_s", "cpu_repack_workers", "cpu_repack_left_out")})
         if decode_end.get("cpu_share_path") == "device":  # the mailbox's calls and auto's figures at the end
             out["decode"].update({k: decode_end[k] - decode_start[k] for k in (
-                "cpu_jobs", "cpu_empty_calls", "cpu_late_calls", "cpu_pairs")})
+                "cpu_jobs", "cpu_empty_calls", "cpu_late_calls", "cpu_pairs", "cpu_errors", "cpu_bytes")})
+            kernel_s = decode_end["cpu_compute_s"] - decode_start["cpu_compute_s"]
+            out["decode"]["cpu_kernel_gb_s"] = round(out["decode"]["cpu_bytes"] / kernel_s / 1e9, 3) if kernel_s > 0 else None
             out["decode"].update({k: decode_end[k] for k in (
-                "cpu_share_now", "cpu_kernel_gb_s_ema", "cpu_handover_us_ema", "cpu_misses_per_job_ema", "copy_gb_s",
-                "copy_gb_s_timed")})
+                "cpu_worker", "cpu_worker_threads", "cpu_share_now", "cpu_kernel_gb_s_ema", "cpu_handover_us_ema",
+                "cpu_misses_per_job_ema", "copy_gb_s", "copy_gb_s_timed")})
     if speculative is not None:
         out["speculative"] = measure_speculative(engine, prompt, decode_tokens, speculative, plain)
     out["experts"] = engine.expert_stats()

@@ -100,8 +100,9 @@ def cpu_share_stats(receipt: dict) -> str:
     if "cpu_share" not in experts:
         return ""
     rate = experts.get("cpu_gb_s")
-    return (f" | cpu experts {experts['cpu_experts']} ({experts['cpu_share']}), fallbacks {experts['cpu_fallbacks']}, "
-            f"{rate if rate is not None else '-'} GB/s")
+    worker = f", {experts['cpu_worker']} worker" if "cpu_worker" in experts else ""
+    return (f" | cpu experts {experts['cpu_experts']} ({experts['cpu_share']}{worker}), "
+            f"fallbacks {experts['cpu_fallbacks']}, {rate if rate is not None else '-'} GB/s")
 
 
 def speculative_stats(receipt: dict) -> str:

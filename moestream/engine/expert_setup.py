@@ -101,9 +101,10 @@ def share_with_cpu(experts, options: EngineOptions, *, parallel, dtype: torch.dt
     experts.share_with_cpu(share, dtype=dtype, timeout_s=options.cpu_experts_timeout, threads=options.threads)
 
 
-def prepare_cpu_share(provider, experts) -> None:
+def prepare_cpu_share(provider, experts, *, repack: bool = True) -> None:
     """Before the first streamed step with a CPU share: fill the host tier (the records it lacks)
-    and repack every record of it the CPU kernels take, once, so that a step never repacks."""
+    and repack every record of it the CPU kernels take, once, so that a step never repacks
+    (repack False: the native worker computes from the records as they are)."""
     if provider.host is None:
         log.warning("--cpu-experts: there is no host tier (--host-cache-size), so the CPU has no "
                     "repacked experts to compute")
@@ -112,7 +113,10 @@ def prepare_cpu_share(provider, experts) -> None:
     read = provider.fill_host_tier()
     if read:
         log.info("read %d records into the host tier for the CPU share (%.1f s)", read, time.perf_counter() - t0)
-    experts.cpu.repack_host_tier(provider.host_records())
+    if repack:
+        experts.cpu.repack_host_tier(provider.host_records())
+    else:
+        log.info("the CPU share's native worker reads the host tier's records as they are: nothing repacked")
 
 
 def start_streaming(engine: "Engine") -> None:
@@ -122,7 +126,10 @@ def start_streaming(engine: "Engine") -> None:
 
     experts, options, provider = engine.experts, engine.options, engine.provider
     if experts.cpu is not None:
-        prepare_cpu_share(provider, experts)
+        from moestream.layers.native_worker import unavailable
+
+        # `--streaming device` runs the device path's share, whose native worker needs no repacked copies
+        prepare_cpu_share(provider, experts, repack=options.streaming != "device" or unavailable(experts.cpu) is not None)
     mode = options.streaming
     if mode == "host":
         return

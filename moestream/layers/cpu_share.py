@@ -13,7 +13,9 @@ their pairs' places before the layer's per-token sum.
     record of it the kernels can take, on a pool of threads, and keeps them for the engine's life
     (about the record's bytes each: 4-bit in bf16 the same, 8-bit as two int4 halves ~1.06x,
     float32 scales more; the memory ledger counts them). Where RAM for all of them is not
-    available, it repacks what fits and says so. A decode step never repacks.
+    available, it repacks what fits and says so. A decode step never repacks. The device-driven
+    path's native worker (moestream.layers.native_worker) computes from the records as they are,
+    so with it nothing is repacked.
   - share: only repacked experts go to the CPU. A float f in 0..1 gives it floor(f * misses + 0.5)
     of a layer's misses (at most the repacked ones); "auto" the number that makes both finish
     together, from an EMA of the CPU's GB/s (the job's whole latency, as the caller waits for it)

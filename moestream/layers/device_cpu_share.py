@@ -12,9 +12,12 @@ worker thread meet in a mailbox of pinned RAM instead, with no host launch or sy
   2. where it withheld any, the device posts the layer's input rows, ids, weights and which pairs
      are withheld to the mailbox, then the next sequence number, last (moestream.kernels.triton_mailbox);
   3. while the device copies its own misses and computes the hits and them, the worker, which
-     polls the sequence number, computes the withheld pairs' weighted rows with the CPU kernels
-     (moestream.kernels.cpu_experts, from the host tier repacked up front) and writes them back,
-     then the sequence number as its answer (its negative on an error);
+     polls the sequence number, computes the withheld pairs' weighted rows and writes them back,
+     then the sequence number as its answer (its negative on an error). The worker is native code
+     where it builds (moestream.layers.native_worker: a C++ thread, the native kernels straight
+     from the host tier's records, nothing repacked), else a Python thread here (`_serve`: torch's
+     kernels, moestream.kernels.cpu_experts, on the host tier repacked up front); a log line and
+     the stats' `cpu_worker` say which;
   4. a one-program kernel waits for that answer (moestream.kernels.triton_wait) up to a spin
      budget (~`cpu_experts_timeout`), and the rows come in where the answer is there;
   5. fail-closed: where it is not (error, late), the same graph loads the withheld experts and
@@ -27,8 +30,10 @@ waits for; the wait returns at once without reading host memory, and the rows, t
 lookup, copy and kernels are programs that read the count and return. An answer the device gave up
 on (late) carries an older number than the one it waits for next, so it is never taken.
 
-`auto`: the worker retunes the share after each answer from the kernels' time, its hand-over and
-the calls' misses against the device's copy speed, timed once at start (moestream.layers.share_tuning);
+`auto`: the share is retuned from each job's kernel time, its hand-over and the calls' misses
+against the device's copy speed, timed once at start (moestream.layers.share_tuning): by the Python
+worker after each answer, or for the native one by a Python thread reading its per-job figures
+every TUNE_EVERY_S;
 every PROBE_EVERY-th lookup withholds at least one miss, so a share at nothing is measured again.
 
 The CPU rounds differently from the device kernels, so with a share the output is within the
@@ -56,6 +61,7 @@ START_COPY_GB_S = 40.0  # the device's own copy speed from the host tier where i
 PROBE_EVERY = 64  # auto: every this many lookups withhold at least one miss, so the CPU is timed again
 COPY_TIMING_RECORDS = 6  # a layer's usual misses: the copy timed at start moves this many records
 WARM_ROUNDS = 3  # the worker runs its kernels this often before the first job
+TUNE_EVERY_S = 0.002  # with the native worker: how often its jobs' figures are read for `auto`
 
 
 def _round(value: float | None, digits: int) -> float | None:
@@ -154,8 +160,33 @@ class DeviceCpuShare:
         self._set_share(self.tuner.share() if cpu.share == "auto" else float(cpu.share))
         self.share[1] = PROBE_EVERY if cpu.share == "auto" else 0
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, name="moestream-cpu-experts-device", daemon=True)
+        self.native = self._start_native(device_map)
+        if self.native is None and not cpu._repacked:  # the Python worker computes from repacked records
+            cpu.repack_host_tier(cpu.provider.host_records())
+        self._thread = threading.Thread(target=self._tune if self.native is not None else self._serve,
+                                        name="moestream-cpu-experts-device", daemon=True)
         self._thread.start()
+
+    def _start_native(self, device_map):
+        """The native worker (moestream.layers.native_worker) where it can run, else None (the
+        Python worker runs); a log line says which."""
+        from moestream.layers import native_worker
+
+        cpu = self.cpu
+        why = native_worker.unavailable(cpu) if device_map is not None else "no device map"
+        if why is None:
+            try:
+                host_pool = cpu.provider.host.pool
+                layouts, addresses = native_worker.record_tables(cpu, device_map, host_pool)
+                worker = native_worker.NativeWorker(self, layouts, addresses, threads=cpu.threads, busy_s=BUSY_S,
+                                                    idle_sleep_s=IDLE_SLEEP_S, host_pool=host_pool)
+                worker.set_faults(cpu.fault_after, cpu.fault_delay_s)
+                log.info("CPU share: the native worker on %d threads, from the host tier's records", cpu.threads)
+                return worker
+            except Exception as exc:  # noqa: BLE001 - the Python worker serves instead
+                why = f"the native worker did not start: {exc}"
+        log.info("CPU share: the Python worker on %d threads (%s)", cpu.threads, why)
+        return None
 
     # -- the device's side (inside the step's graph) ----------------------------------------------
     def takes(self, x: torch.Tensor, ids: torch.Tensor) -> bool:
@@ -316,6 +347,27 @@ class DeviceCpuShare:
                 self._retune(now() - started, kernel_s, nbytes, experts, misses)
             done, idle = seq, now()
 
+    @torch.inference_mode()  # the share's pinned tensors were made inside the engine's inference mode
+    def _tune(self) -> None:
+        """With the native worker: every TUNE_EVERY_S, retune from the jobs it answered since (its
+        ring of per-job figures), log its new errors and pass on the tests' fault injection."""
+        native, errors = self.native, 0
+        while not self._stop.wait(TUNE_EVERY_S):
+            native.set_faults(self.cpu.fault_after, self.cpu.fault_delay_s)
+            jobs = native.new_jobs()
+            if jobs and self.cpu.share == "auto":  # every job into the averages, the share set once
+                for job in jobs:
+                    self.tuner.record(job_s=job["job_ns"] / 1e9, kernel_s=job["kernel_ns"] / 1e9, nbytes=job["bytes"],
+                                      experts=job["experts"], misses=job["misses"])
+                if self.tuner.measured:
+                    self.cpu.cpu_gb_s = self.tuner.kernel_gb_s
+                    self._set_share(self.tuner.share())
+            now = native.count()["errors"]
+            if now > errors:
+                log.warning("CPU share failed in %d job(s) (last: %s); the device computes those experts", now - errors,
+                            native.last_error())
+                errors = now
+
     @staticmethod
     def _request(header, ids_in, w_in, mask_in) -> tuple:
         """The request in the mailbox (numpy views): layer, picks per token, the call's misses, the
@@ -383,11 +435,19 @@ class DeviceCpuShare:
         """The host path's figures (the repack's among them) with this path's own in their place."""
         late, lost = int(self.late), int(self.lost)
         out = self.cpu.stats()
-        out.update({"cpu_share_path": "device", "cpu_experts": self.experts, "cpu_pairs": self.pairs,
-                    "cpu_fallbacks": lost, "cpu_late_calls": late, "cpu_timeouts": late - min(late, self.errors),
-                    "cpu_errors": self.errors, "cpu_jobs": self.jobs, "cpu_bytes": self.bytes,
-                    "cpu_compute_s": round(self.compute_s, 6),
-                    "cpu_gb_s": round(self.bytes / self.compute_s / 1e9, 3) if self.compute_s > 0 and self.bytes else None,
+        experts, pairs, errors, jobs, nbytes, compute_s, skipped = (self.experts, self.pairs, self.errors, self.jobs,
+                                                                    self.bytes, self.compute_s, self.skipped)
+        if self.native is not None:
+            c = self.native.count()
+            experts, pairs, errors, jobs, nbytes, skipped = (c["experts"], c["pairs"], c["errors"], c["jobs"], c["bytes"],
+                                                             c["skipped"])
+            compute_s = c["kernel_ns"] / 1e9
+        out.update({"cpu_share_path": "device", "cpu_worker": "native" if self.native is not None else "python",
+                    "cpu_worker_threads": self.cpu.threads, "cpu_experts": experts, "cpu_pairs": pairs,
+                    "cpu_fallbacks": lost, "cpu_late_calls": late, "cpu_timeouts": late - min(late, errors),
+                    "cpu_errors": errors, "cpu_jobs": jobs, "cpu_skipped_jobs": skipped, "cpu_bytes": nbytes,
+                    "cpu_compute_s": round(compute_s, 6),
+                    "cpu_gb_s": round(nbytes / compute_s / 1e9, 3) if compute_s > 0 and nbytes else None,
                     "cpu_empty_calls": int(self.empty),
                     "cpu_share_now": round(int(self.share[0]) / 1024, 4), "copy_gb_s": round(self.copy_gb_s, 3),
                     "copy_gb_s_timed": self.copy_timed, "cpu_kernel_gb_s_ema": _round(self.tuner.kernel_gb_s, 3),
@@ -398,3 +458,5 @@ class DeviceCpuShare:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
+        if self.native is not None:
+            self.native.close()

@@ -12,7 +12,8 @@
 # /tmp/q30 --force & SP=$!` ... `wait $SP`: never wait with pgrep -f, which matches its own command).
 # rows-products then rows-products-ab (--rows-products triton: the row tile's Triton products; two calls).
 # Usage: scripts/gpu/run_pending.sh OUTDIR PART...
-#   PART: synth | kernel-shapes | sweep | tuned | tests | stream | lookahead | resident | profile | families | cpu-share | server
+#   PART: synth | kernel-shapes | sweep | tuned | tests | stream | lookahead | resident | profile | families | cpu-share
+#         | native-share | native-share-bench | server
 #         | rows-products | rows-products-ab
 #   synth:    every shape the other parts read, side by side (one core each), so later calls find them
 #   kernel-shapes: the grouped kernels' product shapes (swapped, gathered codes, tiles) against the reference
@@ -33,6 +34,9 @@
 #   families: bench on the gemma-4-26b-a4b and DeepSeek-V3 (first 5 layers) shapes (FAMILIES overrides) at 100 % and
 #             25 % with uniform routing
 #   cpu-share: the device path's CPU share, CUDA tests and `--cpu-experts auto` at 25 % uniform
+#   native-share: the native CPU share's extension built, its CPU and CUDA tests, scripts/bench_cpu_experts.py on 16
+#             and 15 threads (native beside torch), the native worker's hand-over on 15 threads
+#   native-share-bench: `--cpu-experts off` and `auto` at 25 % uniform, device-driven (NATIVE_SHARES)
 #   rows:     --step-rows auto (a step's rows at once): its GPU tests, then resident decode and step costs against off
 #   drafters: the batching GPU test with warmed steps, the demo's drafters on CUDA on the held-out prompts
 #   server:   scripts/bench_server_batching.py at 100 % and 25 % (needs .whl: scripts/gpu/fetch_wheels.sh here,
@@ -180,6 +184,25 @@ for part in "$@"; do
     say cpu-share-tests "rc=$?"; grep -E "passed|failed|FAILED|Fatal" "$out/cpu-share-tests.log" | tail -6
     synth
     for share in ${CPU_SHARES:-auto}; do bench "device-cpu-share-$share" 90 --routing uniform --prefill-tokens 512 \
+      --cache-sizes 25% --streaming device --cpu-experts $share; done ;;
+  native-share)  # the native CPU share: the extension built, its tests (CPU and CUDA), then the kernels on 16 and 15
+    # threads against torch's and the worker's hand-over on 15; the q30 synth beside the tests (for native-share-bench)
+    synth & sp=$!
+    timeout 300 python3 -c "from moestream.kernels import native_experts as n; m = n.load(); print('native:', m or n.reason())" \
+      > "$out/native-build.log" 2>&1
+    say native-build "rc=$?"; tail -1 "$out/native-build.log"
+    timeout -s ABRT ${TESTS_LIMIT:-300} python3 -m pytest tests/unit/test_native_experts.py tests/unit/test_native_worker.py \
+      tests/gpu/test_device_cpu_share_cuda.py -q -p no:cacheprovider -rfE --durations=5 > "$out/native-share-tests.log" 2>&1
+    say native-share-tests "rc=$?"; grep -E "passed|failed|FAILED|Fatal" "$out/native-share-tests.log" | tail -6
+    wait $sp
+    timeout 150 python3 scripts/bench_cpu_experts.py --threads 16 15 --experts 48 --out "$out/native-cpu-experts-kernel.json" \
+      > "$out/native-cpu-experts-kernel.log" 2>&1
+    say native-kernel "rc=$?"; grep experts_per_job "$out/native-cpu-experts-kernel.log" | tail -16
+    timeout 60 python3 scripts/bench_native_share_handover.py --threads 15 --out "$out/native-share-handover.json"
+    say native-handover "rc=$?" ;;
+  native-share-bench)  # 25 % uniform, device-driven: no share, then auto (NATIVE_SHARES), one process each
+    synth
+    for share in ${NATIVE_SHARES:-off auto}; do bench "native-cpu-share-$share" 120 --routing uniform --prefill-tokens '' \
       --cache-sizes 25% --streaming device --cpu-experts $share; done ;;
   rows)  # the q30 synth runs beside the tests (CPU), the benches after both
     synth &

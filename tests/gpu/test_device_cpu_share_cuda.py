@@ -6,7 +6,8 @@ unlike the device's, so a near-tied greedy choice may differ and free-running to
 contract is the tolerance, as on the host path); a failing or late CPU gives the bits of no share
 (the graph computes the withheld experts itself); a share that withholds nothing posts nothing and
 gives the bits of no share; `auto` set to nothing rises again through its probes; the Triton and
-torch lookups withhold alike."""
+torch lookups withhold alike. The native worker (C++, from the pinned host tier's records) and the
+Python one (repacked records) alike; an error inside the native worker gives the bits of no share."""
 import pytest
 import torch
 
@@ -15,6 +16,7 @@ from moestream.engine.options import EngineOptions
 from test_decoder import greedy_or_forced
 from moestream.experts.device_map import DeviceMap
 from moestream.experts.uva import device_view
+from moestream.layers.native_worker import WORKER_ENV
 
 pytestmark = pytest.mark.gpu
 PROMPT = "def fibonacci(n):\n    if n < 2:"
@@ -50,6 +52,15 @@ def run(packed, dtype="bfloat16", fault_after=None, fault_delay_s=0.0, slot_map=
         engine.close()
 
 
+@pytest.fixture(params=["native", "python"])
+def worker(request, monkeypatch):
+    if request.param == "python":
+        monkeypatch.setenv(WORKER_ENV, "python")
+    else:
+        monkeypatch.delenv(WORKER_ENV, raising=False)
+    return request.param
+
+
 @pytest.fixture(scope="module")
 def off(packed):
     return {dtype: run(packed, dtype) for dtype in ("bfloat16", "float32")}
@@ -57,9 +68,10 @@ def off(packed):
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("share", ["0.5", "1", "auto"])
-def test_a_share_gives_the_log_probs_of_no_share_within_the_tolerance(packed, off, share, dtype):
+def test_a_share_gives_the_log_probs_of_no_share_within_the_tolerance(packed, off, share, dtype, worker):
     ref_tokens, ref_logprobs, ref_stats = off[dtype]
     _, logprobs, stats = run(packed, dtype, cpu_experts=share, forced=ref_tokens)
+    assert stats["cpu_worker"] == worker
     assert ref_stats["hit_rate"] < 1.0, "the 50 % cache should stream"
     assert len(logprobs) == STEPS
     assert max(abs(a - b) for a, b in zip(logprobs, ref_logprobs)) < TOLERANCE[dtype]
@@ -70,14 +82,16 @@ def test_a_share_gives_the_log_probs_of_no_share_within_the_tolerance(packed, of
 
 
 @pytest.mark.parametrize("slot_map", ["torch", "triton"])
-def test_a_failing_cpu_gives_the_bits_of_no_share(packed, off, slot_map):
+def test_a_failing_cpu_gives_the_bits_of_no_share(packed, off, slot_map, worker):
     tokens, logprobs, stats = run(packed, cpu_experts="1", fault_after=0, slot_map=slot_map)
+    assert stats["cpu_worker"] == worker
     assert (tokens, logprobs) == off["bfloat16"][:2]
     assert stats["cpu_errors"] > 0 and stats["cpu_fallbacks"] > 0 and stats["cpu_experts"] == 0
 
 
-def test_a_late_cpu_gives_the_bits_of_no_share(packed, off):
+def test_a_late_cpu_gives_the_bits_of_no_share(packed, off, worker):
     tokens, logprobs, stats = run(packed, cpu_experts="1", cpu_experts_timeout=0.0005, fault_delay_s=0.01)
+    assert stats["cpu_worker"] == worker
     assert (tokens, logprobs) == off["bfloat16"][:2]
     assert stats["cpu_late_calls"] > 0 and stats["cpu_fallbacks"] > 0
 
@@ -106,6 +120,19 @@ def test_auto_rises_from_nothing_through_its_probes(packed, off, slot_map):
     assert stats["cpu_share_now"] > 0.5 and stats["cpu_kernel_gb_s_ema"] > 0 and stats["cpu_handover_us_ema"] > 0
     assert stats["cpu_experts"] > stats["cpu_jobs"]  # after the probes, jobs of more than one expert
     assert max(abs(a - b) for a, b in zip(logprobs, off["bfloat16"][1])) < TOLERANCE["bfloat16"]
+
+
+def lose_the_record_addresses(engine):
+    ds = engine.experts.device_share
+    assert ds.native is not None
+    ds.native._keep[1].zero_()  # every record "not in host RAM": each job fails inside the native code
+
+
+def test_an_error_inside_the_native_worker_gives_the_bits_of_no_share(packed, off):
+    tokens, logprobs, stats = run(packed, cpu_experts="1", before=lose_the_record_addresses)
+    assert (tokens, logprobs) == off["bfloat16"][:2]
+    assert stats["cpu_worker"] == "native" and stats["cpu_errors"] > 0 and stats["cpu_experts"] == 0
+    assert stats["cpu_fallbacks"] > 0
 
 
 def test_some_failures_mix_cpu_rows_and_fallbacks(packed, off):

@@ -2,7 +2,8 @@
 the CPU device where the same protocol runs with plain tensors: the device map withholds a share of
 each layer's misses, a worker thread computes them from the repacked host tier through the
 mailbox, and where its answer is missing (an error, too late) those experts are loaded and computed
-by the device path itself, giving the bits of no share at all."""
+by the device path itself, giving the bits of no share at all. The native worker (C++, from the
+host tier's records) serves by default; the Python worker (repacked records) where asked for."""
 import pytest
 import torch
 
@@ -11,6 +12,7 @@ from moestream.engine.engine import Engine
 from moestream.engine.options import EngineOptions
 from moestream.experts.device_map import DeviceMap
 from moestream.format.reader import PackedModel
+from moestream.layers.native_worker import WORKER_ENV
 
 LOGPROB_TOLERANCE = 1e-3  # float32: the CPU kernels round differently from the reference, not more
 
@@ -22,6 +24,16 @@ def model(tiny_packed_model):
 
 def slots(model, n: int) -> str:
     return str(n * max(e.record_size for e in PackedModel(model).manifest.expert_layers))
+
+
+@pytest.fixture(params=["native", "python"])
+def worker(request, monkeypatch):
+    """Which worker serves the mailbox (the native one builds on this machine: its tests say so)."""
+    if request.param == "python":
+        monkeypatch.setenv(WORKER_ENV, "python")
+    else:
+        monkeypatch.delenv(WORKER_ENV, raising=False)
+    return request.param
 
 
 def run(model, *, steps=12, fault_after=None, fault_delay_s=0.0, **opts):
@@ -37,8 +49,11 @@ def reference(model):
 
 
 @pytest.mark.parametrize("share", ["0.5", "1", "auto"])
-def test_a_share_on_the_device_path_stays_within_tolerance(model, reference, share):
+def test_a_share_on_the_device_path_stays_within_tolerance(model, reference, share, worker):
     tokens, logprobs, stats = run(model, cpu_experts=share)
+    assert stats["cpu_worker"] == worker
+    # the native worker reads the host tier's records as they are; the Python one repacked them
+    assert (stats["cpu_repacked_experts"] == 0) == (worker == "native")
     assert tokens == reference[0]
     assert max(abs(a - b) for a, b in zip(logprobs, reference[1])) < LOGPROB_TOLERANCE
     assert logprobs != reference[1]  # the CPU computed some pairs: other rounding
@@ -90,24 +105,80 @@ def test_a_bigger_share_gives_the_cpu_more(model):
     assert 0 < half["cpu_experts"] < full["cpu_experts"]
 
 
-def test_cpu_errors_fall_back_to_the_device_with_the_bits_of_no_share(model, reference):
+def test_cpu_errors_fall_back_to_the_device_with_the_bits_of_no_share(model, reference, worker):
     tokens, logprobs, stats = run(model, cpu_experts="1", fault_after=0)
+    assert stats["cpu_worker"] == worker
     assert tokens == reference[0] and logprobs == reference[1]
     assert stats["cpu_experts"] == 0 and stats["cpu_errors"] > 0
     assert stats["cpu_fallbacks"] > 0 and stats["cpu_late_calls"] >= stats["cpu_errors"]
 
 
-def test_a_fault_after_some_jobs_mixes_cpu_and_fallbacks(model, reference):
+def test_a_fault_after_some_jobs_mixes_cpu_and_fallbacks(model, reference, worker):
     tokens, logprobs, stats = run(model, cpu_experts="1", fault_after=5)
+    assert stats["cpu_worker"] == worker
     assert tokens == reference[0]
     assert max(abs(a - b) for a, b in zip(logprobs, reference[1])) < LOGPROB_TOLERANCE
     assert stats["cpu_experts"] > 0 and stats["cpu_fallbacks"] > 0
 
 
-def test_a_late_answer_falls_back_to_the_device(model, reference):
+def test_a_late_answer_falls_back_to_the_device(model, reference, worker):
     tokens, logprobs, stats = run(model, steps=3, cpu_experts="1", cpu_experts_timeout=0.01, fault_delay_s=0.05)
+    assert stats["cpu_worker"] == worker
     assert tokens == reference[0][:3] and logprobs == reference[1][:3]
     assert stats["cpu_late_calls"] > 0 and stats["cpu_fallbacks"] > 0
+
+
+def test_an_error_inside_the_native_worker_falls_back_with_the_bits_of_no_share(model, reference, caplog):
+    """No injected fault: the worker's table loses a layer's record addresses, so its jobs there
+    fail inside the native code; the device computes those pairs and the answer is no share's."""
+    import logging
+
+    options = EngineOptions(device="cpu", prefill_chunk_tokens=5, cache_size=slots(model, 16), host_cache_size="all",
+                            streaming="device", cpu_experts="1")
+    engine = Engine.load(model, options=options)
+    try:
+        engine._make_resident()
+        ds = engine.experts.device_share
+        assert ds.native is not None
+        layouts, addresses, _ = ds.native._keep
+        addresses.zero_()  # every record "not in host RAM"
+        with caplog.at_level(logging.WARNING, logger="moestream.layers.device_cpu_share"):
+            events = list(engine.generate(engine.tokenizer.encode(PROMPT), max_new_tokens=12, logprobs=1,
+                                          stop_at_eos=False))
+            ds._stop.wait(0.05)  # the retuning thread reads the errors within TUNE_EVERY_S
+        stats = engine.expert_stats()
+    finally:
+        engine.close()
+    assert [e.token_id for e in events] == reference[0] and [e.logprob for e in events] == reference[1]
+    assert stats["cpu_errors"] > 0 and stats["cpu_experts"] == 0 and stats["cpu_fallbacks"] > 0
+    assert stats["cpu_late_calls"] >= stats["cpu_errors"]
+    assert any("not in host RAM" in r.getMessage() for r in caplog.records)
+
+
+def test_the_native_worker_reports_what_auto_needs_and_stops_at_close(model, caplog):
+    import logging
+
+    options = EngineOptions(device="cpu", prefill_chunk_tokens=5, cache_size=slots(model, 16), host_cache_size="all",
+                            streaming="device", cpu_experts="auto", threads=1)
+    engine = Engine.load(model, options=options)
+    try:
+        with caplog.at_level(logging.INFO, logger="moestream"):
+            engine._make_resident()
+        assert any("the native worker on 1 threads" in r.getMessage() for r in caplog.records)  # which worker runs
+        ds = engine.experts.device_share
+        ds._set_share(1)  # every miss the CPU may take
+        for _ in engine.generate(engine.tokenizer.encode(PROMPT), max_new_tokens=8, stop_at_eos=False):
+            pass
+        ds._stop.wait(0.05)
+        stats = engine.expert_stats()
+        counts = ds.native.count()
+    finally:
+        engine.close()
+    assert stats["cpu_worker"] == "native" and stats["cpu_jobs"] == counts["jobs"] > ds.tuner.warm_jobs
+    assert ds.tuner.jobs == counts["ring"] == counts["jobs"]  # every job's figures reached the tuner
+    assert stats["cpu_kernel_gb_s_ema"] > 0 and stats["cpu_handover_us_ema"] > 0
+    assert counts["kernel_ns"] > 0 and counts["job_ns"] >= counts["kernel_ns"]
+    assert not ds.native._worker.running()  # stopped and joined at close
 
 
 def make_map(slots=10, experts=6, width=8):
@@ -157,3 +228,17 @@ def test_bench_json_reports_the_mailbox_calls_and_auto(model, tmp_path):
     decode = json.loads(out.read_text())["runs"][0]["decode"]
     assert decode["cpu_jobs"] + decode["cpu_empty_calls"] > 0 and decode["cpu_late_calls"] == 0
     assert decode["copy_gb_s_timed"] is True and decode["copy_gb_s"] > 0 and 0 <= decode["cpu_share_now"] <= 1
+    assert decode["cpu_worker"] == "native" and decode["cpu_worker_threads"] == 1 and decode["cpu_errors"] == 0
+    assert decode["cpu_repacked_experts"] == 0  # the native worker reads the host tier's records as they are
+
+
+def test_without_the_native_kernels_the_python_worker_serves_from_repacked_records(model, reference, monkeypatch):
+    from moestream.kernels import native_experts
+
+    monkeypatch.setattr(native_experts, "_state", {})  # as if never built ...
+    monkeypatch.setenv(native_experts.DISABLE_ENV, "0")  # ... and unable to be
+    tokens, logprobs, stats = run(model, cpu_experts="1")
+    assert stats["cpu_worker"] == "python" and stats["cpu_repacked_experts"] == stats["total_experts"]
+    assert stats["cpu_experts"] > 0 and stats["cpu_fallbacks"] == 0
+    assert tokens == reference[0]
+    assert max(abs(a - b) for a, b in zip(logprobs, reference[1])) < LOGPROB_TOLERANCE

@@ -1,0 +1,148 @@
+"""Routed experts on the CPU in native code, straight from the project's expert records in host RAM
+(moestream/kernels/native/cpu_experts.cpp): no repacking, float32 accumulation.
+
+For each (token, expert) pair: the gate and up products, SiLU(gate)·up, the down product, times the
+routing weight, from the record's 4- or 8-bit code words and their per-group scales and biases
+(w = scale·q + bias; moestream.kernels.expert_layout). One OpenMP region per call: the gate/up rows
+of all its experts split over the threads, then the down rows. The same file holds the
+device-driven CPU share's worker loop (moestream.layers.native_worker).
+
+The extension is compiled at first use (torch.utils.cpp_extension, `-O3 -march=native -fopenmp`,
+cached in torch's extensions directory). Where it cannot be built (no compiler, no ninja) `load`
+returns None and says why in one log line; the callers then keep torch's kernels
+(moestream.kernels.cpu_experts). `refusal` names the layouts it does not compute (activations
+other than SwiGLU, MXFP4, unquantized, mixed group sizes, ...)."""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+
+import torch
+
+from moestream.format.records import encode_record, plan_record
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("native") / "cpu_experts.cpp"
+NAME = "moestream_cpu_experts"
+FLAGS = ["-O3", "-march=native", "-fopenmp"]
+PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+GROUPS = (32, 64, 128, 256)
+SCALE_TYPES = {"BF16": 0, "F16": 1, "F32": 2}
+SCALE_ITEM = {"BF16": 2, "F16": 2, "F32": 4}
+DISABLE_ENV = "MOESTREAM_NATIVE_CPU"  # "0": never build or use the native code (torch's kernels run)
+LAYOUT_LEN = 16  # entries of a layout tensor (the native code's LayoutIndex)
+
+_lock = threading.Lock()
+_state: dict = {}  # "module" once built, or "reason" why not
+
+
+def load():
+    """The compiled extension, built on the first call (None where it cannot be: `reason()` says why,
+    logged once)."""
+    with _lock:
+        if "module" in _state or "reason" in _state:
+            return _state.get("module")
+        if os.environ.get(DISABLE_ENV, "1") == "0":
+            _state["reason"] = f"{DISABLE_ENV}=0"
+        else:
+            try:
+                from torch.utils.cpp_extension import load as build
+
+                _state["module"] = build(NAME, [str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
+                                         verbose=False)
+            except Exception as exc:  # noqa: BLE001 - no compiler, no ninja, a failed build: torch's kernels run
+                _state["reason"] = _why(exc)
+        if "reason" in _state:
+            log.info("native CPU expert kernels unavailable (%s): the CPU share runs torch's kernels", _state["reason"])
+        return _state.get("module")
+
+
+def _why(exc: Exception) -> str:
+    """A build failure in one line: the compiler's first error where there is one."""
+    text = str(exc)
+    errors = [line.strip() for line in text.splitlines() if "error" in line.lower()]
+    line = errors[1] if len(errors) > 1 and errors[0].startswith("Error building") else (errors or [text])[0]
+    return " ".join(line.split())[:300] or type(exc).__name__
+
+
+def reason() -> str | None:
+    """Why `load` found no extension (None where it built, or before it was asked)."""
+    return _state.get("reason")
+
+
+def refusal(fields, quant) -> str | None:
+    """Why the native kernels cannot compute records of this layout (None: they can)."""
+    by_name = {f.name: f for f in fields}
+    specs = [quant.get(p) for p in PROJECTIONS]
+    if any(s is None or not s.quantized for s in specs):
+        return "a projection is not quantized (the native kernels take 4- and 8-bit records)"
+    if any(s.mode != "affine" for s in specs):
+        return "not affine records (the native kernels take w = scale * q + bias)"
+    if specs[0].activation != "silu":
+        return f"the native kernels compute SwiGLU only, not {specs[0].activation}"
+    if any(s.bits not in (4, 8) for s in specs) or specs[0].bits != specs[1].bits:
+        return "codes of other than 4 or 8 bits, or gate and up of different widths"
+    if len({s.group_size for s in specs}) != 1 or specs[0].group_size not in GROUPS:
+        return f"group sizes {sorted({s.group_size for s in specs})} (the native kernels take one of {GROUPS})"
+    for p in PROJECTIONS:
+        for part in ("weight", "scales", "biases"):
+            if f"{p}.{part}" not in by_name:
+                return f"the record has no {p}.{part}"
+    group, bits_gu, bits_d = specs[0].group_size, specs[0].bits, specs[2].bits
+    inter, words = by_name["gate_proj.weight"].shape
+    hidden = words * 32 // bits_gu
+    expect = {"gate_proj": (inter, hidden, bits_gu), "up_proj": (inter, hidden, bits_gu),
+              "down_proj": (hidden, inter, bits_d)}
+    kinds = {by_name[f"{p}.{s}"].dtype for p in PROJECTIONS for s in ("scales", "biases")}
+    if len(kinds) != 1 or next(iter(kinds)) not in SCALE_TYPES:
+        return f"scales and biases of dtypes {sorted(kinds)} (the native kernels take one of BF16, F16, F32)"
+    item = SCALE_ITEM[next(iter(kinds))]
+    if hidden % group or inter % group:
+        return f"hidden {hidden} / intermediate {inter} not multiples of the group size {group}"
+    for p, (rows, cols, bits) in expect.items():
+        w = by_name[f"{p}.weight"]
+        if w.dtype not in ("U32", "I32") or list(w.shape) != [rows, cols * bits // 32] or w.offset % 4:
+            return f"{p}.weight: {w.dtype} {list(w.shape)} at {w.offset} (expected U32 {[rows, cols * bits // 32]})"
+        for s in ("scales", "biases"):
+            f = by_name[f"{p}.{s}"]
+            if list(f.shape) != [rows, cols // group] or f.offset % item:
+                return f"{p}.{s}: shape {list(f.shape)} at {f.offset} (expected {[rows, cols // group]})"
+    return None
+
+
+def layout(fields, quant) -> torch.Tensor:
+    """The int64 [16] description of a layout the kernels take (it must have passed `refusal`):
+    hidden, intermediate, the bits of gate/up and down, the group size, the scales' dtype, the
+    byte offsets of the nine fields and the record's bytes (for GB/s)."""
+    by_name = {f.name: f for f in fields}
+    inter, words = by_name["gate_proj.weight"].shape
+    bits_gu = quant["gate_proj"].bits
+    values = [words * 32 // bits_gu, inter, bits_gu, quant["down_proj"].bits, quant["gate_proj"].group_size,
+              SCALE_TYPES[by_name["gate_proj.scales"].dtype]]
+    values += [by_name[f"{p}.{s}"].offset for p in PROJECTIONS for s in ("weight", "scales", "biases")]
+    values.append(sum(by_name[f"{p}.{s}"].nbytes for p in PROJECTIONS for s in ("weight", "scales", "biases")))
+    return torch.tensor(values, dtype=torch.int64)
+
+
+def record_blob(tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, list]:
+    """One record's tensors laid out as the packed format does (tests, the benchmark): its bytes
+    (uint8) and its fields."""
+    fields, size = plan_record(tensors)
+    blob = torch.frombuffer(bytearray(encode_record(fields, size, tensors)), dtype=torch.uint8)
+    return blob, fields
+
+
+def weighted_rows(module, layout_t: torch.Tensor, records: list[torch.Tensor], experts, tokens, weights,
+                  x: torch.Tensor, out: torch.Tensor, threads: int) -> None:
+    """out[p] = weights[p] * SwiGLU of records[experts[p]] at x[tokens[p]] (x float32 [T, H]; out
+    float32 [>= P, H]); records: uint8 tensors kept alive by the caller."""
+    addresses = torch.tensor([r.data_ptr() for r in records], dtype=torch.int64)
+    module.weighted_rows(layout_t, addresses, torch.as_tensor(experts, dtype=torch.int32),
+                         torch.as_tensor(tokens, dtype=torch.int32), torch.as_tensor(weights, dtype=torch.float32),
+                         x.float().contiguous(), out, int(threads))
+
+
+__all__ = ["load", "reason", "refusal", "layout", "record_blob", "weighted_rows"]
