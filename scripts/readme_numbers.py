@@ -373,6 +373,22 @@ def h200_rows_split() -> str:
             f"as the defaults (the next call)")
 
 
+def h200_pdl() -> str:
+    """Resident decode without / with / without programmatic dependent launch, one call."""
+    runs = [only_run(H200 / f"pdl-{m}.json") for m in ("off", "on", "off-again")]
+    return " → ".join(tok_s(r["decode"]["tok_s"]) for r in runs) + " tok/s (without / with / without PDL, one call)"
+
+
+def h200_native_share() -> str:
+    """Streamed decode at 25 % with uniform routing, the native CPU share's worker against no share, one call."""
+    auto, off = (only_run(H200 / f"native-cpu-share-{m}.json") for m in ("auto", "off"))
+    d = auto["decode"]
+    return (f"{tok_s(d['tok_s'])} tok/s with `--cpu-experts auto` against {tok_s(off['decode']['tok_s'])} without "
+            f"(hit rate {d['hit_rate']:.2f}); the worker's kernels {d['cpu_kernel_gb_s']:.1f} GB/s on "
+            f"{d['cpu_worker_threads']} threads, its hand-over {d['cpu_handover_us_ema']:.1f} µs, the share settled at "
+            f"{d['cpu_share_now']:.2f} of the misses")
+
+
 def h200_grouped() -> str:
     """The grouped (prefill) kernels before and after the sweep, uniform routing, from one sweep."""
     path = H200 / "grouped-kernels-sweep.json"
@@ -412,6 +428,8 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "h200-prefill-graphs": h200_prefill_graphs,
     "h200-new-defaults": h200_new_defaults,
     "h200-rows-split": h200_rows_split,
+    "h200-pdl": h200_pdl,
+    "h200-native-share": h200_native_share,
     "h200-grouped": h200_grouped,
 }
 
