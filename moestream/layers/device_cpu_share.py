@@ -178,10 +178,12 @@ class DeviceCpuShare:
             try:
                 host_pool = cpu.provider.host.pool
                 layouts, addresses = native_worker.record_tables(cpu, device_map, host_pool)
-                worker = native_worker.NativeWorker(self, layouts, addresses, threads=cpu.threads, busy_s=BUSY_S,
+                team = native_worker.team_size(cpu.threads)
+                worker = native_worker.NativeWorker(self, layouts, addresses, threads=team, busy_s=BUSY_S,
                                                     idle_sleep_s=IDLE_SLEEP_S, host_pool=host_pool)
                 worker.set_faults(cpu.fault_after, cpu.fault_delay_s)
-                log.info("CPU share: the native worker on %d threads, from the host tier's records", cpu.threads)
+                log.info("CPU share: the native worker on %d threads (of %d asked; %d cores kept for the engine), "
+                         "from the host tier's records", team, cpu.threads, native_worker.RESERVED_CORES)
                 return worker
             except Exception as exc:  # noqa: BLE001 - the Python worker serves instead
                 why = f"the native worker did not start: {exc}"
@@ -443,7 +445,8 @@ class DeviceCpuShare:
                                                              c["skipped"])
             compute_s = c["kernel_ns"] / 1e9
         out.update({"cpu_share_path": "device", "cpu_worker": "native" if self.native is not None else "python",
-                    "cpu_worker_threads": self.cpu.threads, "cpu_experts": experts, "cpu_pairs": pairs,
+                    "cpu_worker_threads": self.native.threads if self.native is not None else self.cpu.threads,
+                    "cpu_experts": experts, "cpu_pairs": pairs,
                     "cpu_fallbacks": lost, "cpu_late_calls": late, "cpu_timeouts": late - min(late, errors),
                     "cpu_errors": errors, "cpu_jobs": jobs, "cpu_skipped_jobs": skipped, "cpu_bytes": nbytes,
                     "cpu_compute_s": round(compute_s, 6),

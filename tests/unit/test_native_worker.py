@@ -112,3 +112,12 @@ def test_close_stops_the_thread(mailbox):
     m.box.header[0] = 99  # nobody answers any more
     time.sleep(0.01)
     assert int(m.box.ack[0]) == 0
+
+
+def test_the_team_leaves_cores_for_the_engine(monkeypatch):
+    """A team never takes the engine's cores: at most the usable cores less RESERVED_CORES, at least one."""
+    from moestream.layers import native_worker
+
+    for cores, asked, team in ((16, 15, 14), (16, 9, 9), (16, 64, 14), (2, 8, 1), (1, 1, 1)):
+        monkeypatch.setattr(native_worker.os, "sched_getaffinity", lambda _pid, n=cores: set(range(n)), raising=False)
+        assert native_worker.team_size(asked) == team, (cores, asked)
