@@ -19,6 +19,7 @@ import json
 import os
 import platform
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -152,9 +153,7 @@ def main() -> None:
            "results": results, "jobs": jobs,
            "native": "built" if native_experts.load() is not None else native_experts.reason()}
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=1)
-            f.write("\n")
+        Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ import os
 import platform
 import statistics
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
@@ -96,9 +97,7 @@ def main() -> None:
            "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
            "load_1min": round(os.getloadavg()[0], 2)}
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=1)
-            f.write("\n")
+        Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
 
 
 if __name__ == "__main__":

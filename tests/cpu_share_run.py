@@ -20,3 +20,4 @@ def run_with_share(model, steps=12, fault_after=None, fault_delay_s=0.0, **opts)
                 engine.streaming)
     finally:
         engine.close()
+

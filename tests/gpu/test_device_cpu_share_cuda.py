@@ -16,7 +16,6 @@ from moestream.engine.options import EngineOptions
 from test_decoder import greedy_or_forced
 from moestream.experts.device_map import DeviceMap
 from moestream.experts.uva import device_view
-from moestream.layers.native_worker import WORKER_ENV
 
 pytestmark = pytest.mark.gpu
 PROMPT = "def fibonacci(n):\n    if n < 2:"
@@ -52,15 +51,6 @@ def run(packed, dtype="bfloat16", fault_after=None, fault_delay_s=0.0, slot_map=
         engine.close()
 
 
-@pytest.fixture(params=["native", "python"])
-def worker(request, monkeypatch):
-    if request.param == "python":
-        monkeypatch.setenv(WORKER_ENV, "python")
-    else:
-        monkeypatch.delenv(WORKER_ENV, raising=False)
-    return request.param
-
-
 @pytest.fixture(scope="module")
 def off(packed):
     return {dtype: run(packed, dtype) for dtype in ("bfloat16", "float32")}
@@ -68,10 +58,10 @@ def off(packed):
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("share", ["0.5", "1", "auto"])
-def test_a_share_gives_the_log_probs_of_no_share_within_the_tolerance(packed, off, share, dtype, worker):
+def test_a_share_gives_the_log_probs_of_no_share_within_the_tolerance(packed, off, share, dtype, share_worker):
     ref_tokens, ref_logprobs, ref_stats = off[dtype]
     _, logprobs, stats = run(packed, dtype, cpu_experts=share, forced=ref_tokens)
-    assert stats["cpu_worker"] == worker
+    assert stats["cpu_worker"] == share_worker
     assert ref_stats["hit_rate"] < 1.0, "the 50 % cache should stream"
     assert len(logprobs) == STEPS
     assert max(abs(a - b) for a, b in zip(logprobs, ref_logprobs)) < TOLERANCE[dtype]
@@ -82,16 +72,16 @@ def test_a_share_gives_the_log_probs_of_no_share_within_the_tolerance(packed, of
 
 
 @pytest.mark.parametrize("slot_map", ["torch", "triton"])
-def test_a_failing_cpu_gives_the_bits_of_no_share(packed, off, slot_map, worker):
+def test_a_failing_cpu_gives_the_bits_of_no_share(packed, off, slot_map, share_worker):
     tokens, logprobs, stats = run(packed, cpu_experts="1", fault_after=0, slot_map=slot_map)
-    assert stats["cpu_worker"] == worker
+    assert stats["cpu_worker"] == share_worker
     assert (tokens, logprobs) == off["bfloat16"][:2]
     assert stats["cpu_errors"] > 0 and stats["cpu_fallbacks"] > 0 and stats["cpu_experts"] == 0
 
 
-def test_a_late_cpu_gives_the_bits_of_no_share(packed, off, worker):
+def test_a_late_cpu_gives_the_bits_of_no_share(packed, off, share_worker):
     tokens, logprobs, stats = run(packed, cpu_experts="1", cpu_experts_timeout=0.0005, fault_delay_s=0.01)
-    assert stats["cpu_worker"] == worker
+    assert stats["cpu_worker"] == share_worker
     assert (tokens, logprobs) == off["bfloat16"][:2]
     assert stats["cpu_late_calls"] > 0 and stats["cpu_fallbacks"] > 0
 

@@ -12,7 +12,6 @@ from moestream.engine.engine import Engine
 from moestream.engine.options import EngineOptions
 from moestream.experts.device_map import DeviceMap
 from moestream.format.reader import PackedModel
-from moestream.layers.native_worker import WORKER_ENV
 
 LOGPROB_TOLERANCE = 1e-3  # float32: the CPU kernels round differently from the reference, not more
 
@@ -24,16 +23,6 @@ def model(tiny_packed_model):
 
 def slots(model, n: int) -> str:
     return str(n * max(e.record_size for e in PackedModel(model).manifest.expert_layers))
-
-
-@pytest.fixture(params=["native", "python"])
-def worker(request, monkeypatch):
-    """Which worker serves the mailbox (the native one builds on this machine: its tests say so)."""
-    if request.param == "python":
-        monkeypatch.setenv(WORKER_ENV, "python")
-    else:
-        monkeypatch.delenv(WORKER_ENV, raising=False)
-    return request.param
 
 
 def run(model, *, steps=12, fault_after=None, fault_delay_s=0.0, **opts):
@@ -49,11 +38,11 @@ def reference(model):
 
 
 @pytest.mark.parametrize("share", ["0.5", "1", "auto"])
-def test_a_share_on_the_device_path_stays_within_tolerance(model, reference, share, worker):
+def test_a_share_on_the_device_path_stays_within_tolerance(model, reference, share, share_worker):
     tokens, logprobs, stats = run(model, cpu_experts=share)
-    assert stats["cpu_worker"] == worker
+    assert stats["cpu_worker"] == share_worker
     # the native worker reads the host tier's records as they are; the Python one repacked them
-    assert (stats["cpu_repacked_experts"] == 0) == (worker == "native")
+    assert (stats["cpu_repacked_experts"] == 0) == (share_worker == "native")
     assert tokens == reference[0]
     assert max(abs(a - b) for a, b in zip(logprobs, reference[1])) < LOGPROB_TOLERANCE
     assert logprobs != reference[1]  # the CPU computed some pairs: other rounding
@@ -105,25 +94,25 @@ def test_a_bigger_share_gives_the_cpu_more(model):
     assert 0 < half["cpu_experts"] < full["cpu_experts"]
 
 
-def test_cpu_errors_fall_back_to_the_device_with_the_bits_of_no_share(model, reference, worker):
+def test_cpu_errors_fall_back_to_the_device_with_the_bits_of_no_share(model, reference, share_worker):
     tokens, logprobs, stats = run(model, cpu_experts="1", fault_after=0)
-    assert stats["cpu_worker"] == worker
+    assert stats["cpu_worker"] == share_worker
     assert tokens == reference[0] and logprobs == reference[1]
     assert stats["cpu_experts"] == 0 and stats["cpu_errors"] > 0
     assert stats["cpu_fallbacks"] > 0 and stats["cpu_late_calls"] >= stats["cpu_errors"]
 
 
-def test_a_fault_after_some_jobs_mixes_cpu_and_fallbacks(model, reference, worker):
+def test_a_fault_after_some_jobs_mixes_cpu_and_fallbacks(model, reference, share_worker):
     tokens, logprobs, stats = run(model, cpu_experts="1", fault_after=5)
-    assert stats["cpu_worker"] == worker
+    assert stats["cpu_worker"] == share_worker
     assert tokens == reference[0]
     assert max(abs(a - b) for a, b in zip(logprobs, reference[1])) < LOGPROB_TOLERANCE
     assert stats["cpu_experts"] > 0 and stats["cpu_fallbacks"] > 0
 
 
-def test_a_late_answer_falls_back_to_the_device(model, reference, worker):
+def test_a_late_answer_falls_back_to_the_device(model, reference, share_worker):
     tokens, logprobs, stats = run(model, steps=3, cpu_experts="1", cpu_experts_timeout=0.01, fault_delay_s=0.05)
-    assert stats["cpu_worker"] == worker
+    assert stats["cpu_worker"] == share_worker
     assert tokens == reference[0][:3] and logprobs == reference[1][:3]
     assert stats["cpu_late_calls"] > 0 and stats["cpu_fallbacks"] > 0
 
