@@ -1,13 +1,11 @@
 #!/usr/bin/env bash
 # What has not yet run on a GPU, in priority order, in parts that each fit one device call (≤ 10 min).
 # Next (in this order; run new GPU test files first and alone: a device-side fault poisons the process):
-# 1. fused-boundaries (BEFORE=.before: the build before the fused layer boundaries, carried): its GPU test, the tests
-#    it touches, resident decode before/after in one call; then the decode profile (scripts/gpu/profile_decode.py).
-# 2. drafters (both drafters, --cache-sizes 100%,25%: the policy's plain stretches decode ahead; the draft engine
-#    without prefill graphs): the draft model must no longer be slower than plain on the H200.
-# 3. the CPU expert kernels across cores (scripts/bench_cpu_experts.py on the 16-core box), then cpu-share.
-# 4. server at 25 % with SERVER_REQUESTS=2 and SERVER_LIMIT=300 (its 32-client round).
-# 5. tuned-kernels (TUNED_BITS=4,8: the kernel table, 8-bit included).
+# 1. native-share-bench with NATIVE_SHARES="auto off" and the team capped at the cores less two (14 of 16), then
+#    --threads 9 / 12 / 14 for auto in one call: the native CPU share inside the step (≥ 80 tok/s at 25 % uniform).
+# 2. the decode profile with PDL (scripts/gpu/profile_decode.py --model /tmp/q30 --prefill 512): what the gaps left.
+# 3. server at 25 % with SERVER_REQUESTS=2 and SERVER_LIMIT=300 (its 32-client round).
+# 4. tuned-kernels (TUNED_BITS=4,8: the kernel table, 8-bit included).
 # Start the q30 synth in the background first (`python3 -m moestream synth --shape qwen3-30b-a3b
 # /tmp/q30 --force & SP=$!` ... `wait $SP`: never wait with pgrep -f, which matches its own command).
 # rows-products then rows-products-ab (--rows-products triton: the row tile's Triton products; two calls).
