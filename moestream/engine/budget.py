@@ -48,7 +48,7 @@ class Ledger:
             rows.append(("unpacked experts (CPU)", self.unpacked_experts))
         rows += [("device total", self.device_total), ("host tier (RAM)", self.host_tier)]
         if self.cpu_repacked:
-            rows.append(("CPU share: repacked experts (RAM)", self.cpu_repacked))
+            rows.append(("CPU share: repacked (RAM, Python worker)", self.cpu_repacked))
         return "\n".join(f"  {name:<40} {format_bytes(value):>12}" for name, value in rows)
 
 
