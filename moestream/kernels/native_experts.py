@@ -3,8 +3,9 @@
 
 For each (token, expert) pair: the gate and up products, SiLU(gate)·up, the down product, times the
 routing weight, from the record's 4- or 8-bit code words and their per-group scales and biases
-(w = scale·q + bias; moestream.kernels.expert_layout). One OpenMP region per call: the gate/up rows
-of all its experts split over the threads, then the down rows. The same file holds the
+(w = scale·q + bias; moestream.kernels.expert_layout). On a team of threads (native/team.h): the gate/up
+rows of all its experts dealt out to the threads, then the down rows; `weighted_rows` takes OpenMP's
+team or a spinning one (`team="spin"`, the device-driven worker's default). The same file holds the
 device-driven CPU share's worker loop (moestream.layers.native_worker).
 
 The extension is compiled at first use (torch.utils.cpp_extension, `-O3 -march=native -fopenmp`,
@@ -51,13 +52,24 @@ def load():
             try:
                 from torch.utils.cpp_extension import load as build
 
-                _state["module"] = build(NAME, [str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
-                                         verbose=False)
+                _state["module"] = build(NAME, [str(SOURCE)], extra_cflags=FLAGS + [f"-DMOESTREAM_SOURCES={_digest()}"],
+                                         extra_ldflags=["-fopenmp"], verbose=False)
             except Exception as exc:  # noqa: BLE001 - no compiler, no ninja, a failed build: torch's kernels run
                 _state["reason"] = _why(exc)
         if "reason" in _state:
             log.info("native CPU expert kernels unavailable (%s): the CPU share runs torch's kernels", _state["reason"])
         return _state.get("module")
+
+
+def _digest() -> str:
+    """A digest of every file of the native folder: torch rebuilds an extension when its sources or
+    flags change, and its headers are neither, so their digest goes in as a flag."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for path in sorted(SOURCE.parent.iterdir()):
+        h.update(path.name.encode() + path.read_bytes())
+    return h.hexdigest()[:16]
 
 
 def _why(exc: Exception) -> str:
@@ -136,13 +148,13 @@ def record_blob(tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, list]:
 
 
 def weighted_rows(module, layout_t: torch.Tensor, records: list[torch.Tensor], experts, tokens, weights,
-                  x: torch.Tensor, out: torch.Tensor, threads: int) -> None:
+                  x: torch.Tensor, out: torch.Tensor, threads: int, team: str = "omp") -> None:
     """out[p] = weights[p] * SwiGLU of records[experts[p]] at x[tokens[p]] (x float32 [T, H]; out
     float32 [>= P, H]); records: uint8 tensors kept alive by the caller."""
     addresses = torch.tensor([r.data_ptr() for r in records], dtype=torch.int64)
     module.weighted_rows(layout_t, addresses, torch.as_tensor(experts, dtype=torch.int32),
                          torch.as_tensor(tokens, dtype=torch.int32), torch.as_tensor(weights, dtype=torch.float32),
-                         x.float().contiguous(), out, int(threads))
+                         x.float().contiguous(), out, int(threads), team)
 
 
 __all__ = ["load", "reason", "refusal", "layout", "record_blob", "weighted_rows"]

@@ -446,6 +446,7 @@ class DeviceCpuShare:
             compute_s = c["kernel_ns"] / 1e9
         out.update({"cpu_share_path": "device", "cpu_worker": "native" if self.native is not None else "python",
                     "cpu_worker_threads": self.native.threads if self.native is not None else self.cpu.threads,
+                    "cpu_worker_team": self.native.team_name() if self.native is not None else None,
                     "cpu_experts": experts, "cpu_pairs": pairs,
                     "cpu_fallbacks": lost, "cpu_late_calls": late, "cpu_timeouts": late - min(late, errors),
                     "cpu_errors": errors, "cpu_jobs": jobs, "cpu_skipped_jobs": skipped, "cpu_bytes": nbytes,

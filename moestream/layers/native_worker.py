@@ -26,6 +26,8 @@ import torch
 from moestream.kernels import native_experts
 
 WORKER_ENV = "MOESTREAM_CPU_SHARE_WORKER"  # "python": the Python worker even where the native one builds
+TEAM_ENV = "MOESTREAM_NATIVE_TEAM"  # "spin" (default): the worker's own threads; "omp": an OpenMP region per job
+PIN_ENV = "MOESTREAM_NATIVE_PIN"  # "0": the spinning team's threads are not pinned to cores
 RING = 1024  # per-job figures kept for the retuning (it reads them every few milliseconds)
 COUNTERS = ("jobs", "experts", "pairs", "errors", "skipped", "bytes", "kernel_ns", "job_ns", "ring")
 RING_FIELDS = ("job_ns", "kernel_ns", "bytes", "experts", "misses", "layer")
@@ -39,6 +41,15 @@ def team_size(threads: int) -> int:
     inside the step, one of 9 17.8, while alone there 15 compute 42-66."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(1, min(int(threads), cores - RESERVED_CORES))
+
+
+def team_kind() -> tuple[str, bool]:
+    """The team the worker computes on (team.h): its kind and whether its members are pinned, from
+    TEAM_ENV and PIN_ENV (a value other than these names is refused in one line)."""
+    kind = os.environ.get(TEAM_ENV, "spin").strip().lower() or "spin"
+    if kind not in ("spin", "omp"):
+        raise ValueError(f"{TEAM_ENV}={kind!r}: expected spin or omp")
+    return kind, kind == "spin" and os.environ.get(PIN_ENV, "1").strip() != "0"
 
 
 def unavailable(cpu) -> str | None:
@@ -90,10 +101,11 @@ class NativeWorker:
         # numpy views: read and written from any thread, in or out of inference mode
         self._counters, self._ring, self._control = self.counters.numpy(), self.ring.numpy(), self.control.numpy()
         self._read = 0  # ring entries taken so far
+        team, pin = team_kind()
         self._worker = module.Worker(box.header, box.x_in, box.ids_in, box.w_in, box.mask_in, box.rows_out, box.ack,
                                      layouts, addresses, self.counters, self.ring, self.control, int(threads),
-                                     int(busy_s * 1e9), int(idle_sleep_s * 1e9))
-        self.threads = int(threads)
+                                     int(busy_s * 1e9), int(idle_sleep_s * 1e9), team, pin)
+        self.threads, self.team = int(threads), team
         self._worker.start()
         # stopped at close, or when this object goes, or at exit: never a thread left polling freed memory
         self._stop = weakref.finalize(self, self._worker.stop)
@@ -112,6 +124,10 @@ class NativeWorker:
         jobs = [dict(zip(RING_FIELDS, self._ring[i % RING].tolist())) for i in range(start, written)]
         self._read = written
         return jobs
+
+    def team_name(self) -> str:
+        """The team's kind, and "pinned" where its members are (known once the worker has started)."""
+        return f"{self.team}, pinned" if self._worker.pinned() else self.team
 
     def last_error(self) -> str:
         return self._worker.last_error()

@@ -11,7 +11,7 @@
 # rows-products then rows-products-ab (--rows-products triton: the row tile's Triton products; two calls).
 # Usage: scripts/gpu/run_pending.sh OUTDIR PART...
 #   PART: synth | kernel-shapes | sweep | tuned | tests | stream | lookahead | resident | profile | families | cpu-share
-#         | native-share | native-share-bench | server
+#         | native-share | native-share-bench | share-conditions | server
 #         | rows-products | rows-products-ab
 #   synth:    every shape the other parts read, side by side (one core each), so later calls find them
 #   kernel-shapes: the grouped kernels' product shapes (swapped, gathered codes, tiles) against the reference
@@ -35,6 +35,8 @@
 #   native-share: the native CPU share's extension built, its CPU and CUDA tests, scripts/bench_cpu_experts.py on 16
 #             and 15 threads (native beside torch), the native worker's hand-over on 15 threads
 #   native-share-bench: `--cpu-experts off` and `auto` at 25 % uniform, device-driven (NATIVE_SHARES)
+#   share-conditions: scripts/bench_cpu_share_conditions.py (gaps, DMA, per team), the share's tests, then the 25 %
+#             uniform step per team and thread count (SHARE_RUNS)
 #   rows:     --step-rows auto (a step's rows at once): its GPU tests, then resident decode and step costs against off
 #   drafters: the batching GPU test with warmed steps, the demo's drafters on CUDA on the held-out prompts
 #   server:   scripts/bench_server_batching.py at 100 % and 25 % (needs .whl: scripts/gpu/fetch_wheels.sh here,
@@ -198,6 +200,27 @@ for part in "$@"; do
     say native-kernel "rc=$?"; grep experts_per_job "$out/native-cpu-experts-kernel.log" | tail -16
     timeout 60 python3 scripts/bench_native_share_handover.py --threads 15 --out "$out/native-share-handover.json"
     say native-handover "rc=$?" ;;
+  share-conditions)  # the share's kernels under a step's conditions (gaps, DMA; per team), its tests, then the step
+    # per team: SHARE_RUNS of share:team:threads (team spin-free = spinning, not pinned), one process each
+    synth & sp=$!
+    { lscpu; grep -m1 flags /proc/cpuinfo; } > "$out/lscpu.log" 2>&1
+    timeout 300 python3 -c "from moestream.kernels import native_experts as n; m = n.load(); print('native:', m or n.reason())" \
+      > "$out/native-build.log" 2>&1
+    say native-build "rc=$?"; tail -1 "$out/native-build.log"
+    timeout 150 python3 scripts/bench_cpu_share_conditions.py --threads ${COND_THREADS:-9 14} --out "$out/share-conditions.json" \
+      > "$out/share-conditions.log" 2>&1
+    say share-conditions "rc=$?"; grep -c condition "$out/share-conditions.log"
+    timeout -s ABRT ${TESTS_LIMIT:-240} python3 -m pytest tests/unit/test_native_experts.py tests/unit/test_native_worker.py \
+      tests/gpu/test_device_cpu_share_cuda.py -q -p no:cacheprovider -rfE --durations=5 > "$out/share-tests.log" 2>&1
+    say share-tests "rc=$?"; grep -E "passed|failed|FAILED|Fatal" "$out/share-tests.log" | tail -6
+    wait $sp
+    for run in ${SHARE_RUNS:-off:spin:14 auto:spin:14 auto:omp:9 auto:spin-free:14}; do
+      IFS=: read -r share team threads <<< "$run"
+      pin=1; [ "$team" = spin-free ] && { team=spin; pin=0; }
+      MOESTREAM_NATIVE_TEAM=$team MOESTREAM_NATIVE_PIN=$pin bench "share-$share-$team$([ $pin = 0 ] && echo -free)-$threads" 150 \
+        --routing uniform --prefill-tokens '' --cache-sizes ${SHARE_CACHE:-25%} --streaming device --cpu-experts $share \
+        --threads $threads
+    done ;;
   native-share-bench)  # 25 % uniform, device-driven: no share, then auto (NATIVE_SHARES), one process each
     synth
     for share in ${NATIVE_SHARES:-off auto}; do bench "native-cpu-share-$share" 120 --routing uniform --prefill-tokens '' \

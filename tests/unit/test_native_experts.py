@@ -35,7 +35,8 @@ def module():
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("hidden,inter,group", [(192, 96, 32), (384, 128, 128), (320, 64, 64), (512, 256, 256)])
 @pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_the_native_kernels_match_the_reference(module, bits, hidden, inter, group, scale_dtype):
+@pytest.mark.parametrize("team", ["omp", "spin"])
+def test_the_native_kernels_match_the_reference(module, bits, hidden, inter, group, scale_dtype, team):
     recs = [make_record(hidden, inter, bits, group, scale_dtype, seed=s) for s in range(3)]
     blobs = [native_experts.record_blob(r)[0] for r, _ in recs]
     fields, quant = native_experts.record_blob(recs[0][0])[1], recs[0][1]
@@ -45,7 +46,7 @@ def test_the_native_kernels_match_the_reference(module, bits, hidden, inter, gro
     # pairs: (expert, token, weight), an expert used by two tokens, a token by two experts
     experts, tokens, weights = [2, 0, 2, 1, 0], [0, 0, 1, 2, 2], [0.5, -1.25, 2.0, 0.75, 1.0]
     out = torch.full((len(experts), hidden), float("nan"))
-    native_experts.weighted_rows(module, layout, blobs, experts, tokens, weights, x, out, threads=2)
+    native_experts.weighted_rows(module, layout, blobs, experts, tokens, weights, x, out, threads=2, team=team)
     for p, (e, t, w) in enumerate(zip(experts, tokens, weights)):
         ref = expert_ffn(x[t:t + 1], recs[e][0], recs[e][1])[0] * w
         assert torch.allclose(out[p], ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item()), (p, (out[p] - ref).abs().max())
@@ -60,6 +61,32 @@ def test_a_row_does_not_depend_on_the_thread_count_or_the_other_pairs(module):
     native_experts.weighted_rows(module, layout, [blob], [0], [1], [0.3], x, alone, threads=1)
     native_experts.weighted_rows(module, layout, [blob], [0, 0], [0, 1], [1.0, 0.3], x, together, threads=2)
     assert torch.equal(alone[0], together[1])
+
+
+def test_the_same_bits_on_any_team(module):
+    """Each row is one member's from start to end, whichever member takes it: so the team's kind and
+    size, and a spinning team kept between calls, change no bit."""
+    recs = [make_record(256, 128, 4, 64, seed=s) for s in range(4)]
+    blobs = [native_experts.record_blob(r)[0] for r, _ in recs]
+    layout = native_experts.layout(native_experts.record_blob(recs[0][0])[1], recs[0][1])
+    x = torch.randn(2, 256, generator=torch.Generator().manual_seed(5))
+    experts, tokens, weights = [3, 1, 0, 2, 1], [0, 0, 1, 1, 1], [0.5, 1.0, -0.25, 2.0, 0.75]
+    first = None
+    for team, threads in [("omp", 1), ("spin", 1), ("spin", 3), ("spin", 3), ("omp", 2), ("spin", 2)]:
+        out = torch.full((len(experts), 256), float("nan"))
+        native_experts.weighted_rows(module, layout, blobs, experts, tokens, weights, x, out, threads=threads,
+                                     team=team)
+        assert not out.isnan().any(), (team, threads)
+        first = out if first is None else first
+        assert torch.equal(out, first), (team, threads)
+
+
+def test_an_unknown_team_is_an_error(module):
+    rec, quant = make_record(128, 64, 4, 64)
+    blob, fields = native_experts.record_blob(rec)
+    with pytest.raises(RuntimeError, match="omp.*spin"):
+        native_experts.weighted_rows(module, native_experts.layout(fields, quant), [blob], [0], [0], [1.0],
+                                     torch.randn(1, 128), torch.empty(1, 128), threads=1, team="fast")
 
 
 def test_layouts_the_native_kernels_refuse():

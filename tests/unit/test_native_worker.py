@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from moestream.kernels import native_experts
-from moestream.layers.native_worker import NativeWorker
+from moestream.layers.native_worker import TEAM_ENV, NativeWorker
 from moestream.quant.affine import QuantSpec, quantize
 
 PROJS = ("gate_proj", "up_proj", "down_proj")
@@ -26,8 +26,10 @@ def record(seed):
     return rec
 
 
-@pytest.fixture
-def mailbox():
+@pytest.fixture(params=["spin", "omp"])
+def mailbox(request, monkeypatch):
+    """A worker of two threads on a team of either kind."""
+    monkeypatch.setenv(TEAM_ENV, request.param)
     assert native_experts.load() is not None, native_experts.reason()
     blobs = [native_experts.record_blob(record(s)) for s in range(EXPERTS)]
     layout = native_experts.layout(blobs[0][1], {p: QuantSpec(4, 64) for p in PROJS})
@@ -39,8 +41,8 @@ def mailbox():
                           ids_in=torch.zeros(64, dtype=torch.int32), w_in=torch.zeros(64),
                           mask_in=torch.zeros(64, dtype=torch.int8), rows_out=torch.full((64, HIDDEN), float("nan")),
                           ack=torch.zeros(1, dtype=torch.int64))
-    worker = NativeWorker(box, layouts, addresses, threads=1, busy_s=0.005, idle_sleep_s=0.0002, host_pool=torch.zeros(1))
-    yield SimpleNamespace(box=box, worker=worker, blobs=[b for b, _ in blobs], layout=layout, seq=0)
+    worker = NativeWorker(box, layouts, addresses, threads=2, busy_s=0.005, idle_sleep_s=0.0002, host_pool=torch.zeros(1))
+    yield SimpleNamespace(box=box, worker=worker, blobs=[b for b, _ in blobs], layout=layout, seq=0, team=request.param)
     worker.close()
 
 
@@ -76,6 +78,7 @@ def test_the_withheld_pairs_come_back_as_the_kernels_rows(mailbox):
     (job,) = m.worker.new_jobs()
     assert job["experts"] == 2 and job["misses"] == 3 and job["layer"] == 2 and job["job_ns"] >= job["kernel_ns"] > 0
     assert m.worker.new_jobs() == []
+    assert m.worker.team_name().split(",")[0] == m.team
 
 
 @pytest.mark.parametrize("layer, ids, tokens, why", [
@@ -121,3 +124,20 @@ def test_the_team_leaves_cores_for_the_engine(monkeypatch):
     for cores, asked, team in ((16, 15, 14), (16, 9, 9), (16, 64, 14), (2, 8, 1), (1, 1, 1)):
         monkeypatch.setattr(native_worker.os, "sched_getaffinity", lambda _pid, n=cores: set(range(n)), raising=False)
         assert native_worker.team_size(asked) == team, (cores, asked)
+
+
+def test_the_team_kind_comes_from_the_environment(monkeypatch):
+    from moestream.layers import native_worker
+
+    for env, pin, expect in (({}, None, ("spin", True)), ({"MOESTREAM_NATIVE_TEAM": "omp"}, None, ("omp", False)),
+                             ({}, "0", ("spin", False)), ({"MOESTREAM_NATIVE_TEAM": " SPIN "}, "1", ("spin", True))):
+        monkeypatch.delenv(native_worker.TEAM_ENV, raising=False)
+        monkeypatch.delenv(native_worker.PIN_ENV, raising=False)
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        if pin is not None:
+            monkeypatch.setenv(native_worker.PIN_ENV, pin)
+        assert native_worker.team_kind() == expect, (env, pin)
+    monkeypatch.setenv(native_worker.TEAM_ENV, "gomp")
+    with pytest.raises(ValueError, match="spin or omp"):
+        native_worker.team_kind()

@@ -15,10 +15,12 @@
 // takes the GIL; Python starts and stops it and reads its counters and per-job ring.
 //
 // A job: pairs (expert, token, weight) of one layer; for each distinct expert its gate and up rows
-// (h = silu(gate) * up, per token of it), then its down rows (out = weight * down h, per pair). One
-// OpenMP region per job: the gate/up rows of all its experts split over the threads, a barrier, then
-// the down rows.
+// (h = silu(gate) * up, per token of it), then its down rows (out = weight * down h, per pair), on a
+// team of threads (team.h: OpenMP's, or the worker's own spinning, pinned one): the gate/up rows of
+// all its experts dealt out to the members, a barrier, then the down rows.
 #include <torch/extension.h>
+
+#include <memory>
 
 #include "expert_kernels.h"
 
@@ -32,8 +34,22 @@ void check(bool ok, const std::string& what) {
 
 // -- the standalone entry point (tests, the benchmark) --------------------------------------------
 // out[p] = weights[p] * ffn_{experts[p]}(x[tokens[p]]) for records at `addresses` (int64 [n]).
+// A team of `kind` ("omp" or "spin") and `threads` members; a spinning team spins `spin_ns` after a job.
+std::unique_ptr<Team> make_team(const std::string& kind, int threads, int64_t spin_ns, bool pin) {
+  check(kind == "omp" || kind == "spin", "team: \"omp\" or \"spin\", not \"" + kind + "\"");
+  if (kind == "omp") return std::make_unique<OmpTeam>(threads);
+  return std::make_unique<SpinTeam>(threads, spin_ns, pin);
+}
+
+// The standalone entry point's team, kept between calls while its kind and size stay the same.
+std::mutex standalone_lock;
+std::unique_ptr<Team> standalone_team;
+std::string standalone_kind;
+
+constexpr int64_t STANDALONE_SPIN_NS = 5'000'000;
+
 void weighted_rows(torch::Tensor layout, torch::Tensor addresses, torch::Tensor experts, torch::Tensor tokens,
-                   torch::Tensor weights, torch::Tensor x, torch::Tensor out, int64_t threads) {
+                   torch::Tensor weights, torch::Tensor x, torch::Tensor out, int64_t threads, std::string team) {
   check(layout.dtype() == torch::kInt64 && layout.numel() == LAYOUT_LEN && layout.is_contiguous(), "layout: int64 [16]");
   const Layout L = Layout::of(layout.data_ptr<int64_t>());
   const std::string why = L.refusal();
@@ -58,7 +74,15 @@ void weighted_rows(torch::Tensor layout, torch::Tensor addresses, torch::Tensor 
   }
   Scratch sc;
   pybind11::gil_scoped_release free;
-  compute_job(L, records, pairs, x.data_ptr<float>(), T, int(std::max<int64_t>(1, threads)), sc);
+  std::lock_guard<std::mutex> hold(standalone_lock);
+  const int members = int(std::max<int64_t>(1, threads));
+  if (!standalone_team || standalone_kind != team || standalone_team->size() != members) {
+    standalone_team.reset();  // its threads joined before the next one starts
+    const bool pin = team == "spin-pinned";  // members 1.. pinned; the caller is not
+    standalone_team = make_team(pin ? "spin" : team, members, STANDALONE_SPIN_NS, pin);
+    standalone_kind = team;
+  }
+  compute_job(L, records, pairs, x.data_ptr<float>(), T, *standalone_team, sc);
 }
 
 // -- the worker loop of the device-driven share ----------------------------------------------------
@@ -86,10 +110,12 @@ class Worker {
   Worker(torch::Tensor header, torch::Tensor x_in, torch::Tensor ids_in, torch::Tensor w_in, torch::Tensor mask_in,
          torch::Tensor rows_out, torch::Tensor ack, torch::Tensor layouts, torch::Tensor addresses,
          torch::Tensor counters, torch::Tensor ring, torch::Tensor control, int64_t threads, int64_t busy_ns,
-         int64_t idle_sleep_ns)
+         int64_t idle_sleep_ns, std::string team, bool pin)
       : header_(header), x_in_(x_in), ids_in_(ids_in), w_in_(w_in), mask_in_(mask_in), rows_out_(rows_out),
         ack_(ack), layouts_(layouts), addresses_(addresses), counters_(counters), ring_(ring), control_(control),
-        threads_(int(std::max<int64_t>(1, threads))), busy_ns_(busy_ns), idle_sleep_ns_(idle_sleep_ns) {
+        threads_(int(std::max<int64_t>(1, threads))), busy_ns_(busy_ns), idle_sleep_ns_(idle_sleep_ns),
+        team_kind_(team), pin_(pin) {
+    check(team == "omp" || team == "spin", "worker: team \"omp\" or \"spin\", not \"" + team + "\"");
     for (auto* t : {&header_, &ack_, &layouts_, &addresses_, &counters_, &ring_, &control_})
       check(t->dtype() == torch::kInt64 && t->is_contiguous(), "worker: an int64 tensor is not int64 or not contiguous");
     check(x_in_.dim() == 2 && (x_in_.dtype() == torch::kFloat32 || x_in_.dtype() == torch::kBFloat16) &&
@@ -131,6 +157,10 @@ class Worker {
 
   bool running() const { return thread_.joinable() && !finished_.load(); }
 
+  // The team's kind and whether its members are pinned to cores (known once serving started).
+  std::string team() const { return team_kind_; }
+  bool pinned() const { return pinned_.load(); }
+
   std::string last_error() {
     std::lock_guard<std::mutex> hold(error_lock_);
     return last_error_;
@@ -138,6 +168,10 @@ class Worker {
 
  private:
   void serve() {
+    // the team lives on this thread: a spinning team's member 0 is this poller, pinned with the others
+    std::unique_ptr<Team> team = make_team(team_kind_, threads_, busy_ns_, pin_);
+    if (auto* spin = dynamic_cast<SpinTeam*>(team.get())) pinned_.store(spin->pinned() && spin->pin_caller());
+    team_ = team.get();
     warm();
     int64_t* header = header_.data_ptr<int64_t>();
     int64_t* ack = ack_.data_ptr<int64_t>();
@@ -175,15 +209,13 @@ class Worker {
       done = seq;
       idle = now_ns();
     }
+    team_ = nullptr;
     finished_.store(true);
   }
 
-  // The team of threads started before the first job (its first region pays their start).
+  // The team's threads started before the first job (its first run pays their start).
   void warm() {
-    for (int r = 0; r < 3; ++r) {
-#pragma omp parallel num_threads(threads_)
-      { MOESTREAM_PAUSE(); }
-    }
+    for (int r = 0; r < 3; ++r) team_->run([](int, int) { MOESTREAM_PAUSE(); });
   }
 
   int64_t* count(Counter c) { return counters_.data_ptr<int64_t>() + c; }
@@ -239,7 +271,7 @@ class Worker {
       for (int64_t i = 0; i < T * H; ++i) x_[i] = bf16_to_float(xb[i]);
     }
     const int64_t t0 = now_ns();
-    compute_job(L, records_, pairs_, x_.data(), T, threads_, scratch_);
+    compute_job(L, records_, pairs_, x_.data(), T, *team_, scratch_);
     kernel_ns = now_ns() - t0;
     experts = int64_t(records_.size());
     nbytes = L.record_bytes * experts;
@@ -266,6 +298,10 @@ class Worker {
       control_;
   int threads_;
   int64_t busy_ns_, idle_sleep_ns_;
+  std::string team_kind_;
+  bool pin_;
+  std::atomic<bool> pinned_{false};
+  Team* team_ = nullptr;  // serve()'s, while it runs
   std::thread thread_;
   std::atomic<bool> stop_{false}, finished_{false};
   std::mutex error_lock_;
@@ -285,7 +321,10 @@ class Worker {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("weighted_rows", &weighted_rows, "out[p] = weights[p] * ffn of record experts[p] at x[tokens[p]]");
+  m.def("weighted_rows", &weighted_rows, "out[p] = weights[p] * ffn of record experts[p] at x[tokens[p]]",
+        pybind11::arg("layout"), pybind11::arg("addresses"), pybind11::arg("experts"), pybind11::arg("tokens"),
+        pybind11::arg("weights"), pybind11::arg("x"), pybind11::arg("out"), pybind11::arg("threads"),
+        pybind11::arg("team") = "omp");
   m.attr("LAYOUT_LEN") = int(LAYOUT_LEN);
   m.attr("COUNTERS") = int(C_LEN);
   m.attr("RING_FIELDS") = int(R_LEN);
@@ -293,9 +332,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<Worker>(m, "Worker")
       .def(pybind11::init<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,
                           torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,
-                          int64_t, int64_t, int64_t>())
+                          int64_t, int64_t, int64_t, std::string, bool>())
       .def("start", &Worker::start)
       .def("stop", &Worker::stop)
       .def("running", &Worker::running)
-      .def("last_error", &Worker::last_error);
+      .def("last_error", &Worker::last_error)
+      .def("team", &Worker::team)
+      .def("pinned", &Worker::pinned);
 }

@@ -2,8 +2,6 @@
 // see that file's comment.
 #pragma once
 
-#include <omp.h>
-
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -16,12 +14,7 @@
 #include <thread>
 #include <vector>
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#define MOESTREAM_PAUSE() _mm_pause()
-#else
-#define MOESTREAM_PAUSE() ((void)0)
-#endif
+#include "team.h"
 
 namespace moestream_native {
 
@@ -286,9 +279,22 @@ struct Scratch {
   std::vector<int> token_used;  // per token: 1 where some pair reads it
 };
 
-// The weighted rows of `pairs` (their experts' records at `records`) for tokens x [T, H] (float32).
+// Splits `tasks` over a team's members as they come (one atomic counter per loop), so a member that
+// starts late or is preempted takes fewer of them instead of holding the others at the barrier.
+struct Dealer {
+  std::atomic<int64_t> next{0};
+  template <class F>
+  void deal(int64_t tasks, int64_t chunk, F&& f) {
+    for (int64_t a = next.fetch_add(chunk, std::memory_order_relaxed); a < tasks;
+         a = next.fetch_add(chunk, std::memory_order_relaxed))
+      for (int64_t t = a, b = std::min(tasks, a + chunk); t < b; ++t) f(t);
+  }
+};
+
+// The weighted rows of `pairs` (their experts' records at `records`) for tokens x [T, H] (float32),
+// on `team`: the gate/up rows of all the experts, a barrier, the down inputs, a barrier, the down rows.
 void compute_job(const Layout& L, const std::vector<const uint8_t*>& records, const std::vector<Pair>& pairs,
-                 const float* x, int64_t T, int threads, Scratch& sc) {
+                 const float* x, int64_t T, Team& team, Scratch& sc) {
   const int64_t H = L.hidden, I = L.inter;
   const int64_t n_experts = int64_t(records.size()), P = int64_t(pairs.size());
   if (P == 0) return;
@@ -312,10 +318,9 @@ void compute_job(const Layout& L, const std::vector<const uint8_t*>& records, co
   }
   const int64_t stype = L.scale_type;
   const int64_t scale_item = stype == SCALE_F32 ? 4 : 2;
-#pragma omp parallel num_threads(threads)
-  {
-#pragma omp for schedule(static)
-    for (int64_t task = 0; task < n_experts * gu_blocks; ++task) {
+  Dealer gu_tasks, h_tasks, d_tasks;
+  team.run([&](int, int) {
+    gu_tasks.deal(n_experts * gu_blocks, 1, [&](int64_t task) {
       const int64_t e = task / gu_blocks, n0 = (task % gu_blocks) * ROW_BLOCK, n1 = std::min(I, n0 + ROW_BLOCK);
       const Matrix& g = gate[e];
       const Matrix& u = up[e];
@@ -331,11 +336,11 @@ void compute_job(const Layout& L, const std::vector<const uint8_t*>& records, co
           sc.h[p * I + n] = silu(hg) * hu;
         }
       }
-    }
-#pragma omp for schedule(static)
-    for (int64_t p = 0; p < P; ++p) prepare(sc.h.data() + p * I, I, L.group, L.bits_d, sc.h_in[p]);
-#pragma omp for schedule(static)
-    for (int64_t task = 0; task < n_experts * d_blocks; ++task) {
+    });
+    team.barrier();
+    h_tasks.deal(P, 1, [&](int64_t p) { prepare(sc.h.data() + p * I, I, L.group, L.bits_d, sc.h_in[p]); });
+    team.barrier();
+    d_tasks.deal(n_experts * d_blocks, 1, [&](int64_t task) {
       const int64_t e = task / d_blocks, n0 = (task % d_blocks) * ROW_BLOCK, n1 = std::min(H, n0 + ROW_BLOCK);
       const Matrix& d = down[e];
       for (int64_t n = n0; n < n1; ++n) {
@@ -346,8 +351,8 @@ void compute_job(const Layout& L, const std::vector<const uint8_t*>& records, co
           pairs[p].out[n] = pairs[p].weight * d_row(dw, ds, db, in.v.data(), in.sums.data(), I);
         }
       }
-    }
-  }
+    });
+  });
 }
 
 }  // namespace moestream_native
