@@ -14,9 +14,13 @@ worker's spinning team, the same pinned to cores) and thread count:
                   it can (CUDA only): the copies and the kernels share the host's memory bandwidth;
   - dma+gaps:     both.
 
-The records sit in pinned host RAM (as the host tier's do) unless --plain; each job takes the next
-experts of --pool distinct ones (more than the last-level cache holds). Each cell reports the
-median job time, GB/s of record bytes and, with DMA, the copies' own GB/s over the cell."""
+And what the records sit in (--memories): `mapped`, an anonymous mapping of 4 KiB pages registered
+with CUDA (how the host tier held them before huge pages), `huge`, the same with transparent huge
+pages (the host tier's default now: moestream.experts.buffers), `pinned`, torch's pinned
+allocation; how many distinct experts the jobs cycle through (--pools: fewer than the last-level
+cache holds, or many more); and how far ahead the row loops prefetch the codes (--prefetch).
+Each cell reports the median job time, GB/s of record bytes and, with DMA, the copies' own GB/s
+over the cell; each pool how much of it the kernel gave huge pages."""
 from __future__ import annotations
 
 import argparse
@@ -76,13 +80,38 @@ class Copier:
         return self.copies * self.src.numel() / (time.perf_counter() - self.t0) / 1e9
 
 
+def huge_kib(t: torch.Tensor) -> int:
+    """KiB of `t`'s mapping in transparent huge pages (/proc/self/smaps; 0 where unknown)."""
+    try:
+        text = Path("/proc/self/smaps").read_text()
+    except OSError:
+        return 0
+    inside = False
+    for line in text.splitlines():
+        head = line.split()[0] if line else ""
+        if "-" in head and ":" not in head:
+            lo, hi = (int(v, 16) for v in head.split("-"))
+            inside = lo <= t.data_ptr() < hi
+        elif inside and line.startswith("AnonHugePages:"):
+            return int(line.split()[1])
+    return 0
+
+
+def record_pool(memory: str, nbytes: int, cuda: bool) -> torch.Tensor:
+    from moestream.experts.buffers import aligned_buffer, pin_if_cuda
+
+    if memory == "pinned":
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
+    return pin_if_cuda(aligned_buffer(nbytes, huge=memory == "huge"))
+
+
 def busy_wait(us: float) -> None:
     end = time.perf_counter() + us / 1e6
     while time.perf_counter() < end:
         pass
 
 
-def cell(module, layout, addresses, n: int, threads: int, team: str, condition: str, args, copier) -> dict:
+def cell(module, layout, addresses, n: int, threads: int, team: str, condition: str, args, copier, **labels) -> dict:
     x = torch.randn(1, args.hidden)
     out = torch.empty(n, args.hidden)
     picks, zeros, ones = torch.arange(n, dtype=torch.int32), torch.zeros(n, dtype=torch.int32), torch.ones(n)
@@ -106,7 +135,7 @@ def cell(module, layout, addresses, n: int, threads: int, team: str, condition: 
         if dma:
             copier.feed()
         times.append(job(i))
-    row = {"experts_per_job": n, "threads": threads, "team": team, "condition": condition,
+    row = {**labels, "experts_per_job": n, "threads": threads, "team": team, "condition": condition,
            "job_us": round(statistics.median(times) * 1e6, 1),
            "job_us_p90": round(sorted(times)[int(0.9 * len(times))] * 1e6, 1)}
     row["gb_s"] = round(n * int(layout[-1]) / statistics.median(times) / 1e9, 2)
@@ -118,18 +147,21 @@ def cell(module, layout, addresses, n: int, threads: int, team: str, condition: 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, nargs="+", default=[max(1, (os.cpu_count() or 2) - 2)])
-    ap.add_argument("--teams", nargs="+", default=["omp", "spin", "spin-pinned"], choices=["omp", "spin", "spin-pinned"])
+    ap.add_argument("--teams", nargs="+", default=["spin-pinned"], choices=["omp", "spin", "spin-pinned"])
     ap.add_argument("--experts-per-job", type=int, nargs="+", default=[2, 3])
-    ap.add_argument("--conditions", nargs="+", default=list(CONDITIONS), choices=CONDITIONS)
+    ap.add_argument("--conditions", nargs="+", default=["back-to-back", "dma+gaps"], choices=CONDITIONS)
+    ap.add_argument("--memories", nargs="+", default=["mapped", "huge"], choices=["mapped", "huge", "pinned"])
+    ap.add_argument("--pools", type=int, nargs="+", default=[24, 600],
+                    help="distinct experts the jobs cycle through (24: ~64 MB, inside a large last-level cache; "
+                         "600: ~1.6 GB, from RAM)")
+    ap.add_argument("--prefetch", type=int, nargs="+", default=[0, 1024], help="bytes ahead the row loops prefetch")
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--inter", type=int, default=768)
     ap.add_argument("--group", type=int, default=64)
     ap.add_argument("--bits", type=int, default=4, choices=[4, 8])
-    ap.add_argument("--pool", type=int, default=96, help="distinct experts the jobs cycle through (default 96: ~250 MB)")
     ap.add_argument("--jobs", type=int, default=400, help="timed jobs per cell")
     ap.add_argument("--gap-us", type=float, default=150.0, help="busy wait between jobs in the gap conditions")
     ap.add_argument("--dma-mb", type=int, default=256, help="MB per copy of the DMA load")
-    ap.add_argument("--plain", action="store_true", help="records in plain (pageable) RAM, not pinned")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     module = native_experts.load()
@@ -138,17 +170,11 @@ def main() -> None:
     cuda = torch.cuda.is_available()
     conditions = [c for c in args.conditions if cuda or "dma" not in c]
     quant = {p: QuantSpec(args.bits, args.group) for p in PROJS}
-    blob, fields = native_experts.record_blob(record(args.hidden, args.inter, args.bits, args.group, 0))
-    layout = native_experts.layout(fields, quant)
-    size = -(-blob.numel() // 4096) * 4096
-    pool = torch.empty(args.pool * size, dtype=torch.uint8)
-    if cuda and not args.plain:
-        pool = pool.pin_memory()
-    for e in range(args.pool):  # 8 records repeated: the addresses differ, so every job reads RAM all the same
-        b = blob if e < 1 else native_experts.record_blob(record(args.hidden, args.inter, args.bits, args.group, e % 8))[0]
-        pool[e * size:e * size + b.numel()] = b
-    addresses = torch.tensor([pool.data_ptr() + e * size for e in range(args.pool)], dtype=torch.int64)
+    blobs = [native_experts.record_blob(record(args.hidden, args.inter, args.bits, args.group, seed)) for seed in range(8)]
+    layout = native_experts.layout(blobs[0][1], quant)
+    size = -(-blobs[0][0].numel() // 4096) * 4096
     copier = Copier(args.dma_mb) if cuda and any("dma" in c for c in conditions) else None
+    alone = None
     if copier is not None:
         copier.start()
         for _ in range(20):
@@ -156,17 +182,32 @@ def main() -> None:
             time.sleep(0.01)
         alone = copier.stop()
         print(json.dumps({"dma_alone_gb_s": round(alone, 2)}), flush=True)
-    rows = []
-    for n in args.experts_per_job:
-        for threads in args.threads:
-            for team in args.teams:
-                for condition in conditions:
-                    row = cell(module, layout, addresses, n, threads, team, condition, args, copier)
-                    rows.append(row)
-                    print(json.dumps(row), flush=True)
+    rows, pools = [], []
+    for memory in args.memories:
+        for experts in args.pools:
+            pool = record_pool(memory, experts * size, cuda)
+            for e in range(experts):  # 8 records repeated: the addresses differ, so the bytes come from RAM all the same
+                blob = blobs[e % len(blobs)][0]
+                pool[e * size:e * size + blob.numel()] = blob
+            addresses = torch.tensor([pool.data_ptr() + e * size for e in range(experts)], dtype=torch.int64)
+            pools.append({"memory": memory, "experts": experts, "mb": round(pool.numel() / 1e6),
+                          "huge_page_mb": round(huge_kib(pool) / 1e3)})
+            print(json.dumps(pools[-1]), flush=True)
+            for ahead in args.prefetch:
+                module.set_prefetch(ahead)
+                for n in args.experts_per_job:
+                    for threads in args.threads:
+                        for team in args.teams:
+                            for condition in conditions:
+                                row = cell(module, layout, addresses, n, threads, team, condition, args, copier,
+                                           memory=memory, pool=experts, prefetch=ahead)
+                                rows.append(row)
+                                print(json.dumps(row), flush=True)
+            del pool, addresses
+    module.set_prefetch(native_experts.prefetch_bytes())
     out = {"what": "native CPU-share jobs (one token) under a decode step's conditions, GB/s of record bytes",
-           "record_bytes": int(layout[-1]), "records": "plain RAM" if args.plain or not cuda else "pinned RAM",
-           "gap_us": args.gap_us, "dma_mb": args.dma_mb, "dma_alone_gb_s": round(alone, 2) if copier else None,
+           "record_bytes": int(layout[-1]), "pinned": cuda, "pools": pools,
+           "gap_us": args.gap_us, "dma_mb": args.dma_mb, "dma_alone_gb_s": alone and round(alone, 2),
            "cores": os.cpu_count(), "cpu": platform.processor() or platform.machine(),
            "gpu": torch.cuda.get_device_name() if cuda else None,
            "command": "python scripts/bench_cpu_share_conditions.py " + " ".join(

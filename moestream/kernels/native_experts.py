@@ -34,6 +34,8 @@ GROUPS = (32, 64, 128, 256)
 SCALE_TYPES = {"BF16": 0, "F16": 1, "F32": 2}
 SCALE_ITEM = {"BF16": 2, "F16": 2, "F32": 4}
 DISABLE_ENV = "MOESTREAM_NATIVE_CPU"  # "0": never build or use the native code (torch's kernels run)
+PREFETCH_ENV = "MOESTREAM_NATIVE_PREFETCH"  # bytes ahead the row loops prefetch the codes (0: never)
+PREFETCH_BYTES = 1024  # the default
 LAYOUT_LEN = 16  # entries of a layout tensor (the native code's LayoutIndex)
 
 _lock = threading.Lock()
@@ -52,13 +54,27 @@ def load():
             try:
                 from torch.utils.cpp_extension import load as build
 
+                ahead = prefetch_bytes()
                 _state["module"] = build(NAME, [str(SOURCE)], extra_cflags=FLAGS + [f"-DMOESTREAM_SOURCES={_digest()}"],
                                          extra_ldflags=["-fopenmp"], verbose=False)
             except Exception as exc:  # noqa: BLE001 - no compiler, no ninja, a failed build: torch's kernels run
                 _state["reason"] = _why(exc)
+            else:
+                _state["module"].set_prefetch(ahead)
         if "reason" in _state:
             log.info("native CPU expert kernels unavailable (%s): the CPU share runs torch's kernels", _state["reason"])
         return _state.get("module")
+
+
+def prefetch_bytes() -> int:
+    """How far ahead the row loops prefetch the codes (PREFETCH_ENV, else PREFETCH_BYTES); a value
+    that is not a whole number of bytes >= 0 is refused in one line."""
+    raw = os.environ.get(PREFETCH_ENV, "").strip()
+    if not raw:
+        return PREFETCH_BYTES
+    if not raw.isdigit():
+        raise ValueError(f"{PREFETCH_ENV}={raw!r}: expected a number of bytes (0: no prefetch)")
+    return int(raw)
 
 
 def _digest() -> str:

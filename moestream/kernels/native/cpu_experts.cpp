@@ -325,6 +325,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("layout"), pybind11::arg("addresses"), pybind11::arg("experts"), pybind11::arg("tokens"),
         pybind11::arg("weights"), pybind11::arg("x"), pybind11::arg("out"), pybind11::arg("threads"),
         pybind11::arg("team") = "omp");
+  m.def("set_prefetch", [](int64_t bytes) { prefetch_ahead.store(std::max<int64_t>(0, bytes)); },
+        "how many bytes ahead of the codes being read the row loops prefetch (0: never)");
+  m.def("prefetch", [] { return prefetch_ahead.load(); });
   m.attr("LAYOUT_LEN") = int(LAYOUT_LEN);
   m.attr("COUNTERS") = int(C_LEN);
   m.attr("RING_FIELDS") = int(R_LEN);

@@ -154,6 +154,19 @@ inline Vec bytes(__m256i b) { return _mm256_cvtepi32_ps(b); }
 #define MOESTREAM_VECTORS 1
 #endif
 
+// How far ahead of the codes being read a row's loop asks for the next ones (bytes; 0: never). The
+// records sit in 4 KiB pages of pinned host RAM, and the hardware's prefetchers stop at a page's
+// end, so each page would start with misses taken one at a time. Set once at load, from Python.
+inline std::atomic<int64_t> prefetch_ahead{0};
+
+inline void prefetch_codes(const uint8_t* p) {
+#if defined(__x86_64__) || defined(__i386__)
+  _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
+#else
+  __builtin_prefetch(p);
+#endif
+}
+
 // sum_k w[n, k] x[k] for one row of 4-bit codes (K/2 bytes), G inputs per group, scales of type ST;
 // x as `prepare` left it (even inputs, then odd ones; group sums). The biases times the group sums
 // are added apart.
@@ -168,10 +181,14 @@ float row4(const uint8_t* __restrict codes, const uint8_t* __restrict scales, co
 #ifdef MOESTREAM_VECTORS
   static_assert(B % W == 0, "a group is whole vectors of bytes");
   Vec acc = vzero();
+  const int64_t ahead = prefetch_ahead.load(std::memory_order_relaxed);
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* c = codes + g * B;
     const float* e = even + g * B;
     const float* o = odd + g * B;
+    if (ahead) {  // one prefetch per 64-byte line the group starts
+      for (int64_t k = (64 - (g * B) % 64) % 64; k < B; k += 64) prefetch_codes(c + k + ahead);
+    }
     Vec d = vzero();
 #pragma GCC unroll 8
     for (int j = 0; j < B; j += W) {
@@ -208,9 +225,13 @@ float row8(const uint8_t* __restrict codes, const uint8_t* __restrict scales, co
 #ifdef MOESTREAM_VECTORS
   static_assert(G % W == 0, "a group is whole vectors of bytes");
   Vec acc = vzero();
+  const int64_t ahead = prefetch_ahead.load(std::memory_order_relaxed);
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* c = codes + g * G;
     const float* e = xv + g * G;
+    if (ahead) {
+      for (int64_t k = 0; k < G; k += 64) prefetch_codes(c + k + ahead);
+    }
     Vec d = vzero();
 #pragma GCC unroll 8
     for (int j = 0; j < G; j += W) d = vfma(bytes(widen(c + j)), vload(e + j), d);
