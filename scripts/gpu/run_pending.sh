@@ -35,6 +35,8 @@
 #   native-share: the native CPU share's extension built, its CPU and CUDA tests, scripts/bench_cpu_experts.py on 16
 #             and 15 threads (native beside torch), the native worker's hand-over on 15 threads
 #   native-share-bench: `--cpu-experts off` and `auto` at 25 % uniform, device-driven (NATIVE_SHARES)
+#   share-ab: the conditions bench (COND_FLAGS), SHARE_TESTS, then the 25 % uniform step per SHARE_AB entry
+#             (name:share:threads:ENV=V,...; each with its environment)
 #   share-conditions: scripts/bench_cpu_share_conditions.py (gaps, DMA, per team), the share's tests, then the 25 %
 #             uniform step per team and thread count (SHARE_RUNS)
 #   rows:     --step-rows auto (a step's rows at once): its GPU tests, then resident decode and step costs against off
@@ -220,6 +222,24 @@ for part in "$@"; do
       MOESTREAM_NATIVE_TEAM=$team MOESTREAM_NATIVE_PIN=$pin bench "share-$share-$team$([ $pin = 0 ] && echo -free)-$threads" 150 \
         --routing uniform --prefill-tokens '' --cache-sizes ${SHARE_CACHE:-25%} --streaming device --cpu-experts $share \
         --threads $threads
+    done ;;
+  share-ab)  # the 25 % uniform step with the CPU share, one process per SHARE_AB entry name:share:threads[:ENV=V,...]
+    synth & sp=$!
+    timeout 300 python3 -c "from moestream.kernels import native_experts as n; m = n.load(); print('native:', m or n.reason())" \
+      > "$out/native-build.log" 2>&1
+    say native-build "rc=$?"; tail -1 "$out/native-build.log"
+    cat /sys/kernel/mm/transparent_hugepage/enabled /sys/kernel/mm/transparent_hugepage/defrag > "$out/thp.log" 2>&1
+    timeout ${COND_LIMIT:-150} python3 scripts/bench_cpu_share_conditions.py --threads ${COND_THREADS:-8 14} ${COND_FLAGS:-} \
+      --out "$out/share-conditions.json" > "$out/share-conditions.log" 2>&1
+    say share-conditions "rc=$?"; cat "$out/thp.log"
+    [ -n "${SHARE_TESTS:-}" ] && { timeout -s ABRT 240 python3 -m pytest $SHARE_TESTS -q -p no:cacheprovider -rfE \
+      > "$out/share-tests.log" 2>&1; say share-tests "rc=$?"; tail -2 "$out/share-tests.log"; }
+    wait $sp
+    export -f bench say; export out model start
+    for run in ${SHARE_AB:-off:off:14 auto:auto:14}; do
+      IFS=: read -r name share threads envs <<< "$run"
+      env ${envs//,/ } bash -c "bench share-$name 150 --routing uniform --prefill-tokens '' --cache-sizes ${SHARE_CACHE:-25%} \
+        --streaming device --cpu-experts $share --threads $threads"
     done ;;
   native-share-bench)  # 25 % uniform, device-driven: no share, then auto (NATIVE_SHARES), one process each
     synth
