@@ -5,8 +5,9 @@ in GB/s of expert record bytes, for each way of computing it, on N threads; JSON
 
 Then the CPU share's jobs (--jobs: 1, 2, 4 and 8 experts, one token): torch's kernel on the repacked
 records one expert after another (the Python worker's way) beside the native kernels
-(moestream/kernels/native_experts.py) on the records as they are, one call per job, same threads;
-`native_over_torch` is the ratio of their GB/s.
+(moestream/kernels/native_experts.py) on the records as they are, one call per job, same threads,
+with float32 activations and, where the CPU has AVX-512 VNNI, int8 ones; `native_over_torch` is the
+ratio of the float path's GB/s to torch's, `int8_over_float` that of the int8 path's to the float's.
 
 The shape defaults to Qwen3-30B-A3B's expert (hidden 2048, intermediate 768, group 64). Each timed
 call uses the next of --experts distinct experts (more bytes than the last-level cache holds), so
@@ -76,18 +77,21 @@ def job_row(recs, quant, bits: int, threads: int, n: int, hidden: int, dtype) ->
     if module is None:
         return row
     blobs, fields = zip(*(native_experts.record_blob(r) for r in recs))
-    layout = native_experts.layout(fields[0], quant)
     addresses = torch.tensor([b.data_ptr() for b in blobs], dtype=torch.int64)
     ones, zeros, picks = torch.ones(n), torch.zeros(n, dtype=torch.int32), torch.arange(n, dtype=torch.int32)
     xf = x.float()
+    for acts in ("float", "int8") if native_experts.vnni() else ("float",):
+        layout = native_experts.layout(fields[0], quant, int8_activations=acts == "int8")
 
-    def native_job(i):
-        start = (i * n) % (len(blobs) - n + 1)
-        module.weighted_rows(layout, addresses[start:start + n], picks, zeros, ones, xf, out, threads)
+        def native_job(i):
+            start = (i * n) % (len(blobs) - n + 1)
+            module.weighted_rows(layout, addresses[start:start + n], picks, zeros, ones, xf, out, threads)
 
-    s = timed(native_job, max(8, 4 * len(recs) // n))
-    row["native_us"], row["native_gb_s"] = round(s * 1e6, 1), round(n * nbytes / s / 1e9, 3)
-    row["native_over_torch"] = round(row["native_gb_s"] / row["torch_gb_s"], 2)
+        s = timed(native_job, max(8, 4 * len(recs) // n))
+        row[f"native_{acts}_us"], row[f"native_{acts}_gb_s"] = round(s * 1e6, 1), round(n * nbytes / s / 1e9, 3)
+    row["native_over_torch"] = round(row["native_float_gb_s"] / row["torch_gb_s"], 2)
+    if "native_int8_gb_s" in row:
+        row["int8_over_float"] = round(row["native_int8_gb_s"] / row["native_float_gb_s"], 2)
     return row
 
 
@@ -151,7 +155,8 @@ def main() -> None:
                f"--threads {' '.join(map(str, args.threads))}" if k == "threads" else f"--{k} {v}"
                for k, v in vars(args).items() if v is not None and k != "out"),
            "results": results, "jobs": jobs,
-           "native": "built" if native_experts.load() is not None else native_experts.reason()}
+           "native": "built" if native_experts.load() is not None else native_experts.reason(),
+           "native_vnni": native_experts.vnni(), "native_activations_default": native_experts.activations()}
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
 

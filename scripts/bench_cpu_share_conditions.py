@@ -155,6 +155,8 @@ def main() -> None:
                     help="distinct experts the jobs cycle through (24: ~64 MB, inside a large last-level cache; "
                          "600: ~1.6 GB, from RAM)")
     ap.add_argument("--prefetch", type=int, nargs="+", default=[0, 1024], help="bytes ahead the row loops prefetch")
+    ap.add_argument("--activations", nargs="+", default=["float", "int8"], choices=["float", "int8"],
+                    help="what the codes multiply: float32 inputs, or int8 ones (VNNI; float where not compiled in)")
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--inter", type=int, default=768)
     ap.add_argument("--group", type=int, default=64)
@@ -171,7 +173,8 @@ def main() -> None:
     conditions = [c for c in args.conditions if cuda or "dma" not in c]
     quant = {p: QuantSpec(args.bits, args.group) for p in PROJS}
     blobs = [native_experts.record_blob(record(args.hidden, args.inter, args.bits, args.group, seed)) for seed in range(8)]
-    layout = native_experts.layout(blobs[0][1], quant)
+    layouts = {a: native_experts.layout(blobs[0][1], quant, int8_activations=a == "int8") for a in args.activations}
+    layout = layouts[args.activations[0]]
     size = -(-blobs[0][0].numel() // 4096) * 4096
     copier = Copier(args.dma_mb) if cuda and any("dma" in c for c in conditions) else None
     alone = None
@@ -195,20 +198,21 @@ def main() -> None:
             print(json.dumps(pools[-1]), flush=True)
             for ahead in args.prefetch:
                 module.set_prefetch(ahead)
-                for n in args.experts_per_job:
-                    for threads in args.threads:
-                        for team in args.teams:
-                            for condition in conditions:
-                                row = cell(module, layout, addresses, n, threads, team, condition, args, copier,
-                                           memory=memory, pool=experts, prefetch=ahead)
-                                rows.append(row)
-                                print(json.dumps(row), flush=True)
+                for acts, lay in layouts.items():
+                    for n in args.experts_per_job:
+                        for threads in args.threads:
+                            for team in args.teams:
+                                for condition in conditions:
+                                    row = cell(module, lay, addresses, n, threads, team, condition, args, copier,
+                                               memory=memory, pool=experts, prefetch=ahead, activations=acts)
+                                    rows.append(row)
+                                    print(json.dumps(row), flush=True)
             del pool, addresses
     module.set_prefetch(native_experts.prefetch_bytes())
     out = {"what": "native CPU-share jobs (one token) under a decode step's conditions, GB/s of record bytes",
            "record_bytes": int(layout[-1]), "pinned": cuda, "pools": pools,
            "gap_us": args.gap_us, "dma_mb": args.dma_mb, "dma_alone_gb_s": alone and round(alone, 2),
-           "cores": os.cpu_count(), "cpu": platform.processor() or platform.machine(),
+           "vnni": bool(getattr(module, "VNNI", False)), "cores": os.cpu_count(), "cpu": platform.processor() or platform.machine(),
            "gpu": torch.cuda.get_device_name() if cuda else None,
            "command": "python scripts/bench_cpu_share_conditions.py " + " ".join(
                f"--{k.replace('_', '-')}" + ("" if v is True else f" {' '.join(map(str, v)) if isinstance(v, list) else v}")

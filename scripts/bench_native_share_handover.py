@@ -76,7 +76,8 @@ def measure(hidden: int, inter: int, withheld: int, args) -> dict:
             "kernels_us_median": round(kernels * 1e6, 1),
             "worker_beyond_kernels_us_median": round(statistics.median(j["job_ns"] - j["kernel_ns"] for j in jobs) / 1e3, 1),
             "handover_us": round((e2e - kernels) * 1e6, 1),
-            "kernel_gb_s": round(int(layouts[0, -1]) * withheld / kernels / 1e9, 3), "worker_errors": counts["errors"]}
+            "kernel_gb_s": round(int(layouts[0, -1]) * withheld / kernels / 1e9, 3), "worker_errors": counts["errors"],
+            "activations": worker.activations}
 
 
 def main() -> None:

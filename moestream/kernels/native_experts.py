@@ -12,7 +12,13 @@ The extension is compiled at first use (torch.utils.cpp_extension, `-O3 -march=n
 cached in torch's extensions directory). Where it cannot be built (no compiler, no ninja) `load`
 returns None and says why in one log line; the callers then keep torch's kernels
 (moestream.kernels.cpu_experts). `refusal` names the layouts it does not compute (activations
-other than SwiGLU, MXFP4, unquantized, mixed group sizes, ...)."""
+other than SwiGLU, MXFP4, unquantized, mixed group sizes, ...).
+
+Activations: on a CPU with AVX-512 VNNI (the extension's `VNNI`) each token's input and each pair's
+h are quantized per group to int8 and the codes multiplied as bytes (native/int8_rows.h), several
+times the float rows' speed per core, within bf16's rounding of the float result; elsewhere, or
+with MOESTREAM_NATIVE_ACTIVATIONS=float, the float32 rows run. A layout carries the choice
+(`layout(..., int8_activations=)`); `activations()` names the default."""
 from __future__ import annotations
 
 import logging
@@ -36,7 +42,9 @@ SCALE_ITEM = {"BF16": 2, "F16": 2, "F32": 4}
 DISABLE_ENV = "MOESTREAM_NATIVE_CPU"  # "0": never build or use the native code (torch's kernels run)
 PREFETCH_ENV = "MOESTREAM_NATIVE_PREFETCH"  # bytes ahead the row loops prefetch the codes (0: never)
 PREFETCH_BYTES = 1024  # the default
-LAYOUT_LEN = 16  # entries of a layout tensor (the native code's LayoutIndex)
+ACTIVATIONS_ENV = "MOESTREAM_NATIVE_ACTIVATIONS"  # "int8" or "float" (default: int8 where the CPU has VNNI)
+LAYOUT_LEN = 17  # entries of a layout tensor (the native code's LayoutIndex)
+INT8_ACTS = 15  # its entry asking for int8 activations (the record's bytes stay the last)
 
 _lock = threading.Lock()
 _state: dict = {}  # "module" once built, or "reason" why not
@@ -101,6 +109,21 @@ def reason() -> str | None:
     return _state.get("reason")
 
 
+def vnni() -> bool:
+    """Whether the extension has the int8 rows (built for a CPU with AVX-512 VNNI)."""
+    module = load()
+    return bool(module is not None and module.VNNI)
+
+
+def activations() -> str:
+    """The activations the native rows use by default: "int8" (quantized per group, VNNI) or "float"
+    (MOESTREAM_NATIVE_ACTIVATIONS=float, or no VNNI)."""
+    asked = os.environ.get(ACTIVATIONS_ENV, "int8").lower()
+    if asked not in ("int8", "float"):
+        raise ValueError(f"{ACTIVATIONS_ENV}={asked!r}: int8 or float")
+    return "int8" if asked == "int8" and vnni() else "float"
+
+
 def refusal(fields, quant) -> str | None:
     """Why the native kernels cannot compute records of this layout (None: they can)."""
     by_name = {f.name: f for f in fields}
@@ -141,16 +164,18 @@ def refusal(fields, quant) -> str | None:
     return None
 
 
-def layout(fields, quant) -> torch.Tensor:
-    """The int64 [16] description of a layout the kernels take (it must have passed `refusal`):
-    hidden, intermediate, the bits of gate/up and down, the group size, the scales' dtype, the
-    byte offsets of the nine fields and the record's bytes (for GB/s)."""
+def layout(fields, quant, int8_activations: bool | None = None) -> torch.Tensor:
+    """The int64 [LAYOUT_LEN] description of a layout the kernels take (it must have passed
+    `refusal`): hidden, intermediate, the bits of gate/up and down, the group size, the scales'
+    dtype, the byte offsets of the nine fields, whether to run on int8 activations (None:
+    `activations()`; without VNNI the float rows run all the same) and the record's bytes (for GB/s)."""
     by_name = {f.name: f for f in fields}
     inter, words = by_name["gate_proj.weight"].shape
     bits_gu = quant["gate_proj"].bits
     values = [words * 32 // bits_gu, inter, bits_gu, quant["down_proj"].bits, quant["gate_proj"].group_size,
               SCALE_TYPES[by_name["gate_proj.scales"].dtype]]
     values += [by_name[f"{p}.{s}"].offset for p in PROJECTIONS for s in ("weight", "scales", "biases")]
+    values.append(int(activations() == "int8" if int8_activations is None else int8_activations))
     values.append(sum(by_name[f"{p}.{s}"].nbytes for p in PROJECTIONS for s in ("weight", "scales", "biases")))
     return torch.tensor(values, dtype=torch.int64)
 
@@ -173,4 +198,4 @@ def weighted_rows(module, layout_t: torch.Tensor, records: list[torch.Tensor], e
                          x.float().contiguous(), out, int(threads), team)
 
 
-__all__ = ["load", "reason", "refusal", "layout", "record_blob", "weighted_rows"]
+__all__ = ["load", "reason", "vnni", "activations", "refusal", "layout", "record_blob", "weighted_rows"]

@@ -183,7 +183,8 @@ class DeviceCpuShare:
                                                     idle_sleep_s=IDLE_SLEEP_S, host_pool=host_pool)
                 worker.set_faults(cpu.fault_after, cpu.fault_delay_s)
                 log.info("CPU share: the native worker on %d threads (of %d asked; %d cores kept for the engine), "
-                         "from the host tier's records", team, cpu.threads, native_worker.RESERVED_CORES)
+                         "from the host tier's records, %s activations", team, cpu.threads,
+                         native_worker.RESERVED_CORES, worker.activations)
                 return worker
             except Exception as exc:  # noqa: BLE001 - the Python worker serves instead
                 why = f"the native worker did not start: {exc}"
@@ -447,6 +448,7 @@ class DeviceCpuShare:
         out.update({"cpu_share_path": "device", "cpu_worker": "native" if self.native is not None else "python",
                     "cpu_worker_threads": self.native.threads if self.native is not None else self.cpu.threads,
                     "cpu_worker_team": self.native.team_name() if self.native is not None else None,
+                    "cpu_worker_activations": self.native.activations if self.native is not None else None,
                     "cpu_experts": experts, "cpu_pairs": pairs,
                     "cpu_fallbacks": lost, "cpu_late_calls": late, "cpu_timeouts": late - min(late, errors),
                     "cpu_errors": errors, "cpu_jobs": jobs, "cpu_skipped_jobs": skipped, "cpu_bytes": nbytes,

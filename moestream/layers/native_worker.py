@@ -70,7 +70,7 @@ def unavailable(cpu) -> str | None:
 
 
 def record_tables(cpu, device_map, host_pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The layouts (int64 [layers, 16], zeros where the CPU takes no share) and the host addresses
+    """The layouts (int64 [layers, LAYOUT_LEN], zeros where the CPU takes no share) and the host addresses
     of every record (int64 [layers, experts]) of the device map's layers, from the host tier
     `host_pool` [R, B] (host memory) and the map's host slots."""
     layers = device_map.layers
@@ -106,6 +106,8 @@ class NativeWorker:
                                      layouts, addresses, self.counters, self.ring, self.control, int(threads),
                                      int(busy_s * 1e9), int(idle_sleep_s * 1e9), team, pin)
         self.threads, self.team = int(threads), team
+        asked = bool(layouts[:, native_experts.INT8_ACTS].any()) if layouts.numel() else False
+        self.activations = "int8" if asked and module.VNNI else "float"  # what its rows multiply the codes by
         self._worker.start()
         # stopped at close, or when this object goes, or at exit: never a thread left polling freed memory
         self._stop = weakref.finalize(self, self._worker.stop)

@@ -11,7 +11,7 @@
 # rows-products then rows-products-ab (--rows-products triton: the row tile's Triton products; two calls).
 # Usage: scripts/gpu/run_pending.sh OUTDIR PART...
 #   PART: synth | kernel-shapes | sweep | tuned | tests | stream | lookahead | resident | profile | families | cpu-share
-#         | native-share | native-share-bench | share-conditions | server
+#         | native-share | native-share-bench | share-conditions | share-ab | native-int8 | native-int8-bench | server
 #         | rows-products | rows-products-ab
 #   synth:    every shape the other parts read, side by side (one core each), so later calls find them
 #   kernel-shapes: the grouped kernels' product shapes (swapped, gathered codes, tiles) against the reference
@@ -39,6 +39,9 @@
 #             (name:share:threads:ENV=V,...; each with its environment)
 #   share-conditions: scripts/bench_cpu_share_conditions.py (gaps, DMA, per team), the share's tests, then the 25 %
 #             uniform step per team and thread count (SHARE_RUNS)
+#   native-int8: the native kernels' int8 activations (AVX-512 VNNI): built, their CPU tests, the kernels on 1, 14
+#             and 16 threads with float and int8 activations side by side
+#   native-int8-bench: `--cpu-experts auto` at 25 % uniform, device-driven, with float then int8 activations
 #   rows:     --step-rows auto (a step's rows at once): its GPU tests, then resident decode and step costs against off
 #   drafters: the batching GPU test with warmed steps, the demo's drafters on CUDA on the held-out prompts
 #   server:   scripts/bench_server_batching.py at 100 % and 25 % (needs .whl: scripts/gpu/fetch_wheels.sh here,
@@ -241,6 +244,22 @@ for part in "$@"; do
       env ${envs//,/ } bash -c "bench share-$name 150 --routing uniform --prefill-tokens '' --cache-sizes ${SHARE_CACHE:-25%} \
         --streaming device --cpu-experts $share --threads $threads"
     done ;;
+  native-int8)  # the int8 activations: VNNI compiled in?, their tests, float vs int8 per job size
+    synth & sp=$!
+    timeout 300 python3 -c "from moestream.kernels import native_experts as n; m = n.load(); \
+print('native:', m or n.reason(), 'VNNI:', n.vnni(), 'default activations:', n.activations())" > "$out/native-int8-build.log" 2>&1
+    say native-int8-build "rc=$?"; tail -1 "$out/native-int8-build.log"; grep -o -m1 'avx512_vnni' /proc/cpuinfo
+    timeout -s ABRT ${TESTS_LIMIT:-300} python3 -m pytest tests/unit/test_native_int8.py tests/unit/test_native_experts.py \
+      tests/unit/test_native_worker.py -q -p no:cacheprovider -rfE > "$out/native-int8-tests.log" 2>&1
+    say native-int8-tests "rc=$?"; grep -E "passed|failed|FAILED|Fatal" "$out/native-int8-tests.log" | tail -6
+    wait $sp
+    timeout 360 python3 scripts/bench_cpu_experts.py --threads 1 14 16 --experts 48 --out "$out/native-int8-kernel.json" \
+      > "$out/native-int8-kernel.log" 2>&1
+    say native-int8-kernel "rc=$?"; grep experts_per_job "$out/native-int8-kernel.log" | tail -24 ;;
+  native-int8-bench)  # 25 % uniform, device-driven, auto: float then int8 activations (NATIVE_ACTIVATIONS), one process each
+    synth
+    for acts in ${NATIVE_ACTIVATIONS:-float int8}; do MOESTREAM_NATIVE_ACTIVATIONS=$acts bench "native-cpu-share-auto-$acts" 120 \
+      --routing uniform --prefill-tokens '' --cache-sizes 25% --streaming device --cpu-experts auto; done ;;
   native-share-bench)  # 25 % uniform, device-driven: no share, then auto (NATIVE_SHARES), one process each
     synth
     for share in ${NATIVE_SHARES:-off auto}; do bench "native-cpu-share-$share" 120 --routing uniform --prefill-tokens '' \

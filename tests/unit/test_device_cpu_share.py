@@ -12,8 +12,16 @@ from moestream.engine.engine import Engine
 from moestream.engine.options import EngineOptions
 from moestream.experts.device_map import DeviceMap
 from moestream.format.reader import PackedModel
+from moestream.kernels import native_experts
 
 LOGPROB_TOLERANCE = 1e-3  # float32: the CPU kernels round differently from the reference, not more
+# the native worker on int8 activations (native_experts.activations()): each row it computes is ~1%
+# off the float one (tests/unit/test_native_int8.py); measured here: at most 2.4e-3
+INT8_LOGPROB_TOLERANCE = 1e-2
+
+
+def tolerance(stats) -> float:
+    return INT8_LOGPROB_TOLERANCE if stats.get("cpu_worker_activations") == "int8" else LOGPROB_TOLERANCE
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +52,9 @@ def test_a_share_on_the_device_path_stays_within_tolerance(model, reference, sha
     # the native worker reads the host tier's records as they are; the Python one repacked them
     assert (stats["cpu_repacked_experts"] == 0) == (share_worker == "native")
     assert tokens == reference[0]
-    assert max(abs(a - b) for a, b in zip(logprobs, reference[1])) < LOGPROB_TOLERANCE
+    int8 = share_worker == "native" and native_experts.activations() == "int8"
+    assert stats["cpu_worker_activations"] == ("int8" if int8 else "float" if share_worker == "native" else None)
+    assert max(abs(a - b) for a, b in zip(logprobs, reference[1])) < tolerance(stats)
     assert logprobs != reference[1]  # the CPU computed some pairs: other rounding
     assert stats["cpu_share_path"] == "device"
     assert stats["cpu_fallbacks"] == 0 and stats["cpu_late_calls"] == 0 and stats["cpu_errors"] == 0
@@ -64,7 +74,7 @@ def test_empty_calls_between_jobs_never_confuse_the_sequence_numbers(model, refe
     _, logprobs, stats = run(model, cpu_experts="0.5")
     assert stats["cpu_empty_calls"] > 0 and stats["cpu_jobs"] > 0  # both kinds of call, interleaved
     assert stats["cpu_late_calls"] == 0 and stats["cpu_fallbacks"] == 0 and stats["cpu_errors"] == 0
-    assert max(abs(a - b) for a, b in zip(logprobs, reference[1])) < LOGPROB_TOLERANCE
+    assert max(abs(a - b) for a, b in zip(logprobs, reference[1])) < tolerance(stats)
 
 
 def test_auto_rises_from_nothing_through_its_probes(model, reference):
@@ -86,7 +96,7 @@ def test_auto_rises_from_nothing_through_its_probes(model, reference):
     assert stats["cpu_jobs"] > ds.tuner.warm_jobs and stats["cpu_late_calls"] == 0
     assert stats["cpu_share_now"] > 0.5 and stats["cpu_kernel_gb_s_ema"] > 0 and stats["cpu_handover_us_ema"] > 0
     assert stats["cpu_experts"] > stats["cpu_jobs"]  # after the probes, jobs of more than one expert
-    assert max(abs(e.logprob - b) for e, b in zip(events, reference[1])) < LOGPROB_TOLERANCE
+    assert max(abs(e.logprob - b) for e, b in zip(events, reference[1])) < tolerance(stats)
 
 
 def test_a_bigger_share_gives_the_cpu_more(model):
@@ -106,7 +116,7 @@ def test_a_fault_after_some_jobs_mixes_cpu_and_fallbacks(model, reference, share
     tokens, logprobs, stats = run(model, cpu_experts="1", fault_after=5)
     assert stats["cpu_worker"] == share_worker
     assert tokens == reference[0]
-    assert max(abs(a - b) for a, b in zip(logprobs, reference[1])) < LOGPROB_TOLERANCE
+    assert max(abs(a - b) for a, b in zip(logprobs, reference[1])) < tolerance(stats)
     assert stats["cpu_experts"] > 0 and stats["cpu_fallbacks"] > 0
 
 
@@ -230,4 +240,4 @@ def test_without_the_native_kernels_the_python_worker_serves_from_repacked_recor
     assert stats["cpu_worker"] == "python" and stats["cpu_repacked_experts"] == stats["total_experts"]
     assert stats["cpu_experts"] > 0 and stats["cpu_fallbacks"] == 0
     assert tokens == reference[0]
-    assert max(abs(a - b) for a, b in zip(logprobs, reference[1])) < LOGPROB_TOLERANCE
+    assert max(abs(a - b) for a, b in zip(logprobs, reference[1])) < tolerance(stats)

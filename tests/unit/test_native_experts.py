@@ -41,7 +41,7 @@ def test_the_native_kernels_match_the_reference(module, bits, hidden, inter, gro
     blobs = [native_experts.record_blob(r)[0] for r, _ in recs]
     fields, quant = native_experts.record_blob(recs[0][0])[1], recs[0][1]
     assert native_experts.refusal(fields, quant) is None
-    layout = native_experts.layout(fields, quant)
+    layout = native_experts.layout(fields, quant, int8_activations=False)  # float32 throughout (int8: test_native_int8)
     x = torch.randn(3, hidden, generator=torch.Generator().manual_seed(7))
     # pairs: (expert, token, weight), an expert used by two tokens, a token by two experts
     experts, tokens, weights = [2, 0, 2, 1, 0], [0, 0, 1, 2, 2], [0.5, -1.25, 2.0, 0.75, 1.0]
@@ -55,7 +55,7 @@ def test_the_native_kernels_match_the_reference(module, bits, hidden, inter, gro
 def test_a_row_does_not_depend_on_the_thread_count_or_the_other_pairs(module):
     rec, quant = make_record(256, 128, 4, 64, seed=4)
     blob, fields = native_experts.record_blob(rec)
-    layout = native_experts.layout(fields, quant)
+    layout = native_experts.layout(fields, quant, int8_activations=False)
     x = torch.randn(2, 256, generator=torch.Generator().manual_seed(3))
     alone, together = torch.empty(1, 256), torch.empty(2, 256)
     native_experts.weighted_rows(module, layout, [blob], [0], [1], [0.3], x, alone, threads=1)

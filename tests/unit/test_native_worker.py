@@ -72,6 +72,7 @@ def test_the_withheld_pairs_come_back_as_the_kernels_rows(mailbox):
     assert torch.equal(m.box.rows_out[0], expect[0]) and torch.equal(m.box.rows_out[3], expect[1])
     assert m.box.rows_out[1:3].isnan().all()  # the device's own pairs are left alone
     time.sleep(0.01)
+    assert m.worker.activations == native_experts.activations()  # the layout's default, as the direct call's
     count = m.worker.count()
     assert count["jobs"] == 1 and count["experts"] == 2 and count["pairs"] == 2 and count["errors"] == 0
     assert count["bytes"] == 2 * int(m.layout[-1])

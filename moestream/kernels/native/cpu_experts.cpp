@@ -10,6 +10,8 @@
 // and multiplies them into a group's partial sums with AVX-512 or AVX2 where -march=native has them
 // (gcc's own vectorization of the plain loop, kept for other CPUs, ran at a fraction of that), then
 // one FMA by the group's scale; no reduction until the row ends. Float32 throughout.
+// Where the layout asks for int8 activations and the CPU has AVX-512 VNNI, x and h are instead
+// quantized per group to int8 and the codes multiplied as bytes (int8_rows.h), float32 across groups.
 //
 // The worker loop (Worker, below) serves the mailbox of moestream.layers.device_cpu_share: it never
 // takes the GIL; Python starts and stops it and reads its counters and per-job ring.
@@ -50,7 +52,8 @@ constexpr int64_t STANDALONE_SPIN_NS = 5'000'000;
 
 void weighted_rows(torch::Tensor layout, torch::Tensor addresses, torch::Tensor experts, torch::Tensor tokens,
                    torch::Tensor weights, torch::Tensor x, torch::Tensor out, int64_t threads, std::string team) {
-  check(layout.dtype() == torch::kInt64 && layout.numel() == LAYOUT_LEN && layout.is_contiguous(), "layout: int64 [16]");
+  check(layout.dtype() == torch::kInt64 && layout.numel() == LAYOUT_LEN && layout.is_contiguous(),
+        "layout: int64 [" + std::to_string(LAYOUT_LEN) + "]");
   const Layout L = Layout::of(layout.data_ptr<int64_t>());
   const std::string why = L.refusal();
   check(why.empty(), why);
@@ -104,7 +107,7 @@ inline void add_relaxed(int64_t* p, int64_t v) { __atomic_store_n(p, __atomic_lo
 
 class Worker {
  public:
-  // layouts: int64 [layers, 16] (a row of zeros: no share in that layer); addresses: int64 [layers,
+  // layouts: int64 [layers, LAYOUT_LEN] (a row of zeros: no share in that layer); addresses: int64 [layers,
   // experts] of record addresses in host RAM (0: not there); counters int64 [C_LEN] and ring int64
   // [R, R_LEN] for Python to read; control int64 [K_LEN] (tests' fault injection).
   Worker(torch::Tensor header, torch::Tensor x_in, torch::Tensor ids_in, torch::Tensor w_in, torch::Tensor mask_in,
@@ -125,7 +128,8 @@ class Worker {
     check(rows_out_.dtype() == torch::kFloat32 && rows_out_.dim() == 2 && rows_out_.is_contiguous() &&
               rows_out_.size(1) == x_in_.size(1), "worker: rows_out float32 [pairs, H]");
     check(layouts_.dim() == 2 && layouts_.size(1) == LAYOUT_LEN && addresses_.dim() == 2 &&
-              addresses_.size(0) == layouts_.size(0), "worker: layouts [L, 16] and addresses [L, E]");
+              addresses_.size(0) == layouts_.size(0),
+          "worker: layouts [L, " + std::to_string(LAYOUT_LEN) + "] and addresses [L, E]");
     check(counters_.numel() >= C_LEN && ring_.dim() == 2 && ring_.size(1) == R_LEN && control_.numel() >= K_LEN,
           "worker: counters, ring or control too small");
     for (int64_t l = 0; l < layouts_.size(0); ++l) {
@@ -329,6 +333,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "how many bytes ahead of the codes being read the row loops prefetch (0: never)");
   m.def("prefetch", [] { return prefetch_ahead.load(); });
   m.attr("LAYOUT_LEN") = int(LAYOUT_LEN);
+  m.attr("VNNI") = INT8_ROWS;  // whether layouts asking for int8 activations get them
   m.attr("COUNTERS") = int(C_LEN);
   m.attr("RING_FIELDS") = int(R_LEN);
   m.attr("CONTROLS") = int(K_LEN);

@@ -24,7 +24,7 @@ enum ScaleType : int64_t { SCALE_BF16 = 0, SCALE_F16 = 1, SCALE_F32 = 2 };
 enum LayoutIndex {
   L_HIDDEN, L_INTER, L_BITS_GU, L_BITS_D, L_GROUP, L_SCALE_TYPE,
   L_GATE_W, L_GATE_S, L_GATE_B, L_UP_W, L_UP_S, L_UP_B, L_DOWN_W, L_DOWN_S, L_DOWN_B,
-  L_RECORD_BYTES, LAYOUT_LEN
+  L_INT8_ACTS, L_RECORD_BYTES, LAYOUT_LEN
 };
 
 constexpr int ROW_BLOCK = 8;  // output rows per task
@@ -32,6 +32,7 @@ constexpr int ROW_BLOCK = 8;  // output rows per task
 struct Layout {
   int64_t hidden = 0, inter = 0, bits_gu = 0, bits_d = 0, group = 0, scale_type = 0;
   int64_t gate_w = 0, gate_s = 0, gate_b = 0, up_w = 0, up_s = 0, up_b = 0, down_w = 0, down_s = 0, down_b = 0;
+  int64_t int8_acts = 0;  // 1: the int8 rows (int8_rows.h) where compiled in, else the float ones
   int64_t record_bytes = 0;
 
   static Layout of(const int64_t* v) {
@@ -41,6 +42,7 @@ struct Layout {
     l.gate_w = v[L_GATE_W]; l.gate_s = v[L_GATE_S]; l.gate_b = v[L_GATE_B];
     l.up_w = v[L_UP_W]; l.up_s = v[L_UP_S]; l.up_b = v[L_UP_B];
     l.down_w = v[L_DOWN_W]; l.down_s = v[L_DOWN_S]; l.down_b = v[L_DOWN_B];
+    l.int8_acts = v[L_INT8_ACTS];
     l.record_bytes = v[L_RECORD_BYTES];
     return l;
   }
@@ -93,12 +95,15 @@ inline float scale_at(const uint8_t* p, int64_t i) {
 }
 
 // One token's input to a matrix of K inputs, as the rows' loops read it: 4-bit, the even inputs
-// then the odd ones (K/2 each); 8-bit, as it is; then the K/G group sums.
+// then the odd ones (K/2 each); 8-bit, as it is; then the K/G group sums. The int8 rows read q and
+// qscale instead of v (int8_rows.h).
 struct Input {
   std::vector<float> v, sums;
+  std::vector<int8_t> q;
+  std::vector<float> qscale;
 };
 
-void prepare(const float* x, int64_t K, int64_t group, int64_t bits, Input& in) {
+void prepare_float(const float* x, int64_t K, int64_t group, int64_t bits, Input& in) {
   in.v.resize(K);
   in.sums.resize(K / group);
   if (bits == 4) {
@@ -172,7 +177,9 @@ inline void prefetch_codes(const uint8_t* p) {
 // are added apart.
 template <int G, int64_t ST>
 float row4(const uint8_t* __restrict codes, const uint8_t* __restrict scales, const uint8_t* __restrict biases,
-           const float* __restrict xv, const float* __restrict xsums, int64_t K) {
+           const Input& in, int64_t K) {
+  const float* __restrict xv = in.v.data();
+  const float* __restrict xsums = in.sums.data();
   constexpr int B = G / 2;  // bytes per group
   const float* __restrict even = xv;
   const float* __restrict odd = xv + K / 2;
@@ -219,7 +226,9 @@ float row4(const uint8_t* __restrict codes, const uint8_t* __restrict scales, co
 // The same for 8-bit codes (K bytes; x as it is).
 template <int G, int64_t ST>
 float row8(const uint8_t* __restrict codes, const uint8_t* __restrict scales, const uint8_t* __restrict biases,
-           const float* __restrict xv, const float* __restrict xsums, int64_t K) {
+           const Input& in, int64_t K) {
+  const float* __restrict xv = in.v.data();
+  const float* __restrict xsums = in.sums.data();
   const int64_t groups = K / G;
   float bias_part = 0.f;
 #ifdef MOESTREAM_VECTORS
@@ -254,21 +263,48 @@ float row8(const uint8_t* __restrict codes, const uint8_t* __restrict scales, co
 #endif
 }
 
-using RowFn = float (*)(const uint8_t*, const uint8_t*, const uint8_t*, const float*, const float*, int64_t);
+}  // namespace moestream_native
+
+#include "int8_rows.h"
+
+namespace moestream_native {
+
+// x prepared for the float rows or, with `int8`, the int8 ones.
+void prepare(const float* x, int64_t K, int64_t group, int64_t bits, bool int8, Input& in) {
+  if (int8) {
+    prepare_int8(x, K, group, bits, in);
+  } else {
+    prepare_float(x, K, group, bits, in);
+  }
+}
+
+// Whether a job of layout L runs the int8 rows: asked for, and compiled in.
+inline bool int8_activations(const Layout& L) { return INT8_ROWS && L.int8_acts != 0; }
+
+using RowFn = float (*)(const uint8_t*, const uint8_t*, const uint8_t*, const Input&, int64_t);
 
 template <int64_t ST>
-RowFn row_fn_of(int64_t bits, int64_t group) {
+RowFn row_fn_of(int64_t bits, int64_t group, [[maybe_unused]] bool int8) {
+#ifdef MOESTREAM_INT8_ROWS
+  if (int8 && bits == 4) {
+    switch (group) { case 32: return row_int8<4, 32, ST>; case 64: return row_int8<4, 64, ST>; case 128: return row_int8<4, 128, ST>; default: return row_int8<4, 256, ST>; }
+  }
+  if (int8) {
+    switch (group) { case 32: return row_int8<8, 32, ST>; case 64: return row_int8<8, 64, ST>; case 128: return row_int8<8, 128, ST>; default: return row_int8<8, 256, ST>; }
+  }
+#endif
   if (bits == 4) {
     switch (group) { case 32: return row4<32, ST>; case 64: return row4<64, ST>; case 128: return row4<128, ST>; default: return row4<256, ST>; }
   }
   switch (group) { case 32: return row8<32, ST>; case 64: return row8<64, ST>; case 128: return row8<128, ST>; default: return row8<256, ST>; }
 }
 
-// The row product for codes of `bits`, `group` inputs per scale, scales of `stype` (checked by Layout::refusal).
-RowFn row_fn(int64_t bits, int64_t group, int64_t stype) {
-  if (stype == SCALE_BF16) return row_fn_of<SCALE_BF16>(bits, group);
-  if (stype == SCALE_F16) return row_fn_of<SCALE_F16>(bits, group);
-  return row_fn_of<SCALE_F32>(bits, group);
+// The row product for codes of `bits`, `group` inputs per scale, scales of `stype` (checked by
+// Layout::refusal), on int8 activations with `int8` (where compiled in: see int8_activations).
+RowFn row_fn(int64_t bits, int64_t group, int64_t stype, bool int8) {
+  if (stype == SCALE_BF16) return row_fn_of<SCALE_BF16>(bits, group, int8);
+  if (stype == SCALE_F16) return row_fn_of<SCALE_F16>(bits, group, int8);
+  return row_fn_of<SCALE_F32>(bits, group, int8);
 }
 
 // One projection of one record: its rows' code bytes, scales and biases.
@@ -319,17 +355,18 @@ void compute_job(const Layout& L, const std::vector<const uint8_t*>& records, co
   const int64_t H = L.hidden, I = L.inter;
   const int64_t n_experts = int64_t(records.size()), P = int64_t(pairs.size());
   if (P == 0) return;
+  const bool int8 = int8_activations(L);
   sc.x_in.resize(T);
   sc.token_used.assign(T, 0);
   for (const Pair& p : pairs) sc.token_used[p.token] = 1;
   for (int64_t t = 0; t < T; ++t)
-    if (sc.token_used[t]) prepare(x + t * H, H, L.group, L.bits_gu, sc.x_in[t]);
+    if (sc.token_used[t]) prepare(x + t * H, H, L.group, L.bits_gu, int8, sc.x_in[t]);
   sc.h.resize(P * I);
   sc.h_in.resize(P);
   // the pairs of each expert, in order
   std::vector<std::vector<int>> of_expert(n_experts);
   for (int64_t p = 0; p < P; ++p) of_expert[pairs[p].expert].push_back(int(p));
-  const RowFn gu_row = row_fn(L.bits_gu, L.group, L.scale_type), d_row = row_fn(L.bits_d, L.group, L.scale_type);
+  const RowFn gu_row = row_fn(L.bits_gu, L.group, L.scale_type, int8), d_row = row_fn(L.bits_d, L.group, L.scale_type, int8);
   const int64_t gu_blocks = (I + ROW_BLOCK - 1) / ROW_BLOCK, d_blocks = (H + ROW_BLOCK - 1) / ROW_BLOCK;
   std::vector<Matrix> gate(n_experts), up(n_experts), down(n_experts);
   for (int64_t e = 0; e < n_experts; ++e) {
@@ -352,14 +389,14 @@ void compute_job(const Layout& L, const std::vector<const uint8_t*>& records, co
                       *ub = u.b + n * u.row_groups * scale_item;
         for (int p : of_expert[e]) {
           const Input& in = sc.x_in[pairs[p].token];
-          const float hg = gu_row(gw, gs, gb, in.v.data(), in.sums.data(), H);
-          const float hu = gu_row(uw, us, ub, in.v.data(), in.sums.data(), H);
+          const float hg = gu_row(gw, gs, gb, in, H);
+          const float hu = gu_row(uw, us, ub, in, H);
           sc.h[p * I + n] = silu(hg) * hu;
         }
       }
     });
     team.barrier();
-    h_tasks.deal(P, 1, [&](int64_t p) { prepare(sc.h.data() + p * I, I, L.group, L.bits_d, sc.h_in[p]); });
+    h_tasks.deal(P, 1, [&](int64_t p) { prepare(sc.h.data() + p * I, I, L.group, L.bits_d, int8, sc.h_in[p]); });
     team.barrier();
     d_tasks.deal(n_experts * d_blocks, 1, [&](int64_t task) {
       const int64_t e = task / d_blocks, n0 = (task % d_blocks) * ROW_BLOCK, n1 = std::min(H, n0 + ROW_BLOCK);
@@ -369,7 +406,7 @@ void compute_job(const Layout& L, const std::vector<const uint8_t*>& records, co
                       *db = d.b + n * d.row_groups * scale_item;
         for (int p : of_expert[e]) {
           const Input& in = sc.h_in[p];
-          pairs[p].out[n] = pairs[p].weight * d_row(dw, ds, db, in.v.data(), in.sums.data(), I);
+          pairs[p].out[n] = pairs[p].weight * d_row(dw, ds, db, in, I);
         }
       }
     });
