@@ -10,13 +10,19 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+from moestream.kernels.pdl import pdl_launch
 
 BLOCK = 4096  # 32-bit words per program (16 KiB): many programs keep many PCIe reads in flight
 
 
 @triton.jit
 def _gather(src_ptr, src_stride, dst_ptr, dst_stride, src_idx_ptr, dst_idx_ptr, todo_ptr, words,
-            BLOCK: tl.constexpr):
+            BLOCK: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # launched with PDL (moestream.kernels.pdl): the kernel before it complete and visible first
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     i = tl.program_id(0)
     if tl.load(todo_ptr + i) == 0:
         return
@@ -44,4 +50,7 @@ def gather_records(source: torch.Tensor, dest: torch.Tensor, src: torch.Tensor, 
     n = src.numel()
     if n:
         _gather[(n, triton.cdiv(s.shape[1], BLOCK))](s, s.stride(0), d, d.stride(0), src, dst, todo,
-                                                     s.shape[1], BLOCK=BLOCK, num_warps=8)
+                                                     s.shape[1], BLOCK=BLOCK, num_warps=8, **pdl_launch(d, _INTERPRETED))
+
+
+_INTERPRETED = isinstance(_gather, InterpretedFunction)  # under Triton's CPU interpreter (tests)

@@ -19,13 +19,17 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
+from moestream.kernels.pdl import pdl_launch
 
 BLOCK_H = 1024  # the hidden size is a compile-time constant (one per model): the loops over it unroll
 
 
 @triton.jit
 def _post(withheld_ptr, seq_ptr, x_ptr, x_stride, ids_ptr, w_ptr, table_ptr, layer, T, P, H: tl.constexpr, x_out, ids_out, w_out,
-          mask_out, head_out, BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr):
+          mask_out, head_out, BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # launched with PDL (moestream.kernels.pdl): the kernel before it complete and visible first
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0)
     if tl.load(withheld_ptr) > 0:
         for h0 in range(0, H, BLOCK_H):
@@ -49,7 +53,10 @@ def _post(withheld_ptr, seq_ptr, x_ptr, x_stride, ids_ptr, w_ptr, table_ptr, lay
 
 
 @triton.jit
-def _publish(withheld_ptr, seq_ptr, head_out, empty_ptr):
+def _publish(withheld_ptr, seq_ptr, head_out, empty_ptr, PDL: tl.constexpr):
+    if PDL:  # launched with PDL (moestream.kernels.pdl): the kernel before it complete and visible first
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     if tl.load(withheld_ptr) > 0:
         tl.store(head_out, tl.load(seq_ptr))
     else:
@@ -57,7 +64,10 @@ def _publish(withheld_ptr, seq_ptr, head_out, empty_ptr):
 
 
 @triton.jit
-def _take_rows(withheld_ptr, ok_ptr, ids_ptr, table_ptr, rows_ptr, o_ptr, H: tl.constexpr, BLOCK_H: tl.constexpr):
+def _take_rows(withheld_ptr, ok_ptr, ids_ptr, table_ptr, rows_ptr, o_ptr, H: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # launched with PDL (moestream.kernels.pdl): the kernel before it complete and visible first
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     p = tl.program_id(0)
     if tl.load(withheld_ptr) > 0:
         if tl.load(ok_ptr) != 0:
@@ -70,7 +80,10 @@ def _take_rows(withheld_ptr, ok_ptr, ids_ptr, table_ptr, rows_ptr, o_ptr, H: tl.
 
 @triton.jit
 def _lost_pairs(withheld_ptr, ok_ptr, ids_ptr, table_ptr, P, lookup_out, lost_out, gate_out, lost_count_ptr,
-                BLOCK_P: tl.constexpr):
+                BLOCK_P: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # launched with PDL (moestream.kernels.pdl): the kernel before it complete and visible first
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     p = tl.arange(0, BLOCK_P)
     valid = p < P
     fail = (tl.load(withheld_ptr) > 0) & (tl.load(ok_ptr) == 0)
@@ -88,7 +101,10 @@ def _lost_pairs(withheld_ptr, ok_ptr, ids_ptr, table_ptr, P, lookup_out, lost_ou
 
 
 @triton.jit
-def _redo_table(gate_ptr, lost_ptr, table_ptr, E, P, redo_out, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr):
+def _redo_table(gate_ptr, lost_ptr, table_ptr, E, P, redo_out, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # launched with PDL (moestream.kernels.pdl): the kernel before it complete and visible first
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     e = tl.arange(0, BLOCK_E)
     live = e < E
     p = tl.arange(0, BLOCK_P)
@@ -111,12 +127,13 @@ def post(withheld, seq, x, ids, weights, table, layer: int, x_out, ids_out, w_ou
     T, H = x.shape
     P = ids.numel()
     _post[(T,)](withheld, seq, x, x.stride(0), ids, weights, table, layer, T, P, H, x_out, ids_out, w_out, mask_out,
-                head_out, BLOCK_H=min(BLOCK_H, triton.next_power_of_2(H)), BLOCK_P=_block(P), num_warps=4)
+                head_out, BLOCK_H=min(BLOCK_H, triton.next_power_of_2(H)), BLOCK_P=_block(P), num_warps=4,
+                **pdl_launch(x, _INTERPRETED))
 
 
 def publish(withheld, seq, head_out, empty) -> None:
     """Where withheld[0] > 0: head_out[0] = seq[0] (after everything `post` wrote); else empty += 1."""
-    _publish[(1,)](withheld, seq, head_out, empty, num_warps=1)
+    _publish[(1,)](withheld, seq, head_out, empty, num_warps=1, **pdl_launch(seq, _INTERPRETED))
 
 
 def take_rows(withheld, ok, ids, table, rows, o) -> None:
@@ -125,7 +142,7 @@ def take_rows(withheld, ok, ids, table, rows, o) -> None:
     P, H = o.shape
     if P:
         _take_rows[(P,)](withheld, ok, ids, table, rows, o, H, BLOCK_H=min(BLOCK_H, triton.next_power_of_2(H)),
-                         num_warps=4)
+                         num_warps=4, **pdl_launch(o, _INTERPRETED))
 
 
 def lost_pairs(withheld, ok, ids, table, lookup_out, lost_out, gate_out, lost_count) -> None:
@@ -134,13 +151,14 @@ def lost_pairs(withheld, ok, ids, table, lookup_out, lost_out, gate_out, lost_co
     1 where any, lost_count += their number. ids: [P] flat, contiguous."""
     P = ids.numel()
     _lost_pairs[(1,)](withheld, ok, ids, table, P, lookup_out, lost_out, gate_out, lost_count,
-                      BLOCK_P=_block(P), num_warps=1)
+                      BLOCK_P=_block(P), num_warps=1, **pdl_launch(ids, _INTERPRETED))
 
 
 def redo_table(gate, lost, table, redo_out) -> None:
     """redo_out[e] = table[e] for the experts in `lost` where gate[0] != 0, else -1 (int32 [E])."""
     E, P = table.numel(), lost.numel()
-    _redo_table[(1,)](gate, lost, table, E, P, redo_out, BLOCK_E=_block(E), BLOCK_P=_block(P), num_warps=4)
+    _redo_table[(1,)](gate, lost, table, E, P, redo_out, BLOCK_E=_block(E), BLOCK_P=_block(P), num_warps=4,
+                      **pdl_launch(table, _INTERPRETED))
 
 
 _INTERPRETED = isinstance(_post, InterpretedFunction)  # under Triton's CPU interpreter (tests)

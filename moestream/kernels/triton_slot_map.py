@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
+from moestream.kernels.pdl import pdl_launch
 
 MAX_IDS = 64  # ids per call the program takes (decode, short verify steps): it compares all pairs
 MAX_SLOTS = 8192  # slots it holds in registers at once
@@ -21,7 +22,10 @@ MAX_SLOTS = 8192  # slots it holds in registers at once
 def _slot_map(ids_ptr, P, offset, table_ptr, owner_ptr, stamp_ptr, host_slot_ptr, clock_ptr, hits_ptr, misses_ptr,
               away_ptr, withhold_ptr, layer_index, S, N, src_ptr, dst_ptr, todo_ptr, withheld_ptr, gate_ptr,
               BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr, WITHHOLD: tl.constexpr, COUNT: tl.constexpr,
-              KEEP_ONE: tl.constexpr, PROBE: tl.constexpr, WITHHELD: tl.constexpr, GATED: tl.constexpr):
+              KEEP_ONE: tl.constexpr, PROBE: tl.constexpr, WITHHELD: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # launched with PDL (moestream.kernels.pdl): the kernel before it complete and visible first
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     i = tl.arange(0, BLOCK_P)
     valid = i < P
     if GATED:  # gated off: no position counts, no slot is read, the clock stands still
@@ -116,7 +120,7 @@ def slot_map(dm, layer: int, ids: torch.Tensor, *, withhold: torch.Tensor | None
                     BLOCK_S=triton.next_power_of_2(dm.slots), WITHHOLD=withhold is not None, COUNT=count,
                     KEEP_ONE=keep_one, PROBE=withhold is not None and withhold.numel() > 1,
                     WITHHELD=withhold is not None and withheld is not None, GATED=gate is not None,
-                    num_warps=8 if dm.slots <= 4096 else 16)
+                    num_warps=8 if dm.slots <= 4096 else 16, **pdl_launch(flat, _INTERPRETED))
     return src, dst, todo
 
 

@@ -13,10 +13,14 @@ import torch
 import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
+from moestream.kernels.pdl import pdl_launch
 
 
 @triton.jit
-def _wait_for_host(ack_ptr, seq_ptr, ok_ptr, late_ptr, asked_ptr, max_spins):
+def _wait_for_host(ack_ptr, seq_ptr, ok_ptr, late_ptr, asked_ptr, max_spins, PDL: tl.constexpr):
+    if PDL:  # launched with PDL (moestream.kernels.pdl): the kernel before it complete and visible first
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     want = tl.load(seq_ptr)
     asked = tl.load(asked_ptr) > 0
     # volatile: each poll reads the host's memory again; nothing asked: no read, the answer is "there"
@@ -35,7 +39,7 @@ def wait_for_host(ack: torch.Tensor, seq: torch.Tensor, ok: torch.Tensor, late: 
     """ack: int64 [1] the host writes (a device view of pinned RAM); seq: int64 [1+] whose first
     entry is the number waited for; ok: int32 [1] set to 1 or 0; late: int64 [1] += 1 on a 0;
     asked: int64 [1+] (device) whose first entry is 0 where nothing was asked (then ok = 1 at once)."""
-    _wait_for_host[(1,)](ack, seq, ok, late, asked, max_spins, num_warps=1)
+    _wait_for_host[(1,)](ack, seq, ok, late, asked, max_spins, num_warps=1, **pdl_launch(seq, _INTERPRETED))
 
 
 _INTERPRETED = isinstance(_wait_for_host, InterpretedFunction)  # under Triton's CPU interpreter (tests)

@@ -1,8 +1,8 @@
-"""The CPU share's device programs (moestream.kernels.triton_mailbox, triton_wait, and the slot map
-with its withheld count, probe and gate) compile for an H100/H200 (sm_90) on a machine without a
-GPU: the interpreter runs Python and accepts code the compiler may refuse (scalar branches, masked
-scalar loads of host memory, stores into pinned RAM's views). Skipped where Triton or its NVIDIA
-backend is missing."""
+"""The CPU share's device programs (moestream.kernels.triton_mailbox, triton_wait, the slot map
+with its withheld count, probe and gate, and the records' gather), with and without PDL, compile
+for an H100/H200 (sm_90) on a machine without a GPU: the interpreter runs Python and accepts code
+the compiler may refuse (scalar branches, masked scalar loads of host memory, stores into pinned
+RAM's views). Skipped where Triton or its NVIDIA backend is missing."""
 import pytest
 
 triton = pytest.importorskip("triton")
@@ -11,6 +11,7 @@ pytest.importorskip("triton.backends.nvidia")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from moestream.kernels import triton_gather as tg  # noqa: E402
 from moestream.kernels import triton_mailbox as tm  # noqa: E402
 from moestream.kernels import triton_slot_map as sm  # noqa: E402
 from moestream.kernels import triton_wait as tw  # noqa: E402
@@ -21,7 +22,7 @@ I64 = ("withheld_ptr", "seq_ptr", "ack_ptr", "late_ptr", "asked_ptr", "head_out"
 POINTERS = {**{name: "i64" for name in I64}, "x_ptr": "bf16", "x_out": "bf16", "ids_out": "i32", "w_ptr": "fp32",
             "w_out": "fp32", "mask_out": "i8", "table_ptr": "i32", "rows_ptr": "fp32", "o_ptr": "fp32",
             "ok_ptr": "i32", "gate_out": "i32", "gate_ptr": "i32", "redo_out": "i32", "withhold_ptr": "i32",
-            "todo_ptr": "i8"}
+            "todo_ptr": "i8", "src_idx_ptr": "i64", "dst_idx_ptr": "i64"}
 
 
 def compile_for_sm90(kernel, constants: dict) -> str:
@@ -39,13 +40,16 @@ def compile_for_sm90(kernel, constants: dict) -> str:
     ("lost_pairs", tm._lost_pairs, {"BLOCK_P": 16}),
     ("redo_table", tm._redo_table, {"BLOCK_E": 128, "BLOCK_P": 16}),
     ("wait", tw._wait_for_host, {}),
+    ("gather", tg._gather, {"BLOCK": 4096}),
     ("slot_map", sm._slot_map, {"BLOCK_P": 16, "BLOCK_S": 2048, "WITHHOLD": True, "COUNT": True, "KEEP_ONE": True,
                                 "PROBE": True, "WITHHELD": True, "GATED": True}),
     ("slot_map-gated-only", sm._slot_map, {"BLOCK_P": 16, "BLOCK_S": 2048, "WITHHOLD": False, "COUNT": False,
                                            "KEEP_ONE": True, "PROBE": False, "WITHHELD": False, "GATED": True}),
 ])
-def test_the_share_programs_compile_for_sm90(name, kernel, constants):
-    ptx = compile_for_sm90(kernel, constants)
+@pytest.mark.parametrize("pdl", [False, True])
+def test_the_share_programs_compile_for_sm90(name, kernel, constants, pdl):
+    ptx = compile_for_sm90(kernel, {**constants, "PDL": pdl})
     assert ".entry" in ptx
+    assert ("griddepcontrol.wait" in ptx) == pdl  # launched with PDL: the kernel before it complete first
     if name == "wait":
         assert "ld.volatile" in ptx  # each poll reads host memory again
