@@ -379,9 +379,12 @@ def h200_pdl() -> str:
     return " → ".join(tok_s(r["decode"]["tok_s"]) for r in runs) + " tok/s (without / with / without PDL, one call)"
 
 
+NATIVE_SHARE = ("team-share-auto-spin-14", "team-share-off-spin-14")  # the latest H200 call's auto and off
+
+
 def h200_native_share() -> str:
     """Streamed decode at 25 % with uniform routing, the native CPU share's worker against no share, one call."""
-    auto, off = (only_run(H200 / f"native-cpu-share-{m}.json") for m in ("auto", "off"))
+    auto, off = (only_run(H200 / f"{name}.json") for name in NATIVE_SHARE)
     d = auto["decode"]
     return (f"{tok_s(d['tok_s'])} tok/s with `--cpu-experts auto` against {tok_s(off['decode']['tok_s'])} without "
             f"(hit rate {d['hit_rate']:.2f}); the worker's kernels {d['cpu_kernel_gb_s']:.1f} GB/s on "
