@@ -52,10 +52,11 @@ def test_the_native_kernels_match_the_reference(module, bits, hidden, inter, gro
         assert torch.allclose(out[p], ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item()), (p, (out[p] - ref).abs().max())
 
 
-def test_a_row_does_not_depend_on_the_thread_count_or_the_other_pairs(module):
+@pytest.mark.parametrize("int8", [False, True])
+def test_a_row_does_not_depend_on_the_thread_count_or_the_other_pairs(module, int8):
     rec, quant = make_record(256, 128, 4, 64, seed=4)
     blob, fields = native_experts.record_blob(rec)
-    layout = native_experts.layout(fields, quant, int8_activations=False)
+    layout = native_experts.layout(fields, quant, int8_activations=int8)
     x = torch.randn(2, 256, generator=torch.Generator().manual_seed(3))
     alone, together = torch.empty(1, 256), torch.empty(2, 256)
     native_experts.weighted_rows(module, layout, [blob], [0], [1], [0.3], x, alone, threads=1)

@@ -76,17 +76,6 @@ def test_int8_activations_stay_near_the_float_path_and_the_reference(module, bit
         assert 1e-4 < to_float < bound and to_ref < bound, (p, to_float, to_ref)
 
 
-def test_int8_rows_do_not_depend_on_the_thread_count_or_the_other_pairs(module):
-    rec, quant = make_record(256, 128, 4, 64, seed=4)
-    blob, fields = native_experts.record_blob(rec)
-    layout = native_experts.layout(fields, quant, int8_activations=True)
-    x = torch.randn(2, 256, generator=torch.Generator().manual_seed(3))
-    alone, together = torch.empty(1, 256), torch.empty(2, 256)
-    native_experts.weighted_rows(module, layout, [blob], [0], [1], [0.3], x, alone, threads=1)
-    native_experts.weighted_rows(module, layout, [blob], [0, 0], [0, 1], [1.0, 0.3], x, together, threads=2)
-    assert torch.equal(alone[0], together[1])
-
-
 def test_the_env_chooses_the_activations(module, monkeypatch):
     rec, quant = make_record(128, 64, 4, 64)
     blob, fields = native_experts.record_blob(rec)
