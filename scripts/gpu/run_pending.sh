@@ -35,8 +35,8 @@
 #   native-share: the native CPU share's extension built, its CPU and CUDA tests, scripts/bench_cpu_experts.py on 16
 #             and 15 threads (native beside torch), the native worker's hand-over on 15 threads
 #   native-share-bench: `--cpu-experts off` and `auto` at 25 % uniform, device-driven (NATIVE_SHARES)
-#   share-ab: the conditions bench (COND_FLAGS), SHARE_TESTS, then the 25 % uniform step per SHARE_AB entry
-#             (name:share:threads:ENV=V,...; each with its environment)
+#   share-ab: the conditions bench (COND_FLAGS), SHARE_TESTS, then the uniform step per SHARE_AB entry
+#             (name:share:threads:cache[:ENV=V,...]; each with its environment)
 #   share-conditions: scripts/bench_cpu_share_conditions.py (gaps, DMA, per team), the share's tests, then the 25 %
 #             uniform step per team and thread count (SHARE_RUNS)
 #   native-int8: the native kernels' int8 activations (AVX-512 VNNI): built, their CPU tests, the kernels on 1, 14
@@ -239,9 +239,9 @@ for part in "$@"; do
       > "$out/share-tests.log" 2>&1; say share-tests "rc=$?"; tail -2 "$out/share-tests.log"; }
     wait $sp
     export -f bench say; export out model start
-    for run in ${SHARE_AB:-off:off:14 auto:auto:14}; do
-      IFS=: read -r name share threads envs <<< "$run"
-      env ${envs//,/ } bash -c "bench share-$name 150 --routing uniform --prefill-tokens '' --cache-sizes ${SHARE_CACHE:-25%} \
+    for run in ${SHARE_AB:-off:off:14:25% auto:auto:14:25%}; do
+      IFS=: read -r name share threads cache envs <<< "$run"
+      env ${envs//,/ } bash -c "bench share-$name 150 --routing uniform --prefill-tokens '' --cache-sizes $cache \
         --streaming device --cpu-experts $share --threads $threads"
     done ;;
   native-int8)  # the int8 activations: VNNI compiled in?, their tests, float vs int8 per job size
