@@ -379,7 +379,7 @@ def h200_pdl() -> str:
     return " → ".join(tok_s(r["decode"]["tok_s"]) for r in runs) + " tok/s (without / with / without PDL, one call)"
 
 
-NATIVE_SHARE = ("team-share-auto-spin-14", "team-share-off-spin-14")  # the latest H200 call's auto and off
+NATIVE_SHARE = ("share-auto", "share-off")  # the latest H200 call's auto and off (25 %)
 
 
 def h200_native_share() -> str:
@@ -390,6 +390,22 @@ def h200_native_share() -> str:
             f"(hit rate {d['hit_rate']:.2f}); the worker's kernels {d['cpu_kernel_gb_s']:.1f} GB/s on "
             f"{d['cpu_worker_threads']} threads, its hand-over {d['cpu_handover_us_ema']:.1f} µs, the share settled at "
             f"{d['cpu_share_now']:.2f} of the misses")
+
+
+def h200_share_sizes() -> str:
+    """Streamed decode with uniform routing at 10 / 25 / 50 %: the CPU share (`auto`) from the last call;
+    no share at 25 % from the same call, at 10 and 50 % from the call before it (the same build but the
+    kernels' task counter; its 25 % off beside them)."""
+    auto = {size: only_run(H200 / f"share-auto{suffix}.json")["decode"] for size, suffix in SIZES}
+    off = only_run(H200 / "share-off.json")["decode"]
+    before = {size: only_run(H200 / f"contended-share-off{suffix}.json")["decode"] for size, suffix in SIZES}
+    parts = [f"{size} %: {tok_s(a['tok_s'])} tok/s (hit rate {a['hit_rate']:.2f}, share {a['cpu_share_now']:.2f}, "
+             f"kernels {a['cpu_kernel_gb_s']:.1f} GB/s)" for size, a in auto.items()]
+    return ("; ".join(parts) + f". Without a share: {tok_s(off['tok_s'])} tok/s at 25 % in the same call; in the call "
+            "before, " + " / ".join(f"{tok_s(b['tok_s'])}" for b in before.values()) + " at 10 / 25 / 50 %")
+
+
+SIZES = (("10", "-10"), ("25", ""), ("50", "-50"))
 
 
 def h200_grouped() -> str:
@@ -433,6 +449,7 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "h200-rows-split": h200_rows_split,
     "h200-pdl": h200_pdl,
     "h200-native-share": h200_native_share,
+    "h200-share-sizes": h200_share_sizes,
     "h200-grouped": h200_grouped,
 }
 

@@ -154,7 +154,7 @@ def measure(engine, *, prefill_sizes: list[int], decode_tokens: int, seed: int, 
             kernel_s = decode_end["cpu_compute_s"] - decode_start["cpu_compute_s"]
             out["decode"]["cpu_kernel_gb_s"] = round(out["decode"]["cpu_bytes"] / kernel_s / 1e9, 3) if kernel_s > 0 else None
             out["decode"].update({k: decode_end[k] for k in (
-                "cpu_worker", "cpu_worker_threads", "cpu_worker_team", "cpu_share_now", "cpu_kernel_gb_s_ema", "cpu_handover_us_ema",
+                "cpu_worker", "cpu_worker_threads", "cpu_worker_team", "cpu_worker_activations", "cpu_share_now", "cpu_kernel_gb_s_ema", "cpu_handover_us_ema",
                 "cpu_misses_per_job_ema", "copy_gb_s", "copy_gb_s_timed")})
     if speculative is not None:
         out["speculative"] = measure_speculative(engine, prompt, decode_tokens, speculative, plain)

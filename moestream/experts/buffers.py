@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import mmap
-import os
 import threading
 import weakref
 
@@ -22,8 +21,6 @@ __all__ = ["PAGE_SIZE", "aligned_buffer", "is_page_aligned", "pin_if_cuda"]
 log = logging.getLogger(__name__)
 
 PAGE_SIZE = mmap.PAGESIZE
-HUGE_PAGE_SIZE = 2 << 20
-HUGE_PAGES_ENV = "MOESTREAM_HUGE_PAGES"
 
 
 class _HostMapping(mmap.mmap):
@@ -54,32 +51,14 @@ def is_page_aligned(t: torch.Tensor) -> bool:
     return t.data_ptr() % PAGE_SIZE == 0
 
 
-def huge_pages() -> bool:
-    """Whether large host buffers ask for huge pages (HUGE_PAGES_ENV, "0" to not)."""
-    return os.environ.get(HUGE_PAGES_ENV, "1").strip() != "0"
-
-
-def aligned_buffer(nbytes: int, huge: bool | None = None) -> torch.Tensor:
-    """A zero-filled uint8 CPU tensor of ``nbytes`` whose first byte is on a page boundary.
-
-    huge: ask the kernel for transparent huge pages (madvise, before any page is touched) where
-    the buffer spans at least one (None: `huge_pages()`). The CPU share's kernels read expert
-    records from these buffers, and in 4 KiB pages the hardware's prefetchers stop every 4 KiB."""
+def aligned_buffer(nbytes: int) -> torch.Tensor:
+    """A zero-filled uint8 CPU tensor of ``nbytes`` whose first byte is on a page boundary."""
     if nbytes <= 0:
         raise ValueError(f"a host buffer needs a positive size, not {nbytes}")
     size = -(-nbytes // PAGE_SIZE) * PAGE_SIZE
-    huge = (huge_pages() if huge is None else huge) and size >= HUGE_PAGE_SIZE and hasattr(mmap, "MADV_HUGEPAGE")
-    # a huge-page buffer starts on a huge page: the mapping is that much larger
-    mapping = _HostMapping(-1, size + (HUGE_PAGE_SIZE if huge else 0))
-    mapping.address = torch.frombuffer(mapping, dtype=torch.uint8, count=1).data_ptr()
-    offset = 0
-    if huge:
-        offset = -mapping.address % HUGE_PAGE_SIZE
-        try:
-            mapping.madvise(mmap.MADV_HUGEPAGE)
-        except OSError as exc:  # a kernel without transparent huge pages: small pages then
-            log.debug("madvise(MADV_HUGEPAGE) of a %d-byte buffer failed (%s)", size, exc)
-    t = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes, offset=offset)
+    mapping = _HostMapping(-1, size)
+    t = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes)
+    mapping.address = t.data_ptr()
     with _LOCK:
         _MAPPINGS[mapping.address] = mapping
     return t

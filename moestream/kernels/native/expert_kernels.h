@@ -337,9 +337,13 @@ struct Scratch {
 };
 
 // Splits `tasks` over a team's members as they come (one atomic counter per loop), so a member that
-// starts late or is preempted takes fewer of them instead of holding the others at the barrier.
+// starts late or is preempted takes fewer of them instead of holding the others at the barrier. In
+// chunks of about half a member's share: one counter taken by 14 cores for every task of 8 rows
+// serialized a job on that cache line (~22 GB/s whatever the arithmetic or the memory; the H200
+// machine, scripts/bench_cpu_share_conditions.py).
 struct Dealer {
   std::atomic<int64_t> next{0};
+  static int64_t chunk_for(int64_t tasks, int members) { return std::max<int64_t>(1, (tasks + 2 * members - 1) / (2 * members)); }
   template <class F>
   void deal(int64_t tasks, int64_t chunk, F&& f) {
     for (int64_t a = next.fetch_add(chunk, std::memory_order_relaxed); a < tasks;
@@ -377,8 +381,9 @@ void compute_job(const Layout& L, const std::vector<const uint8_t*>& records, co
   const int64_t stype = L.scale_type;
   const int64_t scale_item = stype == SCALE_F32 ? 4 : 2;
   Dealer gu_tasks, h_tasks, d_tasks;
+  const int members = team.size();
   team.run([&](int, int) {
-    gu_tasks.deal(n_experts * gu_blocks, 1, [&](int64_t task) {
+    gu_tasks.deal(n_experts * gu_blocks, Dealer::chunk_for(n_experts * gu_blocks, members), [&](int64_t task) {
       const int64_t e = task / gu_blocks, n0 = (task % gu_blocks) * ROW_BLOCK, n1 = std::min(I, n0 + ROW_BLOCK);
       const Matrix& g = gate[e];
       const Matrix& u = up[e];
@@ -398,7 +403,7 @@ void compute_job(const Layout& L, const std::vector<const uint8_t*>& records, co
     team.barrier();
     h_tasks.deal(P, 1, [&](int64_t p) { prepare(sc.h.data() + p * I, I, L.group, L.bits_d, int8, sc.h_in[p]); });
     team.barrier();
-    d_tasks.deal(n_experts * d_blocks, 1, [&](int64_t task) {
+    d_tasks.deal(n_experts * d_blocks, Dealer::chunk_for(n_experts * d_blocks, members), [&](int64_t task) {
       const int64_t e = task / d_blocks, n0 = (task % d_blocks) * ROW_BLOCK, n1 = std::min(H, n0 + ROW_BLOCK);
       const Matrix& d = down[e];
       for (int64_t n = n0; n < n1; ++n) {
