@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from moestream.bench.labelled_runs import labelled_runs  # noqa: E402
+from moestream.bench.labelled_runs import labelled_runs, new_axes, save_axes  # noqa: E402
 
 
 def points(spec: str) -> tuple[str, list[float], list[float]]:
@@ -40,12 +40,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", required=True, help="PNG to write")
     p.add_argument("--title", default="Streamed decode, uniform routing (Qwen3-30B-A3B shape, 4-bit, H200)")
     args = p.parse_args(argv)
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = new_axes()
     for spec in args.run:
         label, sizes, tok_s = points(spec)
         ax.plot(sizes, tok_s, marker="o", label=label)
@@ -58,12 +53,7 @@ def main(argv: list[str] | None = None) -> None:
     ax.set_xlabel("device cache (% of the routed experts)")
     ax.set_ylabel("decode tok/s")
     ax.set_ylim(bottom=0)
-    ax.set_title(args.title, fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(args.out, dpi=120)
-    print(f"wrote {args.out}", file=sys.stderr)
+    save_axes(fig, ax, args.out, args.title)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from moestream.bench.labelled_runs import labelled_runs  # noqa: E402
+from moestream.bench.labelled_runs import labelled_runs, new_axes, save_axes  # noqa: E402
 
 
 def lines(spec: str) -> list[tuple[str, list[int], list[float]]]:
@@ -54,12 +54,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--title", default="Prefill speed by prompt length")
     args = p.parse_args(argv)
     goals = targets(args.target)
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = new_axes()
     for spec in args.run:
         for name, lengths, tok_s in lines(spec):
             ax.plot(lengths, tok_s, marker="o", label=name)
@@ -68,12 +63,7 @@ def main(argv: list[str] | None = None) -> None:
     ax.set_xlabel("prompt tokens")
     ax.set_ylabel("prefill tok/s")
     ax.set_xscale("log", base=2)
-    ax.set_title(args.title)
-    ax.grid(alpha=0.3)
-    ax.legend(loc="lower right", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(args.out, dpi=120)
-    print(f"wrote {args.out}", file=sys.stderr)
+    save_axes(fig, ax, args.out, args.title, legend=dict(loc="lower right", fontsize=8))
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from moestream.bench.labelled_runs import labelled_runs  # noqa: E402
+from moestream.bench.labelled_runs import labelled_runs, new_axes, save_axes  # noqa: E402
 
 
 def lines(spec: str) -> list[tuple[str, list[int], list[float]]]:
@@ -39,12 +39,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", required=True, help="PNG to write")
     p.add_argument("--title", default="Cost of a step of T tokens")
     args = p.parse_args(argv)
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = new_axes()
     for spec in args.run:
         for name, sizes, ms in lines(spec):
             (line,) = ax.plot(sizes, ms, marker="o", label=name)
@@ -52,12 +47,7 @@ def main(argv: list[str] | None = None) -> None:
     ax.set_xlabel("tokens in the step (T)")
     ax.set_ylabel("ms per step")
     ax.set_xscale("log", base=2)
-    ax.set_title(args.title + " (dashed: T one-token steps)")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(args.out, dpi=120)
-    print(f"wrote {args.out}", file=sys.stderr)
+    save_axes(fig, ax, args.out, args.title + " (dashed: T one-token steps)")
 
 
 if __name__ == "__main__":

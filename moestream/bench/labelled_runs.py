@@ -1,4 +1,5 @@
-"""LABEL=FILE arguments of the plotting scripts: a label and the runs of a `moestream bench` JSON."""
+"""What the plotting scripts share: LABEL=FILE arguments (a label and the runs of a `moestream bench`
+JSON), an axes to draw on and its saving as a PNG."""
 from __future__ import annotations
 
 import json
@@ -14,3 +15,26 @@ def labelled_runs(spec: str, tool: str) -> tuple[str, list[dict]]:
         return label, json.loads(Path(path).read_text())["runs"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise SystemExit(f"{tool}: {path}: not a bench JSON with runs ({exc})")
+
+
+def new_axes():
+    """(figure, axes) of the plots' size, drawn without a display (matplotlib imported here: only
+    the plotting scripts need it)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(figsize=(7, 4.5))
+
+
+def save_axes(fig, ax, out: str, title: str, legend: dict | None = None) -> None:
+    """Title, grid and legend on `ax`, then `fig` written to `out` (PNG) and one line saying so."""
+    import sys
+
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(**(legend or {}))
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    print(f"wrote {out}", file=sys.stderr)
