@@ -72,7 +72,8 @@ class Engine:
         self.provider = ExpertCache(packed, self.device, slots=slots, source=source,
                                     policy=self.plan.cache_policy, partition=options.cache_partition,
                                     host_slots=self.plan.host_slots, host_policy=options.host_cache_policy,
-                                    staging_buffers=self.plan.staging)
+                                    staging_buffers=self.plan.staging,
+                                    device_policy="lru" if options.cache_policy == "lru" else "cycle")
         if self.parallel is not None:
             from moestream.layers.expert_parallel import OwnedExperts
 

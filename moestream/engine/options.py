@@ -110,7 +110,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "default auto: what fits in free memory (the demo model: 30%%)")
     c.add_argument("--cache-policy", default="auto", choices=["auto", "clock", "lru", "arc", "lfu"],
                    help="slot replacement policy (default auto: clock, or lfu where the pool holds fewer slots than "
-                        "one token's experts across all layers)")
+                        "one token's experts across all layers). Device-driven streaming has its own: lru with "
+                        "lru, else cycle (recency counted in each layer's own lookups, ties to the layer that "
+                        "comes next latest)")
     c.add_argument("--cache-partition", default="shared", choices=["shared", "per-layer"],
                    help="one pool for all layers (default) or a fixed share per layer")
     c.add_argument("--expert-source", default="direct", choices=["direct", "mmap"],

@@ -41,7 +41,8 @@ class ExpertCache:
     """Implements the ExpertProvider protocol over a fixed slot pool."""
 
     def __init__(self, packed: PackedModel, device: torch.device, *, slots: int, source, policy: str = "clock",
-                 partition: str = "shared", host_slots: int = 0, host_policy: str = "clock", staging_buffers: int = 8):
+                 partition: str = "shared", host_slots: int = 0, host_policy: str = "clock", staging_buffers: int = 8,
+                 device_policy: str = "cycle"):
         self.packed, self.device, self.source = packed, torch.device(device), source
         self.entries = {e.layer: e for e in packed.manifest.expert_layers}
         self.moe_layers = sorted(self.entries)
@@ -81,6 +82,7 @@ class ExpertCache:
         self._device_hits: torch.Tensor | None = None
         self._hit_rows: dict[tuple, torch.Tensor] = {}  # count_resident_many's layer rows, per set of layers
         self.device_map = None  # a DeviceMap once device-driven streaming started (start_device_map)
+        self.device_policy = device_policy  # its victim rule (moestream.experts.device_map)
         self.stats_ = CacheStats()
 
     # -- ExpertProvider -------------------------------------------------------------
@@ -330,7 +332,7 @@ class ExpertCache:
             raise DeviceMapUnavailable("this GPU cannot read the pinned host tier at its address (no unified addressing)")
         self.device_map = DeviceMap(self.pool, host, self.host.directory.keys(),
                                     {l: e.num_experts for l, e in self.entries.items()},
-                                    {l: e.record_size for l, e in self.entries.items()})
+                                    {l: e.record_size for l, e in self.entries.items()}, policy=self.device_policy)
         return self.device_map  # it starts empty: what the host path left in the slots is not reused
 
     def _collect_device_map(self) -> None:
@@ -507,7 +509,8 @@ class ExpertCache:
             "source": getattr(self.source, "name", "?"), "verify": bool(getattr(self.source, "check_records", False)),
             "policy": self.directory.policy_name,
             "streaming": "resident" if self.resident_tables else "device" if self.device_map is not None else "host",
-            **({"slot_map": "triton" if self.device_map.kernel and self.cuda else "torch"} if self.device_map else {}),
+            **({"slot_map": "triton" if self.device_map.kernel and self.cuda else "torch",
+                "device_policy": self.device_map.policy} if self.device_map else {}),
             "partition": self.directory.partition, "slots": self.num_slots, "slot_bytes": self.num_slots * self.slot_bytes,
             "total_experts": self.total_experts, "host_slots": self.host.slots if self.host else 0,
             "hits": st.hits, "misses": st.misses, "hit_rate": round(st.hits / lookups, 6) if lookups else 1.0,

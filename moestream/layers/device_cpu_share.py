@@ -6,9 +6,9 @@ reads the ids, hands some misses to a worker, waits) cannot run there. Here the 
 worker thread meet in a mailbox of pinned RAM instead, with no host launch or sync per layer:
 
   1. the device map withholds a share of the layer's misses (the first in expert order; a number
-     in 1/1024ths that the device reads from pinned RAM, so the worker can retune it between
-     layers): they get no slot and stay out of the layer's table; the lookup writes how many it
-     withheld into device memory;
+     in 1/1024ths, or with `auto` a count for each number of misses, that the device reads from
+     pinned RAM, so the worker can retune it between layers): they get no slot and stay out of the
+     layer's table; the lookup writes how many it withheld into device memory;
   2. where it withheld any, the device posts the layer's input rows, ids, weights and which pairs
      are withheld to the mailbox, then the next sequence number, last (moestream.kernels.triton_mailbox);
   3. while the device copies its own misses and computes the hits and them, the worker, which
@@ -135,8 +135,9 @@ class DeviceCpuShare:
         self.mask_in = _pinned(MAX_PAIRS, torch.int8, pin)
         self.rows_out = _pinned((MAX_PAIRS, hidden), torch.float32, pin)
         self.ack = _pinned(1, torch.int64, pin)
-        # of each call's misses, in 1/1024ths; then every how many lookups at least one (auto's probe)
-        self.share = _pinned(2, torch.int32, pin)
+        # of each call's misses, in 1/1024ths; then every how many lookups at least one (auto's probe);
+        # then (auto) how many of a call's m misses, m = 0..MAX_PAIRS, which the device reads instead
+        self.share = _pinned(2 + MAX_PAIRS + 1, torch.int32, pin)
         # the device's side
         dev = self.device
         self.seq = torch.zeros(1, dtype=torch.int64, device=dev)  # the last sequence number posted
@@ -147,6 +148,8 @@ class DeviceCpuShare:
         self.lost = torch.zeros(1, dtype=torch.int64, device=dev)  # pairs the device computed instead
         self.empty = torch.zeros(1, dtype=torch.int64, device=dev)  # calls that withheld nothing (posted nothing)
         self.ack_dev, self.share_dev = (_device_side(self.ack), _device_side(self.share)) if self.cuda else (self.ack, self.share)
+        if cpu.share != "auto":  # a fixed share: the fraction alone
+            self.share_dev = self.share_dev[:2]
         if self.cuda:  # the mailbox as the device's programs write and read it
             self.box_dev = {name: _device_side(getattr(self, name))
                             for name in ("header", "x_in", "ids_in", "w_in", "mask_in", "rows_out")}
@@ -157,7 +160,10 @@ class DeviceCpuShare:
         self.jobs = self.experts = self.pairs = self.errors = self.skipped = 0
         self.bytes = 0
         self.compute_s = 0.0
-        self._set_share(self.tuner.share() if cpu.share == "auto" else float(cpu.share))
+        if cpu.share == "auto":
+            self._set_share(self.tuner.share(), self.tuner.counts(MAX_PAIRS))
+        else:
+            self._set_share(float(cpu.share))
         self.share[1] = PROBE_EVERY if cpu.share == "auto" else 0
         self._stop = threading.Event()
         self.native = self._start_native(device_map)
@@ -364,7 +370,7 @@ class DeviceCpuShare:
                                       experts=job["experts"], misses=job["misses"])
                 if self.tuner.measured:
                     self.cpu.cpu_gb_s = self.tuner.kernel_gb_s
-                    self._set_share(self.tuner.share())
+                    self._set_share(self.tuner.share(), self.tuner.counts(MAX_PAIRS))
             now = native.count()["errors"]
             if now > errors:
                 log.warning("CPU share failed in %d job(s) (last: %s); the device computes those experts", now - errors,
@@ -396,7 +402,7 @@ class DeviceCpuShare:
         self.tuner.record(job_s=job_s, kernel_s=kernel_s, nbytes=nbytes, experts=experts, misses=misses)
         if self.tuner.measured:
             self.cpu.cpu_gb_s = self.tuner.kernel_gb_s
-            self._set_share(self.tuner.share())
+            self._set_share(self.tuner.share(), self.tuner.counts(MAX_PAIRS))
 
     def _compute(self, layer: int, picks: int, ids: list[int], w: list[float], mine: list[int], x_rows: list,
                  out_rows: list) -> tuple[float, int, int]:
@@ -430,8 +436,13 @@ class DeviceCpuShare:
         self.bytes += nbytes
         return done - t0, nbytes, len(distinct)
 
-    def _set_share(self, share: float) -> None:
+    def _set_share(self, share: float, counts: list[int] | None = None) -> None:
+        """The share the device reads: `share` of each call's misses, or (auto) `counts[m]` of a
+        call's m misses (`share` of them, rounded, where not given)."""
         self.share[0] = max(0, min(1024, int(round(share * 1024))))
+        if self.cpu.share == "auto":
+            counts = counts if counts is not None else [int(share * m + 0.5) for m in range(MAX_PAIRS + 1)]
+            self.share[2:] = torch.tensor(counts, dtype=torch.int32)
 
     # -- reporting --------------------------------------------------------------------------------
     def stats(self) -> dict:
@@ -455,7 +466,9 @@ class DeviceCpuShare:
                     "cpu_compute_s": round(compute_s, 6),
                     "cpu_gb_s": round(nbytes / compute_s / 1e9, 3) if compute_s > 0 and nbytes else None,
                     "cpu_empty_calls": int(self.empty),
-                    "cpu_share_now": round(int(self.share[0]) / 1024, 4), "copy_gb_s": round(self.copy_gb_s, 3),
+                    "cpu_share_now": round(int(self.share[0]) / 1024, 4),
+                    "cpu_counts_now": self.share[2:11].tolist() if self.cpu.share == "auto" else None,
+                    "copy_gb_s": round(self.copy_gb_s, 3),
                     "copy_gb_s_timed": self.copy_timed, "cpu_kernel_gb_s_ema": _round(self.tuner.kernel_gb_s, 3),
                     "cpu_handover_us_ema": _round(self.tuner.handover_s and self.tuner.handover_s * 1e6, 1),
                     "cpu_misses_per_job_ema": _round(self.tuner.misses, 2)})

@@ -4,7 +4,9 @@ A layer call's m misses split: c experts to the CPU, m - c copied by the device.
 takes a fixed hand-over h (the request posted, the worker noticing and reading it, Python, the answer
 back) plus c times its kernels' time per expert k; the device's side (m - c) times its copy time per
 expert d. A call with c = 0 posts nothing and pays no hand-over. The best c minimizes
-max(h + c k, (m - c) d), and the share the device reads is c / m for the calls' usual m.
+max(h + c k, (m - c) d); the device reads it for every m (`counts`: a call's own misses pick its
+count, where one share of the calls' usual m rounded 5 misses like 6 and 7 like 8), and `share`,
+c / m for the usual m, is what the stats report.
 
 What is measured, and how:
   - k: the kernels' own time in each job, per byte of the records it computed (an EMA);
@@ -76,6 +78,14 @@ class ShareTuner:
     @property
     def kernel_gb_s(self) -> float | None:
         return None if not self.kernel_s_per_byte else 1 / self.kernel_s_per_byte / 1e9
+
+    def counts(self, most: int) -> list[int]:
+        """How many of a call's m misses the CPU takes, for m = 0..most."""
+        if not self.measured:
+            return [int(START_SHARE * m + 0.5) for m in range(most + 1)]
+        nbytes = self.bytes_per_expert
+        cpu_each, copy_each = self.kernel_s_per_byte * nbytes, nbytes / (self.copy_gb_s * 1e9)
+        return [best_count(m, cpu_each, self.handover_s, copy_each) for m in range(most + 1)]
 
     def share(self) -> float:
         """The share of each call's misses for the device (0..1)."""

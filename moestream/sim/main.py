@@ -13,7 +13,7 @@ from moestream.cli_args import Parser
 from moestream.errors import MoestreamError
 from moestream.experts.policy import POLICY_NAMES
 from moestream.sim.belady import belady
-from moestream.sim.simulate import simulate, total_experts
+from moestream.sim.simulate import DEVICE_POLICIES, simulate, simulate_device, total_experts
 from moestream.sim.trace import RoutingTrace
 
 
@@ -47,7 +47,8 @@ def parse_sizes(items: list[str] | str, total: int, floor: int) -> list[tuple[st
     return out
 
 
-SIM_POLICIES = (*POLICY_NAMES, "opt")  # opt: Belady's optimum, the bound no real policy passes
+# opt: Belady's optimum, the bound no real policy passes; device-*: the device-driven path's rules
+SIM_POLICIES = (*POLICY_NAMES, "opt", *DEVICE_POLICIES)
 
 
 def parse_policies(text: str) -> list[str]:
@@ -82,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="cache sizes: shares of all experts or slot counts (default 10%%,25%%,50%%)")
     p.add_argument("--policies", type=parse_policies, default="clock,lru",
                    help=f"comma-separated, from {', '.join(SIM_POLICIES)} (opt: Belady's optimum, a bound; "
-                        "default clock,lru)")
+                        "device-cycle / device-lru: the device-driven path's map and rule, shared pool only, at "
+                        "least twice a layer's experts; default clock,lru)")
     p.add_argument("--partition", default="shared", choices=["shared", "per-layer"])
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--plot", metavar="FILE.png", help="also draw hit rate against cache size, a line per policy "
@@ -96,10 +98,14 @@ def main(argv: list[str] | None = None) -> int:
             floor = trace.experts.shape[1] * (len(set(trace.layer.tolist())) if args.partition == "per-layer" else 1)
             for label, slots in parse_sizes(args.sizes, total, floor):
                 for policy in args.policies:
-                    if policy == "opt" and args.partition != "shared":
-                        raise MoestreamError("opt (Belady's optimum) is simulated for the shared partition only")
-                    r = belady(trace, slots=slots) if policy == "opt" else \
-                        simulate(trace, slots=slots, policy=policy, partition=args.partition)
+                    if (policy == "opt" or policy in DEVICE_POLICIES) and args.partition != "shared":
+                        raise MoestreamError(f"{policy} is simulated for the shared partition only")
+                    if policy == "opt":
+                        r = belady(trace, slots=slots)
+                    elif policy in DEVICE_POLICIES:
+                        r = simulate_device(trace, slots=slots, policy=policy)
+                    else:
+                        r = simulate(trace, slots=slots, policy=policy, partition=args.partition)
                     rows.append({"trace": path, "size": label, "slots": slots, "policy": policy,
                                  "hit_rate": round(r.hit_rate, 4), "hits": r.hits, "misses": r.misses})
     except MoestreamError as exc:
@@ -114,9 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(rows, indent=1))
     else:
-        print(f"{'trace':<40} {'size':>6} {'slots':>6} {'policy':>6} {'hit rate':>9}")
+        print(f"{'trace':<40} {'size':>6} {'slots':>6} {'policy':>12} {'hit rate':>9}")
         for r in rows:
-            print(f"{r['trace'][-40:]:<40} {r['size']:>6} {r['slots']:>6} {r['policy']:>6} {r['hit_rate']:>9.3f}")
+            print(f"{r['trace'][-40:]:<40} {r['size']:>6} {r['slots']:>6} {r['policy']:>12} {r['hit_rate']:>9.3f}")
     return 0
 
 

@@ -14,7 +14,7 @@
 # Usage: scripts/gpu/run_pending.sh OUTDIR PART...
 #   PART: synth | kernel-shapes | sweep | tuned | tests | stream | lookahead | resident | profile | families | cpu-share
 #         | native-share | native-share-bench | share-conditions | share-ab | native-int8 | native-int8-bench | server
-#         | rows-products | rows-products-ab
+#         | rows-products | rows-products-ab | policy-ab
 #   synth:    every shape the other parts read, side by side (one core each), so later calls find them
 #   kernel-shapes: the grouped kernels' product shapes (swapped, gathered codes, tiles) against the reference
 #   sweep:    the expert kernels' block sizes tried at the 30B shape (scripts/bench_kernels.py --sweep); the
@@ -39,6 +39,9 @@
 #   native-share-bench: `--cpu-experts off` and `auto` at 25 % uniform, device-driven (NATIVE_SHARES)
 #   share-ab: the conditions bench (COND_FLAGS), SHARE_TESTS, then the uniform step per SHARE_AB entry
 #             (name:share:threads:cache[:ENV=V,...]; each with its environment)
+#   policy-ab: the device map's victim rule (cycle, lru) and the share's counts per number of misses: POLICY_TESTS,
+#             SLOT_MAP_BENCH=1: scripts/bench_slot_map.py, then the uniform step per POLICY_AB entry
+#             (name:share:cache:policy; cache 25% or budget8GiB), RESIDENT=1: the resident step
 #   share-conditions: scripts/bench_cpu_share_conditions.py (gaps, DMA, per team), the share's tests, then the 25 %
 #             uniform step per team and thread count (SHARE_RUNS)
 #   native-int8: the native kernels' int8 activations (AVX-512 VNNI): built, their CPU tests, the kernels on 1, 14
@@ -366,5 +369,24 @@ print('native:', m or n.reason(), 'VNNI:', n.vnni(), 'default activations:', n.a
     MOESTREAM_KERNEL_CONFIG='{"pdl": 0}' bench pdl-off 120 --cache-sizes all --prefill-tokens 512
     bench pdl-on 120 --cache-sizes all --prefill-tokens 512
     MOESTREAM_KERNEL_CONFIG='{"pdl": 0}' bench pdl-off-again 120 --cache-sizes all --prefill-tokens 512 ;;
+  policy-ab)  # the device map's victim rule and the share's counts per number of misses: the build, POLICY_TESTS,
+    # then the uniform step per POLICY_AB entry (name:share:cache:policy; policy lru, or auto: the cycle rule), one
+    # process each; with RESIDENT=1 the resident step last
+    synth & sp=$!
+    timeout 300 python3 -c "from moestream.kernels import native_experts as n; m = n.load(); print('native:', m or n.reason())" \
+      > "$out/native-build.log" 2>&1
+    say native-build "rc=$?"; tail -1 "$out/native-build.log"
+    [ -n "${POLICY_TESTS:-}" ] && { timeout -s ABRT ${TESTS_LIMIT:-240} python3 -m pytest $POLICY_TESTS -q -p no:cacheprovider \
+      -rfE > "$out/policy-tests.log" 2>&1; say policy-tests "rc=$?"; grep -E "passed|failed|FAILED|ERROR|Fatal" "$out/policy-tests.log" | tail -6; }
+    [ -n "${SLOT_MAP_BENCH:-}" ] && { timeout 120 python3 scripts/bench_slot_map.py --out "$out/slot-map.json" > "$out/slot-map.log" 2>&1
+      say slot-map "rc=$?"; cat "$out/slot-map.log" | tail -6; }
+    wait $sp
+    for run in ${POLICY_AB:-auto:auto:25%:auto off:off:25%:auto off-lru:off:25%:lru auto-lru:auto:25%:lru}; do
+      IFS=: read -r name share cache policy <<< "$run"
+      size=(--cache-sizes $cache); [ "${cache#budget}" != "$cache" ] && size=(--memory-budget ${cache#budget})  # budget8GiB
+      bench "policy-$name" 150 --routing uniform --prefill-tokens '' "${size[@]}" --streaming device \
+        --cpu-experts $share --threads 14 --cache-policy $policy
+    done
+    [ -n "${RESIDENT:-}" ] && bench policy-resident 120 --cache-sizes all --prefill-tokens 512 ;;
   esac
 done

@@ -73,7 +73,8 @@ def test_device_driven_decode_gives_the_bits_of_resident_and_host_paths(tiny_pac
         assert out == runs["resident"], name
 
 
-def test_the_triton_lookup_decides_what_the_torch_version_decides_on_cuda():
+@pytest.mark.parametrize("policy", ["cycle", "lru"])
+def test_the_triton_lookup_decides_what_the_torch_version_decides_on_cuda(policy):
     layers, experts, width = (0, 1, 3), 64, 4096
     keys = [(layer, e) for layer in layers for e in range(experts)]
     host = pin_if_cuda(aligned_buffer(len(keys) * width).view(len(keys), width))
@@ -82,7 +83,7 @@ def test_the_triton_lookup_decides_what_the_torch_version_decides_on_cuda():
     for kernel in (True, False):
         pool = torch.zeros((150, width), dtype=torch.uint8, device="cuda")
         dm = DeviceMap(pool, device_view(host), {k: i for i, k in enumerate(keys)}, {l: experts for l in layers},
-                       {l: width for l in layers})
+                       {l: width for l in layers}, policy=policy)
         dm.kernel = kernel
         maps.append(dm)
     g = torch.Generator().manual_seed(3)
@@ -91,5 +92,5 @@ def test_the_triton_lookup_decides_what_the_torch_version_decides_on_cuda():
         ids = torch.stack([torch.randperm(experts, generator=g)[:8] for _ in range(1 + 15 * (step % 9 == 0))]).cuda()
         for dm in maps:
             dm.ensure(layer, ids)
-        for name in ("table", "owner", "last_used", "clock", "hits", "misses", "pool"):
+        for name in ("table", "owner", "last_used", "clock", "hits", "misses", "pool", "calls", "slot_layer"):
             assert torch.equal(getattr(maps[0], name), getattr(maps[1], name)), (step, name)

@@ -1,5 +1,7 @@
 """Device-driven streaming (moestream.experts.device_map): the map stays consistent and holds the
-right bytes under any sequence of lookups, its hit and miss counts are those of LRU, and an engine
+right bytes under any sequence of lookups, its hit and miss counts are those of its policy (LRU, or
+the cycle rule against a plain-Python reference), the cycle rule hits what a layer's share of the
+pool promises under uniform routing where LRU falls short, and an engine
 streaming this way gives the bits of every other way (on the CPU, where the same device ops run)."""
 from collections import OrderedDict
 
@@ -15,14 +17,15 @@ from moestream.format.reader import PackedModel
 FAMILY = "qwen3_moe"
 
 
-def make_map(slots=10, layers=(1, 3, 4), experts=5, width=16, seed=0):
+def make_map(slots=10, layers=(1, 3, 4), experts=5, width=16, seed=0, policy="lru"):
     g = torch.Generator().manual_seed(seed)
     keys = [(layer, e) for layer in layers for e in range(experts)]
     order = torch.randperm(len(keys) + 3, generator=g).tolist()  # host slots in any order, some unused
     host_slots = {key: order[i] for i, key in enumerate(keys)}
     host = torch.randint(0, 256, (len(keys) + 3, width), dtype=torch.uint8, generator=g)
     pool = torch.zeros((slots, width), dtype=torch.uint8)
-    dm = DeviceMap(pool, host, host_slots, {layer: experts for layer in layers}, {layer: width for layer in layers})
+    dm = DeviceMap(pool, host, host_slots, {layer: experts for layer in layers}, {layer: width for layer in layers},
+                   policy=policy)
     return dm, pool, host, host_slots
 
 
@@ -70,6 +73,84 @@ def test_every_lookup_leaves_a_consistent_map_with_the_right_bytes_and_lru_count
     assert sum(h for h, _ in counted.values()) == hits
     assert sum(m for _, m in counted.values()) == misses
     assert misses > dm.slots  # evictions happened
+
+
+class CycleReference:
+    """The cycle rule in plain Python: evict the slot whose layer was looked up most often since
+    the slot's last use, then the one whose layer comes next latest (this layer's own first), then
+    the lowest slot; empty slots first, in order."""
+
+    def __init__(self, slots: int, layers: int):
+        self.slots, self.layers = slots, layers
+        self.held: dict = {}  # (layer index, expert) -> slot
+        self.owner: dict = {}  # slot -> (layer index, expert)
+        self.last: dict = {}  # slot -> its layer's lookups at its last use
+        self.calls = [0] * layers
+
+    def lookup(self, li: int, experts: list[int]) -> tuple[int, int]:
+        self.calls[li] += 1
+        keys = [(li, e) for e in sorted(set(experts))]
+        hit_slots = {self.held[k] for k in keys if k in self.held}
+        misses = [k for k in keys if k not in self.held]
+
+        def order(slot):
+            if slot not in self.owner:
+                return (0, 0, slot)
+            layer = self.owner[slot][0]
+            ahead = (layer - li) % self.layers or self.layers
+            return (1, -((self.calls[layer] - self.last[slot]) * (self.layers + 1) + ahead), slot)
+
+        victims = sorted((s for s in range(self.slots) if s not in hit_slots), key=order)
+        for slot in hit_slots:
+            self.last[slot] = self.calls[li]
+        for key, slot in zip(misses, victims):
+            if slot in self.owner:
+                del self.held[self.owner[slot]]
+            self.held[key], self.owner[slot], self.last[slot] = slot, key, self.calls[li]
+        return len(hit_slots), len(misses)
+
+
+def test_the_cycle_rule_counts_what_its_reference_counts():
+    dm, pool, host, host_slots = make_map(slots=11, layers=(1, 3, 4, 6), policy="cycle")
+    ref = CycleReference(11, 4)
+    g = torch.Generator().manual_seed(2)
+    want = [0, 0]
+    for step in range(300):
+        li = step % 4 if step % 11 else (step // 11) % 4  # mostly in order, now and then out of it
+        layer = dm.layers[li]
+        tokens = 1 if step % 7 else 3
+        ids = torch.stack([torch.randperm(5, generator=g)[:2] for _ in range(tokens)])
+        dm.ensure(layer, ids)
+        check_consistent(dm, pool, host, host_slots)
+        h, m = ref.lookup(li, ids.view(-1).tolist())
+        want[0] += h
+        want[1] += m
+    counted = dm.counts()
+    assert [sum(h for h, _ in counted.values()), sum(m for _, m in counted.values())] == want
+    assert want[1] > dm.slots
+
+
+@pytest.mark.parametrize("share", [0.1, 0.25])
+def test_under_uniform_routing_the_cycle_rule_hits_the_pools_share_and_lru_does_not(share):
+    """Uniform routing over 24 layers of 32 experts, 4 a token: each layer's expected hits are the
+    slots it holds when it is asked, so a rule that keeps every layer's share until its turn hits
+    the pool's share; LRU evicts the slots of the layers coming next (they were used longest ago)."""
+    layers, experts, picks = tuple(range(24)), 32, 4
+    slots = int(share * len(layers) * experts)
+    rates = {}
+    for policy in ("cycle", "lru"):
+        dm = make_map(slots=slots, layers=layers, experts=experts, width=4, policy=policy)[0]
+        g = torch.Generator().manual_seed(3)
+        for token in range(140):
+            if token == 40:
+                dm.reset_counts()  # the pool full and settled
+            for layer in layers:
+                dm.ensure(layer, torch.randperm(experts, generator=g)[:picks].view(1, picks))
+        counted = dm.counts().values()
+        hits, misses = sum(h for h, _ in counted), sum(m for _, m in counted)
+        rates[policy] = hits / (hits + misses)
+    assert rates["cycle"] > share - 0.02, rates
+    assert rates["cycle"] > rates["lru"] + 0.01, rates
 
 
 def test_a_pool_smaller_than_twice_a_layer_or_a_partial_host_tier_is_refused():

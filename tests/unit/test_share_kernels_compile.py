@@ -18,7 +18,8 @@ from moestream.kernels import triton_wait as tw  # noqa: E402
 
 I64 = ("withheld_ptr", "seq_ptr", "ack_ptr", "late_ptr", "asked_ptr", "head_out", "empty_ptr", "lookup_out",
        "lost_out", "lost_count_ptr", "lost_ptr", "ids_ptr", "owner_ptr", "stamp_ptr", "host_slot_ptr", "clock_ptr",
-       "hits_ptr", "misses_ptr", "away_ptr", "src_ptr", "dst_ptr")
+       "hits_ptr", "misses_ptr", "away_ptr", "src_ptr", "dst_ptr", "calls_ptr", "slot_layer_ptr")
+SCALARS_I64 = ("EMPTY_KEY", "HELD_KEY")
 POINTERS = {**{name: "i64" for name in I64}, "x_ptr": "bf16", "x_out": "bf16", "ids_out": "i32", "w_ptr": "fp32",
             "w_out": "fp32", "mask_out": "i8", "table_ptr": "i32", "rows_ptr": "fp32", "o_ptr": "fp32",
             "ok_ptr": "i32", "gate_out": "i32", "gate_ptr": "i32", "redo_out": "i32", "withhold_ptr": "i32",
@@ -26,8 +27,8 @@ POINTERS = {**{name: "i64" for name in I64}, "x_ptr": "bf16", "x_out": "bf16", "
 
 
 def compile_for_sm90(kernel, constants: dict) -> str:
-    signature = {name: "constexpr" if name in constants else "*" + POINTERS[name] if name in POINTERS else "i32"
-                 for name in kernel.arg_names}
+    signature = {name: "constexpr" if name in constants else "*" + POINTERS[name] if name in POINTERS
+                 else "i64" if name in SCALARS_I64 else "i32" for name in kernel.arg_names}
     compiled = triton.compile(ASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": 4})
     return compiled.asm["ptx"]
@@ -42,9 +43,17 @@ def compile_for_sm90(kernel, constants: dict) -> str:
     ("wait", tw._wait_for_host, {}),
     ("gather", tg._gather, {"BLOCK": 4096}),
     ("slot_map", sm._slot_map, {"BLOCK_P": 16, "BLOCK_S": 2048, "WITHHOLD": True, "COUNT": True, "KEEP_ONE": True,
-                                "PROBE": True, "WITHHELD": True, "GATED": True}),
+                                "PROBE": True, "WITHHELD": True, "GATED": True, "CYCLE": True, "TABLE": False,
+                                "TABLE_TOP": 0}),
+    ("slot_map-counts", sm._slot_map, {"BLOCK_P": 16, "BLOCK_S": 2048, "WITHHOLD": True, "COUNT": True,
+                                       "KEEP_ONE": True, "PROBE": True, "WITHHELD": True, "GATED": True,
+                                       "CYCLE": True, "TABLE": True, "TABLE_TOP": 64}),
     ("slot_map-gated-only", sm._slot_map, {"BLOCK_P": 16, "BLOCK_S": 2048, "WITHHOLD": False, "COUNT": False,
-                                           "KEEP_ONE": True, "PROBE": False, "WITHHELD": False, "GATED": True}),
+                                           "KEEP_ONE": True, "PROBE": False, "WITHHELD": False, "GATED": True,
+                                           "CYCLE": True, "TABLE": False, "TABLE_TOP": 0}),
+    ("slot_map-lru", sm._slot_map, {"BLOCK_P": 16, "BLOCK_S": 2048, "WITHHOLD": True, "COUNT": True,
+                                    "KEEP_ONE": True, "PROBE": True, "WITHHELD": True, "GATED": True,
+                                    "CYCLE": False, "TABLE": False, "TABLE_TOP": 0}),
 ])
 @pytest.mark.parametrize("pdl", [False, True])
 def test_the_share_programs_compile_for_sm90(name, kernel, constants, pdl):

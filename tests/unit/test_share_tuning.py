@@ -65,3 +65,17 @@ def test_the_share_follows_the_calls_misses():
         fast_job(tuner, misses=12)
     # 12 misses: 25 + 6*66 = 421 against 6*52 = 312, 5: 355 vs 364
     assert tuner.misses == pytest.approx(12, rel=0.01) and tuner.share() == pytest.approx(5 / 12)
+
+
+def test_each_number_of_misses_gets_its_own_count():
+    tuner = ShareTuner(copy_gb_s=51.0, warm_jobs=0)
+    assert tuner.counts(4) == [0, 1, 1, 2, 2]  # unmeasured: half, rounded
+    for _ in range(30):
+        fast_job(tuner, misses=6)
+    counts = tuner.counts(12)
+    assert counts[6] == round(tuner.share() * 6) == 2 and counts[12] == 5  # as the tests above
+    assert counts[1] == 0  # one miss: 25 + 66 us on the CPU against 52 on the link
+    assert counts == sorted(counts) and all(c <= m for m, c in enumerate(counts))
+    nbytes = MB
+    for m, c in enumerate(counts):
+        assert c == best_count(m, tuner.kernel_s_per_byte * nbytes, tuner.handover_s, nbytes / 51e9)
