@@ -2,8 +2,8 @@
 """Plot decode speed against the device cache's size, from `moestream bench` JSON files.
 
     python scripts/plot_decode_sizes.py \
-        --run "CPU share (auto)=docs/bench/h200/share-auto-10.json,docs/bench/h200/share-auto.json,docs/bench/h200/share-auto-50.json" \
-        --run "no share=docs/bench/h200/contended-share-off-10.json,docs/bench/h200/share-off.json,docs/bench/h200/contended-share-off-50.json" \
+        --run "CPU share (auto)=docs/bench/h200/policy-auto-10.json,docs/bench/h200/policy-auto.json,docs/bench/h200/policy-auto-50.json" \
+        --run "no share=docs/bench/h200/policy-off-10.json,docs/bench/h200/policy-off.json,docs/bench/h200/policy-off-50.json" \
         --line "llama.cpp, experts on 16 cores=39.5" --out docs/bench/h200/share-sizes.png
 
 Each --run is LABEL=FILE[,FILE...]: every run of the files becomes one point (its cache size, its

@@ -379,7 +379,7 @@ def h200_pdl() -> str:
     return " → ".join(tok_s(r["decode"]["tok_s"]) for r in runs) + " tok/s (without / with / without PDL, one call)"
 
 
-NATIVE_SHARE = ("share-auto", "share-off")  # the latest H200 call's auto and off (25 %)
+NATIVE_SHARE = ("policy-auto", "policy-off")  # the latest H200 call's auto and off (25 %)
 
 
 def h200_native_share() -> str:
@@ -393,19 +393,52 @@ def h200_native_share() -> str:
 
 
 def h200_share_sizes() -> str:
-    """Streamed decode with uniform routing at 10 / 25 / 50 %: the CPU share (`auto`) from the last call;
-    no share at 25 % from the same call, at 10 and 50 % from the call before it (the same build but the
-    kernels' task counter; its 25 % off beside them)."""
-    auto = {size: only_run(H200 / f"share-auto{suffix}.json")["decode"] for size, suffix in SIZES}
-    off = only_run(H200 / "share-off.json")["decode"]
-    before = {size: only_run(H200 / f"contended-share-off{suffix}.json")["decode"] for size, suffix in SIZES}
+    """Streamed decode with uniform routing at 10 / 25 / 50 %, the CPU share (`auto`) and none, one call."""
+    auto = {size: only_run(H200 / f"policy-auto{suffix}.json")["decode"] for size, suffix in SIZES}
+    off = {size: only_run(H200 / f"policy-off{suffix}.json")["decode"] for size, suffix in SIZES}
     parts = [f"{size} %: {tok_s(a['tok_s'])} tok/s (hit rate {a['hit_rate']:.2f}, share {a['cpu_share_now']:.2f}, "
              f"kernels {a['cpu_kernel_gb_s']:.1f} GB/s)" for size, a in auto.items()]
-    return ("; ".join(parts) + f". Without a share: {tok_s(off['tok_s'])} tok/s at 25 % in the same call; in the call "
-            "before, " + " / ".join(f"{tok_s(b['tok_s'])}" for b in before.values()) + " at 10 / 25 / 50 %")
+    return ("; ".join(parts) + ". Without a share, same call: "
+            + " / ".join(tok_s(b["tok_s"]) for b in off.values()) + " tok/s at 10 / 25 / 50 %")
+
+
+def h200_cycle_policy() -> str:
+    """The device map's victim rule at 25 % uniform: cycle against lru without a share (two runs each, one
+    call), with the share (A-B-A-B, the call before), and under an 8 GiB budget (that call)."""
+    def runs(*names: str) -> list[dict]:
+        return [only_run(H200 / f"{name}.json")["decode"] for name in names]
+
+    def series(found: list[dict]) -> str:
+        return " / ".join(tok_s(d["tok_s"]) for d in found)
+
+    cycle_off, lru_off = runs("policy3-off", "policy3-off2"), runs("policy3-off-lru", "policy3-off-lru2")
+    cycle_auto, lru_auto = runs("policy2-auto", "policy2-auto2"), runs("policy2-auto-lru", "policy2-auto-lru2")
+    budget_auto, budget_off = (only_run(H200 / f"policy2-budget-{m}.json") for m in ("auto", "off"))
+    reserved = budget_auto["device_memory"]["max_reserved"] / 2**30
+    return (f"without a share the cycle rule {series(cycle_off)} tok/s (hit rate {cycle_off[0]['hit_rate']:.2f}) "
+            f"against LRU's {series(lru_off)} ({lru_off[0]['hit_rate']:.2f}); with `--cpu-experts auto` "
+            f"{series(cycle_auto)} against {series(lru_auto)}; under `--memory-budget 8GiB` ({budget_auto['slots']:,} "
+            f"slots, {reserved:.2f} GiB reserved) {tok_s(budget_auto['decode']['tok_s'])} tok/s with the share and "
+            f"{tok_s(budget_off['decode']['tok_s'])} without")
 
 
 SIZES = (("10", "-10"), ("25", ""), ("50", "-50"))
+
+
+def h200_slot_map_cost() -> str:
+    """One device-map lookup per victim rule and cache size (scripts/bench_slot_map.py)."""
+    path = H200 / "slot-map.json"
+    cells = {(c["policy"], c["cache"]): c for c in load(path)["cells"]}
+    sizes = sorted({size for _, size in cells})
+    if any((rule, size) not in cells for rule in ("cycle", "lru") for size in sizes):
+        raise NumbersError(f"{path.relative_to(ROOT)}: a cell is missing")
+
+    def row(rule: str, key: str, form: str) -> str:
+        return " / ".join(format(cells[rule, size][key], form) for size in sizes)
+
+    return (f"at {' / '.join(f'{size * 100:.0f}' for size in sizes)} % of the experts the cycle rule takes "
+            f"{row('cycle', 'us_per_lookup', '.1f')} µs a lookup, LRU {row('lru', 'us_per_lookup', '.1f')} (hit "
+            f"rates {row('cycle', 'hit_rate', '.2f')} against {row('lru', 'hit_rate', '.2f')})")
 
 
 def h200_grouped() -> str:
@@ -450,6 +483,8 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "h200-pdl": h200_pdl,
     "h200-native-share": h200_native_share,
     "h200-share-sizes": h200_share_sizes,
+    "h200-cycle-policy": h200_cycle_policy,
+    "h200-slot-map-cost": h200_slot_map_cost,
     "h200-grouped": h200_grouped,
 }
 

@@ -1,13 +1,11 @@
 #!/usr/bin/env bash
 # What has not yet run on a GPU, in priority order, in parts that each fit one device call (≤ 10 min).
 # Next (in this order; run new GPU test files first and alone: a device-side fault poisons the process):
-# 1. share-ab with SHARE_TESTS=tests/gpu/test_device_cpu_share_cuda.py (not run since the CPU kernels' tasks
-#    are dealt in chunks) and SHARE_AB="off:off:14:25% auto:auto:14:25% off2:off:14:25% auto2:auto:14:25%
-#    off-10:off:14:10% off-50:off:14:50%": the 25 % A-B-A-B (79.6 tok/s measured, goal >= 80) and no share
-#    at 10 / 50 % in the same call as auto's.
-# 2. the decode profile with PDL (scripts/gpu/profile_decode.py --model /tmp/q30 --prefill 512): what the gaps left.
-# 3. server at 25 % with SERVER_REQUESTS=2 and SERVER_LIMIT=300 (its 32-client round).
-# 4. tuned-kernels (TUNED_BITS=4,8: the kernel table, 8-bit included).
+# 1. the decode profile with PDL (scripts/gpu/profile_decode.py --model /tmp/q30 --prefill 512): what the gaps left.
+# 2. server at 25 % with SERVER_REQUESTS=2 and SERVER_LIMIT=300 (its 32-client round).
+# 3. tuned-kernels (TUNED_BITS=4,8: the kernel table, 8-bit included).
+# 4. the device map's lookup at 50 % (scripts/bench_slot_map.py: 11.6 µs with the cycle rule against 6.3 with LRU)
+#    once its scan is split across programs.
 # Start the q30 synth in the background first (`python3 -m moestream synth --shape qwen3-30b-a3b
 # /tmp/q30 --force & SP=$!` ... `wait $SP`: never wait with pgrep -f, which matches its own command).
 # rows-products then rows-products-ab (--rows-products triton: the row tile's Triton products; two calls).
