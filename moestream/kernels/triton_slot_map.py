@@ -86,8 +86,9 @@ def _slot_map(ids_ptr, P, offset, table_ptr, owner_ptr, stamp_ptr, host_slot_ptr
         lay = tl.load(slot_layer_ptr + s, mask=live, other=-1)
         last = tl.load(stamp_ptr + s, mask=live, other=0)
         skipped = tl.load(calls_ptr + tl.maximum(lay, 0), mask=live, other=0) - last
-        ahead = (lay - layer_index + L) % L
-        ahead = tl.where(ahead == 0, L, ahead)
+        # how far ahead the slot's layer comes, 1..L (itself: L); a compare, not an int64 modulo
+        ahead = lay - layer_index
+        ahead = tl.where(ahead <= 0, ahead + L, ahead)
         stamps = tl.where(lay < 0, EMPTY_KEY, -(skipped * (L + 1) + ahead))
         stamps = tl.where(last == -HELD_KEY, HELD_KEY, stamps)
         stamps = tl.where(live, stamps, big)
