@@ -11,7 +11,7 @@ bytes are the record's.
 
 Victims (the policy; never this call's hits):
   - cycle (default): the slot whose layer has been looked up most often since the slot was last
-    used (recency counted in its own layer's lookups, i.e. in tokens), and among equals the one
+    used (recency counted in its own layer's lookups: in decode, in steps), and among equals the one
     whose layer comes next latest in the cycle of layers (this layer's own first, then the layer
     just before it, ...); empty slots first, ties to the lowest slot. Plain LRU across a shared
     pool evicts, at each layer, the slots the next layers are about to ask for (they are the least
@@ -42,7 +42,7 @@ import torch
 
 POLICIES = ("cycle", "lru")
 EMPTY_KEY = -(1 << 40)  # cycle: an empty slot's eviction key, below every held slot's
-HELD_KEY = 1 << 48  # a key no victim search takes (this call's hits); times S + 1 it still fits int64
+HELD_KEY = 1 << 48  # a key no victim search takes (this call's hits), above every other
 
 
 class DeviceMapUnavailable(RuntimeError):
@@ -179,15 +179,14 @@ class DeviceMap:
             now = self.calls[li].expand_as(expert)
             order = self.eviction_keys(li)
             order.scatter_(0, torch.where(hit, slot, S), HELD_KEY)  # this call's hits are no victims
-            # unique values (ties to the lowest slot), so the r-th smallest is well defined
-            order = order[:S] * (S + 1) + torch.arange(S, device=order.device)
             self.last_used.scatter_(0, torch.where(hit, slot, S), now)
+            # ties to the lowest slot (a stable sort), so the r-th victim is well defined
+            victims = torch.sort(order[:S], stable=True).indices[:k]
         else:
             # stamps order slots by last use, then (within one call) by expert: strict LRU, no ties
             now = (self.clock << 20) + expert
             self.last_used.scatter_(0, torch.where(hit, slot, S), now)  # this layer's hits are no victims
-            order = self.last_used[:S]
-        victims = torch.topk(order, k, largest=False).indices  # the first victims first
+            victims = torch.topk(self.last_used[:S], k, largest=False).indices  # the first victims first
         rank = (torch.cumsum(miss, 0) - 1).clamp(min=0, max=k - 1)
         new = victims[rank]  # the r-th miss takes the r-th victim
         old = self.owner[new]

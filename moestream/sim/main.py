@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--policies", type=parse_policies, default="clock,lru",
                    help=f"comma-separated, from {', '.join(SIM_POLICIES)} (opt: Belady's optimum, a bound; "
                         "device-cycle / device-lru: the device-driven path's map and rule, shared pool only, at "
-                        "least twice a layer's experts; default clock,lru)")
+                        "least twice a layer's experts (a smaller size is skipped, said on stderr); default clock,lru)")
     p.add_argument("--partition", default="shared", choices=["shared", "per-layer"])
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--plot", metavar="FILE.png", help="also draw hit rate against cache size, a line per policy "
@@ -103,7 +103,11 @@ def main(argv: list[str] | None = None) -> int:
                     if policy == "opt":
                         r = belady(trace, slots=slots)
                     elif policy in DEVICE_POLICIES:
-                        r = simulate_device(trace, slots=slots, policy=policy)
+                        try:
+                            r = simulate_device(trace, slots=slots, policy=policy)
+                        except MoestreamError as exc:  # below the map's minimum: the other rows stand
+                            print(f"moestream simulate: skipped: {exc}", file=sys.stderr)
+                            continue
                     else:
                         r = simulate(trace, slots=slots, policy=policy, partition=args.partition)
                     rows.append({"trace": path, "size": label, "slots": slots, "policy": policy,

@@ -153,6 +153,17 @@ def test_under_uniform_routing_the_cycle_rule_hits_the_pools_share_and_lru_does_
     assert rates["cycle"] > rates["lru"] + 0.01, rates
 
 
+def test_a_large_pool_never_gives_a_lookups_hit_away():
+    # 32,768 slots: the torch rule's keys must not overflow where the Triton lookup does not run
+    dm, pool, host, host_slots = make_map(slots=32768, layers=tuple(range(300)), experts=128, width=1,
+                                          policy="cycle")
+    dm.ensure(0, torch.tensor([[0]]))
+    held = int(dm.table[0])
+    dm.ensure(0, torch.tensor([[0, 1]]))
+    assert int(dm.table[0]) == held and int(dm.table[1]) not in (-1, held)
+    check_consistent(dm, pool, host, host_slots)
+
+
 def test_a_pool_smaller_than_twice_a_layer_or_a_partial_host_tier_is_refused():
     with pytest.raises(DeviceMapUnavailable, match="at least 10"):
         make_map(slots=9)

@@ -71,5 +71,12 @@ def test_simulate_command_reports_device_policies(tmp_path, capsys):
     rows = json.loads(capsys.readouterr().out)
     assert [r["policy"] for r in rows] == ["device-cycle", "device-lru"]
     assert all(r["slots"] == 32 and r["hits"] + r["misses"] == 4 * 50 * 2 for r in rows)
+    # 25 % is 16 slots, below the map's minimum (twice a layer's 16 experts): that row is skipped, said
+    # why, and the others stand
+    assert simulate_main([str(path), "--sizes", "25%,50%", "--policies", "lru,device-cycle", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert [(r["size"], r["policy"]) for r in json.loads(captured.out)] == [
+        ("25%", "lru"), ("50%", "lru"), ("50%", "device-cycle")]
+    assert "skipped: device-cycle at 16 slots" in captured.err and "needs at least 32" in captured.err
     assert simulate_main([str(path), "--policies", "device-cycle", "--partition", "per-layer"]) == 1
     assert "device-cycle is simulated for the shared partition only" in capsys.readouterr().err
