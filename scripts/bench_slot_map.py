@@ -21,23 +21,12 @@ import torch
 from moestream.bench.machine import machine_info
 from moestream.experts.device_map import POLICIES, DeviceMap
 
-RECORD = 4
-
-
-def build(policy: str, slots: int, layers: int, experts: int) -> DeviceMap:
-    keys = [(layer, e) for layer in range(layers) for e in range(experts)]
-    # records of 4 bytes: the smallest the gather kernel moves (it copies 32-bit words)
-    host = torch.zeros((len(keys), RECORD), dtype=torch.uint8, device="cuda")
-    pool = torch.zeros((slots, RECORD), dtype=torch.uint8, device="cuda")
-    dm = DeviceMap(pool, host, {k: i for i, k in enumerate(keys)}, {layer: experts for layer in range(layers)},
-                   {layer: RECORD for layer in range(layers)}, policy=policy)
-    dm.kernel = True
-    return dm
-
 
 def time_cell(policy: str, share: float, args) -> dict:
     slots = int(share * args.layers * args.experts)
-    dm = build(policy, slots, args.layers, args.experts)
+    # records of 4 bytes: the smallest the gather kernel moves (it copies 32-bit words)
+    dm = DeviceMap.synthetic(range(args.layers), args.experts, slots, record_bytes=4, device="cuda", policy=policy)
+    dm.kernel = True
     g = torch.Generator().manual_seed(0)
     ids = torch.stack([torch.randperm(args.experts, generator=g)[:args.picks] for _ in range(args.layers)]).cuda()
     ids = ids.view(args.layers, 1, args.picks)
@@ -62,7 +51,7 @@ def time_cell(policy: str, share: float, args) -> dict:
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3 / args.layers)
-    hits, misses = (sum(x) for x in zip(*dm.counts().values()))
+    hits, misses = dm.totals()
     return {"policy": policy, "cache": share, "slots": slots, "us_per_lookup": round(statistics.median(times), 3),
             "hit_rate": round(hits / max(1, hits + misses), 4)}
 

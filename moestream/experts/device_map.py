@@ -217,6 +217,22 @@ class DeviceMap:
         ahead = torch.where(ahead == 0, L, ahead)  # this layer's own slots come next a whole cycle on
         return torch.where(lay < 0, EMPTY_KEY, -(skipped * (L + 1) + ahead))
 
+    @classmethod
+    def synthetic(cls, layers, experts: int, slots: int, *, record_bytes: int = 1, device="cpu",
+                  policy: str = "cycle") -> "DeviceMap":
+        """A map over zeroed records of `record_bytes`, every layer with `experts` experts: the
+        decisions without the model (the simulator, the lookup's timing)."""
+        keys = [(layer, e) for layer in layers for e in range(experts)]
+        host = torch.zeros((len(keys), record_bytes), dtype=torch.uint8, device=device)
+        pool = torch.zeros((slots, record_bytes), dtype=torch.uint8, device=device)
+        return cls(pool, host, {key: i for i, key in enumerate(keys)}, {layer: experts for layer in layers},
+                   {layer: record_bytes for layer in layers}, policy=policy)
+
+    def totals(self) -> tuple[int, int]:
+        """(hits, misses) over every layer so far (one sync)."""
+        counted = self.counts().values()
+        return sum(h for h, _ in counted), sum(m for _, m in counted)
+
     def counts(self) -> dict[int, tuple[int, int]]:
         """layer -> (hits, misses) so far (reads the device counters: one sync)."""
         hits, misses = self.hits.tolist(), self.misses.tolist()

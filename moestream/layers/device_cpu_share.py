@@ -161,7 +161,7 @@ class DeviceCpuShare:
         self.bytes = 0
         self.compute_s = 0.0
         if cpu.share == "auto":
-            self._set_share(self.tuner.share(), self.tuner.counts(MAX_PAIRS))
+            self._apply_tuning()
         else:
             self._set_share(float(cpu.share))
         self.share[1] = PROBE_EVERY if cpu.share == "auto" else 0
@@ -370,7 +370,7 @@ class DeviceCpuShare:
                                       experts=job["experts"], misses=job["misses"])
                 if self.tuner.measured:
                     self.cpu.cpu_gb_s = self.tuner.kernel_gb_s
-                    self._set_share(self.tuner.share(), self.tuner.counts(MAX_PAIRS))
+                    self._apply_tuning()
             now = native.count()["errors"]
             if now > errors:
                 log.warning("CPU share failed in %d job(s) (last: %s); the device computes those experts", now - errors,
@@ -402,7 +402,7 @@ class DeviceCpuShare:
         self.tuner.record(job_s=job_s, kernel_s=kernel_s, nbytes=nbytes, experts=experts, misses=misses)
         if self.tuner.measured:
             self.cpu.cpu_gb_s = self.tuner.kernel_gb_s
-            self._set_share(self.tuner.share(), self.tuner.counts(MAX_PAIRS))
+            self._apply_tuning()
 
     def _compute(self, layer: int, picks: int, ids: list[int], w: list[float], mine: list[int], x_rows: list,
                  out_rows: list) -> tuple[float, int, int]:
@@ -436,12 +436,15 @@ class DeviceCpuShare:
         self.bytes += nbytes
         return done - t0, nbytes, len(distinct)
 
+    def _apply_tuning(self) -> None:
+        """auto: the tuner's counts per number of misses (and its share, for the stats)."""
+        self._set_share(self.tuner.share(), self.tuner.counts(MAX_PAIRS))
+
     def _set_share(self, share: float, counts: list[int] | None = None) -> None:
         """The share the device reads: `share` of each call's misses, or (auto) `counts[m]` of a
-        call's m misses (`share` of them, rounded, where not given)."""
+        call's m misses (`share` then only reported)."""
         self.share[0] = max(0, min(1024, int(round(share * 1024))))
-        if self.cpu.share == "auto":
-            counts = counts if counts is not None else [int(share * m + 0.5) for m in range(MAX_PAIRS + 1)]
+        if counts is not None:
             self.share[2:] = torch.tensor(counts, dtype=torch.int32)
 
     # -- reporting --------------------------------------------------------------------------------

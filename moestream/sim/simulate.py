@@ -3,7 +3,7 @@
 Pure Python over the same SlotDirectory the engine uses, so a simulated policy decides exactly as
 the real cache would for the same sequence of requests (without early reads). The device-driven
 path's rules (device-cycle, device-lru) run the engine's own DeviceMap on the CPU (torch ops, one
-byte per record)."""
+byte per record: DeviceMap.synthetic)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -67,17 +67,12 @@ def simulate_device(trace: RoutingTrace, *, slots: int, policy: str = "device-cy
 
     moe_layers = sorted(set(trace.layer.tolist()))
     experts = int(trace.meta.get("num_experts", int(trace.experts.max()) + 1))
-    keys = [(layer, e) for layer in moe_layers for e in range(experts)]
-    host = torch.zeros((len(keys), 1), dtype=torch.uint8)
     try:
-        dm = DeviceMap(torch.zeros((slots, 1), dtype=torch.uint8), host, {k: i for i, k in enumerate(keys)},
-                       {layer: experts for layer in moe_layers}, {layer: 1 for layer in moe_layers},
-                       policy=DEVICE_POLICIES[policy])
+        dm = DeviceMap.synthetic(moe_layers, experts, slots, policy=DEVICE_POLICIES[policy])
     except DeviceMapUnavailable as exc:
         raise MoestreamError(f"{policy} at {slots} slots: {exc}") from None
     rows = torch.from_numpy(trace.experts.astype("int64"))
     with torch.inference_mode():
         for i, layer in enumerate(trace.layer.tolist()):
             dm.ensure(layer, rows[i:i + 1])
-    counted = dm.counts().values()
-    return SimResult(policy, slots, sum(h for h, _ in counted), sum(m for _, m in counted))
+    return SimResult(policy, slots, *dm.totals())
