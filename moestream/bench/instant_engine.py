@@ -2,7 +2,7 @@
 `server/batching.py` uses, with every step and prefill answered at once (or after a fixed wait
 without the interpreter lock, as a device step would be) by precomputed float32 logits rows of a
 realistic vocabulary. Its greedy choices are printable bytes and depend only on the sequence, so a
-request's text is the same whatever runs beside it (scripts/bench_scheduler_host.py, tests)."""
+request's text is the same whatever runs beside it (the tests)."""
 from __future__ import annotations
 
 import time
