@@ -5,8 +5,8 @@ Reports the achieved bandwidth over the weight bytes of the experts touched (cod
 biases) and, for prefill, the matmul rate; checks the result against the float64 reference;
 with --sweep, tries other block sizes and reports the fastest. Writes JSON to --out.
 
-With --rows-products, also the products over a decode step's 16-row tile (the kernel of the
-engine's rows-at-once products) at the same model's shapes: cuBLAS (F.linear) against moestream.kernels.triton_rows for the
+With --rows-products, also the products over a decode step's 16-row tile (the engine's rows-at-once
+products) at the same model's shapes: cuBLAS (F.linear) against moestream.kernels.triton_rows for the
 fused q/k/v, o, router and head matrices, each timed in a CUDA graph over enough copies of the
 matrix that it is read from HBM (as in a step, where 48 layers' matrices pass between two calls);
 --rows-sweep tries the kernel's block sizes (the score of the wide ones: a step's 48 x (q/k/v + o)
