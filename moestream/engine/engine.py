@@ -454,7 +454,8 @@ class Engine:
     def generate(self, prompt_ids: list[int], *, max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
                  logprobs: int = 0, should_stop: Callable[[], bool] | None = None,
                  stop_at_eos: bool = True, speculative: "SpeculativeOptions | None" = None) -> Generation:
-        """With `speculative`, the decode loop of moestream.engine.speculative: the same tokens, faster."""
+        """Prefill, then the decode loop (moestream.engine.decode_loop); with `speculative`, its drafts
+        verified: the same tokens, faster."""
         return generation.generate(self, prompt_ids, max_new_tokens=max_new_tokens, sampling=sampling,
                                    logprobs=logprobs, should_stop=should_stop, stop_at_eos=stop_at_eos,
                                    speculative=speculative)
@@ -462,8 +463,8 @@ class Engine:
     def emitter(self, prompt_ids: list[int], state: dict, *, sampling: SamplingParams, logprobs: int = 0,
                 should_stop: Callable[[], bool] | None = None) -> Emitter:
         """The chooser `generate` uses (one position at a time, from a logits row), for a caller that
-        runs its own decode loop over `step_many` (the server's batch scheduler). `state` as in
-        Emitter: "tokens" (appended to), "finish" (set when it stops)."""
+        drives the decode loop's pieces over `step_many` (the server's batch scheduler). `state` as
+        in Emitter: "tokens" (appended to), "finish" (set when it stops)."""
         return Emitter(list(prompt_ids), state, sampling=sampling, logprobs=logprobs,
                        eos_ids=self.tokenizer.eos_token_ids, should_stop=should_stop, stop_at_eos=True)
 
