@@ -10,19 +10,18 @@ back over the rejected ones. So the text is plain decoding's, greedy or sampled 
 drafter and the draft length (fixed, or the adaptive policy's) change only the speed.
 
 `decode` is the loop of `Engine.generate` (one sequence over `step`); the server's batch scheduler
-drives the same pieces (`Speculation.draft`, `verified`) over `step_many`. Plain greedy steps are
-queued before the host reads the token they take (`_plain`), wherever the choice allows it."""
+drives the same pieces over `step_many` (a Speculation's `draft` and `verify`, `Emitter.take`).
+Plain greedy steps are queued before the host reads the token they take (`_plain`), wherever the
+choice allows it."""
 from __future__ import annotations
 
-import itertools
 import time
-from typing import Callable, Iterator, Protocol, Sequence
+from typing import Callable, Iterator, Protocol
 
 import torch
 
-from moestream.engine.draft_policy import AdaptivePolicy
 from moestream.engine.emitter import Emitter
-from moestream.engine.speculative import Drafter, SpeculativeOptions, SpeculativeStats
+from moestream.engine.speculative import Speculation
 from moestream.engine.types import TokenEvent
 
 
@@ -40,105 +39,6 @@ class Stepper(Protocol):
     def name_token(self, position: int, token: int) -> None: ...
 
     def rollback(self, length: int) -> None: ...
-
-
-def verified(emit: Emitter, rows: torch.Tensor, draft: Sequence[int], *, room: int,
-             chosen: list[int] | None = None) -> Iterator[TokenEvent]:
-    """The tokens one step's rows [len(draft) + 1, V] give: each row's choice while the draft before
-    it was kept, at most `room`; stops where `emit` stops. `chosen`: the rows' argmaxes, already taken."""
-    if chosen is None and draft:  # one host wait for the rows' greedy choices (None where they need more)
-        chosen = emit.choices(rows[:len(draft) + 1])
-    for i in range(min(len(draft) + 1, room)):
-        event = emit(rows[i], None if chosen is None else chosen[i])
-        if event is None:
-            return
-        yield event
-        if i == len(draft) or event.token_id != draft[i]:
-            return
-
-
-class Speculation:
-    """One sequence's drafting: its drafter, the draft length (fixed, or its policy's) and the
-    receipt's figures."""
-
-    def __init__(self, drafter: Drafter, *, draft_tokens: int | None, policy: AdaptivePolicy | None,
-                 stats: SpeculativeStats):
-        self.drafter, self.draft_tokens, self.policy, self.stats = drafter, draft_tokens, policy, stats
-        self.accepted = 0  # drafted tokens the last verification kept
-
-    @classmethod
-    def of(cls, options: SpeculativeOptions, *, one_of_many: bool = False) -> "Speculation":
-        """A generation's drafting by `options`: their policy (kept across generations), or for one
-        sequence of a batch a policy of its own (each learns its own acceptance)."""
-        if one_of_many:
-            stats, policy = options.for_one_sequence()
-        else:
-            policy = options.policy
-            stats = SpeculativeStats(options.drafter.name, "auto" if options.draft_tokens is None
-                                     else str(options.draft_tokens), policy=policy)
-        return cls(options.drafter, draft_tokens=options.draft_tokens, policy=policy, stats=stats)
-
-    def length(self, limit: int) -> int:
-        """How many tokens to draft when at most `limit` may be (0: a plain step)."""
-        return min(self.draft_tokens, limit) if self.policy is None else self.policy.choose(limit)
-
-    def draft(self, context: list[int], k: int) -> list[int]:
-        """The drafter's proposal of up to k tokens after `context`, timed."""
-        t0 = time.perf_counter()
-        draft = self.drafter.propose(context, k)[:k] if k > 0 else []
-        seconds = time.perf_counter() - t0
-        self.stats.draft_s += seconds
-        if self.policy is not None:
-            self.policy.record_draft(k, seconds)
-        return draft
-
-    def verify(self, emit: Emitter, rows: torch.Tensor, k: int, draft: list[int], *, room: int,
-               started: float, step_s: float | None = None) -> Iterator[TokenEvent]:
-        """`verified`'s tokens, recorded: the step is timed from `started` to its first row's choice,
-        read on the host where a plain step's time ends too (or `step_s`, measured by the caller)."""
-        st, events, self.accepted = self.stats, verified(emit, rows, draft, room=room), 0
-        first = next(events, None)
-        seconds = time.perf_counter() - started if step_s is None else step_s
-        st.verify_steps += 1
-        st.drafted += len(draft)
-        st.verify_s += seconds
-        st.draft_lengths[len(draft)] = st.draft_lengths.get(len(draft), 0) + 1
-        if self.policy is not None:
-            self.policy.record_step(len(draft) + 1, seconds)
-        try:
-            for i, event in enumerate(itertools.chain([] if first is None else [first], events)):
-                st.step_tokens += 1
-                self.accepted += i < len(draft) and event.token_id == draft[i]
-                yield event
-        finally:
-            st.accepted += self.accepted
-            st.record(k, len(draft), self.accepted, seconds)
-            self.drafter.observe(len(draft), self.accepted)
-            if self.policy is not None:
-                self.policy.record_accept(len(draft), self.accepted)
-
-    def plain_steps(self, most: int) -> int:
-        """How many plain steps in a row to run now that the length chosen is 0 (at most `most`)."""
-        return most if self.policy is None else min(most, self.policy.plain_stretch())
-
-    def took_plain(self, steps: int, seconds: float) -> None:
-        self.stats.plain_stretch(steps, seconds)
-        if self.policy is not None:
-            self.policy.took_plain(steps, seconds / steps)
-
-    def begin(self, engine: Stepper, sampling) -> None:
-        """A generation starts: the drafter learns the sampling settings, the policy its first probe's
-        price, and the steps a verification may take are captured now rather than inside a timed step."""
-        self.drafter.begin(sampling)
-        if self.policy is not None:
-            self.policy.begin()
-            if self.policy.probe_s <= 0:  # no probe paid yet: the drafter's own estimate prices the first
-                self.policy.probe_s = self.drafter.probe_price_s
-        most = self.policy.max_draft if self.policy is not None else self.draft_tokens
-        for e in (engine, getattr(self.drafter, "engine", None)):
-            warm = getattr(e, "warm_steps", None)
-            if warm is not None:
-                warm(most + 1)
 
 
 def decode(engine: Stepper, emit: Emitter, logits: torch.Tensor, budget: int, *,

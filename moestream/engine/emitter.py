@@ -5,7 +5,7 @@ choose through one Emitter, so that they give the same tokens (and log-probabili
 logits."""
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -29,6 +29,21 @@ class Emitter:
         self.seq, self.state, self.sampling, self.logprobs = seq, state, sampling, logprobs
         self.eos_ids, self.should_stop, self.stop_at_eos = eos_ids, should_stop, stop_at_eos
         self.stopped = False  # whether it has stopped (an end token, or should_stop said so)
+
+    def take(self, rows: torch.Tensor, draft: Sequence[int] = (), *, room: int,
+             chosen: list[int] | None = None) -> Iterator[TokenEvent]:
+        """The tokens one step's rows [len(draft) + 1, V] give (a verification; without a draft, one
+        plain step's row): each row's choice while the draft before it was kept, at most `room`; ends
+        where this Emitter stops. `chosen`: the rows' argmaxes, already taken."""
+        if chosen is None and draft:  # one host wait for the rows' greedy choices (None where they need more)
+            chosen = self.choices(rows[:len(draft) + 1])
+        for i in range(min(len(draft) + 1, room)):
+            event = self(rows[i], None if chosen is None else chosen[i])
+            if event is None:
+                return
+            yield event
+            if i == len(draft) or event.token_id != draft[i]:
+                return
 
     def choices(self, rows: torch.Tensor) -> list[int] | None:
         """What __call__ would choose from each of rows [n, V], all read at once (one host wait for a

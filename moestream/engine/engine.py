@@ -13,6 +13,7 @@ loop behind `generate`)."""
 from __future__ import annotations
 
 import logging
+import os
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
@@ -503,3 +504,18 @@ class Engine:
 
     def memory_ledger(self) -> dict:
         return self.plan.ledger.to_json()
+
+
+def load_engine(model: str | os.PathLike | None, options: EngineOptions) -> Engine:
+    """Open a packed model (default: the demo model), resolve the options (moestream.engine.plan), build
+    the Engine: what generate, serve and bench load."""
+    from moestream.engine.plan import resolve_options
+
+    if model is None:
+        if not (DEMO_MODEL / "moestream.json").is_file():
+            raise MoestreamError(f"no --model given and the built-in demo model is missing at {DEMO_MODEL}")
+        packed, default_size = PackedModel(DEMO_MODEL), DEMO_CACHE_SIZE
+    else:
+        packed, default_size = PackedModel(Path(model)), "auto"
+    options = resolve_options(packed, options, default_cache_size=default_size)
+    return Engine(packed, options, default_cache_size=default_size)

@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterator, Protocol
 
 import torch
 
-from moestream.engine.decode_loop import Speculation, Stepper, decode
+from moestream.engine.decode_loop import Stepper, decode
 from moestream.engine.emitter import Emitter
 from moestream.engine.receipt import Receipt
 from moestream.engine.speculative import SpeculativeOptions
@@ -88,7 +88,7 @@ def generate(engine: GeneratingEngine, prompt_ids: list[int], *, max_new_tokens:
         try:
             speculation = None
             if speculative is not None:
-                speculation = Speculation.of(speculative)
+                speculation = speculative.for_generation()
                 state["speculative"] = speculation.stats
                 speculation.begin(engine, sampling)
             emit = Emitter(list(prompt_ids), state, sampling=sampling, logprobs=logprobs,

@@ -1,21 +1,25 @@
 """Speculative decoding's pieces: the drafters (prompt lookup, a draft model; the model's MTP layer
 in mtp_drafter.py, the hot-vocabulary head in hot_head.py), the options a run speculates with and
-the receipt's figures. The loop that verifies the drafts is moestream.engine.decode_loop: every
-drafter only changes the speed, never the tokens.
+the receipt's figures, and one sequence's drafting (Speculation: draft, verify, record). The loop
+is moestream.engine.decode_loop; every drafter only changes the speed, never the tokens.
 
 How many tokens to draft is a choice (`draft_tokens`) or the AdaptivePolicy's (moestream.engine.draft_policy)."""
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 import torch
 
 from moestream.engine.sampling import choose_token
 from moestream.engine.draft_policy import AdaptivePolicy
-from moestream.engine.types import SamplingParams
+from moestream.engine.types import SamplingParams, TokenEvent
 from moestream.errors import MoestreamError
+
+if TYPE_CHECKING:
+    from moestream.engine.emitter import Emitter
 
 class Drafter:
     """Proposes the tokens likely to follow a context. It never changes the output, only the speed."""
@@ -177,11 +181,18 @@ class SpeculativeOptions:
         if self.draft_tokens is None and self.policy is None:
             self.policy = AdaptivePolicy(self.max_draft_tokens)
 
-    def for_one_sequence(self) -> tuple["SpeculativeStats", "AdaptivePolicy | None"]:
-        """A new stats record and policy for one sequence of a batch (each learns its own acceptance)."""
-        policy = None if self.draft_tokens is not None else AdaptivePolicy(self.max_draft_tokens)
+    def for_generation(self) -> "Speculation":
+        """A generation's drafting, with these options' policy (kept across generations)."""
+        return self._speculation(self.policy)
+
+    def for_one_sequence(self) -> "Speculation":
+        """The drafting of one sequence of a batch, with a policy of its own (each learns its own acceptance)."""
+        return self._speculation(None if self.draft_tokens is not None else AdaptivePolicy(self.max_draft_tokens))
+
+    def _speculation(self, policy: AdaptivePolicy | None) -> "Speculation":
         mode = "auto" if self.draft_tokens is None else str(self.draft_tokens)
-        return SpeculativeStats(self.drafter.name, mode, policy=policy), policy
+        return Speculation(self.drafter, draft_tokens=self.draft_tokens, policy=policy,
+                           stats=SpeculativeStats(self.drafter.name, mode, policy=policy))
 
     def not_used_reason(self, sampling: SamplingParams) -> str | None:
         """Why these options cannot decode with `sampling` (None: they can)."""
@@ -237,3 +248,75 @@ class SpeculativeStats:
                 "plain_stretches": self.plain_stretches,
                 "step_fields": STEP_FIELDS, "steps": self.steps,
                 "steps_truncated": self.verify_steps > len(self.steps)}
+
+
+class Speculation:
+    """One sequence's drafting: its drafter, the draft length (fixed, or its policy's) and the
+    receipt's figures."""
+
+    def __init__(self, drafter: Drafter, *, draft_tokens: int | None, policy: AdaptivePolicy | None,
+                 stats: SpeculativeStats):
+        self.drafter, self.draft_tokens, self.policy, self.stats = drafter, draft_tokens, policy, stats
+        self.accepted = 0  # drafted tokens the last verification kept
+
+    def length(self, limit: int) -> int:
+        """How many tokens to draft when at most `limit` may be (0: a plain step)."""
+        return min(self.draft_tokens, limit) if self.policy is None else self.policy.choose(limit)
+
+    def draft(self, context: list[int], k: int) -> list[int]:
+        """The drafter's proposal of up to k tokens after `context`, timed."""
+        t0 = time.perf_counter()
+        draft = self.drafter.propose(context, k)[:k] if k > 0 else []
+        seconds = time.perf_counter() - t0
+        self.stats.draft_s += seconds
+        if self.policy is not None:
+            self.policy.record_draft(k, seconds)
+        return draft
+
+    def verify(self, emit: "Emitter", rows: torch.Tensor, k: int, draft: list[int], *, room: int,
+               started: float, step_s: float | None = None) -> Iterator[TokenEvent]:
+        """`emit.take`'s tokens, recorded: the step is timed from `started` to its first row's choice,
+        read on the host where a plain step's time ends too (or `step_s`, measured by the caller)."""
+        st, events, self.accepted = self.stats, emit.take(rows, draft, room=room), 0
+        first = next(events, None)
+        seconds = time.perf_counter() - started if step_s is None else step_s
+        st.verify_steps += 1
+        st.drafted += len(draft)
+        st.verify_s += seconds
+        st.draft_lengths[len(draft)] = st.draft_lengths.get(len(draft), 0) + 1
+        if self.policy is not None:
+            self.policy.record_step(len(draft) + 1, seconds)
+        try:
+            for i, event in enumerate(itertools.chain([] if first is None else [first], events)):
+                st.step_tokens += 1
+                self.accepted += i < len(draft) and event.token_id == draft[i]
+                yield event
+        finally:
+            st.accepted += self.accepted
+            st.record(k, len(draft), self.accepted, seconds)
+            self.drafter.observe(len(draft), self.accepted)
+            if self.policy is not None:
+                self.policy.record_accept(len(draft), self.accepted)
+
+    def plain_steps(self, most: int) -> int:
+        """How many plain steps in a row to run now that the length chosen is 0 (at most `most`)."""
+        return most if self.policy is None else min(most, self.policy.plain_stretch())
+
+    def took_plain(self, steps: int, seconds: float) -> None:
+        self.stats.plain_stretch(steps, seconds)
+        if self.policy is not None:
+            self.policy.took_plain(steps, seconds / steps)
+
+    def begin(self, engine, sampling: SamplingParams) -> None:
+        """A generation starts: the drafter learns the sampling settings, the policy its first probe's
+        price, and the steps a verification may take are captured now rather than inside a timed step."""
+        self.drafter.begin(sampling)
+        if self.policy is not None:
+            self.policy.begin()
+            if self.policy.probe_s <= 0:  # no probe paid yet: the drafter's own estimate prices the first
+                self.policy.probe_s = self.drafter.probe_price_s
+        most = self.policy.max_draft if self.policy is not None else self.draft_tokens
+        for e in (engine, getattr(self.drafter, "engine", None)):
+            warm = getattr(e, "warm_steps", None)
+            if warm is not None:
+                warm(most + 1)

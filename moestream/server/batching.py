@@ -21,7 +21,8 @@ few tokens by prompt lookup (how many: its own adaptive policy, from its accepta
 step times); the step verifies every sequence's drafts together, each sequence keeps its drafts up
 to the first its own choice rejects, and its cache forgets the rest. Its text is what it gets
 alone, with or without drafts. Drafting and verifying are the decode loop's own pieces
-(moestream.engine.decode_loop: `Speculation`, `verified`), driven here over `step_many`.
+(moestream.engine.decode_loop: a Speculation's `draft` and `verify`, `Emitter.take`), driven here
+over `step_many`; they reach this module through the engine's objects, never imported (no torch here).
 
 Each sequence has its own sampler settings (seed, penalties, grammar state), detokenizer, stop
 matcher and event sink, and chooses through the same Emitter as `engine.generate`, so a request's
@@ -35,7 +36,6 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator
 
-from moestream.engine.decode_loop import Speculation, verified
 from moestream.engine.receipt import COUNTERS, Receipt
 from moestream.engine.types import common_prefix
 from moestream.errors import MoestreamError
@@ -69,7 +69,7 @@ class Running:
     next_token: int | None = None  # the token the next decode step runs
     generated: int = 0
     pending: list[TokenLogprobInfo] = field(default_factory=list)
-    speculation: Speculation | None = None  # its drafting, where it drafts
+    speculation: Any = None  # its drafting (moestream.engine.speculative.Speculation), where it drafts
     spec_off: str | None = None  # why the server's speculation sits this one out
     t0: float = field(default_factory=time.perf_counter)
     prefill_s: float = 0.0
@@ -195,7 +195,7 @@ class BatchScheduler:
         if spec is not None:
             r.spec_off = spec.not_used_reason(choice.sampling)
             if r.spec_off is None:
-                r.speculation = Speculation.of(spec, one_of_many=True)
+                r.speculation = spec.for_one_sequence()
         return r
 
     # ---- the steps
@@ -219,7 +219,7 @@ class BatchScheduler:
         if not r.prefilling:
             r.prefill_s = time.perf_counter() - r.t0
             r.t_decode = time.perf_counter()
-            self._take(r, verified(r.emit, logits[-1:], [], room=1))
+            self._take(r, r.emit.take(logits[-1:], room=1))
 
     def _joining(self, ready: list[Running]) -> dict[int, list[int]]:
         """{id(newcomer): its prompt tokens} of the newcomers that join this decode step, oldest first,
@@ -276,7 +276,7 @@ class BatchScheduler:
             rows = logits[r.slot]
             if r.speculation is None:
                 pick = picks.get(id(r))
-                self._take(r, verified(r.emit, rows[-1:], [], room=1, chosen=None if pick is None else [pick]))
+                self._take(r, r.emit.take(rows[-1:], room=1, chosen=None if pick is None else [pick]))
                 continue
             self._take(r, r.speculation.verify(r.emit, rows, k, draft, room=r.budget - r.generated, started=t0,
                                                step_s=step_s))

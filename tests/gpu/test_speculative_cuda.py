@@ -70,7 +70,8 @@ def test_hot_head_over_200_tokens_on_cuda(cache_size):
     prompt = engine.tokenizer.encode("def fibonacci(n):")
     plain, _ = run(engine, prompt, 220)
     for options in (SpeculativeOptions(drafter=HotHeadDrafter(engine), draft_tokens=DRAFT_TOKENS),
-                    SpeculativeOptions(drafter=HotHeadDrafter(engine, prompt_tokens=16, base_tokens=256), draft_tokens=5)):
+                    SpeculativeOptions(drafter=HotHeadDrafter(engine, prompt_tokens=16, base_tokens=256),
+                                       draft_tokens=5)):
         out, result = run(engine, prompt, 220, speculative=options)
         assert out == plain
         assert result.receipt["speculative"]["accepted"] > 0

@@ -287,6 +287,7 @@ def test_a_drafter_that_never_agrees_costs_about_plain_time(monkeypatch):
     from moestream.engine.emitter import Emitter
 
     clock = FakeClock()
+    monkeypatch.setattr(speculative, "time", clock)
     monkeypatch.setattr(decode_loop, "time", clock)
     step_s = 0.010
     engine = ClockedEngine(clock, lambda T: step_s * (1 + 0.5 * (T - 1)))
@@ -295,7 +296,7 @@ def test_a_drafter_that_never_agrees_costs_about_plain_time(monkeypatch):
     engine.length = len(prompt)
     emit = Emitter(list(prompt), {"tokens": [], "finish": "length"}, sampling=SamplingParams(), logprobs=0,
                    eos_ids=set(), should_stop=None, stop_at_eos=False)
-    speculation = decode_loop.Speculation.of(speculative.SpeculativeOptions(drafter=drafter))
+    speculation = speculative.SpeculativeOptions(drafter=drafter).for_generation()
     speculation.begin(engine, SamplingParams())
     first = engine.rows([len(prompt)])
     tokens = [e.token_id for e in decode_loop.decode(engine, emit, first, 200, speculation=speculation)]
