@@ -272,7 +272,8 @@ def timeline_path(path: str | None, size: str, sizes: int) -> str | None:
 
 
 def run(args) -> dict:
-    from moestream.engine.plan import load_engine, run_facts
+    from moestream.engine.engine import load_engine
+    from moestream.engine.plan import run_facts
 
     from moestream.bench.routing import attach as attach_routing, parse_routing
 

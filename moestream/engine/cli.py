@@ -119,7 +119,7 @@ def run(args, group=None) -> int:
     """One process's run; `group`: this rank's ExpertGroup under expert parallelism (only rank 0 prints)."""
     from dataclasses import replace
 
-    from moestream.engine.plan import load_engine
+    from moestream.engine.engine import load_engine
 
     options = replace(EngineOptions.from_args(args), expert_parallel=group)
     if args.plan:

@@ -1,10 +1,11 @@
 """Plain decoding's choice at one position: the token, its event, and the stop checks.
 
-`generate`, speculative verification and the hot-vocabulary head all choose through one Emitter,
-so that they give the same tokens (and log-probabilities) as each other for the same logits."""
+The decode loop (plain steps, every drafter's verification) and the server's batch scheduler all
+choose through one Emitter, so that they give the same tokens (and log-probabilities) for the same
+logits."""
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -27,6 +28,22 @@ class Emitter:
                  eos_ids, should_stop: Callable[[], bool] | None, stop_at_eos: bool):
         self.seq, self.state, self.sampling, self.logprobs = seq, state, sampling, logprobs
         self.eos_ids, self.should_stop, self.stop_at_eos = eos_ids, should_stop, stop_at_eos
+        self.stopped = False  # whether it has stopped (an end token, or should_stop said so)
+
+    def take(self, rows: torch.Tensor, draft: Sequence[int] = (), *, room: int,
+             chosen: list[int] | None = None) -> Iterator[TokenEvent]:
+        """The tokens one step's rows [len(draft) + 1, V] give (a verification; without a draft, one
+        plain step's row): each row's choice while the draft before it was kept, at most `room`; ends
+        where this Emitter stops. `chosen`: the rows' argmaxes, already taken."""
+        if chosen is None and draft:  # one host wait for the rows' greedy choices (None where they need more)
+            chosen = self.choices(rows[:len(draft) + 1])
+        for i in range(min(len(draft) + 1, room)):
+            event = self(rows[i], None if chosen is None else chosen[i])
+            if event is None:
+                return
+            yield event
+            if i == len(draft) or event.token_id != draft[i]:
+                return
 
     def choices(self, rows: torch.Tensor) -> list[int] | None:
         """What __call__ would choose from each of rows [n, V], all read at once (one host wait for a
@@ -42,7 +59,7 @@ class Emitter:
         """The token plain decoding chooses at len(seq) from logits `row`, as an event; None: stop.
         `chosen`: the row's argmax, already taken (argmax_rows) where `plain_argmax`."""
         if self.should_stop is not None and self.should_stop():
-            self.state["finish"] = "cancelled"
+            self.state["finish"], self.stopped = "cancelled", True
             return None
         seq, sampling = self.seq, self.sampling
         if chosen is not None:
@@ -54,7 +71,7 @@ class Emitter:
             with timeline.span("sample", position=len(seq)):
                 token = choose_token(row, sampling, position=len(seq), previous=previous)
         if self.stop_at_eos and token in self.eos_ids:
-            self.state["finish"] = "stop"
+            self.state["finish"], self.stopped = "stop", True
             return None
         event = TokenEvent(token)
         if self.logprobs:

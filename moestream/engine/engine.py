@@ -13,6 +13,7 @@ loop behind `generate`)."""
 from __future__ import annotations
 
 import logging
+import os
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
@@ -454,7 +455,8 @@ class Engine:
     def generate(self, prompt_ids: list[int], *, max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
                  logprobs: int = 0, should_stop: Callable[[], bool] | None = None,
                  stop_at_eos: bool = True, speculative: "SpeculativeOptions | None" = None) -> Generation:
-        """With `speculative`, the decode loop of moestream.engine.speculative: the same tokens, faster."""
+        """Prefill, then the decode loop (moestream.engine.decode_loop); with `speculative`, its drafts
+        verified: the same tokens, faster."""
         return generation.generate(self, prompt_ids, max_new_tokens=max_new_tokens, sampling=sampling,
                                    logprobs=logprobs, should_stop=should_stop, stop_at_eos=stop_at_eos,
                                    speculative=speculative)
@@ -462,8 +464,8 @@ class Engine:
     def emitter(self, prompt_ids: list[int], state: dict, *, sampling: SamplingParams, logprobs: int = 0,
                 should_stop: Callable[[], bool] | None = None) -> Emitter:
         """The chooser `generate` uses (one position at a time, from a logits row), for a caller that
-        runs its own decode loop over `step_many` (the server's batch scheduler). `state` as in
-        Emitter: "tokens" (appended to), "finish" (set when it stops)."""
+        drives the decode loop's pieces over `step_many` (the server's batch scheduler). `state` as
+        in Emitter: "tokens" (appended to), "finish" (set when it stops)."""
         return Emitter(list(prompt_ids), state, sampling=sampling, logprobs=logprobs,
                        eos_ids=self.tokenizer.eos_token_ids, should_stop=should_stop, stop_at_eos=True)
 
@@ -502,3 +504,18 @@ class Engine:
 
     def memory_ledger(self) -> dict:
         return self.plan.ledger.to_json()
+
+
+def load_engine(model: str | os.PathLike | None, options: EngineOptions) -> Engine:
+    """Open a packed model (default: the demo model), resolve the options (moestream.engine.plan), build
+    the Engine: what generate, serve and bench load."""
+    from moestream.engine.plan import resolve_options
+
+    if model is None:
+        if not (DEMO_MODEL / "moestream.json").is_file():
+            raise MoestreamError(f"no --model given and the built-in demo model is missing at {DEMO_MODEL}")
+        packed, default_size = PackedModel(DEMO_MODEL), DEMO_CACHE_SIZE
+    else:
+        packed, default_size = PackedModel(Path(model)), "auto"
+    options = resolve_options(packed, options, default_cache_size=default_size)
+    return Engine(packed, options, default_cache_size=default_size)

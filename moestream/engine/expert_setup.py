@@ -10,16 +10,13 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
 from moestream.engine.options import EngineOptions
 from moestream.errors import MoestreamError
 from moestream.format.reader import PackedModel
-
-if TYPE_CHECKING:
-    from moestream.engine.engine import Engine
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +116,7 @@ def prepare_cpu_share(provider, experts, *, repack: bool = True) -> None:
         log.info("the CPU share's native worker reads the host tier's records as they are: nothing repacked")
 
 
-def start_streaming(engine: "Engine") -> None:
+def start_streaming(engine: Any) -> None:  # an Engine (moestream.engine.engine imports this module)
     """Device-driven streaming where the option allows and it can run (else the host path);
     `--streaming device` where it cannot is an error naming why."""
     from moestream.experts.device_map import DeviceMapUnavailable

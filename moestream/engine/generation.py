@@ -1,22 +1,45 @@
-"""Generation over an Engine: the decode loop behind `Engine.generate`, its result, and the
-scoring of a prompt's own tokens behind `Engine.prompt_logprobs`.
+"""Generation over an Engine: the prefill, the decode loop (moestream.engine.decode_loop) and the
+receipt behind `Engine.generate`, and the scoring of a prompt's own tokens behind
+`Engine.prompt_logprobs`.
 
 Kept apart from the engine because it only calls the engine's pieces (prefill, step, the expert
-figures), as the speculative and hot-head loops do; the engine holds what runs the model."""
+figures); the engine holds what runs the model, and this module never imports it."""
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import Any, Callable, Iterator, Protocol
 
 import torch
 
+from moestream.engine.decode_loop import Stepper, decode
 from moestream.engine.emitter import Emitter
 from moestream.engine.receipt import Receipt
+from moestream.engine.speculative import SpeculativeOptions
 from moestream.engine.types import GenerationResult, SamplingParams, TokenEvent
 
-if TYPE_CHECKING:
-    from moestream.engine.engine import Engine
-    from moestream.engine.speculative import SpeculativeOptions
+
+class GeneratingEngine(Stepper, Protocol):
+    """What `generate` needs of an engine beyond the loop's steps (moestream.engine.engine.Engine)."""
+
+    tokenizer: Any
+    options: Any
+    lookahead: Any
+    model_name: str
+
+    def check_prompt(self, prompt_ids: list[int]) -> None: ...
+
+    def prefill(self, prompt_ids: list[int], *, should_stop: Callable[[], bool] | None = None
+                ) -> tuple[torch.Tensor | None, int]: ...
+
+    def expert_stats(self) -> dict: ...
+
+    def parallel_stats(self, before: dict, after: dict) -> dict | None: ...
+
+    def memory_ledger(self) -> dict: ...
+
+    def save_trace(self) -> None: ...
+
+    def _sync(self) -> None: ...
 
 
 class Generation:
@@ -43,9 +66,9 @@ class Generation:
         return self.result
 
 
-def generate(engine: "Engine", prompt_ids: list[int], *, max_new_tokens: int, sampling: SamplingParams,
+def generate(engine: GeneratingEngine, prompt_ids: list[int], *, max_new_tokens: int, sampling: SamplingParams,
              logprobs: int, should_stop: Callable[[], bool] | None, stop_at_eos: bool,
-             speculative: "SpeculativeOptions | None") -> Generation:
+             speculative: SpeculativeOptions | None) -> Generation:
     """Prefill, then one step a token until the budget, a stop or an end-of-sequence token; the
     receipt is made when the Generation finishes. See Engine.generate."""
     engine.check_prompt(prompt_ids)
@@ -60,20 +83,17 @@ def generate(engine: "Engine", prompt_ids: list[int], *, max_new_tokens: int, sa
         if logits is None:
             state["finish"] = "cancelled"
             return
-        seq = list(prompt_ids)
         budget = min(max_new_tokens, engine.max_context - len(prompt_ids))
         t1 = time.perf_counter()
         try:
+            speculation = None
             if speculative is not None:
-                from moestream.engine import speculative as spec
-
-                yield from spec.run(engine, seq, logits, budget=budget, sampling=sampling, logprobs=logprobs,
-                                    should_stop=should_stop, stop_at_eos=stop_at_eos, options=speculative,
-                                    state=state)
-                return
-            emit = Emitter(seq, state, sampling=sampling, logprobs=logprobs, eos_ids=engine.tokenizer.eos_token_ids,
-                           should_stop=should_stop, stop_at_eos=stop_at_eos)
-            yield from plain_tokens(engine, emit, logits, budget)
+                speculation = speculative.for_generation()
+                state["speculative"] = speculation.stats
+                speculation.begin(engine, sampling)
+            emit = Emitter(list(prompt_ids), state, sampling=sampling, logprobs=logprobs,
+                           eos_ids=engine.tokenizer.eos_token_ids, should_stop=should_stop, stop_at_eos=stop_at_eos)
+            yield from decode(engine, emit, logits, budget, speculation=speculation)
         finally:
             state["decode_s"] = time.perf_counter() - t1
 
@@ -92,85 +112,6 @@ def generate(engine: "Engine", prompt_ids: list[int], *, max_new_tokens: int, sa
         return GenerationResult(list(state["tokens"]), state["finish"], receipt)
 
     return Generation(steps(), finish)
-
-
-def plain_tokens(engine: "Engine", emit: Emitter, logits: torch.Tensor, budget: int) -> Iterator[TokenEvent]:
-    """Plain decoding of up to `budget` tokens, the first chosen from `logits`' last row: decoding
-    ahead where it may, else one step a token. The cache then holds every token emitted but the last
-    (after a stop while decoding ahead, the last too)."""
-    if decodes_ahead(engine, emit):
-        yield from _decode_ahead(engine, emit, logits, budget)
-        return
-    for n in range(budget):
-        event = emit(logits[-1])
-        if event is None:
-            return
-        yield event
-        if n + 1 < budget:
-            logits = engine.step([event.token_id])
-
-
-def decodes_ahead(engine: "Engine", emit: Emitter) -> bool:
-    """Whether plain decoding queues each step before reading the token it takes (`--decode-ahead`):
-    greedy choices of the raw logits with no log-probabilities (the choice is an argmax on the
-    device), on CUDA unless forced on, and no hidden-state tap (which reads each token on the host)."""
-    mode = engine.options.decode_ahead
-    return (mode == "on" or (mode == "auto" and engine.device.type == "cuda")) and emit.plain_argmax \
-        and not emit.logprobs and engine.hidden_tap is None
-
-
-def _decode_ahead(engine: "Engine", emit: Emitter, logits: torch.Tensor, budget: int) -> Iterator[TokenEvent]:
-    """Greedy decoding that keeps the device busy: step n + 1 is queued with token n still on the
-    device (its argmax), then the host reads token n while the step runs, names it in the cache,
-    and checks the stops. The same tokens as one step at a time (the same steps, fed the same ids);
-    a stop leaves one step more in the cache, the KV of a real token at its position, which the next
-    prompt reuses or truncates like any other."""
-    reader = _TokenReader(engine.device)
-    token = torch.argmax(logits[-1:], dim=-1)  # [1] on the device: argmax_index's choice
-    for n in range(budget):
-        row = logits[-1]  # the row token n was chosen from
-        reader.queue(token)
-        ahead = n + 1 < budget
-        if ahead:
-            position = len(emit.seq)
-            logits = engine.step_unread(token)
-            token = torch.argmax(logits[-1:], dim=-1)
-        try:
-            chosen = reader.read()
-        except BaseException:  # an interrupt or a device error: no position stays unread
-            if ahead:
-                engine.rollback(position)
-            raise
-        if ahead:
-            engine.name_token(position, chosen)
-        event = emit(row, chosen=chosen)
-        if event is None:
-            return
-        yield event
-
-
-class _TokenReader:
-    """One token id from the device to the host without waiting for work queued after it: a copy
-    into pinned memory and an event recorded right behind it (on the CPU, a plain read)."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.host = torch.zeros(1, dtype=torch.long, pin_memory=self.cuda)
-        self.done = torch.cuda.Event() if self.cuda else None
-        self._token: torch.Tensor | None = None
-
-    def queue(self, token: torch.Tensor) -> None:
-        if self.cuda:  # the copy runs on the token's device's stream: the event follows it there
-            self.host.copy_(token.reshape(1), non_blocking=True)
-            self.done.record(torch.cuda.current_stream(token.device))
-        else:
-            self._token = token
-
-    def read(self) -> int:
-        if self.cuda:
-            self.done.synchronize()
-            return int(self.host[0])
-        return int(self._token.reshape(1)[0])
 
 
 def score_prompt(logits: torch.Tensor, prompt_ids: list[int], k: int

@@ -1,46 +1,31 @@
-"""The hot-vocabulary head: greedy decoding that scores only a list of common tokens, made exact by
-verification.
+"""The hot-vocabulary head: a drafter for greedy decoding that scores only a list of common tokens.
 
-Each step scores the final hidden state against the rows of the head for a short list of tokens
-(the prompt's most frequent tokens and the tokenizer's first ids, which byte-pair merges order
-roughly by frequency) and feeds the best of them to the next step as a guess. Every
-`verify_every` steps the full head runs over the saved hidden rows; the output takes the full
-head's token at each position, and from the first wrong guess on the later steps are discarded
-(the KV cache rolled back) and redone. So the tokens are exactly plain greedy decoding's; the list
-changes only how often a guess must be redone.
+To draft k tokens it runs k + 1 steps of the model that stop before the head (`Engine.step_hidden`),
+each fed the previous step's best token of a short list (the context's most frequent tokens and
+the tokenizer's first ids, which byte-pair merges order roughly by frequency). Those steps are the
+verification's: the loop takes the full head of the saved rows (`Engine.head_rows`, the bits a plain
+step gives them) and verifies the guesses like any other drafter's, rolling back from the first
+wrong one. So the tokens are exactly plain greedy decoding's; the list changes only how often a
+guess must be redone.
 
-The guess steps stop before the head (`Engine.step_hidden`), and the verification computes the
-full head of the saved rows with the bits a plain step gives them (`Engine.head_rows`). What it
-saves is the full head's weight read on all but one of each `verify_every` steps, where the
+What it saves is the full head's weight read on all but one of each k + 1 steps, where the
 verification reads the weights once for all its rows: on CUDA (a fixed-shape product). On the CPU
 the full head still runs once per token (a product's cost grows with its rows there), so the hot
 rows are extra work: there it is exact, not faster (docs/PERFORMANCE.md)."""
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 
-from moestream.engine.emitter import Emitter
-from moestream.engine.types import SamplingParams, TokenEvent
+from moestream.engine.speculative import Drafter
+from moestream.engine.types import SamplingParams
 from moestream.errors import MoestreamError
 from moestream.layers.norm import rms_norm
 
-
-@dataclass(frozen=True)
-class HotHeadOptions:
-    prompt_tokens: int = 256  # the prompt's most frequent tokens in the list
-    base_tokens: int = 4096  # and the tokenizer's first ids
-    verify_every: int = 4  # guesses between full-head passes
-
-    def __post_init__(self):
-        if self.verify_every < 1:
-            raise MoestreamError(f"the hot head verifies every >= 1 steps, not {self.verify_every}")
-        if self.prompt_tokens < 0 or self.base_tokens < 0 or self.prompt_tokens + self.base_tokens == 0:
-            raise MoestreamError("the hot-vocabulary list needs prompt or base tokens")
+DRAFT_TOKENS = 3  # guesses between full-head passes (--hot-head)
 
 
 def hot_vocabulary(prompt_ids: Sequence[int], vocab_size: int, *, prompt_tokens: int = 256,
@@ -78,53 +63,43 @@ def usable(sampling: SamplingParams) -> str | None:
     return None
 
 
-def run_hot_head(engine, seq: list[int], logits: torch.Tensor, *, budget: int, sampling: SamplingParams,
-                 logprobs: int, should_stop, stop_at_eos: bool, options: HotHeadOptions,
-                 state: dict) -> Iterator[TokenEvent]:
-    """Engine.generate's decode loop through the hot head (greedy): the plain loop's tokens."""
-    from moestream.engine.speculative import SpeculativeStats
+class HotHeadDrafter(Drafter):
+    """Drafts for `engine` (slot 0) with the hot head; its proposal runs the verification's steps."""
 
-    reason = usable(sampling)
-    if reason is not None:
-        raise MoestreamError(reason)
-    model = engine.model
-    hot = HotHead.of_model(model, hot_vocabulary(seq, model.vocab_size, prompt_tokens=options.prompt_tokens,
-                                                 base_tokens=options.base_tokens))
-    stats = SpeculativeStats("hot-head", str(options.verify_every))
-    state["speculative"] = stats
-    seq = list(seq)
-    produced = 0
+    name = "hot-head"
 
-    emit = Emitter(seq, state, sampling=sampling, logprobs=logprobs, eos_ids=engine.tokenizer.eos_token_ids,
-                   should_stop=should_stop, stop_at_eos=stop_at_eos)
+    def __init__(self, engine, *, prompt_tokens: int = 256, base_tokens: int = 4096):
+        if prompt_tokens < 0 or base_tokens < 0 or prompt_tokens + base_tokens == 0:
+            raise MoestreamError("the hot-vocabulary list needs prompt or base tokens")
+        self.engine, self.prompt_tokens, self.base_tokens = engine, prompt_tokens, base_tokens
+        self.hot: HotHead | None = None  # made from the context of a generation's first draft
+        self.hidden: list[torch.Tensor] = []  # the last proposal's rows [1, H], one per step
 
-    if budget <= 0:
-        return
-    event = emit(logits[-1])
-    if event is None:
-        return
-    produced += 1
-    yield event
-    while produced < budget:
-        # the cache holds seq[:-1]; guesses run ahead of seq, saving each step's hidden row
-        work, hidden = list(seq), []
-        n = min(options.verify_every, budget - produced, engine.max_context - len(seq))
+    def refuses(self, sampling: SamplingParams) -> str | None:
+        return usable(sampling)
+
+    def begin(self, sampling: SamplingParams) -> None:
+        reason = usable(sampling)
+        if reason is not None:
+            raise MoestreamError(reason)
+        self.hot = None
+
+    def propose(self, context: Sequence[int], k: int) -> list[int]:
+        """k guesses after `context`, each the hot head's best after the step of the token before it;
+        the cache then holds context and the guesses (rows saved for verify_rows)."""
+        model, work = self.engine.model, list(context)
+        if self.hot is None:
+            self.hot = HotHead.of_model(model, hot_vocabulary(work, model.vocab_size, prompt_tokens=self.prompt_tokens,
+                                                              base_tokens=self.base_tokens))
+        self.hidden = []
         with torch.inference_mode():
-            for i in range(n):
-                hidden.append(engine.step_hidden([work[-1]]))
-                if i < n - 1:  # the last row's guess would never be run ahead on
-                    work.append(hot.guess(hidden[-1])[0])
-            stats.verify_steps += 1
-            stats.drafted += n - 1
-            rows = engine.head_rows(torch.cat(hidden))  # the full head once: plain decoding's bits
-            for i in range(n):
-                event = emit(rows[i])
-                if event is None:
-                    return
-                produced += 1
-                stats.step_tokens += 1
-                yield event
-                if i == n - 1 or event.token_id != work[len(seq) - 1]:
-                    break
-                stats.accepted += 1
-        engine.rollback(len(seq) - 1)
+            for i in range(k + 1):
+                self.hidden.append(self.engine.step_hidden([work[-1]]))
+                if i < k:  # the last row is the bonus token's: nothing runs ahead on it
+                    work.append(self.hot.guess(self.hidden[-1])[0])
+        return work[len(context):]
+
+    def verify_rows(self, engine, context: Sequence[int], draft: list[int]) -> torch.Tensor:
+        if engine is not self.engine or len(self.hidden) != len(draft) + 1:
+            raise ValueError("the hot head verifies only its own last proposal, on its engine")
+        return engine.head_rows(torch.cat(self.hidden))  # the full head once: plain decoding's bits

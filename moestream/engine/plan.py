@@ -4,7 +4,6 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 import psutil
 import torch
@@ -200,20 +199,6 @@ def resolve_options(packed: PackedModel, options: EngineOptions, *, default_cach
     log.info("compute threads: %d (%d cores, load %.2f, experts %s)", threads, cores, load,
              "streaming" if streaming else "all resident")
     return replace(options, threads=threads)
-
-
-def load_engine(model: str | os.PathLike | None, options: EngineOptions):
-    """Open a packed model (default: the demo model), resolve the options, build the Engine."""
-    from moestream.engine.engine import DEMO_CACHE_SIZE, DEMO_MODEL, Engine
-
-    if model is None:
-        if not (DEMO_MODEL / "moestream.json").is_file():
-            raise MoestreamError(f"no --model given and the built-in demo model is missing at {DEMO_MODEL}")
-        packed, default_size = PackedModel(DEMO_MODEL), DEMO_CACHE_SIZE
-    else:
-        packed, default_size = PackedModel(Path(model)), "auto"
-    options = resolve_options(packed, options, default_cache_size=default_size)
-    return Engine(packed, options, default_cache_size=default_size)
 
 
 def run_facts(options: EngineOptions) -> dict:

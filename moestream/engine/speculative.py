@@ -1,32 +1,25 @@
-"""Speculative decoding: a drafter proposes k tokens, the model verifies them in one step.
-
-One verification runs `engine.step([last] + draft)`: row i of its logits predicts the token after
-draft[:i], and a token's logits are the same bits whatever the step's length, so choosing row i's
-token (argmax, or the Gumbel-max draw keyed by (seed, position)) gives exactly the token plain
-decoding chooses there. The loop keeps drafted tokens while they equal the model's own choice,
-takes the model's token at the first difference (or the bonus token after the last draft) and
-rolls the KV cache back over the rejected ones. The text is therefore plain `generate`'s text,
-greedy or sampled with a seed; the drafter and the policy change only the speed.
+"""Speculative decoding's pieces: the drafters (prompt lookup, a draft model; the model's MTP layer
+in mtp_drafter.py, the hot-vocabulary head in hot_head.py), the options a run speculates with and
+the receipt's figures, and one sequence's drafting (Speculation: draft, verify, record). The loop
+is moestream.engine.decode_loop; every drafter only changes the speed, never the tokens.
 
 How many tokens to draft is a choice (`draft_tokens`) or the AdaptivePolicy's (moestream.engine.draft_policy)."""
 from __future__ import annotations
 
-import logging
+import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 import torch
 
 from moestream.engine.sampling import choose_token
 from moestream.engine.draft_policy import AdaptivePolicy
-from moestream.engine.emitter import Emitter
-from moestream.engine.generation import plain_tokens
 from moestream.engine.types import SamplingParams, TokenEvent
 from moestream.errors import MoestreamError
 
-log = logging.getLogger(__name__)
-
+if TYPE_CHECKING:
+    from moestream.engine.emitter import Emitter
 
 class Drafter:
     """Proposes the tokens likely to follow a context. It never changes the output, only the speed."""
@@ -43,6 +36,17 @@ class Drafter:
 
     def begin(self, sampling: SamplingParams) -> None:
         """A generation starts with these sampling settings."""
+
+    def refuses(self, sampling: SamplingParams) -> str | None:
+        """Why it cannot draft for these sampling settings (None: it can). Drafts are verified through
+        the same Emitter as plain decoding, penalties, grammar and logit bias included."""
+        return None
+
+    def verify_rows(self, engine, context: Sequence[int], draft: list[int]) -> torch.Tensor:
+        """The logits [len(draft) + 1, V] of the step that runs context[-1] and `draft` (the cache
+        holds context[:-1]). A drafter whose proposal ran the model already gives them its own way,
+        with the bits of this step."""
+        return engine.step([context[-1]] + draft)
 
     def reset(self) -> None:
         """Forget any state kept between generations."""
@@ -162,13 +166,11 @@ PRICE_TOKENS = 64  # the catch-up a draft engine's probe price is timed on
 @dataclass
 class SpeculativeOptions:
     """How `Engine.generate` speculates: a drafter, and a fixed draft length or the adaptive policy
-    (draft_tokens None) drafting at most max_draft_tokens. hot_head: greedy decoding through the
-    hot-vocabulary head instead (moestream.engine.hot_head; greedy only)."""
+    (draft_tokens None) drafting at most max_draft_tokens."""
 
-    drafter: Drafter | None = None
+    drafter: Drafter
     draft_tokens: int | None = None
     max_draft_tokens: int = 8
-    hot_head: object | None = None  # a hot_head.HotHeadOptions
     policy: AdaptivePolicy | None = field(default=None, repr=False)  # kept across generations
 
     def __post_init__(self):
@@ -176,24 +178,25 @@ class SpeculativeOptions:
             raise MoestreamError(f"draft tokens must be >= 0, not {self.draft_tokens}")
         if self.max_draft_tokens < 1:
             raise MoestreamError(f"the most draft tokens must be >= 1, not {self.max_draft_tokens}")
-        if self.drafter is not None and self.draft_tokens is None and self.policy is None:
+        if self.draft_tokens is None and self.policy is None:
             self.policy = AdaptivePolicy(self.max_draft_tokens)
 
-    def for_one_sequence(self) -> tuple["SpeculativeStats", "AdaptivePolicy | None"]:
-        """A new stats record and policy for one sequence of a batch (each learns its own acceptance)."""
-        policy = None if self.draft_tokens is not None else AdaptivePolicy(self.max_draft_tokens)
+    def for_generation(self) -> "Speculation":
+        """A generation's drafting, with these options' policy (kept across generations)."""
+        return self._speculation(self.policy)
+
+    def for_one_sequence(self) -> "Speculation":
+        """The drafting of one sequence of a batch, with a policy of its own (each learns its own acceptance)."""
+        return self._speculation(None if self.draft_tokens is not None else AdaptivePolicy(self.max_draft_tokens))
+
+    def _speculation(self, policy: AdaptivePolicy | None) -> "Speculation":
         mode = "auto" if self.draft_tokens is None else str(self.draft_tokens)
-        return SpeculativeStats(self.drafter.name, mode, policy=policy), policy
+        return Speculation(self.drafter, draft_tokens=self.draft_tokens, policy=policy,
+                           stats=SpeculativeStats(self.drafter.name, mode, policy=policy))
 
     def not_used_reason(self, sampling: SamplingParams) -> str | None:
-        """Why these options cannot decode with `sampling` (None: they can). Drafters verify through
-        the same Emitter as plain decoding, penalties, grammar and logit bias included, so they
-        serve every setting; the hot head decodes greedily only."""
-        if self.hot_head is not None:
-            from moestream.engine.hot_head import usable
-
-            return usable(sampling)
-        return None
+        """Why these options cannot decode with `sampling` (None: they can)."""
+        return self.drafter.refuses(sampling)
 
 
 MAX_STEP_RECORDS = 2048  # verifications whose decision the receipt lists one by one (a long run keeps its first)
@@ -247,102 +250,73 @@ class SpeculativeStats:
                 "steps_truncated": self.verify_steps > len(self.steps)}
 
 
-def run(engine, seq: list[int], logits: torch.Tensor, *, budget: int, sampling: SamplingParams, logprobs: int,
-        should_stop, stop_at_eos: bool, options: SpeculativeOptions, state: dict) -> Iterator[TokenEvent]:
-    """The decode loop of Engine.generate with speculation (after the prefill whose last logits
-    are `logits`); fills state["tokens"], state["finish"] and state["speculative"] (the receipt's
-    fields) like the plain loop does."""
-    if options.hot_head is not None:
-        from moestream.engine.hot_head import run_hot_head
+class Speculation:
+    """One sequence's drafting: its drafter, the draft length (fixed, or its policy's) and the
+    receipt's figures."""
 
-        yield from run_hot_head(engine, seq, logits, budget=budget, sampling=sampling, logprobs=logprobs,
-                                should_stop=should_stop, stop_at_eos=stop_at_eos, options=options.hot_head,
-                                state=state)
-        return
-    if options.drafter is None:
-        raise MoestreamError("speculative decoding needs a drafter")
+    def __init__(self, drafter: Drafter, *, draft_tokens: int | None, policy: AdaptivePolicy | None,
+                 stats: SpeculativeStats):
+        self.drafter, self.draft_tokens, self.policy, self.stats = drafter, draft_tokens, policy, stats
+        self.accepted = 0  # drafted tokens the last verification kept
 
-    drafter, policy = options.drafter, options.policy
-    stats = SpeculativeStats(drafter.name, "auto" if options.draft_tokens is None else str(options.draft_tokens),
-                             policy=policy)
-    state["speculative"] = stats
-    drafter.begin(sampling)
-    if policy is not None:
-        policy.begin()
-        if policy.probe_s <= 0:  # no probe paid yet: the drafter's own estimate prices the first
-            policy.probe_s = drafter.probe_price_s
-    for e in (engine, getattr(drafter, "engine", None)):  # no graph capture inside a timed step
-        warm = getattr(e, "warm_steps", None)
-        if warm is not None:
-            warm((policy.max_draft if policy is not None else options.draft_tokens) + 1)
-    seq = list(seq)
-    produced = 0
+    def length(self, limit: int) -> int:
+        """How many tokens to draft when at most `limit` may be (0: a plain step)."""
+        return min(self.draft_tokens, limit) if self.policy is None else self.policy.choose(limit)
 
-    emit = Emitter(seq, state, sampling=sampling, logprobs=logprobs, eos_ids=engine.tokenizer.eos_token_ids,
-                   should_stop=should_stop, stop_at_eos=stop_at_eos)
-
-    if budget <= 0:
-        return
-    event = emit(logits[-1])
-    if event is None:
-        return
-    produced += 1
-    yield event
-    while produced < budget:
-        # the cache holds seq[:-1]; seq[-1] is the next token to run
-        limit = min(budget - produced - 1, engine.max_context - len(seq))
-        k = min(options.draft_tokens, limit) if policy is None else policy.choose(limit)
-        if k == 0 and limit > 0:  # plain steps until the policy's next probe: plain decoding (ahead where it may)
-            n = limit + 1 if policy is None else min(limit + 1, policy.plain_stretch())
-            if n > 1:
-                t0, got = time.perf_counter(), 0
-                for event in plain_tokens(engine, emit, engine.step([seq[-1]]), n):
-                    got += 1
-                    produced += 1
-                    yield event
-                if got < n:  # a stop
-                    return
-                seconds = time.perf_counter() - t0
-                stats.plain_stretch(n, seconds)
-                if policy is not None:
-                    policy.took_plain(n, seconds / n)
-                continue
+    def draft(self, context: list[int], k: int) -> list[int]:
+        """The drafter's proposal of up to k tokens after `context`, timed."""
         t0 = time.perf_counter()
-        draft = drafter.propose(seq, k)[:k] if k > 0 else []
-        t1 = time.perf_counter()
-        rows = engine.step([seq[-1]] + draft)
-        # the step is timed to its first row's choice, read on the host, where a plain step's time ends
-        # too (a wait of its own would add a round trip to the device to every step); greedy reads
-        # every row's choice at once
-        chosen = emit.choices(rows[:len(draft) + 1]) if draft else None
-        event = emit(rows[0], None if chosen is None else chosen[0])
-        t2 = time.perf_counter()
-        stats.verify_steps += 1
-        stats.drafted += len(draft)
-        stats.draft_s += t1 - t0
-        stats.verify_s += t2 - t1
-        stats.draft_lengths[len(draft)] = stats.draft_lengths.get(len(draft), 0) + 1
-        if policy is not None:
-            policy.record_draft(k, t1 - t0)
-            policy.record_step(len(draft) + 1, t2 - t1)
-        accepted = 0
-        for i in range(len(draft) + 1):
-            if i:
-                event = emit(rows[i], None if chosen is None else chosen[i])
-            if event is None:
-                return
-            produced += 1
-            stats.step_tokens += 1
-            yield event
-            if i == len(draft) or event.token_id != draft[i]:
-                break
-            accepted += 1
-            if produced >= budget:
-                break
-        stats.accepted += accepted
-        stats.record(k, len(draft), accepted, t2 - t1)
-        drafter.observe(len(draft), accepted)
-        if policy is not None:
-            policy.record_accept(len(draft), accepted)
-        if accepted < len(draft):
-            engine.rollback(len(seq) - 1)  # forget the rejected drafts
+        draft = self.drafter.propose(context, k)[:k] if k > 0 else []
+        seconds = time.perf_counter() - t0
+        self.stats.draft_s += seconds
+        if self.policy is not None:
+            self.policy.record_draft(k, seconds)
+        return draft
+
+    def verify(self, emit: "Emitter", rows: torch.Tensor, k: int, draft: list[int], *, room: int,
+               started: float, step_s: float | None = None) -> Iterator[TokenEvent]:
+        """`emit.take`'s tokens, recorded: the step is timed from `started` to its first row's choice,
+        read on the host where a plain step's time ends too (or `step_s`, measured by the caller)."""
+        st, events, self.accepted = self.stats, emit.take(rows, draft, room=room), 0
+        first = next(events, None)
+        seconds = time.perf_counter() - started if step_s is None else step_s
+        st.verify_steps += 1
+        st.drafted += len(draft)
+        st.verify_s += seconds
+        st.draft_lengths[len(draft)] = st.draft_lengths.get(len(draft), 0) + 1
+        if self.policy is not None:
+            self.policy.record_step(len(draft) + 1, seconds)
+        try:
+            for i, event in enumerate(itertools.chain([] if first is None else [first], events)):
+                st.step_tokens += 1
+                self.accepted += i < len(draft) and event.token_id == draft[i]
+                yield event
+        finally:
+            st.accepted += self.accepted
+            st.record(k, len(draft), self.accepted, seconds)
+            self.drafter.observe(len(draft), self.accepted)
+            if self.policy is not None:
+                self.policy.record_accept(len(draft), self.accepted)
+
+    def plain_steps(self, most: int) -> int:
+        """How many plain steps in a row to run now that the length chosen is 0 (at most `most`)."""
+        return most if self.policy is None else min(most, self.policy.plain_stretch())
+
+    def took_plain(self, steps: int, seconds: float) -> None:
+        self.stats.plain_stretch(steps, seconds)
+        if self.policy is not None:
+            self.policy.took_plain(steps, seconds / steps)
+
+    def begin(self, engine, sampling: SamplingParams) -> None:
+        """A generation starts: the drafter learns the sampling settings, the policy its first probe's
+        price, and the steps a verification may take are captured now rather than inside a timed step."""
+        self.drafter.begin(sampling)
+        if self.policy is not None:
+            self.policy.begin()
+            if self.policy.probe_s <= 0:  # no probe paid yet: the drafter's own estimate prices the first
+                self.policy.probe_s = self.drafter.probe_price_s
+        most = self.policy.max_draft if self.policy is not None else self.draft_tokens
+        for e in (engine, getattr(self.drafter, "engine", None)):
+            warm = getattr(e, "warm_steps", None)
+            if warm is not None:
+                warm(most + 1)

@@ -123,9 +123,9 @@ def speculative_options(args, engine):
     from moestream.engine.speculative import SpeculativeOptions
 
     if args.hot_head:
-        from moestream.engine.hot_head import HotHeadOptions
+        from moestream.engine.hot_head import DRAFT_TOKENS, HotHeadDrafter
 
-        return SpeculativeOptions(hot_head=HotHeadOptions())
+        return SpeculativeOptions(drafter=HotHeadDrafter(engine), draft_tokens=DRAFT_TOKENS)
     kind, path = args.draft
     return make_options(kind, path, draft_tokens=args.draft_tokens, max_draft_tokens=args.max_draft_tokens,
                         max_ngram=args.ngram, main_engine=engine, engine_options=EngineOptions.from_args(args))

@@ -20,7 +20,9 @@ With speculation (`serve --speculative ngram`): before a decode step each sequen
 few tokens by prompt lookup (how many: its own adaptive policy, from its acceptance and the measured
 step times); the step verifies every sequence's drafts together, each sequence keeps its drafts up
 to the first its own choice rejects, and its cache forgets the rest. Its text is what it gets
-alone, with or without drafts.
+alone, with or without drafts. Drafting and verifying are the decode loop's own pieces
+(moestream.engine.decode_loop: a Speculation's `draft` and `verify`, `Emitter.take`), driven here
+over `step_many`; they reach this module through the engine's objects, never imported (no torch here).
 
 Each sequence has its own sampler settings (seed, penalties, grammar state), detokenizer, stop
 matcher and event sink, and chooses through the same Emitter as `engine.generate`, so a request's
@@ -32,7 +34,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator
 
 from moestream.engine.receipt import COUNTERS, Receipt
 from moestream.engine.types import common_prefix
@@ -67,8 +69,7 @@ class Running:
     next_token: int | None = None  # the token the next decode step runs
     generated: int = 0
     pending: list[TokenLogprobInfo] = field(default_factory=list)
-    spec: Any = None  # its SpeculativeStats where it drafts
-    policy: Any = None  # its AdaptivePolicy (auto draft lengths)
+    speculation: Any = None  # its drafting (moestream.engine.speculative.Speculation), where it drafts
     spec_off: str | None = None  # why the server's speculation sits this one out
     t0: float = field(default_factory=time.perf_counter)
     prefill_s: float = 0.0
@@ -194,7 +195,7 @@ class BatchScheduler:
         if spec is not None:
             r.spec_off = spec.not_used_reason(choice.sampling)
             if r.spec_off is None:
-                r.spec, r.policy = spec.for_one_sequence()
+                r.speculation = spec.for_one_sequence()
         return r
 
     # ---- the steps
@@ -218,7 +219,7 @@ class BatchScheduler:
         if not r.prefilling:
             r.prefill_s = time.perf_counter() - r.t0
             r.t_decode = time.perf_counter()
-            self._take(r, logits[-1])
+            self._take(r, r.emit.take(logits[-1:], room=1))
 
     def _joining(self, ready: list[Running]) -> dict[int, list[int]]:
         """{id(newcomer): its prompt tokens} of the newcomers that join this decode step, oldest first,
@@ -249,7 +250,7 @@ class BatchScheduler:
         t0 = time.perf_counter()
         try:
             logits = self.engine.step_many(batch)
-            if any(r.spec is not None for r in ready):
+            if any(r.speculation is not None for r in ready):
                 getattr(self.engine, "_sync", lambda: None)()  # the step's time is the policies' measurement
         except BaseException as exc:  # the whole step failed: so does every request in it
             self._account()
@@ -265,83 +266,63 @@ class BatchScheduler:
             r.prefill_s, r.t_decode = now - r.t0, now
         ready = newcomers + ready
         # the plain greedy rows' choices at once: one reduction and one wait for the device per step, not one each
-        plain = [r for r in ready if r.spec is None and r.emit.plain_argmax]
+        plain = [r for r in ready if r.speculation is None and r.emit.plain_argmax]
         choose = getattr(self.engine, "greedy_choices", None)
         if choose is None:
             plain = []
         picks = dict(zip(map(id, plain), choose([logits[r.slot][-1] for r in plain]) if plain else []))
         for r in ready:
-            chosen, draft = drafts.get(id(r), (0, []))
-            if r.spec is None:
-                r.next_token = None
-                self._take(r, logits[r.slot][-1], picks.get(id(r)))
-            else:
-                self._verify(r, logits[r.slot], chosen, draft, step_s)
+            k, draft = drafts.get(id(r), (0, []))
+            rows = logits[r.slot]
+            if r.speculation is None:
+                pick = picks.get(id(r))
+                self._take(r, r.emit.take(rows[-1:], room=1, chosen=None if pick is None else [pick]))
+                continue
+            self._take(r, r.speculation.verify(r.emit, rows, k, draft, room=r.budget - r.generated, started=t0,
+                                               step_s=step_s))
+            if r in self.active and r.speculation.accepted < len(draft):
+                self.engine.rollback(len(r.emit.seq) - 1, seq=r.slot)  # forget the rejected drafts
 
     def _draft(self, r: Running) -> tuple[int, list[int]]:
         """(the length chosen, the drafted tokens) of `r`'s next step: none without speculation."""
-        if r.spec is None:
+        if r.speculation is None:
             return 0, []
-        spec = self.worker.speculative
-        context = r.prompt + r.state["tokens"]
-        limit = min(r.budget - r.generated - 1, self.engine.max_context - len(context))
-        k = min(spec.draft_tokens, limit) if r.policy is None else r.policy.choose(limit)
-        t0 = time.perf_counter()
-        draft = spec.drafter.propose(context, k)[:k] if k > 0 else []
-        r.spec.draft_s += time.perf_counter() - t0
-        if r.policy is not None:
-            r.policy.record_draft(k, time.perf_counter() - t0)
-        return k, draft
+        context = r.emit.seq
+        k = r.speculation.length(min(r.budget - r.generated - 1, self.engine.max_context - len(context)))
+        return k, r.speculation.draft(context, k)
 
-    def _verify(self, r: Running, rows: Any, chosen: int, draft: list[int], step_s: float) -> None:
-        """Take `r`'s choices from its step rows while they agree with its drafts (as a plain run
-        would choose them), then forget the rejected drafts from its cache."""
-        length = self.engine.caches[r.slot].length - len(draft)  # its cache up to the first draft
-        st, accepted = r.spec, 0
-        st.verify_steps += 1
-        st.drafted += len(draft)
-        st.verify_s += step_s
-        st.draft_lengths[len(draft)] = st.draft_lengths.get(len(draft), 0) + 1
-        for i in range(len(draft) + 1):
-            r.next_token = None
-            self._take(r, rows[i])
-            st.step_tokens += 1
-            if r not in self.active or r.next_token is None or i == len(draft) or r.next_token != draft[i]:
+    def _take(self, r: Running, events: Iterator) -> None:
+        """Deliver the tokens `events` gives `r` at its next positions (text, log-probabilities), then
+        retire it where it ends: an end token or a cancel (its Emitter stopped), a stop string, its length."""
+        job, end = r.job, None
+        r.next_token = None
+        try:
+            for event in events:
+                r.generated += 1
+                if job.logprobs is not None:
+                    r.pending.append(self.worker._logprob_info(event, job.logprobs))
+                text = r.matcher.feed(r.decoder.push(event.token_id))
+                if text:
+                    self.worker._deliver(job, TextDelta(text, r.pending, r.index))
+                    r.pending = []
+                if r.matcher.stopped:
+                    end = "stop"
+                elif job.cancelled.is_set():
+                    end = "cancelled"
+                elif r.generated >= r.budget:
+                    self._flush(r)
+                    end = "length"
+                else:
+                    r.next_token = event.token_id
+                    continue
                 break
-            accepted += 1
-        st.accepted += accepted
-        st.record(chosen, len(draft), accepted, step_s)
-        if r.policy is not None:
-            r.policy.record_step(len(draft) + 1, step_s)
-            r.policy.record_accept(len(draft), accepted)
-        if r in self.active and accepted < len(draft):
-            self.engine.rollback(length + accepted, seq=r.slot)
-
-    def _take(self, r: Running, row: Any, chosen: int | None = None) -> None:
-        """The choice at the sequence's next position from logits `row` (`chosen`: its argmax, already
-        taken for a plain greedy choice): deliver its text, or retire."""
-        job = r.job
-        event = r.emit(row, chosen)
-        if event is None:  # EOS, or cancelled
+        finally:
+            events.close()  # its figures recorded before a receipt reads them
+        if end is None and r.emit.stopped:  # EOS, or cancelled
             self._flush(r)
-            self._finish(r, "cancelled" if job.cancelled.is_set() else r.state["finish"])
-            return
-        r.generated += 1
-        if job.logprobs is not None:
-            r.pending.append(self.worker._logprob_info(event, job.logprobs))
-        text = r.matcher.feed(r.decoder.push(event.token_id))
-        if text:
-            self.worker._deliver(job, TextDelta(text, r.pending, r.index))
-            r.pending = []
-        if r.matcher.stopped:
-            self._finish(r, "stop")
-        elif job.cancelled.is_set():
-            self._finish(r, "cancelled")
-        elif r.generated >= r.budget:
-            self._flush(r)
-            self._finish(r, "length")
-        else:
-            r.next_token = event.token_id
+            end = "cancelled" if job.cancelled.is_set() else r.state["finish"]
+        if end is not None:
+            self._finish(r, end)
 
     def _flush(self, r: Running) -> None:
         tail = r.matcher.feed(r.decoder.flush()) + r.matcher.flush()
@@ -368,8 +349,8 @@ class BatchScheduler:
                                       after=self.stats, memory=engine.memory_ledger(),
                                       device=str(engine.device), model=engine.model_name,
                                       verify=engine.options.verify))
-        if r.spec is not None:
-            receipt["speculative"] = r.spec.to_json()
+        if r.speculation is not None:
+            receipt["speculative"] = r.speculation.stats.to_json()
         elif r.spec_off is not None:
             receipt["speculative_off"] = r.spec_off
         # the metrics count the cache's work per step (_work_since), not per request, which would count a shared

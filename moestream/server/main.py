@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     api_key = api_key_from(args)
 
     def load_engine():
-        from moestream.engine.plan import load_engine as load
+        from moestream.engine.engine import load_engine as load
         return load(args.model, options)
 
     def announce(url: str) -> None:

@@ -1,6 +1,6 @@
-"""--decode-ahead on CUDA (the default there): greedy decoding with each step queued before the host
-reads its token gives the tokens of one step at a time, resident (one graph per step), streamed by the
-host and by the device, and stops with the same tokens."""
+"""Plain greedy decoding on CUDA, each step queued before the host reads its token, gives the tokens of
+one step at a time (the path where the host reads log-probabilities), resident (one graph per step),
+streamed by the host and by the device, and stops with the same tokens."""
 import pytest
 
 from moestream.engine.engine import UNREAD, Engine
@@ -10,14 +10,14 @@ from moestream.format.reader import PackedModel
 pytestmark = pytest.mark.gpu
 
 
-def tokens(packed, mode, **options):
-    engine = Engine.load(packed, options=EngineOptions(device="cuda", max_context=512, decode_ahead=mode,
-                                                       **options))
+def tokens(packed, logprobs, **options):
+    engine = Engine.load(packed, options=EngineOptions(device="cuda", max_context=512, **options))
     try:
         prompt = [t % engine.args.vocab_size for t in range(11, 90)]
-        gen = engine.generate(prompt, max_new_tokens=64, stop_at_eos=False)
+        gen = engine.generate(prompt, max_new_tokens=64, stop_at_eos=False, logprobs=logprobs)
         out = [event.token_id for event in gen]
-        again = [event.token_id for event in engine.generate(prompt[:40], max_new_tokens=16, stop_at_eos=False)]
+        again = [event.token_id for event in engine.generate(prompt[:40], max_new_tokens=16, stop_at_eos=False,
+                                                             logprobs=logprobs)]
         assert UNREAD not in engine.cache.tokens
         return out, again, list(engine.cache.tokens)
     finally:
@@ -31,4 +31,4 @@ def test_decode_ahead_gives_the_tokens_of_one_step_at_a_time(path, tiny_packed_m
     options = {"resident": dict(cache_size="all"),
                "host-streamed": dict(cache_size=sixteen, streaming="host"),
                "device-streamed": dict(cache_size=sixteen, host_cache_size="all", streaming="device")}[path]
-    assert tokens(packed, "auto", **options) == tokens(packed, "off", **options)
+    assert tokens(packed, 0, **options) == tokens(packed, 1, **options)  # 0: ahead; 1: one step a token

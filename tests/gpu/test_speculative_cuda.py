@@ -3,7 +3,7 @@
 import pytest
 
 from moestream.engine.engine import Engine
-from moestream.engine.hot_head import HotHeadOptions
+from moestream.engine.hot_head import DRAFT_TOKENS, HotHeadDrafter
 from moestream.engine.options import EngineOptions
 from moestream.engine.speculative import DraftModelDrafter, NGramDrafter, SpeculativeOptions
 from moestream.engine.types import SamplingParams
@@ -32,7 +32,8 @@ def test_demo_model_speculation_on_cuda(cache_size):
             assert out == plain, (sampling, spec.drafter.name, spec.draft_tokens)
             assert result.receipt["speculative"]["accepted"] > 0
     plain, _ = run(engine, prompt, 48)
-    out, _ = run(engine, prompt, 48, speculative=SpeculativeOptions(hot_head=HotHeadOptions(base_tokens=256)))
+    out, _ = run(engine, prompt, 48, speculative=SpeculativeOptions(drafter=HotHeadDrafter(engine, base_tokens=256),
+                                                                    draft_tokens=DRAFT_TOKENS))
     assert out == plain
     draft.close()
     engine.close()
@@ -68,8 +69,10 @@ def test_hot_head_over_200_tokens_on_cuda(cache_size):
     engine = Engine.load(options=EngineOptions(device="cuda", cache_size=cache_size))
     prompt = engine.tokenizer.encode("def fibonacci(n):")
     plain, _ = run(engine, prompt, 220)
-    for options in (HotHeadOptions(), HotHeadOptions(prompt_tokens=16, base_tokens=256, verify_every=6)):
-        out, result = run(engine, prompt, 220, speculative=SpeculativeOptions(hot_head=options))
+    for options in (SpeculativeOptions(drafter=HotHeadDrafter(engine), draft_tokens=DRAFT_TOKENS),
+                    SpeculativeOptions(drafter=HotHeadDrafter(engine, prompt_tokens=16, base_tokens=256),
+                                       draft_tokens=5)):
+        out, result = run(engine, prompt, 220, speculative=options)
         assert out == plain
         assert result.receipt["speculative"]["accepted"] > 0
     engine.close()

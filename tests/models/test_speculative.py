@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from moestream.engine.engine import DEMO_MODEL, Engine
-from moestream.engine.hot_head import HotHeadOptions
+from moestream.engine.hot_head import DRAFT_TOKENS, HotHeadDrafter
 from moestream.engine.options import EngineOptions
 from moestream.engine.draft_choice import make_options
 from moestream.engine.speculative import DraftModelDrafter, Drafter, NGramDrafter, SpeculativeOptions
@@ -147,7 +147,7 @@ def test_hot_head_equals_plain_greedy(family, base, tiny_packed_model):
     for prompt_text in PROMPTS:
         prompt = engine.tokenizer.encode(prompt_text)
         plain, plain_events, _ = run(engine, prompt, 30, logprobs=3)
-        hot = SpeculativeOptions(hot_head=HotHeadOptions(prompt_tokens=4, base_tokens=base, verify_every=3))
+        hot = SpeculativeOptions(drafter=HotHeadDrafter(engine, prompt_tokens=4, base_tokens=base), draft_tokens=2)
         out, events, result = run(engine, prompt, 30, speculative=hot, logprobs=3)
         assert out == plain
         assert [e.top_logprobs for e in events] == [e.top_logprobs for e in plain_events]
@@ -162,11 +162,11 @@ def test_hot_head_redoes_wrong_guesses(tiny_packed_model):
     prompt = engine.tokenizer.encode(PROMPTS[0])
     plain, _, _ = run(engine, prompt, 40)
     out, _, result = run(engine, prompt, 40, speculative=SpeculativeOptions(
-        hot_head=HotHeadOptions(prompt_tokens=0, base_tokens=3, verify_every=4)))
+        drafter=HotHeadDrafter(engine, prompt_tokens=0, base_tokens=3), draft_tokens=3))
     assert out == plain
     assert result.receipt["speculative"]["accepted"] < result.receipt["speculative"]["drafted"]
     with pytest.raises(MoestreamError, match="greedily"):
-        run(engine, prompt, 4, SAMPLED, SpeculativeOptions(hot_head=HotHeadOptions()))
+        run(engine, prompt, 4, SAMPLED, SpeculativeOptions(drafter=HotHeadDrafter(engine), draft_tokens=DRAFT_TOKENS))
     engine.close()
 
 
@@ -182,7 +182,8 @@ def test_demo_model_speculation_equals_plain():
             assert out == plain
             assert result.receipt["speculative"]["accepted"] > 0
     plain, _, _ = run(engine, prompt, 32)
-    out, _, _ = run(engine, prompt, 32, speculative=SpeculativeOptions(hot_head=HotHeadOptions(base_tokens=512)))
+    out, _, _ = run(engine, prompt, 32, speculative=SpeculativeOptions(drafter=HotHeadDrafter(engine, base_tokens=512),
+                                                                       draft_tokens=DRAFT_TOKENS))
     assert out == plain
     engine.close()
 
@@ -216,8 +217,10 @@ def test_demo_model_hot_head_over_200_tokens_bit_for_bit():
     for text in ("def fibonacci(n):",):
         prompt = engine.tokenizer.encode(text)
         plain, plain_events, _ = run(engine, prompt, 220, logprobs=2)
-        for options in (HotHeadOptions(), HotHeadOptions(prompt_tokens=16, base_tokens=256, verify_every=6)):
-            out, events, result = run(engine, prompt, 220, speculative=SpeculativeOptions(hot_head=options), logprobs=2)
+        for options in (SpeculativeOptions(drafter=HotHeadDrafter(engine), draft_tokens=DRAFT_TOKENS),
+                        SpeculativeOptions(drafter=HotHeadDrafter(engine, prompt_tokens=16, base_tokens=256),
+                                           draft_tokens=5)):
+            out, events, result = run(engine, prompt, 220, speculative=options, logprobs=2)
             assert out == plain and len(out) == 220
             assert [(e.logprob, e.top_logprobs) for e in events] == [(e.logprob, e.top_logprobs) for e in plain_events]
             r = result.receipt["speculative"]
@@ -235,9 +238,9 @@ class NeverDrafter(Drafter):
 
 
 def test_plain_stretches_decode_ahead_and_give_the_plain_tokens(tiny_packed_model):
-    """While the policy chooses plain steps, the loop runs them as plain decoding (ahead where it may,
-    forced on here): the plain tokens, and the stretches in the receipt."""
-    engine = load(tiny_packed_model("qwen3_moe", "q4"), decode_ahead="on")
+    """While the policy chooses plain steps, the loop runs them as plain decoding (greedy: ahead, on
+    the CPU too): the plain tokens, and the stretches in the receipt."""
+    engine = load(tiny_packed_model("qwen3_moe", "q4"))
     prompt = engine.tokenizer.encode(PROMPTS[2])
     plain, _, _ = run(engine, prompt, 120)
     unread = []

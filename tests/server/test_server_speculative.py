@@ -9,7 +9,7 @@ from conftest import live_server
 
 pytest.importorskip("torch")
 from moestream.engine.engine import DEMO_MODEL, Engine  # noqa: E402
-from moestream.engine.hot_head import HotHeadOptions  # noqa: E402
+from moestream.engine.hot_head import DRAFT_TOKENS, HotHeadDrafter  # noqa: E402
 from moestream.engine.options import EngineOptions  # noqa: E402
 from moestream.engine.speculative import NGramDrafter, SpeculativeOptions  # noqa: E402
 
@@ -53,7 +53,8 @@ def ngram_fixed():
 @pytest.fixture(scope="module")
 def hot():
     with live_server(load=load, model_id=MODEL_ID,
-                     speculation=lambda engine: SpeculativeOptions(hot_head=HotHeadOptions(base_tokens=512))) as s, \
+                     speculation=lambda engine: SpeculativeOptions(drafter=HotHeadDrafter(engine, base_tokens=512),
+                                                                   draft_tokens=DRAFT_TOKENS)) as s, \
             s.client() as c:
         yield c
 

@@ -240,9 +240,9 @@ def test_bench_refuses_bad_step_tokens_in_one_line(value):
 def test_each_cache_size_is_written_as_it_finishes(tmp_path, monkeypatch):
     """A bench cut short after its first cache size leaves that size's figures, marked partial; a
     finished one has no mark."""
-    import moestream.engine.plan as plan
+    import moestream.engine.engine as engine_module
 
-    real_load, loads = plan.load_engine, []
+    real_load, loads = engine_module.load_engine, []
 
     def load_then_fail(*args, **kwargs):
         loads.append(1)
@@ -250,7 +250,7 @@ def test_each_cache_size_is_written_as_it_finishes(tmp_path, monkeypatch):
             raise KeyboardInterrupt  # what a time limit's signal leaves: no final write
         return real_load(*args, **kwargs)
 
-    monkeypatch.setattr(plan, "load_engine", load_then_fail)  # bench imports it when it runs
+    monkeypatch.setattr(engine_module, "load_engine", load_then_fail)  # bench imports it when it runs
     out = tmp_path / "OUT.json"
     argv = ["--device", "cpu", "--threads", "1", "--cache-sizes", "100%,50%", "--prefill-tokens", "8",
             "--decode-tokens", "2", "--out", str(out)]
@@ -258,7 +258,7 @@ def test_each_cache_size_is_written_as_it_finishes(tmp_path, monkeypatch):
         run_bench(argv)
     partial = json.loads(out.read_text())
     assert partial["partial"] is True and [r["cache_size"] for r in partial["runs"]] == ["100%"]
-    monkeypatch.setattr(plan, "load_engine", real_load)
+    monkeypatch.setattr(engine_module, "load_engine", real_load)
     code, _, err = run_bench(argv)
     assert code == 0, err
     done = json.loads(out.read_text())

@@ -234,7 +234,6 @@ class ClockedEngine:
 
     max_context = 4096
     tokenizer = SimpleNamespace(eos_token_ids=set())
-    options = SimpleNamespace(decode_ahead="off")  # plain stretches one step a token
     device = torch.device("cpu")
     hidden_tap = None
     V = 50
@@ -252,6 +251,12 @@ class ClockedEngine:
         self.clock.now += self.step_s(len(tokens))
         self.length += len(tokens)
         return self.rows(range(self.length - len(tokens) + 1, self.length + 1))
+
+    def step_unread(self, token):  # plain greedy stretches queue each step before reading its token
+        return self.step([int(token)])
+
+    def name_token(self, position, token):
+        pass
 
     def rollback(self, length):
         self.length = length
@@ -278,21 +283,23 @@ def test_a_drafter_that_never_agrees_costs_about_plain_time(monkeypatch):
     """200 tokens with a drafter that is never right and dear (a call costs 1.5 plain steps, reading
     a token a hundredth of one): the policy drafts on two verifications (the first try and one priced
     probe), the tokens are plain decoding's, and the run takes under 3 % more than plain steps would."""
-    from moestream.engine import speculative
+    from moestream.engine import decode_loop, speculative
+    from moestream.engine.emitter import Emitter
 
     clock = FakeClock()
     monkeypatch.setattr(speculative, "time", clock)
+    monkeypatch.setattr(decode_loop, "time", clock)
     step_s = 0.010
     engine = ClockedEngine(clock, lambda T: step_s * (1 + 0.5 * (T - 1)))
     drafter = WrongDrafter(clock, call_s=0.015, read_s=0.0001)
     prompt = list(range(32))
     engine.length = len(prompt)
-    state = {"tokens": [], "finish": "length"}
-    options = speculative.SpeculativeOptions(drafter=drafter)
+    emit = Emitter(list(prompt), {"tokens": [], "finish": "length"}, sampling=SamplingParams(), logprobs=0,
+                   eos_ids=set(), should_stop=None, stop_at_eos=False)
+    speculation = speculative.SpeculativeOptions(drafter=drafter).for_generation()
+    speculation.begin(engine, SamplingParams())
     first = engine.rows([len(prompt)])
-    tokens = [e.token_id for e in speculative.run(
-        engine, prompt, first, budget=200, sampling=SamplingParams(), logprobs=0, should_stop=None,
-        stop_at_eos=False, options=options, state=state)]
+    tokens = [e.token_id for e in decode_loop.decode(engine, emit, first, 200, speculation=speculation)]
     assert tokens == [(7 * p) % ClockedEngine.V for p in range(len(prompt), len(prompt) + 200)]
     assert drafter.calls <= 2
     assert clock.now <= 1.03 * 199 * step_s
