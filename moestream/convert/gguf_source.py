@@ -282,6 +282,39 @@ class GgufSource(CheckpointSource):
         return (torch.stack((gate_b, up_b), dim=2).flatten(1, 2).contiguous(),  # gate 0, up 0, gate 1, ...
                 torch.stack((gate_s, up_s), dim=2).flatten(1, 2).contiguous())
 
+    def source_plan(self, name: str):
+        """How convert stores `name` by default (moestream.quant.ggml.SourcePlan): its GGUF type's exact
+        affine form, float, or 8 bits. Fused gpt-oss stacks are rebuilt from rows, so their codes are not kept."""
+        import dataclasses
+
+        from moestream.quant import ggml
+
+        gguf_name, expert, info = self._virtual[name]
+        parts = self._fused[name][1] if name in self._fused else (gguf_name,)
+        types = sorted({self.tensors[p].tensor_type.name for p in parts})
+        dims = len(self.tensors[gguf_name].shape) - (expert is not None)
+        if len(types) > 1:  # gate and up stacks of two types: one record part, as the finer one needs
+            mixed = ggml.plan("+".join(types), info.shape)
+            return mixed if any(t not in ggml.FLOAT_TYPES for t in types) else ggml.plan("F32", info.shape)
+        plan = ggml.plan(types[0], info.shape if dims >= 2 else (int(np.prod(info.shape)),))
+        return dataclasses.replace(plan, kept=False) if name in self._fused and plan.spec.quantized else plan
+
+    def affine_rows(self, name: str, start: int, count: int) -> dict[str, torch.Tensor]:
+        """Rows start.. of a tensor whose source_plan keeps its codes, as affine record parts
+        {weight, scales, biases} holding the file's codes and block scales (moestream.quant.ggml)."""
+        from moestream.quant import ggml
+
+        gguf_name, expert, info = self._virtual[name]
+        t = self.tensors[gguf_name]
+        data = t.data if expert is None else t.data[expert]
+        permuted = self.arch == "llama" and gguf_name.endswith((".attn_q.weight", ".attn_k.weight"))
+        rows = slice(None) if permuted else slice(start, start + count)  # the permutation needs every row
+        parts = ggml.affine_parts(t.tensor_type.name, torch.from_numpy(np.array(data[rows], dtype=np.uint8)))
+        if permuted:
+            heads = self.config["num_attention_heads" if ".attn_q." in gguf_name else "num_key_value_heads"]
+            parts = {k: unpermute(v, heads)[start:start + count].contiguous() for k, v in parts.items()}
+        return parts
+
     def _dequantize(self, gguf_name: str, experts: int | slice | None) -> torch.Tensor:
         """A GGUF tensor (or some experts of a stack) in float32 [.., out, in], by gguf's own code."""
         import gguf
