@@ -39,7 +39,7 @@ def describe(spec: QuantSpec, origin, dtype: str, *, kept: bool) -> str:
             return f"{text} (re-quantized from {source_type})"
         return text
     text = FLOAT_NAMES.get(dtype, dtype)
-    if source_type and source_type != "F32":
+    if source_type and source_type != dtype:
         text += f" (from {source_type})" if source_type in SOURCE_FLOATS else f" (dequantized {source_type})"
     return text
 

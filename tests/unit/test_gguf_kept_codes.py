@@ -206,3 +206,19 @@ def test_k_quant_mixture_stores_no_tensor_below_its_source_bits(tiny_checkpoint,
     classes = got.manifest.quantization["classes"]
     assert classes["experts"] == "4-bit g32 (kept Q4_K codes) ×4, 8-bit g32 (re-quantized from Q6_K) ×2"
     assert classes["head"] == "8-bit g32 (re-quantized from Q6_K)"
+
+
+@pytest.mark.parametrize("type_name,dtype", [("F16", torch.float16), ("BF16", torch.bfloat16)])
+def test_16_bit_float_gguf_stays_in_its_dtype(tiny_checkpoint, tmp_path, type_name, dtype):
+    """F16 and BF16 matrices are neither quantized nor widened by default: the file's values, in its dtype."""
+    src = tiny_checkpoint("qwen3_moe")
+    encoder = Encoder(T[type_name])
+    path = write_qwen3moe(src, tmp_path / f"tiny-{type_name}.gguf", encode=encoder)
+    got = PackedModel(convert(path, tmp_path / "default", progress=False, tokenizer=src))
+    name = "model.layers.0.self_attn.o_proj.weight"
+    assert not got.tensor_spec(name).quantized and got.raw_dense(name).dtype == dtype
+    assert torch.equal(got.raw_dense(name).float(), torch.from_numpy(encoder.dequantized["blk.0.attn_output.weight"]))
+    assert got.dequantized_expert(0, 3, torch.float32)["up_proj"].dtype == torch.float32
+    assert got.expert_tensors(0, 3)["up_proj.weight"].dtype == dtype
+    classes = got.manifest.quantization["classes"]
+    assert classes["experts"] == classes["attention"] == classes["head"] == {"F16": "float16", "BF16": "bfloat16"}[type_name]
