@@ -98,8 +98,9 @@ class Conversion:
 
     def __init__(self, source: CheckpointSource, out: Path, *, quant: str | None, group_size: int, progress: bool,
                  workers: int = 1, kill_after_layers: int | None = None, mtp: bool = True):
-        """quant: "q4", "q8", "none", or None: the source's MXFP4 experts kept as they are (KEEP_MXFP4),
-        everything else at q4. mtp False: the multi-token-prediction layers left out."""
+        """quant: "q4", "q8", "none", or None: a GGUF's tensors as its types allow (KEEP_SOURCE), else the
+        source's MXFP4 experts kept as they are (KEEP_MXFP4), everything else at q4. mtp False: the
+        multi-token-prediction layers left out."""
         self.source, self.out, self.group_size = source, out, group_size
         self.kill_after_layers = kill_after_layers
         self.progress = progress
@@ -322,8 +323,11 @@ def convert(src: str | Path, out: str | Path, *, quant: str | None = None, group
             kill_after_layers: int | None = None, tokenizer: str | Path | None = None, mtp: bool = True) -> Path:
     """Pack the checkpoint at `src` (folder, .gguf file or Hub repo id) into `out`; returns `out`.
 
-    `quant` None: q4, except that MXFP4 experts (gpt-oss, Hub or GGUF) keep their codes and scales;
-    "q4", "q8" or "none" quantizes every expert (MXFP4 ones dequantized first) as asked.
+    `quant` None: q4, except that MXFP4 experts (gpt-oss, Hub or GGUF) keep their codes and scales,
+    and that a GGUF's tensors are stored as their types allow (codes kept where our layout holds them
+    exactly, else no fewer bits: moestream.quant.ggml); "q4", "q8" or "none" quantizes every expert and
+    matrix (quantized ones dequantized first) as asked. What each class of tensor became is logged and
+    recorded as the manifest's `quantization.classes` (moestream.convert.summary).
 
     `workers` > 1 builds expert records on that many threads (the output is the same bytes); each
     worker's torch ops are best run single-threaded (the CLI sets that), else the pools compete.
