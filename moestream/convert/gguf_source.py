@@ -314,7 +314,8 @@ class GgufSource(CheckpointSource):
         data = t.data if expert is None else t.data[expert]
         permuted = self.arch == "llama" and gguf_name.endswith((".attn_q.weight", ".attn_k.weight"))
         rows = slice(None) if permuted else slice(start, start + count)  # the permutation needs every row
-        parts = ggml.affine_parts(t.tensor_type.name, torch.from_numpy(np.array(data[rows], dtype=np.uint8)))
+        parts = ggml.affine_parts(t.tensor_type.name, torch.from_numpy(np.array(data[rows], dtype=np.uint8)),
+                                  name=f"{self.folder}: {gguf_name}")
         if permuted:
             heads = self.config["num_attention_heads" if ".attn_q." in gguf_name else "num_key_value_heads"]
             parts = {k: unpermute(v, heads)[start:start + count].contiguous() for k, v in parts.items()}

@@ -115,13 +115,14 @@ def _blocks_affine(type_name: str, b: torch.Tensor) -> tuple[torch.Tensor, torch
     raise ValueError(f"no exact affine form for {type_name}")
 
 
-def affine_parts(type_name: str, raw: torch.Tensor) -> dict[str, torch.Tensor]:
+def affine_parts(type_name: str, raw: torch.Tensor, *, name: str = "") -> dict[str, torch.Tensor]:
     """Rows of a tensor as the file stores them (uint8 [..., O, row bytes]) -> its affine record parts:
-    `weight` uint32 [..., O, I·b/32], `scales` and `biases` [..., O, I/32] (EXACT's dtype)."""
+    `weight` uint32 [..., O, I·b/32], `scales` and `biases` [..., O, I/32] (EXACT's dtype). `name`
+    names the tensor in errors."""
     bits, block_bytes, scale_dtype = EXACT[type_name]
     *lead, rows, width = raw.shape
     if width % block_bytes:
-        raise UnsupportedModelError(f"GGUF {type_name} rows of {width} bytes are not whole {block_bytes}-byte blocks")
+        raise UnsupportedModelError(f"{name}: GGUF {type_name} rows of {width} bytes are not whole {block_bytes}-byte blocks")
     blocks = raw.reshape(-1, width // block_bytes, block_bytes)  # [R, B, bytes]
     codes, scales, biases = _blocks_affine(type_name, blocks)
     n = codes.shape[0]
@@ -130,5 +131,6 @@ def affine_parts(type_name: str, raw: torch.Tensor) -> dict[str, torch.Tensor]:
     if scale_dtype != torch.float32:
         scales, biases = scales.to(scale_dtype), biases.to(scale_dtype)
         if not bool(torch.isfinite(biases).all()):  # a block scale above 511: its bias overflows float16
-            raise UnsupportedModelError(f"GGUF {type_name} block scales too large for a float16 bias (above 511)")
+            raise UnsupportedModelError(f"{name}: GGUF {type_name} block scales above 511, whose biases float16 "
+                                        "cannot hold (convert with --quant q8 or none)")
     return {"weight": weight, "scales": scales, "biases": biases}

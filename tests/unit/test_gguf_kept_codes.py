@@ -222,3 +222,11 @@ def test_16_bit_float_gguf_stays_in_its_dtype(tiny_checkpoint, tmp_path, type_na
     assert got.expert_tensors(0, 3)["up_proj.weight"].dtype == dtype
     classes = got.manifest.quantization["classes"]
     assert classes["experts"] == classes["attention"] == classes["head"] == {"F16": "float16", "BF16": "bfloat16"}[type_name]
+
+
+def test_a_block_scale_float16_biases_cannot_hold_is_one_line():
+    block = np.zeros((1, 34), np.uint8)
+    block[0, :2] = np.array([600.0], np.float16).view(np.uint8)  # −128 · 600 is beyond float16
+    from moestream.errors import MoestreamError
+    with pytest.raises(MoestreamError, match=r"^blk.0.attn_q.weight: GGUF Q8_0 block scales above 511"):
+        ggml.affine_parts("Q8_0", torch.from_numpy(block).reshape(1, 34), name="blk.0.attn_q.weight")
