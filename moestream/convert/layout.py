@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
+from moestream.convert.summary import describe
 from moestream.errors import MoestreamError
 from moestream.format.manifest import EXPERT_PROJECTIONS
-from moestream.convert.summary import describe
 from moestream.format.writer import expert_record_tensors, stored_tensors
 from moestream.quant import mxfp4
 from moestream.quant.affine import QuantSpec, can_quantize
