@@ -168,10 +168,13 @@ def gpt_oss_stacks(tensors: dict[str, np.ndarray], layer: int) -> dict[str, np.n
             "ffn_up_exps.bias": bias[:, 1::2], "ffn_down_exps.bias": tensors[p + "down_proj_bias"]}
 
 
-def write_gpt_oss(hf_folder, path, *, expert_type, fuse_gate_up: bool = False, swiglu_clamp: bool = False):
+def write_gpt_oss(hf_folder, path, *, expert_type, fuse_gate_up: bool = False, swiglu_clamp: bool = False,
+                  resident_type=T.F32):
     """The checkpoint as llama.cpp's converter lays out arch gpt-oss: F32, the expert matrices in
     `expert_type` (by gguf), gate and up as two stacks or, with fuse_gate_up, one (gate rows, then
     up); the SwiGLU limit written only with swiglu_clamp (llama.cpp's gpt-oss leaves it to its code).
+    `resident_type`: the attention matrices, embeddings and head (as llama-quantize MXFP4_MOE writes
+    them in Q8_0; the router stays F32, as llama.cpp keeps it).
     Returns {GGUF name: the float32 values the file holds} for the expert stacks."""
     config = json.loads((hf_folder / "config.json").read_text())
     rope = config.get("rope_parameters") or config["rope_scaling"]
@@ -199,16 +202,23 @@ def write_gpt_oss(hf_folder, path, *, expert_type, fuse_gate_up: bool = False, s
         w.add_swiglu_clamp_exp([float(config["swiglu_limit"])] * L)
     w.add_uint32("tokenizer.ggml.eos_token_id", config["eos_token_id"])
     add_tokenizer(w, hf_folder)
-    w.add_tensor("token_embd.weight", tensors["model.embed_tokens.weight"])
+
+    def add_resident(name, values):
+        if values.ndim == 2 and resident_type != T.F32 and ".ffn_gate_inp." not in name:
+            w.add_tensor(name, gguf.quants.quantize(values, resident_type), raw_dtype=resident_type)
+        else:
+            w.add_tensor(name, values)
+
+    add_resident("token_embd.weight", tensors["model.embed_tokens.weight"])
     w.add_tensor("output_norm.weight", tensors["model.norm.weight"])
-    w.add_tensor("output.weight", tensors["lm_head.weight"])
+    add_resident("output.weight", tensors["lm_head.weight"])
     held = {}
     for layer in range(L):
         prefix = f"model.layers.{layer}."
         for hf, name in GPT_OSS_BLOCK.items():
             for kind in ("weight", "bias"):
                 if prefix + hf + "." + kind in tensors:
-                    w.add_tensor(f"blk.{layer}.{name}.{kind}", tensors[prefix + hf + "." + kind])
+                    add_resident(f"blk.{layer}.{name}.{kind}", tensors[prefix + hf + "." + kind])
         w.add_tensor(f"blk.{layer}.attn_sinks.weight", tensors[prefix + "self_attn.sinks"])
         stacks = gpt_oss_stacks(tensors, layer)
         if fuse_gate_up:

@@ -1,5 +1,6 @@
 """A GGUF file read as a Hugging Face checkpoint: config.json from its metadata, tensors under
-transformers' names, dequantized exactly to float32 by the gguf package.
+transformers' names, dequantized exactly by the gguf package (F16 and BF16 tensors in their own
+dtype, the rest as float32).
 
 Expert stacks (`blk.N.ffn_{gate,up,down}_exps`, [E, out, in]) are offered as per-expert tensors,
 one expert dequantized at a time. llama.cpp stores the q and k projections of "llama"-arch models
@@ -8,9 +9,10 @@ stored unpermuted. gpt-oss (arch `gpt-oss`) is offered as transformers stores it
 stacks for x @ W with gate and up rows interleaved, and their biases, built from llama.cpp's
 separate (or gate-then-up fused) stacks one expert at a time; where they are MXFP4, `mxfp4_rows`
 gives their codes and scales as they are (re-ordered to the Hub's layout), so convert keeps them.
-Otherwise re-quantizing a K-quant, Q8_0 or MXFP4 file to our format loses the original codes: the
-values are dequantized, then quantized again. Without a tokenizer folder, the tokenizer and chat template come from the metadata
-(gguf_tokenizer.py)."""
+`source_plan` says how convert stores each tensor by default (moestream.quant.ggml: the type's codes
+where our affine layout holds them exactly, read by `affine_rows`; else no fewer bits); `--quant`
+instead dequantizes and quantizes again. Without a tokenizer folder, the tokenizer and chat template
+come from the metadata (gguf_tokenizer.py)."""
 from __future__ import annotations
 
 import hashlib
@@ -49,6 +51,7 @@ GPT_OSS_STACKS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "ffn_gate_up_
 # gpt-oss settings llama.cpp does not write (its own code holds them): the released configs' values
 GPT_OSS_SWIGLU_LIMIT, GPT_OSS_YARN = 7.0, {"beta_fast": 32.0, "beta_slow": 1.0, "truncate": False}
 MIXTRAL_PROJ = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+HALF_TYPES = {"F16": torch.float16, "BF16": torch.bfloat16}  # offered in their own dtype (exactly), the rest as float32
 BLOCK_NAME = re.compile(r"^blk\.(?P<layer>\d+)\.(?P<what>[a-z_]+)\.(?P<kind>weight|bias)$")
 
 
@@ -230,7 +233,9 @@ class GgufSource(CheckpointSource):
         if hf_name.endswith("mlp.shared_expert_gate.weight") and len(shape) == 1:
             shape = (1, shape[0])
         self.index[hf_name] = self.folder.name
-        self._virtual[hf_name] = (gguf_name, expert, TensorInfo(hf_name, "F32", shape, -1, 4 * int(np.prod(shape))))
+        dtype = t.tensor_type.name if t.tensor_type.name in HALF_TYPES else "F32"  # 16-bit floats stay 16-bit
+        size = (2 if dtype in HALF_TYPES else 4) * int(np.prod(shape))
+        self._virtual[hf_name] = (gguf_name, expert, TensorInfo(hf_name, dtype, shape, -1, size))
 
     def info(self, name: str) -> TensorInfo:
         return self._virtual[name][2]
@@ -239,7 +244,7 @@ class GgufSource(CheckpointSource):
         gguf_name, expert, info = self._virtual[name]
         if name in self._fused:
             return self.get_rows(name, 0, info.shape[0])
-        out = self._dequantize(gguf_name, expert).reshape(info.shape)
+        out = self._dequantize(gguf_name, expert).reshape(info.shape).to(HALF_TYPES.get(info.dtype, torch.float32))
         if self.arch == "llama" and gguf_name.endswith((".attn_q.weight", ".attn_k.weight")):
             heads = self.config["num_attention_heads" if ".attn_q." in gguf_name else "num_key_value_heads"]
             out = unpermute(out, heads)
@@ -281,6 +286,40 @@ class GgufSource(CheckpointSource):
         (gate_b, gate_s), (up_b, up_s) = pieces
         return (torch.stack((gate_b, up_b), dim=2).flatten(1, 2).contiguous(),  # gate 0, up 0, gate 1, ...
                 torch.stack((gate_s, up_s), dim=2).flatten(1, 2).contiguous())
+
+    def source_plan(self, name: str):
+        """How convert stores `name` by default (moestream.quant.ggml.SourcePlan): its GGUF type's exact
+        affine form, float, or 8 bits. Fused gpt-oss stacks are rebuilt from rows, so their codes are not kept."""
+        import dataclasses
+
+        from moestream.quant import ggml
+
+        gguf_name, expert, info = self._virtual[name]
+        parts = self._fused[name][1] if name in self._fused else (gguf_name,)
+        types = sorted({self.tensors[p].tensor_type.name for p in parts})
+        dims = len(self.tensors[gguf_name].shape) - (expert is not None)
+        if len(types) > 1:  # gate and up stacks of two types: one record part, as the finer one needs
+            mixed = ggml.plan("+".join(types), info.shape)
+            return mixed if any(t not in ggml.FLOAT_TYPES for t in types) else ggml.plan("F32", info.shape)
+        plan = ggml.plan(types[0], info.shape if dims >= 2 else (int(np.prod(info.shape)),))
+        return dataclasses.replace(plan, kept=False) if name in self._fused and plan.spec.quantized else plan
+
+    def affine_rows(self, name: str, start: int, count: int) -> dict[str, torch.Tensor]:
+        """Rows start.. of a tensor whose source_plan keeps its codes, as affine record parts
+        {weight, scales, biases} holding the file's codes and block scales (moestream.quant.ggml)."""
+        from moestream.quant import ggml
+
+        gguf_name, expert, info = self._virtual[name]
+        t = self.tensors[gguf_name]
+        data = t.data if expert is None else t.data[expert]
+        permuted = self.arch == "llama" and gguf_name.endswith((".attn_q.weight", ".attn_k.weight"))
+        rows = slice(None) if permuted else slice(start, start + count)  # the permutation needs every row
+        parts = ggml.affine_parts(t.tensor_type.name, torch.from_numpy(np.array(data[rows], dtype=np.uint8)),
+                                  name=f"{self.folder}: {gguf_name}")
+        if permuted:
+            heads = self.config["num_attention_heads" if ".attn_q." in gguf_name else "num_key_value_heads"]
+            parts = {k: unpermute(v, heads)[start:start + count].contiguous() for k, v in parts.items()}
+        return parts
 
     def _dequantize(self, gguf_name: str, experts: int | slice | None) -> torch.Tensor:
         """A GGUF tensor (or some experts of a stack) in float32 [.., out, in], by gguf's own code."""

@@ -11,9 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
+from moestream.convert.summary import describe
 from moestream.errors import MoestreamError
 from moestream.format.manifest import EXPERT_PROJECTIONS
-from moestream.format.writer import expert_record_tensors
+from moestream.format.writer import expert_record_tensors, stored_tensors
 from moestream.quant import mxfp4
 from moestream.quant.affine import QuantSpec, can_quantize
 from moestream.quant.mlx import MlxQuantization, mlx_input_size
@@ -128,6 +129,7 @@ class LayerExperts:
     activation: str = "silu"  # recorded in every projection's QuantSpec (find_expert_layers sets it)
     activation_params: dict = {}  # the activation's alpha / limit, recorded beside it
     keep_mxfp4: bool = False  # records keep the source's MXFP4 codes (convert sets it where can_keep_mxfp4)
+    keep_source: bool = False  # each projection as the source's plan says (source.source_plan), not at `bits`
 
     def can_keep_mxfp4(self) -> bool:
         """Whether the source holds every weight of this layer's experts as MXFP4 codes and scales."""
@@ -138,6 +140,33 @@ class LayerExperts:
 
     def source_bytes(self) -> int:
         raise NotImplementedError
+
+    def source_name(self, proj: str) -> str | None:
+        """The source tensor expert 0's `proj` is read from (None where records are copied as they are)."""
+        return None
+
+    def origin(self, proj: str):
+        """The source's plan for `proj` (moestream.quant.ggml.SourcePlan), None for a source without plans."""
+        name = self.source_name(proj)
+        return self.source.source_plan(name) if name is not None and hasattr(self.source, "source_plan") else None
+
+    def stored_spec(self, proj: str, bits: int | None, group_size: int) -> tuple[QuantSpec, bool]:
+        """How the records store `proj`, and whether the values are the source's own."""
+        if self.keep_mxfp4:
+            return mxfp4.spec(), True
+        if self.keep_source:
+            origin = self.origin(proj)
+            return origin.spec, origin.kept
+        return (QuantSpec(bits, group_size) if bits else QuantSpec()), bits is None
+
+    def describe(self, bits: int | None, group_size: int) -> dict[str, str]:
+        """{`prefix.experts.proj`: what the records make of it} for the conversion's summary."""
+        out = {}
+        for proj in EXPERT_PROJECTIONS:
+            name, (spec, kept) = self.source_name(proj), self.stored_spec(proj, bits, group_size)
+            dtype = self.source.info(name).dtype if name is not None else "F32"
+            out[f"{self.prefix}.experts.{proj}"] = describe(spec, self.origin(proj), dtype, kept=kept)
+        return out
 
     def record(self, expert: int, bits: int | None, group_size: int) -> tuple[dict[str, torch.Tensor], dict[str, QuantSpec]]:
         """The record's named tensors for one expert and each projection's QuantSpec."""
@@ -158,8 +187,11 @@ class LayerExperts:
             raise LayoutError(f"{name}: dtype {dtype} is not a float type (quantized formats other than MLX are not read)")
 
 
-def _float_record(projections: dict[str, torch.Tensor], bits: int | None, group_size: int):
-    specs = {p: float_expert_spec(tuple(t.shape), bits, group_size) for p, t in projections.items()}
+def _float_record(projections: dict[str, torch.Tensor], bits: int | None, group_size: int,
+                  specs: dict[str, QuantSpec] | None = None):
+    """specs None: every projection at `bits` (float where it cannot be quantized)."""
+    if specs is None:
+        specs = {p: float_expert_spec(tuple(t.shape), bits, group_size) for p, t in projections.items()}
     return expert_record_tensors(projections, specs), specs
 
 
@@ -190,8 +222,22 @@ class PerExpertLayer(LayerExperts):
     def source_bytes(self) -> int:
         return sum(self.source.nbytes(n) for n in self.names.values())
 
+    def source_name(self, proj: str) -> str:
+        return self.name(0, proj)
+
     def _record(self, expert, bits, group_size):
-        return _float_record({p: self.source.get(self.name(expert, p)) for p in EXPERT_PROJECTIONS}, bits, group_size)
+        if not self.keep_source:
+            return _float_record({p: self.source.get(self.name(expert, p)) for p in EXPERT_PROJECTIONS}, bits, group_size)
+        tensors, specs = {}, {}
+        for proj in EXPERT_PROJECTIONS:
+            name, origin = self.name(expert, proj), self.origin(proj)
+            if origin.kept and origin.spec.quantized:  # the source's codes and block scales
+                rows = self.source.info(name).shape[0]
+                tensors.update({f"{proj}.{k}": v for k, v in self.source.affine_rows(name, 0, rows).items()})
+            else:
+                tensors.update(stored_tensors(f"{proj}.weight", self.source.get(name), origin.spec))
+            specs[proj] = origin.spec
+        return tensors, specs
 
 
 class FusedLayer(LayerExperts):
@@ -235,6 +281,9 @@ class FusedLayer(LayerExperts):
     def source_bytes(self) -> int:
         return sum(self.source.nbytes(n) for n in self.names.values())
 
+    def source_name(self, proj: str) -> str:
+        return self.names["down_proj" if proj == "down_proj" else "gate_up_proj"]
+
     def can_keep_mxfp4(self) -> bool:
         # MXFP4 blocks run along a stack's inputs for x @ W: only a transposed layout's rows are outputs
         stack = getattr(self.source, "mxfp4_stack", None)
@@ -272,7 +321,8 @@ class FusedLayer(LayerExperts):
             gate_up, down = gate_up.T, down.T
         gate, up = self._split(gate_up)  # [I, H] each
         projections = {"gate_proj": gate.contiguous(), "up_proj": up.contiguous(), "down_proj": down.contiguous()}
-        return _float_record(projections, bits, group_size)
+        specs = {p: self.origin(p).spec for p in EXPERT_PROJECTIONS} if self.keep_source else None
+        return _float_record(projections, bits, group_size, specs)
 
     def _split(self, gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Gate and up rows of a fused [2I, ...] tensor."""
@@ -330,6 +380,9 @@ class MlxStackLayer(LayerExperts):
 
     def source_bytes(self) -> int:
         return sum(self.source.nbytes(n) for n in self.names.values())
+
+    def stored_spec(self, proj: str, bits: int | None, group_size: int) -> tuple[QuantSpec, bool]:
+        return self.specs[proj], True
 
     def _record(self, expert, bits, group_size):
         tensors = {}

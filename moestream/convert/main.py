@@ -25,6 +25,7 @@ from moestream.convert.mtp import select_mtp
 from moestream.convert.resident import DenseTensor, check_dense, plan_dense
 from moestream.convert.source import TOKENIZER_FILES, CheckpointSource, open_source
 from moestream.convert.state import STATE_NAME, ConvertState, ResumeError
+from moestream.convert.summary import class_table, summary_text
 from moestream.errors import MoestreamError
 from moestream.format.manifest import (DENSE_NAME, FORMAT_VERSION, MANIFEST_NAME, ExpertLayer, Manifest, RecordField,
                                        read_manifest, write_manifest)
@@ -35,6 +36,7 @@ log = logging.getLogger(__name__)
 QUANT_BITS = {"q4": 4, "q8": 8, "none": None}
 DEFAULT_QUANT = "q4"  # without --quant: a float source's experts and matrices
 KEEP_MXFP4 = "mxfp4"  # without --quant, an MXFP4 source's experts keep their codes (recorded as this quant)
+KEEP_SOURCE = "source"  # without --quant, a GGUF's tensors as its types allow: codes kept, else no fewer bits
 GROUP_SIZES = (32, 64, 128)
 __all__ = ["convert", "main"]
 
@@ -55,6 +57,13 @@ def _row_blocks(source: CheckpointSource, name: str):
 
 
 def _write_dense_item(writer: SafetensorsWriter, source: CheckpointSource, item: DenseTensor) -> None:
+    if item.codes:  # the source's codes and block scales, as affine parts, a block of rows at a time
+        rows = item.shape[0]
+        step = max(1, rows * BLOCK_BYTES // max(item.source_bytes, 1))
+        pieces = [source.affine_rows(item.name, start, min(step, rows - start)) for start in range(0, rows, step)]
+        for part, key in zip(item.parts, ("weight", "scales", "biases")):
+            writer.write_blocks(part.name, (p[key] for p in pieces))
+        return
     if not item.quantize:  # copied as it is (float, or MLX-quantized parts), block by block
         for part in item.parts:
             as_u32 = part.dtype == "U32"
@@ -89,8 +98,9 @@ class Conversion:
 
     def __init__(self, source: CheckpointSource, out: Path, *, quant: str | None, group_size: int, progress: bool,
                  workers: int = 1, kill_after_layers: int | None = None, mtp: bool = True):
-        """quant: "q4", "q8", "none", or None: the source's MXFP4 experts kept as they are (KEEP_MXFP4),
-        everything else at q4. mtp False: the multi-token-prediction layers left out."""
+        """quant: "q4", "q8", "none", or None: a GGUF's tensors as its types allow (KEEP_SOURCE), else the
+        source's MXFP4 experts kept as they are (KEEP_MXFP4), everything else at q4. mtp False: the
+        multi-token-prediction layers left out."""
         self.source, self.out, self.group_size = source, out, group_size
         self.kill_after_layers = kill_after_layers
         self.progress = progress
@@ -98,15 +108,22 @@ class Conversion:
         layers, dense_names = find_expert_layers(source)
         self.mtp_layers, self.layers, dense_names = select_mtp(source, layers, dense_names, keep=mtp)
         check_expert_layers(self.layers, source, mtp_layers=self.mtp_layers)
+        keep_source = quant is None and hasattr(source, "source_plan")
         kept = [layer for layer, experts in self.layers.items() if quant is None and experts.can_keep_mxfp4()]
         for layer in kept:
             self.layers[layer].keep_mxfp4 = True
+        for experts in self.layers.values():
+            experts.keep_source = keep_source
         if kept and len(kept) < len(self.layers):
-            log.info("%d of %d MoE layers keep their MXFP4 experts; the others are quantized to q4", len(kept),
-                     len(self.layers))
-        self.quant = KEEP_MXFP4 if kept else (quant or DEFAULT_QUANT)
+            log.info("%d of %d MoE layers keep their MXFP4 experts; the others are %s", len(kept), len(self.layers),
+                     "stored as their source types allow" if keep_source else "quantized to q4")
+        self.quant = KEEP_SOURCE if keep_source else KEEP_MXFP4 if kept else (quant or DEFAULT_QUANT)
         self.bits = QUANT_BITS[self.quant if self.quant in QUANT_BITS else DEFAULT_QUANT]
-        self.dense = plan_dense(source, dense_names, self.bits, group_size)
+        self.dense = plan_dense(source, dense_names, self.bits, group_size, keep_source=keep_source)
+        described = {d.name: d.how for d in self.dense}
+        for experts in self.layers.values():
+            described.update(experts.describe(self.bits, group_size))
+        self.classes = class_table(described)
         check_dense(self.dense, source, mtp_layers=self.mtp_layers)
         self.options = {"source": source.origin, "source_files": source.file_sizes(), "quant": self.quant,
                         "group_size": group_size, "format_version": FORMAT_VERSION}
@@ -209,15 +226,16 @@ class Conversion:
         requested = {"quant": self.quant, "group_size": self.group_size}
         if self.source.mlx is not None:
             return {"mode": "affine", "imported": self.source.imported, "default_bits": self.source.mlx.bits,
-                    "group_size": self.source.mlx.group_size, "tensors": tensors, "requested": requested}
-        record = {"mode": "affine", "default_bits": self.bits, "group_size": self.group_size, "tensors": tensors,
-                  "requested": requested}
+                    "group_size": self.source.mlx.group_size, "tensors": tensors, "requested": requested,
+                    "classes": self.classes}
+        record = {"mode": "affine", "default_bits": None if self.quant == KEEP_SOURCE else self.bits,
+                  "group_size": self.group_size, "tensors": tensors, "requested": requested, "classes": self.classes}
         dequantized = getattr(self.source, "dequantized_from", None)  # GPTQ/AWQ codes not kept
         if dequantized:
             record["dequantized_from"] = dequantized
         if self.source.fp8 is not None:  # dequantized to float32, then quantized as requested
             record["dequantized"] = {"quant_method": "fp8", "weight_block_size": list(self.source.fp8.block)}
-        if self.quant == KEEP_MXFP4:  # the experts' codes and scales as the source has them
+        if any(experts.keep_mxfp4 for experts in self.layers.values()):  # the experts' codes and scales as they are
             record["imported"] = "mxfp4"
         elif self.source.mxfp4:  # dequantized exactly (bfloat16), then quantized as requested
             record["dequantized"] = {"quant_method": "mxfp4"}
@@ -305,8 +323,11 @@ def convert(src: str | Path, out: str | Path, *, quant: str | None = None, group
             kill_after_layers: int | None = None, tokenizer: str | Path | None = None, mtp: bool = True) -> Path:
     """Pack the checkpoint at `src` (folder, .gguf file or Hub repo id) into `out`; returns `out`.
 
-    `quant` None: q4, except that MXFP4 experts (gpt-oss, Hub or GGUF) keep their codes and scales;
-    "q4", "q8" or "none" quantizes every expert (MXFP4 ones dequantized first) as asked.
+    `quant` None: q4, except that MXFP4 experts (gpt-oss, Hub or GGUF) keep their codes and scales,
+    and that a GGUF's tensors are stored as their types allow (codes kept where our layout holds them
+    exactly, else no fewer bits: moestream.quant.ggml); "q4", "q8" or "none" quantizes every expert and
+    matrix (quantized ones dequantized first) as asked. What each class of tensor became is logged and
+    recorded as the manifest's `quantization.classes` (moestream.convert.summary).
 
     `workers` > 1 builds expert records on that many threads (the output is the same bytes); each
     worker's torch ops are best run single-threaded (the CLI sets that), else the pools compete.
@@ -324,7 +345,10 @@ def convert(src: str | Path, out: str | Path, *, quant: str | None = None, group
     try:
         job = Conversion(source, out, quant=quant, group_size=group_size, progress=progress, workers=workers,
                          kill_after_layers=kill_after_layers, mtp=mtp)
-        if job.quant == KEEP_MXFP4:
+        if job.quant == KEEP_SOURCE:
+            log.info("the GGUF's quantized tensors keep their codes where moestream's format holds them exactly, "
+                     "else are stored at no fewer bits (--quant q4|q8|none re-quantizes them)")
+        elif job.quant == KEEP_MXFP4:
             log.info("the experts are MXFP4: their codes and scales are kept as they are (--quant q4|q8|none "
                      "re-quantizes them)")
         elif source.fp8 is not None or source.mxfp4:
@@ -337,6 +361,7 @@ def convert(src: str | Path, out: str | Path, *, quant: str | None = None, group
         if job.prepare(force=force, resume=resume):
             try:
                 job.run()
+                log.info("%s", summary_text(job.classes))
             except WriteError as exc:
                 raise WriteError(f"{exc} (what is finished is kept: free space, then run again with --resume)") from None
     finally:

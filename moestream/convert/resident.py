@@ -8,7 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moestream.convert.layout import FLOAT_DTYPES, LayoutError
-from moestream.format.safetensors_io import TensorEntry
+from moestream.convert.summary import describe
+from moestream.format.safetensors_io import DTYPE_NAMES, TensorEntry
 from moestream.models.registry import weight_shapes
 from moestream.quant.affine import QuantSpec, can_quantize, packed_shape
 from moestream.quant.mlx import mlx_input_size
@@ -24,6 +25,8 @@ class DenseTensor:
     parts: list[TensorEntry]  # what dense.safetensors holds for it, in order
     quantize: bool  # quantize a float source tensor, or copy the source's tensors as they are
     source_bytes: int
+    codes: bool = False  # the source's own codes and block scales (source.affine_rows), neither copied nor quantized
+    how: str = ""  # what it became, for the conversion's summary
 
 
 def dense_spec(family, name: str, shape: list[int], bits: int | None, group_size: int) -> QuantSpec:
@@ -35,22 +38,32 @@ def dense_spec(family, name: str, shape: list[int], bits: int | None, group_size
     return QuantSpec() if kept is None else QuantSpec(kept, group_size)
 
 
-def plan_dense(source, names: list[str], bits: int | None, group_size: int) -> list[DenseTensor]:
+def plan_dense(source, names: list[str], bits: int | None, group_size: int, *,
+               keep_source: bool = False) -> list[DenseTensor]:
+    """keep_source: each tensor as the source's plan says (`source.source_plan`: its codes kept where
+    our format holds them exactly, else no fewer bits), not at `bits`."""
     if source.mlx is not None:
         return _plan_dense_mlx(source, names)
     plan = []
     for name in names:
         info = source.info(name)
         float_source = info.dtype in FLOAT_DTYPES
-        spec = dense_spec(source.family_module, name, list(info.shape), bits, group_size) if float_source else QuantSpec()
+        origin = source.source_plan(name) if hasattr(source, "source_plan") else None
+        if keep_source:
+            spec = origin.spec
+        else:
+            spec = dense_spec(source.family_module, name, list(info.shape), bits, group_size) if float_source else QuantSpec()
+        codes = keep_source and origin.kept and spec.quantized
         if spec.quantized:
             base = name[: -len(".weight")]
+            scales = DTYPE_NAMES[origin.scale_dtype] if codes else info.dtype
             w_shape, s_shape = packed_shape(info.shape[0], info.shape[1], spec.bits, spec.group_size)
-            parts = [TensorEntry(name, "U32", w_shape), TensorEntry(base + ".scales", info.dtype, s_shape),
-                     TensorEntry(base + ".biases", info.dtype, s_shape)]
+            parts = [TensorEntry(name, "U32", w_shape), TensorEntry(base + ".scales", scales, s_shape),
+                     TensorEntry(base + ".biases", scales, s_shape)]
         else:
             parts = [TensorEntry(name, info.dtype, info.shape)]
-        plan.append(DenseTensor(name, tuple(info.shape), spec, parts, spec.quantized, info.nbytes))
+        how = describe(spec, origin, info.dtype, kept=codes)
+        plan.append(DenseTensor(name, tuple(info.shape), spec, parts, spec.quantized and not codes, info.nbytes, codes, how))
     return plan
 
 
@@ -81,7 +94,7 @@ def _plan_dense_mlx(source, names: list[str]) -> list[DenseTensor]:
             nbytes = info.nbytes + scales.nbytes + biases.nbytes
         else:
             spec, shape, parts, nbytes = QuantSpec(), tuple(info.shape), [TensorEntry(name, info.dtype, info.shape)], info.nbytes
-        plan.append(DenseTensor(name, shape, spec, parts, False, nbytes))
+        plan.append(DenseTensor(name, shape, spec, parts, False, nbytes, how=describe(spec, None, info.dtype, kept=True)))
     return plan
 
 
