@@ -49,7 +49,7 @@ from moestream.kernels.pdl import pdl_launch
 
 MIN_CHUNK = 128  # fewest keys of a decode split (a multiple of every BLOCK_N below)
 MAX_SPLITS = 128  # most splits of a decode row: enough programs to fill the GPU at batch 1, Nkv 2
-_COMBINE_SPLITS = 32  # splits the combine kernel reads per step
+_COMBINE_ELEMENTS = 4096  # split partials x value features the combine kernel holds per step (registers)
 _LOG2E = 1.4426950408889634
 
 
@@ -83,10 +83,11 @@ def _attend_block(n0, m_i, l_i, acc, q0, q_ptr, q_off, q_ok, bt_ptr, max_blocks,
                   scale, qk_scale, softcap,
                   D: tl.constexpr, BKD: tl.constexpr, NUM_DK: tl.constexpr, DV: tl.constexpr, BDV: tl.constexpr,
                   BS: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, DOT_F32: tl.constexpr,
-                  PRECISION: tl.constexpr):
+                  PRECISION: tl.constexpr, ROW_MASK: tl.constexpr):
     """One block of BLOCK_N keys (positions n0 ..) of one kv head against M query rows: online
     softmax update of the running max m_i [M] (log2 units), sum l_i [M] and output acc [M, BDV].
-    Row i sees keys key_lo[i] .. key_hi[i]; keys k_first .. k_last are loaded (their union).
+    Keys k_first .. k_last are loaded; with ROW_MASK row i sees keys key_lo[i] .. key_hi[i] of them
+    (prefill), else every row sees them all (decode: each block holds one at least).
     q0: the [M, BKD] query tile when NUM_DK == 1, else q is read chunk by chunk at q_ptr + q_off."""
     n = n0 + tl.arange(0, BLOCK_N)
     n_ok = (n >= k_first) & (n <= k_last)
@@ -115,10 +116,15 @@ def _attend_block(n0, m_i, l_i, acc, q0, q_ptr, q_off, q_ok, bt_ptr, max_blocks,
         sc = softcap * (1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)) * 1.4426950408889634
     else:
         sc = sc * qk_scale
-    seen = (n[None, :] >= key_lo[:, None]) & (n[None, :] <= key_hi[:, None])
-    sc = tl.where(seen, sc, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet stays (0, 0, 0)
+    if ROW_MASK:  # rows of their own key ranges; a row that has seen no key yet stays (0, 0, 0)
+        seen = (n[None, :] >= key_lo[:, None]) & (n[None, :] <= key_hi[:, None])
+        sc = tl.where(seen, sc, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:  # every row sees keys k_first .. k_last, at least one in each block
+        sc = tl.where(n_ok[None, :], sc, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+        m_use = m_new
     alpha = tl.exp2(m_i - m_use)
     p = tl.exp2(sc - m_use[:, None])
     dv = tl.arange(0, BDV)
@@ -176,14 +182,14 @@ def _split_kernel(q_ptr, stride_qt, stride_qh, k_ptr, stride_kb, stride_ks, stri
                 m_i, l_i, acc = _attend_block(n0, m_i, l_i, acc, q0, q_ptr, q_off, q_ok, bt_ptr, max_blocks,
                                               num_blocks, k_ptr, stride_kb, stride_ks, v_ptr, stride_vb, stride_vs,
                                               key_lo, key_hi, start, last, scale, qk_scale, softcap, D, BKD, NUM_DK,
-                                              DV, BDV, BS, BLOCK_N, SOFTCAP, DOT_F32, PRECISION)
+                                              DV, BDV, BS, BLOCK_N, SOFTCAP, DOT_F32, PRECISION, False)
                 n0 += BLOCK_N
         else:
             for n0 in range(first, last + 1, BLOCK_N):
                 m_i, l_i, acc = _attend_block(n0, m_i, l_i, acc, q0, q_ptr, q_off, q_ok, bt_ptr, max_blocks,
                                               num_blocks, k_ptr, stride_kb, stride_ks, v_ptr, stride_vb, stride_vs,
                                               key_lo, key_hi, start, last, scale, qk_scale, softcap, D, BKD, NUM_DK,
-                                              DV, BDV, BS, BLOCK_N, SOFTCAP, DOT_F32, PRECISION)
+                                              DV, BDV, BS, BLOCK_N, SOFTCAP, DOT_F32, PRECISION, False)
         row = (t * NQ + heads).to(tl.int64) * grid_splits + s
         dv = tl.arange(0, BDV)
         tl.store(acc_ptr + row[:, None] * DV + dv[None, :], acc, mask=q_ok[:, None] & (dv < DV)[None, :])
@@ -292,7 +298,7 @@ def _prefill_kernel(q_ptr, stride_qt, stride_qh, k_ptr, stride_kb, stride_ks, st
                                                   num_blocks, k_ptr, stride_kb, stride_ks, v_ptr, stride_vb,
                                                   stride_vs, key_lo, key_hi, k_first, k_last, scale, qk_scale,
                                                   softcap, D, BKD, NUM_DK, DV, BDV, BS, BLOCK_N, SOFTCAP, DOT_F32,
-                                                  PRECISION)
+                                                  PRECISION, True)
                     n0 += BLOCK_N
             else:
                 for n0 in range(first, k_last + 1, BLOCK_N):
@@ -300,7 +306,7 @@ def _prefill_kernel(q_ptr, stride_qt, stride_qh, k_ptr, stride_kb, stride_ks, st
                                                   num_blocks, k_ptr, stride_kb, stride_ks, v_ptr, stride_vb,
                                                   stride_vs, key_lo, key_hi, k_first, k_last, scale, qk_scale,
                                                   softcap, D, BKD, NUM_DK, DV, BDV, BS, BLOCK_N, SOFTCAP, DOT_F32,
-                                                  PRECISION)
+                                                  PRECISION, True)
             done = done | sel
     if HAS_SINKS:
         sink = tl.load(sinks_ptr + head, mask=g < G, other=0.0) * 1.4426950408889634
@@ -482,7 +488,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if out_rows:
         _combine_kernel[(Nq, out_rows)](
             acc, m, l, m if sinks is None else sinks, out, positions, shape.MB, win, min_chunk, max_splits, T,
-            out.stride(0), NUM_SPLITS=splits, DV=Dv, BDV=bdv, BS=shape.BS, BLOCK_N=block_n, SB=_COMBINE_SPLITS,
+            out.stride(0), NUM_SPLITS=splits, DV=Dv, BDV=bdv, BS=shape.BS, BLOCK_N=block_n,
+            SB=max(1, min(32, _COMBINE_ELEMENTS // bdv)),
             WINDOWED=window is not None, HAS_SINKS=sinks is not None, num_warps=4, **pdl_launch(q, _INTERPRETED))
     return out
 
