@@ -2,15 +2,17 @@
 K/V, at the attention shapes of Gemma-4-26B-A4B, gpt-oss-20b and Qwen3-30B-A3B; JSON out.
 
     python scripts/bench_paged_attention.py --out paged-attention.json [--contexts 512 4096 32768]
-        [--rows 1] [--prefill 512 2048] [--block-size 16] [--dtype bf16]
+        [--rows 1] [--prefill 512 2048] [--block-size 16] [--dtype bf16] [--min-chunk 64] [--max-splits 128]
 
 Decode: --rows rows (batch 1 by default) of one sequence at the last position of a --contexts long
-cache; prefill: --prefill rows at positions 0..n-1 of one sequence (the chunk's K/V already in the
-cache). Each cell is the median over replays of a CUDA graph of several calls, each call on its own
-copy of the cache (at least 200 MB of copies, so K/V come from HBM as in a step where the other
-layers pass between two calls), in microseconds per call. SDPA gets the same keys contiguous
-([1, Nkv, n, D], enable_gqa; a window as the last `window` keys in decode and as a boolean mask in
-prefill) and computes no sinks (gpt-oss): its cells there are a bound, not the same work.
+cache, for each split rule of --min-chunk x --max-splits (a sweep when several; us_paged is the
+fastest, us_paged_by_split all of them); prefill: --prefill rows at positions 0..n-1 of one
+sequence (the chunk's K/V already in the cache). Each cell is the median over replays of a CUDA
+graph of several calls, each call on its own copy of the cache (at least 200 MB of copies, so K/V
+come from HBM as in a step where the other layers pass between two calls), in microseconds per
+call. SDPA gets the same keys contiguous ([1, Nkv, n, D], enable_gqa; a window as the last
+`window` keys in decode and as a boolean mask in prefill) and computes no sinks (gpt-oss): its
+cells there are a bound, not the same work.
 """
 from __future__ import annotations
 
@@ -98,8 +100,14 @@ def cell(model: str, layer: str, kind: str, rows: int, context: int, args) -> di
     opts = {"scale": D ** -0.5, "window": window,
             "sinks": torch.randn(Nq, generator=g).to(DEVICE) if sinks else None}
     attend = pa.paged_attention if kind == "decode" else pa.paged_prefill
-    ours = time_graph([lambda k=k, v=v, t=t: attend(q, k, v, t, positions, seq, **opts) for k, v, t in pools],
-                      args.reps)
+    block_n = pa.decode_block_n(dtype, D, D)  # a split rule's min_chunk is a multiple of it
+    splits = [{"min_chunk": c, "max_splits": n} for c in args.min_chunk for n in args.max_splits
+              if c % block_n == 0] if kind == "decode" else [{}]
+    ours = {}
+    for split in splits:
+        timed = time_graph([lambda k=k, v=v, t=t: attend(q, k, v, t, positions, seq, **opts, **split)
+                            for k, v, t in pools], args.reps)
+        ours["default" if not split else f"min_chunk={split['min_chunk']},max_splits={split['max_splits']}"] = timed
 
     # SDPA over the same keys, contiguous
     qs = q.permute(1, 0, 2).unsqueeze(0)  # [1, Nq, rows, D]
@@ -124,7 +132,7 @@ def cell(model: str, layer: str, kind: str, rows: int, context: int, args) -> di
     diff = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
     return {"kind": kind, "model": model, "layer": layer, "Nq": Nq, "Nkv": Nkv, "D": D, "window": window,
             "sinks": sinks, "rows": rows, "context": context, "block_size": args.block_size, "dtype": args.dtype,
-            "cache_copies": copies, "us_paged": ours, "us_sdpa": theirs,
+            "cache_copies": copies, "us_paged": min(ours.values()), "us_paged_by_split": ours, "us_sdpa": theirs,
             "rel_diff_vs_sdpa": None if sinks else float(f"{diff:.3g}")}
 
 
@@ -136,12 +144,19 @@ def main() -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--reps", type=int, default=50)
+    p.add_argument("--min-chunk", type=int, nargs="+", default=[pa.MIN_CHUNK],
+                   help="decode split rules to time (a sweep: several values)")
+    p.add_argument("--max-splits", type=int, nargs="+", default=[pa.MAX_SPLITS])
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU")
     if args.block_size < 1 or args.reps < 1 or min(args.contexts + args.rows + args.prefill, default=1) < 1:
         p.error("--block-size, --reps, --contexts, --rows and --prefill take positive numbers")
+    for Nq, Nkv, D, window, sinks in SHAPES.values():
+        block_n = pa.decode_block_n(DTYPES[args.dtype], D, D)
+        if args.rows and not any(c % block_n == 0 for c in args.min_chunk):
+            p.error(f"--min-chunk: none is a multiple of {block_n} (the decode kernel's keys per step at D {D})")
     cells = []
     for model, layer in SHAPES:
         runs = [("decode", rows, ctx) for rows in args.rows for ctx in args.contexts]

@@ -47,7 +47,7 @@ from triton.runtime.interpreter import InterpretedFunction
 from moestream.kernels.expert_layout import ACT_DTYPES
 from moestream.kernels.pdl import pdl_launch
 
-MIN_CHUNK = 128  # fewest keys of a decode split (a multiple of every BLOCK_N below)
+MIN_CHUNK = 64  # fewest keys of a decode split (a multiple of every BLOCK_N below)
 MAX_SPLITS = 128  # most splits of a decode row: enough programs to fill the GPU at batch 1, Nkv 2
 _COMBINE_ELEMENTS = 4096  # split partials x value features the combine kernel holds per step (registers)
 _LOG2E = 1.4426950408889634
