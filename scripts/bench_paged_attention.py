@@ -100,7 +100,7 @@ def cell(model: str, layer: str, kind: str, rows: int, context: int, args) -> di
     opts = {"scale": D ** -0.5, "window": window,
             "sinks": torch.randn(Nq, generator=g).to(DEVICE) if sinks else None}
     attend = pa.paged_attention if kind == "decode" else pa.paged_prefill
-    block_n = pa.decode_block_n(dtype, D, D)  # a split rule's min_chunk is a multiple of it
+    block_n = pa.decode_tile(dtype, Nq // Nkv, D, D).block_n  # a split rule's min_chunk is a multiple of it
     splits = [{"min_chunk": c, "max_splits": n} for c in args.min_chunk for n in args.max_splits
               if c % block_n == 0] if kind == "decode" else [{}]
     ours = {}
@@ -154,7 +154,7 @@ def main() -> None:
     if args.block_size < 1 or args.reps < 1 or min(args.contexts + args.rows + args.prefill, default=1) < 1:
         p.error("--block-size, --reps, --contexts, --rows and --prefill take positive numbers")
     for Nq, Nkv, D, window, sinks in SHAPES.values():
-        block_n = pa.decode_block_n(DTYPES[args.dtype], D, D)
+        block_n = pa.decode_tile(DTYPES[args.dtype], Nq // Nkv, D, D).block_n
         if args.rows and not any(c % block_n == 0 for c in args.min_chunk):
             p.error(f"--min-chunk: none is a multiple of {block_n} (the decode kernel's keys per step at D {D})")
     cells = []

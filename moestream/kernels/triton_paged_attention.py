@@ -78,17 +78,26 @@ def _clamp(x, n):
 
 
 @triton.jit
+def _mm(a, b, DOT_F32: tl.constexpr, PRECISION: tl.constexpr):
+    """a [M, K] @ b [K, N] in float32. Under the interpreter as a sum of products: its tl.dot (a BLAS
+    call) rounds a row differently by the row's place in the tile; an MMA does not."""
+    if DOT_F32:
+        return tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
+    return tl.dot(a, b, input_precision=PRECISION)
+
+
+@triton.jit
 def _attend_block(n0, m_i, l_i, acc, q0, q_ptr, q_off, q_ok, bt_ptr, max_blocks, num_blocks,
                   k_ptr, stride_kb, stride_ks, v_ptr, stride_vb, stride_vs, key_lo, key_hi, k_first, k_last,
                   scale, qk_scale, softcap,
                   D: tl.constexpr, BKD: tl.constexpr, NUM_DK: tl.constexpr, DV: tl.constexpr, BDV: tl.constexpr,
                   BS: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, DOT_F32: tl.constexpr,
-                  PRECISION: tl.constexpr, ROW_MASK: tl.constexpr):
+                  PRECISION: tl.constexpr):
     """One block of BLOCK_N keys (positions n0 ..) of one kv head against M query rows: online
     softmax update of the running max m_i [M] (log2 units), sum l_i [M] and output acc [M, BDV].
-    Keys k_first .. k_last are loaded; with ROW_MASK row i sees keys key_lo[i] .. key_hi[i] of them
-    (prefill), else every row sees them all (decode: each block holds one at least).
-    q0: the [M, BKD] query tile when NUM_DK == 1, else q is read chunk by chunk at q_ptr + q_off."""
+    Keys k_first .. k_last are loaded; row i sees keys key_lo[i] .. key_hi[i] of them (none: its
+    state stays as it was, exactly). q0: the [M, BKD] query tile when NUM_DK == 1, else q is read
+    chunk by chunk at q_ptr + q_off."""
     n = n0 + tl.arange(0, BLOCK_N)
     n_ok = (n >= k_first) & (n <= k_last)
     phys = _clamp(tl.load(bt_ptr + n // BS, mask=n_ok & (n // BS < max_blocks), other=0), num_blocks)
@@ -97,9 +106,7 @@ def _attend_block(n0, m_i, l_i, acc, q0, q_ptr, q_off, q_ok, bt_ptr, max_blocks,
     if NUM_DK == 1:
         d = tl.arange(0, BKD)
         k = tl.load(k_ptr + k_rows[:, None] + d[None, :], mask=n_ok[:, None] & (d < D)[None, :], other=0.0)
-        if DOT_F32:
-            k = k.to(tl.float32)
-        sc = tl.dot(q0, tl.trans(k), input_precision=PRECISION)  # [M, BLOCK_N]
+        sc = _mm(q0, tl.trans(k), DOT_F32, PRECISION)  # [M, BLOCK_N]
     else:
         sc = tl.zeros([q_off.shape[0], BLOCK_N], tl.float32)
         for c in tl.static_range(NUM_DK):
@@ -107,94 +114,120 @@ def _attend_block(n0, m_i, l_i, acc, q0, q_ptr, q_off, q_ok, bt_ptr, max_blocks,
             dm = d < D
             q = tl.load(q_ptr + q_off[:, None] + d[None, :], mask=q_ok[:, None] & dm[None, :], other=0.0)
             k = tl.load(k_ptr + k_rows[:, None] + d[None, :], mask=n_ok[:, None] & dm[None, :], other=0.0)
-            if DOT_F32:
-                q = q.to(tl.float32)
-                k = k.to(tl.float32)
-            sc += tl.dot(q, tl.trans(k), input_precision=PRECISION)
+            sc += _mm(q, tl.trans(k), DOT_F32, PRECISION)
     if SOFTCAP:  # softcap * tanh(s / softcap), tanh(x) = 1 - 2 / (exp(2x) + 1): exact limits at +-inf
         x = sc * scale / softcap
         sc = softcap * (1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)) * 1.4426950408889634
     else:
         sc = sc * qk_scale
-    if ROW_MASK:  # rows of their own key ranges; a row that has seen no key yet stays (0, 0, 0)
-        seen = (n[None, :] >= key_lo[:, None]) & (n[None, :] <= key_hi[:, None])
-        sc = tl.where(seen, sc, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    else:  # every row sees keys k_first .. k_last, at least one in each block
-        sc = tl.where(n_ok[None, :], sc, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-        m_use = m_new
+    seen = (n[None, :] >= key_lo[:, None]) & (n[None, :] <= key_hi[:, None])
+    sc = tl.where(seen, sc, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet stays (0, 0, 0)
     alpha = tl.exp2(m_i - m_use)
     p = tl.exp2(sc - m_use[:, None])
     dv = tl.arange(0, BDV)
     v = tl.load(v_ptr + v_rows[:, None] + dv[None, :], mask=n_ok[:, None] & (dv < DV)[None, :], other=0.0)
-    if DOT_F32:
-        v = v.to(tl.float32)
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    acc = acc * alpha[:, None] + _mm(p.to(v.dtype), v, DOT_F32, PRECISION)
     return m_new, l_i, acc
 
 
 @triton.jit
-def _split_kernel(q_ptr, stride_qt, stride_qh, k_ptr, stride_kb, stride_ks, stride_kh, v_ptr, stride_vb, stride_vs,
-                  stride_vh, bt_ptr, stride_bt, pos_ptr, seq_ptr, num_seqs, max_blocks, num_blocks, window,
-                  min_chunk, max_splits, scale, qk_scale, softcap, acc_ptr, m_ptr, l_ptr, grid_splits, NQ,
-                  G: tl.constexpr, GB: tl.constexpr, D: tl.constexpr, BKD: tl.constexpr, NUM_DK: tl.constexpr,
-                  DV: tl.constexpr, BDV: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
-                  WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr, WHILE_LOOP: tl.constexpr, DOT_F32: tl.constexpr,
-                  PRECISION: tl.constexpr, PDL: tl.constexpr):
+def _attn_kernel(q_ptr, stride_qt, stride_qh, k_ptr, stride_kb, stride_ks, stride_kh, v_ptr, stride_vb, stride_vs,
+                 stride_vh, bt_ptr, stride_bt, pos_ptr, seq_ptr, num_seqs, max_blocks, num_blocks, window,
+                 min_chunk, max_splits, scale, qk_scale, softcap, sinks_ptr, out_ptr, stride_or, acc_ptr, m_ptr, l_ptr,
+                 grid_splits, NQ, rows, out_rows,
+                 G: tl.constexpr, GP: tl.constexpr, BLOCK_R: tl.constexpr, D: tl.constexpr, BKD: tl.constexpr,
+                 NUM_DK: tl.constexpr, DV: tl.constexpr, BDV: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
+                 WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, SPLIT: tl.constexpr,
+                 WHILE_LOOP: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # launched with PDL: the kernel before it complete and visible first; the next may be scheduled
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    # One program: row t's G query heads of kv head `kvh` against split s of the row's keys. Writes the
-    # unnormalized output acc [G, Dv], the running max m (log2 units) and the sum l of the split.
-    kvh = tl.program_id(0)
-    s = tl.program_id(1)
-    t = tl.program_id(2)
-    pos, lo = _row_keys(pos_ptr + t, max_blocks * BS, window, WINDOWED)
-    chunk = _row_chunk(pos, lo, min_chunk, max_splits, BLOCK_N)
-    split0 = (lo // chunk + s) * chunk
-    start = tl.maximum(split0, lo)
-    last = tl.minimum(split0 + chunk, pos + 1) - 1
-    if start <= last:  # splits past the row's keys do nothing (the combine does not read them)
-        seq = _clamp(tl.load(seq_ptr + t).to(tl.int64), num_seqs)
-        bt_ptr += seq * stride_bt
+    # One program: rows tile*BLOCK_R .. +BLOCK_R, the G query heads of kv head `kvh` each: M = BLOCK_R * GP
+    # MMA rows, row i = (call row r_i, head g_i). SPLIT (decode): each row over split s of its own keys,
+    # the unnormalized output acc [G, Dv], running max m (log2 units) and sum l written per (row, head,
+    # split) for the combine; else (prefill) each row over all its keys, the output written. The rows'
+    # sequences in turn, one pass each (usually one): a pass reads each block of its sequence once.
+    M: tl.constexpr = BLOCK_R * GP
+    tile = tl.program_id(0)
+    kvh = tl.program_id(1)
+    s = tl.program_id(2)
+    i = tl.arange(0, M)
+    r = tile * BLOCK_R + i // GP
+    g = i % GP
+    head = kvh * G + g
+    real = (r < rows) & (g < G)
+    max_pos = max_blocks * BS
+    pos = tl.minimum(tl.maximum(tl.load(pos_ptr + r, mask=real, other=0).to(tl.int32), 0), max_pos - 1)
+    lo = tl.maximum(pos - window + 1, 0) if WINDOWED else pos * 0
+    if SPLIT:
+        chunk = _row_chunk(pos, lo, min_chunk, max_splits, BLOCK_N)
+        split0 = (lo // chunk + s) * chunk
+        start = tl.maximum(split0, lo)
+        last = tl.minimum(split0 + chunk, pos + 1) - 1
+        active = real & (start <= last)  # splits past a row's keys do nothing (the combine does not read them)
+    else:
+        start = lo
+        last = pos
+        active = real
+    m_i = tl.full([M], float("-inf"), tl.float32)
+    l_i = tl.zeros([M], tl.float32)
+    acc = tl.zeros([M, BDV], tl.float32)
+    if tl.sum(active.to(tl.int32), axis=0) > 0:
+        seq = _clamp(tl.load(seq_ptr + r, mask=real, other=0).to(tl.int32), num_seqs)
         k_ptr += kvh.to(tl.int64) * stride_kh
         v_ptr += kvh.to(tl.int64) * stride_vh
-        g = tl.arange(0, GB)
-        q_ok = g < G
-        heads = kvh * G + g
-        q_off = t.to(tl.int64) * stride_qt + heads.to(tl.int64) * stride_qh  # [GB]
+        q_off = r.to(tl.int64) * stride_qt + head.to(tl.int64) * stride_qh
         d = tl.arange(0, BKD)
-        q0 = tl.load(q_ptr + q_off[:, None] + d[None, :], mask=q_ok[:, None] & (d < D)[None, :], other=0.0)
-        if DOT_F32:
-            q0 = q0.to(tl.float32)
-        key_lo = tl.full([GB], 0, tl.int32) + start
-        key_hi = tl.full([GB], 0, tl.int32) + last
-        m_i = tl.full([GB], float("-inf"), tl.float32)
-        l_i = tl.zeros([GB], tl.float32)
-        acc = tl.zeros([GB, BDV], tl.float32)
-        first = start // BLOCK_N * BLOCK_N
-        if WHILE_LOOP:  # the interpreter takes no loop bounds read from memory
-            n0 = first
-            while n0 <= last:
-                m_i, l_i, acc = _attend_block(n0, m_i, l_i, acc, q0, q_ptr, q_off, q_ok, bt_ptr, max_blocks,
-                                              num_blocks, k_ptr, stride_kb, stride_ks, v_ptr, stride_vb, stride_vs,
-                                              key_lo, key_hi, start, last, scale, qk_scale, softcap, D, BKD, NUM_DK,
-                                              DV, BDV, BS, BLOCK_N, SOFTCAP, DOT_F32, PRECISION, False)
-                n0 += BLOCK_N
-        else:
-            for n0 in range(first, last + 1, BLOCK_N):
-                m_i, l_i, acc = _attend_block(n0, m_i, l_i, acc, q0, q_ptr, q_off, q_ok, bt_ptr, max_blocks,
-                                              num_blocks, k_ptr, stride_kb, stride_ks, v_ptr, stride_vb, stride_vs,
-                                              key_lo, key_hi, start, last, scale, qk_scale, softcap, D, BKD, NUM_DK,
-                                              DV, BDV, BS, BLOCK_N, SOFTCAP, DOT_F32, PRECISION, False)
-        row = (t * NQ + heads).to(tl.int64) * grid_splits + s
-        dv = tl.arange(0, BDV)
-        tl.store(acc_ptr + row[:, None] * DV + dv[None, :], acc, mask=q_ok[:, None] & (dv < DV)[None, :])
-        tl.store(m_ptr + row, m_i, mask=q_ok)
-        tl.store(l_ptr + row, l_i, mask=q_ok)
+        q0 = tl.load(q_ptr + q_off[:, None] + d[None, :], mask=real[:, None] & (d < D)[None, :], other=0.0)
+        done = ~active
+        for _ in range(BLOCK_R):  # at most one pass per row
+            if tl.sum((~done).to(tl.int32), axis=0) > 0:
+                cur = tl.min(tl.where(done, num_seqs, seq), axis=0)
+                sel = (~done) & (seq == cur)
+                key_lo = tl.where(sel, start, max_pos)
+                key_hi = tl.where(sel, last, -1)
+                k_first = tl.min(key_lo, axis=0)
+                k_last = tl.max(key_hi, axis=0)
+                seq_bt = bt_ptr + cur.to(tl.int64) * stride_bt
+                first = k_first // BLOCK_N * BLOCK_N  # blocks at multiples of BLOCK_N: a row's blocks whatever the pass
+                if WHILE_LOOP:  # the interpreter takes no loop bounds read from memory
+                    n0 = first
+                    while n0 <= k_last:
+                        m_i, l_i, acc = _attend_block(n0, m_i, l_i, acc, q0, q_ptr, q_off, real, seq_bt, max_blocks,
+                                                      num_blocks, k_ptr, stride_kb, stride_ks, v_ptr, stride_vb,
+                                                      stride_vs, key_lo, key_hi, k_first, k_last, scale, qk_scale,
+                                                      softcap, D, BKD, NUM_DK, DV, BDV, BS, BLOCK_N, SOFTCAP,
+                                                      DOT_F32, PRECISION)
+                        n0 += BLOCK_N
+                else:
+                    for n0 in range(first, k_last + 1, BLOCK_N):
+                        m_i, l_i, acc = _attend_block(n0, m_i, l_i, acc, q0, q_ptr, q_off, real, seq_bt, max_blocks,
+                                                      num_blocks, k_ptr, stride_kb, stride_ks, v_ptr, stride_vb,
+                                                      stride_vs, key_lo, key_hi, k_first, k_last, scale, qk_scale,
+                                                      softcap, D, BKD, NUM_DK, DV, BDV, BS, BLOCK_N, SOFTCAP,
+                                                      DOT_F32, PRECISION)
+                done = done | sel
+    dv = tl.arange(0, BDV)
+    if SPLIT:
+        part = (r * NQ + head).to(tl.int64) * grid_splits + s
+        tl.store(acc_ptr + part[:, None] * DV + dv[None, :], acc, mask=active[:, None] & (dv < DV)[None, :])
+        tl.store(m_ptr + part, m_i, mask=active)
+        tl.store(l_ptr + part, l_i, mask=active)
+    else:
+        if HAS_SINKS:
+            sink = tl.load(sinks_ptr + head, mask=g < G, other=0.0) * 1.4426950408889634
+            m_fin = tl.maximum(m_i, sink)
+            alpha = tl.exp2(m_i - m_fin)
+            acc = acc * alpha[:, None]
+            l_i = l_i * alpha + tl.exp2(sink - m_fin)
+        out = acc / tl.where(real, l_i, 1.0)[:, None]
+        out = tl.where(real[:, None], out, 0.0)
+        dst = out_ptr + r.to(tl.int64)[:, None] * stride_or + (head * DV)[:, None] + dv[None, :]
+        tl.store(dst, out.to(out_ptr.dtype.element_ty),
+                 mask=((r < out_rows) & (g < G))[:, None] & (dv < DV)[None, :])
 
 
 @triton.jit
@@ -246,82 +279,6 @@ def _combine_kernel(acc_ptr, m_ptr, l_ptr, sinks_ptr, out_ptr, pos_ptr, max_bloc
 
 
 @triton.jit
-def _prefill_kernel(q_ptr, stride_qt, stride_qh, k_ptr, stride_kb, stride_ks, stride_kh, v_ptr, stride_vb, stride_vs,
-                    stride_vh, bt_ptr, stride_bt, pos_ptr, seq_ptr, num_seqs, max_blocks, num_blocks, window,
-                    scale, qk_scale, softcap, sinks_ptr, out_ptr, stride_or, rows, out_rows,
-                    G: tl.constexpr, GP: tl.constexpr, BLOCK_R: tl.constexpr, D: tl.constexpr, BKD: tl.constexpr,
-                    NUM_DK: tl.constexpr, DV: tl.constexpr, BDV: tl.constexpr, BS: tl.constexpr,
-                    BLOCK_N: tl.constexpr, WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
-                    WHILE_LOOP: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # launched with PDL: the kernel before it complete and visible first; the next may be scheduled
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    # One program: rows tile*BLOCK_R .. +BLOCK_R, the G query heads of kv head `kvh` each: M = BLOCK_R * GP
-    # MMA rows, row i = (call row r_i, head g_i). The tile's sequences in turn (one pass each; usually one).
-    M: tl.constexpr = BLOCK_R * GP
-    tile = tl.program_id(0)
-    kvh = tl.program_id(1)
-    i = tl.arange(0, M)
-    r = tile * BLOCK_R + i // GP
-    g = i % GP
-    head = kvh * G + g
-    real = (r < rows) & (g < G)
-    max_pos = max_blocks * BS
-    pos = tl.minimum(tl.maximum(tl.load(pos_ptr + r, mask=real, other=0).to(tl.int32), 0), max_pos - 1)
-    lo = tl.maximum(pos - window + 1, 0) if WINDOWED else pos * 0
-    seq = _clamp(tl.load(seq_ptr + r, mask=real, other=0).to(tl.int32), num_seqs)
-    k_ptr += kvh.to(tl.int64) * stride_kh
-    v_ptr += kvh.to(tl.int64) * stride_vh
-    q_off = r.to(tl.int64) * stride_qt + head.to(tl.int64) * stride_qh
-    d = tl.arange(0, BKD)
-    q0 = tl.load(q_ptr + q_off[:, None] + d[None, :], mask=real[:, None] & (d < D)[None, :], other=0.0)
-    if DOT_F32:
-        q0 = q0.to(tl.float32)
-    m_i = tl.full([M], float("-inf"), tl.float32)
-    l_i = tl.zeros([M], tl.float32)
-    acc = tl.zeros([M, BDV], tl.float32)
-    done = ~real
-    for _ in range(BLOCK_R):  # at most one pass per row
-        if tl.sum((~done).to(tl.int32), axis=0) > 0:
-            cur = tl.min(tl.where(done, num_seqs, seq), axis=0)
-            sel = (~done) & (seq == cur)
-            key_lo = tl.where(sel, lo, max_pos)
-            key_hi = tl.where(sel, pos, -1)
-            k_first = tl.min(key_lo, axis=0)
-            k_last = tl.max(key_hi, axis=0)
-            seq_bt = bt_ptr + cur.to(tl.int64) * stride_bt
-            first = k_first // BLOCK_N * BLOCK_N
-            if WHILE_LOOP:  # the interpreter takes no loop bounds read from memory
-                n0 = first
-                while n0 <= k_last:
-                    m_i, l_i, acc = _attend_block(n0, m_i, l_i, acc, q0, q_ptr, q_off, real, seq_bt, max_blocks,
-                                                  num_blocks, k_ptr, stride_kb, stride_ks, v_ptr, stride_vb,
-                                                  stride_vs, key_lo, key_hi, k_first, k_last, scale, qk_scale,
-                                                  softcap, D, BKD, NUM_DK, DV, BDV, BS, BLOCK_N, SOFTCAP, DOT_F32,
-                                                  PRECISION, True)
-                    n0 += BLOCK_N
-            else:
-                for n0 in range(first, k_last + 1, BLOCK_N):
-                    m_i, l_i, acc = _attend_block(n0, m_i, l_i, acc, q0, q_ptr, q_off, real, seq_bt, max_blocks,
-                                                  num_blocks, k_ptr, stride_kb, stride_ks, v_ptr, stride_vb,
-                                                  stride_vs, key_lo, key_hi, k_first, k_last, scale, qk_scale,
-                                                  softcap, D, BKD, NUM_DK, DV, BDV, BS, BLOCK_N, SOFTCAP, DOT_F32,
-                                                  PRECISION, True)
-            done = done | sel
-    if HAS_SINKS:
-        sink = tl.load(sinks_ptr + head, mask=g < G, other=0.0) * 1.4426950408889634
-        m_fin = tl.maximum(m_i, sink)
-        alpha = tl.exp2(m_i - m_fin)
-        acc = acc * alpha[:, None]
-        l_i = l_i * alpha + tl.exp2(sink - m_fin)
-    out = acc / tl.where(real, l_i, 1.0)[:, None]
-    out = tl.where(real[:, None], out, 0.0)
-    dv = tl.arange(0, BDV)
-    dst = out_ptr + r.to(tl.int64)[:, None] * stride_or + (head * DV)[:, None] + dv[None, :]
-    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=((r < out_rows) & (g < G))[:, None] & (dv < DV)[None, :])
-
-
-@triton.jit
 def _store_kv_kernel(k_ptr, stride_kt, stride_kh, v_ptr, stride_vt, stride_vh, pos_ptr, seq_ptr, bt_ptr, stride_bt,
                      num_seqs, max_blocks, num_blocks, kc_ptr, stride_cb, stride_cs, stride_ch, vc_ptr, stride_wb,
                      stride_ws, stride_wh, D: tl.constexpr, BD: tl.constexpr, DV: tl.constexpr, BDV: tl.constexpr,
@@ -348,7 +305,7 @@ def _store_kv_kernel(k_ptr, stride_kt, stride_kh, v_ptr, stride_vt, stride_vh, p
 
 # Triton's CPU interpreter takes no loop bounds read from memory and multiplies bfloat16 dot operands as
 # their raw bits: there the kernels loop with `while` and widen dot operands to float32 first.
-_INTERPRETED = isinstance(_split_kernel, InterpretedFunction)
+_INTERPRETED = isinstance(_attn_kernel, InterpretedFunction)
 
 
 # -- wrappers ------------------------------------------------------------------------------------------
@@ -437,14 +394,32 @@ def _cache_args(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple:
             v_cache, v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
 
 
-def _loop_args(dtype: torch.dtype) -> dict:
-    return {"WHILE_LOOP": _INTERPRETED, "DOT_F32": _INTERPRETED,
-            "PRECISION": "ieee" if dtype == torch.float32 or _INTERPRETED else "tf32"}
+@dataclass(frozen=True)
+class Tile:
+    """A program's rows: block_r call rows x gp (G padded to a power of two) query heads, M = block_r * gp
+    MMA rows (at least 16), against blocks of block_n keys. From the dtype and head sizes alone, never T."""
+    block_r: int
+    gp: int
+    block_n: int
+    warps: int
 
 
-def decode_block_n(dtype: torch.dtype, D: int, Dv: int) -> int:
-    """Keys per step of the decode kernel (tl.dot wants >= 16; fp32 and wide heads keep tiles smaller)."""
-    return 32 if dtype == torch.float32 or max(D, Dv) > 128 else 64
+def _tile(dtype: torch.dtype, G: int, D: int, Dv: int, m: int) -> Tile:
+    gp = triton.next_power_of_2(G)
+    block_r = max(1, max(m, 16) // gp)
+    block_n = 32 if dtype == torch.float32 or max(D, Dv) > 128 else 64
+    return Tile(block_r, gp, block_n, 8 if block_r * gp * max(D, Dv) >= 8192 else 4)
+
+
+def decode_tile(dtype: torch.dtype, G: int, D: int, Dv: int) -> Tile:
+    """Decode: 32-64 MMA rows, so up to 64 / G rows of a call read their sequence's K/V once (a step of
+    T drafted tokens reads the cache about once, not T times)."""
+    return _tile(dtype, G, D, Dv, 64 if dtype != torch.float32 and max(D, Dv) <= 128 else 32)
+
+
+def prefill_tile(dtype: torch.dtype, G: int, D: int, Dv: int) -> Tile:
+    """Prefill: 64 MMA rows (32 in float32 or past 256 features a head)."""
+    return _tile(dtype, G, D, Dv, 32 if dtype == torch.float32 or max(D, Dv) > 256 else 64)
 
 
 def decode_splits(shape: PagedShape, window: int | None, *, min_chunk: int = MIN_CHUNK,
@@ -454,77 +429,77 @@ def decode_splits(shape: PagedShape, window: int | None, *, min_chunk: int = MIN
     return min(max_splits, triton.cdiv(span - 1, min_chunk) + 1)
 
 
+def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+            positions: torch.Tensor, seq_of_row: torch.Tensor, shape: PagedShape, tile: Tile, grid: tuple, *,
+            scale: float, window: int | None, sinks: torch.Tensor | None, softcap: float | None, out: torch.Tensor,
+            out_rows: int, split: tuple | None) -> None:
+    """_attn_kernel; split: (acc, m, l, splits, min_chunk, max_splits) for decode, None for prefill."""
+    acc, m, l, splits, min_chunk, max_splits = split or (out, out, out, 1, 1, 2)
+    bkd, num_dk = _key_tiles(shape.D)
+    _attn_kernel[grid](
+        q, q.stride(0), q.stride(1), *_cache_args(k_cache, v_cache), block_table, block_table.stride(0), positions,
+        seq_of_row, shape.S, shape.MB, shape.NB, 0 if window is None else window, min_chunk, max_splits, scale,
+        scale * _LOG2E, softcap or 1.0, out if sinks is None else sinks, out, out.stride(0), acc, m, l, splits,
+        shape.Nq, shape.T, out_rows, G=shape.G, GP=tile.gp, BLOCK_R=tile.block_r, D=shape.D, BKD=bkd,
+        NUM_DK=num_dk, DV=shape.Dv, BDV=max(16, triton.next_power_of_2(shape.Dv)), BS=shape.BS,
+        BLOCK_N=tile.block_n, WINDOWED=window is not None, SOFTCAP=softcap is not None,
+        HAS_SINKS=sinks is not None, SPLIT=split is not None, WHILE_LOOP=_INTERPRETED, DOT_F32=_INTERPRETED,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=tile.warps, num_stages=2,
+        **pdl_launch(q, _INTERPRETED))
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                     positions: torch.Tensor, seq_of_row: torch.Tensor, *, scale: float, window: int | None = None,
                     sinks: torch.Tensor | None = None, softcap: float | None = None, out_rows: int | None = None,
                     min_chunk: int = MIN_CHUNK, max_splits: int = MAX_SPLITS) -> torch.Tensor:
     """Decode attention of q [T, Nq, D] (rows may be strided) over the paged cache: row t over positions
     max(0, pos_t - window + 1) .. pos_t of sequence seq_of_row[t]. Returns [out_rows or T, Nq*Dv] in q's
-    dtype, rows past T zero. Flash-decoding: kernel 1 over (kv head, split, row), kernel 2 combines a
-    row's splits. Row t's bits depend on its own q, position, window and sequence only (and on
-    min_chunk / max_splits, the split rule: keep the defaults wherever bits are compared)."""
+    dtype, rows past T zero. v_cache may be a view into k_cache (latent attention: the values are the
+    keys' first Dv features). Flash-decoding: kernel 1 over (tile of rows, kv head, split), kernel 2
+    combines a row's splits. Row t's bits depend on its own q, position, window and sequence only (and
+    on min_chunk / max_splits, the split rule: keep the defaults wherever bits are compared)."""
     shape = _paged_shape(q, q.shape[1], k_cache, v_cache, block_table, positions, seq_of_row)
     out_rows = _check_options(shape, q.device, window, sinks, softcap, out_rows)
-    block_n = decode_block_n(q.dtype, shape.D, shape.Dv)
-    if min_chunk < block_n or min_chunk % block_n or max_splits < 2:
-        raise ValueError(f"min_chunk {min_chunk}: a multiple of {block_n}; max_splits {max_splits}: at least 2")
+    tile = decode_tile(q.dtype, shape.G, shape.D, shape.Dv)
+    if min_chunk < tile.block_n or min_chunk % tile.block_n or max_splits < 2:
+        raise ValueError(f"min_chunk {min_chunk}: a multiple of {tile.block_n}; max_splits {max_splits}: at least 2")
     T, Nq, Dv = shape.T, shape.Nq, shape.Dv
     splits = decode_splits(shape, window, min_chunk=min_chunk, max_splits=max_splits)
-    bkd, num_dk = _key_tiles(shape.D)
-    bdv = max(16, triton.next_power_of_2(Dv))
     acc = torch.empty((T, Nq, splits, Dv), dtype=torch.float32, device=q.device)
     m = torch.empty((T, Nq, splits), dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
     out = torch.empty((out_rows, Nq * Dv), dtype=q.dtype, device=q.device)
-    win = 0 if window is None else window
     if T:
-        _split_kernel[(shape.Nkv, splits, T)](
-            q, q.stride(0), q.stride(1), *_cache_args(k_cache, v_cache), block_table, block_table.stride(0),
-            positions, seq_of_row, shape.S, shape.MB, shape.NB, win, min_chunk, max_splits, scale, scale * _LOG2E,
-            softcap or 1.0, acc, m, l, splits, Nq, G=shape.G, GB=max(16, triton.next_power_of_2(shape.G)),
-            D=shape.D, BKD=bkd, NUM_DK=num_dk, DV=Dv, BDV=bdv, BS=shape.BS, BLOCK_N=block_n,
-            WINDOWED=window is not None, SOFTCAP=softcap is not None, **_loop_args(q.dtype),
-            num_warps=8 if max(shape.D, Dv) > 256 else 4, num_stages=2, **pdl_launch(q, _INTERPRETED))
+        _launch(q, k_cache, v_cache, block_table, positions, seq_of_row, shape, tile,
+                (triton.cdiv(T, tile.block_r), shape.Nkv, splits), scale=scale, window=window, sinks=sinks,
+                softcap=softcap, out=out, out_rows=T, split=(acc, m, l, splits, min_chunk, max_splits))
     if out_rows:
+        bdv = max(16, triton.next_power_of_2(Dv))
         _combine_kernel[(Nq, out_rows)](
-            acc, m, l, m if sinks is None else sinks, out, positions, shape.MB, win, min_chunk, max_splits, T,
-            out.stride(0), NUM_SPLITS=splits, DV=Dv, BDV=bdv, BS=shape.BS, BLOCK_N=block_n,
-            SB=max(1, min(32, _COMBINE_ELEMENTS // bdv)),
-            WINDOWED=window is not None, HAS_SINKS=sinks is not None, num_warps=4, **pdl_launch(q, _INTERPRETED))
+            acc, m, l, m if sinks is None else sinks, out, positions, shape.MB, 0 if window is None else window,
+            min_chunk, max_splits, T, out.stride(0), NUM_SPLITS=splits, DV=Dv, BDV=bdv, BS=shape.BS,
+            BLOCK_N=tile.block_n, SB=max(1, min(32, _COMBINE_ELEMENTS // bdv)), WINDOWED=window is not None,
+            HAS_SINKS=sinks is not None, num_warps=4, **pdl_launch(q, _INTERPRETED))
     return out
-
-
-def prefill_tile(dtype: torch.dtype, G: int, D: int, Dv: int) -> tuple[int, int, int]:
-    """(BLOCK_R rows, GP padded heads, BLOCK_N keys) of a prefill tile: M = BLOCK_R * GP MMA rows."""
-    gp = triton.next_power_of_2(G)
-    m = 32 if dtype == torch.float32 or max(D, Dv) > 256 else 64
-    block_n = 32 if dtype == torch.float32 or max(D, Dv) > 128 else 64
-    return max(m, 16) // gp if gp < 16 else 1, gp, block_n
 
 
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                   positions: torch.Tensor, seq_of_row: torch.Tensor, *, scale: float, window: int | None = None,
                   sinks: torch.Tensor | None = None, softcap: float | None = None, out_rows: int | None = None
                   ) -> torch.Tensor:
-    """paged_attention for many rows (a prompt chunk, one or several sequences): tiles of BLOCK_R rows
-    x G query heads against blocks of keys with tl.dot. Same arguments and result; the bits may differ
-    from paged_attention's within the dtype's tolerance, and a row's bits never depend on the other
-    rows of its tile. The rows' K/V must be in the cache already (store_kv first)."""
+    """paged_attention for many rows (a prompt chunk, one or several sequences): tiles of rows x G query
+    heads against blocks of keys with tl.dot, each row over all its keys in one program. Same arguments
+    and result; the bits may differ from paged_attention's within the dtype's tolerance, and a row's
+    bits never depend on the other rows of its tile. The rows' K/V must be in the cache already
+    (store_kv first)."""
     shape = _paged_shape(q, q.shape[1], k_cache, v_cache, block_table, positions, seq_of_row)
     out_rows = _check_options(shape, q.device, window, sinks, softcap, out_rows)
-    block_r, gp, block_n = prefill_tile(q.dtype, shape.G, shape.D, shape.Dv)
-    bkd, num_dk = _key_tiles(shape.D)
+    tile = prefill_tile(q.dtype, shape.G, shape.D, shape.Dv)
     out = torch.empty((out_rows, shape.Nq * shape.Dv), dtype=q.dtype, device=q.device)
     if out_rows:
-        _prefill_kernel[(triton.cdiv(out_rows, block_r), shape.Nkv)](
-            q, q.stride(0), q.stride(1), *_cache_args(k_cache, v_cache), block_table, block_table.stride(0),
-            positions, seq_of_row, shape.S, shape.MB, shape.NB, 0 if window is None else window, scale,
-            scale * _LOG2E, softcap or 1.0, out if sinks is None else sinks, out, out.stride(0), shape.T, out_rows,
-            G=shape.G, GP=gp, BLOCK_R=block_r, D=shape.D, BKD=bkd, NUM_DK=num_dk, DV=shape.Dv,
-            BDV=max(16, triton.next_power_of_2(shape.Dv)), BS=shape.BS, BLOCK_N=block_n,
-            WINDOWED=window is not None, SOFTCAP=softcap is not None, HAS_SINKS=sinks is not None,
-            **_loop_args(q.dtype), num_warps=8 if block_r * gp * max(shape.D, shape.Dv) > 8192 else 4,
-            num_stages=2, **pdl_launch(q, _INTERPRETED))
+        _launch(q, k_cache, v_cache, block_table, positions, seq_of_row, shape, tile,
+                (triton.cdiv(out_rows, tile.block_r), shape.Nkv, 1), scale=scale, window=window, sinks=sinks,
+                softcap=softcap, out=out, out_rows=out_rows, split=None)
     return out
 
 

@@ -127,8 +127,9 @@ def test_store_kv_writes_the_reference_bits():
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 @pytest.mark.parametrize("name", ["gemma4-sliding", "gemma4-full", "gpt-oss-sliding", "qwen3"])
 def test_a_decode_rows_bits_do_not_depend_on_the_other_rows(name, dtype):
-    """16 rows (several sequences, short and long contexts): each row alone, among all, reversed and
-    shuffled with repeats gives the same bits."""
+    """16 rows (several sequences, short and long contexts; a program takes several rows and reads
+    their sequence's K/V once): each row alone, among all, reversed and shuffled with repeats gives
+    the same bits."""
     q, k_cache, v_cache, table, pos, seq, opts = build(name, DTYPES[dtype], [3, 700, 9000, 33], seed=8, T=16)
     every = pa.paged_attention(q, k_cache, v_cache, table, pos, seq, **opts)
     for t in range(16):
@@ -141,10 +142,26 @@ def test_a_decode_rows_bits_do_not_depend_on_the_other_rows(name, dtype):
         assert torch.equal(got[:order.numel()], every[order])
 
 
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_drafted_rows_at_32k_get_the_bits_of_single_steps(name):
+    """16 consecutive positions near the end of a 32k sequence in one call (a step verifying drafted
+    tokens): the reference within tolerance, and each row the bits of its own single-row call."""
+    q, k_cache, v_cache, table, _, _, opts = build(name, torch.bfloat16, [32768], seed=13)
+    pos = torch.arange(32752, 32768, device=DEV)
+    seq = torch.zeros(16, dtype=torch.long, device=DEV)
+    q = torch.randn(16, q.shape[1], q.shape[2], generator=torch.Generator().manual_seed(14)).to(q.dtype).to(DEV)
+    every = pa.paged_attention(q, k_cache, v_cache, table, pos, seq, **opts)
+    ref = reference_paged_attention(q, k_cache, v_cache, table, pos, seq, **opts)
+    assert relative_error(every, ref) < TOL[torch.bfloat16]
+    for t in range(16):
+        alone = pa.paged_attention(q[t:t + 1], k_cache, v_cache, table, pos[t:t + 1], seq[t:t + 1], **opts)
+        assert torch.equal(alone[0], every[t]), t
+
+
 @pytest.mark.parametrize("name", ["gemma4-sliding", "gpt-oss-sliding", "qwen3"])
 def test_a_prefill_rows_bits_do_not_depend_on_the_other_rows_of_its_tile(name):
-    """A row keeping its place in its tile gets the same bits whatever the other rows (other
-    sequences, positions, queries); alone, the same values within the dtype's tolerance."""
+    """A prefill row gets the same bits alone and among other rows (other sequences, positions,
+    queries), at any place in its tile."""
     q, k_cache, v_cache, table, _, _, opts = build(name, torch.bfloat16, [600, 200], seed=10)
     T = 96
     g = torch.Generator().manual_seed(11)
@@ -162,7 +179,10 @@ def test_a_prefill_rows_bits_do_not_depend_on_the_other_rows_of_its_tile(name):
         assert torch.equal(got[t], every[t]), t
         alone = pa.paged_prefill(q[t:t + 1], k_cache, v_cache, table, pos[t:t + 1].to(DEV),
                                  seq[t:t + 1].to(DEV), **opts)
-        assert relative_error(alone[0], every[t]) < TOL[torch.bfloat16]
+        assert torch.equal(alone[0], every[t]), t
+    shuffled = torch.randperm(T, generator=g).to(DEV)
+    got = pa.paged_prefill(q[shuffled], k_cache, v_cache, table, pos.to(DEV)[shuffled], seq.to(DEV)[shuffled], **opts)
+    assert torch.equal(got, every[shuffled])
 
 
 # -- CUDA graphs --------------------------------------------------------------------------------------

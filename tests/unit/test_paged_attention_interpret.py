@@ -135,12 +135,27 @@ def test_a_decode_rows_bits_do_not_depend_on_the_other_rows(pa, splits):
         assert torch.equal(got[:order.numel()], every[order])
 
 
+def test_drafted_rows_of_one_sequence_get_the_bits_of_single_steps(pa):
+    """Consecutive positions of one sequence (a step verifying drafted tokens) in one call: rows whose
+    split sizes differ (the span crosses a size) share a program; each row has the bits of its own step."""
+    q, k_cache, v_cache, table, _, _, sinks = case(17, G=2, Nkv=2, D=40, Dv=24)
+    pos = torch.arange(60, 76)
+    seq = torch.full((16,), 2)
+    q = randn(16, 4, 40, g=gen(18))
+    kw = {"scale": 0.3, "sinks": sinks, **SMALL_SPLITS}
+    every = pa.paged_attention(q, k_cache, v_cache, table, pos, seq, **kw)
+    assert relative_error(every, reference_paged_attention(q, k_cache, v_cache, table, pos, seq, scale=0.3,
+                                                           sinks=sinks)) < TOL[torch.float32]
+    for t in (0, 3, 4, 15):
+        alone = pa.paged_attention(q[t:t + 1], k_cache, v_cache, table, pos[t:t + 1], seq[t:t + 1], **kw)
+        assert torch.equal(alone[0], every[t]), t
+
+
 def test_a_prefill_rows_bits_do_not_depend_on_the_other_rows_of_its_tile(pa):
-    """A row keeping its place in its tile gets the same bits whatever the other rows are (other
-    sequences, positions, queries, in any order); alone or elsewhere in a tile, the same values within
-    float32 rounding (here the interpreter's matrix product rounds a row by its place in the tile)."""
+    """A prefill row gets the same bits alone, among others (other sequences, positions, queries, in
+    any order) and at any place in its tile."""
     q, k_cache, v_cache, table, _, _, sinks = case(13, G=8, Nkv=1, D=48, Dv=80, BS=64)
-    block_r = pa.prefill_tile(torch.float32, 8, 48, 80)[0]
+    assert pa.prefill_tile(torch.float32, 8, 48, 80).block_r > 1  # several rows share a tile here
     seq = torch.tensor([2] * 6 + [0, 1, 2])
     pos = torch.tensor([40, 41, 42, 43, 44, 45, 69, 32, 99])
     q = randn(seq.numel(), 8, 48, g=gen(14))
@@ -155,9 +170,10 @@ def test_a_prefill_rows_bits_do_not_depend_on_the_other_rows_of_its_tile(pa):
         got = pa.paged_prefill(q2, k_cache, v_cache, table, pos[order], seq[order], **kw)
         assert torch.equal(got[t], every[t]), t
         alone = pa.paged_prefill(q[t:t + 1], k_cache, v_cache, table, pos[t:t + 1], seq[t:t + 1], **kw)
-        assert relative_error(alone[0], every[t]) < TOL[torch.float32]
-        if t % block_r == 0:
-            assert torch.equal(alone[0], every[t]), t
+        assert torch.equal(alone[0], every[t]), t
+    shuffled = torch.randperm(seq.numel(), generator=g)
+    assert torch.equal(pa.paged_prefill(q[shuffled], k_cache, v_cache, table, pos[shuffled], seq[shuffled], **kw),
+                       every[shuffled])
 
 
 # -- the cache write --------------------------------------------------------------------------------
