@@ -11,11 +11,16 @@ block block_table[s, p // BS], slot p % BS of k_cache [NB, BS, Nkv, D] / v_cache
 Scores are q.k * scale, optionally soft-capped (softcap * tanh(score / softcap)), and an optional
 per-head sink logit joins the softmax's denominator only. Accumulation is float32, online softmax.
 
-  paged_attention  2 launches   decode: program (kv head, split, row) over one split of the row's
-                                keys, all G query heads of the kv head at once (K/V read once per
-                                group); a second kernel combines a row's splits in a fixed order
-  paged_prefill    1 launch     program (tile of rows, kv head): tl.dot over M = rows x G query
-                                heads against blocks of BLOCK_N keys, causal/window masks per row
+One kernel (_attn_kernel) does the work of both attention entry points. A program takes a tile
+of rows (BLOCK_R rows of the call x the G query heads of one kv head: M = BLOCK_R * GP MMA rows) and
+walks blocks of BLOCK_N keys with tl.dot, each block's physical rows looked up in the block table;
+the tile's rows of one sequence share each block they need (one pass per sequence in the tile,
+usually one), so K/V are read once per kv head and tile, not per query head or per row.
+
+  paged_attention  2 launches   decode: grid (row tiles, kv heads, splits); split s of each row's
+                                keys, partial results per (row, head, split); a second kernel
+                                combines a row's splits in a fixed order (flash-decoding)
+  paged_prefill    1 launch     grid (row tiles, kv heads): each row over all its keys, normalized
   store_kv         1 launch     k/v rows scattered into their blocks
 
 Everything can be captured in a CUDA graph: no device value is read on the host, and every shape
@@ -25,15 +30,17 @@ value cannot read or write out of bounds (store_kv drops such a row instead).
 
 Row independence (the bits a row gets never depend on T, on the other rows of the call, or on its
 place among them):
+  - a tile walks blocks aligned at multiples of BLOCK_N in absolute positions, so a row's keys fall
+    into the same blocks whatever the other rows; a block outside a row's keys is masked for it and
+    leaves its running max, sum and accumulator exactly as they were; each output of an MMA is one
+    row's (the interpreter, whose tl.dot rounds by a row's place, takes sums of products instead).
+    Tile sizes follow from the dtype and head sizes, never from T.
   - decode: a row's split size (chunk) follows from its own visible span only: the smallest multiple
     of BLOCK_N, at least min_chunk, that covers the span in at most max_splits splits, the splits
-    aligned at multiples of chunk in absolute positions, blocks of BLOCK_N aligned likewise. Each
-    split is reduced by one program in key order, the combine adds splits in index order, no atomics.
-    The grid's split axis only bounds the splits; it never changes what a row computes.
-  - prefill: a tile walks the blocks (aligned at multiples of BLOCK_N) spanning its rows' keys, one
-    sequence of the tile at a time; a block outside a row's keys is masked for it and leaves its
-    running max, sum and accumulator exactly as they were, and each output of an MMA is one row's.
-    Prefill bits may differ from decode bits within the dtype's tolerance.
+    aligned at multiples of chunk in absolute positions. Each split of a row is reduced by one
+    program in key order, the combine adds splits in index order, no atomics. The grid's split
+    axis only bounds the splits; it never changes what a row computes.
+  - prefill bits may differ from decode bits within the dtype's tolerance.
 """
 from __future__ import annotations
 
