@@ -133,8 +133,11 @@ def _attend_block(n0, m_i, l_i, acc, q0, q_ptr, q_off, q_ok, bt_ptr, max_blocks,
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet stays (0, 0, 0)
     alpha = tl.exp2(m_i - m_use)
     p = tl.exp2(sc - m_use[:, None])
+    # values only of keys some row sees: a slot between the rows' ranges may hold anything (a freed
+    # block, NaN), and p = 0 times NaN would still be NaN
+    v_ok = n_ok & (tl.max(seen.to(tl.int32), axis=0) > 0)
     dv = tl.arange(0, BDV)
-    v = tl.load(v_ptr + v_rows[:, None] + dv[None, :], mask=n_ok[:, None] & (dv < DV)[None, :], other=0.0)
+    v = tl.load(v_ptr + v_rows[:, None] + dv[None, :], mask=v_ok[:, None] & (dv < DV)[None, :], other=0.0)
     l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None] + _mm(p.to(v.dtype), v, DOT_F32, PRECISION)
     return m_new, l_i, acc

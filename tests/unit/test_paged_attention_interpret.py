@@ -151,6 +151,28 @@ def test_drafted_rows_of_one_sequence_get_the_bits_of_single_steps(pa):
         assert torch.equal(alone[0], every[t]), t
 
 
+@pytest.mark.parametrize("kernel", ["decode", "prefill"])
+def test_slots_no_row_sees_are_never_used(pa, kernel):
+    """Rows of one sequence whose windows do not meet share a program; every slot of the pool that no
+    row may see (between their windows, past the sequences, spare blocks) is NaN: the same bits."""
+    q, k_cache, v_cache, table, _, _, sinks = case(19, G=2, Nkv=2, D=40, Dv=24, BS=8)
+    seq = torch.tensor([2, 2, 0, 2])
+    pos = torch.tensor([20, 90, 69, 99])
+    window = 6
+    fn = pa.paged_attention if kernel == "decode" else pa.paged_prefill
+    kw = {"scale": 0.3, "window": window, "sinks": sinks}
+    clean = fn(q[:4], k_cache, v_cache, table, pos, seq, **kw)
+    visible = torch.zeros(k_cache.shape[:2], dtype=torch.bool)
+    for s, p in zip(seq.tolist(), pos.tolist()):
+        for n in range(p - window + 1, p + 1):
+            visible[table[s, n // 8], n % 8] = True
+    k_nan, v_nan = k_cache.clone(), v_cache.clone()
+    k_nan[~visible] = float("nan")
+    v_nan[~visible] = float("nan")
+    assert torch.equal(fn(q[:4], k_nan, v_nan, table, pos, seq, **kw), clean)
+    assert clean.isfinite().all()
+
+
 def test_a_prefill_rows_bits_do_not_depend_on_the_other_rows_of_its_tile(pa):
     """A prefill row gets the same bits alone, among others (other sequences, positions, queries, in
     any order) and at any place in its tile."""
