@@ -122,6 +122,28 @@ def test_store_kv_writes_the_reference_bits():
     assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
 
 
+@pytest.mark.parametrize("kernel", ["decode", "prefill"])
+def test_slots_no_row_sees_are_never_used(kernel):
+    """Rows of one sequence whose windows do not meet share a program; every slot of the pool that no
+    row may see is NaN: the same bits."""
+    q, k_cache, v_cache, table, _, _, opts = build("gpt-oss-sliding", torch.bfloat16, [3000, 500], seed=15)
+    pos = torch.tensor([100, 1000, 2999, 499, 1500], device=DEV)
+    seq = torch.tensor([0, 0, 0, 1, 0], device=DEV)
+    q = torch.randn(5, q.shape[1], q.shape[2], generator=torch.Generator().manual_seed(16)).to(q.dtype).to(DEV)
+    fn = pa.paged_attention if kernel == "decode" else pa.paged_prefill
+    clean = fn(q, k_cache, v_cache, table, pos, seq, **opts)
+    BS, window = k_cache.shape[1], opts["window"]
+    visible = torch.zeros(k_cache.shape[:2], dtype=torch.bool, device=DEV)
+    for s, p in zip(seq.tolist(), pos.tolist()):
+        n = torch.arange(p - window + 1, p + 1, device=DEV)
+        visible[table[s].long()[n // BS], n % BS] = True
+    k_nan, v_nan = k_cache.clone(), v_cache.clone()
+    k_nan[~visible] = float("nan")
+    v_nan[~visible] = float("nan")
+    assert torch.equal(fn(q, k_nan, v_nan, table, pos, seq, **opts), clean)
+    assert clean.isfinite().all()
+
+
 # -- row independence -----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
