@@ -313,8 +313,9 @@ def _store_kv_kernel(k_ptr, stride_kt, stride_kh, v_ptr, stride_vt, stride_vh, p
     tl.store(vc_ptr + phys * stride_wb + slot * stride_ws + h * stride_wh + dv, v, mask=ok & (dv < DV))
 
 
-# Triton's CPU interpreter takes no loop bounds read from memory and multiplies bfloat16 dot operands as
-# their raw bits: there the kernels loop with `while` and widen dot operands to float32 first.
+# Triton's CPU interpreter takes no loop bounds read from memory, and its tl.dot rounds a row by its place
+# in the tile (and multiplies bfloat16 operands as raw bits): there the kernels loop with `while` and
+# take products as float32 sums (_mm).
 _INTERPRETED = isinstance(_attn_kernel, InterpretedFunction)
 
 
