@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from moestream.cli_args import Parser, at_least, check_output_paths, non_negative_float
+from moestream.commands.args import Parser, at_least, check_output_paths, non_negative_float
 
 log = logging.getLogger(__name__)
 

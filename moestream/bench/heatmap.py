@@ -11,7 +11,7 @@ import math
 import sys
 from pathlib import Path
 
-from moestream.cli_args import Parser, check_output_paths, fail
+from moestream.commands.args import Parser, check_output_paths, fail
 
 
 class ReportError(ValueError):

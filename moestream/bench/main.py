@@ -15,10 +15,10 @@ from pathlib import Path
 import torch
 
 from moestream.bench.machine import machine_info
-from moestream.cli_args import Parser, at_least, check_output_paths
+from moestream.commands.args import Parser, at_least, check_output_paths
 from moestream.engine import timeline
 from moestream.engine.options import EngineOptions, add_engine_arguments
-from moestream.engine.speculative_flags import (add_speculative_arguments, check_speculative_args, speculating,
+from moestream.commands.speculative_flags import (add_speculative_arguments, check_speculative_args, speculating,
                                                 speculative_options)
 from moestream.errors import MoestreamError
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from moestream.cli_args import Parser, at_least, run_resumable
+from moestream.commands.args import Parser, at_least, run_resumable
 from moestream.convert.layout import LayoutError, check_expert_layers, find_expert_layers
 from moestream.convert.mtp import select_mtp
 from moestream.convert.resident import DenseTensor, check_dense, plan_dense

@@ -27,7 +27,7 @@ from typing import Callable
 
 from tqdm import tqdm
 
-from moestream.cli_args import Parser, run_resumable
+from moestream.commands.args import Parser, run_resumable
 from moestream.convert.hub import HubError, looks_like_repo_id
 from moestream.convert.layout import FusedLayer, MlxStackLayer, PerExpertLayer, check_expert_layers, find_expert_layers
 from moestream.convert.main import GROUP_SIZES, QUANT_BITS, Conversion, _our_files, _row_blocks, add_packing_arguments

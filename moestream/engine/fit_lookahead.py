@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from moestream.cli_args import fail
+from moestream.commands.args import fail
 from moestream.experts.guess_maps import FILE_NAME, GuessMaps, choose_and_fit, manifest_digest, overlap, top_k
 from moestream.layers.moe import MoEBlock
 
@@ -160,7 +160,7 @@ def share_arg(text: str) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from moestream.cli_args import Parser, at_least
+    from moestream.commands.args import Parser, at_least
     from moestream.engine.engine import Engine
     from moestream.engine.options import EngineOptions
     from moestream.errors import MoestreamError

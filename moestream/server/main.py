@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import uvicorn
 
-from moestream.cli_args import Parser, at_least, check_output_paths, finite_float, probability_mass
+from moestream.commands.args import Parser, at_least, check_output_paths, finite_float, probability_mass
 from moestream.errors import MoestreamError
 from moestream.server.app import DEFAULT_MAX_BODY_BYTES, RequestDefaults, create_app
 from moestream.server.worker import Worker
@@ -85,7 +85,7 @@ def build_parser(*, engine_arguments: bool = True) -> argparse.ArgumentParser:
     if engine_arguments:
         # the engine's flags (device, dtype, --max-context, prefill chunk, ...)
         from moestream.engine.options import add_engine_arguments
-        from moestream.engine.speculative_flags import add_speculative_arguments
+        from moestream.commands.speculative_flags import add_speculative_arguments
         add_speculative_arguments(parser)
         add_engine_arguments(parser)
     else:
@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_output_paths(parser, args, {"trace_routing": "--trace-routing", "timeline": "--timeline"})
-    from moestream.engine.speculative_flags import check_speculative_args, speculating, speculative_options
+    from moestream.commands.speculative_flags import check_speculative_args, speculating, speculative_options
 
     # requests bring their own sampling settings
     check_speculative_args(parser, args, sampling=None, model_dir=args.model, batched=args.parallel > 1)

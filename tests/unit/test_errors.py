@@ -13,10 +13,10 @@ from moestream.bench.heatmap import main as heatmap_main
 from moestream.bench.main import main as bench_main
 from moestream.convert.main import main as convert_main
 from moestream.convert.pull import main as pull_main
-from moestream.engine.cli import main as generate_main
+from moestream.commands.generate import main as generate_main
 from moestream.engine.fit_lookahead import main as fit_lookahead_main
 from moestream.server.main import main as serve_main
-from moestream.sim.main import main as simulate_main
+from moestream.commands.simulate import main as simulate_main
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "ERRORS.md"
 MAINS = {"generate": generate_main, "serve": serve_main, "bench": bench_main, "convert": convert_main,

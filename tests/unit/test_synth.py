@@ -10,7 +10,7 @@ import torch
 
 import moestream.bench.synth as synth_module
 from moestream.bench.synth import SHAPES, synth
-from moestream.engine import cli as generate_cli
+from moestream.commands import generate as generate_cli
 from moestream.engine.engine import Engine
 from moestream.engine.options import EngineOptions
 from moestream.engine.tokenizer import NoTokenizer

@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from moestream.engine import timeline
-from moestream.engine.cli import main as generate_main
+from moestream.commands.generate import main as generate_main
 
 # plain decoding (the demo model ships a draft that generate would use): one step span per token
 PROMPT = ["--prompt-ids", "1,2,3,4,5,6,7,8,9,10,11,12", "--device", "cpu", "--threads", "1", "--draft", "off"]

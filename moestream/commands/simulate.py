@@ -9,7 +9,7 @@ import zipfile
 
 import numpy as np
 
-from moestream.cli_args import Parser
+from moestream.commands.args import Parser
 from moestream.errors import MoestreamError
 from moestream.experts.policy import POLICY_NAMES
 from moestream.sim.belady import belady

@@ -10,13 +10,13 @@ COMMANDS = {
     "convert": ("moestream.convert.main", "pack a Hugging Face checkpoint (folder or Hub repo) into a moestream model"),
     "pull": ("moestream.convert.pull", "download a Hub repo and pack it shard by shard (extra disk: the largest shard)"),
     "verify": ("moestream.format.verify", "check a packed model's files and expert records against its manifest"),
-    "generate": ("moestream.engine.cli", "generate text with a packed model, streaming experts from disk"),
+    "generate": ("moestream.commands.generate", "generate text with a packed model, streaming experts from disk"),
     "serve": ("moestream.server.main", "OpenAI-compatible HTTP server"),
     "bench": ("moestream.bench.main", "benchmark prefill/decode speed, hit rate and read bandwidth"),
     "ab": ("moestream.bench.ab", "A B B A runs of two commands: ratio B/A, 95 % CI, A-A noise floor"),
     "synth": ("moestream.bench.synth", "write a packed model with random weights in a real model's shapes"),
     "fit-lookahead": ("moestream.engine.fit_lookahead", "fit the lookahead's per-layer guess correction on text"),
-    "simulate": ("moestream.sim.main", "replay routing traces through cache policies"),
+    "simulate": ("moestream.commands.simulate", "replay routing traces through cache policies"),
     "heatmap": ("moestream.bench.heatmap", "plot the expert hit rate per layer of a receipt or bench JSON"),
 }
 

@@ -7,12 +7,12 @@ import logging
 import os
 import sys
 
-from moestream.cli_args import (Parser, at_least, check_output_paths, non_negative_float, probability_mass,
+from moestream.commands.args import (Parser, at_least, check_output_paths, non_negative_float, probability_mass,
                                 unit_interval)
 from moestream.engine.detok import IncrementalDecoder
-from moestream.engine.launch import add_parallel_arguments, init_group, leave_group, spawn_ranks, torchrun_rank
+from moestream.commands.launch import add_parallel_arguments, init_group, leave_group, spawn_ranks, torchrun_rank
 from moestream.engine.options import EngineOptions, add_engine_arguments
-from moestream.engine.speculative_flags import add_speculative_arguments, check_speculative_args, speculative_options
+from moestream.commands.speculative_flags import add_speculative_arguments, check_speculative_args, speculative_options
 from moestream.engine.types import SamplingParams
 from moestream.errors import MoestreamError
 
