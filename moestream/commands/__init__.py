@@ -7,17 +7,18 @@ import sys
 
 # subcommand -> (module, one-line help)
 COMMANDS = {
-    "convert": ("moestream.convert.main", "pack a Hugging Face checkpoint (folder or Hub repo) into a moestream model"),
-    "pull": ("moestream.convert.pull", "download a Hub repo and pack it shard by shard (extra disk: the largest shard)"),
-    "verify": ("moestream.format.verify", "check a packed model's files and expert records against its manifest"),
+    "convert": ("moestream.commands.convert", "pack a Hugging Face checkpoint (folder or Hub repo) into a moestream model"),
+    "pull": ("moestream.commands.pull", "download a Hub repo and pack it shard by shard (extra disk: the largest shard)"),
+    "verify": ("moestream.commands.verify", "check a packed model's files and expert records against its manifest"),
     "generate": ("moestream.commands.generate", "generate text with a packed model, streaming experts from disk"),
-    "serve": ("moestream.server.main", "OpenAI-compatible HTTP server"),
-    "bench": ("moestream.bench.main", "benchmark prefill/decode speed, hit rate and read bandwidth"),
-    "ab": ("moestream.bench.ab", "A B B A runs of two commands: ratio B/A, 95 % CI, A-A noise floor"),
-    "synth": ("moestream.bench.synth", "write a packed model with random weights in a real model's shapes"),
-    "fit-lookahead": ("moestream.engine.fit_lookahead", "fit the lookahead's per-layer guess correction on text"),
+    "serve": ("moestream.commands.serve", "OpenAI-compatible HTTP server"),
+    "bench": ("moestream.commands.bench", "benchmark prefill/decode speed, hit rate and read bandwidth"),
+    "ab": ("moestream.commands.ab", "A B B A runs of two commands: ratio B/A, 95 % CI, A-A noise floor"),
+    "synth": ("moestream.commands.synth", "write a packed model with random weights in a real model's shapes"),
+    "fit-lookahead": ("moestream.commands.fit_lookahead", "fit the lookahead's per-layer guess correction on text"),
     "simulate": ("moestream.commands.simulate", "replay routing traces through cache policies"),
-    "heatmap": ("moestream.bench.heatmap", "plot the expert hit rate per layer of a receipt or bench JSON"),
+    "heatmap": ("moestream.commands.heatmap", "plot the expert hit rate per layer of a receipt or bench JSON"),
+    "timeline": ("moestream.commands.timeline", "summarize a --timeline trace: time per kind of work, idle time by cause"),
 }
 
 

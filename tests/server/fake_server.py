@@ -14,7 +14,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from fake_engine import FakeEngine  # noqa: E402
 
 from moestream.errors import MoestreamError  # noqa: E402
-from moestream.server.main import api_key_from, build_parser, defaults_from_args, serve  # noqa: E402
+from moestream.commands.serve import api_key_from, build_parser, defaults_from_args
+from moestream.server.main import serve  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import moestream.bench.synth as synth_module
-from moestream.bench.main import main
+from moestream.commands.bench import main
 from moestream.engine.engine import DEMO_MODEL
 from moestream.format.reader import PackedModel
 

@@ -8,14 +8,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from moestream.bench.ab import main as ab_main
-from moestream.bench.heatmap import main as heatmap_main
-from moestream.bench.main import main as bench_main
-from moestream.convert.main import main as convert_main
-from moestream.convert.pull import main as pull_main
+from moestream.commands.ab import main as ab_main
+from moestream.commands.heatmap import main as heatmap_main
+from moestream.commands.bench import main as bench_main
+from moestream.commands.convert import main as convert_main
+from moestream.commands.pull import main as pull_main
 from moestream.commands.generate import main as generate_main
-from moestream.engine.fit_lookahead import main as fit_lookahead_main
-from moestream.server.main import main as serve_main
+from moestream.commands.fit_lookahead import main as fit_lookahead_main
+from moestream.commands.serve import main as serve_main
 from moestream.commands.simulate import main as simulate_main
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "ERRORS.md"

@@ -131,7 +131,7 @@ def test_segment_names(key, expected):
 
 
 def test_bench_names_one_file_per_cache_size():
-    from moestream.bench.main import timeline_path
+    from moestream.commands.bench import timeline_path
 
     assert timeline_path(None, "30%", 2) is None
     assert timeline_path("out/run.json", "30%", 1) == "out/run.json"
