@@ -6,6 +6,7 @@ import logging
 import statistics
 import subprocess
 import time
+from typing import Callable
 
 import torch
 
@@ -91,12 +92,15 @@ def parse_step_tokens(text: str) -> list[int]:
 
 
 def measure(engine, *, prefill_sizes: list[int], decode_tokens: int, seed: int, prompt: list[int] | None = None,
-            speculative=None, prefill_repeats: int = 1) -> dict:
+            speculative=None, prefill_repeats: int = 1, on_phase: Callable[[str], None] | None = None) -> dict:
+    """on_phase(name): told as each phase starts ("prefill 512", "decode 128", "speculative"), for a progress display."""
+    phase = on_phase or (lambda name: None)
     vocab = engine.args.vocab_size
     out = {"prefill": []}
     for n in prefill_sizes:
         if n + 1 >= engine.max_context:
-            continue
+            raise MoestreamError(f"a prefill of {n} tokens does not fit the context of {engine.max_context} tokens")
+        phase(f"prefill {n}")
         times, before = [], engine.expert_stats()
         # with repeats, one run first that is not counted: a prefill graph's bucket is captured at its
         # second prompt, so the counted runs are the capture and replays (their median a replay)
@@ -121,6 +125,7 @@ def measure(engine, *, prefill_sizes: list[int], decode_tokens: int, seed: int, 
         torch.cuda.reset_peak_memory_stats(engine.device)
     decode_start = engine.expert_stats()
     prompt = prompt or random_prompt(16, vocab, seed)
+    phase(f"decode {decode_tokens}")
     plain = decode_run(engine, prompt, decode_tokens)
     r = plain[0]
     decode_end = engine.expert_stats()
@@ -146,6 +151,7 @@ def measure(engine, *, prefill_sizes: list[int], decode_tokens: int, seed: int, 
                 "cpu_worker", "cpu_worker_threads", "cpu_worker_team", "cpu_worker_activations", "cpu_share_now", "cpu_kernel_gb_s_ema", "cpu_handover_us_ema",
                 "cpu_misses_per_job_ema", "copy_gb_s", "copy_gb_s_timed")})
     if speculative is not None:
+        phase("speculative")
         out["speculative"] = measure_speculative(engine, prompt, decode_tokens, speculative, plain)
     out["experts"] = engine.expert_stats()
     if cuda:  # what the run really held (prefills included), and what the decode alone held

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 import sys
 
@@ -23,7 +24,8 @@ COMMANDS = {
 
 
 def usage() -> str:
-    lines = ["usage: moestream <command> [options]   (moestream <command> --help for each)", "", "commands:"]
+    lines = ["usage: moestream <command> [options]   (moestream <command> --help for each; moestream --version)", "",
+             "commands:"]
     for name, (module, text) in COMMANDS.items():
         if importlib.util.find_spec(module) is not None:
             lines.append(f"  {name:<13} {text}")
@@ -31,9 +33,30 @@ def usage() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    """Run one subcommand. A reader that goes away (`moestream generate --help | head`) ends the run
+    quietly, exit 141 (128 + SIGPIPE) as a shell would report it, with no traceback."""
+    try:
+        try:
+            return dispatch(list(sys.argv[1:] if argv is None else argv))
+        finally:  # here, not at exit, where a failed flush is a traceback-like note and exit 120
+            sys.stdout.flush()
+    except BrokenPipeError:
+        # what is left in stdout's buffer cannot be written either: point it at /dev/null so the
+        # flush at exit does not fail a second time
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 141
+
+
+def dispatch(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(usage())
+        return 0
+    if argv[0] in ("-V", "--version"):
+        from moestream import __version__
+
+        print(f"moestream {__version__}")
         return 0
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS or importlib.util.find_spec(COMMANDS[name][0]) is None:

@@ -7,15 +7,83 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import sys
 from pathlib import Path
 from typing import Callable, NoReturn
 
 USAGE_EXIT = 2
+HELP_COLUMN = 26  # where an option's help starts in --help
+
+
+class ShortHelp(argparse.HelpFormatter):
+    """--help as one line per option: the first clause of its help, cut to the line; the rest
+    (defaults' reasons, measurements) is in the README's flag tables. The usage line is
+    `prog [options] POSITIONALS`, not every flag again."""
+
+    def __init__(self, prog: str) -> None:
+        super().__init__(prog, max_help_position=HELP_COLUMN)
+
+    def _format_usage(self, usage, actions, groups, prefix) -> str:
+        if usage is None:
+            names = [a.metavar or a.dest for a in actions if not a.option_strings and a.help != argparse.SUPPRESS]
+            usage = " ".join([self._prog, "[options]", *[n if isinstance(n, str) else " ".join(n) for n in names]])
+        return f"{prefix or 'usage: '}{usage}\n\n"
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        if "\n" in text:  # laid out by hand (examples): kept as written
+            return "".join(indent + line for line in text.splitlines(keepends=True))
+        return super()._fill_text(text, width, indent)
+
+    def _format_action(self, action: argparse.Action) -> str:
+        head = " " * self._current_indent + invocation(action)
+        if not action.help:
+            return head + "\n"
+        column = max(len(head) + 2, HELP_COLUMN)
+        room = max(self._width - column, 24)
+        text = first_clause(self._expand_help(action))
+        if len(text) > room:  # the longest run of whole clauses, else of whole words, that fits
+            cut = max(text.rfind(", ", 0, room), text.rfind(" (", 0, room))
+            text = text[:cut] if cut > room // 2 else text[:room - 1].rsplit(" ", 1)[0].rstrip(",;:") + "…"
+            text = balanced(text)
+        return f"{head:<{column}}{text}\n"
+
+
+def invocation(action: argparse.Action) -> str:
+    """`--flag VALUE`: the first long spelling (other spellings still work), the value's name or choices."""
+    if not action.option_strings:
+        return str(action.metavar or action.dest)
+    flag = next((o for o in action.option_strings if o.startswith("--")), action.option_strings[0])
+    if action.nargs == 0:
+        return flag
+    if action.metavar is not None:
+        value = action.metavar
+    elif action.choices is not None and len("|".join(map(str, action.choices))) <= 24:
+        value = "|".join(map(str, action.choices))
+    else:
+        value = action.dest.upper() if len(action.dest) <= 8 else "VALUE"
+    return f"{flag} {value}"
+
+
+def first_clause(text: str) -> str:
+    """A help text's first clause: up to the first '; ' or '. ', less a parenthesis left open."""
+    return balanced(re.split(r"; |(?<!e\.g)(?<!i\.e)\. ", " ".join(text.split()), maxsplit=1)[0].rstrip("."))
+
+
+def balanced(text: str) -> str:
+    """The text less a parenthesis it opens and does not close (an interval's `]` closes one)."""
+    while text.count("(") > text.count(")") + text.count("]"):
+        text = text[:text.rindex("(")].rstrip(" ,:")
+    return text
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line on stderr (no usage dump), exit code 2."""
+    """argparse, but a usage error is one line on stderr (no usage dump), exit code 2, and --help
+    one line per option (ShortHelp)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", ShortHelp)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         self.exit(USAGE_EXIT, f"{self.prog}: error: {message}\n")

@@ -12,7 +12,9 @@ import logging
 import os
 import sys
 
-from moestream.commands.args import Parser, at_least, check_output_paths, finite_float, probability_mass
+from moestream.commands.args import (Parser, at_least, check_output_paths, finite_float, non_negative_float,
+                                     probability_mass)
+from moestream.commands.engine_checks import check_engine_args
 from moestream.errors import MoestreamError
 from moestream.server.app import DEFAULT_MAX_BODY_BYTES, RequestDefaults
 from moestream.server.main import serve
@@ -20,17 +22,10 @@ from moestream.server.main import serve
 API_KEY_ENV = "MOESTREAM_API_KEY"
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError("must be at least 1")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError("must be at least 0")
+def port_value(text: str) -> int:
+    value = at_least(0)(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"must be at most 65535, not {value}")
     return value
 
 
@@ -45,13 +40,13 @@ def build_parser(*, engine_arguments: bool = True) -> argparse.ArgumentParser:
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to listen on (default 127.0.0.1; 0.0.0.0 for other machines: put a TLS "
                              "proxy in front)")
-    parser.add_argument("--port", type=_non_negative_int, default=8080, help="port (default 8080; 0 picks a free one)")
+    parser.add_argument("--port", type=port_value, default=8080, help="port (default 8080; 0 picks a free one)")
     parser.add_argument("--api-key", default=None,
                         help=f"require 'Authorization: Bearer KEY' on /v1 and /api/v1 (also ${API_KEY_ENV})")
     parser.add_argument("--parallel", type=at_least(1), default=1,
                         help="requests that generate together, each in its own sequence slot and KV cache, joining "
                              "and leaving the batch at step boundaries (default 1: one at a time)")
-    parser.add_argument("--max-queue", "--queue-size", dest="max_queue", type=_non_negative_int, default=8,
+    parser.add_argument("--max-queue", "--queue-size", dest="max_queue", type=at_least(0), default=8,
                         help="requests that may wait beyond the --parallel running ones (default 8); beyond that, "
                              "503 with Retry-After")
     parser.add_argument("--model-id", default=None,
@@ -59,15 +54,15 @@ def build_parser(*, engine_arguments: bool = True) -> argparse.ArgumentParser:
     defaults = RequestDefaults()
     parser.add_argument("--temperature", type=finite_float, default=defaults.temperature,
                         help=f"default temperature for requests without one (default {defaults.temperature})")
-    parser.add_argument("--top-k", type=int, default=defaults.top_k,
+    parser.add_argument("--top-k", type=at_least(0), default=defaults.top_k,
                         help=f"default top-k (default {defaults.top_k}; 0 off)")
     parser.add_argument("--top-p", type=probability_mass, default=defaults.top_p,
                         help=f"default top-p (default {defaults.top_p})")
-    parser.add_argument("--max-tokens", type=_positive_int, default=None,
+    parser.add_argument("--max-tokens", type=at_least(1), default=None,
                         help="default completion limit (default: the rest of the context)")
-    parser.add_argument("--max-body-bytes", type=_positive_int, default=DEFAULT_MAX_BODY_BYTES,
+    parser.add_argument("--max-body-bytes", type=at_least(1), default=DEFAULT_MAX_BODY_BYTES,
                         help=f"largest request body accepted, else 413 (default {DEFAULT_MAX_BODY_BYTES})")
-    parser.add_argument("--shutdown-grace", type=float, default=10.0,
+    parser.add_argument("--shutdown-grace", type=non_negative_float, default=10.0,
                         help="seconds running requests may take to finish after SIGTERM (default 10)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser.add_argument("--timeline", metavar="FILE.json", default=None,
@@ -90,7 +85,7 @@ def defaults_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser
     parser = parser or build_parser(engine_arguments=False)
     if not 0.0 <= args.temperature <= 2.0:
         parser.error(f"argument --temperature: must be between 0 and 2, not {args.temperature}")
-    return RequestDefaults(temperature=args.temperature, top_k=max(0, args.top_k), top_p=args.top_p,
+    return RequestDefaults(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                            max_tokens=args.max_tokens)
 
 
@@ -104,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_output_paths(parser, args, {"trace_routing": "--trace-routing", "timeline": "--timeline"})
+    check_engine_args(parser, args)
     from moestream.commands.speculative_flags import check_speculative_args, speculating, speculative_options
 
     # requests bring their own sampling settings

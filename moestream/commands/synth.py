@@ -2,21 +2,21 @@
 (moestream.bench.synth)."""
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 from moestream.bench.synth import BITS, SHAPES, synth
+from moestream.commands.args import Parser, at_least
 from moestream.errors import MoestreamError
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="moestream synth", description="A packed model with random weights in a real model's shapes.")
+    p = Parser(prog="moestream synth", description="A packed model with random weights in a real model's shapes.")
     p.add_argument("out", help="output directory")
     p.add_argument("--shape", required=True, choices=sorted(SHAPES), help="which real model's shapes")
-    p.add_argument("--layers", type=int, default=None, help="keep only the first N layers")
+    p.add_argument("--layers", type=at_least(1), default=None, metavar="N", help="keep only the first N layers")
     p.add_argument("--quant", choices=sorted(BITS), default="q4", help="default q4")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=at_least(0), default=0, metavar="N", help="seed of the random weights (default 0)")
     p.add_argument("--force", action="store_true", help="overwrite a non-empty OUT")
     args = p.parse_args(argv)
     try:

@@ -2,16 +2,16 @@
 compute device's idle time by cause (moestream.bench.timeline_summary)."""
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
+from moestream.commands.args import Parser
 from moestream.bench.timeline_summary import TraceError, render, summarize
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="moestream timeline", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="moestream timeline", description=__doc__.split("\n\n")[0])
     p.add_argument("trace", help="a --timeline trace (Chrome trace JSON)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     args = p.parse_args(argv)

@@ -1,16 +1,16 @@
 """`moestream verify MODEL`: check a packed model's files (sha256) and expert records (layout, crc32)."""
 from __future__ import annotations
 
-import argparse
 import sys
 
+from moestream.commands.args import Parser
 from moestream.errors import MoestreamError
 from moestream.format.verify import verify
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="moestream verify",
-                                description="Check a packed model's files (sha256) and expert records (layout, crc32).")
+    p = Parser(prog="moestream verify",
+               description="Check a packed model's files (sha256) and expert records (layout, crc32).")
     p.add_argument("model", help="packed model directory")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)

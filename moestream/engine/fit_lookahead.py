@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-from moestream.experts.guess_maps import GuessMaps, choose_and_fit, overlap, top_k
+from moestream.errors import MoestreamError
+from moestream.experts.guess_maps import GuessMaps, choose_and_fit, manifest_digest, overlap, top_k
 from moestream.layers.moe import MoEBlock
 
 log = logging.getLogger(__name__)
@@ -138,3 +139,40 @@ def token_texts(tokenizer, files: list[Path], *, tokens: int, per_file: int, min
             texts.append(ids)
             total += len(ids)
     return texts
+
+
+@dataclass
+class FitResult:
+    maps: GuessMaps
+    report: dict  # "depthD": mean accuracies ("router", "fitted", "previous_token") and "per_layer"
+    fit_files: int
+    check_files: int
+    fit_tokens: int
+    check_tokens: int
+
+
+def fit_lookahead(engine, texts: list[list[int]], *, check_share: float = 0.25, rank: int = 0) -> FitResult:
+    """Fit maps on the first (1 - check_share) of `texts` and measure their guesses on the rest.
+    Needs at least 2 texts and 2 MoE layers (a MoestreamError says which is missing)."""
+    blocks = moe_blocks(engine.model)
+    depths = tuple(d for d in (1, 2) if len(blocks) > d)
+    if len(texts) < 2:
+        raise MoestreamError("the text gives fewer than 2 files of at least 64 tokens")
+    if not depths:
+        raise MoestreamError("the model has fewer than 2 MoE layers: there is nothing to guess ahead")
+    cut = min(len(texts) - 1, max(1, round(len(texts) * (1 - check_share))))
+    with torch.inference_mode():
+        fit_cap, check_cap = capture(engine, texts[:cut]), capture(engine, texts[cut:])
+    maps = fit_maps(fit_cap, blocks, depths=depths, rank=rank)
+    maps.meta.update({"model_manifest_sha256": manifest_digest(engine.packed.directory),
+                      "fit_tokens": fit_cap.rows, "check_tokens": check_cap.rows})
+    report = {}
+    for d in depths:
+        per_layer = evaluate(check_cap, blocks, depth=d, maps=maps)
+        report[f"depth{d}"] = {"router": mean_of(per_layer, "router"), "fitted": mean_of(per_layer, "fitted"),
+                               "previous_token": mean_of(per_layer, "previous_token"),
+                               "per_layer": {str(k): {n: round(v, 4) for n, v in r.items()}
+                                             for k, r in per_layer.items()}}
+    maps.meta["check_accuracy"] = {k: {n: v for n, v in r.items() if n != "per_layer"} for k, r in report.items()}
+    return FitResult(maps, report, fit_files=cut, check_files=len(texts) - cut, fit_tokens=fit_cap.rows,
+                     check_tokens=check_cap.rows)
