@@ -83,7 +83,7 @@ def prefill_lengths(parser: argparse.ArgumentParser, args, context: int | None) 
     where N + 1 < the context) is refused (exit 2); without the flag, default lengths it cannot hold
     are left out with a note."""
     try:
-        lengths = parse_lengths(args.prefill_tokens or DEFAULT_PREFILL)
+        lengths = parse_lengths(DEFAULT_PREFILL if args.prefill_tokens is None else args.prefill_tokens)
     except MoestreamError as exc:
         parser.error(f"argument {exc}")
     if context is None:
@@ -118,7 +118,7 @@ def run(args, parser: argparse.ArgumentParser) -> dict:
             context = plan_run(packed, replace(base, cache_size=size)).max_context
     prefill_sizes = prefill_lengths(parser, args, context)
     if args.compare_transformers and not prefill_sizes:
-        raise MoestreamError("--compare-transformers needs at least one --prefill-tokens length")
+        parser.error("argument --compare-transformers: needs at least one --prefill-tokens length")
     results = {"machine": machine_info(), "model": str(args.model or "demo"), **routing.to_json(), "runs": []}
     for size in sizes:
         if args.cold and not drop_page_cache():

@@ -214,10 +214,15 @@ def test_unknown_shape_is_refused(tmp_path, capsys):
     assert not (tmp_path / "m").exists()
 
 
-@pytest.mark.parametrize("layers", ["0", "-1", "3"])
-def test_layers_outside_the_shape_are_refused(layers, tmp_path, capsys):
+@pytest.mark.parametrize("layers,code", [("0", 2), ("-1", 2), ("3", 1)])
+def test_layers_outside_the_shape_are_refused(layers, code, tmp_path, capsys):
+    """Not a number of layers: a usage error (2); more than the shape has: 1."""
     out = tmp_path / "m"
-    assert synth_command.main(["--shape", "tiny-qwen3", "--layers", layers, str(out)]) == 1
+    try:
+        rc = synth_command.main(["--shape", "tiny-qwen3", "--layers", layers, str(out)])
+    except SystemExit as exc:
+        rc = exc.code
+    assert rc == code
     err = capsys.readouterr().err
     assert "--layers" in err and len(err.strip().splitlines()) == 1 and not out.exists()
 
