@@ -17,12 +17,12 @@ from moestream.bench.routing import parse_routing
 from moestream.bench.main import (compare_transformers, drop_page_cache, measure, parse_lengths, parse_step_tokens,
                                   plot, random_prompt)
 from moestream.commands.args import Parser, at_least, check_output_paths
-from moestream.commands.engine_checks import check_engine_args, size_problem
+from moestream.commands.engine_checks import check_engine_args, engine_options, size_problem
 from moestream.commands.progress import Phases
 from moestream.commands.speculative_flags import (add_speculative_arguments, check_speculative_args, speculating,
                                                   speculative_options)
 from moestream.engine import timeline
-from moestream.engine.options import EngineOptions, add_engine_arguments
+from moestream.engine.options import add_engine_arguments
 from moestream.errors import MoestreamError
 
 log = logging.getLogger(__name__)
@@ -103,7 +103,7 @@ def run(args, parser: argparse.ArgumentParser) -> dict:
 
     from moestream.bench.routing import attach as attach_routing
 
-    base = EngineOptions.from_args(args)
+    base = engine_options(args)
     routing = parse_routing(args.routing)
     sizes = [x.strip() for x in args.cache_sizes.split(",") if x.strip()] if args.cache_sizes else [base.cache_size]
     step_sizes = parse_step_tokens(args.step_tokens) if args.step_tokens else []

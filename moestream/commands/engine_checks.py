@@ -1,15 +1,23 @@
 """Refusals of the engine's flags (generate, serve, bench) that argparse's types do not make: sizes
 that can never give a cache, more compute threads than the machine has, a device that is no
-device, a context longer than the model's. Exit 2, one line, before any model is loaded."""
+device, a context longer than the model's. Exit 2, one line, before any model is loaded. And the
+EngineOptions the flags and this process's environment make."""
 from __future__ import annotations
 
 import argparse
 import os
 
+from moestream.engine.options import EngineOptions
 from moestream.errors import MoestreamError
 from moestream.experts.sizing import parse_bytes
 
 NAMED_SIZES = ("auto", "min", "all", "max")
+
+
+def engine_options(args: argparse.Namespace) -> EngineOptions:
+    """The engine's options from its flags; $MOESTREAM_CACHE_DIR, where set, is where the digests of
+    checked resident files are remembered."""
+    return EngineOptions.from_args(args, environ=os.environ)
 
 
 def size_problem(text: str, *, zero_ok: bool = False) -> str | None:

@@ -10,9 +10,9 @@ import sys
 from moestream.commands.args import (Parser, at_least, check_output_paths, non_negative_float, probability_mass,
                                 unit_interval)
 from moestream.engine.detok import IncrementalDecoder
-from moestream.commands.engine_checks import check_engine_args
+from moestream.commands.engine_checks import check_engine_args, engine_options
 from moestream.commands.launch import add_parallel_arguments, init_group, leave_group, spawn_ranks, torchrun_rank
-from moestream.engine.options import EngineOptions, add_engine_arguments
+from moestream.engine.options import add_engine_arguments
 from moestream.commands.speculative_flags import add_speculative_arguments, check_speculative_args, speculative_options
 from moestream.engine.types import SamplingParams
 from moestream.errors import MoestreamError
@@ -129,7 +129,7 @@ def run(args, group=None) -> int:
 
     from moestream.engine.plan import load_engine
 
-    options = replace(EngineOptions.from_args(args), expert_parallel=group)
+    options = replace(engine_options(args), expert_parallel=group)
     if args.plan:
         from moestream.engine.engine import DEMO_CACHE_SIZE, DEMO_MODEL
         from moestream.engine.plan import plan_run

@@ -14,7 +14,7 @@ import sys
 
 from moestream.commands.args import (Parser, at_least, check_output_paths, finite_float, non_negative_float,
                                      probability_mass)
-from moestream.commands.engine_checks import check_engine_args
+from moestream.commands.engine_checks import check_engine_args, engine_options
 from moestream.errors import MoestreamError
 from moestream.server.app import DEFAULT_MAX_BODY_BYTES, RequestDefaults
 from moestream.server.main import serve
@@ -107,9 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     defaults = defaults_from_args(args, parser)
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from moestream.engine.options import EngineOptions
-
-    options = EngineOptions.from_args(args)
+    options = engine_options(args)
     options.max_sequences = args.parallel  # a sequence slot (its own KV cache) per request running at once
     api_key = api_key_from(args)
 

@@ -11,7 +11,6 @@ import argparse
 from pathlib import Path
 
 from moestream.commands.args import at_least
-from moestream.engine.options import EngineOptions
 from moestream.engine.types import SamplingParams
 from moestream.errors import MoestreamError
 
@@ -114,6 +113,7 @@ def auto_draft(model_dir: str | Path | None, *, on_cpu: bool = False) -> tuple[s
 
 def speculative_options(args, engine):
     """SpeculativeOptions from the flags (None: plain decoding); may load a draft model."""
+    from moestream.commands.engine_checks import engine_options
     from moestream.engine.draft_choice import make_options
     from moestream.engine.speculative import SpeculativeOptions
 
@@ -123,4 +123,4 @@ def speculative_options(args, engine):
         return SpeculativeOptions(hot_head=HotHeadOptions())
     kind, path = args.draft
     return make_options(kind, path, draft_tokens=args.draft_tokens, max_draft_tokens=args.max_draft_tokens,
-                        max_ngram=args.ngram, main_engine=engine, engine_options=EngineOptions.from_args(args))
+                        max_ngram=args.ngram, main_engine=engine, engine_options=engine_options(args))
