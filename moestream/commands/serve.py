@@ -105,6 +105,14 @@ def main(argv: list[str] | None = None) -> int:
     # requests bring their own sampling settings
     check_speculative_args(parser, args, sampling=None, model_dir=args.model, batched=args.parallel > 1)
     defaults = defaults_from_args(args, parser)
+    if args.model is not None:  # a path that is no model stops here, not after the server has started
+        from moestream.format.reader import PackedModel
+
+        try:
+            PackedModel(args.model)
+        except MoestreamError as exc:
+            print(f"moestream serve: error: {exc}", file=sys.stderr)
+            return 1
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     options = engine_options(args)

@@ -138,6 +138,7 @@ CASES = [
      "moestream serve: error: argument --hot-head: not with --draft (choose one)"),
     ("serve", "--port {port}", 1, "moestream serve: error: cannot listen on 127.0.0.1:{port}: Address already in use "
                                   "(is another server running there? choose another --port)"),
+    ("serve", "--model {missing}", 1, "moestream serve: error: {missing}: no such directory"),
     ("simulate", "{file}", 1,
      "moestream simulate: error: {file}: not a routing trace (the .npz file --trace-routing writes)"),
     ("simulate", "{trace} --sizes 0%", 2,
