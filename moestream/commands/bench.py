@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from moestream.bench.heatmap import ReportError, plot_heatmap
 from moestream.bench.machine import machine_info
 from moestream.bench.routing import parse_routing
 from moestream.bench.main import (compare_transformers, drop_page_cache, measure, parse_lengths, parse_step_tokens,
@@ -229,19 +230,12 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
-    if args.plot or args.heatmap:
+    if args.plot:
+        plot(results, args.plot)
+    if args.heatmap:
         try:
-            if args.plot:
-                plot(results, args.plot)
-            if args.heatmap:
-                from moestream.bench.heatmap import ReportError, plot_heatmap
-                try:
-                    plot_heatmap(results, args.heatmap, title=f"{results['model']}: expert hit rate per layer")
-                except ReportError as exc:
-                    print(f"moestream bench: error: --heatmap: the results {exc}", file=sys.stderr)
-                    return 1
-        except ImportError:
-            print("moestream bench: error: --plot needs matplotlib (pip install matplotlib); the JSON was written",
-                  file=sys.stderr)
+            plot_heatmap(results, args.heatmap, title=f"{results['model']}: expert hit rate per layer")
+        except ReportError as exc:
+            print(f"moestream bench: error: --heatmap: the results {exc}", file=sys.stderr)
             return 1
     return 0

@@ -36,8 +36,6 @@ def main(argv: list[str] | None = None) -> int:
         plot_heatmap(report, args.out, title=args.title)
     except ReportError as exc:
         return fail(prog, f"{args.report}: {exc}")
-    except ImportError:
-        return fail(prog, "needs matplotlib (pip install matplotlib)")
     print(f"wrote {args.out}")
     return 0
 

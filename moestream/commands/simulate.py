@@ -116,11 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"moestream simulate: error: {exc}", file=sys.stderr)
         return 1
     if args.plot:
-        try:
-            plot_hit_rates(rows, args.plot)
-        except ImportError:
-            print("moestream simulate: error: --plot needs matplotlib (pip install matplotlib)", file=sys.stderr)
-            return 1
+        plot_hit_rates(rows, args.plot)
     if args.json:
         print(json.dumps(rows, indent=1))
     else:
