@@ -12,7 +12,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from moestream.bench.ab import ORDER, ABError, analyse, plot, run_rounds, verdict
-from moestream.commands.args import Parser, at_least, check_output_paths, non_negative_float
+from moestream.commands.args import Parser, check_output_paths
+from moestream.flag_values import at_least, non_negative_float
 
 
 def build_parser() -> Parser:

@@ -17,7 +17,8 @@ from moestream.bench.machine import machine_info
 from moestream.bench.routing import parse_routing
 from moestream.bench.main import (compare_transformers, drop_page_cache, measure, parse_lengths, parse_step_tokens,
                                   plot, random_prompt)
-from moestream.commands.args import Parser, at_least, check_output_paths
+from moestream.commands.args import Parser, check_output_paths
+from moestream.flag_values import at_least
 from moestream.commands.engine_checks import check_engine_args, engine_options, size_problem
 from moestream.commands.progress import Phases
 from moestream.commands.speculative_flags import (add_speculative_arguments, check_speculative_args, speculating,

@@ -5,7 +5,8 @@ import argparse
 import logging
 import os
 
-from moestream.commands.args import Parser, at_least, run_resumable
+from moestream.commands.args import Parser, run_resumable
+from moestream.flag_values import at_least
 from moestream.convert.main import GROUP_SIZES, QUANT_BITS, convert
 
 

@@ -7,8 +7,8 @@ import logging
 import os
 import sys
 
-from moestream.commands.args import (Parser, at_least, check_output_paths, non_negative_float, probability_mass,
-                                unit_interval)
+from moestream.commands.args import Parser, check_output_paths
+from moestream.flag_values import at_least, non_negative_float, probability_mass, unit_interval
 from moestream.engine.detok import IncrementalDecoder
 from moestream.commands.engine_checks import check_engine_args, engine_options
 from moestream.commands.launch import add_parallel_arguments, init_group, leave_group, spawn_ranks, torchrun_rank

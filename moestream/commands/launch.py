@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from moestream.commands.args import at_least
+from moestream.flag_values import at_least
 from moestream.errors import MoestreamError
 
 DEFAULT_TIMEOUT_S = 300  # a collective that waits longer stops the run: a rank has died or hangs

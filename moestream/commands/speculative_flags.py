@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from moestream.commands.args import at_least
+from moestream.flag_values import at_least
 from moestream.engine.types import SamplingParams
 from moestream.errors import MoestreamError
 

@@ -6,7 +6,8 @@ import sys
 from pathlib import Path
 
 from moestream.bench.synth import BITS, SHAPES, synth
-from moestream.commands.args import Parser, at_least
+from moestream.commands.args import Parser
+from moestream.flag_values import at_least
 from moestream.errors import MoestreamError
 
 
