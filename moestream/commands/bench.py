@@ -14,11 +14,10 @@ import torch
 
 from moestream.bench.heatmap import ReportError, plot_heatmap
 from moestream.bench.machine import machine_info
-from moestream.bench.routing import parse_routing
 from moestream.bench.main import (compare_transformers, drop_page_cache, measure, parse_lengths, parse_step_tokens,
                                   plot, random_prompt)
+from moestream.bench.routing import parse_routing
 from moestream.commands.args import Parser, check_output_paths
-from moestream.flag_values import at_least
 from moestream.commands.engine_checks import check_engine_args, engine_options, size_problem
 from moestream.commands.progress import Phases
 from moestream.commands.speculative_flags import (add_speculative_arguments, check_speculative_args, speculating,
@@ -26,6 +25,7 @@ from moestream.commands.speculative_flags import (add_speculative_arguments, che
 from moestream.engine import timeline
 from moestream.engine.options import add_engine_arguments
 from moestream.errors import MoestreamError
+from moestream.flag_values import at_least
 
 log = logging.getLogger(__name__)
 DEFAULT_PREFILL = "512,2048"

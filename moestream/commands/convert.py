@@ -6,8 +6,8 @@ import logging
 import os
 
 from moestream.commands.args import Parser, run_resumable
-from moestream.flag_values import at_least
 from moestream.convert.main import GROUP_SIZES, QUANT_BITS, convert
+from moestream.flag_values import at_least
 
 
 def add_packing_arguments(p: argparse.ArgumentParser, job: str) -> None:

@@ -19,10 +19,10 @@ import sysconfig
 from pathlib import Path
 
 from moestream.commands.args import Parser, fail
-from moestream.flag_values import at_least
 from moestream.engine.fit_lookahead import fit_lookahead, text_files, token_texts
 from moestream.errors import MoestreamError
 from moestream.experts.guess_maps import FILE_NAME
+from moestream.flag_values import at_least
 
 PROG = "moestream fit-lookahead"
 DEFAULT_FILE_TOKENS = 1024

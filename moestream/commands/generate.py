@@ -8,14 +8,14 @@ import os
 import sys
 
 from moestream.commands.args import Parser, check_output_paths
-from moestream.flag_values import at_least, non_negative_float, probability_mass, unit_interval
-from moestream.engine.detok import IncrementalDecoder
 from moestream.commands.engine_checks import check_engine_args, engine_options
 from moestream.commands.launch import add_parallel_arguments, init_group, leave_group, spawn_ranks, torchrun_rank
-from moestream.engine.options import add_engine_arguments
 from moestream.commands.speculative_flags import add_speculative_arguments, check_speculative_args, speculative_options
+from moestream.engine.detok import IncrementalDecoder
+from moestream.engine.options import add_engine_arguments
 from moestream.engine.types import SamplingParams
 from moestream.errors import MoestreamError
+from moestream.flag_values import at_least, non_negative_float, probability_mass, unit_interval
 
 
 def build_parser() -> argparse.ArgumentParser:

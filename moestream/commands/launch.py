@@ -14,8 +14,8 @@ from typing import Callable
 
 import torch
 
-from moestream.flag_values import at_least
 from moestream.errors import MoestreamError
+from moestream.flag_values import at_least
 
 DEFAULT_TIMEOUT_S = 300  # a collective that waits longer stops the run: a rank has died or hangs
 

@@ -13,9 +13,9 @@ import os
 import sys
 
 from moestream.commands.args import Parser, check_output_paths
-from moestream.flag_values import at_least, finite_float, non_negative_float, probability_mass
 from moestream.commands.engine_checks import check_engine_args, engine_options
 from moestream.errors import MoestreamError
+from moestream.flag_values import at_least, finite_float, non_negative_float, probability_mass
 from moestream.server.app import DEFAULT_MAX_BODY_BYTES, RequestDefaults
 from moestream.server.main import serve
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from moestream.flag_values import at_least
 from moestream.engine.types import SamplingParams
 from moestream.errors import MoestreamError
+from moestream.flag_values import at_least
 
 
 def draft_value(text: str) -> tuple[str, str | None]:

@@ -7,8 +7,8 @@ from pathlib import Path
 
 from moestream.bench.synth import BITS, SHAPES, synth
 from moestream.commands.args import Parser
-from moestream.flag_values import at_least
 from moestream.errors import MoestreamError
+from moestream.flag_values import at_least
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,8 +6,8 @@ import json
 import sys
 from pathlib import Path
 
-from moestream.commands.args import Parser
 from moestream.bench.timeline_summary import TraceError, render, summarize
+from moestream.commands.args import Parser
 
 
 def main(argv: list[str] | None = None) -> int:
