@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import signal
 import socket
-import sys
 import threading
 from typing import Any, Callable
 
@@ -49,8 +48,9 @@ def serve(load_engine: Callable[[], Any], *, host: str = "127.0.0.1", port: int 
           shutdown_grace: float = 10.0, log_level: str = "info",
           on_listening: Callable[[str], None] | None = None,
           speculation: Callable[[Any], Any] | None = None) -> int:
-    """Bind, start loading the engine, serve until SIGTERM/SIGINT, shut down cleanly. Returns 0,
-    or 1 when the model could not be loaded. speculation: engine -> SpeculativeOptions (Worker)."""
+    """Bind, start loading the engine, serve until SIGTERM/SIGINT, shut down cleanly; returns 0. A
+    model that cannot load stops the server, then is a MoestreamError. speculation: engine ->
+    SpeculativeOptions (Worker)."""
     sock = bind_socket(host, port)
     bound_host, bound_port = sock.getsockname()[:2]
     worker = Worker(load_engine, max_queue=max_queue, parallel=parallel, speculation=speculation)
@@ -82,8 +82,7 @@ def serve(load_engine: Callable[[], Any], *, host: str = "127.0.0.1", port: int 
         for sig, handler in restore.items():
             signal.signal(sig, handler)
     if worker.state == "failed":
-        print(f"moestream serve: {worker.error}", file=sys.stderr)
-        return 1
+        raise MoestreamError(worker.error)
     return 0
 
 
