@@ -61,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out) if args.out else Path(args.model) / FILE_NAME
     if not out.parent.is_dir():
         p.error(f"argument OUT: the folder {out.parent} does not exist")
+    if out.is_dir():
+        p.error(f"argument OUT: {out} is a folder, not a file")
     try:
         files = text_files(args.text or [sysconfig.get_paths()["stdlib"]])
     except FileNotFoundError as exc:

@@ -143,6 +143,8 @@ CASES = [
      "moestream simulate: error: {file}: not a routing trace (the .npz file --trace-routing writes)"),
     ("simulate", "{trace} --sizes 0%", 2,
      "moestream simulate: error: argument --sizes: '0%': a share must be more than 0% and at most 100%"),
+    ("simulate", "{trace} --plot {missing}/p.png", 2,
+     "moestream simulate: error: argument --plot: the folder {missing} does not exist"),
     ("simulate", "{trace} --sizes 10%,-4", 2,
      "moestream simulate: error: argument --sizes: '-4': a slot count must be at least 1"),
     ("fit-lookahead", "{missing}", 2,
@@ -152,6 +154,8 @@ CASES = [
      "moestream fit-lookahead: error: argument --check-share: must be between 0 and 1, not 1.5"),
     ("fit-lookahead", "{other_model} {missing_out} --file-tokens 512", 2,
      "moestream fit-lookahead: error: argument --file-tokens: 512 tokens do not fit the model's context of 256 tokens"),
+    ("fit-lookahead", "{other_model} {places}", 2, "moestream fit-lookahead: error: argument OUT: {places} is a folder, "
+                                                   "not a file"),
     ("synth", "{missing_out} --shape qwen3-30b-a3b --seed -1", 2,
      "moestream synth: error: argument --seed: must be at least 0, not -1"),
     ("synth", "{missing_out} --shape qwen3-30b-a3b --layers 0", 2,
@@ -187,7 +191,7 @@ def render() -> str:
              "(`MOESTREAM_WRITE_ERRORS_DOC=1 pytest tests/unit/test_errors.py` rewrites it). `{missing}` is a "
              "folder that does not exist, `{port}` a port in use, `{file}` a file that is not a trace, "
              "`{other_model}` a packed model with another tokenizer (its context: 256 tokens), `{missing_out}` a "
-             "path that does not exist yet, `{cores}` the cores the process may use.", "",
+             "path that does not exist yet, `{places}` a folder, `{cores}` the cores the process may use.", "",
              "`--threads` above the cores is refused rather than lowered: more compute threads than cores only "
              "wait on each other. A reader that goes away (`moestream generate --help | head`) ends the command "
              "quietly with exit code 141, as a shell reports a closed pipe; Ctrl+C ends it with 130.", "",
@@ -223,7 +227,7 @@ def places(tmp_path_factory, tiny_packed_model):
     taken.listen()
     yield {"missing": str(tmp / "no-such-folder"), "port": str(taken.getsockname()[1]), "file": str(not_a_trace),
            "trace": str(trace), "other_model": str(tiny_packed_model("qwen3_moe", "q4")),
-           "missing_out": str(tmp / "not-written"), "cores": str(machine_cores())}
+           "missing_out": str(tmp / "not-written"), "cores": str(machine_cores()), "places": str(tmp)}
     taken.close()
 
 
