@@ -154,7 +154,7 @@ CASES = [
      "moestream fit-lookahead: error: argument --check-share: must be between 0 and 1, not 1.5"),
     ("fit-lookahead", "{other_model} {missing_out} --file-tokens 512", 2,
      "moestream fit-lookahead: error: argument --file-tokens: 512 tokens do not fit the model's context of 256 tokens"),
-    ("fit-lookahead", "{other_model} {places}", 2, "moestream fit-lookahead: error: argument OUT: {places} is a folder, "
+    ("fit-lookahead", "{other_model} {folder}", 2, "moestream fit-lookahead: error: argument OUT: {folder} is a folder, "
                                                    "not a file"),
     ("synth", "{missing_out} --shape qwen3-30b-a3b --seed -1", 2,
      "moestream synth: error: argument --seed: must be at least 0, not -1"),
@@ -191,7 +191,7 @@ def render() -> str:
              "(`MOESTREAM_WRITE_ERRORS_DOC=1 pytest tests/unit/test_errors.py` rewrites it). `{missing}` is a "
              "folder that does not exist, `{port}` a port in use, `{file}` a file that is not a trace, "
              "`{other_model}` a packed model with another tokenizer (its context: 256 tokens), `{missing_out}` a "
-             "path that does not exist yet, `{places}` a folder, `{cores}` the cores the process may use.", "",
+             "path that does not exist yet, `{folder}` a folder, `{cores}` the cores the process may use.", "",
              "`--threads` above the cores is refused rather than lowered: more compute threads than cores only "
              "wait on each other. A reader that goes away (`moestream generate --help | head`) ends the command "
              "quietly with exit code 141, as a shell reports a closed pipe; Ctrl+C ends it with 130.", "",
@@ -227,7 +227,7 @@ def places(tmp_path_factory, tiny_packed_model):
     taken.listen()
     yield {"missing": str(tmp / "no-such-folder"), "port": str(taken.getsockname()[1]), "file": str(not_a_trace),
            "trace": str(trace), "other_model": str(tiny_packed_model("qwen3_moe", "q4")),
-           "missing_out": str(tmp / "not-written"), "cores": str(machine_cores()), "places": str(tmp)}
+           "missing_out": str(tmp / "not-written"), "cores": str(machine_cores()), "folder": str(tmp)}
     taken.close()
 
 
