@@ -32,12 +32,16 @@ def usage() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Run one subcommand. A reader that goes away (`moestream generate --help | head`) ends the run
-    quietly, exit 141 (128 + SIGPIPE) as a shell would report it, with no traceback."""
+    quietly, exit 141 (128 + SIGPIPE) as a shell would report it; Ctrl+C one line, exit 130; neither
+    a traceback."""
     try:
         try:
             return dispatch(list(sys.argv[1:] if argv is None else argv))
         finally:  # here, not at exit, where a failed flush is a traceback-like note and exit 120
             sys.stdout.flush()
+    except KeyboardInterrupt:  # Ctrl+C: each command has already stopped what it started
+        print("moestream: interrupted", file=sys.stderr)
+        return 130
     except BrokenPipeError:
         # what is left in stdout's buffer cannot be written either: point it at /dev/null so the
         # flush at exit does not fail a second time

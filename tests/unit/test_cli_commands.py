@@ -46,6 +46,17 @@ def test_a_reader_that_goes_away_gives_no_traceback(args):
     assert "Traceback" not in err and "BrokenPipeError" not in err, err
 
 
+def test_ctrl_c_is_one_line(monkeypatch, capsys):
+    import moestream.commands.verify as verify
+
+    def interrupted(argv):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(verify, "main", interrupted)
+    assert main(["verify", "somewhere"]) == 130
+    assert capsys.readouterr().err == "moestream: interrupted\n"
+
+
 @pytest.mark.parametrize("command", ["generate", "serve", "bench"])
 def test_help_is_one_screen_of_short_lines(command, capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "80")
