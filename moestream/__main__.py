@@ -1,5 +1,5 @@
 import sys
 
-from moestream.cli import main
+from moestream.commands import main
 
 sys.exit(main())

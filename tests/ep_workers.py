@@ -34,7 +34,7 @@ def rank_main(rank: int, world: int, init_method: str, jobs: list, out_dir: str,
 
     torch.set_num_threads(1)
     from moestream.engine.engine import Engine
-    from moestream.engine.launch import init_group, leave_group
+    from moestream.commands.launch import init_group, leave_group
     from moestream.engine.options import EngineOptions
     from moestream.format.reader import PackedModel
 

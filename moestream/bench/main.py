@@ -1,25 +1,15 @@
-"""`moestream bench --model DIR`: prefill and decode speed, hit rate and read bandwidth per tier,
-over one or several cache sizes, as JSON with the machine and the exact command."""
+"""What `moestream bench` measures: prefill and decode speed, hit rate and read bandwidth per tier of
+one loaded engine, and the same weights through transformers."""
 from __future__ import annotations
 
-import argparse
-import json
 import logging
 import statistics
 import subprocess
-import sys
 import time
-from dataclasses import replace
-from pathlib import Path
+from typing import Callable
 
 import torch
 
-from moestream.bench.machine import machine_info
-from moestream.cli_args import Parser, at_least, check_output_paths
-from moestream.engine import timeline
-from moestream.engine.options import EngineOptions, add_engine_arguments
-from moestream.engine.speculative_flags import (add_speculative_arguments, check_speculative_args, speculating,
-                                                speculative_options)
 from moestream.errors import MoestreamError
 
 log = logging.getLogger(__name__)
@@ -102,12 +92,15 @@ def parse_step_tokens(text: str) -> list[int]:
 
 
 def measure(engine, *, prefill_sizes: list[int], decode_tokens: int, seed: int, prompt: list[int] | None = None,
-            speculative=None, prefill_repeats: int = 1) -> dict:
+            speculative=None, prefill_repeats: int = 1, on_phase: Callable[[str], None] | None = None) -> dict:
+    """on_phase(name): told as each phase starts ("prefill 512", "decode 128", "speculative"), for a progress display."""
+    phase = on_phase or (lambda name: None)
     vocab = engine.args.vocab_size
     out = {"prefill": []}
     for n in prefill_sizes:
         if n + 1 >= engine.max_context:
-            continue
+            raise MoestreamError(f"a prefill of {n} tokens does not fit the context of {engine.max_context} tokens")
+        phase(f"prefill {n}")
         times, before = [], engine.expert_stats()
         # with repeats, one run first that is not counted: a prefill graph's bucket is captured at its
         # second prompt, so the counted runs are the capture and replays (their median a replay)
@@ -132,6 +125,7 @@ def measure(engine, *, prefill_sizes: list[int], decode_tokens: int, seed: int, 
         torch.cuda.reset_peak_memory_stats(engine.device)
     decode_start = engine.expert_stats()
     prompt = prompt or random_prompt(16, vocab, seed)
+    phase(f"decode {decode_tokens}")
     plain = decode_run(engine, prompt, decode_tokens)
     r = plain[0]
     decode_end = engine.expert_stats()
@@ -157,6 +151,7 @@ def measure(engine, *, prefill_sizes: list[int], decode_tokens: int, seed: int, 
                 "cpu_worker", "cpu_worker_threads", "cpu_worker_team", "cpu_worker_activations", "cpu_share_now", "cpu_kernel_gb_s_ema", "cpu_handover_us_ema",
                 "cpu_misses_per_job_ema", "copy_gb_s", "copy_gb_s_timed")})
     if speculative is not None:
+        phase("speculative")
         out["speculative"] = measure_speculative(engine, prompt, decode_tokens, speculative, plain)
     out["experts"] = engine.expert_stats()
     if cuda:  # what the run really held (prefills included), and what the decode alone held
@@ -222,185 +217,3 @@ def plot(results: dict, path: str) -> None:
     ax1.set_title(f"{results['model']} on {results['machine'].get('gpu') or results['machine']['cpu']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = Parser(prog="moestream bench", description="Benchmark prefill, decode and expert streaming.")
-    p.add_argument("--model", help="packed model directory (default: the built-in demo model)")
-    p.add_argument("--cache-sizes", default=None, help="comma-separated cache sizes to sweep, e.g. 10%%,25%%,50%%,100%% "
-                                                      "(default: --cache-size)")
-    p.add_argument("--prefill-tokens", default="512,2048", help="prompt lengths to time (default 512,2048)")
-    p.add_argument("--prefill-repeats", type=at_least(1), default=1, metavar="N",
-                   help="time each prompt length N times and report the median (each run listed in the JSON; "
-                        "a single prefill call varies by up to ~15 %% on the H200); N > 1 runs one more first, not "
-                        "counted (its time is first_s): a prefill graph's bucket is captured at its second prompt")
-    p.add_argument("--decode-tokens", type=at_least(1), default=128, help="tokens to decode (default 128)")
-    p.add_argument("--prompt", default=None,
-                   help="decode after this text (default: 16 random tokens); speculation gains where the text repeats")
-    p.add_argument("--cold", action="store_true", help="drop the OS page cache before each run (needs root)")
-    p.add_argument("--warmup", action="store_true",
-                   help="first fill the host tier (every record it can hold), prefill 2048 tokens and each measured length, "
-                        "decode 32 (and prefill 2048 on a draft model): caches start warm and kernels are compiled")
-    p.add_argument("--compare-transformers", action="store_true", help="also run the same weights through transformers (bf16, all on the device)")
-    p.add_argument("--routing", default="model", metavar="KIND",
-                   help="model (the router's choice, default), uniform, zipf:S[:L] or trace:FILE: replace the chosen "
-                        "experts after each router so streamed speed is measured at a known hit rate "
-                        "(random weights collapse onto a few experts); see moestream/bench/routing.py")
-    p.add_argument("--step-tokens", default=None, metavar="T,T,...",
-                   help="also time verification steps of these token counts (e.g. 1,2,4,8,16) after a short prompt, "
-                        "and predict speculation's speedup from them at acceptance 0.5-0.9 (the JSON's step_cost)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=None, help="write the JSON results to this file")
-    p.add_argument("--plot", default=None, help="write a PNG of decode tok/s and hit rate per cache size")
-    p.add_argument("--heatmap", default=None, metavar="FILE.png",
-                   help="write a PNG of the hit rate per MoE layer, one row per cache size")
-    p.add_argument("--timeline", default=None, metavar="FILE.json",
-                   help="write a Chrome/Perfetto trace of the measured prefills and decode (one file per cache size "
-                        "in a sweep: FILE-SIZE.json)")
-    add_speculative_arguments(p)
-    p.set_defaults(draft=("off", None))  # bench times plain decoding unless a drafter is asked for
-    add_engine_arguments(p)
-    return p
-
-
-def timeline_path(path: str | None, size: str, sizes: int) -> str | None:
-    """FILE.json for one cache size; FILE-SIZE.json for each size of a sweep."""
-    if path is None or sizes == 1:
-        return path
-    p = Path(path)
-    return str(p.with_name(f"{p.stem}-{size}{p.suffix}"))
-
-
-def run(args) -> dict:
-    from moestream.engine.engine import load_engine
-    from moestream.engine.plan import run_facts
-
-    from moestream.bench.routing import attach as attach_routing, parse_routing
-
-    base = EngineOptions.from_args(args)
-    routing = parse_routing(args.routing)
-    sizes = [x.strip() for x in args.cache_sizes.split(",") if x.strip()] if args.cache_sizes else [base.cache_size]
-    prefill_sizes = parse_lengths(args.prefill_tokens)
-    step_sizes = parse_step_tokens(args.step_tokens) if args.step_tokens else []
-    if args.compare_transformers and not prefill_sizes:
-        raise MoestreamError("--compare-transformers needs at least one --prefill-tokens length")
-    from moestream.engine.engine import DEMO_MODEL
-    from moestream.engine.plan import plan_run
-    from moestream.format.reader import PackedModel
-
-    if args.model or (DEMO_MODEL / "moestream.json").is_file():
-        packed = PackedModel(args.model or DEMO_MODEL)
-        for size in sizes:  # a bad size is named now, not after the sizes before it have run
-            plan_run(packed, replace(base, cache_size=size))
-    results = {"machine": machine_info(), "model": str(args.model or "demo"), **routing.to_json(), "runs": []}
-    for size in sizes:
-        if args.cold and not drop_page_cache():
-            log.warning("could not drop the page cache (not root?); reads may come from RAM")
-        if torch.cuda.is_available():  # each run's peak is its own
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-        engine = load_engine(args.model, replace(base, cache_size=size))
-        speculative = None
-        try:
-            speculative = speculative_options(args, engine) if speculating(args) else None
-            prompt = engine.tokenizer.encode(args.prompt) if args.prompt is not None else None
-            attach_routing(engine, routing, seed=args.seed)
-            if args.warmup:  # the host tier filled with every record it can hold, a long prefill, a short decode
-                engine.provider.fill_host_tier()
-                vocab = engine.args.vocab_size
-                engine.prefill(random_prompt(min(2048, engine.max_context - 1), vocab, args.seed + 1))
-                for n in prefill_sizes:  # each measured length once: its kernel tiles compile here, not in the timing
-                    if n + 1 < engine.max_context:
-                        engine.reset()
-                        engine.prefill(random_prompt(n, vocab, args.seed + 2))
-                for _ in engine.generate(random_prompt(32, engine.args.vocab_size, args.seed + 1), max_new_tokens=32,
-                                         stop_at_eos=False):
-                    pass
-                if speculative is not None:  # steps of every length a verification or a draft prompt takes
-                    from moestream.engine.decoder import MAX_STEP_TOKENS
-
-                    draft_engine = getattr(speculative.drafter, "engine", None)
-                    if draft_engine is not None:  # its prefill's kernels, first used by a probe's catch-up
-                        draft_engine.prefill(random_prompt(min(2048, draft_engine.max_context - 1), vocab,
-                                                           args.seed + 1))
-                        speculative.drafter.probe_price_s  # timed once here (the policy's first price), not in a run
-                    for e in (engine, draft_engine):
-                        if e is not None:
-                            e.reset()
-                            e.warm_steps(MAX_STEP_TOKENS)
-            with timeline.recording(timeline_path(args.timeline, size, len(sizes)), device=engine.device):
-                measured = measure(engine, prefill_sizes=prefill_sizes, decode_tokens=args.decode_tokens, seed=args.seed,
-                                   prefill_repeats=args.prefill_repeats,
-                                   prompt=prompt, speculative=speculative)
-            run_result = {"cache_size": size, "slots": engine.plan.slots, "total_experts": engine.plan.total_experts,
-                          "streaming": engine.streaming, **run_facts(engine.options), **measured}
-            if step_sizes:
-                from moestream.bench.step_cost import measure_step_costs
-
-                run_result["step_cost"] = measure_step_costs(engine, step_sizes, seed=args.seed)
-        finally:
-            if speculative is not None and speculative.drafter is not None:
-                speculative.drafter.close()
-            engine.close()
-            del engine
-        results["runs"].append(run_result)
-        if args.out:  # each size as it finishes: a run cut short (a time limit) keeps what it measured
-            Path(args.out).write_text(json.dumps({**results, "partial": True}, indent=1))
-        d = run_result["decode"]
-        pf = ", ".join(f"prefill {p['tokens']}: {p['tok_s']:.0f} tok/s" for p in run_result["prefill"])
-        print(f"cache {size:>6} ({run_result['slots']}/{run_result['total_experts']} slots): decode {d['tok_s']} tok/s, "
-              f"hit rate {d['hit_rate']:.3f}, read wait {d['read_wait_s']:.2f} s; {pf}", flush=True)
-        if "step_cost" in run_result:
-            sc = run_result["step_cost"]
-            print("  step ms by tokens: " + ", ".join(f"{t}: {ms}" for t, ms in sc["step_ms"].items())
-                  + "; predicted speedup at acceptance " + ", ".join(f"{p['acceptance']}: {p['speedup']}x (k={p['best_draft']})"
-                                                                 for p in sc["predicted"]), flush=True)
-        if "speculative" in run_result:
-            sp = run_result["speculative"]
-            print(f"  speculative {sp['drafter']} ({sp['draft_tokens']}): {sp['speculative_mean_tok_s']} tok/s against "
-                  f"plain {sp['plain_mean_tok_s']} ({sp['speedup']}x), {sp['tokens_per_step']} tok/step, accept rate "
-                  f"{sp['accept_rate']}, same tokens: {sp['same_tokens']}", flush=True)
-    if args.compare_transformers:
-        device = base.device if base.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-        from moestream.engine.engine import DEMO_MODEL
-
-        ref = compare_transformers(args.model or DEMO_MODEL, device=device, prefill=max(prefill_sizes),
-                                   decode_tokens=args.decode_tokens, seed=args.seed)
-        results["transformers"] = ref
-        last = results["runs"][-1]
-        ref["decode_ratio"] = round((last["decode"]["tok_s"] or 0) / ref["decode_tok_s"], 3)
-        print(f"transformers: decode {ref['decode_tok_s']} tok/s, prefill {ref['prefill_tok_s']} tok/s; "
-              f"moestream / transformers decode = {ref['decode_ratio']}")
-    return results
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    check_output_paths(parser, args, {"out": "--out", "plot": "--plot", "heatmap": "--heatmap", "trace_routing": "--trace-routing",
-                                      "timeline": "--timeline"})
-    check_speculative_args(parser, args, sampling=None, model_dir=args.model)  # bench decodes greedily
-    logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    try:
-        results = run(args)
-    except MoestreamError as exc:
-        print(f"moestream bench: error: {exc}", file=sys.stderr)
-        return 1
-    if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=1))
-    if args.plot or args.heatmap:
-        try:
-            if args.plot:
-                plot(results, args.plot)
-            if args.heatmap:
-                from moestream.bench.heatmap import ReportError, plot_heatmap
-                try:
-                    plot_heatmap(results, args.heatmap, title=f"{results['model']}: expert hit rate per layer")
-                except ReportError as exc:
-                    print(f"moestream bench: error: --heatmap: the results {exc}", file=sys.stderr)
-                    return 1
-        except ImportError:
-            print("moestream bench: error: --plot needs matplotlib (pip install matplotlib); the JSON was written",
-                  file=sys.stderr)
-            return 1
-    return 0

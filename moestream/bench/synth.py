@@ -6,7 +6,6 @@ unevenly (a 25 % cache hits about 95 % in decode), so hit rates measured on them
 real reuse; speeds at a given hit rate are what these models measure."""
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -207,21 +206,3 @@ def synth(shape: str, out: Path, *, layers: int | None = None, quant: str = "q4"
     finish_model(out, family=cfg["model_type"], config=cfg, source={"synthetic": shape, "seed": seed},
                  quantization=quantization, dense=dense, expert_layers=expert_layers, extra_files=[])
     return out
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="moestream synth", description=__doc__.split("\n\n")[0])
-    p.add_argument("out", help="output directory")
-    p.add_argument("--shape", required=True, choices=sorted(SHAPES), help="which real model's shapes")
-    p.add_argument("--layers", type=int, default=None, help="keep only the first N layers")
-    p.add_argument("--quant", choices=sorted(BITS), default="q4", help="default q4")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--force", action="store_true", help="overwrite a non-empty OUT")
-    args = p.parse_args(argv)
-    try:
-        out = synth(args.shape, Path(args.out), layers=args.layers, quant=args.quant, seed=args.seed, force=args.force)
-    except MoestreamError as exc:
-        print(f"moestream synth: error: {exc}", file=sys.stderr)
-        return 1
-    print(f"wrote {out}")
-    return 0

@@ -8,14 +8,10 @@
   waiting for the router's ids; `load`: the cache's own work; `sample`, ...), or to `untraced host
   work` where none is open.
 
-`python scripts/timeline_summary.py TRACE.json [--json]`."""
+`moestream timeline TRACE.json [--json]`."""
 from __future__ import annotations
 
-import argparse
-import json
-import sys
 from collections import defaultdict
-from pathlib import Path
 
 UNTRACED = "untraced host work"
 
@@ -133,25 +129,3 @@ def render(summary: dict) -> str:
         share = ms / c["idle_ms"] * 100 if c["idle_ms"] else 0.0
         lines.append(f"  idle in {cause:<24} {ms:>11.3f} ms  {share:5.1f} %")
     return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="timeline_summary", description=__doc__.splitlines()[0])
-    p.add_argument("trace", help="a --timeline trace (Chrome trace JSON)")
-    p.add_argument("--json", action="store_true", help="print the summary as JSON")
-    args = p.parse_args(argv)
-    try:
-        summary = summarize(json.loads(Path(args.trace).read_text()))
-    except OSError as exc:
-        print(f"timeline_summary: error: {args.trace}: cannot read ({exc.strerror})", file=sys.stderr)
-        return 1
-    except (ValueError, UnicodeDecodeError) as exc:  # TraceError is a ValueError, as is bad JSON
-        reason = exc if isinstance(exc, TraceError) else "not JSON"
-        print(f"timeline_summary: error: {args.trace}: {reason}", file=sys.stderr)
-        return 1
-    print(json.dumps(summary, indent=1) if args.json else render(summary))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

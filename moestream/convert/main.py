@@ -6,7 +6,6 @@ into its records file one expert at a time, and the manifest is written last. Me
 one expert plus the largest resident tensor, whatever the model's size."""
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -19,7 +18,6 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from moestream.cli_args import Parser, at_least, run_resumable
 from moestream.convert.layout import LayoutError, check_expert_layers, find_expert_layers
 from moestream.convert.mtp import select_mtp
 from moestream.convert.resident import DenseTensor, check_dense, plan_dense
@@ -367,40 +365,3 @@ def convert(src: str | Path, out: str | Path, *, quant: str | None = None, group
     finally:
         source.close()
     return out
-
-
-def add_packing_arguments(p: argparse.ArgumentParser, job: str) -> None:
-    """The flags convert and pull share: quantization, resume, force, progress."""
-    p.add_argument("--quant", choices=list(QUANT_BITS), default=None,
-                   help="expert and matrix quantization (default q4; an MXFP4 source's experts keep MXFP4)")
-    p.add_argument("--group-size", type=int, choices=GROUP_SIZES, default=64, help="quantization group size (default 64)")
-    p.add_argument("--resume", action="store_true", help=f"continue an unfinished {job} into OUT")
-    p.add_argument("--force", action="store_true", help="overwrite a non-empty OUT")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--no-mtp", action="store_true",
-                   help="leave out the checkpoint's multi-token-prediction layers (a smaller pack; no --speculative mtp)")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = Parser(prog="moestream convert", description="Pack a Hugging Face MoE checkpoint into moestream's format.")
-    p.add_argument("src", help="checkpoint folder (config.json + *.safetensors) or a Hub repo id")
-    p.add_argument("out", help="output directory")
-    add_packing_arguments(p, "conversion")
-    p.add_argument("--revision", help="Hub revision (branch, tag or commit) when SRC is a repo id")
-    p.add_argument("--tokenizer", help="for a .gguf SRC: a folder whose tokenizer files to copy")
-    p.add_argument("--workers", type=at_least(1), default=min(os.cpu_count() or 1, 8),
-                   help="threads building expert records, each running torch single-threaded (default: CPUs, at most 8)")
-    # for tests of --resume: die abruptly inside expert layer N (not a user option, so not shown)
-    p.add_argument("--kill-after-layers", type=int, default=None, help=argparse.SUPPRESS)
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    if args.workers > 1:
-        torch.set_num_threads(1)  # parallel over experts: per-op thread teams only add barrier waits
-    return run_resumable("moestream convert", lambda: convert(
-        args.src, args.out, quant=args.quant, group_size=args.group_size, force=args.force, resume=args.resume,
-        revision=args.revision, progress=not args.no_progress, workers=args.workers,
-        kill_after_layers=args.kill_after_layers, tokenizer=args.tokenizer, mtp=not args.no_mtp), "wrote {}")

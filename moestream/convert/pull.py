@@ -13,7 +13,6 @@ and fsynced. After a kill, every piece that needs only unfinished shards is writ
 same bytes at the same offsets), so the result is byte-identical to an uninterrupted pull."""
 from __future__ import annotations
 
-import argparse
 import hashlib
 import logging
 import os
@@ -27,10 +26,9 @@ from typing import Callable
 
 from tqdm import tqdm
 
-from moestream.cli_args import Parser, run_resumable
 from moestream.convert.hub import HubError, looks_like_repo_id
 from moestream.convert.layout import FusedLayer, MlxStackLayer, PerExpertLayer, check_expert_layers, find_expert_layers
-from moestream.convert.main import GROUP_SIZES, QUANT_BITS, Conversion, _our_files, _row_blocks, add_packing_arguments
+from moestream.convert.main import GROUP_SIZES, QUANT_BITS, Conversion, _our_files, _row_blocks
 from moestream.convert.pulled_source import PulledSource, ZeroSource
 from moestream.convert.remote import HubRepo
 from moestream.convert.state import STATE_NAME, ConvertState, ResumeError
@@ -433,42 +431,3 @@ def plan_pull(repo_id: str, *, revision: str | None = None, quant: str = "q4", g
 
 def _gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = Parser(prog="moestream pull",
-               description="Download a Hub MoE checkpoint and pack it shard by shard (extra disk: the largest shard).")
-    p.add_argument("repo", help="Hub repo id (owner/name)")
-    p.add_argument("out", help="output directory")
-    p.add_argument("--revision", help="branch, tag or commit (default main)")
-    add_packing_arguments(p, "pull")
-    p.add_argument("--dry-run", action="store_true", help="print the files, their size and the packed size; download no weights")
-    # for tests of --resume: die abruptly half-way through the (N+1)-th shard (not a user option)
-    p.add_argument("--kill-after-shards", type=int, default=None, help=argparse.SUPPRESS)
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    args.quant = args.quant or "q4"  # pull streams float and MLX checkpoints only: no MXFP4 experts to keep
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)
-    logging.getLogger("httpx2").setLevel(logging.WARNING)
-    if args.dry_run:
-        return run_resumable("moestream pull", lambda: dry_run(args), "{}")
-    return run_resumable("moestream pull", lambda: pull(
-        args.repo, args.out, revision=args.revision, quant=args.quant, group_size=args.group_size, force=args.force,
-        resume=args.resume, progress=not args.no_progress, kill_after_shards=args.kill_after_shards,
-        mtp=not args.no_mtp),
-        "wrote {} (verified)")
-
-
-def dry_run(args) -> str:
-    """What a pull would download and write, as text (nothing is downloaded but headers)."""
-    repo, sizes = plan_pull(args.repo, revision=args.revision, quant=args.quant, group_size=args.group_size)
-    lines = [f"{args.repo}@{repo.commit}: would download {len(sizes.downloads)} files, "
-             f"{_gib(sum(sizes.downloads.values()))}:"]
-    lines += [f"  {name:<48} {_gib(size):>12}" for name, size in sizes.downloads.items()]
-    lines.append(f"packed size ({args.quant}): {_gib(sizes.packed_bytes)} (plus the manifest); "
-                 f"extra disk while pulling: {_gib(sizes.largest_shard)} (the largest shard)")
-    return "\n".join(lines)

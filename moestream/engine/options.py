@@ -5,7 +5,7 @@ import argparse
 import os
 from dataclasses import dataclass, fields
 
-from moestream.cli_args import at_least, positive_float
+from moestream.flag_values import at_least, positive_float
 
 # where digests of checked resident files are remembered (default ~/.cache/moestream); read here,
 # in the command-line layer, so the library itself never looks at the environment for it
@@ -66,7 +66,7 @@ class EngineOptions:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, environ: dict | None = None) -> "EngineOptions":
-        environ = os.environ if environ is None else environ
+        environ = {} if environ is None else environ  # the commands pass theirs: the library reads none
         values = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
         if values.get("verify_cache_dir") is None and environ.get(CACHE_DIR_ENV):
             values["verify_cache_dir"] = environ[CACHE_DIR_ENV]

@@ -5,7 +5,6 @@ come from the same pass, so a damaged file is reported with the layer and expert
 damage."""
 from __future__ import annotations
 
-import argparse
 import hashlib
 import logging
 import math
@@ -168,28 +167,3 @@ def verify(directory: str | Path, *, progress: bool = False) -> VerifyReport:
         except MoestreamError as exc:
             report.problems.append(str(exc))
     return report
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="moestream verify",
-                                description="Check a packed model's files (sha256) and expert records (layout, crc32).")
-    p.add_argument("model", help="packed model directory")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    args = p.parse_args(argv)
-    try:
-        report = verify(args.model, progress=not args.no_progress)
-    except MoestreamError as exc:
-        print(f"moestream verify: error: {exc}", file=sys.stderr)
-        return 1
-    except OSError as exc:
-        print(f"moestream verify: error: {exc.filename or args.model}: {exc.strerror or exc}", file=sys.stderr)
-        return 1
-    if not report.ok:
-        for problem in report.problems:
-            print(f"moestream verify: error: {problem}", file=sys.stderr)
-        print(f"moestream verify: {args.model}: {len(report.problems)} problem(s) found", file=sys.stderr)
-        return 1
-    print(f"{args.model}: OK, {report.files} files ({report.bytes / 2**30:.2f} GiB) match their sha256; "
-          f"{report.records} expert records in {report.layers} layer{'s' if report.layers != 1 else ''} pass their crc32 "
-          "and layout checks")
-    return 0

@@ -1,4 +1,4 @@
-"""`moestream serve`: the OpenAI-compatible HTTP server.
+"""The OpenAI-compatible HTTP server (`moestream serve`): bind, load, serve, stop.
 
 The listening socket is bound first, so /health answers (503) while the engine loads on the
 worker thread. SIGTERM or Ctrl+C stops accepting connections, lets running requests finish for
@@ -7,105 +7,19 @@ and exits 0.
 """
 from __future__ import annotations
 
-import argparse
 import logging
-import os
 import signal
 import socket
-import sys
 import threading
 from typing import Any, Callable
 
 import uvicorn
 
-from moestream.cli_args import Parser, at_least, check_output_paths, finite_float, probability_mass
 from moestream.errors import MoestreamError
 from moestream.server.app import DEFAULT_MAX_BODY_BYTES, RequestDefaults, create_app
 from moestream.server.worker import Worker
 
 log = logging.getLogger(__name__)
-
-API_KEY_ENV = "MOESTREAM_API_KEY"
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError("must be at least 1")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError("must be at least 0")
-    return value
-
-
-def build_parser(*, engine_arguments: bool = True) -> argparse.ArgumentParser:
-    parser = Parser(
-        prog="moestream serve",
-        description="Serve a packed MoE model over the OpenAI HTTP API (/v1/chat/completions, /v1/completions, "
-                    "/v1/models; also under /api/v1) with /health and /metrics. Up to --parallel requests generate "
-                    "together (continuous batching); --max-queue more may wait.")
-    parser.add_argument("--model", default=None,
-                        help="packed model directory (default: the built-in demo model)")
-    parser.add_argument("--host", default="127.0.0.1",
-                        help="address to listen on (default 127.0.0.1; 0.0.0.0 for other machines: put a TLS "
-                             "proxy in front)")
-    parser.add_argument("--port", type=_non_negative_int, default=8080, help="port (default 8080; 0 picks a free one)")
-    parser.add_argument("--api-key", default=None,
-                        help=f"require 'Authorization: Bearer KEY' on /v1 and /api/v1 (also ${API_KEY_ENV})")
-    parser.add_argument("--parallel", type=at_least(1), default=1,
-                        help="requests that generate together, each in its own sequence slot and KV cache, joining "
-                             "and leaving the batch at step boundaries (default 1: one at a time)")
-    parser.add_argument("--max-queue", "--queue-size", dest="max_queue", type=_non_negative_int, default=8,
-                        help="requests that may wait beyond the --parallel running ones (default 8); beyond that, "
-                             "503 with Retry-After")
-    parser.add_argument("--model-id", default=None,
-                        help="the id /v1/models advertises (default: the model's name); requests may name any model")
-    defaults = RequestDefaults()
-    parser.add_argument("--temperature", type=finite_float, default=defaults.temperature,
-                        help=f"default temperature for requests without one (default {defaults.temperature})")
-    parser.add_argument("--top-k", type=int, default=defaults.top_k,
-                        help=f"default top-k (default {defaults.top_k}; 0 off)")
-    parser.add_argument("--top-p", type=probability_mass, default=defaults.top_p,
-                        help=f"default top-p (default {defaults.top_p})")
-    parser.add_argument("--max-tokens", type=_positive_int, default=None,
-                        help="default completion limit (default: the rest of the context)")
-    parser.add_argument("--max-body-bytes", type=_positive_int, default=DEFAULT_MAX_BODY_BYTES,
-                        help=f"largest request body accepted, else 413 (default {DEFAULT_MAX_BODY_BYTES})")
-    parser.add_argument("--shutdown-grace", type=float, default=10.0,
-                        help="seconds running requests may take to finish after SIGTERM (default 10)")
-    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    parser.add_argument("--timeline", metavar="FILE.json", default=None,
-                        help="write a Chrome/Perfetto trace of everything the engine did while serving (host tracks: "
-                             "steps, prefill chunks, expert loads, read waits, reads and copies, the decoder's segments), "
-                             "written when the server stops")
-    if engine_arguments:
-        # the engine's flags (device, dtype, --max-context, prefill chunk, ...)
-        from moestream.engine.options import add_engine_arguments
-        from moestream.engine.speculative_flags import add_speculative_arguments
-        add_speculative_arguments(parser)
-        add_engine_arguments(parser)
-    else:
-        parser.add_argument("--max-context", type=int, default=0,
-                            help="prompt plus completion limit in tokens (default: the engine's)")
-    return parser
-
-
-def defaults_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> RequestDefaults:
-    parser = parser or build_parser(engine_arguments=False)
-    if not 0.0 <= args.temperature <= 2.0:
-        parser.error(f"argument --temperature: must be between 0 and 2, not {args.temperature}")
-    return RequestDefaults(temperature=args.temperature, top_k=max(0, args.top_k), top_p=args.top_p,
-                           max_tokens=args.max_tokens)
-
-
-def api_key_from(args: argparse.Namespace, environ: dict | None = None) -> str | None:
-    """--api-key, else $MOESTREAM_API_KEY (keeps the key off the command line), else none."""
-    environ = os.environ if environ is None else environ
-    return args.api_key or environ.get(API_KEY_ENV) or None
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -134,8 +48,9 @@ def serve(load_engine: Callable[[], Any], *, host: str = "127.0.0.1", port: int 
           shutdown_grace: float = 10.0, log_level: str = "info",
           on_listening: Callable[[str], None] | None = None,
           speculation: Callable[[Any], Any] | None = None) -> int:
-    """Bind, start loading the engine, serve until SIGTERM/SIGINT, shut down cleanly. Returns 0,
-    or 1 when the model could not be loaded. speculation: engine -> SpeculativeOptions (Worker)."""
+    """Bind, start loading the engine, serve until SIGTERM/SIGINT, shut down cleanly; returns 0. A
+    model that cannot load stops the server, then is a MoestreamError. speculation: engine ->
+    SpeculativeOptions (Worker)."""
     sock = bind_socket(host, port)
     bound_host, bound_port = sock.getsockname()[:2]
     worker = Worker(load_engine, max_queue=max_queue, parallel=parallel, speculation=speculation)
@@ -167,8 +82,7 @@ def serve(load_engine: Callable[[], Any], *, host: str = "127.0.0.1", port: int 
         for sig, handler in restore.items():
             signal.signal(sig, handler)
     if worker.state == "failed":
-        print(f"moestream serve: {worker.error}", file=sys.stderr)
-        return 1
+        raise MoestreamError(worker.error)
     return 0
 
 
@@ -198,47 +112,3 @@ def _cancel_later(worker: Worker, grace: float) -> None:
 
 def _absorb_signal(signum: int, frame: Any) -> None:
     log.debug("signal %d after shutdown ignored", signum)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    check_output_paths(parser, args, {"trace_routing": "--trace-routing", "timeline": "--timeline"})
-    from moestream.engine.speculative_flags import check_speculative_args, speculating, speculative_options
-
-    # requests bring their own sampling settings
-    check_speculative_args(parser, args, sampling=None, model_dir=args.model, batched=args.parallel > 1)
-    defaults = defaults_from_args(args, parser)
-    logging.basicConfig(level=getattr(logging, args.log_level.upper()),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from moestream.engine.options import EngineOptions
-
-    options = EngineOptions.from_args(args)
-    options.max_sequences = args.parallel  # a sequence slot (its own KV cache) per request running at once
-    api_key = api_key_from(args)
-
-    def load_engine():
-        from moestream.engine.engine import load_engine as load
-        return load(args.model, options)
-
-    def announce(url: str) -> None:
-        shown = args.model_id or (os.path.basename(os.path.normpath(args.model)) if args.model else "the demo model")
-        print(f"[server] listening on {url}/v1 (model {shown}; loading, /health says 503 until ready)", flush=True)
-
-    from moestream.engine import timeline
-
-    try:
-        # the server's timeline has the host tracks only: its device is known once the engine has loaded
-        with timeline.recording(args.timeline):
-            return serve(load_engine, host=args.host, port=args.port, api_key=api_key, model_id=args.model_id,
-                         max_queue=args.max_queue, parallel=args.parallel, max_context=args.max_context or None,
-                         defaults=defaults, max_body_bytes=args.max_body_bytes, shutdown_grace=args.shutdown_grace,
-                         log_level=args.log_level, on_listening=announce,
-                         speculation=(lambda engine: speculative_options(args, engine)) if speculating(args) else None)
-    except MoestreamError as exc:
-        print(f"moestream serve: error: {exc}", file=sys.stderr)
-        return 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

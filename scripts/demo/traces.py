@@ -161,7 +161,7 @@ def _reuse_independent(share: np.ndarray, top_k: int) -> float:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from moestream.sim.main import parse_sizes
+    from moestream.commands.simulate import parse_sizes
     from moestream.sim.simulate import simulate, total_experts
     from moestream.sim.trace import RoutingTrace
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from moestream.engine.engine import DEMO_MODEL, Engine
-from moestream.engine.fit_lookahead import main as fit_main
+from moestream.commands.fit_lookahead import main as fit_main
 from moestream.engine.options import EngineOptions
 
 pytestmark = pytest.mark.gpu

@@ -4,7 +4,7 @@ import subprocess
 import sys
 from types import SimpleNamespace
 
-from moestream.cli import main
+from moestream.commands import main
 
 
 def run(*args):

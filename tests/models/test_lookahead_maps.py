@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from moestream.engine.engine import DEMO_MODEL, Engine
-from moestream.engine.fit_lookahead import main as fit_main
+from moestream.commands.fit_lookahead import main as fit_main
 from moestream.engine.options import EngineOptions
 from moestream.errors import MoestreamError
 from moestream.experts.guess_maps import FILE_NAME, GuessMaps

@@ -14,7 +14,8 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, Mxfp4Config
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-from moestream.convert.main import convert, main as convert_main
+from moestream.commands.convert import main as convert_main
+from moestream.convert.main import convert
 from moestream.engine.engine import Engine
 from moestream.engine.options import EngineOptions
 from moestream.errors import FormatError

@@ -6,14 +6,14 @@ import json
 
 import pytest
 
-from moestream.engine.cli import build_parser as generate_parser, main as generate_main
+from moestream.commands.generate import build_parser as generate_parser, main as generate_main
 from moestream.engine.engine import DEMO_MODEL, Engine
 from moestream.engine.options import EngineOptions
 from moestream.engine.draft_choice import make_options, shipped_draft
 from moestream.engine.speculative import DraftModelDrafter
-from moestream.engine.speculative_flags import check_speculative_args
+from moestream.commands.speculative_flags import check_speculative_args
 from moestream.engine.types import SamplingParams
-from moestream.server.main import build_parser as serve_parser
+from moestream.commands.serve import build_parser as serve_parser
 
 DRAFT = DEMO_MODEL / "draft"
 pytestmark = pytest.mark.skipif(not (DRAFT / "moestream.json").is_file(), reason="the demo's draft is not in this checkout")

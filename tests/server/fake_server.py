@@ -14,7 +14,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from fake_engine import FakeEngine  # noqa: E402
 
 from moestream.errors import MoestreamError  # noqa: E402
-from moestream.server.main import api_key_from, build_parser, defaults_from_args, serve  # noqa: E402
+from moestream.commands.serve import api_key_from, build_parser, defaults_from_args
+from moestream.server.main import serve  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,10 +36,14 @@ def main(argv: list[str] | None = None) -> int:
         engine.on_close = lambda: print("engine closed", flush=True)
         return engine
 
-    return serve(load, host=args.host, port=args.port, api_key=api_key_from(args), model_id=args.model_id,
-                 max_queue=args.max_queue, defaults=defaults_from_args(args), max_body_bytes=args.max_body_bytes,
-                 shutdown_grace=args.shutdown_grace, log_level=args.log_level,
-                 on_listening=lambda url: print(url, flush=True))
+    try:
+        return serve(load, host=args.host, port=args.port, api_key=api_key_from(args), model_id=args.model_id,
+                     max_queue=args.max_queue, defaults=defaults_from_args(args), max_body_bytes=args.max_body_bytes,
+                     shutdown_grace=args.shutdown_grace, log_level=args.log_level,
+                     on_listening=lambda url: print(url, flush=True))
+    except MoestreamError as exc:
+        print(f"fake server: error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from moestream.server.main import api_key_from, build_parser, defaults_from_args
+from moestream.commands.serve import api_key_from, build_parser, defaults_from_args
 
 pytestmark = pytest.mark.timeout(120)  # a hung stream fails its test instead of stalling the run
 
@@ -144,6 +144,6 @@ def test_model_that_cannot_load_exits_1():
 
 def test_http_side_never_imports_torch():
     code = ("import sys; import moestream.server.app, moestream.server.protocol, moestream.server.worker, "
-            "moestream.server.stops, moestream.server.main; "
+            "moestream.server.stops, moestream.server.main, moestream.commands.serve; "
             "sys.exit(1 if 'torch' in sys.modules else 0)")
     assert subprocess.run([sys.executable, "-c", code], cwd=REPO).returncode == 0

@@ -267,7 +267,7 @@ def test_moestream_serve_parallel_process(model_dir, reference):
 
 
 def test_parallel_and_queue_size_flags():
-    from moestream.server.main import build_parser
+    from moestream.commands.serve import build_parser
 
     parser = build_parser(engine_arguments=False)
     args = parser.parse_args([])

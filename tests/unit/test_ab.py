@@ -9,7 +9,8 @@ import sys
 import numpy as np
 import pytest
 
-from moestream.bench.ab import Run, analyse, main, metric_at, run_rounds
+from moestream.bench.ab import Run, analyse, metric_at, run_rounds
+from moestream.commands.ab import main
 
 PY = shlex.quote(sys.executable)
 

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from moestream.sim.belady import belady
-from moestream.sim.main import main
+from moestream.commands.simulate import main
 from moestream.sim.simulate import simulate
 from moestream.sim.trace import RoutingTrace
 

@@ -64,7 +64,7 @@ def test_trace_replay_gives_the_trace_and_tiles_onto_larger_shapes():
 def test_bench_json_names_the_routing_and_generate_never_reroutes(tmp_path):
     import json
 
-    from moestream.bench.main import main
+    from moestream.commands.bench import main
     from moestream.engine.engine import Engine
     from moestream.engine.options import EngineOptions
 

@@ -206,7 +206,7 @@ def test_force_replaces_a_previous_model_and_keeps_foreign_files(tiny_checkpoint
 
 
 def test_cli_convert_and_progress_on_stderr(tiny_checkpoint, tmp_path, capsys):
-    from moestream.convert.main import main
+    from moestream.commands.convert import main
     assert main([str(tiny_checkpoint("olmoe")), str(tmp_path / "m"), "--quant", "q8"]) == 0
     captured = capsys.readouterr()
     assert "wrote" in captured.out and "convert" in captured.err

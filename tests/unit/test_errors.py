@@ -8,20 +8,25 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from moestream.bench.ab import main as ab_main
-from moestream.bench.heatmap import main as heatmap_main
-from moestream.bench.main import main as bench_main
-from moestream.convert.main import main as convert_main
-from moestream.convert.pull import main as pull_main
-from moestream.engine.cli import main as generate_main
-from moestream.engine.fit_lookahead import main as fit_lookahead_main
-from moestream.server.main import main as serve_main
-from moestream.sim.main import main as simulate_main
+from moestream.commands.ab import main as ab_main
+from moestream.commands.engine_checks import machine_cores
+from moestream.commands.heatmap import main as heatmap_main
+from moestream.commands.bench import main as bench_main
+from moestream.commands.convert import main as convert_main
+from moestream.commands.pull import main as pull_main
+from moestream.commands.generate import main as generate_main
+from moestream.commands.fit_lookahead import main as fit_lookahead_main
+from moestream.commands.serve import main as serve_main
+from moestream.commands.simulate import main as simulate_main
+from moestream.commands.synth import main as synth_main
+from moestream.commands.timeline import main as timeline_main
+from moestream.commands.verify import main as verify_main
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "ERRORS.md"
 MAINS = {"generate": generate_main, "serve": serve_main, "bench": bench_main, "convert": convert_main,
          "pull": pull_main, "simulate": simulate_main,
-         "ab": ab_main, "heatmap": heatmap_main, "fit-lookahead": fit_lookahead_main}
+         "ab": ab_main, "heatmap": heatmap_main, "fit-lookahead": fit_lookahead_main, "synth": synth_main,
+         "verify": verify_main, "timeline": timeline_main}
 
 # (command, arguments, exit code, the exact stderr line); {missing}, {port}, {file}, {trace} are
 # filled in per run and shown as such in the document
@@ -74,10 +79,40 @@ CASES = [
      "moestream generate: error: argument --unpacked-experts: cannot read size 'lots' (examples: 4GiB, 512MB, 1000000)"),
     ("generate", "--lookahead-maps {missing}/m.safetensors", 2,
      "moestream generate: error: argument --lookahead-maps: no such file: {missing}/m.safetensors"),
+    ("generate", "--cache-size 0", 2, "moestream generate: error: argument --cache-size: 0 holds no expert (give "
+                                      "bytes like 4GiB, a share like 25%, min or all)"),
+    ("generate", "--cache-size 500%", 2,
+     "moestream generate: error: argument --cache-size: a share must be in (0%, 100%], not 500%"),
+    ("generate", "--host-cache-size 200%", 2,
+     "moestream generate: error: argument --host-cache-size: a share must be in (0%, 100%], not 200%"),
+    ("generate", "--memory-budget lots", 2, "moestream generate: error: argument --memory-budget: cannot read size "
+                                            "'lots' (examples: 4GiB, 512MB, 1000000)"),
+    ("generate", "--threads 100000", 2,
+     "moestream generate: error: argument --threads: 100000 is more than the {cores} cores this process may use"),
+    ("generate", "--device mps", 2, "moestream generate: error: argument --device: 'mps': only cpu and cuda are supported"),
+    ("generate", "--device gpu0", 2,
+     "moestream generate: error: argument --device: 'gpu0' is not a device (cpu, cuda or cuda:N)"),
+    ("generate", "--model {other_model} --max-context 3000000", 2,
+     "moestream generate: error: argument --max-context: 3000000 is more than the model's 256 positions"),
+    ("generate", "--seed -1", 2, "moestream generate: error: argument --seed: must be at least 0, not -1"),
+    ("generate", "--prompt-ids 1,x", 2,
+     "moestream generate: error: argument --prompt-ids: must be comma-separated whole numbers, not '1,x'"),
     ("bench", "--cpu-experts fast", 2,
      "moestream bench: error: argument --cpu-experts: 'fast' is not off, auto or a share between 0 and 1"),
     ("bench", "--out {missing}/b.json", 2, "moestream bench: error: argument --out: the folder {missing} does not exist"),
     ("bench", "--io-threads -3", 2, "moestream bench: error: argument --io-threads: must be at least 1, not -3"),
+    ("bench", "--cache-sizes 10%,0", 2, "moestream bench: error: argument --cache-sizes: 0 holds no expert (give "
+                                        "bytes like 4GiB, a share like 25%, min or all)"),
+    ("bench", "--model {other_model} --prefill-tokens 128,4096", 2,
+     "moestream bench: error: argument --prefill-tokens: 4096 tokens do not fit the context of 256 tokens (at most "
+     "254; --max-context sets the context)"),
+    ("bench", "--prefill-tokens 512,lots", 2,
+     "moestream bench: error: argument --prefill-tokens: 'lots' is not a positive number of tokens"),
+    ("bench", "--step-tokens 99", 2,
+     "moestream bench: error: argument --step-tokens: '99' is not a token count of 1..16"),
+    ("bench", "--routing often", 2,
+     "moestream bench: error: argument --routing 'often': choose model, uniform, zipf:S[:L] or trace:FILE"),
+    ("bench", "--seed -1", 2, "moestream bench: error: argument --seed: must be at least 0, not -1"),
     ("ab", "true true --rounds 1", 2, "moestream ab: error: argument --rounds: must be at least 2, not 1"),
     ("ab", "true true", 1, "moestream ab: error: command A printed no number on its last line (true)"),
     ("convert", "SRC OUT --workers 0", 2, "moestream convert: error: argument --workers: must be at least 1, not 0"),
@@ -87,6 +122,12 @@ CASES = [
     ("serve", "--temperature 3", 2, "moestream serve: error: argument --temperature: must be between 0 and 2, not 3.0"),
     ("serve", "--parallel 0", 2, "moestream serve: error: argument --parallel: must be at least 1, not 0"),
     ("serve", "--threads 0", 2, "moestream serve: error: argument --threads: must be at least 1, not 0"),
+    ("serve", "--port 70000", 2, "moestream serve: error: argument --port: must be at most 65535, not 70000"),
+    ("serve", "--max-queue -1", 2, "moestream serve: error: argument --max-queue/--queue-size: must be at least 0, "
+                                   "not -1"),
+    ("serve", "--top-k -5", 2, "moestream serve: error: argument --top-k: must be at least 0, not -5"),
+    ("serve", "--cache-size 0", 2, "moestream serve: error: argument --cache-size: 0 holds no expert (give bytes "
+                                   "like 4GiB, a share like 25%, min or all)"),
     ("serve", "--hot-head --parallel 2", 2,
      "moestream serve: error: argument --draft/--hot-head: with --parallel above 1 only ngram drafts (a draft model, "
      "MTP and the hot head follow one sequence)"),
@@ -97,10 +138,13 @@ CASES = [
      "moestream serve: error: argument --hot-head: not with --draft (choose one)"),
     ("serve", "--port {port}", 1, "moestream serve: error: cannot listen on 127.0.0.1:{port}: Address already in use "
                                   "(is another server running there? choose another --port)"),
+    ("serve", "--model {missing}", 1, "moestream serve: error: {missing}: no such directory"),
     ("simulate", "{file}", 1,
      "moestream simulate: error: {file}: not a routing trace (the .npz file --trace-routing writes)"),
     ("simulate", "{trace} --sizes 0%", 2,
      "moestream simulate: error: argument --sizes: '0%': a share must be more than 0% and at most 100%"),
+    ("simulate", "{trace} --plot {missing}/p.png", 2,
+     "moestream simulate: error: argument --plot: the folder {missing} does not exist"),
     ("simulate", "{trace} --sizes 10%,-4", 2,
      "moestream simulate: error: argument --sizes: '-4': a slot count must be at least 1"),
     ("fit-lookahead", "{missing}", 2,
@@ -108,6 +152,16 @@ CASES = [
     ("fit-lookahead", "{missing} --rank -1", 2, "moestream fit-lookahead: error: argument --rank: must be at least 0, not -1"),
     ("fit-lookahead", "{missing} --check-share 1.5", 2,
      "moestream fit-lookahead: error: argument --check-share: must be between 0 and 1, not 1.5"),
+    ("fit-lookahead", "{other_model} {missing_out} --file-tokens 512", 2,
+     "moestream fit-lookahead: error: argument --file-tokens: 512 tokens do not fit the model's context of 256 tokens"),
+    ("fit-lookahead", "{other_model} {folder}", 2, "moestream fit-lookahead: error: argument OUT: {folder} is a folder, "
+                                                   "not a file"),
+    ("synth", "{missing_out} --shape qwen3-30b-a3b --seed -1", 2,
+     "moestream synth: error: argument --seed: must be at least 0, not -1"),
+    ("synth", "{missing_out} --shape qwen3-30b-a3b --layers 0", 2,
+     "moestream synth: error: argument --layers: must be at least 1, not 0"),
+    ("verify", "{missing}", 1, "moestream verify: error: {missing}: no such directory"),
+    ("timeline", "{file}", 1, "moestream timeline: error: {file}: not JSON"),
     ("heatmap", "{file} {missing}/h.png", 2, "moestream heatmap: error: argument OUT: the folder {missing} does not exist"),
     ("heatmap", "{file} heat.png", 1, "moestream heatmap: error: {file}: not JSON (give a receipt or a bench JSON)"),
 ]
@@ -136,7 +190,11 @@ def render() -> str:
              "Generated from `tests/unit/test_errors.py`, which runs every row and fails if this file differs "
              "(`MOESTREAM_WRITE_ERRORS_DOC=1 pytest tests/unit/test_errors.py` rewrites it). `{missing}` is a "
              "folder that does not exist, `{port}` a port in use, `{file}` a file that is not a trace, "
-             "`{other_model}` a packed model with another tokenizer.", "",
+             "`{other_model}` a packed model with another tokenizer (its context: 256 tokens), `{missing_out}` a "
+             "path that does not exist yet, `{folder}` a folder, `{cores}` the cores the process may use.", "",
+             "`--threads` above the cores is refused rather than lowered: more compute threads than cores only "
+             "wait on each other. A reader that goes away (`moestream generate --help | head`) ends the command "
+             "quietly with exit code 141, as a shell reports a closed pipe; Ctrl+C ends it with 130.", "",
              "| command | input | exit | message |", "|---|---|---|---|"]
     for command, argv, code, message in CASES:
         lines.append(f"| `{command}` | `{argv}` | {code} | `{message}` |")
@@ -168,7 +226,8 @@ def places(tmp_path_factory, tiny_packed_model):
     taken.bind(("127.0.0.1", 0))
     taken.listen()
     yield {"missing": str(tmp / "no-such-folder"), "port": str(taken.getsockname()[1]), "file": str(not_a_trace),
-           "trace": str(trace), "other_model": str(tiny_packed_model("qwen3_moe", "q4"))}
+           "trace": str(trace), "other_model": str(tiny_packed_model("qwen3_moe", "q4")),
+           "missing_out": str(tmp / "not-written"), "cores": str(machine_cores()), "folder": str(tmp)}
     taken.close()
 
 

@@ -7,10 +7,10 @@ import math
 import pytest
 
 from moestream.bench.heatmap import ReportError, hit_rate_rows
-from moestream.bench.heatmap import main as heatmap_main
+from moestream.commands.heatmap import main as heatmap_main
 from moestream.bench.timeline_summary import UNTRACED, TraceError, render, summarize
-from moestream.bench.timeline_summary import main as summary_main
-from moestream.engine.cli import main as generate_main
+from moestream.commands.timeline import main as summary_main
+from moestream.commands.generate import main as generate_main
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

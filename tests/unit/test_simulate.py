@@ -5,7 +5,7 @@ import numpy as np
 
 from moestream.engine.engine import Engine
 from moestream.engine.options import EngineOptions
-from moestream.sim.main import main as simulate_main
+from moestream.commands.simulate import main as simulate_main
 from moestream.sim.simulate import simulate, simulate_device
 from moestream.sim.trace import RoutingTrace
 

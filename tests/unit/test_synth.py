@@ -9,12 +9,14 @@ import pytest
 import torch
 
 import moestream.bench.synth as synth_module
+import moestream.commands.synth as synth_command
 from moestream.bench.synth import SHAPES, synth
-from moestream.engine import cli as generate_cli
+from moestream.commands import generate as generate_cli
 from moestream.engine.engine import Engine
 from moestream.engine.options import EngineOptions
 from moestream.engine.tokenizer import NoTokenizer
 from moestream.errors import MoestreamError
+from moestream.commands import verify as verify_command
 from moestream.format import verify
 from moestream.format.manifest import DENSE_NAME, EXPERT_PROJECTIONS, MANIFEST_NAME
 from moestream.format.reader import PackedModel
@@ -82,7 +84,7 @@ def test_synth_model_verifies_reads_back_and_generates(shape, quant, tmp_path, c
     out = synth(shape, tmp_path / "m", quant=quant)
     assert out == tmp_path / "m"
 
-    assert verify.main([str(out), "--no-progress"]) == 0
+    assert verify_command.main([str(out), "--no-progress"]) == 0
     assert "OK, 3 files" in capsys.readouterr().out
     report = verify.verify(out)
     assert report.ok and report.layers == 2 and report.records == 2 * experts
@@ -159,7 +161,7 @@ def test_generate_cli_takes_prompt_ids_on_a_synth_model(tmp_path, capsys):
 def test_layers_keeps_the_first_n_layers(tmp_path, capsys):
     """`--layers N` writes N layers, in the config and as expert files."""
     out = tmp_path / "m"
-    assert synth_module.main([str(out), "--shape", "tiny-qwen3", "--layers", "1", "--quant", "q8"]) == 0
+    assert synth_command.main([str(out), "--shape", "tiny-qwen3", "--layers", "1", "--quant", "q8"]) == 0
     assert capsys.readouterr().out.strip() == f"wrote {out}"
     packed = PackedModel(out)
     assert packed.config["num_hidden_layers"] == 1
@@ -181,7 +183,7 @@ def test_non_empty_out_is_refused_without_force(tmp_path, capsys):
     out = tmp_path / "m"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
-    assert synth_module.main([str(out), "--shape", "tiny-qwen3"]) == 1
+    assert synth_command.main([str(out), "--shape", "tiny-qwen3"]) == 1
     captured = capsys.readouterr()
     err = captured.err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("moestream synth: error:"), captured.err
@@ -189,21 +191,21 @@ def test_non_empty_out_is_refused_without_force(tmp_path, capsys):
     assert captured.out == ""
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
 
-    assert synth_module.main([str(out), "--shape", "tiny-qwen3", "--force"]) == 0
+    assert synth_command.main([str(out), "--shape", "tiny-qwen3", "--force"]) == 0
     assert verify.verify(out).ok
     manifest = (out / MANIFEST_NAME).read_bytes()
-    assert synth_module.main([str(out), "--shape", "tiny-qwen3", "--seed", "1"]) == 1  # a finished model too
+    assert synth_command.main([str(out), "--shape", "tiny-qwen3", "--seed", "1"]) == 1  # a finished model too
     assert (out / MANIFEST_NAME).read_bytes() == manifest
 
     empty = tmp_path / "empty"
     empty.mkdir()
-    assert synth_module.main([str(empty), "--shape", "tiny-qwen3"]) == 0  # an empty OUT needs no --force
+    assert synth_command.main([str(empty), "--shape", "tiny-qwen3"]) == 0  # an empty OUT needs no --force
 
 
 def test_unknown_shape_is_refused(tmp_path, capsys):
     """argparse refuses a shape it does not know (exit 2) and names the known ones; synth() raises."""
     with pytest.raises(SystemExit) as exc:
-        synth_module.main([str(tmp_path / "m"), "--shape", "qwen9-1t"])
+        synth_command.main([str(tmp_path / "m"), "--shape", "qwen9-1t"])
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "invalid choice: 'qwen9-1t'" in err and "qwen3-30b-a3b" in err
@@ -212,25 +214,30 @@ def test_unknown_shape_is_refused(tmp_path, capsys):
     assert not (tmp_path / "m").exists()
 
 
-@pytest.mark.parametrize("layers", ["0", "-1", "3"])
-def test_layers_outside_the_shape_are_refused(layers, tmp_path, capsys):
+@pytest.mark.parametrize("layers,code", [("0", 2), ("-1", 2), ("3", 1)])
+def test_layers_outside_the_shape_are_refused(layers, code, tmp_path, capsys):
+    """Not a number of layers: a usage error (2); more than the shape has: 1."""
     out = tmp_path / "m"
-    assert synth_module.main(["--shape", "tiny-qwen3", "--layers", layers, str(out)]) == 1
+    try:
+        rc = synth_command.main(["--shape", "tiny-qwen3", "--layers", layers, str(out)])
+    except SystemExit as exc:
+        rc = exc.code
+    assert rc == code
     err = capsys.readouterr().err
     assert "--layers" in err and len(err.strip().splitlines()) == 1 and not out.exists()
 
 
 def test_force_leaves_no_files_of_the_model_it_replaces(tmp_path, capsys):
     out = tmp_path / "m"
-    assert synth_module.main(["--shape", "tiny-qwen3", str(out)]) == 0
-    assert synth_module.main(["--shape", "tiny-qwen3", "--layers", "1", "--force", str(out)]) == 0
+    assert synth_command.main(["--shape", "tiny-qwen3", str(out)]) == 0
+    assert synth_command.main(["--shape", "tiny-qwen3", "--layers", "1", "--force", str(out)]) == 0
     assert sorted(p.name for p in out.glob("experts-*.bin")) == ["experts-000.bin"]
 
 
 def test_out_that_is_a_file_is_refused(tmp_path, capsys):
     out = tmp_path / "file"
     out.write_text("x")
-    assert synth_module.main(["--shape", "tiny-qwen3", "--force", str(out)]) == 1
+    assert synth_command.main(["--shape", "tiny-qwen3", "--force", str(out)]) == 1
     assert "not a directory" in capsys.readouterr().err and out.read_text() == "x"
 
 
@@ -287,7 +294,7 @@ def test_gemma4_shape_with_layers_2_writes_a_sliding_and_a_full_layer(tmp_path, 
     monkeypatch.setitem(SHAPES, "tiny-gemma4", dict(GEMMA, text_config=text))
     assert set(text) == set(GEMMA["text_config"])
     out = tmp_path / "m"
-    assert synth_module.main([str(out), "--shape", "tiny-gemma4", "--layers", "2"]) == 0
+    assert synth_command.main([str(out), "--shape", "tiny-gemma4", "--layers", "2"]) == 0
     assert verify.verify(out).ok
     packed = PackedModel(out)
     assert packed.family == "gemma4" and packed.config["text_config"]["num_hidden_layers"] == 2

@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from moestream.engine import timeline
-from moestream.engine.cli import main as generate_main
+from moestream.commands.generate import main as generate_main
 
 # plain decoding (the demo model ships a draft that generate would use): one step span per token
 PROMPT = ["--prompt-ids", "1,2,3,4,5,6,7,8,9,10,11,12", "--device", "cpu", "--threads", "1", "--draft", "off"]
@@ -131,7 +131,7 @@ def test_segment_names(key, expected):
 
 
 def test_bench_names_one_file_per_cache_size():
-    from moestream.bench.main import timeline_path
+    from moestream.commands.bench import timeline_path
 
     assert timeline_path(None, "30%", 2) is None
     assert timeline_path("out/run.json", "30%", 1) == "out/run.json"

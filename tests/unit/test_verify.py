@@ -6,7 +6,8 @@ import pytest
 
 from moestream.format.manifest import MANIFEST_NAME
 from moestream.format.reader import PackedModel
-from moestream.format.verify import main, verify
+from moestream.commands.verify import main
+from moestream.format.verify import verify
 
 
 @pytest.fixture

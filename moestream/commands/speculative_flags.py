@@ -10,10 +10,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from moestream.cli_args import at_least
-from moestream.engine.options import EngineOptions
 from moestream.engine.types import SamplingParams
 from moestream.errors import MoestreamError
+from moestream.flag_values import at_least
 
 
 def draft_value(text: str) -> tuple[str, str | None]:
@@ -38,19 +37,14 @@ def add_speculative_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("speculative decoding (the same tokens as without it)")
     g.add_argument("--draft", "--speculative", dest="draft", type=draft_value, default=("auto", None),
                    metavar="auto|ngram|mtp|DIR|off",
-                   help="auto (default): on the CPU ngram; on a GPU the draft model shipped in the model's draft/ "
-                        "folder where there is one, else off; ngram: draft from earlier text of the context (prompt lookup); mtp: the model's own "
-                        "multi-token-prediction layer; DIR: a small packed model sharing the tokenizer; off: plain "
-                        "decoding. --speculative is the same flag")
+                   help="which drafter (default auto: ngram on the CPU, a shipped draft model on a GPU)")
     g.add_argument("--draft-tokens", type=draft_tokens_value, default=None, metavar="K|auto",
-                   help="tokens drafted per verification: a number, or auto (default): chosen each step from "
-                        "measured step times and acceptance")
+                   help="tokens drafted per step, or auto (default: chosen from step times and acceptance)")
     g.add_argument("--draft-max", "--max-draft-tokens", dest="max_draft_tokens", type=at_least(1), default=8,
                    metavar="N", help="most tokens auto drafts (default 8)")
-    g.add_argument("--ngram", type=at_least(1), default=3, help="longest n-gram the ngram drafter matches (default 3)")
+    g.add_argument("--ngram", type=at_least(1), default=3, metavar="N", help="longest n-gram the ngram drafter matches (default 3)")
     g.add_argument("--hot-head", action="store_true",
-                   help="greedy decoding through the hot-vocabulary head: its steps score only a list of common "
-                        "tokens, and the full head checks them every few steps (exact)")
+                   help="greedy decoding through the hot-vocabulary head (exact)")
 
 
 def speculating(args) -> bool:
@@ -119,6 +113,7 @@ def auto_draft(model_dir: str | Path | None, *, on_cpu: bool = False) -> tuple[s
 
 def speculative_options(args, engine):
     """SpeculativeOptions from the flags (None: plain decoding); may load a draft model."""
+    from moestream.commands.engine_checks import engine_options
     from moestream.engine.draft_choice import make_options
     from moestream.engine.speculative import SpeculativeOptions
 
@@ -128,4 +123,4 @@ def speculative_options(args, engine):
         return SpeculativeOptions(drafter=HotHeadDrafter(engine), draft_tokens=DRAFT_TOKENS)
     kind, path = args.draft
     return make_options(kind, path, draft_tokens=args.draft_tokens, max_draft_tokens=args.max_draft_tokens,
-                        max_ngram=args.ngram, main_engine=engine, engine_options=EngineOptions.from_args(args))
+                        max_ngram=args.ngram, main_engine=engine, engine_options=engine_options(args))

@@ -9,7 +9,7 @@ import zipfile
 
 import numpy as np
 
-from moestream.cli_args import Parser
+from moestream.commands.args import Parser, check_output_paths
 from moestream.errors import MoestreamError
 from moestream.experts.policy import POLICY_NAMES
 from moestream.sim.belady import belady
@@ -90,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plot", metavar="FILE.png", help="also draw hit rate against cache size, a line per policy "
                                                        "(the mean over the traces; opt dashed, as the bound)")
     args = p.parse_args(argv)
+    check_output_paths(p, args, {"plot": "--plot"})
     rows = []
     try:
         traces = [(path, load_trace(path)) for path in args.traces]  # every file checked before any work
@@ -116,11 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"moestream simulate: error: {exc}", file=sys.stderr)
         return 1
     if args.plot:
-        try:
-            plot_hit_rates(rows, args.plot)
-        except ImportError:
-            print("moestream simulate: error: --plot needs matplotlib (pip install matplotlib)", file=sys.stderr)
-            return 1
+        plot_hit_rates(rows, args.plot)
     if args.json:
         print(json.dumps(rows, indent=1))
     else:

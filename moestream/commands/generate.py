@@ -7,36 +7,36 @@ import logging
 import os
 import sys
 
-from moestream.cli_args import (Parser, at_least, check_output_paths, non_negative_float, probability_mass,
-                                unit_interval)
+from moestream.commands.args import Parser, check_output_paths
+from moestream.commands.engine_checks import check_engine_args, engine_options
+from moestream.commands.launch import add_parallel_arguments, init_group, leave_group, spawn_ranks, torchrun_rank
+from moestream.commands.speculative_flags import add_speculative_arguments, check_speculative_args, speculative_options
 from moestream.engine.detok import IncrementalDecoder
-from moestream.engine.launch import add_parallel_arguments, init_group, leave_group, spawn_ranks, torchrun_rank
-from moestream.engine.options import EngineOptions, add_engine_arguments
-from moestream.engine.speculative_flags import add_speculative_arguments, check_speculative_args, speculative_options
+from moestream.engine.options import add_engine_arguments
 from moestream.engine.types import SamplingParams
 from moestream.errors import MoestreamError
+from moestream.flag_values import at_least, non_negative_float, probability_mass, unit_interval
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="moestream generate", description="Generate text with a packed MoE model.")
-    p.add_argument("--model", help="packed model directory (default: the built-in demo model)")
+    p.add_argument("--model", metavar="DIR", help="packed model directory (default: the demo model)")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--prompt", help="raw prompt text")
-    src.add_argument("--chat-prompt", help="a user message, wrapped in the model's chat template")
-    src.add_argument("--prompt-ids", help="comma-separated token ids, e.g. 1,2,3")
-    p.add_argument("--max-new", type=at_least(1), default=128, help="most tokens to generate (default 128)")
-    p.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 is greedy (default 0)")
-    p.add_argument("--top-k", type=at_least(0), default=0, help="sample among the k most likely (0: off)")
-    p.add_argument("--top-p", type=probability_mass, default=1.0, help="nucleus sampling mass, in (0, 1] (1: off)")
-    p.add_argument("--min-p", type=unit_interval, default=0.0, help="drop tokens below min-p x the top probability (0: off)")
-    p.add_argument("--repetition-penalty", type=float, default=1.0, help="transformers-style repetition penalty (1: off)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed: the same seed gives the same text")
+    src.add_argument("--prompt", metavar="TEXT", help="raw prompt text")
+    src.add_argument("--chat-prompt", metavar="TEXT", help="a user message, wrapped in the model's chat template")
+    src.add_argument("--prompt-ids", type=id_list, metavar="IDS", help="comma-separated token ids, e.g. 1,2,3")
+    p.add_argument("--max-new", type=at_least(1), default=128, metavar="N", help="most tokens to generate (default 128)")
+    p.add_argument("--temperature", type=non_negative_float, default=0.0, metavar="T", help="0 is greedy (default 0)")
+    p.add_argument("--top-k", type=at_least(0), default=0, metavar="K", help="sample among the k most likely (0: off)")
+    p.add_argument("--top-p", type=probability_mass, default=1.0, metavar="P", help="nucleus sampling mass (1: off)")
+    p.add_argument("--min-p", type=unit_interval, default=0.0, metavar="P",
+                   help="drop tokens below P x the top probability (0: off)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, metavar="X", help="transformers-style repetition penalty (1: off)")
+    p.add_argument("--seed", type=at_least(0), default=0, metavar="N", help="sampling seed: the same seed, the same text")
     p.add_argument("--logprobs", type=at_least(0), default=0, metavar="N", help="report the top N logprobs of every generated token")
-    p.add_argument("--json", action="store_true", help="print one JSON object (token_ids, text, logprobs, receipt) as the last line")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object (ids, text, receipt)")
     p.add_argument("--receipt", metavar="FILE", help="write the run's receipt JSON to FILE")
-    p.add_argument("--timeline", metavar="FILE.json",
-                   help="write a Chrome/Perfetto trace of the run (ui.perfetto.dev): steps, expert loads, read waits, "
-                        "reads and copies, and the device segments")
+    p.add_argument("--timeline", metavar="FILE.json", help="write a Chrome/Perfetto trace of the run")
     p.add_argument("--plan", action="store_true", help="print the memory ledger and slot plan, then exit")
     add_speculative_arguments(p)
     add_engine_arguments(p)
@@ -44,15 +44,22 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def id_list(text: str) -> list[int]:
+    """--prompt-ids: comma-separated token ids."""
+    try:
+        ids = [int(x) for x in text.replace(" ", "").split(",") if x != ""]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be comma-separated whole numbers, not {text!r}") from None
+    if not ids:
+        raise argparse.ArgumentTypeError("gives no token ids")
+    if min(ids) < 0:
+        raise argparse.ArgumentTypeError(f"token ids are at least 0, not {min(ids)}")
+    return ids
+
+
 def prompt_ids(args, tokenizer) -> list[int]:
     if args.prompt_ids is not None:
-        try:
-            ids = [int(x) for x in args.prompt_ids.replace(" ", "").split(",") if x != ""]
-        except ValueError:
-            raise MoestreamError(f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}") from None
-        if not ids:
-            raise MoestreamError("--prompt-ids is empty")
-        return ids
+        return args.prompt_ids
     if args.chat_prompt is not None:
         return tokenizer.chat_ids([{"role": "user", "content": args.chat_prompt}])
     return tokenizer.encode(args.prompt if args.prompt is not None else "def fibonacci(n):")
@@ -64,6 +71,7 @@ def check_args(parser: argparse.ArgumentParser, args) -> None:
         parser.error(f"argument --repetition-penalty: must be a positive finite number, not {args.repetition_penalty}")
     check_output_paths(parser, args, {"receipt": "--receipt", "trace_routing": "--trace-routing",
                                       "timeline": "--timeline"})
+    check_engine_args(parser, args)
     if args.devices is not None and args.device != "auto":
         parser.error("argument --devices: not with --device (--devices lists every rank's device)")
     try:
@@ -121,7 +129,7 @@ def run(args, group=None) -> int:
 
     from moestream.engine.engine import load_engine
 
-    options = replace(EngineOptions.from_args(args), expert_parallel=group)
+    options = replace(engine_options(args), expert_parallel=group)
     if args.plan:
         from moestream.engine.engine import DEMO_CACHE_SIZE, DEMO_MODEL
         from moestream.engine.plan import plan_run
@@ -174,15 +182,16 @@ def generate(args, engine, speculative=None, *, quiet: bool = False) -> int:
     if quiet:
         return 0
     tail = "" if as_ids else decoder.flush()
-    if not args.json:
+    if not args.json:  # the text ends its line before the stats line comes on stderr
         sys.stdout.write((echo if first else "") + tail + "\n")
+        sys.stdout.flush()
     receipt = dict(result.receipt)
     if args.receipt:
         with open(args.receipt, "w") as fh:
             json.dump(receipt, fh, indent=1)
     if args.json:
         print(json.dumps({"token_ids": result.token_ids, "text": engine.tokenizer.decode(result.token_ids),
-                          "logprobs": logprobs, "finish_reason": result.finish_reason, "receipt": receipt}))
+                          "logprobs": logprobs, "finish_reason": result.finish_reason, "receipt": receipt}), flush=True)
     print(stats_line(receipt), file=sys.stderr)
     if receipt.get("parallel"):
         print(parallel_line(receipt["parallel"]), file=sys.stderr)

@@ -14,8 +14,8 @@ from typing import Callable
 
 import torch
 
-from moestream.cli_args import at_least
 from moestream.errors import MoestreamError
+from moestream.flag_values import at_least
 
 DEFAULT_TIMEOUT_S = 300  # a collective that waits longer stops the run: a rank has died or hangs
 
@@ -23,14 +23,11 @@ DEFAULT_TIMEOUT_S = 300  # a collective that waits longer stops the run: a rank 
 def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("expert parallel (one rank per device; each holds a share of the experts)")
     g.add_argument("--devices", type=parse_devices, default=None, metavar="DEV,DEV,...",
-                   help="run one process per listed device (cpu,cpu or cuda:0,cuda:1) with the experts split "
-                        "between them; the output is the single-process output bit for bit. Under torchrun "
-                        "the ranks come from its environment instead")
+                   help="one process per device (cpu,cpu or cuda:0,cuda:1), the experts split between them")
     g.add_argument("--expert-placement", default=None, metavar="TRACE",
-                   help="balance experts over the ranks by their counts in a routing trace (--trace-routing "
-                        "output); default: expert e on rank e %% ranks")
+                   help="balance experts over the ranks by a routing trace's counts (default: e on rank e %% ranks)")
     g.add_argument("--dist-timeout", type=at_least(1), default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
-                   help=f"stop the run when an exchange between ranks waits longer (default {DEFAULT_TIMEOUT_S})")
+                   help=f"stop when an exchange between ranks waits longer (default {DEFAULT_TIMEOUT_S})")
 
 
 def parse_devices(text: str) -> list[str]:
