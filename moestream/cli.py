@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import importlib
-import os
 import sys
 
 # subcommand -> (module, one-line help)
@@ -38,11 +37,6 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS or importlib.util.find_spec(COMMANDS[name][0]) is None:
         print(f"moestream: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
         return 2
-    if os.environ.get("MOESTREAM_KERNEL_CONFIG"):  # a tuning setting: a bad one stops here, not in a kernel
-        from moestream.kernels.expert_layout import CONFIG_ERROR
-        if CONFIG_ERROR:
-            print(f"moestream {name}: error: {CONFIG_ERROR}", file=sys.stderr)
-            return 2
     module = importlib.import_module(COMMANDS[name][0])
     return int(module.main(rest) or 0)
 

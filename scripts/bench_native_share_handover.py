@@ -1,9 +1,9 @@
-"""The native CPU-share worker's hand-over on the CPU (moestream/layers/native_worker.py): how long a
+"""The native CPU-share worker's hand-over on the CPU (moestream/cpu_share/worker.py): how long a
 job takes from its posted sequence number to the answer, beyond the kernels' own time; JSON out.
 
     PYTHONPATH=. python scripts/bench_native_share_handover.py --threads 15 --out docs/bench/h200/native-share-handover.json
 
-The mailbox is plain tensors laid out as moestream.layers.device_cpu_share's; the device's side is
+The mailbox is plain tensors laid out as moestream.cpu_share.share's; the device's side is
 played by this process's main thread (the native worker never takes the GIL), which writes each
 request (ids, header, then the sequence number), spins until the answer, then waits --gap-us (a
 layer's time on the device, so the worker stays in its busy poll as during a step). Each job is 8
@@ -25,8 +25,8 @@ from types import SimpleNamespace
 
 import torch
 
-from moestream.kernels import native_experts
-from moestream.layers.native_worker import NativeWorker
+from moestream.cpu_share import kernels as native
+from moestream.cpu_share.worker import NativeWorker
 from moestream.quant.affine import QuantSpec, quantize
 
 PROJS = ("gate_proj", "up_proj", "down_proj")
@@ -42,8 +42,8 @@ def record(hidden: int, inter: int, seed: int) -> dict[str, torch.Tensor]:
 
 
 def measure(hidden: int, inter: int, withheld: int, args) -> dict:
-    blobs = [native_experts.record_blob(record(hidden, inter, s)) for s in range(args.experts)]
-    layouts = native_experts.layout(blobs[0][1], {p: QuantSpec(4, 64) for p in PROJS}).view(1, -1)
+    blobs = [native.record_blob(record(hidden, inter, s)) for s in range(args.experts)]
+    layouts = native.layout(blobs[0][1], {p: QuantSpec(4, 64) for p in PROJS}).view(1, -1)
     addresses = torch.tensor([[b.data_ptr() for b, _ in blobs]], dtype=torch.int64)
     box = SimpleNamespace(header=torch.zeros(5, dtype=torch.int64), x_in=torch.randn(16, hidden).bfloat16(),
                           ids_in=torch.zeros(64, dtype=torch.int32), w_in=torch.full((64,), 0.3),
@@ -88,8 +88,8 @@ def main() -> None:
     ap.add_argument("--gap-us", type=float, default=300.0)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    if native_experts.load() is None:
-        raise SystemExit(f"no native kernels: {native_experts.reason()}")
+    if native.load() is None:
+        raise SystemExit(f"no native kernels: {native.reason()}")
     rows = [measure(h, i, k, args) for h, i, k in SHAPES]
     for row in rows:
         print(json.dumps(row))

@@ -26,7 +26,6 @@ def time_cell(policy: str, share: float, args) -> dict:
     slots = int(share * args.layers * args.experts)
     # records of 4 bytes: the smallest the gather kernel moves (it copies 32-bit words)
     dm = DeviceMap.synthetic(range(args.layers), args.experts, slots, record_bytes=4, device="cuda", policy=policy)
-    dm.kernel = True
     g = torch.Generator().manual_seed(0)
     ids = torch.stack([torch.randperm(args.experts, generator=g)[:args.picks] for _ in range(args.layers)]).cuda()
     ids = ids.view(args.layers, 1, args.picks)

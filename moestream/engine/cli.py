@@ -11,7 +11,7 @@ from moestream.cli_args import (Parser, at_least, check_output_paths, non_negati
                                 unit_interval)
 from moestream.engine.detok import IncrementalDecoder
 from moestream.engine.launch import add_parallel_arguments, init_group, leave_group, spawn_ranks, torchrun_rank
-from moestream.engine.options import EngineOptions, add_engine_arguments
+from moestream.engine.options import CACHE_DIR_ENV, EngineOptions, add_engine_arguments
 from moestream.engine.speculative_flags import add_speculative_arguments, check_speculative_args, speculative_options
 from moestream.engine.types import SamplingParams
 from moestream.errors import MoestreamError
@@ -71,7 +71,7 @@ def check_args(parser: argparse.ArgumentParser, args) -> None:
     except MoestreamError as exc:
         parser.error(str(exc))
     parallel = (args.devices is not None and len(args.devices) > 1) or ranked is not None
-    if parallel and args.cpu_experts != "off":
+    if parallel and args.cpu_experts not in ("off", "auto"):
         parser.error("argument --cpu-experts: not with expert parallelism (--devices, torchrun)")
     if args.expert_placement is not None and not parallel:
         parser.error("argument --expert-placement: only with expert parallelism (--devices with 2 or more, torchrun)")
@@ -100,8 +100,7 @@ def cpu_share_stats(receipt: dict) -> str:
     if "cpu_share" not in experts:
         return ""
     rate = experts.get("cpu_gb_s")
-    worker = f", {experts['cpu_worker']} worker" if "cpu_worker" in experts else ""
-    return (f" | cpu experts {experts['cpu_experts']} ({experts['cpu_share']}{worker}), "
+    return (f" | cpu experts {experts['cpu_experts']} ({experts['cpu_share']}), "
             f"fallbacks {experts['cpu_fallbacks']}, {rate if rate is not None else '-'} GB/s")
 
 
@@ -121,7 +120,7 @@ def run(args, group=None) -> int:
 
     from moestream.engine.plan import load_engine
 
-    options = replace(EngineOptions.from_args(args), expert_parallel=group)
+    options = replace(EngineOptions.from_args(args, cache_dir=os.environ.get(CACHE_DIR_ENV)), expert_parallel=group)
     if args.plan:
         from moestream.engine.engine import DEMO_CACHE_SIZE, DEMO_MODEL
         from moestream.engine.plan import plan_run

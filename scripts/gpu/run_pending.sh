@@ -196,7 +196,7 @@ for part in "$@"; do
   native-share)  # the native CPU share: the extension built, its tests (CPU and CUDA), then the kernels on 16 and 15
     # threads against torch's and the worker's hand-over on 15; the q30 synth beside the tests (for native-share-bench)
     synth & sp=$!
-    timeout 300 python3 -c "from moestream.kernels import native_experts as n; m = n.load(); print('native:', m or n.reason())" \
+    timeout 300 python3 -c "from moestream.cpu_share import kernels as n; m = n.load(); print('native:', m or n.reason())" \
       > "$out/native-build.log" 2>&1
     say native-build "rc=$?"; tail -1 "$out/native-build.log"
     timeout -s ABRT ${TESTS_LIMIT:-300} python3 -m pytest tests/unit/test_native_experts.py tests/unit/test_native_worker.py \
@@ -212,7 +212,7 @@ for part in "$@"; do
     # per team: SHARE_RUNS of share:team:threads (team spin-free = spinning, not pinned), one process each
     synth & sp=$!
     { lscpu; grep -m1 flags /proc/cpuinfo; } > "$out/lscpu.log" 2>&1
-    timeout 300 python3 -c "from moestream.kernels import native_experts as n; m = n.load(); print('native:', m or n.reason())" \
+    timeout 300 python3 -c "from moestream.cpu_share import kernels as n; m = n.load(); print('native:', m or n.reason())" \
       > "$out/native-build.log" 2>&1
     say native-build "rc=$?"; tail -1 "$out/native-build.log"
     timeout 150 python3 scripts/bench_cpu_share_conditions.py --threads ${COND_THREADS:-9 14} --out "$out/share-conditions.json" \
@@ -231,7 +231,7 @@ for part in "$@"; do
     done ;;
   share-ab)  # the 25 % uniform step with the CPU share, one process per SHARE_AB entry name:share:threads[:ENV=V,...]
     synth & sp=$!
-    timeout 300 python3 -c "from moestream.kernels import native_experts as n; m = n.load(); print('native:', m or n.reason())" \
+    timeout 300 python3 -c "from moestream.cpu_share import kernels as n; m = n.load(); print('native:', m or n.reason())" \
       > "$out/native-build.log" 2>&1
     say native-build "rc=$?"; tail -1 "$out/native-build.log"
     cat /sys/kernel/mm/transparent_hugepage/enabled /sys/kernel/mm/transparent_hugepage/defrag > "$out/thp.log" 2>&1
@@ -249,7 +249,7 @@ for part in "$@"; do
     done ;;
   native-int8)  # the int8 activations: VNNI compiled in?, their tests, float vs int8 per job size
     synth & sp=$!
-    timeout 300 python3 -c "from moestream.kernels import native_experts as n; m = n.load(); \
+    timeout 300 python3 -c "from moestream.cpu_share import kernels as n; m = n.load(); \
 print('native:', m or n.reason(), 'VNNI:', n.vnni(), 'default activations:', n.activations())" > "$out/native-int8-build.log" 2>&1
     say native-int8-build "rc=$?"; tail -1 "$out/native-int8-build.log"; grep -o -m1 'avx512_vnni' /proc/cpuinfo
     timeout -s ABRT ${TESTS_LIMIT:-300} python3 -m pytest tests/unit/test_native_int8.py tests/unit/test_native_experts.py \
@@ -371,7 +371,7 @@ print('native:', m or n.reason(), 'VNNI:', n.vnni(), 'default activations:', n.a
     # then the uniform step per POLICY_AB entry (name:share:cache:policy; policy lru, or auto: the cycle rule), one
     # process each; with RESIDENT=1 the resident step last
     synth & sp=$!
-    timeout 300 python3 -c "from moestream.kernels import native_experts as n; m = n.load(); print('native:', m or n.reason())" \
+    timeout 300 python3 -c "from moestream.cpu_share import kernels as n; m = n.load(); print('native:', m or n.reason())" \
       > "$out/native-build.log" 2>&1
     say native-build "rc=$?"; tail -1 "$out/native-build.log"
     [ -n "${POLICY_TESTS:-}" ] && { timeout -s ABRT ${TESTS_LIMIT:-240} python3 -m pytest $POLICY_TESTS -q -p no:cacheprovider \
