@@ -1,7 +1,7 @@
 """The native kernels' int8 activations (moestream/cpu_share/native/int8_rows.h) against the float
 path and the torch reference: 4 and 8 bits, every group size, bf16/f16/f32 scales, several tokens
 and pairs, Gaussian inputs and inputs with outlier channels; compiled in exactly where the CPU has
-AVX-512 VNNI, chosen by the layout, defaulted by MOESTREAM_NATIVE_ACTIVATIONS.
+AVX-512 VNNI, chosen by the layout (int8 by default where compiled in).
 
 Tolerance. Each token's x and each pair's h are rounded to int8 per 32 inputs (xs = max|x| / 127,
 as llama.cpp's q8_0): an error of at most xs / 2 per input, about 0.6% of the inputs' rms where
