@@ -340,7 +340,7 @@ struct Scratch {
 // starts late or is preempted takes fewer of them instead of holding the others at the barrier. In
 // chunks of about half a member's share: one counter taken by 14 cores for every task of 8 rows
 // serialized a job on that cache line (~22 GB/s whatever the arithmetic or the memory; the H200
-// machine: docs/PERFORMANCE.md).
+// machine).
 struct Dealer {
   std::atomic<int64_t> next{0};
   static int64_t chunk_for(int64_t tasks, int members) { return std::max<int64_t>(1, (tasks + 2 * members - 1) / (2 * members)); }
