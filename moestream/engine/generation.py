@@ -111,15 +111,12 @@ def plain_tokens(engine: "Engine", emit: Emitter, logits: torch.Tensor, budget: 
 
 
 def decodes_ahead(engine: "Engine", emit: Emitter) -> bool:
-    """Whether plain decoding queues each step before reading the token it takes: on CUDA (on the
-    CPU nothing would overlap), where it can (`can_decode_ahead`)."""
-    return engine.device.type == "cuda" and can_decode_ahead(engine, emit)
-
-
-def can_decode_ahead(engine: "Engine", emit: Emitter) -> bool:
-    """Greedy choices of the raw logits with no log-probabilities (the choice is an argmax on the
-    device) and no hidden-state tap (which reads each token on the host)."""
-    return emit.plain_argmax and not emit.logprobs and engine.hidden_tap is None
+    """Whether plain decoding queues each step before reading the token it takes (`--decode-ahead`):
+    greedy choices of the raw logits with no log-probabilities (the choice is an argmax on the
+    device), on CUDA unless forced on, and no hidden-state tap (which reads each token on the host)."""
+    mode = engine.options.decode_ahead
+    return (mode == "on" or (mode == "auto" and engine.device.type == "cuda")) and emit.plain_argmax \
+        and not emit.logprobs and engine.hidden_tap is None
 
 
 def _decode_ahead(engine: "Engine", emit: Emitter, logits: torch.Tensor, budget: int) -> Iterator[TokenEvent]:

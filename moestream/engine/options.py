@@ -43,6 +43,8 @@ class EngineOptions:
     prefill_workspace: str = "auto"
     # the prefill's attention half: torch ops (torch) or the decode step's fused Triton kernels (fused; CUDA)
     prefill_kernels: str = "fused"
+    # plain greedy decoding queues the next step before the host reads the token (auto: on CUDA; on; off)
+    decode_ahead: str = "auto"
     # a fresh prompt's prefill chunk padded to its length bucket, replayed as one CUDA graph per bucket where
     # every expert is resident (auto: on CUDA; on: also on the CPU, eagerly; off)
     prefill_graphs: str = "auto"
@@ -137,6 +139,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "runs the same padded chunk eagerly). auto (default): on CUDA, a bucket captured at its "
                         "second prompt (a capture costs ~0.2 s and more); on: captured at the first, and padded "
                         "on the CPU too (eagerly, for tests); off: no padding")
+    g.add_argument("--decode-ahead", default="auto", choices=["auto", "on", "off"],
+                   help="plain greedy decoding (no log-probabilities) queues each step with the previous token still "
+                        "on the device, so the host reads a token while the next step runs: auto (default) on CUDA, "
+                        "on (also on the CPU, where nothing overlaps), off (one step at a time). The same tokens")
     c.add_argument("--prefill-workspace", default="auto", choices=["auto", "keep", "release"],
                    help="a prefill's transient device memory (activations of a chunk, the expert kernels' scratch): "
                         "release gives it back after each prefill (decode holds only what it needs; the next prompt "

@@ -1,4 +1,4 @@
-"""Decoding ahead on CUDA (always, where it can): greedy decoding with each step queued before the host
+"""--decode-ahead on CUDA (the default there): greedy decoding with each step queued before the host
 reads its token gives the tokens of one step at a time, resident (one graph per step), streamed by the
 host and by the device, and stops with the same tokens."""
 import pytest
@@ -11,22 +11,17 @@ pytestmark = pytest.mark.gpu
 
 
 def tokens(packed, mode, **options):
-    """mode "auto": as it runs; "off": one step at a time (decoding ahead turned off for the test)."""
-    from moestream.engine import generation
-
-    with pytest.MonkeyPatch.context() as patch:
-        if mode == "off":
-            patch.setattr(generation, "decodes_ahead", lambda engine, emit: False)
-        engine = Engine.load(packed, options=EngineOptions(device="cuda", max_context=512, cpu_experts="off", **options))
-        try:
-            prompt = [t % engine.args.vocab_size for t in range(11, 90)]
-            gen = engine.generate(prompt, max_new_tokens=64, stop_at_eos=False)
-            out = [event.token_id for event in gen]
-            again = [event.token_id for event in engine.generate(prompt[:40], max_new_tokens=16, stop_at_eos=False)]
-            assert UNREAD not in engine.cache.tokens
-            return out, again, list(engine.cache.tokens)
-        finally:
-            engine.close()
+    engine = Engine.load(packed, options=EngineOptions(device="cuda", max_context=512, decode_ahead=mode,
+                                                       cpu_experts="off", **options))
+    try:
+        prompt = [t % engine.args.vocab_size for t in range(11, 90)]
+        gen = engine.generate(prompt, max_new_tokens=64, stop_at_eos=False)
+        out = [event.token_id for event in gen]
+        again = [event.token_id for event in engine.generate(prompt[:40], max_new_tokens=16, stop_at_eos=False)]
+        assert UNREAD not in engine.cache.tokens
+        return out, again, list(engine.cache.tokens)
+    finally:
+        engine.close()
 
 
 @pytest.mark.parametrize("path", ["resident", "host-streamed", "device-streamed"])

@@ -1,6 +1,6 @@
-"""Decoding ahead: plain greedy decoding that queues each step before the host reads its token gives
+"""--decode-ahead: plain greedy decoding that queues each step before the host reads its token gives
 the tokens of one step at a time, stops where it stops, and leaves a cache the next prompt can use
-(CPU, turned on here as on CUDA: the same code path, where nothing overlaps)."""
+(CPU, forced on: the same code path as CUDA's, where nothing overlaps)."""
 import pytest
 import torch
 
@@ -13,11 +13,9 @@ PROMPT = "def fibonacci(n):\n    if n < 2:"
 NEXT = "import os\nclass Thing:"
 
 
-def load(packed, mode: str, monkeypatch) -> Engine:
-    """mode "on": decoding ahead wherever it can, as on CUDA; "off": as on the CPU."""
-    monkeypatch.setattr(generation, "decodes_ahead", generation.can_decode_ahead if mode == "on"
-                        else lambda engine, emit: False)
-    return Engine.load(packed, options=EngineOptions(device="cpu", threads=1, prefetch="none", cache_size="min"))
+def load(packed, mode: str) -> Engine:
+    return Engine.load(packed, options=EngineOptions(device="cpu", threads=1, prefetch="none", cache_size="min",
+                                                     decode_ahead=mode))
 
 
 def run(engine: Engine, prompt: str, n: int, **kw):
@@ -34,7 +32,7 @@ def test_decode_ahead_gives_the_tokens_of_one_step_at_a_time(family, tiny_packed
     monkeypatch.setattr(generation, "_decode_ahead", lambda *a: calls.append(1) or original(*a))
     results = {}
     for mode in ("off", "on"):
-        engine = load(packed, mode, monkeypatch)
+        engine = load(packed, mode)
         first, result = run(engine, PROMPT, 40, stop_at_eos=False)
         second, _ = run(engine, NEXT, 25, stop_at_eos=False)  # after a prompt's cache: reused or truncated
         assert UNREAD not in engine.cache.tokens
@@ -49,12 +47,12 @@ def test_decode_ahead_gives_the_tokens_of_one_step_at_a_time(family, tiny_packed
 
 def test_a_stop_leaves_one_real_token_more_in_the_cache(tiny_packed_model, monkeypatch):
     packed = tiny_packed_model("qwen3_moe", "q4")
-    plain = load(packed, "off", monkeypatch)
+    plain = load(packed, "off")
     reference, _ = run(plain, PROMPT, 30, stop_at_eos=False)
     plain.close()
     eos = reference[6]
     first = reference.index(eos)  # the first time that token comes
-    engine = load(packed, "on", monkeypatch)
+    engine = load(packed, "on")
     monkeypatch.setattr(engine.tokenizer, "eos_token_ids", frozenset({eos}))
     tokens, receipt = run(engine, PROMPT, 30)
     assert tokens == reference[:first] and receipt.finish_reason == "stop"
@@ -73,14 +71,15 @@ def test_a_stop_leaves_one_real_token_more_in_the_cache(tiny_packed_model, monke
 
 
 def test_only_plain_greedy_choices_without_logprobs_decode_ahead(tiny_packed_model):
-    engine = Engine.load(tiny_packed_model("qwen3_moe", "q4"), options=EngineOptions(device="cpu", cache_size="min"))
+    engine = load(tiny_packed_model("qwen3_moe", "q4"), "on")
     emit = engine.emitter(engine.tokenizer.encode(PROMPT), {"tokens": []}, sampling=SamplingParams())
-    assert generation.can_decode_ahead(engine, emit)
+    assert generation.decodes_ahead(engine, emit)
     for sampling, logprobs in ((SamplingParams(), 2), (SamplingParams(temperature=0.8, seed=1), 0),
                                (SamplingParams(repetition_penalty=1.2), 0)):
         emit = engine.emitter(engine.tokenizer.encode(PROMPT), {"tokens": []}, sampling=sampling, logprobs=logprobs)
-        assert not generation.can_decode_ahead(engine, emit)
-    assert not generation.decodes_ahead(engine, engine.emitter([1, 2], {"tokens": []}, sampling=SamplingParams()))  # CUDA only
+        assert not generation.decodes_ahead(engine, emit)
+    engine.options.decode_ahead = "auto"  # auto: CUDA only
+    assert not generation.decodes_ahead(engine, engine.emitter([1, 2], {"tokens": []}, sampling=SamplingParams()))
     with pytest.raises(ValueError, match="one token id"):
         engine.step_unread(torch.tensor([1, 2]))
     engine.close()

@@ -234,13 +234,10 @@ class NeverDrafter(Drafter):
         return [(context[-1] + 1 + i) % 7 for i in range(k)]
 
 
-def test_plain_stretches_decode_ahead_and_give_the_plain_tokens(tiny_packed_model, monkeypatch):
+def test_plain_stretches_decode_ahead_and_give_the_plain_tokens(tiny_packed_model):
     """While the policy chooses plain steps, the loop runs them as plain decoding (ahead where it may,
-    here on the CPU as on CUDA): the plain tokens, and the stretches in the receipt."""
-    from moestream.engine import generation
-
-    monkeypatch.setattr(generation, "decodes_ahead", generation.can_decode_ahead)
-    engine = load(tiny_packed_model("qwen3_moe", "q4"))
+    forced on here): the plain tokens, and the stretches in the receipt."""
+    engine = load(tiny_packed_model("qwen3_moe", "q4"), decode_ahead="on")
     prompt = engine.tokenizer.encode(PROMPTS[2])
     plain, _, _ = run(engine, prompt, 120)
     unread = []

@@ -234,6 +234,7 @@ class ClockedEngine:
 
     max_context = 4096
     tokenizer = SimpleNamespace(eos_token_ids=set())
+    options = SimpleNamespace(decode_ahead="off")  # plain stretches one step a token
     device = torch.device("cpu")
     hidden_tap = None
     V = 50
