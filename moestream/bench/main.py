@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import statistics
 import subprocess
 import sys
@@ -18,7 +17,7 @@ import torch
 from moestream.bench.machine import machine_info
 from moestream.cli_args import Parser, at_least, check_output_paths
 from moestream.engine import timeline
-from moestream.engine.options import CACHE_DIR_ENV, EngineOptions, add_engine_arguments
+from moestream.engine.options import EngineOptions, add_engine_arguments
 from moestream.engine.speculative_flags import (add_speculative_arguments, check_speculative_args, speculating,
                                                 speculative_options)
 from moestream.errors import MoestreamError
@@ -271,7 +270,7 @@ def run(args) -> dict:
 
     from moestream.bench.routing import attach as attach_routing, parse_routing
 
-    base = EngineOptions.from_args(args, cache_dir=os.environ.get(CACHE_DIR_ENV))
+    base = EngineOptions.from_args(args)
     routing = parse_routing(args.routing)
     sizes = [x.strip() for x in args.cache_sizes.split(",") if x.strip()] if args.cache_sizes else [base.cache_size]
     prefill_sizes = parse_lengths(args.prefill_tokens)

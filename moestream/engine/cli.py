@@ -11,7 +11,7 @@ from moestream.cli_args import (Parser, at_least, check_output_paths, non_negati
                                 unit_interval)
 from moestream.engine.detok import IncrementalDecoder
 from moestream.engine.launch import add_parallel_arguments, init_group, leave_group, spawn_ranks, torchrun_rank
-from moestream.engine.options import CACHE_DIR_ENV, EngineOptions, add_engine_arguments
+from moestream.engine.options import EngineOptions, add_engine_arguments
 from moestream.engine.speculative_flags import add_speculative_arguments, check_speculative_args, speculative_options
 from moestream.engine.types import SamplingParams
 from moestream.errors import MoestreamError
@@ -120,7 +120,7 @@ def run(args, group=None) -> int:
 
     from moestream.engine.plan import load_engine
 
-    options = replace(EngineOptions.from_args(args, cache_dir=os.environ.get(CACHE_DIR_ENV)), expert_parallel=group)
+    options = replace(EngineOptions.from_args(args), expert_parallel=group)
     if args.plan:
         from moestream.engine.engine import DEMO_CACHE_SIZE, DEMO_MODEL
         from moestream.engine.plan import plan_run

@@ -5,10 +5,10 @@ import argparse
 import os
 from dataclasses import dataclass, fields
 
-from moestream.cli_args import at_least
+from moestream.cli_args import at_least, positive_float
 
-# where digests of checked resident files are remembered (default ~/.cache/moestream); the commands
-# read it and pass it to `EngineOptions.from_args`: the library never looks at the environment
+# where digests of checked resident files are remembered (default ~/.cache/moestream); read here,
+# in the command-line layer, so the library itself never looks at the environment for it
 CACHE_DIR_ENV = "MOESTREAM_CACHE_DIR"
 
 
@@ -63,12 +63,11 @@ class EngineOptions:
     unpacked_experts: str = "auto"
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace, *, cache_dir: str | None = None) -> "EngineOptions":
-        """The options the flags give; cache_dir: verify_cache_dir where no flag gives one (the
-        commands pass $MOESTREAM_CACHE_DIR)."""
+    def from_args(cls, args: argparse.Namespace, environ: dict | None = None) -> "EngineOptions":
+        environ = {} if environ is None else environ  # the commands pass theirs: the library reads none
         values = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
-        if values.get("verify_cache_dir") is None and cache_dir:
-            values["verify_cache_dir"] = cache_dir
+        if values.get("verify_cache_dir") is None and environ.get(CACHE_DIR_ENV):
+            values["verify_cache_dir"] = environ[CACHE_DIR_ENV]
         return cls(**values)
 
 

@@ -8,11 +8,10 @@ model's folder, or `off`. `--speculative` is its older spelling (`draft:PATH` st
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 
 from moestream.cli_args import at_least
-from moestream.engine.options import CACHE_DIR_ENV, EngineOptions
+from moestream.engine.options import EngineOptions
 from moestream.engine.types import SamplingParams
 from moestream.errors import MoestreamError
 
@@ -129,4 +128,4 @@ def speculative_options(args, engine):
         return SpeculativeOptions(hot_head=HotHeadOptions())
     kind, path = args.draft
     return make_options(kind, path, draft_tokens=args.draft_tokens, max_draft_tokens=args.max_draft_tokens,
-                        max_ngram=args.ngram, main_engine=engine, engine_options=EngineOptions.from_args(args, cache_dir=os.environ.get(CACHE_DIR_ENV)))
+                        max_ngram=args.ngram, main_engine=engine, engine_options=EngineOptions.from_args(args))

@@ -211,9 +211,9 @@ def main(argv: list[str] | None = None) -> int:
     defaults = defaults_from_args(args, parser)
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from moestream.engine.options import CACHE_DIR_ENV, EngineOptions
+    from moestream.engine.options import EngineOptions
 
-    options = EngineOptions.from_args(args, cache_dir=os.environ.get(CACHE_DIR_ENV))
+    options = EngineOptions.from_args(args)
     options.max_sequences = args.parallel  # a sequence slot (its own KV cache) per request running at once
     api_key = api_key_from(args)
 

@@ -226,4 +226,5 @@ def test_the_digest_cache_dir_comes_from_the_command_never_the_environment(monke
     add_engine_arguments(parser)
     monkeypatch.setenv(CACHE_DIR_ENV, "/elsewhere")
     assert EngineOptions.from_args(parser.parse_args([])).verify_cache_dir is None
-    assert EngineOptions.from_args(parser.parse_args([]), cache_dir="/given").verify_cache_dir == "/given"
+    given = EngineOptions.from_args(parser.parse_args([]), environ={CACHE_DIR_ENV: "/given"})  # as the commands pass it
+    assert given.verify_cache_dir == "/given"

@@ -269,8 +269,8 @@ def test_the_option_reaches_the_engine_options():
 
     parser = argparse.ArgumentParser()
     add_engine_arguments(parser)
-    assert EngineOptions.from_args(parser.parse_args([])).rows_products == "triton"
-    assert EngineOptions.from_args(parser.parse_args(["--rows-products", "cublas"])).rows_products == "cublas"
+    assert EngineOptions.from_args(parser.parse_args([]), environ={}).rows_products == "triton"
+    assert EngineOptions.from_args(parser.parse_args(["--rows-products", "cublas"]), environ={}).rows_products == "cublas"
     with pytest.raises(SystemExit):
         parser.parse_args(["--rows-products", "cutlass"])
 
