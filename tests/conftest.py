@@ -92,16 +92,3 @@ def _private_digest_cache(tmp_path_factory):
         os.environ.pop(CACHE_DIR_ENV, None)
     else:
         os.environ[CACHE_DIR_ENV] = saved_env
-
-
-@pytest.fixture(params=["native", "python"])
-def share_worker(request, monkeypatch):
-    """Which worker serves the device-driven CPU share's mailbox (moestream.layers.native_worker: the
-    native one where it builds, its own tests say so), by MOESTREAM_CPU_SHARE_WORKER."""
-    from moestream.layers.native_worker import WORKER_ENV
-
-    if request.param == "python":
-        monkeypatch.setenv(WORKER_ENV, "python")
-    else:
-        monkeypatch.delenv(WORKER_ENV, raising=False)
-    return request.param

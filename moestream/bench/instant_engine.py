@@ -144,7 +144,7 @@ class InstantEngine:
     def _expert_stats(self) -> dict:
         """The shape of the expert cache's statistics, built as it builds them (all experts resident)."""
         per_layer = {str(layer): 1.0 for layer in range(self.layers)}
-        return {"source": "file", "verify": False, "policy": "lru", "streaming": "resident", "partition": "shared",
+        return {"source": "file", "verify": False, "policy": "lru", "streaming": "resident",
                 "slots": 6144, "slot_bytes": 6144 << 20, "total_experts": 6144, "host_slots": 0,
                 "hits": self._hits, "misses": self._misses, "hit_rate": 1.0, "hit_rate_per_layer": per_layer,
                 "evictions": 0, "bytes_read_disk": 0, "bytes_read_host": 0, "read_wait_s": 0.0,

@@ -22,9 +22,6 @@ def machine_info() -> dict:
     info = {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
             "cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
             "command": command_line()}
-    settings = {k: v for k, v in os.environ.items() if k.startswith("MOESTREAM_")}
-    if settings:  # e.g. MOESTREAM_KERNEL_CONFIG: part of the command as much as its flags
-        info["environment"] = settings
     try:
         with open("/proc/cpuinfo") as fh:
             for line in fh:

@@ -79,7 +79,7 @@ def check_args(parser: argparse.ArgumentParser, args) -> None:
     except MoestreamError as exc:
         parser.error(str(exc))
     parallel = (args.devices is not None and len(args.devices) > 1) or ranked is not None
-    if parallel and args.cpu_experts != "off":
+    if parallel and args.cpu_experts not in ("off", "auto"):
         parser.error("argument --cpu-experts: not with expert parallelism (--devices, torchrun)")
     if args.expert_placement is not None and not parallel:
         parser.error("argument --expert-placement: only with expert parallelism (--devices with 2 or more, torchrun)")
@@ -108,8 +108,7 @@ def cpu_share_stats(receipt: dict) -> str:
     if "cpu_share" not in experts:
         return ""
     rate = experts.get("cpu_gb_s")
-    worker = f", {experts['cpu_worker']} worker" if "cpu_worker" in experts else ""
-    return (f" | cpu experts {experts['cpu_experts']} ({experts['cpu_share']}{worker}), "
+    return (f" | cpu experts {experts['cpu_experts']} ({experts['cpu_share']}), "
             f"fallbacks {experts['cpu_fallbacks']}, {rate if rate is not None else '-'} GB/s")
 
 

@@ -9,7 +9,6 @@ import torch
 from moestream.errors import MoestreamError
 from moestream.experts.sizing import format_bytes
 from moestream.format.reader import PackedModel
-from moestream.kernels.cpu_experts import refusal, repacked_nbytes
 from moestream.layers.kv_cache import KVCache
 from moestream.quant.affine import QuantSpec
 from moestream.quant.mxfp4 import MODE as MXFP4
@@ -28,7 +27,6 @@ class Ledger:
     expert_slots: int
     host_tier: int
     read_buffers: int
-    cpu_repacked: int = 0  # RAM: the CPU share's repacked copies of the host tier's records (--cpu-experts)
     unpacked_experts: int = 0  # CPU runs (the device is RAM): dequantized copies of the slots' experts (--unpacked-experts)
 
     @property
@@ -47,8 +45,6 @@ class Ledger:
         if self.unpacked_experts:
             rows.append(("unpacked experts (CPU)", self.unpacked_experts))
         rows += [("device total", self.device_total), ("host tier (RAM)", self.host_tier)]
-        if self.cpu_repacked:
-            rows.append(("CPU share: repacked (RAM, Python worker)", self.cpu_repacked))
         return "\n".join(f"  {name:<40} {format_bytes(value):>12}" for name, value in rows)
 
 
@@ -61,19 +57,6 @@ def resident_bytes(packed: PackedModel, dtype: torch.dtype) -> int:
         spec = packed.tensor_spec(name)
         numel = shape[0] * shape[1] * 32 // spec.bits if spec.quantized else int(torch.Size(shape).numel())
         total += numel * item
-    return total
-
-
-def cpu_repacked_bytes(packed: PackedModel, dtype: torch.dtype, host_slots: int) -> int:
-    """RAM the CPU share's repacked experts take: those of the host tier's records (filled layer by
-    layer, in order) whose layout its kernels take (moestream.layers.cpu_share)."""
-    left, total = host_slots, 0
-    for entry in packed.manifest.expert_layers:
-        n = min(left, entry.num_experts)
-        left -= n
-        quant = {p: QuantSpec.from_json(s) for p, s in entry.quant.items()}
-        if n and refusal(entry.fields, quant) is None:
-            total += n * repacked_nbytes(entry.fields, quant, dtype)
     return total
 
 
@@ -100,7 +83,7 @@ def unpacked_expert_bytes(packed: PackedModel, dtype: torch.dtype) -> int:
 
 def plan_ledger(packed: PackedModel, args, *, dtype: torch.dtype, max_context: int, chunk: int, slots: int,
                 slot_bytes: int, host_slots: int, staging: int, cuda: bool = False, sequences: int = 1,
-                cpu_repacked: int = 0, unpacked: int = 0) -> Ledger:
+                unpacked: int = 0) -> Ledger:
     """sequences: KV caches allocated (one per sequence slot, each for the whole context)."""
     item = torch.finfo(dtype).bits // 8
     kv = sequences * KVCache.bytes_for_layout(args.kv_layout(), max_context, dtype)
@@ -109,7 +92,7 @@ def plan_ledger(packed: PackedModel, args, *, dtype: torch.dtype, max_context: i
         workspace = max(workspace, decode_workspace(args, context=max_context))
     return Ledger(resident_weights=resident_bytes(packed, dtype), kv_cache=kv, workspace=workspace,
                   expert_slots=slots * slot_bytes, host_tier=host_slots * slot_bytes, read_buffers=staging * slot_bytes,
-                  cpu_repacked=cpu_repacked, unpacked_experts=unpacked)
+                  unpacked_experts=unpacked)
 
 
 def prefill_workspace(args, *, tokens: int, context: int, item: int) -> int:

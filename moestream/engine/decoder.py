@@ -127,7 +127,6 @@ class Decoder:
         moe = [i for i, layer in enumerate(model.layers) if isinstance(layer.ffn, MoEBlock)]
         depth = lookahead.depth if lookahead is not None else 0
         self.ahead = {i: moe[n + 1:n + 1 + depth] for n, i in enumerate(moe)}  # layer -> the next MoE layers
-        self.device_ahead: dict[int, list[int]] = {}  # the same for the device-driven path's early copies
         # per mode (segment graphs, or one whole-step graph per T): each graph has its own outputs
         self._modes: dict = {}
         self.routed: dict[int, _Routed] = self._mode("segments")
@@ -264,7 +263,7 @@ class Decoder:
             if tile and i in self.fused_route and "route" not in vars(block) else {}
         weights, ids = block.route(hn, **over, **fused)
         guesses = None
-        ahead = self.device_ahead.get(i) if self.experts.device_driven else self.ahead.get(i)
+        ahead = None if self.experts.device_driven else self.ahead.get(i)
         if ahead:  # the later layers' routers on this input (top-k of logits)
             nxt = [self.model.layers[j].ffn for j in ahead]
             guesses = torch.cat([torch.topk(self._guess_logits(b, depth, hn, over), b.top_k, dim=-1).indices
@@ -280,12 +279,11 @@ class Decoder:
         r, block = self.routed[i], self.model.layers[i].ffn
         hn, h, shared = r.rows("hn", T), r.rows("h", T), r.rows("shared", T)
         ids, weights = r.rows("ids", T), r.rows("weights", T)
-        ahead = self._device_guesses(i, r) if T == 1 else None
         if shared is None:  # the experts' last kernel adds the residual into x
-            self.experts.compute(block.layer, hn, ids, weights, residual=h, out=self.x[:T], ahead=ahead,
+            self.experts.compute(block.layer, hn, ids, weights, residual=h, out=self.x[:T],
                                  **self._fused_ends(i, T))
         else:
-            routed = self.experts.compute(block.layer, hn, ids, weights, ahead=ahead, **self._fused_ends(i, T))
+            routed = self.experts.compute(block.layer, hn, ids, weights, **self._fused_ends(i, T))
             self.x[:T].copy_(block.combine(routed, shared, h))
 
     def _fused_ends(self, i: int, T: int) -> dict:
@@ -296,24 +294,6 @@ class Decoder:
         if i in self.norm_after:
             out["norm"] = (*self.norm_after[i], self.normed[:T])
         return out
-
-    def _device_guesses(self, i: int, r: _Routed) -> list | None:
-        """[(later MoE layer, its guessed ids)] for the device-driven path's early copies, or None."""
-        if not self.device_ahead.get(i) or not self.experts.device_driven or r.guesses[0] is None:
-            return None
-        out, at = [], 0
-        for j in self.device_ahead[i]:
-            block = self.model.layers[j].ffn
-            out.append((block.layer, r.guesses[0][0, at:at + block.top_k]))
-            at += block.top_k
-        return out
-
-    def start_device_lookahead(self, depth: int) -> None:
-        """Guess the next `depth` MoE layers' experts on the device-driven path (before any step runs)."""
-        moe = list(self.routed)
-        self.device_ahead = {i: moe[n + 1:n + 1 + depth] for n, i in enumerate(moe)}
-        self.experts.look_ahead_on_device({self.model.layers[i].ffn.layer: self.model.layers[i].ffn.top_k
-                                           for i in moe}, depth)
 
     def _head(self, T: int) -> None:
         if self.cuda:
@@ -426,7 +406,6 @@ class Decoder:
             self.routed = self._mode(key)
             self._replay(key, lambda: self._whole(T, head))
             self._booked_step(T)
-            self._after_step()
             return self.logits[:T] if head else self.x[:T]
         self.routed = self._mode("segments")
         self._replay(("start", T), lambda: self._start(T))
@@ -439,7 +418,6 @@ class Decoder:
                     r.owner[t] = slot
             if r is not None:
                 self._run_experts(i, T)
-        self._after_step()
         if not head:
             return self.x[:T]
         self._replay(("head",) if self.cuda else ("head", T), lambda: self._head(T))
@@ -464,7 +442,6 @@ class Decoder:
                         getattr(r, name)[t] = value
             if r is not None:
                 self._run_experts(i, T)
-        self._after_step()
         if not head:
             return self.x[:T]
         with timeline.segment(("head", T)):
@@ -497,7 +474,6 @@ class Decoder:
             self.routed = self._mode(key)
             self._replay(key, lambda: self._whole(T, head))
             self._booked_step(T)
-            self._after_step()
             return self.logits[:T] if head else self.x[:T]
         self.routed = self._mode(("segments", T))
         self._replay(("start", T), lambda: self._start(T))
@@ -505,7 +481,6 @@ class Decoder:
             self._replay(("attention-rows", i, T), lambda i=i: self._attention_rows(i, T))
             if i in self.routed:
                 self._run_experts(i, T)
-        self._after_step()
         if not head:
             return self.x[:T]
         self._replay(("head",), lambda: self._head(T))
@@ -518,10 +493,6 @@ class Decoder:
         for key in batches[:max(0, len(batches) - MAX_BATCH_GRAPHS + 1)]:
             del self.graphs[key]
             self._modes.pop(key, None)
-
-    def _after_step(self) -> None:
-        if self.experts.device_lookahead is not None:
-            self.experts.device_lookahead.after_step()
 
     def _run_experts(self, i: int, T: int) -> None:
         """Host half (unless resident), then the layer's experts segment."""
@@ -547,7 +518,7 @@ class Decoder:
         chosen = host.tolist()
         if self.lookahead is not None and T == 1:
             self.lookahead.score(block.layer, chosen)
-        if not self.experts.load(block.layer, chosen, r.rows("hn", T), r.rows("weights", T)):
+        if not self.experts.load(block.layer, chosen, r.rows("hn", T)):
             self._experts_in_batches(i, T)  # more distinct experts than the pool can pin at once
             return
         if guessing:  # this layer's experts are pinned: early copies cannot evict them
@@ -557,7 +528,6 @@ class Decoder:
                 self.lookahead.guess(self.model.layers[j].ffn.layer, depth, flat[at:at + k])
                 at += k
         try:
-            self.experts.join_cpu(block.layer)  # a CPU share's rows (or, failing, its experts loaded here)
             self._replay(("experts", i, T), lambda: self._experts(i, T), capture=capture)
         finally:  # a victim slot is rewritten only after the kernels queued above (stream order)
             self.experts.release(block.layer)

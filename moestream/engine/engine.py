@@ -55,7 +55,7 @@ class Engine:
         from moestream.engine.decoder import Decoder
         from moestream.engine.plan import plan_run
         from moestream.experts.cache import ExpertCache
-        from moestream.experts.predict import Lookahead, attach
+        from moestream.experts.predict import Lookahead
         from moestream.experts.sources import open_source
         from moestream.layers.experts import RoutedExperts
 
@@ -71,10 +71,10 @@ class Engine:
         source = open_source(options.expert_source, packed, io_threads=options.io_threads,
                              check_records=options.verify)
         self.provider = ExpertCache(packed, self.device, slots=slots, source=source,
-                                    policy=self.plan.cache_policy, partition=options.cache_partition,
-                                    host_slots=self.plan.host_slots, host_policy=options.host_cache_policy,
+                                    policy=self.plan.cache_policy, host_slots=self.plan.host_slots, host_policy=options.host_cache_policy,
                                     staging_buffers=self.plan.staging,
-                                    device_policy="lru" if options.cache_policy == "lru" else "cycle")
+                                    device_policy="lru" if options.cache_policy == "lru" else "cycle",
+                                    timeline=timeline)
         if self.parallel is not None:
             from moestream.layers.expert_parallel import OwnedExperts
 
@@ -83,8 +83,10 @@ class Engine:
             def make_experts(args):  # the decoder's MoE layers and the multi-token-prediction layers' experts
                 layers = args.moe_layers() + args.mtp_expert_layers(packed.manifest.mtp_layers)
                 moe = {i: args.num_experts for i in layers}
-                return RoutedExperts(self.provider, moe, device=self.device, kernels=options.expert_kernels,
-                                     parallel=self.parallel)
+                return RoutedExperts(self.provider, moe, device=self.device, parallel=self.parallel,
+                                     unpacked=expert_setup.unpacked_experts(self.plan),
+                                     cpu_share=expert_setup.share_request(options, parallel=self.parallel,
+                                                                          hidden=args.hidden_size, dtype=self.dtype))
 
             self.args, self.experts, self.model = build_model(packed, make_experts, device=self.device,
                                                               dtype=self.dtype)
@@ -93,16 +95,11 @@ class Engine:
             self.guess_maps = None if options.prefetch == "none" else \
                 expert_setup.load_guess_maps(packed, options, self.model, hidden_size=self.args.hidden_size,
                                              device=self.device)
-            self.prefetcher = attach(self.model, self.experts, self.provider, options.prefetch if cpu else "none",
-                                     maps=self.guess_maps)
+            self.prefetcher = expert_setup.attach_prefetcher(self.model, self.experts, self.provider,
+                                                             options.prefetch if cpu else "none", maps=self.guess_maps)
             lookahead = None if cpu or options.prefetch == "none" else \
                 Lookahead(self.provider, depth=2 if options.prefetch == "two-layers" else 1)
             self.tokenizer = load_tokenizer(packed.directory, packed.config)
-            expert_setup.share_with_cpu(self.experts, options, parallel=self.parallel, dtype=self.dtype)
-            if self.plan.unpacked:  # CPU: steps multiply kept dequantized experts (the same bits)
-                from moestream.experts.unpacked import UnpackedExperts
-
-                self.experts.unpacked = UnpackedExperts(self.plan.unpacked, entry_bytes=self.plan.unpacked_bytes)
         except BaseException:
             self.provider.close()
             raise
@@ -133,10 +130,8 @@ class Engine:
 
     @property
     def lookahead(self):
-        """The Lookahead scoring this engine's guesses (the device-driven path's, the decoder's on CUDA,
-        the prefetcher's on the CPU), or None."""
-        if self.experts.device_lookahead is not None:
-            return self.experts.device_lookahead
+        """The Lookahead scoring this engine's guesses (the decoder's on CUDA, the prefetcher's on the
+        CPU), or None."""
         if self.decoder.lookahead is not None:
             return self.decoder.lookahead
         return self.prefetcher.lookahead if self.prefetcher is not None else None
@@ -165,10 +160,7 @@ class Engine:
 
     def close(self) -> None:
         self.save_trace()
-        if self.experts.device_share is not None:
-            self.experts.device_share.close()
-        if self.experts.cpu is not None:
-            self.experts.cpu.close()
+        self.experts.close()
         self.provider.close()
 
     @classmethod
@@ -489,10 +481,8 @@ class Engine:
         stats = dict(self.provider.stats())
         if self.parallel is not None:
             stats.update(collective_s=self.parallel.group.collective_s, exchanges=self.parallel.group.exchanges)
-        if self.experts.device_share is not None:
-            stats.update(self.experts.device_share.stats())
-        elif self.experts.cpu is not None:
-            stats.update(self.experts.cpu.stats())
+        if self.experts.cpu_share is not None:
+            stats.update(self.experts.cpu_share.stats())
         if self.experts.unpacked is not None:
             stats.update(self.experts.unpacked.stats())
         return stats

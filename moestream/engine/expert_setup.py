@@ -4,7 +4,8 @@ step, kept apart from the engine's running of the model.
 - expert parallelism: which rank owns which experts (`expert_parallel`), and every rank's
   figures for a run (`parallel_stats`);
 - the lookahead's fitted corrections (`load_guess_maps`, from moestream fit-lookahead);
-- the CPU's share of the misses (`share_with_cpu`, `prepare_cpu_share`: --cpu-experts);
+- the backends RoutedExperts is built with: the CPU's share of the misses (`share_request`:
+  --cpu-experts) and the CPU's kept unpacked experts (`unpacked_experts`);
 - device- or host-driven streaming (`start_streaming`: --streaming)."""
 from __future__ import annotations
 
@@ -30,12 +31,24 @@ def expert_parallel(packed: PackedModel, options: EngineOptions):
 
     counts = {e.layer: e.num_experts for e in packed.manifest.expert_layers}
     if options.expert_placement:
-        placement = ExpertPlacement.from_trace(options.expert_placement, counts, group.world_size)
+        placement = placement_from_trace(options.expert_placement, counts, group.world_size)
     else:
         placement = ExpertPlacement.modulo(counts, group.world_size)
     log.info("rank %d of %d: %d experts (%s placement)", group.rank, group.world_size,
              placement.count(group.rank), placement.source)
     return ExpertParallel(group, placement)
+
+
+def placement_from_trace(path: str, counts: dict[int, int], world_size: int):
+    """The placement balanced by a routing trace's expert counts (--expert-placement)."""
+    from moestream.layers.expert_parallel import ExpertPlacement
+    from moestream.sim.trace import RoutingTrace
+
+    try:
+        trace = RoutingTrace.load(path)
+    except (OSError, ValueError, KeyError) as exc:
+        raise MoestreamError(f"expert placement: cannot read the routing trace {path}: {exc}") from None
+    return ExpertPlacement.from_routes(trace.layer, trace.experts, counts, world_size, path=str(path))
 
 
 def parallel_stats(parallel, before: dict, after: dict) -> dict | None:
@@ -79,41 +92,49 @@ def load_guess_maps(packed: PackedModel, options: EngineOptions, model, *, hidde
     return maps.to(device)
 
 
-def share_with_cpu(experts, options: EngineOptions, *, parallel, dtype: torch.dtype) -> None:
-    """--cpu-experts: the CPU computes a share of each streamed layer's misses from host RAM,
-    on a worker with the compute threads (--threads). Its weights are repacked before the first
-    step (`prepare_cpu_share`)."""
-    from moestream.layers.cpu_share import parse_share
+def attach_prefetcher(model, experts, provider, mode: str, *, maps=None):
+    """The CPU's lookahead: a NextLayerPrefetcher hooked after each layer's fetch (mode
+    "next-layer"), or none ("none"); `maps` (fitted corrections, moestream.experts.guess_maps)
+    improve its guesses."""
+    from moestream.experts.predict import MODES, NextLayerPrefetcher
+    from moestream.layers.moe import MoEBlock
+
+    if mode not in MODES:
+        raise ValueError(f"prefetch mode {mode!r} (choose from {', '.join(MODES)})")
+    if mode == "none":
+        return None
+    blocks = [layer.ffn for layer in model.layers if isinstance(layer.ffn, MoEBlock)]
+    predictor = NextLayerPrefetcher(blocks, provider, maps=maps)
+    experts.after_fetch = predictor
+    return predictor
+
+
+def share_request(options: EngineOptions, *, parallel, hidden: int, dtype: torch.dtype):
+    """The CPU share RoutedExperts starts with device-driven streaming (--cpu-experts), or None
+    (off, or expert parallelism: `auto` is the default, so only a share asked for by number is
+    refused there)."""
+    from moestream.cpu_share.share import ShareRequest, parse_share
 
     try:
         share = parse_share(options.cpu_experts)
     except ValueError as exc:
         raise MoestreamError(f"cpu_experts: {exc}") from None
     if share == "off":
-        return
+        return None
     if parallel is not None:
-        raise MoestreamError("--cpu-experts does not run with expert parallelism (--devices)")
-    if not options.cpu_experts_timeout > 0:
-        raise MoestreamError(f"cpu_experts_timeout must be more than 0 seconds, not {options.cpu_experts_timeout}")
-    experts.share_with_cpu(share, dtype=dtype, timeout_s=options.cpu_experts_timeout, threads=options.threads)
+        if share != "auto":
+            raise MoestreamError("--cpu-experts does not run with expert parallelism (--devices)")
+        return None
+    return ShareRequest(share, threads=options.threads or torch.get_num_threads(), hidden=hidden, dtype=dtype)
 
 
-def prepare_cpu_share(provider, experts, *, repack: bool = True) -> None:
-    """Before the first streamed step with a CPU share: fill the host tier (the records it lacks)
-    and repack every record of it the CPU kernels take, once, so that a step never repacks
-    (repack False: the native worker computes from the records as they are)."""
-    if provider.host is None:
-        log.warning("--cpu-experts: there is no host tier (--host-cache-size), so the CPU has no "
-                    "repacked experts to compute")
-        return
-    t0 = time.perf_counter()
-    read = provider.fill_host_tier()
-    if read:
-        log.info("read %d records into the host tier for the CPU share (%.1f s)", read, time.perf_counter() - t0)
-    if repack:
-        experts.cpu.repack_host_tier(provider.host_records())
-    else:
-        log.info("the CPU share's native worker reads the host tier's records as they are: nothing repacked")
+def unpacked_experts(plan):
+    """CPU runs: the kept dequantized experts the plan makes room for (the same bits), or None."""
+    if not plan.unpacked:
+        return None
+    from moestream.experts.unpacked import UnpackedExperts
+
+    return UnpackedExperts(plan.unpacked, entry_bytes=plan.unpacked_bytes)
 
 
 def start_streaming(engine: Any) -> None:  # an Engine (moestream.engine.engine imports this module)
@@ -122,37 +143,21 @@ def start_streaming(engine: Any) -> None:  # an Engine (moestream.engine.engine 
     from moestream.experts.device_map import DeviceMapUnavailable
 
     experts, options, provider = engine.experts, engine.options, engine.provider
-    if experts.cpu is not None:
-        from moestream.layers.native_worker import unavailable
-
-        # `--streaming device` runs the device path's share, whose native worker needs no repacked copies
-        prepare_cpu_share(provider, experts, repack=options.streaming != "device" or unavailable(experts.cpu) is not None)
     mode = options.streaming
-    if mode == "host":
-        return
-    reason = None
-    if engine.parallel is not None:
+    reason = "--streaming host" if mode == "host" else None
+    if reason is None and engine.parallel is not None:
         reason = "expert parallelism computes experts on several ranks"
-    elif mode == "auto" and options.cpu_experts != "off":
-        # the device path's CPU share (a mailbox the step's graph waits on) has not been timed on a
-        # GPU yet: `--streaming device` asks for it
-        reason = "a CPU share runs on the host path unless --streaming device asks for the device path's"
-    elif mode == "auto" and engine.device.type != "cuda":
+    elif reason is None and mode == "auto" and engine.device.type != "cuda":
         reason = "on the CPU the host drives"
-    elif mode == "auto" and not all(experts.uses_triton(layer, engine.dtype) for layer in experts.num_experts):
+    elif reason is None and mode == "auto" and not all(experts.uses_triton(layer, engine.dtype)
+                                                       for layer in experts.num_experts):
         reason = "some layers' experts run on the torch reference, which reads slots on the host"
-    elif mode == "auto" and engine.plan.host_slots < provider.total_experts:
+    elif reason is None and mode == "auto" and engine.plan.host_slots < provider.total_experts:
         reason = "the host tier does not hold every expert (--host-cache-size all)"
     if reason is None:
         t0 = time.perf_counter()
         try:
             experts.start_device_map()
-            experts.device_map.kernel = options.slot_map == "triton"
-            if experts.cpu is not None:  # the CPU's share through a mailbox, inside the graphs
-                experts.share_on_device(hidden=engine.args.hidden_size, dtype=engine.dtype, max_tokens=16,
-                                        timeout_s=options.cpu_experts_timeout)
-            elif options.device_lookahead and options.prefetch != "none":
-                engine.decoder.start_device_lookahead(2 if options.prefetch == "two-layers" else 1)
             log.info("device-driven streaming: %d slots, the host tier holds all %d experts (%.1f s)",
                      engine.plan.slots, provider.total_experts, time.perf_counter() - t0)
             return
@@ -161,3 +166,6 @@ def start_streaming(engine: Any) -> None:  # an Engine (moestream.engine.engine 
     if mode == "device":
         raise MoestreamError(f"--streaming device cannot run: {reason}")
     log.info("host-driven streaming: %s", reason)
+    request = experts.share_request
+    if request is not None and request.share != "auto":
+        log.warning("--cpu-experts %s: no CPU share (it runs with device-driven streaming only)", request.share)

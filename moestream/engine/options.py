@@ -28,15 +28,12 @@ class EngineOptions:
     rows_products: str = "triton"
     cache_size: str = "auto"
     cache_policy: str = "auto"  # clock, or lfu where the pool is smaller than one token's experts
-    cache_partition: str = "shared"
     expert_source: str = "direct"
     io_threads: int = 32
     host_cache_size: str = "0"
     host_cache_policy: str = "clock"
     streaming: str = "auto"  # who looks up a streamed layer's experts: the device (auto where it can) or the host
-    slot_map: str = "triton"  # the device map's lookup on CUDA: one Triton program (1.3x faster at 25 %), or torch ops
     prefetch: str = "next-layer"  # start loading the next MoE layer(s)' likely experts early (one-token steps)
-    device_lookahead: bool = False  # the same on the device-driven path (not yet timed on a GPU: off by default)
     # the lookahead's fitted correction (moestream fit-lookahead): auto (MODEL/lookahead.safetensors where it
     # exists), none, or a file
     lookahead_maps: str = "auto"
@@ -53,14 +50,13 @@ class EngineOptions:
     verify_cache_dir: str | None = None  # where resident files' digests are remembered; None: ~/.cache/moestream
     trace_routing: str | None = None
     max_sequences: int = 1  # sequence slots decoding together (Engine.step_many), each with its own KV cache
-    expert_kernels: str = "auto"  # auto: Triton where the record layout allows on CUDA; torch; triton (error if not)
     # expert parallelism: a moestream.layers.expert_parallel.ExpertGroup (the CLI initializes the
     # process group); each rank holds and computes its share of the experts. None: one process
     expert_parallel: object = None
     expert_placement: str | None = None  # a routing trace (.npz): experts balanced over ranks by its counts
-    # the CPU computes a share of each streamed layer's misses from host RAM: "off", "auto" or "0".."1"
-    cpu_experts: str = "off"
-    cpu_experts_timeout: float = 1.0  # seconds a layer waits for its CPU share before loading those experts
+    # the CPU computes a share of each streamed layer's misses from host RAM (with device-driven
+    # streaming, where the native worker builds): "off", "auto" or "0".."1"
+    cpu_experts: str = "auto"
     # CPU runs: dequantized copies of the experts in the slots, kept (moestream.experts.unpacked): auto, 0, or a size
     unpacked_experts: str = "auto"
 
@@ -84,9 +80,6 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--threads", type=at_least(1), default=0,
                    help="CPU compute threads (default: the cores this process may use, less the machine's load and "
                         "a core for the expert readers when experts stream)")
-    g.add_argument("--expert-kernels", default="auto", choices=["auto", "torch", "triton"],
-                   help="routed-expert kernels: auto (Triton on CUDA where the record layout allows, else the torch "
-                        "reference), torch (always the reference), triton (an error where Triton cannot run)")
     g.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="run decode steps without CUDA graphs (on CUDA they are on by default)")
     g.add_argument("--step-rows", default="auto", choices=["auto", "off"],
@@ -111,8 +104,6 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "one token's experts across all layers). Device-driven streaming has its own: lru with "
                         "lru, else cycle (recency counted in each layer's own lookups, ties to the layer that "
                         "comes next latest)")
-    c.add_argument("--cache-partition", default="shared", choices=["shared", "per-layer"],
-                   help="one pool for all layers (default) or a fixed share per layer")
     c.add_argument("--expert-source", default="direct", choices=["direct", "mmap"],
                    help="direct: O_DIRECT reads by a thread pool (default); mmap: the page cache is the host tier")
     c.add_argument("--io-threads", type=at_least(1), default=32, help="parallel record reads (default 32)")
@@ -123,18 +114,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "the host tier itself, no host round trip per layer; needs a host tier holding every expert, "
                         "--host-cache-size all), host (the host reads each layer's ids, then loads); auto (default): "
                         "device where it can run on CUDA, else host")
-    c.add_argument("--slot-map", default="triton", choices=["torch", "triton"],
-                   help="device-driven streaming's per-layer lookup on CUDA: triton (default; one program per layer, "
-                        "49 against 38 tok/s at 25 %% on the H200) or torch (~35 small kernels per MoE layer inside the "
-                        "step's graph). The same decisions either way")
     c.add_argument("--prefetch", default="next-layer", choices=["next-layer", "two-layers", "none"],
                    help="next-layer (default): while a layer computes, start copying the experts the next MoE layer's "
                         "router picks for the current hidden state; two-layers: also the one after (CUDA); copies "
                         "for a layer whose guesses prove wrong stop (accuracy per layer in the receipt); none: on demand only")
-    c.add_argument("--device-lookahead", action="store_true",
-                   help="on the device-driven path (--streaming), also copy the next MoE layer(s)' guessed experts "
-                        "(depth from --prefetch) on a side stream while a layer computes, gated per layer by the "
-                        "guesses' measured accuracy; the same output. Not yet timed on a GPU: off by default")
     c.add_argument("--lookahead-maps", type=maps_arg, default="auto", metavar="auto|none|FILE",
                    help="fitted corrections of the lookahead's guesses (moestream fit-lookahead): auto (default: "
                         "MODEL/lookahead.safetensors where it exists), none (the plain routers), or a file; they "
@@ -161,13 +144,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--no-verify", dest="verify", action="store_false",
                    help="skip the integrity checks (on by default: each expert record's crc32 as it is read, the "
                         f"resident files' sha256 at load, remembered in ${CACHE_DIR_ENV} or ~/.cache/moestream)")
-    c.add_argument("--cpu-experts", type=cpu_share_arg, default="off", metavar="off|auto|SHARE",
-                   help="let the CPU compute a share of each streamed layer's missed experts straight from host RAM "
-                        "(the host tier) while the device copies and computes the rest: SHARE of the misses (0..1), or "
-                        "auto (the share that makes both finish together, from measured speeds); default off. Output "
-                        "within the dtype's tolerance of off, not bit for bit")
-    c.add_argument("--cpu-experts-timeout", type=positive_float, default=1.0, metavar="SECONDS",
-                   help="a layer waits this long for its CPU share, then computes those experts on the device (default 1)")
+    c.add_argument("--cpu-experts", type=cpu_share_arg, default="auto", metavar="off|auto|SHARE",
+                   help="with device-driven streaming (CUDA), the CPU computes a share of each layer's missed experts "
+                        "straight from the host tier while the device copies and computes the rest: SHARE of the "
+                        "misses (0..1), auto (default: the share that makes both finish together, from measured "
+                        "speeds, where the native CPU kernels build), or off. Output within the dtype's tolerance of "
+                        "off, not bit for bit")
     c.add_argument("--unpacked-experts", type=unpacked_arg, default="auto", metavar="auto|0|SIZE",
                    help="CPU runs: keep the dequantized matrices of up to SIZE of the experts in the slots (bytes, or a "
                         "share of all experts as --cache-size takes it), so a step multiplies instead of unpacking "
@@ -185,7 +167,7 @@ def maps_arg(text: str) -> str:
 
 def cpu_share_arg(text: str) -> str:
     """--cpu-experts: off, auto or a share in 0..1 (kept as text: EngineOptions holds it so)."""
-    from moestream.layers.cpu_share import parse_share
+    from moestream.cpu_share.share import parse_share
 
     try:
         value = parse_share(text)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 import psutil
 import torch
 
-from moestream.engine.budget import Ledger, cpu_repacked_bytes, plan_ledger, slots_within, unpacked_expert_bytes
+from moestream.engine.budget import Ledger, plan_ledger, slots_within, unpacked_expert_bytes
 from moestream.engine.options import EngineOptions
 from moestream.errors import MoestreamError
 from moestream.experts.sizing import parse_bytes, slots_for
@@ -101,11 +101,8 @@ def plan_run(packed: PackedModel, options: EngineOptions, *, default_cache_size:
         raise MoestreamError(f"{packed.directory}: the model has no routed experts")
     slot_bytes = max(e.record_size for e in layers)
     total = sum(e.num_experts for e in layers)
-    # the floor: one token's experts in one layer at once (a layer that routes to more runs them in
-    # batches); per layer when each layer has its own share of the slots
+    # the floor: one token's experts in one layer at once (a layer that routes to more runs them in batches)
     floor = min(args.num_experts_per_tok, min(e.num_experts for e in layers))
-    if options.cache_partition == "per-layer":
-        floor *= len(layers)
     staging = STAGING_BUFFERS if device.type == "cuda" else 0
     host_slots = 0
     if options.host_cache_size not in ("0", "", "none"):
@@ -113,14 +110,13 @@ def plan_run(packed: PackedModel, options: EngineOptions, *, default_cache_size:
                                flag="--host-cache-size")
 
     chunk = options.prefill_chunk_tokens
-    cpu_repacked = cpu_repacked_bytes(packed, dtype, host_slots) if options.cpu_experts != "off" else 0
     unpacked_bytes = unpacked_expert_bytes(packed, dtype)
     most_unpacked = unpacked_limit(options, device, unpacked_bytes=unpacked_bytes, total_experts=total)
 
     def ledger(slots: int, unpacked: int = most_unpacked) -> Ledger:
         return plan_ledger(packed, args, dtype=dtype, max_context=max_context, chunk=chunk,
                            slots=slots, slot_bytes=slot_bytes, host_slots=host_slots, staging=staging,
-                           cuda=device.type == "cuda", sequences=options.max_sequences, cpu_repacked=cpu_repacked,
+                           cuda=device.type == "cuda", sequences=options.max_sequences,
                            unpacked=min(slots, unpacked) * unpacked_bytes if slots else unpacked * unpacked_bytes)
 
     size = options.cache_size if options.cache_size != "auto" else default_cache_size
@@ -132,7 +128,7 @@ def plan_run(packed: PackedModel, options: EngineOptions, *, default_cache_size:
         if size != "auto":
             slots = min(slots, slots_for(size, slot_bytes=slot_bytes, total_experts=total, min_slots=floor))
     elif size == "auto":
-        budget = int(free_memory(device) * 0.85) - (host_slots * slot_bytes + cpu_repacked if device.type == "cpu" else 0)
+        budget = int(free_memory(device) * 0.85) - (host_slots * slot_bytes if device.type == "cpu" else 0)
         slots = slots_within(budget, ledger(0), slot_bytes=slot_bytes, min_slots=floor, total_experts=total)
     else:
         slots = slots_for(size, slot_bytes=slot_bytes, total_experts=total, min_slots=floor)
@@ -140,8 +136,7 @@ def plan_run(packed: PackedModel, options: EngineOptions, *, default_cache_size:
     return RunPlan(device=device, dtype=dtype, max_context=max_context, slots=slots, host_slots=host_slots,
                    slot_bytes=slot_bytes, total_experts=total, min_slots=floor, staging=staging, ledger=ledger(slots),
                    prefill_chunk=chunk, unpacked=min(slots, most_unpacked), unpacked_bytes=unpacked_bytes,
-                   cache_policy=resolve_policy(options.cache_policy, slots=slots, working_set=working_set,
-                                               partition=options.cache_partition))
+                   cache_policy=resolve_policy(options.cache_policy, slots=slots, working_set=working_set))
 
 
 def unpacked_limit(options: EngineOptions, device: torch.device, *, unpacked_bytes: int, total_experts: int) -> int:
@@ -160,13 +155,13 @@ def unpacked_limit(options: EngineOptions, device: torch.device, *, unpacked_byt
         raise MoestreamError(str(exc) if "--unpacked-experts" in str(exc) else f"--unpacked-experts: {exc}") from None
 
 
-def resolve_policy(name: str, *, slots: int, working_set: int, partition: str) -> str:
-    """"auto": lfu where a shared pool is smaller than one token's experts across all layers (there
+def resolve_policy(name: str, *, slots: int, working_set: int) -> str:
+    """"auto": lfu where the pool is smaller than one token's experts across all layers (there
     every recency policy evicts each expert just before its next use; lfu keeps the often-routed
     ones), clock elsewhere (its victim choice costs O(1); lfu's scans every slot)."""
     if name != "auto":
         return name
-    return "lfu" if partition == "shared" and slots < working_set else "clock"
+    return "lfu" if slots < working_set else "clock"
 
 
 def choose_threads(*, cores: int, load: float, streaming: bool) -> int:

@@ -24,7 +24,6 @@ from typing import Sequence
 
 import torch
 
-from moestream.engine import timeline
 from moestream.errors import ExpertReadError
 from moestream.experts.buffers import aligned_buffer, pin_if_cuda
 from moestream.experts.cache_stats import CacheStats
@@ -37,13 +36,28 @@ from moestream.quant.affine import QuantSpec
 log = logging.getLogger(__name__)
 
 
+class NoTimeline:
+    """Where no timeline records the cache's loads, reads and copies: hooks that do nothing."""
+
+    @staticmethod
+    def complete(name: str, start_s: float, end_s: float, **args) -> None:
+        pass
+
+    @staticmethod
+    def instant(name: str, **args) -> None:
+        pass
+
+
 class ExpertCache:
     """Implements the ExpertProvider protocol over a fixed slot pool."""
 
     def __init__(self, packed: PackedModel, device: torch.device, *, slots: int, source, policy: str = "clock",
-                 partition: str = "shared", host_slots: int = 0, host_policy: str = "clock", staging_buffers: int = 8,
-                 device_policy: str = "cycle"):
+                 host_slots: int = 0, host_policy: str = "clock", staging_buffers: int = 8,
+                 device_policy: str = "cycle", timeline=NoTimeline):
+        """timeline: where loads, waits on reads, reads and copies are recorded (an object with
+        `complete(name, start_s, end_s, **args)` and `instant(name, **args)`: moestream.engine.timeline)."""
         self.packed, self.device, self.source = packed, torch.device(device), source
+        self.timeline = timeline
         self.entries = {e.layer: e for e in packed.manifest.expert_layers}
         self.moe_layers = sorted(self.entries)
         self._index = {layer: i for i, layer in enumerate(self.moe_layers)}  # directory keys use dense layer indices
@@ -51,7 +65,7 @@ class ExpertCache:
         self.total_experts = sum(e.num_experts for e in self.entries.values())
         self.num_slots = slots
         self._quant = {l: {p: QuantSpec.from_json(s) for p, s in e.quant.items()} for l, e in self.entries.items()}
-        self.directory = SlotDirectory(slots, policy=policy, partition=partition, num_layers=len(self.moe_layers))
+        self.directory = SlotDirectory(slots, policy=policy, num_layers=len(self.moe_layers))
         self.cuda = self.device.type == "cuda"
         if self.cuda:
             self.pool = torch.empty((slots, self.slot_bytes), dtype=torch.uint8, device=self.device)
@@ -130,7 +144,7 @@ class ExpertCache:
                     error = error or exc
             if waits:
                 st.read_wait_s += time.perf_counter() - t0
-                timeline.complete("wait_reads", t0, time.perf_counter(), layer=layer, reads=len(waits))
+                self.timeline.complete("wait_reads", t0, time.perf_counter(), layer=layer, reads=len(waits))
             if error is not None:
                 raise error
         except BaseException:
@@ -145,7 +159,7 @@ class ExpertCache:
                 event = self.ready_events.pop(key, None)
                 if event is not None:
                     current.wait_event(event)
-        timeline.complete("load", started, time.perf_counter(), layer=layer, experts=len(experts),
+        self.timeline.complete("load", started, time.perf_counter(), layer=layer, experts=len(experts),
                           misses=st.misses - missed)
         if not views:
             return {}
@@ -153,7 +167,7 @@ class ExpertCache:
                 for e in experts}
 
     def slot_pool(self, layer: int) -> torch.Tensor:
-        """uint8 [slots, slot_bytes]: one pool shared by every layer (per-layer partitions share it too)."""
+        """uint8 [slots, slot_bytes]: one pool shared by every layer."""
         return self.pool
 
     def slots_of(self, layer: int, experts: Sequence[int]) -> list[int]:
@@ -166,35 +180,11 @@ class ExpertCache:
         return self.entries[layer].fields
 
     def batch_limit(self, layer: int) -> int:
-        if self.directory.partition == "per-layer":
-            return len(self.directory.layer_slots(self._index[layer]))
         return self.num_slots
 
     def release(self, layer: int) -> None:
         for key in self._pinned.pop(layer, []):
             self.directory.unpin(key)
-
-    # -- for a second compute unit (moestream.layers.cpu_share) ---------------------------
-    def holds(self, layer: int, expert: int) -> bool:
-        """Whether the expert has a device slot (ready or loading): a fetch would be a hit."""
-        return self.directory.lookup((self._index[layer], expert)) is not None
-
-    def host_view(self, layer: int, expert: int):
-        """(record bytes, release) if host RAM holds the record: a host tier slot, pinned until
-        release() is called (from any thread), or a resident page-cache mapping (release None)."""
-        return self._host_record(layer, expert, self.entries[layer].record_size)
-
-    def host_records(self) -> list[tuple[int, int]]:
-        """The (layer, expert) records the host tier holds, ready (not loading), in order."""
-        return [] if self.host is None else self.host.ready_keys()
-
-    def count_misses(self, layer: int, n: int) -> None:
-        """Book n misses of `layer` that another compute unit served (so hit rates stay comparable)."""
-        self.stats_.count(layer, hit=False, n=n)
-
-    @property
-    def host_bytes_copied(self) -> int:
-        return self.stats_.bytes_read_host
 
     def prefetch(self, layer: int, experts: Sequence[int]) -> int:
         """Start early reads for experts not yet in a slot; never blocks, never pins. Returns reads issued."""
@@ -391,7 +381,7 @@ class ExpertCache:
             self._add(bytes_read_host=size)
             self._copy_into_slot(key, slot, view, size, done, after=after, defer=True, early=early)
             return
-        timeline.instant("read", layer=layer, expert=expert, early=early)
+        self.timeline.instant("read", layer=layer, expert=expert, early=early)
         if self.cuda:
             staging = self.staging.get()
             read = self.source.submit(layer, expert, staging[:size])
@@ -440,7 +430,7 @@ class ExpertCache:
         layer, expert = self.moe_layers[key[0]], key[1]
         try:
             read.result()
-            timeline.instant("read_done", layer=layer, expert=expert)
+            self.timeline.instant("read_done", layer=layer, expert=expert)
             self._add(bytes_read_disk=size)
             if self.host is not None:
                 self.host.store((layer, expert), data, size)
@@ -458,7 +448,7 @@ class ExpertCache:
         at once after waiting for the copy, or (defer, main thread only) when a later call finds the
         copy done, so that many copies queue back to back on the link."""
         if self.cuda or data.data_ptr() != self.pool[slot].data_ptr():  # a CPU read lands in its slot: no copy
-            timeline.instant("copy", layer=self.moe_layers[key[0]], expert=key[1], early=early)
+            self.timeline.instant("copy", layer=self.moe_layers[key[0]], expert=key[1], early=early)
         if self.cuda:
             stream = self.early_stream if early else self.copy_stream
             with torch.cuda.stream(stream):
@@ -509,9 +499,8 @@ class ExpertCache:
             "source": getattr(self.source, "name", "?"), "verify": bool(getattr(self.source, "check_records", False)),
             "policy": self.directory.policy_name,
             "streaming": "resident" if self.resident_tables else "device" if self.device_map is not None else "host",
-            **({"slot_map": "triton" if self.device_map.kernel and self.cuda else "torch",
-                "device_policy": self.device_map.policy} if self.device_map else {}),
-            "partition": self.directory.partition, "slots": self.num_slots, "slot_bytes": self.num_slots * self.slot_bytes,
+            **({"device_policy": self.device_map.policy} if self.device_map else {}),
+            "slots": self.num_slots, "slot_bytes": self.num_slots * self.slot_bytes,
             "total_experts": self.total_experts, "host_slots": self.host.slots if self.host else 0,
             "hits": st.hits, "misses": st.misses, "hit_rate": round(st.hits / lookups, 6) if lookups else 1.0,
             "hit_rate_per_layer": st.hit_rate_per_layer(self.moe_layers), "evictions": st.evictions,

@@ -50,6 +50,9 @@ class DeviceMapUnavailable(RuntimeError):
 
 
 class DeviceMap:
+    # the victim rule's keys, as the Triton lookup takes them (moestream.kernels.triton_slot_map)
+    empty_key, held_key = EMPTY_KEY, HELD_KEY
+
     def __init__(self, pool: torch.Tensor, host_pool: torch.Tensor, host_slots: Mapping[tuple[int, int], int],
                  num_experts: Mapping[int, int], record_bytes: Mapping[int, int], policy: str = "cycle"):
         """pool: the device slots [S, B]; host_pool: the host tier [R, B] as the device reads it (on
@@ -90,9 +93,6 @@ class DeviceMap:
         self.calls = torch.zeros(len(self.layers), dtype=torch.int64, device=dev)  # cycle: counted lookups per layer
         self.slot_layer = torch.full((self.slots + 1,), -1, dtype=torch.int64, device=dev)  # cycle: -1 while empty
         self._index = {layer: i for i, layer in enumerate(self.layers)}
-        # the one-program Triton lookup on CUDA (moestream.kernels.triton_slot_map): the same
-        # decisions as `decide` (tested on CUDA); the engine turns it on (--slot-map)
-        self.kernel = False
 
     def layer_table(self, layer: int) -> torch.Tensor:
         """int32 [E] view of `layer`'s slots (what the expert kernels index with the router's ids)."""
@@ -100,43 +100,42 @@ class DeviceMap:
         return self.table[off:off + self.num_experts[layer]]
 
     def ensure(self, layer: int, ids: torch.Tensor, *, withhold: torch.Tensor | None = None,
-               before_copy: Callable[[], None] | None = None, count: bool = True, keep_one: bool = True,
+               before_copy: Callable[[], None] | None = None, count: bool = True,
                withheld: torch.Tensor | None = None, gate: torch.Tensor | None = None) -> None:
         """Make every expert in `ids` (any shape, this layer's ids) hold a slot with its record, on
         the device and in stream order: device ops only, no host sync (a CUDA graph can hold it).
-        With `kernel` on CUDA one Triton program decides (moestream.kernels.triton_slot_map), else
-        `decide` (~35 small kernels, inside the step's graph).
+        On CUDA one Triton program decides (moestream.kernels.triton_slot_map: 49 against 38 tok/s
+        at 25 % on the H200 for the same decisions in torch ops); `decide`, in torch ops, takes the
+        calls it does not (more than its ids: prefill chunks) and the CPU device's.
 
         withhold: an int32 [1] or [2] tensor the device reads (a share of the misses in 1/1024ths),
         or [2 + M + 1] (entries from the third on: how many to withhold of a call with m misses,
         m = 0..M; the first is then only reported): that share of this call's misses, the first in
-        expert order, get no slot and stay out of the table (another compute unit computes them: moestream.layers.device_cpu_share); at least one
-        distinct expert of the call always stays unless keep_one is False (early copies a gate may
-        stop: moestream.experts.device_lookahead). A second entry p > 0 withholds at least one miss
-        in every p-th lookup (by the map's clock): a probe, so the other unit's speed is measured
-        again even while the share gives it nothing. withheld (with withhold): an int64 [2] tensor
-        that receives the misses withheld by this call and all its misses (withheld included). gate: an int32 [1] tensor; where 0 the call
-        does nothing at all (no lookup, no stamp, no copy; the clock stands still), so a graph
+        expert order, get no slot and stay out of the table (another compute unit computes them:
+        moestream.cpu_share); at least one distinct expert of the call always stays. A second entry
+        p > 0 withholds at least one miss in every p-th lookup (by the map's clock): a probe, so the
+        other unit's speed is measured again even while the share gives it nothing. withheld (with
+        withhold): an int64 [2] tensor that receives the misses withheld by this call and all its
+        misses (withheld included). gate: an int32 [1] tensor; where 0 the call does nothing at all (no lookup, no stamp, no copy; the clock stands still), so a graph
         can hold a lookup that runs only when the device decides. before_copy runs after the
         decision, before the records are copied. count: add this call to the hit and miss counts."""
-        if self.pool.device.type == "cuda" and self.kernel:
+        if self.pool.device.type == "cuda":
             from moestream.kernels import triton_slot_map
 
             if triton_slot_map.fits(ids, self.slots):
                 src, dst, todo = triton_slot_map.slot_map(self, layer, ids, withhold=withhold, count=count,
-                                                          keep_one=keep_one, withheld=withheld, gate=gate)
+                                                          withheld=withheld, gate=gate)
                 if before_copy is not None:
                     before_copy()
                 copy_records(self.host_pool, self.pool, src, dst, todo)
                 return
-        src, dst, todo = self.decide(layer, ids, withhold=withhold, count=count, keep_one=keep_one,
-                                     withheld=withheld, gate=gate)
+        src, dst, todo = self.decide(layer, ids, withhold=withhold, count=count, withheld=withheld, gate=gate)
         if before_copy is not None:
             before_copy()
         copy_records(self.host_pool, self.pool, src, dst, todo)
 
     def decide(self, layer: int, ids: torch.Tensor, *, withhold: torch.Tensor | None = None,
-               count: bool = True, keep_one: bool = True, withheld: torch.Tensor | None = None,
+               count: bool = True, withheld: torch.Tensor | None = None,
                gate: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`ensure`'s decision in torch ops (the reference for the Triton program, and the CPU's
         way); returns what the record copy needs (source rows, destination slots, which to copy)."""
@@ -163,8 +162,7 @@ class DeviceMap:
                 p = share[1:2]
                 probe = (p > 0) & (torch.remainder(self.clock + 1, p.clamp(min=1)) == 0)
                 c = torch.maximum(c, probe.to(torch.int64))
-            if keep_one:
-                c = torch.minimum(c, first.sum() - 1)
+            c = torch.minimum(c, first.sum() - 1)  # one expert of the call always stays
             if withheld is not None:
                 withheld.copy_(torch.stack([(miss & (torch.cumsum(miss, 0) <= c)).sum(), miss.sum()]))
             away = miss & (torch.cumsum(miss, 0) <= c)

@@ -40,11 +40,6 @@ class HostTier:
         with self.lock:
             self.directory.unpin(key)
 
-    def ready_keys(self) -> list[tuple[int, int]]:
-        """The (layer, expert) records it holds, ready (not loading), in order."""
-        with self.lock:
-            return sorted(k for k in self.directory.keys() if not self.directory.is_loading(k))
-
     def store(self, key, data: torch.Tensor, size: int) -> None:
         """Keep a copy of a record just read, where it is not held yet and a slot can be had."""
         with self.lock:

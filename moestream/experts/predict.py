@@ -12,17 +12,17 @@ from __future__ import annotations
 import torch
 
 from moestream.experts.guess_maps import GuessMaps
-from moestream.layers.experts import ExpertProvider, RoutedExperts
-from moestream.layers.moe import MoEBlock
 
 MODES = ("next-layer", "two-layers", "none")  # two-layers: CUDA guesses two MoE layers ahead (CPU: one)
 
 
 class NextLayerPrefetcher:
     """The CPU lookahead: a hook after each layer's fetch (`RoutedExperts.after_fetch`). Its guesses
-    go through a Lookahead that scores them (the receipt's `lookahead`) and copies every one."""
+    go through a Lookahead that scores them (the receipt's `lookahead`) and copies every one.
+    blocks: the model's MoE blocks in order (their `layer`, `top_k` and `router_logits`); provider:
+    the expert cache (its `prefetch`)."""
 
-    def __init__(self, blocks: list[MoEBlock], provider, *, maps: GuessMaps | None = None):
+    def __init__(self, blocks: list, provider, *, maps: GuessMaps | None = None):
         self.provider, self.maps = provider, maps
         self.next = {a.layer: b for a, b in zip(blocks, blocks[1:])}  # MoE layer -> the next MoE block
         self.lookahead = Lookahead(provider, depth=1, min_accuracy=0.0)
@@ -41,20 +41,6 @@ class NextLayerPrefetcher:
         self.lookahead.guess(nxt.layer, 1, ids)
 
 
-def attach(model, experts: RoutedExperts, provider: ExpertProvider, mode: str, *,
-           maps: GuessMaps | None = None) -> NextLayerPrefetcher | None:
-    """Hook a predictor into the model's routed experts (mode "next-layer"), or none ("none");
-    `maps` (fitted corrections, moestream.experts.guess_maps) improve its guesses."""
-    if mode not in MODES:
-        raise ValueError(f"prefetch mode {mode!r} (choose from {', '.join(MODES)})")
-    if mode == "none":
-        return None
-    blocks = [layer.ffn for layer in model.layers if isinstance(layer.ffn, MoEBlock)]
-    predictor = NextLayerPrefetcher(blocks, provider, maps=maps)
-    experts.after_fetch = predictor
-    return predictor
-
-
 class Lookahead:
     """Guesses of later MoE layers' experts, scored when those layers route, and gated by accuracy.
 
@@ -65,7 +51,7 @@ class Lookahead:
     that EMA is at least `min_accuracy`: under routing the router does not predict (a benchmark's
     uniform draw, say) the guesses are still scored, but cost no bandwidth."""
 
-    def __init__(self, provider: ExpertProvider, *, depth: int, min_accuracy: float = 0.3, decay: float = 0.9):
+    def __init__(self, provider, *, depth: int, min_accuracy: float = 0.3, decay: float = 0.9):
         self.provider, self.depth = provider, depth
         self.min_accuracy, self.decay = min_accuracy, decay
         self.pending: dict[int, list[tuple[int, set[int]]]] = {}  # target layer -> [(depth, guessed ids)]

@@ -4,10 +4,7 @@ field sits in a slot (SlotLayout, from a record's fields and quantization), whic
 torch: deciding whether a layer can take the kernels needs no Triton."""
 from __future__ import annotations
 
-import json
-import os
-from dataclasses import dataclass, field, fields, replace
-from pathlib import Path
+from dataclasses import dataclass, field
 
 import torch
 
@@ -224,30 +221,7 @@ class KernelConfig:
     rows_split_below: int = 1024
     pdl: int = 1  # the decode step's Triton kernels with programmatic dependent launch (moestream.kernels.pdl)
 
-CONFIG_ENV = "MOESTREAM_KERNEL_CONFIG"
 
-
-def configured(raw: str | None) -> KernelConfig:
-    """KernelConfig with the block sizes of `raw` (a JSON object, or a path to a file holding one,
-    e.g. `scripts/bench_kernels.py --best-out`'s) over the defaults; ValueError naming what is wrong."""
-    if not raw:
-        return KernelConfig()
-    try:
-        text = raw if raw.lstrip().startswith("{") else Path(raw).read_text()
-        values = json.loads(text)
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"{CONFIG_ENV}: not a JSON object or a readable JSON file ({exc})") from None
-    known = [f.name for f in fields(KernelConfig)]
-    if not isinstance(values, dict) or any(k not in known or not isinstance(v, int) or isinstance(v, bool) or v < 0
-                                           for k, v in values.items()):
-        raise ValueError(f"{CONFIG_ENV}: expected {{name: non-negative int}} with names among {', '.join(known)}")
-    return replace(KernelConfig(), **values)
-
-
-# The process's block sizes: fixed at import (one setting for every call of a run, so the bits
-# still depend only on the call's shape); MOESTREAM_KERNEL_CONFIG overrides them for tuning. A bad
-# setting leaves the defaults and says why in CONFIG_ERROR (the CLI stops on it with that line).
-try:
-    DEFAULT_CONFIG, CONFIG_ERROR = configured(os.environ.get(CONFIG_ENV)), None
-except ValueError as _exc:
-    DEFAULT_CONFIG, CONFIG_ERROR = KernelConfig(), str(_exc)
+# The block sizes of every call: one setting for the whole process, so the bits depend only on the
+# call's shape (a sweep's best, scripts/bench_kernels.py --best-out, becomes the defaults above).
+DEFAULT_CONFIG = KernelConfig()

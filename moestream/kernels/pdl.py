@@ -8,7 +8,7 @@ it then waits for that kernel to complete, and for its memory to be visible, bef
 anything (griddepcontrol.wait first: `PDL` below). Every kernel launched so waits first, and the
 kernel it waits for waited for its own predecessor, so the step's order is the stream's order: the
 same bits as without PDL. Off where the GPU is older than sm_90, under Triton's CPU interpreter, and with
-KernelConfig.pdl = 0 (MOESTREAM_KERNEL_CONFIG='{"pdl": 0}', for an A/B measurement)."""
+KernelConfig.pdl = 0 (tests: the same bits either way)."""
 from __future__ import annotations
 
 import functools

@@ -1,4 +1,4 @@
-"""The device's side of the CPU share's mailbox (moestream.layers.device_cpu_share) as Triton programs.
+"""The device's side of the CPU share's mailbox (moestream.cpu_share.share) as Triton programs.
 
 Each reads the count of misses the layer's lookup withheld, which the lookup wrote in device memory
 (moestream.experts.device_map, `withheld`), so a call that withheld nothing costs a few programs

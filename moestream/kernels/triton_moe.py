@@ -460,14 +460,6 @@ class MoEPlan:
                                 DOT_F32=_INTERPRETED, HAS_BIAS=lay.has_bias, MX=lay.mx, **self._grouped_args(),
                                 num_warps=self.warps, num_stages=cfg.grouped_stages)
 
-    def take_rows(self, rows: torch.Tensor, table: torch.Tensor) -> None:
-        """o[p] = rows[p] (float32 [>= P, H]) for the pairs whose expert has no slot in `table`:
-        their weighted outputs, computed elsewhere (the CPU). Device ops only: capturable."""
-        pairs = self.ids.numel()
-        if pairs:
-            elsewhere = (table[self.ids] < 0).unsqueeze(1)  # [P, 1]
-            torch.where(elsewhere, rows[:pairs], self.o, out=self.o)
-
     def finish(self, residual: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
                norm: tuple | None = None) -> torch.Tensor:
         """Kernel 3: y [T, H] in x's dtype, each token's pairs summed in top-k order a = 0..A-1;

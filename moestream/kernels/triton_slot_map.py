@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
-from moestream.experts.device_map import EMPTY_KEY, HELD_KEY
+
 from moestream.kernels.pdl import pdl_launch
 
 MAX_IDS = 64  # ids per call the program takes (decode, short verify steps): it compares all pairs
@@ -25,7 +25,7 @@ def _slot_map(ids_ptr, P, offset, table_ptr, owner_ptr, stamp_ptr, host_slot_ptr
               away_ptr, withhold_ptr, layer_index, S, N, src_ptr, dst_ptr, todo_ptr, withheld_ptr, gate_ptr,
               calls_ptr, slot_layer_ptr, L, EMPTY_KEY, HELD_KEY,
               BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr, WITHHOLD: tl.constexpr, COUNT: tl.constexpr,
-              KEEP_ONE: tl.constexpr, PROBE: tl.constexpr, WITHHELD: tl.constexpr, GATED: tl.constexpr,
+              PROBE: tl.constexpr, WITHHELD: tl.constexpr, GATED: tl.constexpr,
               CYCLE: tl.constexpr, TABLE: tl.constexpr, TABLE_TOP: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # launched with PDL (moestream.kernels.pdl): the kernel before it complete and visible first
         tl.extra.cuda.gdc_wait()
@@ -56,8 +56,7 @@ def _slot_map(ids_ptr, P, offset, table_ptr, owner_ptr, stamp_ptr, host_slot_ptr
         if PROBE:  # every p-th lookup withholds at least one miss (the other unit's speed measured again)
             p = tl.load(withhold_ptr + 1).to(tl.int64)
             c = tl.maximum(c, ((p > 0) & (clock % tl.maximum(p, 1) == 0)).to(tl.int64))
-        if KEEP_ONE:
-            c = tl.minimum(c, tl.sum(first.to(tl.int64), 0) - 1)
+        c = tl.minimum(c, tl.sum(first.to(tl.int64), 0) - 1)
         away = miss & (rank < c)
         n_away = tl.sum(away.to(tl.int32), 0)
         miss = miss & (rank >= c)
@@ -137,10 +136,11 @@ def fits(ids: torch.Tensor, slots: int) -> bool:
 
 
 def slot_map(dm, layer: int, ids: torch.Tensor, *, withhold: torch.Tensor | None = None,
-             count: bool = True, keep_one: bool = True, withheld: torch.Tensor | None = None,
+             count: bool = True, withheld: torch.Tensor | None = None,
              gate: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Run the lookup of `ids` (this layer's) on `dm`'s state; returns (src, dst, todo) per id for
-    the record copy. withhold / count / withheld / gate: as DeviceMap.ensure."""
+    """Run the lookup of `ids` (this layer's) on `dm`'s state (a DeviceMap, whose `empty_key` and
+    `held_key` the victim rule takes); returns (src, dst, todo) per id for the record copy.
+    withhold / count / withheld / gate: as DeviceMap.ensure."""
     flat = ids.reshape(-1)
     P, dev = flat.numel(), flat.device
     src = torch.empty(P, dtype=torch.int64, device=dev)
@@ -149,10 +149,10 @@ def slot_map(dm, layer: int, ids: torch.Tensor, *, withhold: torch.Tensor | None
     _slot_map[(1,)](flat, P, dm.offset[layer], dm.table, dm.owner, dm.last_used, dm.host_slot, dm.clock, dm.hits,
                     dm.misses, dm.away, withhold if withhold is not None else dm.hits, dm._index[layer], dm.slots,
                     dm.total, src, dst, todo, withheld if withheld is not None else dm.hits,
-                    gate if gate is not None else dm.hits, dm.calls, dm.slot_layer, len(dm.layers), EMPTY_KEY,
-                    HELD_KEY, BLOCK_P=max(16, triton.next_power_of_2(P)),
+                    gate if gate is not None else dm.hits, dm.calls, dm.slot_layer, len(dm.layers), dm.empty_key,
+                    dm.held_key, BLOCK_P=max(16, triton.next_power_of_2(P)),
                     BLOCK_S=triton.next_power_of_2(dm.slots), WITHHOLD=withhold is not None, COUNT=count,
-                    KEEP_ONE=keep_one, PROBE=withhold is not None and withhold.numel() > 1,
+                    PROBE=withhold is not None and withhold.numel() > 1,
                     WITHHELD=withhold is not None and withheld is not None, GATED=gate is not None,
                     CYCLE=dm.policy == "cycle", TABLE=withhold is not None and withhold.numel() > 2,
                     TABLE_TOP=max(0, withhold.numel() - 3) if withhold is not None else 0,

@@ -1,4 +1,4 @@
-"""A device-side wait for a value the host writes into pinned RAM (moestream.layers.device_cpu_share).
+"""A device-side wait for a value the host writes into pinned RAM (moestream.cpu_share.share).
 
 One program polls a 64-bit word of page-locked host memory (seen at its unified address,
 moestream.experts.uva) until it equals the sequence number the device posted, or the host marks

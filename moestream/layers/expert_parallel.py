@@ -100,19 +100,15 @@ class ExpertPlacement:
         return cls({layer: owners_by_modulo(e, world_size) for layer, e in num_experts.items()})
 
     @classmethod
-    def from_trace(cls, path, num_experts: Mapping[int, int], world_size: int) -> "ExpertPlacement":
-        """Balanced by each layer's expert counts in a routing trace (moestream.sim.trace)."""
-        from moestream.sim.trace import RoutingTrace
-
-        try:
-            trace = RoutingTrace.load(path)
-        except (OSError, ValueError, KeyError) as exc:
-            raise MoestreamError(f"expert placement: cannot read the routing trace {path}: {exc}") from None
-        if len(trace) == 0:
+    def from_routes(cls, layers: np.ndarray, experts: np.ndarray, num_experts: Mapping[int, int], world_size: int, *,
+                    path: str) -> "ExpertPlacement":
+        """Balanced by each layer's expert counts in a routing trace's rows (moestream.sim.trace:
+        layers [N], experts [N, A]) read from `path`."""
+        if len(layers) == 0:
             raise MoestreamError(f"expert placement: the routing trace {path} is empty")
         owners = {}
         for layer, e in num_experts.items():
-            chosen = trace.experts[trace.layer == layer].ravel()  # a layer the trace lacks: all counts 0
+            chosen = experts[layers == layer].ravel()  # a layer the trace lacks: all counts 0
             if chosen.size and (int(chosen.min()) < 0 or int(chosen.max()) >= e):
                 raise MoestreamError(f"expert placement: the routing trace {path} names expert {int(chosen.max())} "
                                      f"of layer {layer}, which has {e} experts (a trace of another model?)")

@@ -12,14 +12,15 @@ It has two halves:
 
 Kernels behind it: the Triton slot-pool kernels (CUDA, 4/8-bit records in the MLX layout and MXFP4
 records, every gated activation of torch_experts.ACTIVATIONS with its biases) and the torch reference
-(moestream.layers.torch_experts: the CPU, and any record layout the Triton kernels do not take, e.g.
-unquantized experts). Which one a layer uses depends only on the device, the option and the record
-layout, never on what is cached, so the bits are the same for every cache size and policy.
+(moestream.layers.torch_experts: the CPU, expert parallelism, and any record layout the Triton
+kernels do not take, e.g. unquantized experts). Which one a layer uses depends only on the device
+and the record layout, never on what is cached, so the bits are the same for every cache size and
+policy.
 
-Where other backends plug in: a backend that computes some experts elsewhere (the CPU beside the
-GPU, or other ranks in expert parallelism) is a `plan` whose `run` takes the experts it owns and a
-`finish` that adds their partial sums in a fixed order; the host half decides who computes which
-expert before `run`. Nothing above this class changes."""
+Its backends are given when it is built, never set from outside: expert parallelism (`parallel`: a
+plan whose `run` takes the experts this rank owns and whose `finish` adds the other ranks' rows in
+a fixed order), the CPU's kept unpacked experts (`unpacked`), and the CPU's share of the misses
+(`cpu_share`: started with device-driven streaming, moestream.cpu_share)."""
 from __future__ import annotations
 
 import logging
@@ -27,13 +28,12 @@ from typing import Callable, Mapping, Protocol, Sequence
 
 import torch
 
+from moestream.cpu_share.share import CpuShare, ShareRequest, ShareUnavailable
 from moestream.kernels.expert_layout import ACT_DTYPES, SlotLayout, UnsupportedLayout
 from moestream.layers.torch_experts import TorchPlan, activation_of
 from moestream.quant.affine import QuantSpec
 
 log = logging.getLogger(__name__)
-
-KERNELS = ("auto", "torch", "triton")
 
 
 def padding_on_last_row(ids: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
@@ -94,17 +94,15 @@ class RoutedExperts:
     """Computes every MoE layer's routed experts from the provider's slot pool (see the module doc)."""
 
     def __init__(self, provider: ExpertProvider, moe_layers: Mapping[int, int], *, device: torch.device,
-                 kernels: str = "auto", parallel=None):
-        """moe_layers: layer index -> number of experts. kernels: "auto" (Triton where the layout
-        allows on CUDA), "torch" (always the reference) or "triton" (an error where it cannot run).
-        parallel: a moestream.layers.expert_parallel.ExpertParallel: this rank computes only its own
-        experts, and the ranks exchange their rows (the torch reference's arithmetic, exactly)."""
-        if kernels not in KERNELS:
-            raise ValueError(f"expert kernels {kernels!r} (choose from {', '.join(KERNELS)})")
-        if parallel is not None and kernels == "triton":
-            raise RuntimeError("the Triton expert kernels do not run expert parallel (use --expert-kernels auto or torch)")
+                 parallel=None, unpacked=None, cpu_share: ShareRequest | None = None):
+        """moe_layers: layer index -> number of experts. parallel: a
+        moestream.layers.expert_parallel.ExpertParallel: this rank computes only its own experts, and
+        the ranks exchange their rows (the torch reference's arithmetic, exactly). unpacked: the
+        CPU's kept dequantized experts (moestream.experts.unpacked.UnpackedExperts). cpu_share: the
+        CPU's share of the misses, started with device-driven streaming (`start_device_map`)."""
+        if parallel is not None and cpu_share is not None:
+            raise ValueError("a CPU share does not run with expert parallelism")
         self.provider, self.num_experts, self.device = provider, dict(moe_layers), torch.device(device)
-        self.kernels = "torch" if parallel is not None else kernels
         self.parallel = parallel
         self.layouts = {layer: self._layout(layer) for layer in self.num_experts}
         self.tables = {layer: torch.full((e,), -1, dtype=torch.int32, device=self.device)
@@ -113,15 +111,10 @@ class RoutedExperts:
         # host copies the tables are written from (pinned on CUDA: the copy runs without waiting)
         self._host_tables = {layer: (t.cpu().pin_memory() if pin else t.cpu()) for layer, t in self.tables.items()}
         self.resident = False
-        # the CPU's kept unpacked experts (moestream.experts.unpacked.UnpackedExperts), or None
-        self.unpacked = None
+        self.unpacked = unpacked
         self.device_map = None  # set by start_device_map: the device looks up slots and copies misses itself
-        self.cpu = None  # a moestream.layers.cpu_share.CpuShare: the CPU computes some misses
-        # on the device-driven path, the CPU's share through a mailbox (moestream.layers.device_cpu_share)
-        self.device_share = None
-        self.device_lookahead = None  # and its early copies (moestream.experts.device_lookahead)
-        self._cpu_jobs: dict = {}  # layer -> its CpuJob between `load` and `join_cpu`
-        self._cpu_rows: dict = {}  # (pairs, H) -> (device float32 rows the plans take, host staging)
+        self.share_request = cpu_share
+        self.cpu_share: CpuShare | None = None  # started with the device map, where the native worker runs
         # hooks: on_route(layer, ids) sees every layer's chosen ids (traces); after_fetch(layer, x,
         # chosen) runs once a layer's experts are pinned (early reads for later layers start there;
         # chosen: the distinct experts the layer routed to, to score earlier guesses)
@@ -140,7 +133,7 @@ class RoutedExperts:
     # -- which kernels -------------------------------------------------------------------------
     def _layout(self, layer: int):
         """The Triton SlotLayout of `layer`'s records, or None where the torch reference runs them."""
-        if self.kernels == "torch" or self.device.type != "cuda":
+        if self.parallel is not None or self.device.type != "cuda":
             return None
         quant = self.provider.quant(layer)
         activation_of(quant)  # an unknown activation is an error, not a fallback
@@ -154,8 +147,6 @@ class RoutedExperts:
                 return SlotLayout.from_fields(self.provider.record_fields(layer), quant)
             except UnsupportedLayout as exc:
                 reason = str(exc)
-        if self.kernels == "triton":
-            raise RuntimeError(f"layer {layer}: the Triton expert kernels cannot run: {reason}")
         log.info("layer %d: torch reference for routed experts (%s)", layer, reason)
         return None
 
@@ -232,69 +223,6 @@ class RoutedExperts:
         extra = {k: v for k, v in (("out", out), ("norm", norm)) if v is not None}
         return plan.finish(residual, **extra)
 
-    # -- a CPU share of the misses -------------------------------------------------------------
-    def share_with_cpu(self, share, *, dtype: torch.dtype, timeout_s: float, threads: int = 0) -> None:
-        """Let the CPU compute a share of each streamed layer's misses from host RAM (see
-        moestream.layers.cpu_share): "auto" or a float in 0..1."""
-        if self.parallel is not None:
-            raise RuntimeError("--cpu-experts does not run with expert parallelism")
-        from moestream.layers.cpu_share import CpuShare
-
-        self.cpu = CpuShare(self.provider, list(self.num_experts), share=share, dtype=dtype, timeout_s=timeout_s,
-                            threads=threads)
-
-    def _rows_buffers(self, pairs: int, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The device rows every layer's plan takes CPU rows from (one per shape: a CUDA graph binds
-        it), and its host staging. Layers share them: a layer's copy in is queued after the previous
-        layer's experts, and its staging is written only after the host has waited for those."""
-        key = (pairs, hidden)
-        if key not in self._cpu_rows:
-            dev = torch.zeros((pairs, hidden), dtype=torch.float32, device=self.device)
-            host = torch.zeros((pairs, hidden), dtype=torch.float32)
-            self._cpu_rows[key] = (dev, host.pin_memory() if self.device.type == "cuda" else host)
-        return self._cpu_rows[key]
-
-    def join_cpu(self, layer: int) -> None:
-        """After `load`: wait for the layer's CPU share and stage its rows for the experts segment;
-        where it failed or timed out, load its experts on the device instead. Writes the layer's table."""
-        job = self._cpu_jobs.pop(layer, None)
-        if job is None:
-            return
-        from moestream.layers.cpu_share import CpuShareFailed
-
-        host = self._host_tables[layer]
-        try:
-            rows = self.cpu.wait(job)
-        except CpuShareFailed:
-            self.provider.fetch(layer, job.experts, views=False)
-            host[job.experts] = torch.tensor(self.provider.slots_of(layer, job.experts), dtype=torch.int32)
-        else:
-            self.provider.count_misses(layer, len(job.experts))
-            dev, staging = self._rows_buffers(job.total, rows.shape[1])
-            staging[job.pairs] = rows
-            dev.copy_(staging, non_blocking=True)
-        self.tables[layer].copy_(host, non_blocking=True)
-
-    def look_ahead_on_device(self, top_k: dict[int, int], depth: int) -> None:
-        """With the device map running: early copies of the next `depth` MoE layers' guessed experts
-        (moestream.experts.device_lookahead; top_k: layer -> experts a guess names); the decoder
-        hands the guesses to `compute`."""
-        from moestream.experts.device_lookahead import DeviceLookahead
-
-        self.device_lookahead = DeviceLookahead(self.device_map, top_k, depth=depth)
-
-    def share_on_device(self, *, hidden: int, dtype: torch.dtype, max_tokens: int, timeout_s: float) -> None:
-        """With the device map running: the CPU's share of the misses through a mailbox the device
-        posts to and waits on inside the step's graph (moestream.layers.device_cpu_share)."""
-        from moestream.layers.device_cpu_share import DeviceCpuShare
-
-        self.device_share = DeviceCpuShare(self.cpu, device=self.device, hidden=hidden, max_tokens=max_tokens,
-                                           dtype=dtype, timeout_s=timeout_s, device_map=self.device_map)
-
-    def _take_cpu_rows(self, layer: int, plan, ids: torch.Tensor, hidden: int, table: torch.Tensor) -> None:
-        if self.cpu is not None and self.device_map is None and not self.cpu.refused.get(layer):
-            plan.take_rows(self._rows_buffers(ids.numel(), hidden)[0], table)
-
     # -- the halves apart (the decoder) --------------------------------------------------------
     def make_resident(self) -> bool:
         """Where the pool holds every expert: load them all and fill the slot tables for good (then
@@ -308,42 +236,38 @@ class RoutedExperts:
     def start_device_map(self) -> None:
         """Device-driven streaming (moestream.experts.device_map): from now on each layer call finds
         or copies its experts on the device, so a streamed step needs the host no more than a
-        resident one. Raises DeviceMapUnavailable where it cannot run."""
+        resident one. Raises DeviceMapUnavailable where it cannot run. The CPU share, where one was
+        asked for, starts with it (a log line says why where it cannot)."""
         if self.device_map is None:
             dm = self.provider.start_device_map()
             for layer in self.tables:
                 self.tables[layer] = dm.layer_table(layer)
             self.device_map = dm
+            request = self.share_request
+            if request is not None:
+                try:
+                    self.cpu_share = CpuShare(self.provider, dm, share=request.share, hidden=request.hidden,
+                                              max_tokens=request.max_tokens, dtype=request.dtype,
+                                              threads=request.threads)
+                except ShareUnavailable as exc:
+                    log.info("no CPU share: %s", exc)
 
     @property
     def device_driven(self) -> bool:
         """Whether a layer call needs no host half: every expert resident, or the device map drives."""
         return self.resident or self.device_map is not None
 
-    def load(self, layer: int, ids_host: list[int], x: torch.Tensor | None = None,
-             weights: torch.Tensor | None = None) -> bool:
+    def load(self, layer: int, ids_host: list[int], x: torch.Tensor | None = None) -> bool:
         """Host half for the decoder: pin the distinct `ids_host` and write their slots into the
         layer's table. False (nothing pinned) where they exceed the batch limit: then the caller
-        computes the layer eagerly (`__call__`), in batches. With a CPU share (and x, weights
-        given), the CPU starts on its misses first; they are not loaded, and `join_cpu` finishes
-        the table."""
+        computes the layer eagerly (`__call__`), in batches. x: the layer's expert input, for the
+        `after_fetch` hook."""
         experts = chosen = sorted(set(ids_host))
         if self.parallel is not None:
             experts = self.parallel.mine(layer, experts)
         if len(experts) > self.provider.batch_limit(layer):
             return False
-        job = None
-        if self.cpu is not None and x is not None and weights is not None:
-            job = self.cpu.start(layer, experts, ids_host, x, weights)
-        if job is not None:
-            job.total = len(ids_host)
-            on_cpu = set(job.experts)
-            experts = [e for e in experts if e not in on_cpu]
-        clock = self.cpu.copy_clock() if self.cpu is not None else None
-        copied = self.provider.host_bytes_copied if clock is not None else 0
         self.provider.fetch(layer, experts, views=False)
-        if clock is not None:
-            clock(self.provider.host_bytes_copied - copied)
         if self.after_fetch is not None and x is not None:
             self.after_fetch(layer, x, chosen)
         slots = self.provider.slots_of(layer, experts)
@@ -351,10 +275,7 @@ class RoutedExperts:
         host = self._host_tables[layer]
         host.fill_(-1)
         host[experts] = torch.tensor(slots, dtype=torch.int32)
-        if job is None:
-            self.tables[layer].copy_(host, non_blocking=True)
-        else:
-            self._cpu_jobs[layer] = job
+        self.tables[layer].copy_(host, non_blocking=True)
         return True
 
     def release(self, layer: int) -> None:
@@ -379,28 +300,24 @@ class RoutedExperts:
 
     def compute(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, *,
                 residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                per_pair: bool = True, ahead: list | None = None, split_x: torch.Tensor | None = None,
+                per_pair: bool = True, split_x: torch.Tensor | None = None,
                 norm: tuple | None = None) -> torch.Tensor:
         """Device half: the routed experts from the layer's slot table (set by `load`, resident, or
-        brought up to date here by the device map). ahead: [(later MoE layer, guessed ids)] whose
-        copies the device map starts beside this layer's kernels (device-driven path only).
+        brought up to date here by the device map, with the CPU's share where it runs).
         split_x, norm (the Triton kernels only): x already in the gemv kernels' input order
         (MoEPlan's split_x), and (weight, eps, normed) to write the next layer's input norm of the
         result into normed in the same last kernel (MoEPlan.finish)."""
-        guessing = None
         if self.device_map is not None:
-            if self.device_share is not None and self.device_share.takes(x, ids) and not self.cpu.refused.get(layer):
-                return self.device_share.compute(self, layer, x, ids, weights, residual=residual, out=out,
-                                                 split_x=split_x, norm=norm)
-            guessing = self.device_lookahead if ahead else None
-            if self.device_lookahead is not None:
-                self.device_lookahead.score(layer, ids)
+            share = self.cpu_share
+            if share is not None and share.takes(x, ids) and not share.refused.get(layer):
+                return share.compute(self, layer, x, ids, weights, residual=residual, out=out, split_x=split_x,
+                                     norm=norm)
             self.device_map.ensure(layer, ids)
-            if guessing is not None:
-                guessing.fork(ahead)
         plan = self.plan(layer, x, ids, weights, per_pair=per_pair, split_x=split_x)
         plan.run_table(self.provider.slot_pool(layer), self.tables[layer])
-        self._take_cpu_rows(layer, plan, ids, x.shape[1], self.tables[layer])
-        if guessing is not None:
-            guessing.join()
         return self.finish_plan(plan, residual, out, norm)
+
+    def close(self) -> None:
+        """Stop the CPU share's worker (the provider is its owner's to close)."""
+        if self.cpu_share is not None:
+            self.cpu_share.close()

@@ -66,7 +66,7 @@ def test_same_tokens_for_every_cache_size_source_and_host_tier_on_cuda(tiny_pack
             for host in ["0", "all"]:
                 engine = Engine.load(packed, options=EngineOptions(device="cuda", dtype=dtype, cache_size=size,
                                                                    expert_source=source, host_cache_size=host,
-                                                                   prefill_chunk_tokens=5))
+                                                                   prefill_chunk_tokens=5, cpu_experts="off"))
                 prompt = engine.tokenizer.encode("def fibonacci(n):\n    if n < 2:")
                 events = list(engine.generate(prompt, max_new_tokens=16, logprobs=3))
                 runs[(size, source, host)] = [(e.token_id, e.top_logprobs) for e in events]

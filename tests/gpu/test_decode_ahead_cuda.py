@@ -11,7 +11,7 @@ pytestmark = pytest.mark.gpu
 
 
 def tokens(packed, logprobs, **options):
-    engine = Engine.load(packed, options=EngineOptions(device="cuda", max_context=512, **options))
+    engine = Engine.load(packed, options=EngineOptions(device="cuda", max_context=512, cpu_experts="off", **options))
     try:
         prompt = [t % engine.args.vocab_size for t in range(11, 90)]
         gen = engine.generate(prompt, max_new_tokens=64, stop_at_eos=False, logprobs=logprobs)

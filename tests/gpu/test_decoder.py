@@ -91,7 +91,8 @@ def test_same_bits_for_every_cache_size_and_graphs_on_or_off(family, tiny_packed
     runs = {}
     for size, graphs, host in (("min", True, "0"), ("50%", True, "all"), ("all", True, "0"), ("all", False, "0"),
                                ("60%", False, "all")):
-        engine = load(packed, dtype="bfloat16", cache_size=size, cuda_graphs=graphs, host_cache_size=host)
+        engine = load(packed, dtype="bfloat16", cache_size=size, cuda_graphs=graphs, host_cache_size=host,
+                      cpu_experts="off")
         prompt = engine.tokenizer.encode(PROMPT)
         runs[(size, graphs, host)] = greedy_with_logprobs(engine, prompt, STEPS)
         engine.close()
@@ -121,7 +122,8 @@ def test_lookahead_changes_no_bits_and_reports_its_accuracy(family, tiny_packed_
     packed = tiny_packed_model(family, "q4", dtype="bfloat16")
     outs = {}
     for prefetch in ("none", "next-layer", "two-layers"):
-        engine = load(packed, dtype="bfloat16", cache_size="50%", prefetch=prefetch, host_cache_size="all")
+        engine = load(packed, dtype="bfloat16", cache_size="50%", prefetch=prefetch, host_cache_size="all",
+                      cpu_experts="off")
         prompt = engine.tokenizer.encode(PROMPT)
         gen = engine.generate(prompt, max_new_tokens=STEPS, logprobs=1, stop_at_eos=False)
         outs[prefetch] = [(e.token_id, e.logprob) for e in gen]

@@ -7,7 +7,7 @@ import torch
 from moestream.engine.engine import Engine
 from moestream.engine.options import EngineOptions
 from moestream.experts.buffers import aligned_buffer, pin_if_cuda
-from moestream.experts.device_map import DeviceMap
+from moestream.experts.device_map import DeviceMap, copy_records
 from moestream.experts.uva import device_view
 from moestream.format.reader import PackedModel
 
@@ -48,23 +48,15 @@ def test_device_driven_decode_gives_the_bits_of_resident_and_host_paths(tiny_pac
     runs = {}
     for name, size, streaming, graphs in (("resident", "all", "auto", True), ("host", slots(packed, 16), "host", True),
                                           ("device", slots(packed, 16), "device", True),
-                                          ("device-eager", slots(packed, 20), "device", False),
-                                          ("device-lookahead", slots(packed, 16), "device", True),
-                                          ("device-lookahead-triton", slots(packed, 20), "device", True)):
+                                          ("device-eager", slots(packed, 20), "device", False)):
         engine = Engine.load(packed, options=EngineOptions(device="cuda", dtype=dtype, cache_size=size,
                                                            host_cache_size="all", streaming=streaming,
                                                            cuda_graphs=graphs, prefill_chunk_tokens=7,
-                                                           max_context=512,
-                                                           device_lookahead=name.startswith("device-lookahead"),
-                                                           slot_map="triton" if name.endswith("triton") else "torch"))
+                                                           max_context=512, cpu_experts="off"))
         prompt = engine.tokenizer.encode("def fibonacci(n):\n    if n < 2:")
         gen = engine.generate(prompt, max_new_tokens=64, logprobs=3, stop_at_eos=False)
         runs[name] = [(e.token_id, e.top_logprobs) for e in gen]
         assert engine.streaming == ("resident" if name == "resident" else streaming)
-        if name.startswith("device-lookahead"):  # early copies on a side stream, inside the step's graph
-            assert ("step", 1) in engine.decoder.graphs
-            assert gen.result.receipt["lookahead"]["path"] == "device"
-            assert gen.result.receipt["lookahead"]["accuracy"]["depth1"] is not None
         if name == "device":  # no host half: one graph per step, as when resident
             assert ("step", 1) in engine.decoder.graphs
             assert gen.result.receipt["misses"] > 16
@@ -79,18 +71,15 @@ def test_the_triton_lookup_decides_what_the_torch_version_decides_on_cuda(policy
     keys = [(layer, e) for layer in layers for e in range(experts)]
     host = pin_if_cuda(aligned_buffer(len(keys) * width).view(len(keys), width))
     host.copy_(torch.randint(0, 256, host.shape, dtype=torch.uint8))
-    maps = []
-    for kernel in (True, False):
-        pool = torch.zeros((150, width), dtype=torch.uint8, device="cuda")
-        dm = DeviceMap(pool, device_view(host), {k: i for i, k in enumerate(keys)}, {l: experts for l in layers},
-                       {l: width for l in layers}, policy=policy)
-        dm.kernel = kernel
-        maps.append(dm)
+    maps = [DeviceMap(torch.zeros((150, width), dtype=torch.uint8, device="cuda"), device_view(host),
+                      {k: i for i, k in enumerate(keys)}, {l: experts for l in layers}, {l: width for l in layers},
+                      policy=policy) for _ in range(2)]
     g = torch.Generator().manual_seed(3)
     for step in range(400):
         layer = layers[step % 3]
         ids = torch.stack([torch.randperm(experts, generator=g)[:8] for _ in range(1 + 15 * (step % 9 == 0))]).cuda()
-        for dm in maps:
-            dm.ensure(layer, ids)
+        maps[0].ensure(layer, ids)  # the Triton program (where it takes the call)
+        src, dst, todo = maps[1].decide(layer, ids)  # the torch rule
+        copy_records(maps[1].host_pool, maps[1].pool, src, dst, todo)
         for name in ("table", "owner", "last_used", "clock", "hits", "misses", "pool", "calls", "slot_layer"):
             assert torch.equal(getattr(maps[0], name), getattr(maps[1], name)), (step, name)

@@ -58,26 +58,14 @@ def cpu_reference(kept):
         cpu.close()
 
 
-def test_decodes_like_the_cpu_reference_on_the_torch_plan(kept, cpu_reference):
-    ref_tokens, ref_lp = cpu_reference
-    engine = Engine.load(kept, options=EngineOptions(device="cuda", dtype="float32", cache_size="all", max_context=256,
-                                                     expert_kernels="torch"))
-    assert not any(triton_layers(engine))
-    tokens, lp = greedy(engine)
-    engine.close()
-    assert tokens == ref_tokens
-    assert max(abs(a - b) for a, b in zip(lp, ref_lp)) < 1e-3
-
-
 def test_triton_kernels_decode_like_the_cpu_reference_with_the_same_bits_for_two_cache_sizes(kept, cpu_reference):
-    """The MXFP4 Triton kernels (asked for: an error if a layer cannot take them) in float32: the CPU
-    reference's greedy tokens, and the same tokens and logprobs, bit for bit, from the smallest cache
+    """The MXFP4 Triton kernels (every layer takes them) in float32: the CPU reference's (the torch
+    plan's) greedy tokens, and the same tokens and logprobs, bit for bit, from the smallest cache
     (experts streamed through a few slots) and a cache holding every expert."""
     ref_tokens, ref_lp = cpu_reference
     runs = {}
     for size in ("min", "all"):
-        engine = Engine.load(kept, options=EngineOptions(device="cuda", dtype="float32", cache_size=size, max_context=256,
-                                                         expert_kernels="triton"))
+        engine = Engine.load(kept, options=EngineOptions(device="cuda", dtype="float32", cache_size=size, max_context=256))
         uses = triton_layers(engine)
         assert uses and all(uses)
         assert all(engine.experts.layouts[i].mx for i in engine.args.moe_layers())
@@ -89,15 +77,13 @@ def test_triton_kernels_decode_like_the_cpu_reference_with_the_same_bits_for_two
     assert runs["min"] == runs["all"]
 
 
-@pytest.mark.parametrize("kernels", ["auto", "triton", "torch"])
-def test_same_bits_for_every_cache_size_and_graphs_on_or_off(kept, kernels):
+def test_same_bits_for_every_cache_size_and_graphs_on_or_off(kept):
     runs = {}
     for size, graphs in (("min", True), ("50%", True), ("all", True), ("all", False)):
         engine = Engine.load(kept, options=EngineOptions(device="cuda", dtype="bfloat16", cache_size=size,
-                                                         cuda_graphs=graphs, max_context=256, expert_kernels=kernels))
-        # auto: the MXFP4 Triton kernels, as asked for with triton; torch: the torch plan
-        uses = triton_layers(engine)
-        assert uses and (all(uses) if kernels != "torch" else not any(uses))
+                                                         cuda_graphs=graphs, max_context=256))
+        uses = triton_layers(engine)  # the MXFP4 Triton kernels
+        assert uses and all(uses)
         runs[(size, graphs)] = greedy(engine)
         engine.close()
     first = next(iter(runs.values()))

@@ -23,7 +23,7 @@ from moestream.format.export_hf import export_hf
 from moestream.format.manifest import FIELD_ALIGN, MANIFEST_NAME
 from moestream.format.reader import PackedModel
 from moestream.format.verify import verify
-from moestream.kernels.cpu_experts import refusal
+from moestream.cpu_share.kernels import refusal
 from moestream.kernels.reference import projection
 from moestream.layers.experts import RoutedExperts, TorchPlan
 from moestream.quant import mxfp4
@@ -203,42 +203,30 @@ def test_explicit_quant_requantizes_and_the_cli_default_keeps(mxfp4_checkpoint, 
 def test_cpu_expert_kernels_refuse_mxfp4_records(kept):
     entry = PackedModel(kept).expert_layer(0)
     quant = {p: QuantSpec.from_json(s) for p, s in entry.quant.items()}
-    assert refusal(entry.fields, quant).startswith("MXFP4 records (the CPU expert kernels take MLX affine")
+    assert refusal(entry.fields, quant).startswith("not affine records")
 
 
-def test_cuda_layers_of_mxfp4_records_take_the_triton_kernels_by_default(kept, caplog):
-    """RoutedExperts' kernel choice for a CUDA device (no device is touched): by default (auto) and
-    with --expert-kernels triton the Triton kernels read the converted MXFP4 records, with gpt-oss's
-    clamped SwiGLU and biases or with SwiGLU; --expert-kernels torch keeps the torch plan; a record the
-    kernels cannot read says why in one line."""
+def test_cuda_layers_of_mxfp4_records_take_the_triton_kernels(kept, caplog):
+    """RoutedExperts' kernel choice for a CUDA device (no device is touched): the Triton kernels read
+    the converted MXFP4 records, with gpt-oss's clamped SwiGLU and biases or with SwiGLU; a record
+    the kernels cannot read keeps the torch plan and says why in one line."""
     pytest.importorskip("triton")
     entry = PackedModel(kept).expert_layer(0)
     quant = {p: QuantSpec.from_json(s) for p, s in entry.quant.items()}
     silu = {p: dataclasses.replace(s, activation="silu") for p, s in quant.items()}
     provider = SimpleNamespace(quant=lambda layer: quant, record_fields=lambda layer: entry.fields)
-    chooser = SimpleNamespace(kernels="triton", device=torch.device("cuda"), provider=provider)
-    layout = RoutedExperts._layout(chooser, 0)
+    chooser = SimpleNamespace(parallel=None, device=torch.device("cuda"), provider=provider)
+    with caplog.at_level("INFO", logger="moestream.layers.experts"):
+        layout = RoutedExperts._layout(chooser, 0)
     assert layout.mx and layout.activation == "clamped_swiglu" and layout.has_bias and layout.hidden == 64
+    assert "torch reference" not in caplog.text
     provider.quant = lambda layer: silu
     assert RoutedExperts._layout(chooser, 0).activation == "silu"
-    chooser.kernels = "auto"
-    with caplog.at_level("INFO", logger="moestream.layers.experts"):
-        auto = RoutedExperts._layout(chooser, 0)
-    assert auto is not None and auto.mx and auto.activation == "silu"
-    assert auto == RoutedExperts._layout(SimpleNamespace(kernels="triton", device=chooser.device, provider=provider), 0)
-    assert "torch reference" not in caplog.text
-    chooser.kernels = "torch"
-    assert RoutedExperts._layout(chooser, 0) is None
     bad = [dataclasses.replace(f, dtype="F16") if f.name == "down_proj.scales" else f for f in entry.fields]
     provider.record_fields = lambda layer: bad
-    chooser.kernels = "auto"
     with caplog.at_level("INFO", logger="moestream.layers.experts"):
         assert RoutedExperts._layout(chooser, 0) is None
     assert "layer 0: torch reference for routed experts (down_proj.scales: dtype F16, expected U8)" in caplog.text
-    chooser.kernels = "triton"
-    with pytest.raises(RuntimeError, match=r"^layer 0: the Triton expert kernels cannot run: down_proj.scales: dtype F16, "
-                                           r"expected U8$"):
-        RoutedExperts._layout(chooser, 0)
 
 
 # -- bad input ---------------------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """The expert cache never changes the answer: identical tokens and logprobs (bitwise on CPU) for
-every cache size, policy, source, partition and host tier; plus its statistics, faults and sizing."""
+every cache size, policy, source and host tier; plus its statistics, faults and sizing."""
 import itertools
 import shutil
 
@@ -45,9 +45,8 @@ def test_same_tokens_and_logprobs_for_every_size_policy_and_source(model, refere
 
 
 @pytest.mark.parametrize("host", ["25%", "all"])
-@pytest.mark.parametrize("partition", ["shared", "per-layer"])
-def test_host_tier_and_partition_do_not_change_the_answer(model, reference, host, partition):
-    out, receipt = run(model, cache_size="min", host_cache_size=host, cache_partition=partition)
+def test_host_tier_does_not_change_the_answer(model, reference, host):
+    out, receipt = run(model, cache_size="min", host_cache_size=host)
     assert out == reference
     assert receipt["bytes_read_host"] > 0
 
@@ -130,10 +129,9 @@ def test_auto_policy_keeps_often_routed_experts_when_the_pool_is_below_one_token
 def test_auto_policy_is_clock_where_the_pool_holds_a_tokens_experts():
     from moestream.engine.plan import resolve_policy
 
-    assert resolve_policy("auto", slots=32, working_set=32, partition="shared") == "clock"
-    assert resolve_policy("auto", slots=31, working_set=32, partition="shared") == "lfu"
-    assert resolve_policy("auto", slots=31, working_set=32, partition="per-layer") == "clock"
-    assert resolve_policy("arc", slots=3, working_set=32, partition="shared") == "arc"
+    assert resolve_policy("auto", slots=32, working_set=32) == "clock"
+    assert resolve_policy("auto", slots=31, working_set=32) == "lfu"
+    assert resolve_policy("arc", slots=3, working_set=32) == "arc"
 
 
 def test_receipt_fields_and_per_layer_hit_rate(model):
@@ -217,3 +215,16 @@ def test_trace_routing_records_every_token_and_layer(model, tmp_path):
     assert trace.experts.shape[1] == 2 and trace.experts.max() < 8
     assert sorted(set(trace.layer.tolist())) == [0, 2]
     assert np.array_equal(np.unique(trace.position), np.arange(tokens))
+
+
+def test_the_digest_cache_dir_comes_from_the_command_never_the_environment(monkeypatch):
+    import argparse
+
+    from moestream.engine.options import CACHE_DIR_ENV, add_engine_arguments
+
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    monkeypatch.setenv(CACHE_DIR_ENV, "/elsewhere")
+    assert EngineOptions.from_args(parser.parse_args([])).verify_cache_dir is None
+    given = EngineOptions.from_args(parser.parse_args([]), environ={CACHE_DIR_ENV: "/given"})  # as the commands pass it
+    assert given.verify_cache_dir == "/given"

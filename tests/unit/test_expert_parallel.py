@@ -10,6 +10,7 @@ import torch
 
 from ep_workers import rank_main, run_generation
 from moestream.engine.engine import Engine
+from moestream.engine.expert_setup import placement_from_trace
 from moestream.engine.options import EngineOptions
 from moestream.format.reader import PackedModel
 from moestream.layers.expert_parallel import ExpertPlacement, owners_balanced, owners_by_modulo
@@ -70,7 +71,7 @@ def refs(models, tmp_path_factory):
 
 def owners_of(model_dir, world: int, trace: str | None = None) -> ExpertPlacement:
     counts = {e.layer: e.num_experts for e in PackedModel(model_dir).manifest.expert_layers}
-    return ExpertPlacement.from_trace(trace, counts, world) if trace else ExpertPlacement.modulo(counts, world)
+    return placement_from_trace(trace, counts, world) if trace else ExpertPlacement.modulo(counts, world)
 
 
 def test_placements():

@@ -214,26 +214,27 @@ def test_mxfp4_layouts_the_kernels_do_not_handle_are_refused_with_a_reason(tm, p
         SlotLayout.from_fields(fields96, quant96)
 
 
-def test_routed_experts_take_the_kernels_for_mxfp4_records_on_cuda(tm, pools):
-    """Which kernels a layer takes (decided without a GPU): on CUDA, Triton for MXFP4 records by
-    default (auto) and with --expert-kernels triton, with either activation; the torch reference when
-    asked for, on the CPU, or for MXFP4 records the kernels refuse."""
+def test_routed_experts_take_the_kernels_for_mxfp4_records_on_cuda(tm, pools, caplog):
+    """Which kernels a layer takes (decided without a GPU): on CUDA, Triton for MXFP4 records with
+    either activation; the torch reference on the CPU, with expert parallelism, or for MXFP4 records
+    the kernels refuse (a log line says why)."""
+    import logging
+
     from moestream.layers.experts import RoutedExperts
 
-    def layout(fields, quant, kernels="auto", device="cuda"):
+    def layout(fields, quant, device="cuda", parallel=None):
         provider = SimpleNamespace(record_fields=lambda layer: fields, quant=lambda layer: quant)
-        return RoutedExperts._layout(SimpleNamespace(kernels=kernels, device=torch.device(device), provider=provider), 0)
+        return RoutedExperts._layout(SimpleNamespace(parallel=parallel, device=torch.device(device), provider=provider), 0)
 
     for act, opts in ACTS.items():
-        for kernels in ("auto", "triton"):
-            lay = layout(*pools(**opts)[1:3], kernels=kernels)
-            assert lay.mx and lay.activation == act, kernels
-    assert layout(*pools()[1:3], kernels="torch") is None
+        lay = layout(*pools(**opts)[1:3])
+        assert lay.mx and lay.activation == act
     assert layout(*pools()[1:3], device="cpu") is None
+    assert layout(*pools()[1:3], parallel=object()) is None
     _, fields96, quant96, _ = build_pool(2, 96, 64, mx_spread=0)
-    assert layout(fields96, quant96) is None
-    with pytest.raises(RuntimeError, match=r"^layer 0: the Triton expert kernels cannot run: hidden 96 .*not multiples"):
-        layout(fields96, quant96, kernels="triton")
+    with caplog.at_level(logging.INFO, logger="moestream.layers.experts"):
+        assert layout(fields96, quant96) is None
+    assert "layer 0: torch reference for routed experts (hidden 96" in caplog.text
 
 
 def test_converted_gpt_oss_mxfp4_records_run_on_the_kernels(tm, tiny_checkpoint, tmp_path):

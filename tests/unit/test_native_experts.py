@@ -1,14 +1,13 @@
-"""The native CPU expert kernels (moestream.kernels.native_experts) against the torch reference,
+"""The native CPU expert kernels (moestream.cpu_share.kernels) against the torch reference,
 straight from records in the packed layout: 4 and 8 bits, odd shapes, every group size and scale
 dtype they take, several tokens and experts per call, the routing weights; the layouts they refuse,
 malformed calls as errors (never a crash), and no extension where it is switched off."""
 import dataclasses
-import logging
 
 import pytest
 import torch
 
-from moestream.kernels import native_experts
+from moestream.cpu_share import kernels as native
 from moestream.kernels.reference import expert_ffn
 from moestream.quant.affine import QuantSpec, quantize
 
@@ -27,26 +26,25 @@ def make_record(hidden, inter, bits, group, scale_dtype=torch.bfloat16, seed=0):
 
 @pytest.fixture(scope="module")
 def module():
-    built = native_experts.load()
-    assert built is not None, native_experts.reason()
+    built = native.load()
+    assert built is not None, native.reason()
     return built
 
 
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("hidden,inter,group", [(192, 96, 32), (384, 128, 128), (320, 64, 64), (512, 256, 256)])
 @pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("team", ["omp", "spin"])
-def test_the_native_kernels_match_the_reference(module, bits, hidden, inter, group, scale_dtype, team):
+def test_the_native_kernels_match_the_reference(module, bits, hidden, inter, group, scale_dtype):
     recs = [make_record(hidden, inter, bits, group, scale_dtype, seed=s) for s in range(3)]
-    blobs = [native_experts.record_blob(r)[0] for r, _ in recs]
-    fields, quant = native_experts.record_blob(recs[0][0])[1], recs[0][1]
-    assert native_experts.refusal(fields, quant) is None
-    layout = native_experts.layout(fields, quant, int8_activations=False)  # float32 throughout (int8: test_native_int8)
+    blobs = [native.record_blob(r)[0] for r, _ in recs]
+    fields, quant = native.record_blob(recs[0][0])[1], recs[0][1]
+    assert native.refusal(fields, quant) is None
+    layout = native.layout(fields, quant, int8_activations=False)  # float32 throughout (int8: test_native_int8)
     x = torch.randn(3, hidden, generator=torch.Generator().manual_seed(7))
     # pairs: (expert, token, weight), an expert used by two tokens, a token by two experts
     experts, tokens, weights = [2, 0, 2, 1, 0], [0, 0, 1, 2, 2], [0.5, -1.25, 2.0, 0.75, 1.0]
     out = torch.full((len(experts), hidden), float("nan"))
-    native_experts.weighted_rows(module, layout, blobs, experts, tokens, weights, x, out, threads=2, team=team)
+    native.weighted_rows(module, layout, blobs, experts, tokens, weights, x, out, threads=2)
     for p, (e, t, w) in enumerate(zip(experts, tokens, weights)):
         ref = expert_ffn(x[t:t + 1], recs[e][0], recs[e][1])[0] * w
         assert torch.allclose(out[p], ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item()), (p, (out[p] - ref).abs().max())
@@ -55,93 +53,72 @@ def test_the_native_kernels_match_the_reference(module, bits, hidden, inter, gro
 @pytest.mark.parametrize("int8", [False, True])
 def test_a_row_does_not_depend_on_the_thread_count_or_the_other_pairs(module, int8):
     rec, quant = make_record(256, 128, 4, 64, seed=4)
-    blob, fields = native_experts.record_blob(rec)
-    layout = native_experts.layout(fields, quant, int8_activations=int8)
+    blob, fields = native.record_blob(rec)
+    layout = native.layout(fields, quant, int8_activations=int8)
     x = torch.randn(2, 256, generator=torch.Generator().manual_seed(3))
     alone, together = torch.empty(1, 256), torch.empty(2, 256)
-    native_experts.weighted_rows(module, layout, [blob], [0], [1], [0.3], x, alone, threads=1)
-    native_experts.weighted_rows(module, layout, [blob], [0, 0], [0, 1], [1.0, 0.3], x, together, threads=2)
+    native.weighted_rows(module, layout, [blob], [0], [1], [0.3], x, alone, threads=1)
+    native.weighted_rows(module, layout, [blob], [0, 0], [0, 1], [1.0, 0.3], x, together, threads=2)
     assert torch.equal(alone[0], together[1])
 
 
 def test_the_same_bits_on_any_team(module):
-    """Each row is one member's from start to end, whichever member takes it: so the team's kind and
-    size, and a spinning team kept between calls, change no bit."""
+    """Each row is one member's from start to end, whichever member takes it: so the team's size,
+    and a team kept between calls, change no bit."""
     recs = [make_record(256, 128, 4, 64, seed=s) for s in range(4)]
-    blobs = [native_experts.record_blob(r)[0] for r, _ in recs]
-    layout = native_experts.layout(native_experts.record_blob(recs[0][0])[1], recs[0][1])
+    blobs = [native.record_blob(r)[0] for r, _ in recs]
+    layout = native.layout(native.record_blob(recs[0][0])[1], recs[0][1])
     x = torch.randn(2, 256, generator=torch.Generator().manual_seed(5))
     experts, tokens, weights = [3, 1, 0, 2, 1], [0, 0, 1, 1, 1], [0.5, 1.0, -0.25, 2.0, 0.75]
     first = None
-    for team, threads in [("omp", 1), ("spin", 1), ("spin", 3), ("spin", 3), ("omp", 2), ("spin", 2)]:
+    for threads in [1, 3, 3, 2, 1]:
         out = torch.full((len(experts), 256), float("nan"))
-        native_experts.weighted_rows(module, layout, blobs, experts, tokens, weights, x, out, threads=threads,
-                                     team=team)
-        assert not out.isnan().any(), (team, threads)
+        native.weighted_rows(module, layout, blobs, experts, tokens, weights, x, out, threads=threads)
+        assert not out.isnan().any(), threads
         first = out if first is None else first
-        assert torch.equal(out, first), (team, threads)
-
-
-def test_an_unknown_team_is_an_error(module):
-    rec, quant = make_record(128, 64, 4, 64)
-    blob, fields = native_experts.record_blob(rec)
-    with pytest.raises(RuntimeError, match="omp.*spin"):
-        native_experts.weighted_rows(module, native_experts.layout(fields, quant), [blob], [0], [0], [1.0],
-                                     torch.randn(1, 128), torch.empty(1, 128), threads=1, team="fast")
+        assert torch.equal(out, first), threads
 
 
 def test_layouts_the_native_kernels_refuse():
     rec, quant = make_record(128, 64, 4, 64)
-    fields = native_experts.record_blob(rec)[1]
-    assert native_experts.refusal(fields, quant) is None
+    fields = native.record_blob(rec)[1]
+    assert native.refusal(fields, quant) is None
     gelu = {p: dataclasses.replace(q, activation="gelu_tanh") for p, q in quant.items()}
-    assert "SwiGLU" in native_experts.refusal(fields, gelu)
+    assert "SwiGLU" in native.refusal(fields, gelu)
     mx = {p: dataclasses.replace(q, mode="mxfp4") for p, q in quant.items()}
-    assert "affine" in native_experts.refusal(fields, mx)
-    assert "not quantized" in native_experts.refusal(fields, {**quant, "down_proj": QuantSpec(None)})
-    assert "group sizes" in native_experts.refusal(fields, {**quant, "down_proj": QuantSpec(4, 32)})
-    assert "no down_proj.biases" in native_experts.refusal([f for f in fields if f.name != "down_proj.biases"], quant)
+    assert "affine" in native.refusal(fields, mx)
+    assert "not quantized" in native.refusal(fields, {**quant, "down_proj": QuantSpec(None)})
+    assert "group sizes" in native.refusal(fields, {**quant, "down_proj": QuantSpec(4, 32)})
+    assert "no down_proj.biases" in native.refusal([f for f in fields if f.name != "down_proj.biases"], quant)
     three = {p: QuantSpec(3, 64) for p in PROJS}
-    assert "4 or 8 bits" in native_experts.refusal(fields, three)
+    assert "4 or 8 bits" in native.refusal(fields, three)
 
 
 def test_malformed_calls_are_errors(module):
     rec, quant = make_record(128, 64, 4, 64)
-    blob, fields = native_experts.record_blob(rec)
-    layout = native_experts.layout(fields, quant)
+    blob, fields = native.record_blob(rec)
+    layout = native.layout(fields, quant)
     x, out = torch.randn(1, 128), torch.empty(2, 128)
     with pytest.raises(RuntimeError, match="out of range"):
-        native_experts.weighted_rows(module, layout, [blob], [1], [0], [1.0], x, out, threads=1)
+        native.weighted_rows(module, layout, [blob], [1], [0], [1.0], x, out, threads=1)
     with pytest.raises(RuntimeError, match="out of range"):
-        native_experts.weighted_rows(module, layout, [blob], [0], [1], [1.0], x, out, threads=1)
+        native.weighted_rows(module, layout, [blob], [0], [1], [1.0], x, out, threads=1)
     with pytest.raises(RuntimeError, match="null"):
         module.weighted_rows(layout, torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int32),
                              torch.zeros(1, dtype=torch.int32), torch.ones(1), x, out, 1)
     bad = layout.clone()
     bad[4] = 48  # a group size they do not take
     with pytest.raises(RuntimeError, match="group size"):
-        native_experts.weighted_rows(module, bad, [blob], [0], [0], [1.0], x, out, threads=1)
+        native.weighted_rows(module, bad, [blob], [0], [0], [1.0], x, out, threads=1)
 
 
-def test_switched_off_there_is_no_extension_and_one_line_says_why(monkeypatch, caplog):
-    monkeypatch.setattr(native_experts, "_state", {})
-    monkeypatch.setenv(native_experts.DISABLE_ENV, "0")
-    with caplog.at_level(logging.INFO, logger="moestream.kernels.native_experts"):
-        assert native_experts.load() is None and native_experts.load() is None
-    assert native_experts.reason() == f"{native_experts.DISABLE_ENV}=0"
-    assert len([r for r in caplog.records if "unavailable" in r.getMessage()]) == 1
-
-
-def test_a_failed_build_is_one_line_not_a_traceback(monkeypatch, caplog):
+def test_a_failed_build_is_one_line_not_a_traceback(monkeypatch):
     import torch.utils.cpp_extension as cpp
 
     def broken(*args, **kwargs):
         raise RuntimeError("Error building extension 'x': [1/2] c++ ...\nfoo.cpp:1:1: error: no compiler here\nninja: build stopped")
 
-    monkeypatch.setattr(native_experts, "_state", {})
-    monkeypatch.delenv(native_experts.DISABLE_ENV, raising=False)
+    monkeypatch.setattr(native, "_state", {})
     monkeypatch.setattr(cpp, "load", broken)
-    with caplog.at_level(logging.INFO, logger="moestream.kernels.native_experts"):
-        assert native_experts.load() is None
-    assert native_experts.reason() == "foo.cpp:1:1: error: no compiler here"
-    assert all("\n" not in r.getMessage() for r in caplog.records)
+    assert native.load() is None and native.load() is None  # tried once
+    assert native.reason() == "foo.cpp:1:1: error: no compiler here"

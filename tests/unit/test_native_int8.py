@@ -1,7 +1,7 @@
-"""The native kernels' int8 activations (moestream/kernels/native/int8_rows.h) against the float
+"""The native kernels' int8 activations (moestream/cpu_share/native/int8_rows.h) against the float
 path and the torch reference: 4 and 8 bits, every group size, bf16/f16/f32 scales, several tokens
 and pairs, Gaussian inputs and inputs with outlier channels; compiled in exactly where the CPU has
-AVX-512 VNNI, chosen by the layout, defaulted by MOESTREAM_NATIVE_ACTIVATIONS.
+AVX-512 VNNI, chosen by the layout (int8 by default where compiled in).
 
 Tolerance. Each token's x and each pair's h are rounded to int8 per 32 inputs (xs = max|x| / 127,
 as llama.cpp's q8_0): an error of at most xs / 2 per input, about 0.6% of the inputs' rms where
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moestream.kernels import native_experts
+from moestream.cpu_share import kernels as native
 from moestream.kernels.reference import expert_ffn
 from tests.unit.test_native_experts import make_record
 
@@ -24,8 +24,8 @@ GAUSSIAN_BOUND, OUTLIER_BOUND = 3e-2, 6e-2
 
 @pytest.fixture(scope="module")
 def module():
-    built = native_experts.load()
-    assert built is not None, native_experts.reason()
+    built = native.load()
+    assert built is not None, native.reason()
     return built
 
 
@@ -38,14 +38,14 @@ def cpu_flags() -> set[str]:
 
 def rows(module, layout, blobs, x, experts, tokens, weights):
     out = torch.full((len(experts), x.shape[1]), float("nan"))
-    native_experts.weighted_rows(module, layout, blobs, experts, tokens, weights, x, out, threads=2)
+    native.weighted_rows(module, layout, blobs, experts, tokens, weights, x, out, threads=2)
     return out
 
 
 def test_vnni_is_compiled_in_where_the_cpu_has_it(module):
-    assert native_experts.LAYOUT_LEN == module.LAYOUT_LEN
+    assert native.LAYOUT_LEN == module.LAYOUT_LEN
     has_vnni = {"avx512_vnni", "avx512bw", "avx512vl"} <= cpu_flags()
-    assert module.VNNI == native_experts.vnni() == has_vnni
+    assert module.VNNI == native.vnni() == has_vnni
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -55,15 +55,15 @@ def test_vnni_is_compiled_in_where_the_cpu_has_it(module):
 def test_int8_activations_stay_near_the_float_path_and_the_reference(module, bits, hidden, inter, group,
                                                                      scale_dtype, outliers):
     recs = [make_record(hidden, inter, bits, group, scale_dtype, seed=s) for s in range(3)]
-    blobs = [native_experts.record_blob(r)[0] for r, _ in recs]
-    fields, quant = native_experts.record_blob(recs[0][0])[1], recs[0][1]
+    blobs = [native.record_blob(r)[0] for r, _ in recs]
+    fields, quant = native.record_blob(recs[0][0])[1], recs[0][1]
     g = torch.Generator().manual_seed(hidden + bits)
     x = torch.randn(3, hidden, generator=g)
     if outliers:  # a few channels 20x the rest, as hidden states have
         x[:, torch.randperm(hidden, generator=g)[:max(2, hidden // 64)]] *= 20
     experts, tokens, weights = [2, 0, 2, 1, 0], [0, 0, 1, 2, 2], [0.5, -1.25, 2.0, 0.75, 1.0]
-    floats = rows(module, native_experts.layout(fields, quant, int8_activations=False), blobs, x, experts, tokens, weights)
-    int8 = rows(module, native_experts.layout(fields, quant, int8_activations=True), blobs, x, experts, tokens, weights)
+    floats = rows(module, native.layout(fields, quant, int8_activations=False), blobs, x, experts, tokens, weights)
+    int8 = rows(module, native.layout(fields, quant, int8_activations=True), blobs, x, experts, tokens, weights)
     if not module.VNNI:  # no int8 rows: the float ones ran
         assert torch.equal(int8, floats)
         return
@@ -76,24 +76,14 @@ def test_int8_activations_stay_near_the_float_path_and_the_reference(module, bit
         assert 1e-4 < to_float < bound and to_ref < bound, (p, to_float, to_ref)
 
 
-def test_the_env_chooses_the_activations(module, monkeypatch):
+def test_int8_activations_where_the_cpu_has_vnni_else_float_rows(module):
     rec, quant = make_record(128, 64, 4, 64)
-    blob, fields = native_experts.record_blob(rec)
+    blob, fields = native.record_blob(rec)
     x = torch.randn(1, 128, generator=torch.Generator().manual_seed(5))
-    floats = rows(module, native_experts.layout(fields, quant, int8_activations=False), [blob], x, [0], [0], [1.0])
-    int8 = rows(module, native_experts.layout(fields, quant, int8_activations=True), [blob], x, [0], [0], [1.0])
-    monkeypatch.delenv(native_experts.ACTIVATIONS_ENV, raising=False)
-    assert native_experts.activations() == ("int8" if module.VNNI else "float")
-    monkeypatch.setenv(native_experts.ACTIVATIONS_ENV, "float")
-    assert native_experts.activations() == "float"
-    layout = native_experts.layout(fields, quant)
-    assert int(layout[native_experts.INT8_ACTS]) == 0
-    assert torch.equal(rows(module, layout, [blob], x, [0], [0], [1.0]), floats)
-    monkeypatch.setenv(native_experts.ACTIVATIONS_ENV, "INT8")
-    layout = native_experts.layout(fields, quant)
-    assert int(layout[native_experts.INT8_ACTS]) == int(module.VNNI)
-    assert torch.equal(rows(module, layout, [blob], x, [0], [0], [1.0]), int8)
-    assert int(layout[-1]) == int(native_experts.layout(fields, quant, int8_activations=False)[-1]) > 0  # bytes last
-    monkeypatch.setenv(native_experts.ACTIVATIONS_ENV, "int4")
-    with pytest.raises(ValueError, match="int8 or float"):
-        native_experts.layout(fields, quant)
+    floats = rows(module, native.layout(fields, quant, int8_activations=False), [blob], x, [0], [0], [1.0])
+    int8 = rows(module, native.layout(fields, quant, int8_activations=True), [blob], x, [0], [0], [1.0])
+    assert native.activations() == ("int8" if module.VNNI else "float")
+    layout = native.layout(fields, quant)  # the default
+    assert int(layout[native.INT8_ACTS]) == int(module.VNNI)
+    assert torch.equal(rows(module, layout, [blob], x, [0], [0], [1.0]), int8 if module.VNNI else floats)
+    assert int(layout[-1]) == int(native.layout(fields, quant, int8_activations=False)[-1]) > 0  # bytes last

@@ -1,4 +1,4 @@
-"""The native CPU-share worker (moestream.layers.native_worker) against a mailbox of plain tensors,
+"""The native CPU-share worker (moestream.cpu_share.worker) against a mailbox of plain tensors,
 the device played by the test: a request's withheld pairs come back as the native kernels' rows
 (the same bits as a direct call), the answer is the sequence number after them; a request it cannot
 serve (a layer without a share, an expert not in host RAM, an id out of range, a malformed header)
@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from moestream.kernels import native_experts
-from moestream.layers.native_worker import TEAM_ENV, NativeWorker
+from moestream.cpu_share import kernels as native
+from moestream.cpu_share.worker import NativeWorker
 from moestream.quant.affine import QuantSpec, quantize
 
 PROJS = ("gate_proj", "up_proj", "down_proj")
@@ -26,14 +26,13 @@ def record(seed):
     return rec
 
 
-@pytest.fixture(params=["spin", "omp"])
-def mailbox(request, monkeypatch):
-    """A worker of two threads on a team of either kind."""
-    monkeypatch.setenv(TEAM_ENV, request.param)
-    assert native_experts.load() is not None, native_experts.reason()
-    blobs = [native_experts.record_blob(record(s)) for s in range(EXPERTS)]
-    layout = native_experts.layout(blobs[0][1], {p: QuantSpec(4, 64) for p in PROJS})
-    layouts = torch.zeros((3, native_experts.LAYOUT_LEN), dtype=torch.int64)
+@pytest.fixture
+def mailbox():
+    """A worker of two threads."""
+    assert native.load() is not None, native.reason()
+    blobs = [native.record_blob(record(s)) for s in range(EXPERTS)]
+    layout = native.layout(blobs[0][1], {p: QuantSpec(4, 64) for p in PROJS})
+    layouts = torch.zeros((3, native.LAYOUT_LEN), dtype=torch.int64)
     layouts[2] = layout  # layer 2 has a share; 0 and 1 none
     addresses = torch.zeros((3, EXPERTS), dtype=torch.int64)
     addresses[2, :EXPERTS - 1] = torch.tensor([b.data_ptr() for b, _ in blobs[:EXPERTS - 1]])  # the last: not in RAM
@@ -42,7 +41,7 @@ def mailbox(request, monkeypatch):
                           mask_in=torch.zeros(64, dtype=torch.int8), rows_out=torch.full((64, HIDDEN), float("nan")),
                           ack=torch.zeros(1, dtype=torch.int64))
     worker = NativeWorker(box, layouts, addresses, threads=2, busy_s=0.005, idle_sleep_s=0.0002, host_pool=torch.zeros(1))
-    yield SimpleNamespace(box=box, worker=worker, blobs=[b for b, _ in blobs], layout=layout, seq=0, team=request.param)
+    yield SimpleNamespace(box=box, worker=worker, blobs=[b for b, _ in blobs], layout=layout, seq=0)
     worker.close()
 
 
@@ -67,19 +66,19 @@ def test_the_withheld_pairs_come_back_as_the_kernels_rows(mailbox):
     ids, weights, withheld = [0, 2, 1, 2], [0.5, 0.25, 1.5, -0.75], [1, 0, 0, 1]  # 2 tokens x 2 picks
     assert post(m, 2, 2, ids, weights, withheld) == m.seq == 1
     expect = torch.empty(2, HIDDEN)
-    native_experts.weighted_rows(native_experts.load(), m.layout, m.blobs, [0, 2], [0, 1], [0.5, -0.75],
+    native.weighted_rows(native.load(), m.layout, m.blobs, [0, 2], [0, 1], [0.5, -0.75],
                                  m.box.x_in[:2].float(), expect, threads=1)
     assert torch.equal(m.box.rows_out[0], expect[0]) and torch.equal(m.box.rows_out[3], expect[1])
     assert m.box.rows_out[1:3].isnan().all()  # the device's own pairs are left alone
     time.sleep(0.01)
-    assert m.worker.activations == native_experts.activations()  # the layout's default, as the direct call's
+    assert m.worker.activations == native.activations()  # the layout's default, as the direct call's
     count = m.worker.count()
     assert count["jobs"] == 1 and count["experts"] == 2 and count["pairs"] == 2 and count["errors"] == 0
     assert count["bytes"] == 2 * int(m.layout[-1])
     (job,) = m.worker.new_jobs()
     assert job["experts"] == 2 and job["misses"] == 3 and job["layer"] == 2 and job["job_ns"] >= job["kernel_ns"] > 0
     assert m.worker.new_jobs() == []
-    assert m.worker.team_name().split(",")[0] == m.team
+    assert isinstance(m.worker.pinned(), bool)
 
 
 @pytest.mark.parametrize("layer, ids, tokens, why", [
@@ -120,25 +119,8 @@ def test_close_stops_the_thread(mailbox):
 
 def test_the_team_leaves_cores_for_the_engine(monkeypatch):
     """A team never takes the engine's cores: at most the usable cores less RESERVED_CORES, at least one."""
-    from moestream.layers import native_worker
+    from moestream.cpu_share import worker as native_worker
 
     for cores, asked, team in ((16, 15, 14), (16, 9, 9), (16, 64, 14), (2, 8, 1), (1, 1, 1)):
         monkeypatch.setattr(native_worker.os, "sched_getaffinity", lambda _pid, n=cores: set(range(n)), raising=False)
         assert native_worker.team_size(asked) == team, (cores, asked)
-
-
-def test_the_team_kind_comes_from_the_environment(monkeypatch):
-    from moestream.layers import native_worker
-
-    for env, pin, expect in (({}, None, ("spin", True)), ({"MOESTREAM_NATIVE_TEAM": "omp"}, None, ("omp", False)),
-                             ({}, "0", ("spin", False)), ({"MOESTREAM_NATIVE_TEAM": " SPIN "}, "1", ("spin", True))):
-        monkeypatch.delenv(native_worker.TEAM_ENV, raising=False)
-        monkeypatch.delenv(native_worker.PIN_ENV, raising=False)
-        for k, v in env.items():
-            monkeypatch.setenv(k, v)
-        if pin is not None:
-            monkeypatch.setenv(native_worker.PIN_ENV, pin)
-        assert native_worker.team_kind() == expect, (env, pin)
-    monkeypatch.setenv(native_worker.TEAM_ENV, "gomp")
-    with pytest.raises(ValueError, match="spin or omp"):
-        native_worker.team_kind()

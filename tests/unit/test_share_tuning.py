@@ -1,9 +1,9 @@
-"""`--cpu-experts auto` on the device-driven path (moestream.layers.share_tuning) with made-up
+"""`--cpu-experts auto` on the device-driven path (moestream.cpu_share.tuning) with made-up
 timings: the count that finishes the CPU and the link together, the first jobs left out, a share
 that falls to nothing for a slow CPU and rises again once its probes measure it fast."""
 import pytest
 
-from moestream.layers.share_tuning import LINK_S, START_SHARE, ShareTuner, best_count
+from moestream.cpu_share.tuning import LINK_S, START_SHARE, ShareTuner, best_count
 
 MB = 2_650_000  # one 4-bit Qwen3-30B-A3B expert record
 US = 1e-6

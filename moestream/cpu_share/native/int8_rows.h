@@ -13,12 +13,12 @@
 #pragma once
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#define MOESTREAM_INT8_ROWS 1
+#define NATIVE_INT8_ROWS 1
 #endif
 
 namespace moestream_native {
 
-#ifdef MOESTREAM_INT8_ROWS
+#ifdef NATIVE_INT8_ROWS
 constexpr bool INT8_ROWS = true;
 #else
 constexpr bool INT8_ROWS = false;
@@ -55,7 +55,7 @@ void prepare_int8(const float* x, int64_t K, int64_t group, int64_t bits, Input&
   }
 }
 
-#ifdef MOESTREAM_INT8_ROWS
+#ifdef NATIVE_INT8_ROWS
 // 16 scales (or biases) of type ST as floats; those outside `m` are 0 (never read).
 template <int64_t ST>
 inline __m512 load_scales(const uint8_t* p, __mmask16 m) {
@@ -104,7 +104,7 @@ float row_int8(const uint8_t* __restrict codes, const uint8_t* __restrict scales
   }
   // two accumulators, vectors taking turns: one would wait out each FMA's latency
   __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-  const int64_t ahead = prefetch_ahead.load(std::memory_order_relaxed);
+  constexpr int64_t ahead = PREFETCH_AHEAD;
   for (int64_t j0 = 0; j0 < qgroups; j0 += 16) {
     const int64_t n = std::min<int64_t>(16, qgroups - j0);
     const __mmask16 m = __mmask16((1u << n) - 1), ms = __mmask16((1u << ((n + QPG - 1) / QPG)) - 1);

@@ -1,15 +1,14 @@
 // The threads a CPU-share job runs on (expert_kernels.h's compute_job): a function run once on every
 // member, with barriers inside it.
 //
-// Two kinds. OmpTeam opens an OpenMP region per job (libgomp's team, parked between regions by its
-// own wait policy). SpinTeam keeps its own threads: they spin on a job counter for `spin_ns` after
-// their last job (a decode step's layers come every few hundred microseconds, and a parked thread
-// takes tens of them to wake), then sleep until the next job; each member can be pinned to its own
-// core, so the engine's threads are left the rest and never preempt one (a preempted member holds
-// the whole job at its barrier). The thread that calls run() computes as member 0.
+// The team keeps its own threads: they spin on a job counter for `spin_ns` after their last job (a
+// decode step's layers come every few hundred microseconds, and a parked thread takes tens of them
+// to wake; an OpenMP region per job measured slower), then sleep until the next job; each member
+// can be pinned to its own core, so the engine's threads are left the rest and never preempt one
+// (a preempted member holds the whole job at its barrier). The thread that calls run() computes as
+// member 0.
 #pragma once
 
-#include <omp.h>
 #include <pthread.h>
 #include <sched.h>
 
@@ -25,9 +24,9 @@
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
-#define MOESTREAM_PAUSE() _mm_pause()
+#define CPU_PAUSE() _mm_pause()
 #else
-#define MOESTREAM_PAUSE() ((void)0)
+#define CPU_PAUSE() ((void)0)
 #endif
 
 namespace moestream_native {
@@ -38,32 +37,6 @@ inline int64_t team_now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
       .count();
 }
-
-class Team {
- public:
-  virtual ~Team() = default;
-  virtual int size() const = 0;
-  virtual void run(const TeamFn& fn) = 0;  // fn on every member; returns when all are done
-  virtual void barrier() = 0;              // inside fn: every member waits for the others
-  virtual const char* kind() const = 0;
-};
-
-class OmpTeam : public Team {
- public:
-  explicit OmpTeam(int threads) : threads_(threads < 1 ? 1 : threads) {}
-  int size() const override { return threads_; }
-  void run(const TeamFn& fn) override {
-#pragma omp parallel num_threads(threads_)
-    fn(omp_get_thread_num(), omp_get_num_threads());
-  }
-  void barrier() override {
-#pragma omp barrier
-  }
-  const char* kind() const override { return "omp"; }
-
- private:
-  int threads_;
-};
 
 // The cores this process may run on, in order.
 inline std::vector<int> allowed_cores() {
@@ -84,18 +57,18 @@ inline bool pin_to(int core) {
   return pthread_setaffinity_np(pthread_self(), sizeof(set), &set) == 0;
 }
 
-class SpinTeam : public Team {
+class Team {
  public:
   // members: the team's size (the caller of run() included); spin_ns: how long a member spins after
   // a job before it sleeps; pin: members 1.. on the last members-1 allowed cores (member 0 is pinned
   // by its own thread where it wants: pin_caller), where the process has members + 1 cores or more.
-  SpinTeam(int members, int64_t spin_ns, bool pin) : members_(members < 1 ? 1 : members), spin_ns_(spin_ns) {
+  Team(int members, int64_t spin_ns, bool pin) : members_(members < 1 ? 1 : members), spin_ns_(spin_ns) {
     const std::vector<int> cores = allowed_cores();
     if (pin && int(cores.size()) > members_) cores_.assign(cores.end() - members_, cores.end());
     for (int m = 1; m < members_; ++m) workers_.emplace_back([this, m] { serve(m); });
   }
 
-  ~SpinTeam() override {
+  ~Team() {
     stop_.store(true);
     {
       std::lock_guard<std::mutex> hold(lock_);
@@ -104,14 +77,14 @@ class SpinTeam : public Team {
     for (auto& t : workers_) t.join();
   }
 
-  int size() const override { return members_; }
-  const char* kind() const override { return "spin"; }
+  int size() const { return members_; }
   bool pinned() const { return !cores_.empty(); }
 
   // Member 0's core for the thread that will call run() (the worker's poller); false where unpinned.
   bool pin_caller() const { return !cores_.empty() && pin_to(cores_[0]); }
 
-  void run(const TeamFn& fn) override {
+  // fn on every member; returns when all are done
+  void run(const TeamFn& fn) {
     fn_ = &fn;
     done_.store(0, std::memory_order_relaxed);
     generation_.fetch_add(1, std::memory_order_seq_cst);  // publishes fn_ and done_
@@ -120,16 +93,17 @@ class SpinTeam : public Team {
       wake_.notify_all();
     }
     fn(0, members_);
-    while (done_.load(std::memory_order_acquire) < members_ - 1) MOESTREAM_PAUSE();
+    while (done_.load(std::memory_order_acquire) < members_ - 1) CPU_PAUSE();
   }
 
-  void barrier() override {  // sense-reversing: the last to arrive flips the sense
+  // inside fn: every member waits for the others (sense-reversing: the last to arrive flips the sense)
+  void barrier() {
     const int sense = sense_.load(std::memory_order_acquire);
     if (arrived_.fetch_add(1, std::memory_order_acq_rel) + 1 == members_) {
       arrived_.store(0, std::memory_order_relaxed);
       sense_.store(sense ^ 1, std::memory_order_release);
     } else {
-      while (sense_.load(std::memory_order_acquire) == sense) MOESTREAM_PAUSE();
+      while (sense_.load(std::memory_order_acquire) == sense) CPU_PAUSE();
     }
   }
 
@@ -141,7 +115,7 @@ class SpinTeam : public Team {
       int64_t since = team_now_ns();
       for (int polls = 0; generation_.load(std::memory_order_acquire) == seen; ++polls) {
         if (stop_.load(std::memory_order_relaxed)) return;
-        MOESTREAM_PAUSE();
+        CPU_PAUSE();
         if ((polls & 255) == 255 && team_now_ns() - since > spin_ns_) {  // idle: sleep until a job
           sleepers_.fetch_add(1, std::memory_order_seq_cst);
           {

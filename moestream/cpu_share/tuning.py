@@ -13,7 +13,7 @@ What is measured, and how:
   - h: each job's latency in the worker less its kernels (an EMA), plus `link_s`, the part the
     worker cannot see (the device's post and its wait noticing the answer: PCIe round trips);
   - m: the misses of the calls that posted a job (an EMA);
-  - d: the device's copy speed, timed once at start (moestream.layers.device_cpu_share), since the
+  - d: the device's copy speed, timed once at start (moestream.cpu_share.share), since the
     copies run inside the step's CUDA graph where nothing times them; assumed where not timed.
 The first `warm_jobs` jobs are left out of every average (thread pools starting, pages touched for
 the first time: they measured 0.72 GB/s on the H200 machine where the kernels do 40).

@@ -1,5 +1,5 @@
-// Routed experts on the CPU straight from the project's expert records (moestream.kernels.native_experts),
-// and the device-driven CPU share's worker loop around them (moestream.layers.native_worker).
+// Routed experts on the CPU straight from the project's expert records (moestream.cpu_share.kernels),
+// and the device-driven CPU share's worker loop around them (moestream.cpu_share.worker).
 //
 // A record holds, per projection, uint32 code words (least-significant bits first: byte j of a 4-bit
 // row holds codes 2j and 2j+1 in its low and high nibble) and one scale and one bias per group of
@@ -13,12 +13,12 @@
 // Where the layout asks for int8 activations and the CPU has AVX-512 VNNI, x and h are instead
 // quantized per group to int8 and the codes multiplied as bytes (int8_rows.h), float32 across groups.
 //
-// The worker loop (Worker, below) serves the mailbox of moestream.layers.device_cpu_share: it never
+// The worker loop (Worker, below) serves the mailbox of moestream.cpu_share.share: it never
 // takes the GIL; Python starts and stops it and reads its counters and per-job ring.
 //
 // A job: pairs (expert, token, weight) of one layer; for each distinct expert its gate and up rows
 // (h = silu(gate) * up, per token of it), then its down rows (out = weight * down h, per pair), on a
-// team of threads (team.h: OpenMP's, or the worker's own spinning, pinned one): the gate/up rows of
+// team of threads (team.h: spinning, pinned to cores in the worker): the gate/up rows of
 // all its experts dealt out to the members, a barrier, then the down rows.
 #include <torch/extension.h>
 
@@ -36,22 +36,14 @@ void check(bool ok, const std::string& what) {
 
 // -- the standalone entry point (tests, the benchmark) --------------------------------------------
 // out[p] = weights[p] * ffn_{experts[p]}(x[tokens[p]]) for records at `addresses` (int64 [n]).
-// A team of `kind` ("omp" or "spin") and `threads` members; a spinning team spins `spin_ns` after a job.
-std::unique_ptr<Team> make_team(const std::string& kind, int threads, int64_t spin_ns, bool pin) {
-  check(kind == "omp" || kind == "spin", "team: \"omp\" or \"spin\", not \"" + kind + "\"");
-  if (kind == "omp") return std::make_unique<OmpTeam>(threads);
-  return std::make_unique<SpinTeam>(threads, spin_ns, pin);
-}
-
-// The standalone entry point's team, kept between calls while its kind and size stay the same.
+// The standalone entry point's team (unpinned), kept between calls while its size stays the same.
 std::mutex standalone_lock;
 std::unique_ptr<Team> standalone_team;
-std::string standalone_kind;
 
 constexpr int64_t STANDALONE_SPIN_NS = 5'000'000;
 
 void weighted_rows(torch::Tensor layout, torch::Tensor addresses, torch::Tensor experts, torch::Tensor tokens,
-                   torch::Tensor weights, torch::Tensor x, torch::Tensor out, int64_t threads, std::string team) {
+                   torch::Tensor weights, torch::Tensor x, torch::Tensor out, int64_t threads) {
   check(layout.dtype() == torch::kInt64 && layout.numel() == LAYOUT_LEN && layout.is_contiguous(),
         "layout: int64 [" + std::to_string(LAYOUT_LEN) + "]");
   const Layout L = Layout::of(layout.data_ptr<int64_t>());
@@ -79,17 +71,15 @@ void weighted_rows(torch::Tensor layout, torch::Tensor addresses, torch::Tensor 
   pybind11::gil_scoped_release free;
   std::lock_guard<std::mutex> hold(standalone_lock);
   const int members = int(std::max<int64_t>(1, threads));
-  if (!standalone_team || standalone_kind != team || standalone_team->size() != members) {
+  if (!standalone_team || standalone_team->size() != members) {
     standalone_team.reset();  // its threads joined before the next one starts
-    const bool pin = team == "spin-pinned";  // members 1.. pinned; the caller is not
-    standalone_team = make_team(pin ? "spin" : team, members, STANDALONE_SPIN_NS, pin);
-    standalone_kind = team;
+    standalone_team = std::make_unique<Team>(members, STANDALONE_SPIN_NS, false);
   }
   compute_job(L, records, pairs, x.data_ptr<float>(), T, *standalone_team, sc);
 }
 
 // -- the worker loop of the device-driven share ----------------------------------------------------
-// The mailbox (moestream.layers.device_cpu_share): header int64 [5] (sequence number, layer, tokens,
+// The mailbox (moestream.cpu_share.share): header int64 [5] (sequence number, layer, tokens,
 // pairs, the call's misses), x_in [max tokens, H] (bfloat16 or float32), ids_in int32, w_in float32,
 // mask_in int8 [max pairs], rows_out float32 [max pairs, H], ack int64 [1]. The device writes the
 // sequence number last; the worker answers with it after the rows, or its negative on an error.
@@ -113,12 +103,10 @@ class Worker {
   Worker(torch::Tensor header, torch::Tensor x_in, torch::Tensor ids_in, torch::Tensor w_in, torch::Tensor mask_in,
          torch::Tensor rows_out, torch::Tensor ack, torch::Tensor layouts, torch::Tensor addresses,
          torch::Tensor counters, torch::Tensor ring, torch::Tensor control, int64_t threads, int64_t busy_ns,
-         int64_t idle_sleep_ns, std::string team, bool pin)
+         int64_t idle_sleep_ns)
       : header_(header), x_in_(x_in), ids_in_(ids_in), w_in_(w_in), mask_in_(mask_in), rows_out_(rows_out),
         ack_(ack), layouts_(layouts), addresses_(addresses), counters_(counters), ring_(ring), control_(control),
-        threads_(int(std::max<int64_t>(1, threads))), busy_ns_(busy_ns), idle_sleep_ns_(idle_sleep_ns),
-        team_kind_(team), pin_(pin) {
-    check(team == "omp" || team == "spin", "worker: team \"omp\" or \"spin\", not \"" + team + "\"");
+        threads_(int(std::max<int64_t>(1, threads))), busy_ns_(busy_ns), idle_sleep_ns_(idle_sleep_ns) {
     for (auto* t : {&header_, &ack_, &layouts_, &addresses_, &counters_, &ring_, &control_})
       check(t->dtype() == torch::kInt64 && t->is_contiguous(), "worker: an int64 tensor is not int64 or not contiguous");
     check(x_in_.dim() == 2 && (x_in_.dtype() == torch::kFloat32 || x_in_.dtype() == torch::kBFloat16) &&
@@ -161,8 +149,7 @@ class Worker {
 
   bool running() const { return thread_.joinable() && !finished_.load(); }
 
-  // The team's kind and whether its members are pinned to cores (known once serving started).
-  std::string team() const { return team_kind_; }
+  // Whether the team's members are pinned to cores (known once serving started).
   bool pinned() const { return pinned_.load(); }
 
   std::string last_error() {
@@ -172,10 +159,10 @@ class Worker {
 
  private:
   void serve() {
-    // the team lives on this thread: a spinning team's member 0 is this poller, pinned with the others
-    std::unique_ptr<Team> team = make_team(team_kind_, threads_, busy_ns_, pin_);
-    if (auto* spin = dynamic_cast<SpinTeam*>(team.get())) pinned_.store(spin->pinned() && spin->pin_caller());
-    team_ = team.get();
+    // the team lives on this thread: its member 0 is this poller, pinned with the others
+    Team team(threads_, busy_ns_, true);
+    pinned_.store(team.pinned() && team.pin_caller());
+    team_ = &team;
     warm();
     int64_t* header = header_.data_ptr<int64_t>();
     int64_t* ack = ack_.data_ptr<int64_t>();
@@ -219,7 +206,7 @@ class Worker {
 
   // The team's threads started before the first job (its first run pays their start).
   void warm() {
-    for (int r = 0; r < 3; ++r) team_->run([](int, int) { MOESTREAM_PAUSE(); });
+    for (int r = 0; r < 3; ++r) team_->run([](int, int) { CPU_PAUSE(); });
   }
 
   int64_t* count(Counter c) { return counters_.data_ptr<int64_t>() + c; }
@@ -302,8 +289,6 @@ class Worker {
       control_;
   int threads_;
   int64_t busy_ns_, idle_sleep_ns_;
-  std::string team_kind_;
-  bool pin_;
   std::atomic<bool> pinned_{false};
   Team* team_ = nullptr;  // serve()'s, while it runs
   std::thread thread_;
@@ -327,11 +312,7 @@ class Worker {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("weighted_rows", &weighted_rows, "out[p] = weights[p] * ffn of record experts[p] at x[tokens[p]]",
         pybind11::arg("layout"), pybind11::arg("addresses"), pybind11::arg("experts"), pybind11::arg("tokens"),
-        pybind11::arg("weights"), pybind11::arg("x"), pybind11::arg("out"), pybind11::arg("threads"),
-        pybind11::arg("team") = "omp");
-  m.def("set_prefetch", [](int64_t bytes) { prefetch_ahead.store(std::max<int64_t>(0, bytes)); },
-        "how many bytes ahead of the codes being read the row loops prefetch (0: never)");
-  m.def("prefetch", [] { return prefetch_ahead.load(); });
+        pybind11::arg("weights"), pybind11::arg("x"), pybind11::arg("out"), pybind11::arg("threads"));
   m.attr("LAYOUT_LEN") = int(LAYOUT_LEN);
   m.attr("VNNI") = INT8_ROWS;  // whether layouts asking for int8 activations get them
   m.attr("COUNTERS") = int(C_LEN);
@@ -340,11 +321,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<Worker>(m, "Worker")
       .def(pybind11::init<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,
                           torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,
-                          int64_t, int64_t, int64_t, std::string, bool>())
+                          int64_t, int64_t, int64_t>())
       .def("start", &Worker::start)
       .def("stop", &Worker::stop)
       .def("running", &Worker::running)
       .def("last_error", &Worker::last_error)
-      .def("team", &Worker::team)
       .def("pinned", &Worker::pinned);
 }

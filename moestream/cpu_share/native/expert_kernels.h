@@ -20,7 +20,7 @@ namespace moestream_native {
 
 enum ScaleType : int64_t { SCALE_BF16 = 0, SCALE_F16 = 1, SCALE_F32 = 2 };
 
-// The layout tensor's entries (int64 [LAYOUT_LEN]), written by moestream.kernels.native_experts.layout.
+// The layout tensor's entries (int64 [LAYOUT_LEN]), written by moestream.cpu_share.kernels.layout.
 enum LayoutIndex {
   L_HIDDEN, L_INTER, L_BITS_GU, L_BITS_D, L_GROUP, L_SCALE_TYPE,
   L_GATE_W, L_GATE_S, L_GATE_B, L_UP_W, L_UP_S, L_UP_B, L_DOWN_W, L_DOWN_S, L_DOWN_B,
@@ -138,7 +138,7 @@ inline __m512i widen(const uint8_t* c) { return _mm512_cvtepu8_epi32(_mm_loadu_s
 inline Vec low_nibbles(__m512i b) { return _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15))); }
 inline Vec high_nibbles(__m512i b) { return _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)); }
 inline Vec bytes(__m512i b) { return _mm512_cvtepi32_ps(b); }
-#define MOESTREAM_VECTORS 1
+#define NATIVE_VECTORS 1
 #elif defined(__AVX2__) && defined(__FMA__)
 using Vec = __m256;
 constexpr int W = 8;
@@ -156,13 +156,13 @@ inline __m256i widen(const uint8_t* c) { return _mm256_cvtepu8_epi32(_mm_loadl_e
 inline Vec low_nibbles(__m256i b) { return _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15))); }
 inline Vec high_nibbles(__m256i b) { return _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4)); }
 inline Vec bytes(__m256i b) { return _mm256_cvtepi32_ps(b); }
-#define MOESTREAM_VECTORS 1
+#define NATIVE_VECTORS 1
 #endif
 
 // How far ahead of the codes being read a row's loop asks for the next ones (bytes; 0: never). The
 // records sit in 4 KiB pages of pinned host RAM, and the hardware's prefetchers stop at a page's
-// end, so each page would start with misses taken one at a time. Set once at load, from Python.
-inline std::atomic<int64_t> prefetch_ahead{0};
+// end, so each page would start with misses taken one at a time.
+constexpr int64_t PREFETCH_AHEAD = 1024;
 
 inline void prefetch_codes(const uint8_t* p) {
 #if defined(__x86_64__) || defined(__i386__)
@@ -185,10 +185,10 @@ float row4(const uint8_t* __restrict codes, const uint8_t* __restrict scales, co
   const float* __restrict odd = xv + K / 2;
   const int64_t groups = K / G;
   float bias_part = 0.f;
-#ifdef MOESTREAM_VECTORS
+#ifdef NATIVE_VECTORS
   static_assert(B % W == 0, "a group is whole vectors of bytes");
   Vec acc = vzero();
-  const int64_t ahead = prefetch_ahead.load(std::memory_order_relaxed);
+  constexpr int64_t ahead = PREFETCH_AHEAD;
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* c = codes + g * B;
     const float* e = even + g * B;
@@ -231,10 +231,10 @@ float row8(const uint8_t* __restrict codes, const uint8_t* __restrict scales, co
   const float* __restrict xsums = in.sums.data();
   const int64_t groups = K / G;
   float bias_part = 0.f;
-#ifdef MOESTREAM_VECTORS
+#ifdef NATIVE_VECTORS
   static_assert(G % W == 0, "a group is whole vectors of bytes");
   Vec acc = vzero();
-  const int64_t ahead = prefetch_ahead.load(std::memory_order_relaxed);
+  constexpr int64_t ahead = PREFETCH_AHEAD;
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* c = codes + g * G;
     const float* e = xv + g * G;
@@ -285,7 +285,7 @@ using RowFn = float (*)(const uint8_t*, const uint8_t*, const uint8_t*, const In
 
 template <int64_t ST>
 RowFn row_fn_of(int64_t bits, int64_t group, [[maybe_unused]] bool int8) {
-#ifdef MOESTREAM_INT8_ROWS
+#ifdef NATIVE_INT8_ROWS
   if (int8 && bits == 4) {
     switch (group) { case 32: return row_int8<4, 32, ST>; case 64: return row_int8<4, 64, ST>; case 128: return row_int8<4, 128, ST>; default: return row_int8<4, 256, ST>; }
   }

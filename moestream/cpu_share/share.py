@@ -1,25 +1,21 @@
-"""The CPU's share of the misses on the device-driven path (`--cpu-experts` with device-driven streaming).
+"""The CPU's share of a streamed layer's misses (`--cpu-experts`), on the device-driven path.
 
 On the device-driven path (moestream.experts.device_map) a streamed step is one CUDA graph and the
-host never sees a layer's ids, so the host path's CPU share (moestream.layers.cpu_share: the host
-reads the ids, hands some misses to a worker, waits) cannot run there. Here the device and a CPU
-worker thread meet in a mailbox of pinned RAM instead, with no host launch or sync per layer:
+host never sees a layer's ids. The device and a CPU worker thread meet in a mailbox of pinned RAM,
+with no host launch or sync per layer:
 
   1. the device map withholds a share of the layer's misses (the first in expert order; a number
      in 1/1024ths, or with `auto` a count for each number of misses, that the device reads from
-     pinned RAM, so the worker can retune it between layers): they get no slot and stay out of the
+     pinned RAM, so the share can be retuned between layers): they get no slot and stay out of the
      layer's table; the lookup writes how many it withheld into device memory;
   2. where it withheld any, the device posts the layer's input rows, ids, weights and which pairs
      are withheld to the mailbox, then the next sequence number, last (moestream.kernels.triton_mailbox);
-  3. while the device copies its own misses and computes the hits and them, the worker, which
-     polls the sequence number, computes the withheld pairs' weighted rows and writes them back,
-     then the sequence number as its answer (its negative on an error). The worker is native code
-     where it builds (moestream.layers.native_worker: a C++ thread, the native kernels straight
-     from the host tier's records, nothing repacked), else a Python thread here (`_serve`: torch's
-     kernels, moestream.kernels.cpu_experts, on the host tier repacked up front); a log line and
-     the stats' `cpu_worker` say which;
+  3. while the device copies its own misses and computes the hits and them, the worker
+     (moestream.cpu_share.worker: a C++ thread, the native kernels straight from the host tier's
+     records), which polls the sequence number, computes the withheld pairs' weighted rows and
+     writes them back, then the sequence number as its answer (its negative on an error);
   4. a one-program kernel waits for that answer (moestream.kernels.triton_wait) up to a spin
-     budget (~`cpu_experts_timeout`), and the rows come in where the answer is there;
+     budget (~TIMEOUT_S), and the rows come in where the answer is there;
   5. fail-closed: where it is not (error, late), the same graph loads the withheld experts and
      computes their pairs on the device (every kernel after the wait reads its flag), so the
      answer is the device's own, bit for bit.
@@ -30,11 +26,10 @@ waits for; the wait returns at once without reading host memory, and the rows, t
 lookup, copy and kernels are programs that read the count and return. An answer the device gave up
 on (late) carries an older number than the one it waits for next, so it is never taken.
 
-`auto`: the share is retuned from each job's kernel time, its hand-over and the calls' misses
-against the device's copy speed, timed once at start (moestream.layers.share_tuning): by the Python
-worker after each answer, or for the native one by a Python thread reading its per-job figures
-every TUNE_EVERY_S;
-every PROBE_EVERY-th lookup withholds at least one miss, so a share at nothing is measured again.
+`auto`: a Python thread reads the worker's per-job figures every TUNE_EVERY_S and retunes the share
+from each job's kernel time, its hand-over and the calls' misses against the device's copy speed,
+timed once at start (moestream.cpu_share.tuning); every PROBE_EVERY-th lookup withholds at least one
+miss, so a share at nothing is measured again.
 
 The CPU rounds differently from the device kernels, so with a share the output is within the
 dtype's tolerance of `off`, not bit for bit. Calls of more than MAX_PAIRS (token, expert) pairs
@@ -43,13 +38,15 @@ host-side wait (tests)."""
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
+from dataclasses import dataclass
 
-import numpy as np
 import torch
 
-from moestream.layers.share_tuning import ShareTuner
+from moestream.cpu_share import kernels, worker
+from moestream.cpu_share.tuning import ShareTuner
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +57,46 @@ IDLE_SLEEP_S = 0.0002  # then it naps between polls (between requests)
 START_COPY_GB_S = 40.0  # the device's own copy speed from the host tier where it cannot be timed
 PROBE_EVERY = 64  # auto: every this many lookups withhold at least one miss, so the CPU is timed again
 COPY_TIMING_RECORDS = 6  # a layer's usual misses: the copy timed at start moves this many records
-WARM_ROUNDS = 3  # the worker runs its kernels this often before the first job
-TUNE_EVERY_S = 0.002  # with the native worker: how often its jobs' figures are read for `auto`
+TUNE_EVERY_S = 0.002  # how often the worker's jobs' figures are read for `auto`
+TIMEOUT_S = 1.0  # a layer waits this long for its CPU share, then computes those experts on the device
+
+
+MAX_TOKENS = 16  # tokens of a call that can take a share (the mailbox's rows)
+
+
+class ShareUnavailable(RuntimeError):
+    """The CPU share cannot run here (the reason is the message)."""
+
+
+@dataclass(frozen=True)
+class ShareRequest:
+    """What a RoutedExperts needs to start a CPU share with device-driven streaming: the share
+    ("auto" or a float in 0..1), the compute threads, the hidden size and the compute dtype."""
+
+    share: str | float
+    threads: int
+    hidden: int
+    dtype: torch.dtype
+    max_tokens: int = MAX_TOKENS
+
+
+def parse_share(text: str) -> str | float:
+    """--cpu-experts: "off", "auto", or a share in 0..1; a ValueError with one line otherwise."""
+    text = str(text).strip().lower()
+    if text in ("off", "auto"):
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"{text!r} is not off, auto or a share between 0 and 1") from None
+    if not (math.isfinite(value) and 0 <= value <= 1):
+        raise ValueError(f"the share must be between 0 and 1, not {text}")
+    return value
+
+
+def refusals(provider, layers) -> dict[int, str | None]:
+    """layer -> why the native kernels cannot compute its records (None where they can)."""
+    return {layer: kernels.refusal(provider.record_fields(layer), provider.quant(layer)) for layer in layers}
 
 
 def _round(value: float | None, digits: int) -> float | None:
@@ -115,21 +150,33 @@ def time_copies(device_map, records: int = COPY_TIMING_RECORDS, rounds: int = 3)
     return None if best is None else scratch.numel() / best / 1e9
 
 
-class DeviceCpuShare:
-    def __init__(self, cpu, *, device: torch.device, hidden: int, max_tokens: int, dtype: torch.dtype,
-                 timeout_s: float, device_map=None):
-        """cpu: the moestream.layers.cpu_share.CpuShare holding the repacked experts, the share
-        setting ("auto" or a float), the worker's thread count and the fault injection of tests.
-        device_map: the lookup whose copies `auto` times once (else their speed is assumed)."""
-        self.cpu, self.device, self.dtype = cpu, torch.device(device), dtype
+class CpuShare:
+    def __init__(self, provider, device_map, *, share: str | float, hidden: int, max_tokens: int,
+                 dtype: torch.dtype, threads: int):
+        """provider: the expert cache (record layouts, its host tier); device_map: the lookup that
+        withholds the share (its copies `auto` times once); share: "auto" or a float in 0..1;
+        threads: the compute threads (the worker's team: moestream.cpu_share.worker.team_size).
+        Raises ShareUnavailable where the native kernels do not build or take no layer's records."""
+        if kernels.load() is None:
+            raise ShareUnavailable(f"no native CPU kernels ({kernels.reason()})")
+        self.refused = refusals(provider, device_map.layers)
+        for layer, why in self.refused.items():
+            if why:
+                log.info("layer %d: no CPU share (%s)", layer, why)
+        if all(self.refused.values()):
+            raise ShareUnavailable("the native CPU kernels take no layer's records")
+        self.provider, self.share_setting = provider, share
+        self.device = device_map.pool.device
+        self.record_bytes = {layer: sum(f.nbytes for f in provider.record_fields(layer)) for layer in device_map.layers}
         self.cuda = self.device.type == "cuda"
         self.max_tokens, self.hidden = max_tokens, hidden
-        self.timeout_s = float(timeout_s)
+        self.timeout_s = TIMEOUT_S
         self.max_spins = max(1, int(self.timeout_s * SPINS_PER_SECOND))
         pin = self.cuda
         # the mailbox, in pinned RAM: the device writes the request, the worker the answer
         self.header = _pinned(5, torch.int64, pin)  # sequence number, layer, tokens, pairs, the call's misses
-        self.x_in = _pinned((max_tokens, hidden), cpu.dtype, pin)  # in the CPU kernels' dtype: no conversion there
+        x_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32  # what the worker reads
+        self.x_in = _pinned((max_tokens, hidden), x_dtype, pin)
         self.ids_in = _pinned(MAX_PAIRS, torch.int32, pin)
         self.w_in = _pinned(MAX_PAIRS, torch.float32, pin)
         self.mask_in = _pinned(MAX_PAIRS, torch.int8, pin)
@@ -148,54 +195,34 @@ class DeviceCpuShare:
         self.lost = torch.zeros(1, dtype=torch.int64, device=dev)  # pairs the device computed instead
         self.empty = torch.zeros(1, dtype=torch.int64, device=dev)  # calls that withheld nothing (posted nothing)
         self.ack_dev, self.share_dev = (_device_side(self.ack), _device_side(self.share)) if self.cuda else (self.ack, self.share)
-        if cpu.share != "auto":  # a fixed share: the fraction alone
+        if share != "auto":  # a fixed share: the fraction alone
             self.share_dev = self.share_dev[:2]
         if self.cuda:  # the mailbox as the device's programs write and read it
             self.box_dev = {name: _device_side(getattr(self, name))
                             for name in ("header", "x_in", "ids_in", "w_in", "mask_in", "rows_out")}
-        timed = time_copies(device_map) if device_map is not None and cpu.share == "auto" else None
+        timed = time_copies(device_map) if share == "auto" else None
         self.copy_timed = timed is not None
         self.copy_gb_s = timed or START_COPY_GB_S
         self.tuner = ShareTuner(self.copy_gb_s)
-        self.jobs = self.experts = self.pairs = self.errors = self.skipped = 0
-        self.bytes = 0
-        self.compute_s = 0.0
-        if cpu.share == "auto":
+        if share == "auto":
             self._apply_tuning()
         else:
-            self._set_share(float(cpu.share))
-        self.share[1] = PROBE_EVERY if cpu.share == "auto" else 0
+            self._set_share(float(share))
+        self.share[1] = PROBE_EVERY if share == "auto" else 0
+        host_pool = provider.host.pool
+        layouts, addresses = worker.record_tables(self.refused, provider, device_map, host_pool)
+        team = worker.team_size(threads)
+        self.native = worker.NativeWorker(self, layouts, addresses, threads=team, busy_s=BUSY_S,
+                                          idle_sleep_s=IDLE_SLEEP_S, host_pool=host_pool)
+        log.info("CPU share: the native worker on %d threads (of %d; %d cores kept for the engine), from the "
+                 "host tier's records, %s activations", team, threads, worker.RESERVED_CORES, self.native.activations)
         self._stop = threading.Event()
-        self.native = self._start_native(device_map)
-        if self.native is None and not cpu._repacked:  # the Python worker computes from repacked records
-            cpu.repack_host_tier(cpu.provider.host_records())
-        self._thread = threading.Thread(target=self._tune if self.native is not None else self._serve,
-                                        name="moestream-cpu-experts-device", daemon=True)
+        self._thread = threading.Thread(target=self._tune, name="moestream-cpu-share-tuning", daemon=True)
         self._thread.start()
 
-    def _start_native(self, device_map):
-        """The native worker (moestream.layers.native_worker) where it can run, else None (the
-        Python worker runs); a log line says which."""
-        from moestream.layers import native_worker
-
-        cpu = self.cpu
-        why = native_worker.unavailable(cpu) if device_map is not None else "no device map"
-        if why is None:
-            try:
-                host_pool = cpu.provider.host.pool
-                layouts, addresses = native_worker.record_tables(cpu, device_map, host_pool)
-                team = native_worker.team_size(cpu.threads)
-                worker = native_worker.NativeWorker(self, layouts, addresses, threads=team, busy_s=BUSY_S,
-                                                    idle_sleep_s=IDLE_SLEEP_S, host_pool=host_pool)
-                worker.set_faults(cpu.fault_after, cpu.fault_delay_s)
-                log.info("CPU share: the native worker on %d threads (of %d asked; %d cores kept for the engine), "
-                         "from the host tier's records, %s activations", team, cpu.threads,
-                         native_worker.RESERVED_CORES, worker.activations)
-                return worker
-            except Exception as exc:  # noqa: BLE001 - the Python worker serves instead
-                why = f"the native worker did not start: {exc}"
-        log.info("CPU share: the Python worker on %d threads (%s)", cpu.threads, why)
-        return None
+    def set_faults(self, fail_from: int | None, delay_s: float = 0.0) -> None:
+        """Tests: jobs from number `fail_from` on fail; each job first sleeps `delay_s`."""
+        self.native.set_faults(fail_from, delay_s)
 
     # -- the device's side (inside the step's graph) ----------------------------------------------
     def takes(self, x: torch.Tensor, ids: torch.Tensor) -> bool:
@@ -318,123 +345,25 @@ class DeviceCpuShare:
             self.late += 1
         return ok
 
-    # -- the worker -------------------------------------------------------------------------------
-    @torch.inference_mode()  # the mailbox was made inside the engine's inference mode
-    def _serve(self) -> None:
-        """Poll the sequence number; per job read the request from the mailbox in place (numpy
-        views; the rows go straight into the answer's preallocated views), answer, then retune.
-        A late job's inputs may be overwritten by the next request while it runs: its answer
-        carries its own, older number, which the device no longer takes."""
-        torch.set_num_threads(self.cpu.threads)
-        self._warm()
-        header, ack = self.header.numpy(), self.ack.numpy()
-        ids_in, w_in, mask_in = self.ids_in.numpy(), self.w_in.numpy(), self.mask_in.numpy()
-        x_rows = [self.x_in[t:t + 1] for t in range(self.max_tokens)]
-        out_rows = [self.rows_out[p] for p in range(MAX_PAIRS)]
-        now, sleep, stop = time.perf_counter, time.sleep, self._stop
-        done, idle = 0, now()
-        while not stop.is_set():
-            seq = int(header[0])
-            if seq == done:  # between a step's layers: only let other threads run (a spin holding the
-                # interpreter measured slower on the CPU protocol: docs/bench/device-share-handover.json)
-                sleep(0 if now() - idle < BUSY_S else IDLE_SLEEP_S)
-                continue
-            started = now()
-            layer, picks, misses, ids, w, mine = self._request(header, ids_in, w_in, mask_in)
-            if int(header[0]) != seq:  # the device moved on while this was read: that call is lost
-                self.skipped += 1
-                done = seq
-                continue
-            try:
-                kernel_s, nbytes, experts = self._compute(layer, picks, ids, w, mine, x_rows, out_rows)
-                ack[0] = seq  # after the rows: x86 keeps stores in order
-            except Exception as exc:  # noqa: BLE001 - the device computes them instead
-                self.errors += 1
-                log.warning("layer %d: CPU share failed (%s); the device computes those experts", layer, exc)
-                ack[0] = -seq
-            else:  # after the answer: the device does not wait for the retuning
-                self._retune(now() - started, kernel_s, nbytes, experts, misses)
-            done, idle = seq, now()
-
+    # -- auto --------------------------------------------------------------------------------------
     @torch.inference_mode()  # the share's pinned tensors were made inside the engine's inference mode
     def _tune(self) -> None:
-        """With the native worker: every TUNE_EVERY_S, retune from the jobs it answered since (its
-        ring of per-job figures), log its new errors and pass on the tests' fault injection."""
+        """Every TUNE_EVERY_S, retune from the jobs the worker answered since (its ring of per-job
+        figures) and log its new errors."""
         native, errors = self.native, 0
         while not self._stop.wait(TUNE_EVERY_S):
-            native.set_faults(self.cpu.fault_after, self.cpu.fault_delay_s)
             jobs = native.new_jobs()
-            if jobs and self.cpu.share == "auto":  # every job into the averages, the share set once
+            if jobs and self.share_setting == "auto":  # every job into the averages, the share set once
                 for job in jobs:
                     self.tuner.record(job_s=job["job_ns"] / 1e9, kernel_s=job["kernel_ns"] / 1e9, nbytes=job["bytes"],
                                       experts=job["experts"], misses=job["misses"])
                 if self.tuner.measured:
-                    self.cpu.cpu_gb_s = self.tuner.kernel_gb_s
                     self._apply_tuning()
             now = native.count()["errors"]
             if now > errors:
                 log.warning("CPU share failed in %d job(s) (last: %s); the device computes those experts", now - errors,
                             native.last_error())
                 errors = now
-
-    @staticmethod
-    def _request(header, ids_in, w_in, mask_in) -> tuple:
-        """The request in the mailbox (numpy views): layer, picks per token, the call's misses, the
-        ids and weights of its pairs and the withheld pairs' positions, as Python values."""
-        layer, tokens, pairs, misses = header[1:5].tolist()
-        return (layer, pairs // max(1, tokens), misses, ids_in[:pairs].tolist(), w_in[:pairs].tolist(),
-                np.flatnonzero(mask_in[:pairs]).tolist())
-
-    def _warm(self) -> None:
-        """Run the kernels a few times on this thread before the first job: its thread pool starts
-        and the first job's time is the kernels', not their start-up."""
-        key = next(iter(self.cpu._repacked), None)
-        if key is None:
-            return
-        weights, x = self.cpu._repacked[key], torch.zeros((1, self.hidden), dtype=self.cpu.dtype)
-        for _ in range(WARM_ROUNDS):
-            weights.ffn(x)
-
-    def _retune(self, job_s: float, kernel_s: float, nbytes: int, experts: int, misses: int) -> None:
-        """auto: the share from the jobs measured so far (moestream.layers.share_tuning)."""
-        if self.cpu.share != "auto":
-            return
-        self.tuner.record(job_s=job_s, kernel_s=kernel_s, nbytes=nbytes, experts=experts, misses=misses)
-        if self.tuner.measured:
-            self.cpu.cpu_gb_s = self.tuner.kernel_gb_s
-            self._apply_tuning()
-
-    def _compute(self, layer: int, picks: int, ids: list[int], w: list[float], mine: list[int], x_rows: list,
-                 out_rows: list) -> tuple[float, int, int]:
-        """The withheld pairs `mine` (of `ids`, `picks` per token) into the answer's rows, one pair
-        at a time (bits never depend on T); returns the kernels' seconds, the bytes of the experts
-        computed and their number."""
-        cpu = self.cpu
-        number = self.jobs
-        self.jobs += 1
-        if cpu.fault_delay_s:
-            time.sleep(cpu.fault_delay_s)
-        if cpu.fault_after is not None and number >= cpu.fault_after:
-            raise RuntimeError(f"injected fault in CPU job {number}")
-        if not mine:
-            return 0.0, 0, 0
-        repacked = cpu._repacked
-        t0 = time.perf_counter()
-        distinct = set()
-        for p in mine:
-            e = ids[p]
-            weights = repacked.get((layer, e))
-            if weights is None:
-                raise RuntimeError(f"expert {e} is not repacked for the CPU")
-            weights.weighted_row_into(x_rows[p // picks], out_rows[p], w[p])
-            distinct.add(e)
-        done = time.perf_counter()
-        self.compute_s += done - t0
-        self.experts += len(distinct)
-        self.pairs += len(mine)
-        nbytes = cpu.record_bytes[layer] * len(distinct)
-        self.bytes += nbytes
-        return done - t0, nbytes, len(distinct)
 
     def _apply_tuning(self) -> None:
         """auto: the tuner's counts per number of misses (and its share, for the stats)."""
@@ -449,36 +378,25 @@ class DeviceCpuShare:
 
     # -- reporting --------------------------------------------------------------------------------
     def stats(self) -> dict:
-        """The host path's figures (the repack's among them) with this path's own in their place."""
+        """The share's figures for the receipt (the worker's counters, the device's fallbacks, auto's state)."""
         late, lost = int(self.late), int(self.lost)
-        out = self.cpu.stats()
-        experts, pairs, errors, jobs, nbytes, compute_s, skipped = (self.experts, self.pairs, self.errors, self.jobs,
-                                                                    self.bytes, self.compute_s, self.skipped)
-        if self.native is not None:
-            c = self.native.count()
-            experts, pairs, errors, jobs, nbytes, skipped = (c["experts"], c["pairs"], c["errors"], c["jobs"], c["bytes"],
-                                                             c["skipped"])
-            compute_s = c["kernel_ns"] / 1e9
-        out.update({"cpu_share_path": "device", "cpu_worker": "native" if self.native is not None else "python",
-                    "cpu_worker_threads": self.native.threads if self.native is not None else self.cpu.threads,
-                    "cpu_worker_team": self.native.team_name() if self.native is not None else None,
-                    "cpu_worker_activations": self.native.activations if self.native is not None else None,
-                    "cpu_experts": experts, "cpu_pairs": pairs,
-                    "cpu_fallbacks": lost, "cpu_late_calls": late, "cpu_timeouts": late - min(late, errors),
-                    "cpu_errors": errors, "cpu_jobs": jobs, "cpu_skipped_jobs": skipped, "cpu_bytes": nbytes,
-                    "cpu_compute_s": round(compute_s, 6),
-                    "cpu_gb_s": round(nbytes / compute_s / 1e9, 3) if compute_s > 0 and nbytes else None,
-                    "cpu_empty_calls": int(self.empty),
-                    "cpu_share_now": round(int(self.share[0]) / 1024, 4),
-                    "cpu_counts_now": self.share[2:11].tolist() if self.cpu.share == "auto" else None,
-                    "copy_gb_s": round(self.copy_gb_s, 3),
-                    "copy_gb_s_timed": self.copy_timed, "cpu_kernel_gb_s_ema": _round(self.tuner.kernel_gb_s, 3),
-                    "cpu_handover_us_ema": _round(self.tuner.handover_s and self.tuner.handover_s * 1e6, 1),
-                    "cpu_misses_per_job_ema": _round(self.tuner.misses, 2)})
-        return out
+        c = self.native.count()
+        compute_s, nbytes, errors = c["kernel_ns"] / 1e9, c["bytes"], c["errors"]
+        return {"cpu_share": self.share_setting, "cpu_worker_threads": self.native.threads,
+                "cpu_worker_pinned": self.native.pinned(), "cpu_worker_activations": self.native.activations,
+                "cpu_refused_layers": [layer for layer, why in self.refused.items() if why],
+                "cpu_experts": c["experts"], "cpu_pairs": c["pairs"], "cpu_fallbacks": lost, "cpu_late_calls": late,
+                "cpu_timeouts": late - min(late, errors), "cpu_errors": errors, "cpu_jobs": c["jobs"],
+                "cpu_skipped_jobs": c["skipped"], "cpu_bytes": nbytes, "cpu_compute_s": round(compute_s, 6),
+                "cpu_gb_s": round(nbytes / compute_s / 1e9, 3) if compute_s > 0 and nbytes else None,
+                "cpu_empty_calls": int(self.empty), "cpu_share_now": round(int(self.share[0]) / 1024, 4),
+                "cpu_counts_now": self.share[2:11].tolist() if self.share_setting == "auto" else None,
+                "copy_gb_s": round(self.copy_gb_s, 3), "copy_gb_s_timed": self.copy_timed,
+                "cpu_kernel_gb_s_ema": _round(self.tuner.kernel_gb_s, 3),
+                "cpu_handover_us_ema": _round(self.tuner.handover_s and self.tuner.handover_s * 1e6, 1),
+                "cpu_misses_per_job_ema": _round(self.tuner.misses, 2)}
 
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
-        if self.native is not None:
-            self.native.close()
+        self.native.close()

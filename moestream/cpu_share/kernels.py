@@ -1,28 +1,24 @@
 """Routed experts on the CPU in native code, straight from the project's expert records in host RAM
-(moestream/kernels/native/cpu_experts.cpp): no repacking, float32 accumulation.
+(native/cpu_experts.cpp beside this file): no repacking, float32 accumulation.
 
 For each (token, expert) pair: the gate and up products, SiLU(gate)·up, the down product, times the
 routing weight, from the record's 4- or 8-bit code words and their per-group scales and biases
-(w = scale·q + bias; moestream.kernels.expert_layout). On a team of threads (native/team.h): the gate/up
-rows of all its experts dealt out to the threads, then the down rows; `weighted_rows` takes OpenMP's
-team or a spinning one (`team="spin"`, the device-driven worker's default). The same file holds the
-device-driven CPU share's worker loop (moestream.layers.native_worker).
+(w = scale·q + bias; moestream.kernels.expert_layout). On a spinning team of threads (native/team.h):
+the gate/up rows of all its experts dealt out to the threads, then the down rows. The same file holds
+the CPU share's worker loop (moestream.cpu_share.worker).
 
-The extension is compiled at first use (torch.utils.cpp_extension, `-O3 -march=native -fopenmp`,
-cached in torch's extensions directory). Where it cannot be built (no compiler, no ninja) `load`
-returns None and says why in one log line; the callers then keep torch's kernels
-(moestream.kernels.cpu_experts). `refusal` names the layouts it does not compute (activations
-other than SwiGLU, MXFP4, unquantized, mixed group sizes, ...).
+The extension is compiled at first use (torch.utils.cpp_extension, `-O3 -march=native`, cached in
+torch's extensions directory). Where it cannot be built (no compiler, no ninja) `load` returns None
+and `reason()` says why in one line; there is then no CPU share. `refusal` names the layouts it does not
+compute (activations other than SwiGLU, MXFP4, unquantized, mixed group sizes, ...).
 
 Activations: on a CPU with AVX-512 VNNI (the extension's `VNNI`) each token's input and each pair's
 h are quantized per group to int8 and the codes multiplied as bytes (native/int8_rows.h), several
-times the float rows' speed per core, within bf16's rounding of the float result; elsewhere, or
-with MOESTREAM_NATIVE_ACTIVATIONS=float, the float32 rows run. A layout carries the choice
-(`layout(..., int8_activations=)`); `activations()` names the default."""
+times the float rows' speed per core, within bf16's rounding of the float result; elsewhere the
+float32 rows run. A layout carries the choice (`layout(..., int8_activations=)`, for tests);
+`activations()` names the default."""
 from __future__ import annotations
 
-import logging
-import os
 import threading
 from pathlib import Path
 
@@ -30,19 +26,14 @@ import torch
 
 from moestream.format.records import encode_record, plan_record
 
-log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("native") / "cpu_experts.cpp"
 NAME = "moestream_cpu_experts"
-FLAGS = ["-O3", "-march=native", "-fopenmp"]
+FLAGS = ["-O3", "-march=native", "-fopenmp-simd"]  # OpenMP's simd pragmas only: the team is the file's own
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 GROUPS = (32, 64, 128, 256)
 SCALE_TYPES = {"BF16": 0, "F16": 1, "F32": 2}
 SCALE_ITEM = {"BF16": 2, "F16": 2, "F32": 4}
-DISABLE_ENV = "MOESTREAM_NATIVE_CPU"  # "0": never build or use the native code (torch's kernels run)
-PREFETCH_ENV = "MOESTREAM_NATIVE_PREFETCH"  # bytes ahead the row loops prefetch the codes (0: never)
-PREFETCH_BYTES = 1024  # the default
-ACTIVATIONS_ENV = "MOESTREAM_NATIVE_ACTIVATIONS"  # "int8" or "float" (default: int8 where the CPU has VNNI)
 LAYOUT_LEN = 17  # entries of a layout tensor (the native code's LayoutIndex)
 INT8_ACTS = 15  # its entry asking for int8 activations (the record's bytes stay the last)
 
@@ -51,43 +42,23 @@ _state: dict = {}  # "module" once built, or "reason" why not
 
 
 def load():
-    """The compiled extension, built on the first call (None where it cannot be: `reason()` says why,
-    logged once)."""
+    """The compiled extension, built on the first call (None where it cannot be: `reason()` says why)."""
     with _lock:
         if "module" in _state or "reason" in _state:
             return _state.get("module")
-        if os.environ.get(DISABLE_ENV, "1") == "0":
-            _state["reason"] = f"{DISABLE_ENV}=0"
-        else:
-            try:
-                from torch.utils.cpp_extension import load as build
+        try:
+            from torch.utils.cpp_extension import load as build
 
-                ahead = prefetch_bytes()
-                _state["module"] = build(NAME, [str(SOURCE)], extra_cflags=FLAGS + [f"-DMOESTREAM_SOURCES={_digest()}"],
-                                         extra_ldflags=["-fopenmp"], verbose=False)
-            except Exception as exc:  # noqa: BLE001 - no compiler, no ninja, a failed build: torch's kernels run
-                _state["reason"] = _why(exc)
-            else:
-                _state["module"].set_prefetch(ahead)
-        if "reason" in _state:
-            log.info("native CPU expert kernels unavailable (%s): the CPU share runs torch's kernels", _state["reason"])
+            _state["module"] = build(f"{NAME}_{_digest()}", [str(SOURCE)], extra_cflags=FLAGS, verbose=False)
+        except Exception as exc:  # noqa: BLE001 - no compiler, no ninja, a failed build: no CPU share
+            _state["reason"] = _why(exc)  # the share's start says it, once (moestream.layers.experts)
         return _state.get("module")
 
 
-def prefetch_bytes() -> int:
-    """How far ahead the row loops prefetch the codes (PREFETCH_ENV, else PREFETCH_BYTES); a value
-    that is not a whole number of bytes >= 0 is refused in one line."""
-    raw = os.environ.get(PREFETCH_ENV, "").strip()
-    if not raw:
-        return PREFETCH_BYTES
-    if not raw.isdigit():
-        raise ValueError(f"{PREFETCH_ENV}={raw!r}: expected a number of bytes (0: no prefetch)")
-    return int(raw)
-
-
 def _digest() -> str:
-    """A digest of every file of the native folder: torch rebuilds an extension when its sources or
-    flags change, and its headers are neither, so their digest goes in as a flag."""
+    """A digest of every file of the native folder, in the extension's name: torch's build cache
+    knows an extension by its name, so each version of the sources (headers included) gets its own
+    build, and two checkouts of different versions never rebuild each other's."""
     import hashlib
 
     h = hashlib.sha256()
@@ -116,12 +87,9 @@ def vnni() -> bool:
 
 
 def activations() -> str:
-    """The activations the native rows use by default: "int8" (quantized per group, VNNI) or "float"
-    (MOESTREAM_NATIVE_ACTIVATIONS=float, or no VNNI)."""
-    asked = os.environ.get(ACTIVATIONS_ENV, "int8").lower()
-    if asked not in ("int8", "float"):
-        raise ValueError(f"{ACTIVATIONS_ENV}={asked!r}: int8 or float")
-    return "int8" if asked == "int8" and vnni() else "float"
+    """The activations the native rows use: "int8" (quantized per group) where the CPU has VNNI,
+    else "float"."""
+    return "int8" if vnni() else "float"
 
 
 def refusal(fields, quant) -> str | None:
@@ -189,13 +157,13 @@ def record_blob(tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, list]:
 
 
 def weighted_rows(module, layout_t: torch.Tensor, records: list[torch.Tensor], experts, tokens, weights,
-                  x: torch.Tensor, out: torch.Tensor, threads: int, team: str = "omp") -> None:
+                  x: torch.Tensor, out: torch.Tensor, threads: int) -> None:
     """out[p] = weights[p] * SwiGLU of records[experts[p]] at x[tokens[p]] (x float32 [T, H]; out
     float32 [>= P, H]); records: uint8 tensors kept alive by the caller."""
     addresses = torch.tensor([r.data_ptr() for r in records], dtype=torch.int64)
     module.weighted_rows(layout_t, addresses, torch.as_tensor(experts, dtype=torch.int32),
                          torch.as_tensor(tokens, dtype=torch.int32), torch.as_tensor(weights, dtype=torch.float32),
-                         x.float().contiguous(), out, int(threads), team)
+                         x.float().contiguous(), out, int(threads))
 
 
 __all__ = ["load", "reason", "vnni", "activations", "refusal", "layout", "record_blob", "weighted_rows"]

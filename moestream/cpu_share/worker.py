@@ -1,21 +1,17 @@
-"""The device-driven CPU share's worker in native code (`--cpu-experts` with `--streaming device`).
-
-The Python worker of moestream.layers.device_cpu_share reads each request, computes its pairs with
-torch's kernel on repacked records and answers, all under the interpreter: ~90 µs of hand-over per
-job on the H200 machine and one expert after another. This one runs the same loop in a C++ thread
-(moestream/kernels/native/cpu_experts.cpp): it polls the mailbox's sequence number in pinned RAM,
-computes the withheld pairs with the native kernels straight from the host tier's records (no
-repack), writes the rows and then the answer (its negative on an error), under the same
-fail-closed rules (a late answer carries an older number and is never taken).
+"""The CPU share's worker: a C++ thread (native/cpu_experts.cpp) serving the mailbox of
+moestream.cpu_share.share. It polls the mailbox's sequence number in pinned RAM, computes the
+withheld pairs with the native kernels straight from the host tier's records (no repack), writes
+the rows and then the answer (its negative on an error), under the share's fail-closed rules (a
+late answer carries an older number and is never taken). A Python worker measured slower (46.8
+against 50.2 tok/s at 25 % on the H200: ~90 µs of hand-over per job under the interpreter).
 
 Where the records are: the device-driven path needs a host tier holding every expert, filled before
 the device map starts and never evicted after (moestream.experts.device_map), so a table of every
 (layer, expert) record's host address is built once, here. What the ShareTuner needs comes back
 through counters and a ring of per-job figures (job time in the worker, kernel time, bytes, experts,
-the call's misses) that the share's Python side reads between jobs.
-
-`unavailable(cpu)` says why the native worker cannot run (then the Python worker does):
-MOESTREAM_CPU_SHARE_WORKER=python, no extension (no compiler), or a layer the native kernels refuse."""
+the call's misses) that the share's Python side reads between jobs. Its team of threads spins
+between a step's layers and is pinned to cores (native/team.h; an OpenMP region per job measured
+slower)."""
 from __future__ import annotations
 
 import os
@@ -23,11 +19,7 @@ import weakref
 
 import torch
 
-from moestream.kernels import native_experts
-
-WORKER_ENV = "MOESTREAM_CPU_SHARE_WORKER"  # "python": the Python worker even where the native one builds
-TEAM_ENV = "MOESTREAM_NATIVE_TEAM"  # "spin" (default): the worker's own threads; "omp": an OpenMP region per job
-PIN_ENV = "MOESTREAM_NATIVE_PIN"  # "0": the spinning team's threads are not pinned to cores
+from moestream.cpu_share import kernels
 RING = 1024  # per-job figures kept for the retuning (it reads them every few milliseconds)
 COUNTERS = ("jobs", "experts", "pairs", "errors", "skipped", "bytes", "kernel_ns", "job_ns", "ring")
 RING_FIELDS = ("job_ns", "kernel_ns", "bytes", "experts", "misses", "layer")
@@ -43,46 +35,21 @@ def team_size(threads: int) -> int:
     return max(1, min(int(threads), cores - RESERVED_CORES))
 
 
-def team_kind() -> tuple[str, bool]:
-    """The team the worker computes on (team.h): its kind and whether its members are pinned, from
-    TEAM_ENV and PIN_ENV (a value other than these names is refused in one line)."""
-    kind = os.environ.get(TEAM_ENV, "spin").strip().lower() or "spin"
-    if kind not in ("spin", "omp"):
-        raise ValueError(f"{TEAM_ENV}={kind!r}: expected spin or omp")
-    return kind, kind == "spin" and os.environ.get(PIN_ENV, "1").strip() != "0"
-
-
-def unavailable(cpu) -> str | None:
-    """Why the native worker cannot compute `cpu`'s share (a moestream.layers.cpu_share.CpuShare);
-    None where it can."""
-    if os.environ.get(WORKER_ENV, "").lower() == "python":
-        return f"{WORKER_ENV}=python"
-    if native_experts.load() is None:
-        return f"no native kernels ({native_experts.reason()})"
-    provider = cpu.provider
-    for layer, refused in cpu.refused.items():
-        if refused:
-            continue
-        why = native_experts.refusal(provider.record_fields(layer), provider.quant(layer))
-        if why:
-            return f"layer {layer}: {why}"
-    return None
-
-
-def record_tables(cpu, device_map, host_pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def record_tables(refused: dict[int, str | None], provider, device_map,
+                  host_pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The layouts (int64 [layers, LAYOUT_LEN], zeros where the CPU takes no share) and the host addresses
     of every record (int64 [layers, experts]) of the device map's layers, from the host tier
     `host_pool` [R, B] (host memory) and the map's host slots."""
     layers = device_map.layers
     rows, cols = max(layers) + 1, max(device_map.num_experts.values())
-    layouts = torch.zeros((rows, native_experts.LAYOUT_LEN), dtype=torch.int64)
+    layouts = torch.zeros((rows, kernels.LAYOUT_LEN), dtype=torch.int64)
     addresses = torch.zeros((rows, cols), dtype=torch.int64)
     slots = device_map.host_slot.cpu()
     base, stride = host_pool.data_ptr(), host_pool.stride(0) * host_pool.element_size()
     for layer in layers:
-        if cpu.refused.get(layer, "not an MoE layer"):
+        if refused.get(layer, "not an MoE layer"):
             continue
-        layouts[layer] = native_experts.layout(cpu.provider.record_fields(layer), cpu.provider.quant(layer))
+        layouts[layer] = kernels.layout(provider.record_fields(layer), provider.quant(layer))
         first, n = device_map.offset[layer], device_map.num_experts[layer]
         addresses[layer, :n] = base + slots[first:first + n] * stride
     return layouts, addresses
@@ -91,9 +58,9 @@ def record_tables(cpu, device_map, host_pool: torch.Tensor) -> tuple[torch.Tenso
 class NativeWorker:
     def __init__(self, box, layouts: torch.Tensor, addresses: torch.Tensor, *, threads: int, busy_s: float,
                  idle_sleep_s: float, host_pool: torch.Tensor):
-        """box: the DeviceCpuShare whose mailbox tensors (header, x_in, ids_in, w_in, mask_in,
+        """box: the CpuShare whose mailbox tensors (header, x_in, ids_in, w_in, mask_in,
         rows_out, ack) the worker serves; host_pool: the host tier, kept alive with it."""
-        module = native_experts.load()
+        module = kernels.load()
         self.counters = torch.zeros(len(COUNTERS), dtype=torch.int64)
         self.ring = torch.zeros((RING, len(RING_FIELDS)), dtype=torch.int64)
         self.control = torch.tensor([-1, 0], dtype=torch.int64)  # fault injection (tests): fail from job N, delay ns
@@ -101,12 +68,11 @@ class NativeWorker:
         # numpy views: read and written from any thread, in or out of inference mode
         self._counters, self._ring, self._control = self.counters.numpy(), self.ring.numpy(), self.control.numpy()
         self._read = 0  # ring entries taken so far
-        team, pin = team_kind()
         self._worker = module.Worker(box.header, box.x_in, box.ids_in, box.w_in, box.mask_in, box.rows_out, box.ack,
                                      layouts, addresses, self.counters, self.ring, self.control, int(threads),
-                                     int(busy_s * 1e9), int(idle_sleep_s * 1e9), team, pin)
-        self.threads, self.team = int(threads), team
-        asked = bool(layouts[:, native_experts.INT8_ACTS].any()) if layouts.numel() else False
+                                     int(busy_s * 1e9), int(idle_sleep_s * 1e9))
+        self.threads = int(threads)
+        asked = bool(layouts[:, kernels.INT8_ACTS].any()) if layouts.numel() else False
         self.activations = "int8" if asked and module.VNNI else "float"  # what its rows multiply the codes by
         self._worker.start()
         # stopped at close, or when this object goes, or at exit: never a thread left polling freed memory
@@ -127,9 +93,9 @@ class NativeWorker:
         self._read = written
         return jobs
 
-    def team_name(self) -> str:
-        """The team's kind, and "pinned" where its members are (known once the worker has started)."""
-        return f"{self.team}, pinned" if self._worker.pinned() else self.team
+    def pinned(self) -> bool:
+        """Whether the team's members are pinned to cores (known once the worker has started)."""
+        return self._worker.pinned()
 
     def last_error(self) -> str:
         return self._worker.last_error()
