@@ -52,7 +52,8 @@ def run_worker(parallel: int, rounds: int, max_tokens: int, tokenizer: str, prof
     from moestream.engine.types import SamplingParams
     from moestream.server.batching import BatchScheduler
     from moestream.server.metrics import ServerMetrics
-    from moestream.server.worker import Choice, Job, Worker, event_collector
+    from moestream.server.jobs import Choice, Job, event_collector
+    from moestream.server.worker import Worker
 
     engine = make_engine(parallel, tokenizer, step_ms)
     profiler = cProfile.Profile() if profile else None

@@ -68,7 +68,7 @@ def corpus_texts(tokenizer, *, fit_tokens: int, per_file: int):
 
 def trace_agreement(cap, names) -> float:
     """Share of (token, layer) rows whose top-k set equals the committed trace's."""
-    from moestream.sim.trace import RoutingTrace
+    from moestream.experts.trace import RoutingTrace
 
     record = json.loads((ROOT / "data" / "traces" / "record.json").read_text())
     same = total = 0

@@ -101,8 +101,8 @@ class ExpertPlacement:
 
     @classmethod
     def from_trace(cls, path, num_experts: Mapping[int, int], world_size: int) -> "ExpertPlacement":
-        """Balanced by each layer's expert counts in a routing trace (moestream.sim.trace)."""
-        from moestream.sim.trace import RoutingTrace
+        """Balanced by each layer's expert counts in a routing trace (moestream.experts.trace)."""
+        from moestream.experts.trace import RoutingTrace
 
         try:
             trace = RoutingTrace.load(path)

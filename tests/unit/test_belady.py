@@ -5,7 +5,7 @@ import pytest
 from moestream.sim.belady import belady
 from moestream.sim.main import main
 from moestream.sim.simulate import simulate
-from moestream.sim.trace import RoutingTrace
+from moestream.experts.trace import RoutingTrace
 
 TRACES = ["data/traces/demo-test-00-ast.npz", "data/traces/demo-test-03-plistlib.npz"]
 
