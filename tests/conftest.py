@@ -1,3 +1,4 @@
+import os
 import sys
 from pathlib import Path
 
@@ -16,7 +17,38 @@ def _has_cuda() -> bool:
         return False
 
 
+INTERPRET_DIR = Path(__file__).parent / "interpret"
+
+# The files that drive the server with third-party clients (requirements-clients.txt: lm-eval,
+# LangChain, Schemathesis, the Anthropic SDK). CI installs those for a stage of their own,
+# `python -m pytest --clients tests/server`; every other run leaves these files uncollected.
+CLIENT_TESTS = {Path(__file__).parent / "server" / name for name in (
+    "test_lm_eval.py", "test_langchain.py", "test_schemathesis.py", "test_schemathesis_wide.py",
+    "test_sdk_apis_real.py", "test_server_features_real.py")}
+
+
+def pytest_addoption(parser):
+    parser.addoption("--clients", action="store_true",
+                     help="run only the tests that need the third-party clients of requirements-clients.txt")
+
+
+def pytest_ignore_collect(collection_path, config):
+    if collection_path.suffix == ".py" and (collection_path in CLIENT_TESTS) != config.getoption("clients"):
+        return True
+    return None  # the default rules (--ignore and the like) decide
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m selects by the marks added here
 def pytest_collection_modifyitems(config, items):
+    # Triton reads TRITON_INTERPRET when first imported: the kernels run interpreted only in a
+    # process started with it, CI's interpreter stage (tests/interpret/interpreter.py).
+    interpreting = os.environ.get("TRITON_INTERPRET") == "1"
+    not_interpreting = pytest.mark.skip(reason="runs Triton's interpreter: TRITON_INTERPRET=1 python -m pytest -m interpret tests")
+    for item in items:
+        if INTERPRET_DIR in item.path.parents:
+            item.add_marker(pytest.mark.interpret)
+            if not interpreting:
+                item.add_marker(not_interpreting)
     if _has_cuda():
         return
     skip = pytest.mark.skip(reason="needs an NVIDIA GPU (run tests/gpu on the GPU machine)")

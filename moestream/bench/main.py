@@ -168,7 +168,7 @@ def compare_transformers(model_dir: str, *, device: str, prefill: int, decode_to
 
     from transformers import AutoModelForCausalLM
 
-    from moestream.format.export_hf import export_hf
+    from moestream.convert.export_hf import export_hf
 
     with tempfile.TemporaryDirectory() as tmp:
         export_hf(model_dir, tmp, dtype=torch.bfloat16)

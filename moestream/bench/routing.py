@@ -84,7 +84,7 @@ class Rerouter:
             self._load_trace(spec.trace, moe_layers)
 
     def _load_trace(self, path: str, moe_layers: list[int]) -> None:
-        from moestream.sim.trace import RoutingTrace
+        from moestream.experts.trace import RoutingTrace
 
         try:
             trace = RoutingTrace.load(path)

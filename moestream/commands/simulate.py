@@ -14,7 +14,7 @@ from moestream.errors import MoestreamError
 from moestream.experts.policy import POLICY_NAMES
 from moestream.sim.belady import belady
 from moestream.sim.simulate import DEVICE_POLICIES, simulate, simulate_device, total_experts
-from moestream.sim.trace import RoutingTrace
+from moestream.experts.trace import RoutingTrace
 
 
 NOT_A_TRACE = "not a routing trace (the .npz file --trace-routing writes)"

@@ -20,8 +20,9 @@ from tqdm import tqdm
 
 from moestream.convert.layout import LayoutError, check_expert_layers, find_expert_layers
 from moestream.convert.mtp import select_mtp
+from moestream.convert.open_source import open_source
 from moestream.convert.resident import DenseTensor, check_dense, plan_dense
-from moestream.convert.source import TOKENIZER_FILES, CheckpointSource, open_source
+from moestream.convert.source import TOKENIZER_FILES, CheckpointSource
 from moestream.convert.state import STATE_NAME, ConvertState, ResumeError
 from moestream.convert.summary import class_table, summary_text
 from moestream.errors import MoestreamError

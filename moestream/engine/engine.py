@@ -141,7 +141,7 @@ class Engine:
         return expert_setup.parallel_stats(self.parallel, before, after)
 
     def _start_trace(self) -> None:
-        from moestream.sim.trace import TraceRecorder
+        from moestream.experts.trace import TraceRecorder
 
         moe_layers = self.args.moe_layers()
         self.trace = TraceRecorder({"model": self.model_name, "family": self.packed.family,

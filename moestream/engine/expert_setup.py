@@ -42,7 +42,7 @@ def expert_parallel(packed: PackedModel, options: EngineOptions):
 def placement_from_trace(path: str, counts: dict[int, int], world_size: int):
     """The placement balanced by a routing trace's expert counts (--expert-placement)."""
     from moestream.layers.expert_parallel import ExpertPlacement
-    from moestream.sim.trace import RoutingTrace
+    from moestream.experts.trace import RoutingTrace
 
     try:
         trace = RoutingTrace.load(path)

@@ -19,7 +19,7 @@ a split-K reduce for some (measured: docs/PERFORMANCE.md). This kernel streams W
 
 Row r of the output is its own row of x times W: the MMA computes each output from one row and one
 column, and the tile's shape follows from R, N, K and the dtype alone, so a row's bits do not depend
-on the rows beside it (tests/unit/test_rows_products_interpret.py, tests/gpu/test_rows_products_cuda.py).
+on the rows beside it (tests/interpret/test_rows_products_interpret.py, tests/gpu/test_rows_products_cuda.py).
 Block sizes and splits come from KernelConfig (rows_* fields),
 one set for each class of shape (row_class: narrow, a router; deep, an o projection; wide, the rest);
 the split follows from the shape and the config alone, like the tile. The product's loop

@@ -102,7 +102,7 @@ class ExpertPlacement:
     @classmethod
     def from_routes(cls, layers: np.ndarray, experts: np.ndarray, num_experts: Mapping[int, int], world_size: int, *,
                     path: str) -> "ExpertPlacement":
-        """Balanced by each layer's expert counts in a routing trace's rows (moestream.sim.trace:
+        """Balanced by each layer's expert counts in a routing trace's rows (moestream.experts.trace:
         layers [N], experts [N, A]) read from `path`."""
         if len(layers) == 0:
             raise MoestreamError(f"expert placement: the routing trace {path} is empty")

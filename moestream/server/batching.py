@@ -34,16 +34,13 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import Any, Iterator
 
 from moestream.engine.receipt import COUNTERS, Receipt
 from moestream.engine.types import common_prefix
 from moestream.errors import MoestreamError
 from moestream.server.stops import IncrementalDecoder, StopMatcher
-from moestream.server.worker import Failed, Job, Started, TextDelta, TokenLogprobInfo, _is_user_error, _one_line
-
-if TYPE_CHECKING:
-    from moestream.server.worker import Worker
+from moestream.server.jobs import Failed, Job, Started, TextDelta, TokenLogprobInfo, is_user_error, one_line
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +82,7 @@ class Running:
 
 
 class BatchScheduler:
-    def __init__(self, worker: "Worker") -> None:
+    def __init__(self, worker: Any) -> None:  # the server.worker.Worker whose thread runs it
         self.worker = worker
         self.engine = worker.engine
         self.slots = worker.parallel
@@ -148,7 +145,7 @@ class BatchScheduler:
             try:
                 engine.check_prompt(choice.prompt_ids)
             except MoestreamError as exc:  # refused before starting, as engine.generate would
-                w._deliver(job, Failed(_one_line(exc), code="invalid_request"))
+                w._deliver(job, Failed(one_line(exc), code="invalid_request"))
                 break
             slot = self._open_slot(choice.prompt_ids)
             if choice.echo:
@@ -371,8 +368,8 @@ class BatchScheduler:
             self.last_used[r.slot] = time.monotonic()
 
     def _fail(self, job: Job, exc: BaseException) -> None:
-        log.error("request %s failed: %s", job.request_id, exc, exc_info=not _is_user_error(exc))
-        self.worker._deliver(job, Failed(_one_line(exc)))
+        log.error("request %s failed: %s", job.request_id, exc, exc_info=not is_user_error(exc))
+        self.worker._deliver(job, Failed(one_line(exc)))
         self._job_done(job)
 
     def _job_done(self, job: Job) -> None:

@@ -10,6 +10,7 @@ from starlette.concurrency import run_in_threadpool
 
 from moestream.server.generation import (JobStream, Runtime, Submitted, events, finish_reason, make_choices,
                                          wait_whole)
+from moestream.server.jobs import Failed, Finished, PromptLogprobs, Started, TextDelta
 from moestream.server.protocol import (ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk,
                                        ChatCompletionRequest, Completion, CompletionChoice, CompletionRequest,
                                        FunctionCall, ResponseMessage, ToolCall, invalid, parse_request,
@@ -17,7 +18,6 @@ from moestream.server.protocol import (ChatChoice, ChatChunkChoice, ChatCompleti
 from moestream.server.render import (chat_logprobs, completion_logprobs, error_event, sse, usage,
                                      without_nulls)
 from moestream.server.tools import ParsedCall, ToolCallParser, parse_tool_calls, tool_schemas
-from moestream.server.worker import Failed, Finished, PromptLogprobs, Started, TextDelta
 
 FIM_TOKENS = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")
 

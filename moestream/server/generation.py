@@ -18,9 +18,9 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from moestream.engine.types import SamplingParams, TokenHistory
+from moestream.server.jobs import Choice, Failed, Finished, Job, PromptLogprobs, Started, TextDelta, TokenLogprobInfo
 from moestream.server.protocol import APIError, invalid
-from moestream.server.worker import (Choice, Failed, Finished, Job, NotReady, PromptLogprobs, QueueFull, Started,
-                                     TextDelta, TokenLogprobInfo, Worker)
+from moestream.server.worker import NotReady, QueueFull, Worker
 
 log = logging.getLogger(__name__)
 

@@ -9,10 +9,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from moestream.server.generation import JobStream, Runtime, Submitted, events, wait_whole
+from moestream.server.jobs import Failed, Finished, Started, TextDelta
 from moestream.server.protocol import APIError, ChatCompletionRequest, invalid, parse_request
 from moestream.server.render import named_sse
 from moestream.server.tools import ToolCallParser
-from moestream.server.worker import Failed, Finished, Started, TextDelta
 
 ReadJSON = Callable[[Request], Awaitable[Any]]
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from moestream.server.jobs import Failed, Finished, TokenLogprobInfo
 from moestream.server.protocol import (ChoiceLogprobs, CompletionLogprobs, CompletionTokensDetails, PromptTokensDetails,
                                        TokenLogprob, TopLogprob, Usage)
-from moestream.server.worker import Failed, Finished, TokenLogprobInfo
 
 
 def sse(payload: Any) -> str:

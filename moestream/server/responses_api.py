@@ -13,10 +13,10 @@ from fastapi.responses import JSONResponse, Response
 
 from moestream.server.chat_api import start_chat
 from moestream.server.generation import JobStream, Runtime, Submitted, events, wait_whole
+from moestream.server.jobs import Failed, Finished, Started, TextDelta
 from moestream.server.protocol import APIError, ChatCompletionRequest, invalid, parse_request, unsupported
 from moestream.server.render import named_sse
 from moestream.server.tools import ParsedCall, ToolCallParser
-from moestream.server.worker import Failed, Finished, Started, TextDelta
 
 ReadJSON = Callable[[Request], Awaitable[Any]]
 

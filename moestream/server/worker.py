@@ -20,99 +20,15 @@ import logging
 import math
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 from moestream.engine.types import SamplingParams
 from moestream.errors import MoestreamError
+from moestream.server.jobs import (Choice, Event, Failed, Finished, Job, PromptLogprobs, Started, TextDelta,
+                                   TokenLogprobInfo, is_user_error, one_line)
 from moestream.server.stops import IncrementalDecoder, StopMatcher
 
 log = logging.getLogger(__name__)
-
-
-# ------------------------------------------------------------------------------------------ events
-
-@dataclass
-class TokenLogprobInfo:
-    token: str
-    logprob: Optional[float]  # None: the prompt's first token (nothing predicts it)
-    top: list[tuple[str, float]] = field(default_factory=list)
-
-
-@dataclass
-class Started:
-    queue_s: float
-
-
-@dataclass
-class TextDelta:
-    text: str
-    logprobs: list[TokenLogprobInfo] = field(default_factory=list)
-    index: int = 0  # the choice
-
-
-@dataclass
-class PromptLogprobs:
-    """The prompt's tokens with their log-probabilities (echo), before the choice's text."""
-
-    text: str
-    logprobs: list[TokenLogprobInfo]
-    index: int = 0
-
-
-@dataclass
-class Finished:
-    finish_reason: str  # "stop" | "length" | "cancelled"
-    prompt_tokens: int
-    completion_tokens: int
-    receipt: dict
-    queue_s: float
-    logprobs: list[TokenLogprobInfo] = field(default_factory=list)  # tokens whose text was not shown
-    index: int = 0
-    last: bool = True  # the job's last choice
-    stop_string: Optional[str] = None  # the stop string that ended it, if one did
-
-
-@dataclass
-class Failed:
-    message: str
-    code: str = "engine_error"
-
-
-Event = Any  # Started | PromptLogprobs | TextDelta | Finished | Failed
-
-
-# ---------------------------------------------------------------------------------------- the job
-
-@dataclass
-class Choice:
-    """One generation of a job: a request with n > 1 or several prompts has several, run in order."""
-
-    prompt_ids: list[int]
-    max_new_tokens: int
-    sampling: SamplingParams
-    echo: bool = False  # report the prompt's logprobs (PromptLogprobs) first
-
-
-@dataclass
-class Job:
-    choices: list[Choice]
-    sink: Callable[[Event], None]  # called on the worker thread; must be thread-safe and quick
-    stops: list[str] = field(default_factory=list)
-    logprobs: Optional[int] = None  # None: off; K: each token's logprob and the K most likely
-    request_id: str = ""
-    enqueued_at: float = field(default_factory=time.monotonic)
-    cancelled: threading.Event = field(default_factory=threading.Event)
-    done: threading.Event = field(default_factory=threading.Event)
-    _worker: Optional["Worker"] = field(default=None, repr=False)
-
-    def cancel(self) -> None:
-        """The client is gone (or the server is stopping): drop the job or stop its generation."""
-        if self.done.is_set() or self.cancelled.is_set():
-            return
-        self.cancelled.set()
-        if self._worker is not None:
-            self._worker._drop_waiting(self)
 
 
 class QueueFull(Exception):
@@ -316,7 +232,7 @@ class Worker:
         except BaseException as exc:  # a failed load is reported by /health, not by a dead thread
             self.error = f"loading the model failed: {exc}"
             self.state = "failed"
-            log.error("%s", self.error, exc_info=not _is_user_error(exc))
+            log.error("%s", self.error, exc_info=not is_user_error(exc))
             self._ready.set()
             if self.on_load_failed is not None:
                 self.on_load_failed(self.error)
@@ -327,7 +243,7 @@ class Worker:
                 scheduler.run()
             except BaseException as exc:  # the scheduler itself broke: say so, fail what waits
                 log.error("the batch scheduler stopped: %s", exc, exc_info=True)
-                self.error, self.state = f"the batch scheduler stopped: {_one_line(exc)}", "failed"
+                self.error, self.state = f"the batch scheduler stopped: {one_line(exc)}", "failed"
                 self.shutdown(timeout=0)
                 self._close_engine()
                 return
@@ -349,8 +265,8 @@ class Worker:
             try:
                 self._run_job(job)
             except BaseException as exc:  # keep serving after any failure in one job
-                log.error("request %s failed: %s", job.request_id, exc, exc_info=not _is_user_error(exc))
-                self._deliver(job, Failed(_one_line(exc)))
+                log.error("request %s failed: %s", job.request_id, exc, exc_info=not is_user_error(exc))
+                self._deliver(job, Failed(one_line(exc)))
             finally:
                 self._job_done(job, started)
 
@@ -434,7 +350,7 @@ class Worker:
                                   logprobs=engine_logprobs, should_stop=job.cancelled.is_set,
                                   **({"speculative": speculative} if speculative is not None else {}))
         except MoestreamError as exc:  # the engine refused the request before starting it
-            self._deliver(job, Failed(_one_line(exc), code="invalid_request"))
+            self._deliver(job, Failed(one_line(exc), code="invalid_request"))
             return False
         try:
             for event in gen:
@@ -523,26 +439,3 @@ class Worker:
         top = [(decode([tid]), float(lp)) for tid, lp in (event.top_logprobs or [])[:k]]
         logprob = event.logprob
         return TokenLogprobInfo(decode([event.token_id]), float(logprob) if logprob is not None else 0.0, top)
-
-
-def event_collector() -> tuple[list, threading.Event, Callable]:
-    """(events, done, sink): a Job's sink that keeps its events and sets `done` at its end (its last
-    choice's Finished, or Failed), for callers that submit jobs directly (benchmarks, tests)."""
-    events: list = []
-    done = threading.Event()
-
-    def sink(event) -> None:
-        events.append(event)
-        if isinstance(event, Failed) or (isinstance(event, Finished) and event.last):
-            done.set()
-
-    return events, done, sink
-
-
-def _is_user_error(exc: BaseException) -> bool:
-    return isinstance(exc, MoestreamError)
-
-
-def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__

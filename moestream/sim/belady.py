@@ -9,7 +9,7 @@ from __future__ import annotations
 import heapq
 
 from moestream.sim.simulate import SimResult
-from moestream.sim.trace import RoutingTrace
+from moestream.experts.trace import RoutingTrace
 
 NEVER = float("inf")
 

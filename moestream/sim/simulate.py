@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moestream.experts.directory import SlotDirectory
-from moestream.sim.trace import RoutingTrace
+from moestream.experts.trace import RoutingTrace
 
 
 @dataclass

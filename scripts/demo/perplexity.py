@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     from moestream.bench.machine import machine_info
     from moestream.engine.engine import Engine
     from moestream.engine.options import EngineOptions
-    from moestream.format.export_hf import export_hf
+    from moestream.convert.export_hf import export_hf
 
     test_path = Path(args.data) / "test.npy"
     tokens = torch.from_numpy(np.load(test_path).astype(np.int64))

@@ -109,7 +109,7 @@ def _sha256(path: Path) -> str:
 
 def uniform_like(trace, seed: int):
     """The same rows (layer, position) with each row's experts drawn uniformly, without repeats."""
-    from moestream.sim.trace import RoutingTrace
+    from moestream.experts.trace import RoutingTrace
 
     rng = np.random.default_rng(seed)
     n, k = trace.experts.shape
@@ -163,7 +163,7 @@ def _reuse_independent(share: np.ndarray, top_k: int) -> float:
 def cmd_report(args: argparse.Namespace) -> int:
     from moestream.commands.simulate import parse_sizes
     from moestream.sim.simulate import simulate, total_experts
-    from moestream.sim.trace import RoutingTrace
+    from moestream.experts.trace import RoutingTrace
 
     traces = [RoutingTrace.load(p) for p in args.traces]
     policies = args.policies.split(",")

@@ -69,7 +69,7 @@ def teacher_tensors(packed_dir: str, shared: int) -> tuple[dict, dict]:
     """(config.json, {name: float32 tensor}) of the packed teacher, dequantized: what the student shares."""
     from safetensors.torch import load_file
 
-    from moestream.format.export_hf import export_hf
+    from moestream.convert.export_hf import export_hf
 
     prefixes = SHARED_PREFIXES + tuple(f"model.layers.{i}." for i in range(shared)) + tuple(
         f"model.layers.{shared}.{part}" for part in ("self_attn.", "input_layernorm.", "post_attention_layernorm."))

@@ -5,7 +5,7 @@ import torch
 
 from moestream.engine.engine import Engine
 from moestream.engine.options import EngineOptions
-from moestream.format.export_hf import export_hf
+from moestream.convert.export_hf import export_hf
 
 pytestmark = pytest.mark.gpu
 FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"]

@@ -6,7 +6,7 @@ from transformers import AutoModelForCausalLM
 
 from moestream.engine.engine import DEMO_MODEL, Engine
 from moestream.engine.options import EngineOptions
-from moestream.format.export_hf import export_hf
+from moestream.convert.export_hf import export_hf
 
 PROMPT = "def fibonacci(n):"
 PROMPT_IDS = [521, 862, 68, 273, 719, 627, 10, 80, 289]

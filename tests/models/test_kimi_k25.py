@@ -9,7 +9,7 @@ from moestream.convert.main import convert
 from moestream.engine.engine import Engine
 from moestream.engine.options import EngineOptions
 from moestream.errors import FormatError
-from moestream.format.export_hf import export_hf
+from moestream.convert.export_hf import export_hf
 from moestream.format.reader import PackedModel
 from moestream.models import kimi_k25
 from moestream.models.registry import model_args

@@ -19,7 +19,7 @@ from moestream.convert.main import convert
 from moestream.engine.engine import Engine
 from moestream.engine.options import EngineOptions
 from moestream.errors import FormatError
-from moestream.format.export_hf import export_hf
+from moestream.convert.export_hf import export_hf
 from moestream.format.manifest import FIELD_ALIGN, MANIFEST_NAME
 from moestream.format.reader import PackedModel
 from moestream.format.verify import verify

@@ -11,7 +11,8 @@ from starlette.testclient import TestClient
 
 from moestream.engine.types import SamplingParams
 from moestream.server.app import create_app
-from moestream.server.worker import Choice, Failed, Job, Started, Worker
+from moestream.server.jobs import Choice, Failed, Job, Started
+from moestream.server.worker import Worker
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -5,7 +5,7 @@ import torch
 
 from moestream.bench.routing import Rerouter, RoutingSpec, parse_routing
 from moestream.errors import MoestreamError
-from moestream.sim.trace import RoutingTrace
+from moestream.experts.trace import RoutingTrace
 
 TRACE = "data/traces/demo-test-00-ast.npz"
 

@@ -9,7 +9,7 @@ import pytest
 from moestream.engine.engine import Engine
 from moestream.engine.options import EngineOptions
 from moestream.errors import ExpertReadError, MoestreamError
-from moestream.sim.trace import RoutingTrace
+from moestream.experts.trace import RoutingTrace
 
 FAMILY = "qwen3_moe"
 

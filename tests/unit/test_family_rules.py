@@ -22,7 +22,7 @@ from moestream.convert.main import convert
 from moestream.engine.engine import Engine
 from moestream.engine.options import EngineOptions
 from moestream.errors import MoestreamError
-from moestream.format.export_hf import export_hf
+from moestream.convert.export_hf import export_hf
 from moestream.format.manifest import EXPERT_PROJECTIONS
 from moestream.format.reader import PackedModel
 from moestream.models import qwen3_moe

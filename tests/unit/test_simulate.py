@@ -7,7 +7,7 @@ from moestream.engine.engine import Engine
 from moestream.engine.options import EngineOptions
 from moestream.commands.simulate import main as simulate_main
 from moestream.sim.simulate import simulate, simulate_device
-from moestream.sim.trace import RoutingTrace
+from moestream.experts.trace import RoutingTrace
 
 
 def test_simulated_hit_counts_equal_the_engine_decode_counts(tiny_packed_model, tmp_path):

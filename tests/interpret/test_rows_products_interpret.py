@@ -4,8 +4,7 @@ CPU interpreter (TRITON_INTERPRET=1), at tiny sizes: it agrees with a float64 pr
 beside it or on how many rows there are, and the rows-at-once layers (Attention.rows, the router,
 the shared expert, the head) give F.linear's results with it.
 
-As in test_decode_kernels_interpret.py, one test runs this file again in a child process that
-interprets. Float32 is checked tightly, bfloat16 loosely (the interpreter truncates float32 ->
+Runs in the interpreter's own stage (tests/interpret/interpreter.py). Float32 is checked tightly, bfloat16 loosely (the interpreter truncates float32 ->
 bfloat16 where the GPU rounds); tests/gpu/test_rows_products_cuda.py checks the GPU."""
 import pytest
 import torch
@@ -13,7 +12,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-from interpret import gen, interpreted_module, randn, relative_error, run_file_interpreted  # noqa: E402
+from interpreter import gen, interpreted_module, randn, relative_error  # noqa: E402
 from moestream.kernels.expert_layout import KernelConfig  # noqa: E402
 from moestream.layers.attention import Attention, AttentionWeights  # noqa: E402
 from moestream.layers.kv_cache import KVCache  # noqa: E402
@@ -34,10 +33,6 @@ CONFIGS = {"default": KernelConfig(), "small": SMALL,
            # the deep class (K >= 64 here) on its own sizes, split in 2, on the M side
            "deep": KernelConfig(rows_narrow_max=8, rows_deep_from=64, rows_deep_n=16, rows_deep_k=16, rows_deep_swap=1,
                                 rows_deep_split=2, rows_n=16, rows_k=32, rows_swap=0)}
-
-
-def test_rows_products_under_the_interpreter():
-    run_file_interpreted(__file__)
 
 
 @pytest.fixture(scope="module")

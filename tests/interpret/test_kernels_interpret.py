@@ -2,8 +2,7 @@
 agree with the torch reference math, for every gated activation (SwiGLU, GELU-tanh, gpt-oss's
 clamped SwiGLU with its biases), and give the same bits for any batching or slot assignment.
 
-Triton reads TRITON_INTERPRET when it is first imported, so unless this process was started with
-it, a single test runs this file again in a child process that is. Skipped where Triton is not
+Runs in the interpreter's own stage (tests/interpret/interpreter.py). Skipped where Triton is not
 installed. bfloat16 tolerances are looser than on the GPU: the interpreter truncates
 float32 -> bfloat16 where the GPU rounds to nearest."""
 
@@ -15,7 +14,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from interpret import interpreted_module, run_file_interpreted  # noqa: E402
+from interpreter import interpreted_module  # noqa: E402
 
 from kernel_helpers import build_pool, reference_moe  # noqa: E402
 from moestream.quant.affine import QuantSpec  # noqa: E402
@@ -25,10 +24,6 @@ H, I, E, A = 128, 64, 8, 2
 TOL = {torch.bfloat16: 4e-2, torch.float32: 1e-5}  # max |y - ref| / max |ref|
 # Big output blocks: fewer programs, and the interpreter runs programs one at a time.
 FAST = dict(gemv_gate_up_n=64, gemv_down_n=128, block_m=64, down_n=128, combine_tokens=64, combine_block=128)
-
-
-def test_kernels_under_the_interpreter():
-    run_file_interpreted(__file__)
 
 
 @pytest.fixture(scope="module")

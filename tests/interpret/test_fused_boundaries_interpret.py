@@ -6,8 +6,7 @@ product's logits and route_topk's choice in one kernel; MoEPlan.finish with a no
 writes the expert sum (+ residual) with finish's bits and the next layer's input norm with
 triton_decode.rms_norm's; DecoderLayer.attention_rows given both gives the bits it gives alone.
 
-As in test_decode_kernels_interpret.py, one test runs this file again in a child process that
-interprets. Float32 is checked for equal bits, bfloat16 loosely where torch's ops are the reference
+Runs in the interpreter's own stage (tests/interpret/interpreter.py). Float32 is checked for equal bits, bfloat16 loosely where torch's ops are the reference
 (the interpreter truncates float32 -> bfloat16 where the GPU rounds); tests/gpu/test_fused_boundaries_cuda.py
 checks the GPU and the decoder."""
 import pytest
@@ -15,7 +14,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from interpret import gen, interpreted_module, randn, relative_error, run_file_interpreted  # noqa: E402
+from interpreter import gen, interpreted_module, randn, relative_error  # noqa: E402
 
 from kernel_helpers import build_pool, reference_moe  # noqa: E402
 from moestream.kernels.expert_layout import KernelConfig, SlotLayout  # noqa: E402
@@ -25,10 +24,6 @@ EPS = 1e-6
 TOL = {torch.float32: 1e-5, torch.bfloat16: 4e-2}  # max |y - ref| / max |ref|
 E, I, A = 6, 64, 3
 FAST = KernelConfig(gemv_gate_up_n=64, gemv_down_n=128, combine_tokens=2, combine_block=64)
-
-
-def test_fused_boundaries_under_the_interpreter():
-    run_file_interpreted(__file__)
 
 
 @pytest.fixture(scope="module")

@@ -5,8 +5,7 @@ sinks, soft-caps, GQA groups of 1, 2 and 8 and head sizes that are not powers of
 never depend on the other rows of the call or on its place among them; store_kv writes exactly the
 rows' slots.
 
-Unless this process was started with TRITON_INTERPRET=1, a single test runs this file again in a
-child process that is. Float32 is checked tightly; bfloat16 only loosely, because the interpreter
+Runs in CI's interpreter stage (TRITON_INTERPRET=1). Float32 is checked tightly; bfloat16 only loosely, because the interpreter
 truncates float32 -> bfloat16 where the GPU rounds to nearest (tests/gpu checks bf16 and fp16)."""
 
 import pytest
@@ -14,15 +13,11 @@ import torch
 
 pytest.importorskip("triton")
 
-from interpret import gen, interpreted_module, randn, relative_error, run_file_interpreted  # noqa: E402
+from interpreter import gen, interpreted_module, randn, relative_error  # noqa: E402
 from paged_attention_reference import paged_cache, reference_paged_attention, reference_store_kv  # noqa: E402
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}  # max |y - ref| / max |ref|
 SMALL_SPLITS = {"min_chunk": 32, "max_splits": 3}  # several splits per row at these lengths
-
-
-def test_paged_attention_kernels_under_the_interpreter():
-    run_file_interpreted(__file__)
 
 
 @pytest.fixture(scope="module")

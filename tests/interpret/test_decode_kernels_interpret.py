@@ -3,8 +3,7 @@
 layers/rope.py, the SDPA attention of layers/attention.py), write exactly one cache row per kv head,
 and give the same attention bits run to run and for any cache length.
 
-Triton reads TRITON_INTERPRET when it is first imported, so unless this process was started with
-it, a single test runs this file again in a child process that is. Skipped where Triton is not
+Runs in the interpreter's own stage (tests/interpret/interpreter.py). Skipped where Triton is not
 installed. Float32 is checked tightly; bfloat16 only loosely, because the interpreter truncates
 float32 -> bfloat16 where the GPU rounds to nearest (tests/gpu checks the bf16 bits)."""
 
@@ -14,7 +13,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-from interpret import gen, interpreted_module, randn, relative_error, run_file_interpreted  # noqa: E402
+from interpreter import gen, interpreted_module, randn, relative_error  # noqa: E402
 
 from moestream.layers.kv_cache import KVCache  # noqa: E402
 from moestream.layers.attention import Attention, AttentionWeights  # noqa: E402
@@ -24,10 +23,6 @@ from moestream.layers.rope import Rope, apply_rope  # noqa: E402
 EPS = 1e-6
 THETA = 1e6
 TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}  # max |y - ref| / max |ref|
-
-
-def test_decode_kernels_under_the_interpreter():
-    run_file_interpreted(__file__)
 
 
 @pytest.fixture(scope="module")

@@ -4,8 +4,7 @@ with the torch reference (moestream.kernels.reference, which dequantizes with
 moestream.quant.mxfp4) for SwiGLU and gpt-oss's clamped SwiGLU with its biases, with scales over a
 wide exponent range, and give the same bits for any batching or slot assignment.
 
-As in test_kernels_interpret, one test runs this file again in a child process with
-TRITON_INTERPRET=1, where the kernel tests run. Skipped where Triton is not installed."""
+Runs in the interpreter's own stage (tests/interpret/interpreter.py). Skipped where Triton is not installed."""
 import dataclasses
 from types import SimpleNamespace
 
@@ -15,7 +14,7 @@ import torch
 triton = pytest.importorskip("triton")
 
 import triton.language as tl  # noqa: E402
-from interpret import interpreted_module, run_file_interpreted  # noqa: E402
+from interpreter import interpreted_module  # noqa: E402
 
 from kernel_helpers import build_pool, reference_moe  # noqa: E402
 from moestream.kernels.triton_moe import _e2m1_f32, _e8m0_f32  # noqa: E402
@@ -30,10 +29,6 @@ CONFIG = dict(gemv_gate_up_n=128, gemv_down_n=128, gate_up_n=128, down_n=128, bl
 CLAMPED = dict(activation="clamped_swiglu", alpha=1.702, limit=1.0)  # a low limit: the clamps bite
 ACTS = {"silu": {}, "clamped_swiglu": CLAMPED}
 WIDE = 30  # scale exponents within +-30 binades of the unit one: 61 binades
-
-
-def test_mxfp4_kernels_under_the_interpreter():
-    run_file_interpreted(__file__)
 
 
 def test_mxfp4_bytes_read_as_int32_words_are_the_affine_4_bit_packing():

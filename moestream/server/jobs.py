@@ -1,0 +1,118 @@
+"""What the worker and its batch scheduler exchange with the HTTP side: a Job (its choices and the
+sink its events go to) and the plain events a job's sink receives (text deltas, then one end event)."""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from moestream.engine.types import SamplingParams
+from moestream.errors import MoestreamError
+
+# ------------------------------------------------------------------------------------------ events
+
+@dataclass
+class TokenLogprobInfo:
+    token: str
+    logprob: Optional[float]  # None: the prompt's first token (nothing predicts it)
+    top: list[tuple[str, float]] = field(default_factory=list)
+
+
+@dataclass
+class Started:
+    queue_s: float
+
+
+@dataclass
+class TextDelta:
+    text: str
+    logprobs: list[TokenLogprobInfo] = field(default_factory=list)
+    index: int = 0  # the choice
+
+
+@dataclass
+class PromptLogprobs:
+    """The prompt's tokens with their log-probabilities (echo), before the choice's text."""
+
+    text: str
+    logprobs: list[TokenLogprobInfo]
+    index: int = 0
+
+
+@dataclass
+class Finished:
+    finish_reason: str  # "stop" | "length" | "cancelled"
+    prompt_tokens: int
+    completion_tokens: int
+    receipt: dict
+    queue_s: float
+    logprobs: list[TokenLogprobInfo] = field(default_factory=list)  # tokens whose text was not shown
+    index: int = 0
+    last: bool = True  # the job's last choice
+    stop_string: Optional[str] = None  # the stop string that ended it, if one did
+
+
+@dataclass
+class Failed:
+    message: str
+    code: str = "engine_error"
+
+
+Event = Any  # Started | PromptLogprobs | TextDelta | Finished | Failed
+
+
+# ---------------------------------------------------------------------------------------- the job
+
+@dataclass
+class Choice:
+    """One generation of a job: a request with n > 1 or several prompts has several, run in order."""
+
+    prompt_ids: list[int]
+    max_new_tokens: int
+    sampling: SamplingParams
+    echo: bool = False  # report the prompt's logprobs (PromptLogprobs) first
+
+
+@dataclass
+class Job:
+    choices: list[Choice]
+    sink: Callable[[Event], None]  # called on the worker thread; must be thread-safe and quick
+    stops: list[str] = field(default_factory=list)
+    logprobs: Optional[int] = None  # None: off; K: each token's logprob and the K most likely
+    request_id: str = ""
+    enqueued_at: float = field(default_factory=time.monotonic)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    done: threading.Event = field(default_factory=threading.Event)
+    _worker: Any = field(default=None, repr=False)  # the server.worker.Worker that queued it
+
+    def cancel(self) -> None:
+        """The client is gone (or the server is stopping): drop the job or stop its generation."""
+        if self.done.is_set() or self.cancelled.is_set():
+            return
+        self.cancelled.set()
+        if self._worker is not None:
+            self._worker._drop_waiting(self)
+
+
+def event_collector() -> tuple[list, threading.Event, Callable]:
+    """(events, done, sink): a Job's sink that keeps its events and sets `done` at its end (its last
+    choice's Finished, or Failed), for callers that submit jobs directly (benchmarks, tests)."""
+    events: list = []
+    done = threading.Event()
+
+    def sink(event) -> None:
+        events.append(event)
+        if isinstance(event, Failed) or (isinstance(event, Finished) and event.last):
+            done.set()
+
+    return events, done, sink
+
+
+def is_user_error(exc: BaseException) -> bool:
+    return isinstance(exc, MoestreamError)
+
+
+def one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
