@@ -63,10 +63,14 @@ def _tile_acc(x_ptr, w_ptr, R, N, stride_x, stride_w, first, K: tl.constexpr, RB
             kmask = (k0 + kk < K)[None, :]
             xt = tl.load(x_tile + k0, mask=kmask, other=0.0)
             wt = tl.load(w_tile + k0, mask=kmask, other=0.0)
-        if DOT_F32:
+        if DOT_F32:  # the interpreter: its tl.dot (a BLAS call) rounds a row by its place in the tile
             xt = xt.to(tl.float32)
             wt = wt.to(tl.float32)
-        if SWAP:
+            if SWAP:
+                acc += tl.sum(wt[:, None, :] * xt[None, :, :], axis=2)
+            else:
+                acc += tl.sum(xt[:, None, :] * wt[None, :, :], axis=2)
+        elif SWAP:
             acc = tl.dot(wt, tl.trans(xt), acc, input_precision=PRECISION)
         else:
             acc = tl.dot(xt, tl.trans(wt), acc, input_precision=PRECISION)
