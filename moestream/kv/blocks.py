@@ -66,3 +66,10 @@ class BlockAllocator:
         digest = self.hash_of.pop(block, None)
         if digest is not None:
             del self.by_hash[digest]
+
+    def forget_all(self) -> None:
+        """Every block forgets its hash; the free ones among them become empty."""
+        self.empty.extend(self.cached)
+        self.cached.clear()
+        self.hash_of.clear()
+        self.by_hash.clear()

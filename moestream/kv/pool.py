@@ -123,6 +123,11 @@ class KVPool:
                 group.table.copy_(group.host)
             group.dirty = False
 
+    def forget_published(self) -> None:
+        """No block answers a hash any more: the next prompts are computed whole (Engine.reset)."""
+        for group in self.groups.values():
+            group.allocator.forget_all()
+
     @property
     def nbytes(self) -> int:
         tensors = [t for c in self.layers for t in (c.keys, c.values) if t is not None]
