@@ -11,6 +11,7 @@ import torch
 from moestream.engine.types import common_prefix
 from moestream.errors import MoestreamError
 from moestream.kv.layout import LayerKV
+from moestream.kv import pool as kv_pool
 from moestream.kv.pool import KVPool, SequenceKV
 
 
@@ -24,7 +25,7 @@ class SequenceSlots:
     def __init__(self, layout: list[LayerKV], max_context: int, *, count: int, dtype: torch.dtype,
                  device: torch.device, prefill_chunk: int = 0, num_blocks: int | None = None):
         self.pool = KVPool(layout, max_sequences=count, max_context=max_context, dtype=dtype, device=device,
-                           prefill_chunk=prefill_chunk, num_blocks=num_blocks)
+                           block_size=kv_pool.BLOCK_SIZE, prefill_chunk=prefill_chunk, num_blocks=num_blocks)
         self.caches = self.pool.sequences
         self.max_context = max_context
         self._open = {0}
