@@ -98,18 +98,20 @@ class MLAttention:
         T = positions.shape[0]
         if not x.is_cuda:
             return torch.cat([self._row(x[t:t + 1], positions[t:t + 1], sequences[t:t + 1], kv) for t in range(T)])
-        cos, sin = self.rope.cos_sin(positions, x.dtype)
-        q_nope, q_rot = self._query(x[:T], cos, sin)
-        kv.write(positions, sequences, self._latent(x[:T], cos, sin)[0][:, None], None)
+        # the products over all R rows (a step's fixed tile: a row's bits never depend on T)
+        rows = torch.cat([positions, positions.new_zeros(x.shape[0] - T)])
+        cos, sin = self.rope.cos_sin(rows, x.dtype)
+        q_nope, q_rot = self._query(x, cos, sin)
+        kv.write(positions, sequences, self._latent(x, cos, sin)[0][:T, None], None)
         table = kv.block_table.index_select(0, sequences).long()  # [T, MB]
         span = table.shape[1] * kv.block_size
         seen = torch.arange(span, device=x.device)[None, :] <= positions[:, None]  # [T, span]
         outs = [self.attend_absorbed(q_nope[:, t:t + 1], q_rot[:, t:t + 1], kv.keys[table[t]].flatten(0, 1)[:, 0],
                                      mask=seen[t:t + 1]) for t in range(T)]
-        out = self._out(torch.cat(outs, dim=1))
-        if x.shape[0] > T:
-            out = torch.cat([out, out.new_zeros((x.shape[0] - T, out.shape[1]))])
-        return out
+        out = torch.cat(outs, dim=1)  # [N, T, Dv]
+        if x.shape[0] > T:  # the output product over all R rows too
+            out = torch.cat([out, out.new_zeros((out.shape[0], x.shape[0] - T, out.shape[2]))], dim=1)
+        return self._out(out)
 
     def _row(self, x: torch.Tensor, pos: torch.Tensor, seq: torch.Tensor, kv: LayerCache) -> torch.Tensor:
         """One row x [1, H] on the CPU: its latent row written, then attention over its sequence's rows."""
