@@ -147,7 +147,7 @@ class Decoder:
         for i, layer in enumerate(layers):
             block = layer.ffn
             if isinstance(block, MoEBlock) and self.tile_linear is not F.linear and \
-                    type(block).route is MoEBlock.route and block.fuses(dtype, MAX_FUSED_EXPERTS):
+                    block.fuses(dtype, MAX_FUSED_EXPERTS):
                 self.fused_route[i] = router
             if not isinstance(block, MoEBlock) or not self.experts.uses_triton(block.layer, dtype):
                 continue
@@ -278,8 +278,7 @@ class Decoder:
 
     def _tile_head(self, x: torch.Tensor) -> torch.Tensor:
         """The head over the row tile x [MAX_STEP_TOKENS, H], its product on `tile_linear`."""
-        tile_head = getattr(self.model, "tile_head", None)
-        return self.model.head(x) if tile_head is None else tile_head(x, self.tile_linear)
+        return self.model.tile_head(x, self.tile_linear)
 
     def _saved_head(self) -> None:
         self.saved_logits.copy_(self._tile_head(self.saved_x))

@@ -80,6 +80,10 @@ class ParallelMoEBlock(MoEBlock):
         return self._norm(self.mlp(self._norm(h, "pre_feedforward_layernorm"), linear=linear),
                           "post_feedforward_layernorm_1")
 
+    def fuses(self, dtype: torch.dtype, max_experts: int | None = None) -> bool:
+        """Never: its router (GemmaRouter) is no plain softmax top-k over x."""
+        return False
+
     # the decoder's interface: x is the experts' input; h is `pending`
     def route(self, x: torch.Tensor, *, linear=F.linear, fused=None) -> tuple[torch.Tensor, torch.Tensor]:
         return self.route_h(self.pending, linear)
