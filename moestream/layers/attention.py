@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from moestream.kernels.reference import rows_exact, rows_linear
-from moestream.kv.pool import LayerCache
+from moestream.kv.pool import MAX_STEP_TOKENS, LayerCache
 from moestream.layers.norm import rms_norm
 from moestream.layers.norm_f32 import rms_norm_f32
 from moestream.layers.rope import Rope, apply_rope
@@ -120,16 +120,16 @@ class Attention:
         cos may round a vector's tail otherwise)."""
         if positions.is_cuda or positions.shape[0] == 1:
             return self.rope.cos_sin(positions, dtype)
-        rows = [self.rope.cos_sin(positions[t:t + 1], dtype) for t in range(positions.shape[0])]
-        return torch.cat([c for c, _ in rows]), torch.cat([s for _, s in rows])
+        return self.rope.rows_cos_sin(positions, dtype)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, sequences: torch.Tensor, kv: LayerCache, *,
                 linear=None) -> torch.Tensor:
         """x [R, H] (normed), positions and sequences [T] (T <= R, on x's device) -> [R, H] (rows past T:
-        what zeros give). linear: the products' kernel over all R rows (default: F.linear on CUDA,
-        row_linear on the CPU)."""
+        what zeros give). linear: the products' kernel over all R rows (a decode step passes the row
+        tile's; default: F.linear on CUDA and for a prefill chunk of more rows than a step has,
+        else row_linear, the rows of a step on the CPU)."""
         T = positions.shape[0]
-        linear = linear or (F.linear if x.is_cuda else row_linear)
+        linear = linear or (F.linear if x.is_cuda or T > MAX_STEP_TOKENS else row_linear)
         q, k, v, gate = self._project(x, linear)
         cos, sin = self._cos_sin(positions, x.dtype)
         q = apply_rope(q[:T].transpose(0, 1), cos, sin)  # [Nq, T, D]
@@ -147,7 +147,17 @@ class Attention:
 
     def _attend_cpu(self, q: torch.Tensor, positions: torch.Tensor, sequences: torch.Tensor,
                     kv: LayerCache) -> torch.Tensor:
-        """Each row alone over its sequence's visible positions: q [Nq, T, D] -> [T, Nq * Dv]."""
+        """q [Nq, T, D] -> [T, Nq * Dv]: a step's rows (at most MAX_STEP_TOKENS) each alone over its
+        sequence's visible positions; a prefill chunk's (more rows, one sequence) at once, masked."""
+        T = q.shape[1]
+        if T > MAX_STEP_TOKENS:
+            seq, first, last = int(sequences[0]), int(positions[0]), int(positions[-1])
+            lo = kv.first_visible(first)
+            keys, values = kv.gather(seq, lo, last + 1)  # [S, Nkv, D]
+            seen = positions[:, None] >= torch.arange(lo, last + 1)[None, :]
+            if self.window is not None:
+                seen &= torch.arange(lo, last + 1)[None, :] > positions[:, None] - self.window
+            return self.attend(q, keys.transpose(0, 1), values.transpose(0, 1), seen)
         out = []
         for t, (pos, seq) in enumerate(zip(positions.tolist(), sequences.tolist())):
             keys, values = kv.gather(seq, kv.first_visible(pos), pos + 1)  # [S, Nkv, D]
@@ -158,6 +168,7 @@ class Attention:
                mask: torch.Tensor | None) -> torch.Tensor:
         """q [Nq, T, D], keys [Nkv, S, D], values [Nkv, S, Dv], mask [T, S] bool or None (all visible)
         -> [T, Nq * Dv]. A head's sink logit joins the softmax and is then dropped."""
+        T, S = q.shape[1], keys.shape[1]
         groups = self.num_heads // keys.shape[0]
         if groups > 1:
             keys, values = keys.repeat_interleave(groups, dim=0), values.repeat_interleave(groups, dim=0)
@@ -167,11 +178,11 @@ class Attention:
         if mask is not None:
             scores = scores.masked_fill(~mask, float("-inf"))
         if self.w.sinks is not None:
-            sinks = self.w.sinks.to(scores.dtype)[:, None, None].expand(-1, q.shape[1], 1)
+            sinks = self.w.sinks.to(scores.dtype)[:, None, None].expand(-1, T, 1)
             scores = torch.cat([scores, sinks], dim=-1)
-        probs = torch.softmax(scores.float(), dim=-1).to(values.dtype)[..., :keys.shape[1]]
+        probs = torch.softmax(scores.float(), dim=-1).to(values.dtype)[..., :S]
         out = torch.matmul(probs, values)  # [Nq, T, Dv]
-        return out.transpose(0, 1).reshape(q.shape[1], -1)
+        return out.transpose(0, 1).reshape(T, -1)
 
     def _attend_cuda(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                      sequences: torch.Tensor, kv: LayerCache, rows: int) -> torch.Tensor:
