@@ -16,10 +16,10 @@ from conftest import live_server
 from serve_process import start_serve
 
 pytest.importorskip("torch")
-from moestream.kv.pool import BLOCK_SIZE
 from moestream.engine.engine import Engine  # noqa: E402
 from moestream.engine.options import EngineOptions  # noqa: E402
 from moestream.engine.types import SamplingParams  # noqa: E402
+from moestream.kv.pool import BLOCK_SIZE  # noqa: E402
 from moestream.server.generation import choice_seed  # noqa: E402
 from moestream.server.worker import Worker  # noqa: E402
 
