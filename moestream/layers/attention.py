@@ -11,7 +11,8 @@ rows at once, speculative verification and batches: row t is the token at positi
 sequences[t]; every row's K/V are written into the pool's blocks before any row attends, so a later
 row of a sequence sees the earlier ones. A row's bits never depend on the rows beside it: on the CPU
 its products are one-row products batched (rows_linear, where exact; else one call per row) and it
-attends alone; on CUDA the caller's products run over a fixed row tile.
+attends alone; on CUDA the caller's products run over a fixed row tile and the paged Triton kernels
+(moestream.kernels.triton_paged_attention) store and attend.
 
 Legend: R rows of x (R >= T), T tokens, H hidden, Nq/Nkv heads, D head size (Dv values), S positions."""
 from __future__ import annotations
@@ -186,28 +187,13 @@ class Attention:
 
     def _attend_cuda(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                      sequences: torch.Tensor, kv: LayerCache, rows: int) -> torch.Tensor:
-        """Store and attend with no host read (capturable): the paged kernels where they exist, else
-        torch ops over every block a row's sequence may hold, masked. -> [rows, Nq * Dv]."""
-        try:
-            from moestream.kernels import triton_paged_attention as paged
-        except ImportError:
-            paged = None
-        if paged is not None:
-            paged.store_kv(k, v, positions, sequences, kv.block_table, kv.keys, kv.values)
-            return paged.paged_attention(q.transpose(0, 1).contiguous(), kv.keys, kv.values, kv.block_table,
-                                         positions, sequences, scale=self.scale, window=self.window,
-                                         sinks=None if self.w.sinks is None else self.w.sinks.float(),
-                                         softcap=self.softcap, out_rows=rows)
-        kv.write(positions, sequences, k, v)
-        table = kv.block_table.index_select(0, sequences).long()  # [T, MB]
-        T, span = q.shape[1], table.shape[1] * kv.block_size
-        key_pos = torch.arange(span, device=q.device)
-        seen = key_pos[None, :] <= positions[:, None]
-        if self.window is not None:
-            seen &= key_pos[None, :] > positions[:, None] - self.window
-        out = q.new_zeros((rows, self.num_heads * kv.values.shape[-1]))
-        for t in range(T):  # T is fixed per captured step
-            keys = kv.keys[table[t]].flatten(0, 1).transpose(0, 1)  # [Nkv, span, D]
-            values = kv.values[table[t]].flatten(0, 1).transpose(0, 1)
-            out[t] = self.attend(q[:, t:t + 1], keys, values, seen[t:t + 1])[0]
-        return out
+        """Store the rows' K/V in their blocks, then attend with no host read (capturable): the paged
+        Triton kernels, decode's split form for a step's rows, the prefill form for a chunk's.
+        q [Nq, T, D] -> [rows, Nq * Dv] (rows past T zero)."""
+        from moestream.kernels import triton_paged_attention as paged
+
+        paged.store_kv(k, v, positions, sequences, kv.block_table, kv.keys, kv.values)
+        attend = paged.paged_attention if q.shape[1] <= MAX_STEP_TOKENS else paged.paged_prefill
+        return attend(q.transpose(0, 1), kv.keys, kv.values, kv.block_table, positions, sequences, scale=self.scale,
+                      window=self.window, sinks=None if self.w.sinks is None else self.w.sinks.float(),
+                      softcap=self.softcap, out_rows=rows)

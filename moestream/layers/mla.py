@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from moestream.kv.layout import LayerKV
-from moestream.kv.pool import LayerCache
+from moestream.kv.pool import MAX_STEP_TOKENS, LayerCache
 from moestream.layers.norm import rms_norm
 from moestream.layers.rope import Rope, apply_rope, apply_rope_interleaved
 
@@ -94,7 +94,8 @@ class MLAttention:
                 linear=None) -> torch.Tensor:
         """x [R, H] (normed), positions and sequences [T] -> [R, H], the absorbed form over the latent rows
         in the pool's blocks. On the CPU row by row (a row's bits never depend on the rows beside it);
-        on CUDA with no host read: each row attends over every block its sequence may hold, masked."""
+        on CUDA with no host read, the paged kernels over the latent rows (values: their latent part, a
+        view of the same blocks): decode's for a step's rows, prefill's for a chunk's."""
         T = positions.shape[0]
         if not x.is_cuda:
             return torch.cat([self._row(x[t:t + 1], positions[t:t + 1], sequences[t:t + 1], kv) for t in range(T)])
@@ -103,14 +104,16 @@ class MLAttention:
         cos, sin = self.rope.cos_sin(rows, x.dtype)
         q_nope, q_rot = self._query(x, cos, sin)
         kv.write(positions, sequences, self._latent(x, cos, sin)[0][:T, None], None)
-        table = kv.block_table.index_select(0, sequences).long()  # [T, MB]
-        span = table.shape[1] * kv.block_size
-        seen = torch.arange(span, device=x.device)[None, :] <= positions[:, None]  # [T, span]
-        outs = [self.attend_absorbed(q_nope[:, t:t + 1], q_rot[:, t:t + 1], kv.keys[table[t]].flatten(0, 1)[:, 0],
-                                     mask=seen[t:t + 1]) for t in range(T)]
-        out = torch.cat(outs, dim=1)  # [N, T, Dv]
-        if x.shape[0] > T:  # the output product over all R rows too
-            out = torch.cat([out, out.new_zeros((out.shape[0], x.shape[0] - T, out.shape[2]))], dim=1)
+        # absorbed: the query in latent space, the cached rows as keys and their latent part as values
+        from moestream.kernels import triton_paged_attention as paged
+
+        s = self.shape
+        query = torch.cat((torch.matmul(q_nope, self.k_up), q_rot), dim=-1)  # [N, R, R + Dr]
+        attend = paged.paged_attention if T <= MAX_STEP_TOKENS else paged.paged_prefill
+        latent = attend(query[:, :T].transpose(0, 1), kv.keys, kv.keys[..., :s.kv_lora_rank],
+                        kv.block_table, positions, sequences, scale=self.scale, out_rows=x.shape[0])  # [R, N * R]
+        out = torch.matmul(latent.view(-1, s.num_heads, s.kv_lora_rank).transpose(0, 1),
+                           self.v_up.transpose(1, 2))  # [N, R rows, Dv]
         return self._out(out)
 
     def _row(self, x: torch.Tensor, pos: torch.Tensor, seq: torch.Tensor, kv: LayerCache) -> torch.Tensor:
