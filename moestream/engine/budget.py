@@ -9,7 +9,7 @@ import torch
 from moestream.errors import MoestreamError
 from moestream.experts.sizing import format_bytes
 from moestream.format.reader import PackedModel
-from moestream.layers.kv_cache import KVCache
+from moestream.kv.pool import KVPool
 from moestream.quant.affine import QuantSpec
 from moestream.quant.mxfp4 import MODE as MXFP4
 
@@ -38,7 +38,7 @@ class Ledger:
         return {**asdict(self), "device_total": self.device_total}
 
     def table(self, *, slots: int, slot_bytes: int, total_experts: int) -> str:
-        rows = [("resident weights", self.resident_weights), ("KV caches (max context each)", self.kv_cache),
+        rows = [("resident weights", self.resident_weights), ("KV pool", self.kv_cache),
                 ("workspace (estimate)", self.workspace),
                 (f"expert slots ({slots} of {total_experts}, {100 * slots / total_experts:.0f}%)", self.expert_slots),
                 ("read buffers", self.read_buffers)]
@@ -84,9 +84,11 @@ def unpacked_expert_bytes(packed: PackedModel, dtype: torch.dtype) -> int:
 def plan_ledger(packed: PackedModel, args, *, dtype: torch.dtype, max_context: int, chunk: int, slots: int,
                 slot_bytes: int, host_slots: int, staging: int, cuda: bool = False, sequences: int = 1,
                 unpacked: int = 0) -> Ledger:
-    """sequences: KV caches allocated (one per sequence slot, each for the whole context)."""
+    """sequences: sequence slots of the paged KV pool (its full-attention blocks for every slot at the
+    whole context, a window layer's for its window, recurrent states per slot)."""
     item = torch.finfo(dtype).bits // 8
-    kv = sequences * KVCache.bytes_for_layout(args.kv_layout(), max_context, dtype)
+    kv = KVPool.bytes_for(args.kv_layout(), sequences=sequences, max_context=max_context, dtype=dtype,
+                          prefill_chunk=chunk)
     workspace = prefill_workspace(args, tokens=min(chunk, max_context), context=max_context, item=item)
     if cuda:
         workspace = max(workspace, decode_workspace(args, context=max_context))

@@ -46,14 +46,13 @@ def tokenizer_mismatch(model_dir: str | Path, draft_dir: str | Path) -> str | No
 
 def draft_engine_options(engine_options):
     """The draft engine runs beside the model: all its (few) experts resident where they fit, one
-    sequence, nothing recorded, no CPU share or lookahead of its own, and no prefill graphs (its
-    prefills are catch-ups of any length in the middle of decoding, where a bucket's first capture
-    would stall the decode; its bits never reach the output, which the model verifies)."""
+    sequence, nothing recorded, no CPU share or lookahead of its own (its bits never reach the
+    output, which the model verifies)."""
     from moestream.engine.options import EngineOptions
 
     return replace(engine_options or EngineOptions(), trace_routing=None, cache_size="auto", host_cache_size="0",
                    memory_budget=None, max_sequences=1, cpu_experts="off", prefetch="none", lookahead_maps="none",
-                   expert_parallel=None, expert_placement=None, prefill_graphs="off")
+                   expert_parallel=None, expert_placement=None)
 
 
 def make_options(kind: str, path: str | None, *, draft_tokens: int | None, max_draft_tokens: int = 8,

@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from moestream.layers.kv_cache import KVCache
 from moestream.engine import expert_setup, generation, prefill_graphs, timeline
 from moestream.engine.budget import prefill_workspace
 from moestream.engine.emitter import Emitter
@@ -29,8 +28,9 @@ from moestream.engine.options import EngineOptions
 from moestream.engine.sampling import argmax_rows
 from moestream.engine.sequences import PromptTooLongError, SequenceSlots
 from moestream.engine.tokenizer import load_tokenizer
-from moestream.engine.types import SamplingParams, common_prefix
+from moestream.engine.types import SamplingParams
 from moestream.errors import MoestreamError
+from moestream.kv.pool import SequenceKV
 from moestream.format.reader import PackedModel
 from moestream.models.registry import build_model
 
@@ -105,18 +105,13 @@ class Engine:
             raise
         self.model_name = packed.directory.name if packed.directory != DEMO_MODEL else "moestream-demo"
         self.sequences = SequenceSlots(self.args.kv_layout(), self.max_context, count=options.max_sequences,
-                                       dtype=self.dtype, device=self.device)
-        self.caches = self.sequences.caches
-        self.decoder = Decoder(self.model, self.caches, self.experts, graphs=options.cuda_graphs, lookahead=lookahead,
-                               maps=self.guess_maps, rows=options.step_rows != "off",
-                               rows_products=options.rows_products)
-        if options.prefill_kernels == "fused" and self.device.type == "cuda":  # layers whose attention allows it
-            for layer in self.model.layers:
-                if getattr(layer, "takes_fused_prefill", lambda: False)():
-                    layer.fused_prefill = True
+                                       dtype=self.dtype, device=self.device, prefill_chunk=self.plan.prefill_chunk)
+        self.pool, self.caches = self.sequences.pool, self.sequences.caches
+        self.decoder = Decoder(self.model, self.pool, self.experts, graphs=options.cuda_graphs, lookahead=lookahead,
+                               maps=self.guess_maps)
         item = torch.finfo(self.dtype).bits // 8
         self.prefill_graphs = prefill_graphs.for_engine(
-            self.model, self.experts, options, self.device, self.plan.prefill_chunk,
+            self.model, self.experts, options, self.device, self.plan.prefill_chunk, self.pool,
             workspace=lambda tokens: prefill_workspace(self.args, tokens=tokens, context=self.max_context, item=item))
         self._resident_checked = False
         self._warmed: set[int] = set()  # row counts whose step graphs warm_steps captured
@@ -150,7 +145,7 @@ class Engine:
         self.experts.on_route = lambda layer, ids: self.trace.record(layer, self._position, ids.cpu().numpy())
 
     @property
-    def cache(self) -> KVCache:
+    def cache(self) -> SequenceKV:
         """Slot 0's KV cache (the default sequence)."""
         return self.caches[0]
 
@@ -215,8 +210,7 @@ class Engine:
         `prefill_chunk_tokens`; returns (logits [T, V] of the computed positions with all_logits, else
         of the last one [1, V]; tokens reused). (None, reused) if should_stop interrupted it."""
         cache = self.sequences.open_cache(seq)
-        reuse = 0 if all_logits else self._reusable(cache, prompt_ids, seq)
-        reuse = cache.truncate(reuse)  # less where a recurrent layer keeps no state at `reuse`
+        reuse = cache.truncate(0) if all_logits else self._reuse(cache, prompt_ids, seq)
         self.sequences.check_room(len(prompt_ids) - reuse, cache)
         if self._prefill_by_steps(len(prompt_ids) - reuse, seq):  # a few tokens: one step's graph
             if should_stop is not None and should_stop():
@@ -236,11 +230,15 @@ class Engine:
                     self._position = start
                     with timeline.span("prefill_chunk", position=start, tokens=len(piece)):
                         if self.prefill_graphs is not None and not all_logits and \
-                                self.prefill_graphs.takes(len(piece), start, cache):
-                            outputs.append(self.prefill_graphs.run(piece, cache))
+                                self.prefill_graphs.takes(len(piece), start, seq):
+                            outputs.append(self.prefill_graphs.run(piece, seq))
                         else:
+                            cache.reserve(start, start + len(piece))
+                            self.pool.sync()
                             ids = torch.tensor(piece, dtype=torch.long, device=self.device)
-                            outputs.append(self.model.forward(ids, start, cache, all_logits=all_logits))
+                            positions = torch.arange(start, start + len(piece), device=self.device)
+                            outputs.append(self.model.forward(ids, positions, torch.full_like(positions, seq),
+                                                              self.pool, all_logits=all_logits))
                     cache.append(piece)
         finally:
             self.model.on_hidden = None
@@ -258,10 +256,7 @@ class Engine:
 
         rows = MAX_STEP_TOKENS - beside
         cache = self.sequences.open_cache(seq)
-        reuse = self._reusable(cache, prompt_ids, seq)
-        if len(prompt_ids) - reuse > rows or not self._prefill_by_steps(len(prompt_ids) - reuse, seq):
-            return None
-        reuse = cache.truncate(reuse)  # less where a recurrent layer keeps no state at `reuse`
+        reuse = self._reuse(cache, prompt_ids, seq)  # less where a recurrent layer keeps no state there
         new = len(prompt_ids) - reuse
         if new > rows or not self._prefill_by_steps(new, seq):
             return None
@@ -273,13 +268,13 @@ class Engine:
         the device for all of them (moestream.engine.sampling.argmax_rows)."""
         return argmax_rows(rows)
 
-    def _reusable(self, cache: KVCache, prompt_ids: list[int], seq: int) -> int:
-        """How much of `prompt_ids` sequence `seq`'s cache may keep: the shared start, less its last token
-        (its logits start decoding), less one more where the hidden tap must see the state before the
-        first new token."""
-        reuse = min(common_prefix(cache.tokens, prompt_ids), len(prompt_ids) - 1)
-        if self.hidden_tap is not None and seq == 0:
-            reuse = max(0, reuse - 1)
+    def _reuse(self, cache: SequenceKV, prompt_ids: list[int], seq: int) -> int:
+        """Bring sequence `seq`'s cache to the start of `prompt_ids` it (or the pool's published blocks)
+        holds and return its length: less its last token (its logits start decoding), less one more
+        where the hidden tap must see the state before the first new token."""
+        reuse = cache.reuse(prompt_ids, len(prompt_ids) - 1)
+        if self.hidden_tap is not None and seq == 0 and reuse > 0:
+            reuse = cache.truncate(reuse - 1)
         return reuse
 
     def _prefill_by_steps(self, new: int, seq: int) -> bool:
@@ -338,7 +333,7 @@ class Engine:
         cache = self.sequences.open_cache(seq)
         if cache.tokens[position] != UNREAD:
             raise ValueError(f"position {position} of sequence {seq} holds a known token")
-        cache.tokens[position] = int(token)
+        cache.name(position, int(token))
 
     def _step(self, tokens: list[int], seq: int, *, head: bool,
               device_tokens: torch.Tensor | None = None) -> torch.Tensor:
@@ -429,8 +424,10 @@ class Engine:
             self.prefill(kept, seq=seq)
 
     def reset(self, *, seq: int = 0) -> None:
-        """Forget sequence `seq`'s cached tokens (the next prompt is prefilled whole)."""
-        self.sequences.open_cache(seq).truncate(0)
+        """Forget sequence `seq`'s cached tokens and the pool's published prefixes (the next prompt is
+        prefilled whole: a prefill's bits depend on how its chunks fall)."""
+        self.sequences.open_cache(seq).release()
+        self.pool.forget_published()
 
     def check_prompt(self, prompt_ids: list[int]) -> None:
         if not prompt_ids:

@@ -24,7 +24,7 @@ import torch
 from moestream.engine.types import common_prefix
 from moestream.engine.speculative import ModelDrafter
 from moestream.errors import MoestreamError
-from moestream.layers.kv_cache import KVCache
+from moestream.kv.pool import KVPool
 
 
 def mtp_layers(engine) -> list:
@@ -55,7 +55,9 @@ class MTPDrafter(ModelDrafter):
         super().__init__()
         self.layer = mtp_layers(engine)[0]
         self.engine = engine
-        self.cache = KVCache.for_layout([self.layer.kv], engine.max_context, dtype=engine.dtype, device=engine.device)
+        self.pool = KVPool([self.layer.kv], max_sequences=1, max_context=engine.max_context, dtype=engine.dtype,
+                           device=engine.device, prefill_chunk=engine.plan.prefill_chunk)
+        self.cache = self.pool.sequences[0]
         self.context: list[int] = []  # the tokens the cache's pairs are built from: pair p is (h_p, context[p + 1])
         self.states: dict[int, torch.Tensor] = {}  # position -> the main model's state [H], not yet in the cache
         self.seen_end = 0  # one past the last position the engine handed over
@@ -74,7 +76,9 @@ class MTPDrafter(ModelDrafter):
 
     def _run(self, hidden: torch.Tensor, tokens: list[int], start: int) -> tuple[torch.Tensor, torch.Tensor]:
         ids = torch.tensor(tokens, dtype=torch.long, device=self.engine.device)
-        out, logits = self.layer(hidden, ids, start, self.cache, 0, self.engine.model.rope)
+        self.cache.reserve(start, start + len(tokens))
+        self.pool.sync()
+        out, logits = self.layer(hidden, ids, start, self.pool.layer(0))
         self.cache.append(tokens)
         return out, logits
 

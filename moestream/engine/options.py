@@ -20,12 +20,6 @@ class EngineOptions:
     prefill_chunk_tokens: int = 2048  # each pass streams the experts it routes to once
     threads: int = 0  # CPU compute threads; 0: torch's default (the CLI resolves it: plan.choose_threads)
     cuda_graphs: bool = True  # CUDA decode steps replay as CUDA graphs (one per step when all experts are resident)
-    # a step's rows: auto (each layer's attention half once for all rows, where the family's attention
-    # allows: on CUDA any rows, on the CPU one sequence's) or off (row by row)
-    step_rows: str = "auto"
-    # the kernel of the products over a rows-at-once step's 16-row tile (q/k/v, o, router, shared expert,
-    # head): cuBLAS or the Triton kernel of moestream.kernels.triton_rows
-    rows_products: str = "triton"
     cache_size: str = "auto"
     cache_policy: str = "auto"  # clock, or lfu where the pool is smaller than one token's experts
     expert_source: str = "direct"
@@ -41,11 +35,6 @@ class EngineOptions:
     # after a prefill, give its transient device memory back (release) or keep it for the next prompt (keep);
     # auto: release under a memory budget (decode then holds only what it needs), else keep
     prefill_workspace: str = "auto"
-    # the prefill's attention half: torch ops (torch) or the decode step's fused Triton kernels (fused; CUDA)
-    prefill_kernels: str = "fused"
-    # a fresh prompt's prefill chunk padded to its length bucket, replayed as one CUDA graph per bucket where
-    # every expert is resident (auto: on CUDA; on: also on the CPU, eagerly; off)
-    prefill_graphs: str = "auto"
     verify: bool = True  # crc32 of every expert record read, sha256 of the resident files at load
     verify_cache_dir: str | None = None  # where resident files' digests are remembered; None: ~/.cache/moestream
     trace_routing: str | None = None
@@ -82,19 +71,6 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "a core for the expert readers when experts stream)")
     g.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="run decode steps without CUDA graphs (on CUDA they are on by default)")
-    g.add_argument("--step-rows", default="auto", choices=["auto", "off"],
-                   help="steps of several tokens or sequences: auto (on CUDA each layer's attention half once for "
-                        "all rows, products over a fixed 16-row tile, one CUDA graph per row count whatever "
-                        "sequences the rows come from; on the CPU one sequence's rows through each layer's "
-                        "attention half and the head at once, batched one-row products; families with plain "
-                        "attention) or off (row by row). Each row's bits never depend on the rows beside it "
-                        "either way")
-    g.add_argument("--rows-products", default="triton", choices=["cublas", "triton"],
-                   help="with a step's rows at once on CUDA (--step-rows auto), the kernel of the products over the "
-                        "step's 16-row tile (q/k/v, o, router, shared expert, head): triton (default; one program per "
-                        "block of outputs streaming the weights once, no split-K; each row's bits still independent "
-                        "of the rows beside it and of the cache size; 1.04x the resident decode on the H200) or "
-                        "cublas. The same tokens within the dtype's rounding, not the same bits")
     c = parser.add_argument_group("expert cache")
     c.add_argument("--cache-size", default="auto",
                    help="device expert slots: bytes (4GiB), a share of all experts (25%%), min, all; "
@@ -123,19 +99,6 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "MODEL/lookahead.safetensors where it exists), none (the plain routers), or a file; they "
                         "change which copies start early, never the output")
     c.add_argument("--memory-budget", default=None, metavar="SIZE", help="size everything to fit SIZE of device memory; refuse if impossible")
-    g.add_argument("--prefill-kernels", default="fused", choices=["torch", "fused"],
-                   help="a prefill's attention half on CUDA: the decode step's fused Triton kernels (default: norms, "
-                        "q/k norms + rotary + K/V write in one launch per layer; families with plain attention, the "
-                        "others keep torch ops; 1.3x the prefill of 512 tokens on the H200), or torch ops; the same "
-                        "tokens within the dtype's tolerance")
-    g.add_argument("--prefill-graphs", default="auto", choices=["auto", "on", "off"],
-                   help="a fresh prompt's prefill chunk (17..chunk tokens) padded to a power of two after its real "
-                        "rows and, where every expert is resident, replayed as one CUDA graph per length bucket "
-                        "(kept, like --prefill-workspace keep; 1.4-5x the prefill of 128-1,000 tokens on the H200). "
-                        "The padding changes the last bits against off, never with the cache size (a partial cache "
-                        "runs the same padded chunk eagerly). auto (default): on CUDA, a bucket captured at its "
-                        "second prompt (a capture costs ~0.2 s and more); on: captured at the first, and padded "
-                        "on the CPU too (eagerly, for tests); off: no padding")
     c.add_argument("--prefill-workspace", default="auto", choices=["auto", "keep", "release"],
                    help="a prefill's transient device memory (activations of a chunk, the expert kernels' scratch): "
                         "release gives it back after each prefill (decode holds only what it needs; the next prompt "

@@ -201,6 +201,4 @@ def run_facts(options: EngineOptions) -> dict:
     facts = {"threads": torch.get_num_threads(), "verify": options.verify, "streaming_option": options.streaming}
     if options.cpu_experts != "off":
         facts["cpu_experts"] = options.cpu_experts
-    if options.rows_products != "cublas":
-        facts["rows_products"] = options.rows_products
     return facts

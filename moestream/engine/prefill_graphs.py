@@ -1,4 +1,4 @@
-"""A fresh prompt's prefill chunk as one CUDA graph per length bucket (`--prefill-graphs`).
+"""A fresh prompt's prefill chunk on CUDA as one CUDA graph per length bucket.
 
 Why: up to 2,048 tokens an eager prefill call costs about 50 ms of the host's launches against about
 23 ms of GPU work at 512 tokens (H200, Qwen3-30B-A3B shape, every expert resident); a replayed graph
@@ -16,20 +16,19 @@ so a chunk of 100 rows and the same rows padded to 128 differ in the last bits (
 Qwen3-30B-A3B shape; a tiny model happened to agree). So wherever the mode pads, every fresh chunk is
 padded, graph or not: at every cache size (a graph needs every expert resident; a streamed prefill
 runs the same padded chunk eagerly), in every sequence slot, and after a failed capture. The padding
-changes bits only against `--prefill-graphs off`, never with the cache. Every MoE layer routes the
+never changes bits with the cache. Every MoE layer routes the
 padding's rows to the last real row's experts, so a streamed chunk's padding reads no expert the prompt
 did not (`padding_on_last_row`, in the graph too: the same expert ids in every mode).
 
 What a graph may touch: a replay writes into every tensor the capture saw, so those must live as long
-as the graph, at the same address. The KV cache is bound (a graph per sequence slot's cache), and the
-resident hits are not counted inside the graph (the engine's hit counter is the engine's to read and
+as the graph, at the same address. The KV pool is bound (its blocks and block tables; the rows'
+sequence is a static input, so one graph serves every slot), and the resident hits are not counted inside the graph (the engine's hit counter is the engine's to read and
 reset): the capture hands each layer's expert ids out (`RoutedExperts.booked`), and they are counted
 after each replay, for the real rows only, as the eager prefill counts them.
 
-Where it pads: a chunk starting at position 0 (keys then have the bucket's length) of plain attention
-in every layer and the generic forward, no routing trace, routing replacement, hidden-state tap or
-expert parallelism. Where a graph replays: besides, CUDA graphs on, every expert resident (no
-lookups), the first sequence slot, the Triton expert kernels, no device map, no memory budget (the
+Where it pads: a chunk starting at position 0 of a model with no recurrent layer, no routing trace,
+routing replacement, hidden-state tap or expert parallelism. Where a graph replays: besides, CUDA
+graphs on, every expert resident (no lookups), the Triton expert kernels, no device map, no memory budget (the
 graphs keep their activations, like `--prefill-workspace keep`). Elsewhere the padded chunk runs
 eagerly."""
 from __future__ import annotations
@@ -41,7 +40,7 @@ from typing import Callable
 
 import torch
 
-from moestream.layers.kv_cache import KVCache
+from moestream.kv.pool import KVPool
 from moestream.layers.moe import MoEBlock
 from moestream.layers.transformer import MoETransformer
 
@@ -58,130 +57,120 @@ def bucket(tokens: int) -> int:
     return n
 
 
-def for_engine(model: MoETransformer, experts, options, device: torch.device, chunk: int,
+def for_engine(model: MoETransformer, experts, options, device: torch.device, chunk: int, pool: KVPool,
                workspace: Callable[[int], int] | None = None) -> "PrefillGraphs | None":
-    """An engine's padded prefill where `--prefill-graphs` asks for it: auto on CUDA, on everywhere (the
-    CPU pads eagerly: tests); None elsewhere. Graphs are captured on CUDA with CUDA graphs and no memory
-    budget or released workspace (the graphs keep their activations): by auto on a key's second use,
-    by on at its first. workspace(tokens): a chunk's transient bytes (a capture needs that much free)."""
-    mode = options.prefill_graphs
-    if mode == "off" or not PrefillGraphs.fits(model) or (mode == "auto" and device.type != "cuda"):
+    """An engine's padded prefill on CUDA, None elsewhere. Graphs are captured with CUDA graphs and no
+    memory budget or released workspace (the graphs keep their activations), on a key's second use.
+    workspace(tokens): a chunk's transient bytes (a capture needs that much free)."""
+    if device.type != "cuda" or not PrefillGraphs.fits(pool):
         return None
-    capture = device.type == "cuda" and options.cuda_graphs and options.memory_budget is None and \
-        options.prefill_workspace != "release"
-    return PrefillGraphs(model, experts, largest=max(1, chunk), capture=capture, capture_after=1 if mode == "auto" else 0,
+    capture = options.cuda_graphs and options.memory_budget is None and options.prefill_workspace != "release"
+    return PrefillGraphs(model, experts, pool, largest=max(1, chunk), capture=capture, capture_after=1,
                          workspace=workspace)
 
 
 @dataclass
 class _Graph:
-    """A captured bucket: the graph, its static inputs (padded ids, the last real row's index), its
-    logits, and each resident layer's (layer, expert ids) as the graph leaves them, kept with it."""
+    """A captured bucket: the graph, its static inputs (padded ids, the last real row's index, the
+    rows' sequence), its logits, and each resident layer's (layer, expert ids) as the graph leaves
+    them, kept with it."""
 
     graph: torch.cuda.CUDAGraph
     ids: torch.Tensor
     last: torch.Tensor
+    sequences: torch.Tensor
     logits: torch.Tensor
     routed: list
 
 
 class PrefillGraphs:
-    def __init__(self, model: MoETransformer, experts, *, largest: int, capture: bool = True, capture_after: int = 0,
-                 workspace: Callable[[int], int] | None = None):
+    def __init__(self, model: MoETransformer, experts, pool: KVPool, *, largest: int, capture: bool = True,
+                 capture_after: int = 0, workspace: Callable[[int], int] | None = None):
         """largest: the longest chunk taken (the prefill chunk size). capture=False runs every padded
         chunk eagerly (the same padding, nothing captured). capture_after: how many chunks of a graph's
-        key run eagerly before it is captured (a capture costs ~0.2 s and more on the H200: auto waits
-        for a bucket's second prompt, so a one-prompt run never pays it; on captures at once).
+        key run eagerly before it is captured (a capture costs ~0.2 s and more on the H200: a bucket's
+        second prompt captures it, so a one-prompt run never pays it).
         workspace(tokens): the transient bytes of a chunk of `tokens` rows; a graph keeps its own, beside
         the eager prefill's, so a bucket is captured only where that much device memory is free."""
-        self.model, self.experts, self.largest, self.capture = model, experts, largest, capture
+        self.model, self.experts, self.pool, self.largest, self.capture = model, experts, pool, largest, capture
         self.capture_after, self.workspace = capture_after, workspace
         self._short: set[int] = set()  # buckets left eager for want of memory (logged once)
         self._uses: dict[tuple, int] = {}  # a graph's key -> the chunks run eagerly before its capture
         self.graphs: dict[tuple, _Graph] = {}
         self.broken = False  # a capture failed: every later padded chunk runs eagerly
-        self._caches: dict[int, int] = {}  # the address of a KV cache's keys -> its number in the graphs' keys
-        self.pool = torch.cuda.graph_pool_handle() if capture else None
+        self.graph_pool = torch.cuda.graph_pool_handle() if capture else None
         blocks = {(layer.ffn.top_k, layer.ffn.num_experts) for layer in model.layers if isinstance(layer.ffn, MoEBlock)}
         self._moe_shapes = sorted(blocks)
 
     @staticmethod
-    def fits(model: MoETransformer) -> bool:
-        """Whether the model's prefill can be padded: the generic forward, and in every layer the plain
-        decoder layer with plain causal attention (what the fused prefill kernels take; no window, sinks
-        or recurrent state that padding rows would reach)."""
-        return type(model).forward is MoETransformer.forward and \
-            all(getattr(layer, "takes_fused_prefill", lambda: False)() for layer in model.layers)
+    def fits(pool: KVPool) -> bool:
+        """Whether the model's prefill can be padded: no recurrent state that padding rows would advance
+        (padding rows come after the real ones, so causal attention keeps them from the real rows)."""
+        return not pool.recurrent
 
-    def takes(self, tokens: int, start: int, cache: KVCache) -> bool:
-        """Whether a chunk of `tokens` at `start` is padded: a fresh chunk of a bucket the cache holds,
+    def takes(self, tokens: int, start: int, seq: int) -> bool:
+        """Whether a chunk of `tokens` at `start` is padded: a fresh chunk of a bucket the context holds,
         nothing that watches each row (a routing trace or replacement, the hidden-state tap) and no
         expert parallelism. Nothing here may depend on the expert cache: the padding changes bits."""
         ex = self.experts
-        return start == 0 and SMALLEST // 2 < tokens <= self.largest and bucket(tokens) <= cache.max_tokens and \
+        return start == 0 and SMALLEST // 2 < tokens <= self.largest and bucket(tokens) <= self.pool.max_context and \
             ex.on_route is None and ex.reroute is None and ex.parallel is None and self.model.on_hidden is None
 
-    def replays(self, cache: KVCache) -> bool:
+    def replays(self) -> bool:
         """Whether a padded chunk runs as a graph: captured here, every expert resident with no device
-        map (no lookups), the first sequence slot's cache (a graph per slot and bucket would cost
-        captures in the middle of serving) and every MoE layer on the Triton kernels (the torch
-        reference reads ids on the host)."""
+        map (no lookups) and every MoE layer on the Triton kernels (the torch reference reads ids on
+        the host). The rows' sequence is a static input: one graph serves every sequence slot."""
         ex = self.experts
-        return self.capture and not self.broken and ex.resident and ex.device_map is None and \
-            self._cache_number(cache) == 0 and self._capturable()
-
-    def _cache_number(self, cache: KVCache) -> int:
-        """The cache's number in the graphs' keys, in the order caches were first seen."""
-        keys = cache.keys if isinstance(cache.keys, torch.Tensor) else cache.keys[0]
-        return self._caches.setdefault(keys.data_ptr(), len(self._caches))
+        return self.capture and not self.broken and ex.resident and ex.device_map is None and self._capturable()
 
     def _capturable(self) -> bool:
         dtype = self.model.dtype
         return all(self.experts.uses_triton(layer.ffn.layer, dtype) for layer in self.model.layers
                    if isinstance(layer.ffn, MoEBlock))
 
-    def _key(self, tokens: int, cache: KVCache) -> tuple:
-        """(bucket, each MoE shape's row block, the cache's number): a graph writes the K/V of the
-        cache it was captured with."""
+    def _key(self, tokens: int) -> tuple:
+        """(bucket, each MoE shape's row block, the expert kernels' mode)."""
         from moestream.kernels.triton_moe import DEFAULT_CONFIG, grouped_block_m
 
         dtype = self.model.dtype
-        number = self._cache_number(cache)
         gemv = tokens <= DEFAULT_CONFIG.gemv_max_tokens  # the expert kernels' mode (a config may raise it)
-        return (bucket(tokens),) + tuple(grouped_block_m(tokens, k, e, dtype) for k, e in self._moe_shapes) + \
-            (gemv, number)
+        return (bucket(tokens),) + tuple(grouped_block_m(tokens, k, e, dtype) for k, e in self._moe_shapes) + (gemv,)
 
-    def run(self, piece: list[int], cache: KVCache) -> torch.Tensor:
-        """Logits [1, V] (float32) of the last token of `piece`, prefilled at positions 0.. of `cache`;
-        the caller records the tokens in the cache."""
+    def run(self, piece: list[int], seq: int) -> torch.Tensor:
+        """Logits [1, V] (float32) of the last token of `piece`, prefilled at positions 0.. of sequence
+        `seq`; the caller records the tokens in the cache."""
         T, padded = len(piece), bucket(len(piece))
         dev = self.model.device
+        self.pool.sequences[seq].reserve(0, padded)  # the padding's rows too (overwritten before read)
+        self.pool.sync()
         ids = torch.tensor(piece + [piece[-1]] * (padded - T), dtype=torch.long, device=dev)
         last = torch.tensor([T - 1], dtype=torch.long, device=dev)
-        if not self.replays(cache):
-            return self._eager(ids, last, cache, T)
-        key = self._key(T, cache)
+        sequences = torch.full((padded,), seq, dtype=torch.long, device=dev)
+        if not self.replays():
+            return self._eager(ids, last, sequences, T)
+        key = self._key(T)
         entry = self.graphs.get(key)
         if entry is None and self._uses.get(key, 0) < self.capture_after:
             self._uses[key] = self._uses.get(key, 0) + 1  # one prompt of a bucket never repays its capture
-            return self._eager(ids, last, cache, T)
+            return self._eager(ids, last, sequences, T)
         if entry is None and not self._room(padded):
-            return self._eager(ids, last, cache, T)
+            return self._eager(ids, last, sequences, T)
         if entry is None:
             t0 = time.perf_counter()
             try:
-                entry = self._capture(ids, last, cache, T)
+                entry = self._capture(ids, last, sequences, T)
             except Exception as exc:  # noqa: BLE001 - the padded chunk run eagerly gives the same logits
                 log.warning("the prefill graph of %d tokens could not be captured (%s): padded prefills run eagerly",
                             padded, exc)
                 self.broken = True
                 torch.cuda.synchronize(dev)
-                return self._eager(ids, last, cache, T)
+                return self._eager(ids, last, sequences, T)
             self.graphs[key] = entry
-            log.info("captured the prefill graph of %d tokens (row blocks %s) in %.1f s", padded, key[1:-2],
+            log.info("captured the prefill graph of %d tokens (row blocks %s) in %.1f s", padded, key[1:-1],
                      time.perf_counter() - t0)
         entry.ids.copy_(ids)
         entry.last.copy_(last)
+        entry.sequences.copy_(sequences)
         entry.graph.replay()
         self._book(entry.routed, T)
         return entry.logits.clone()
@@ -202,19 +191,20 @@ class PrefillGraphs:
                      padded, need / 1e9, free / 1e9)
         return False
 
-    def _eager(self, ids: torch.Tensor, last: torch.Tensor, cache: KVCache, tokens: int) -> torch.Tensor:
+    def _eager(self, ids: torch.Tensor, last: torch.Tensor, sequences: torch.Tensor, tokens: int) -> torch.Tensor:
         routed: list = []
-        logits = self._forward(ids, last, cache, tokens, routed)
+        logits = self._forward(ids, last, sequences, tokens, routed)
         self._book(routed, tokens)
         return logits
 
-    def _forward(self, ids: torch.Tensor, last: torch.Tensor, cache: KVCache, tokens: int,
+    def _forward(self, ids: torch.Tensor, last: torch.Tensor, sequences: torch.Tensor, tokens: int,
                  routed: list) -> torch.Tensor:
         """The padded chunk through the model; `routed` takes each resident layer's (layer, ids [padded, A])."""
         ex = self.experts
         ex.tile_tokens, ex.last_real_row, ex.booked = tokens, last, routed
         try:
-            return self.model.forward(ids, 0, cache, last_row=last)
+            positions = torch.arange(ids.shape[0], device=ids.device)
+            return self.model.forward(ids, positions, sequences, self.pool, last_row=last)
         finally:
             ex.tile_tokens = ex.last_real_row = ex.booked = None
 
@@ -224,15 +214,15 @@ class PrefillGraphs:
         if routed:
             self.experts.count_resident_step([(layer, ids[:tokens]) for layer, ids in routed])
 
-    def _capture(self, ids: torch.Tensor, last: torch.Tensor, cache: KVCache, tokens: int) -> _Graph:
-        ids_in, last_in = ids.clone(), last.clone()
+    def _capture(self, ids: torch.Tensor, last: torch.Tensor, sequences: torch.Tensor, tokens: int) -> _Graph:
+        ids_in, last_in, seq_in = ids.clone(), last.clone(), sequences.clone()
         current = torch.cuda.current_stream(ids.device)
         side = torch.cuda.Stream(ids.device)
         side.wait_stream(current)
         with torch.cuda.stream(side):  # warm up outside the capture (Triton compiles, cuBLAS plans)
-            self._forward(ids_in, last_in, cache, tokens, [])  # its hits are not booked: the replay's are
+            self._forward(ids_in, last_in, seq_in, tokens, [])  # its hits are not booked: the replay's are
         current.wait_stream(side)
         graph, routed = torch.cuda.CUDAGraph(), []
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            logits = self._forward(ids_in, last_in, cache, tokens, routed)
-        return _Graph(graph, ids_in, last_in, logits, routed)
+        with torch.cuda.graph(graph, pool=self.graph_pool, capture_error_mode="thread_local"):
+            logits = self._forward(ids_in, last_in, seq_in, tokens, routed)
+        return _Graph(graph, ids_in, last_in, seq_in, logits, routed)

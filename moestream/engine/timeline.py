@@ -144,12 +144,12 @@ class Timeline:
 
 
 def segment_name(key: tuple) -> tuple[str, dict]:
-    """("attention", 3, 0, slot) -> ("attention", {"layer": 3, "token": 0, "sequence": slot});
+    """("attention-rows", 3, T) -> ("attention", {"layer": 3, "tokens": T}) (a step's rows at once);
     ("experts", 3, T) -> ("experts", {"layer": 3, "tokens": T}); ("head"[, T]) (CUDA: all rows at once);
-    ("start", T); ("step", T[, slot])."""
+    ("start", T); ("step", T)."""
     kind, rest = str(key[0]), key[1:]
-    if kind == "attention" and len(rest) >= 2:
-        return kind, {"layer": rest[0], "token": rest[1], **({"sequence": rest[2]} if len(rest) > 2 else {})}
+    if kind == "attention-rows" and len(rest) == 2:
+        return "attention", {"layer": rest[0], "tokens": rest[1]}
     if kind == "experts" and len(rest) == 2:
         return kind, {"layer": rest[0], "tokens": rest[1]}
     return kind, {"tokens": rest[0]} if rest else {}

@@ -7,7 +7,7 @@ Per token t (per value head; q, k of the head's key group, L2-normed, q scaled b
     o_t = S^T q_t                           S [Dk, Dv] float32, beta_t = sigmoid(b_t)
 
 q, k, v come from a depthwise causal convolution (width K, SiLU) over the projected inputs, so the
-layer's cache is S and the convolution's last K-1 inputs (moestream.layers.recurrent_state). The
+layer's cache is S and the convolution's last K-1 inputs (moestream.kv.recurrent). The
 output is RMS-normed per head, gated by SiLU(z), and projected back.
 
 Prefill runs the chunked form (a chunk's tokens in a few matmuls, the state carried between
@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from moestream.layers.kv_cache import KVCache
-from moestream.layers.recurrent_state import RECENT_STATES, RecurrentState
+from moestream.kv.pool import LayerCache
+from moestream.kv.recurrent import RECENT_STATES, RecurrentState
 
 CHUNK = 64  # tokens per chunk of the chunked form
 
@@ -113,13 +113,25 @@ class GatedDeltaNet:
         y = gated_rms_norm(o, z, self.w.norm, self.eps)
         return F.linear(y.reshape(o.shape[0], -1), self.w.out)
 
-    def __call__(self, x: torch.Tensor, cos, sin, cache: KVCache, layer: int, start: int) -> torch.Tensor:
-        """A prefill chunk x [T, H] at positions start..: chunks of CHUNK tokens aligned to absolute
-        positions (so snapshot lengths fall on chunk ends), the last tokens one by one (their states
-        go to the ring)."""
-        rec: RecurrentState = cache.states[layer]
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, sequences: torch.Tensor, kv: LayerCache, *,
+                linear=None) -> torch.Tensor:
+        """x [R, H] (normed), positions and sequences [T] -> [R, H] (rows past T: zeros). More rows
+        than a step has are a prefill chunk of one sequence (the chunked form); a step's rows run one
+        by one (each reads the state its sequence's previous row wrote), so a row's bits never
+        depend on the rows beside it."""
+        T = positions.shape[0]
+        if T > RECENT_STATES - 1:
+            return self._run(x, int(sequences[0]), int(positions[0]), kv.states)
+        rows = [self._step(x[t:t + 1], positions[t:t + 1], sequences[t:t + 1], kv.states) for t in range(T)]
+        if x.shape[0] > T:
+            rows.append(x.new_zeros((x.shape[0] - T, x.shape[1])))
+        return torch.cat(rows)
+
+    def _run(self, x: torch.Tensor, seq: int, start: int, rec: RecurrentState) -> torch.Tensor:
+        """Positions start.. of sequence `seq`: chunks of CHUNK tokens aligned to absolute positions (so
+        snapshot lengths fall on chunk ends), the last tokens one by one (their states go to the ring)."""
         T, end = x.shape[0], start + x.shape[0]
-        S, conv = rec.read(start)
+        S, conv = rec.read(seq, start)
         q, k, v, g, beta, z, window = self._inputs(x, conv)
         outs, t = [], 0
         one_by_one = max(0, end - (RECENT_STATES - 1))  # from this position on, every length is kept
@@ -136,14 +148,13 @@ class GatedDeltaNet:
                 outs.append(o)
                 t += n
             if rec.wants(start + t, end):
-                rec.write(start + t, end, S, window[t:t + self.width - 1])
+                rec.write(seq, start + t, end, S, window[t:t + self.width - 1])
         return self._output(torch.cat(outs, dim=1), z, x.dtype)
 
-    def step(self, x: torch.Tensor, pos: torch.Tensor, cache: KVCache, layer: int) -> torch.Tensor:
-        """One token x [1, H] at the device position pos [1]: no host read of pos (CUDA graphs)."""
-        rec: RecurrentState = cache.states[layer]
-        S, conv = rec.read_at(pos)
+    def _step(self, x: torch.Tensor, pos: torch.Tensor, seq: torch.Tensor, rec: RecurrentState) -> torch.Tensor:
+        """One token x [1, H] at the device position pos [1] of sequence seq [1]: no host read (CUDA graphs)."""
+        S, conv = rec.read_at(seq, pos)
         q, k, v, g, beta, z, window = self._inputs(x, conv)
         o, S = delta_rule_step(S, q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0])
-        rec.write_at(pos + 1, S, window[1:])
+        rec.write_at(seq, pos + 1, S, window[1:])
         return self._output(o[:, None], z, x.dtype)

@@ -1,22 +1,26 @@
 """Multi-head latent attention (DeepSeek-V2/V3): the KV cache holds, per token, one compressed
 latent [kv_lora_rank] and one rotary key [rope_dim] shared by all heads, not per-head K/V.
 
-Prefill expands each head's key (nope part) and value from the latent through kv_b. A one-token
-step uses the absorbed form instead: the query's nope part is taken into latent space through
-kv_b's key rows, attention runs over the cached rows themselves, and the result leaves latent
-space through kv_b's value rows; the two agree to rounding (checked in the tests)."""
+`forward` uses the absorbed form: the query's nope part is taken into latent space through kv_b's
+key rows, attention runs over the cached rows themselves, and the result leaves latent space
+through kv_b's value rows. The plain form (each head's key and value expanded from the latent
+through kv_b, `attend_expanded`) agrees to rounding (checked in the tests)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import sdpa_kernel
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from moestream.layers.attention import SDPA_BACKENDS
-from moestream.layers.kv_cache import KVCache, LayerKV
+from moestream.kv.layout import LayerKV
+from moestream.kv.pool import MAX_STEP_TOKENS, LayerCache
 from moestream.layers.norm import rms_norm
 from moestream.layers.rope import Rope, apply_rope, apply_rope_interleaved
+
+
+# cuDNN's attention builds a new plan for every key length; the flash and memory-efficient kernels need none
+SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 @dataclass
@@ -86,18 +90,40 @@ class MLAttention:
         T = out.shape[1]
         return F.linear(out.transpose(0, 1).reshape(T, -1), self.w.o, self.w.o_bias)
 
-    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, layer: int,
-                 start: int) -> torch.Tensor:
-        """A chunk x [T, H] at positions start.. (cos/sin [T, Dr]): K/V expanded from the latent."""
-        T = x.shape[0]
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, sequences: torch.Tensor, kv: LayerCache, *,
+                linear=None) -> torch.Tensor:
+        """x [R, H] (normed), positions and sequences [T] -> [R, H], the absorbed form over the latent rows
+        in the pool's blocks. On the CPU row by row (a row's bits never depend on the rows beside it);
+        on CUDA with no host read, the paged kernels over the latent rows (values: their latent part, a
+        view of the same blocks): decode's for a step's rows, prefill's for a chunk's."""
+        T = positions.shape[0]
+        if not x.is_cuda:
+            return torch.cat([self._row(x[t:t + 1], positions[t:t + 1], sequences[t:t + 1], kv) for t in range(T)])
+        # the products over all R rows (a step's fixed tile: a row's bits never depend on T)
+        rows = torch.cat([positions, positions.new_zeros(x.shape[0] - T)])
+        cos, sin = self.rope.cos_sin(rows, x.dtype)
         q_nope, q_rot = self._query(x, cos, sin)
-        rows = self._latent(x, cos, sin)
-        cached, _ = cache.update(layer, start, rows, rows[:0, :, :0])  # [1, S, R + Dr]
-        mask = None
-        if start > 0 and T > 1:  # a later prefill chunk: row i sees keys 0 .. start+i
-            S = cached.shape[1]
-            mask = torch.arange(S, device=x.device)[None, :] <= (start + torch.arange(T, device=x.device))[:, None]
-        return self._out(self.attend_expanded(q_nope, q_rot, cached[0], mask=mask, causal=start == 0 and T > 1))
+        kv.write(positions, sequences, self._latent(x, cos, sin)[0][:T, None], None)
+        # absorbed: the query in latent space, the cached rows as keys and their latent part as values
+        from moestream.kernels import triton_paged_attention as paged
+
+        s = self.shape
+        query = torch.cat((torch.matmul(q_nope, self.k_up), q_rot), dim=-1)  # [N, R, R + Dr]
+        attend = paged.paged_attention if T <= MAX_STEP_TOKENS else paged.paged_prefill
+        latent = attend(query[:, :T].transpose(0, 1), kv.keys, kv.keys[..., :s.kv_lora_rank],
+                        kv.block_table, positions, sequences, scale=self.scale, out_rows=x.shape[0])  # [R, N * R]
+        out = torch.matmul(latent.view(-1, s.num_heads, s.kv_lora_rank).transpose(0, 1),
+                           self.v_up.transpose(1, 2))  # [N, R rows, Dv]
+        return self._out(out)
+
+    def _row(self, x: torch.Tensor, pos: torch.Tensor, seq: torch.Tensor, kv: LayerCache) -> torch.Tensor:
+        """One row x [1, H] on the CPU: its latent row written, then attention over its sequence's rows."""
+        cos, sin = self.rope.cos_sin(pos, x.dtype)
+        q_nope, q_rot = self._query(x, cos, sin)
+        kv.write(pos, seq, self._latent(x, cos, sin)[0][:, None], None)
+        p = int(pos)
+        cached, _ = kv.gather(int(seq), 0, p + 1)  # [S, 1, R + Dr]
+        return self._out(self.attend_absorbed(q_nope, q_rot, cached[:, 0], mask=None))
 
     def attend_expanded(self, q_nope: torch.Tensor, q_rot: torch.Tensor, cached: torch.Tensor, *,
                         mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
@@ -125,18 +151,3 @@ class MLAttention:
             out = F.scaled_dot_product_attention(query[None], keys[None], keys[None, ..., :s.kv_lora_rank],
                                                  attn_mask=mask, scale=self.scale)
         return torch.matmul(out[0], self.v_up.transpose(1, 2))  # [N, T, R] -> [N, T, Dv]
-
-    def step(self, x: torch.Tensor, pos: torch.Tensor, cache: KVCache, layer: int) -> torch.Tensor:
-        """One token x [1, H] at the position `pos` (a one-element tensor on x's device), absorbed
-        form. On CUDA it reads no device value on the host (a CUDA graph serves every position): it
-        attends over every cache row with the rows after `pos` masked out; on CPU over rows 0..pos."""
-        cos, sin = self.rope.cos_sin(pos.view(1), x.dtype)
-        q_nope, q_rot = self._query(x, cos, sin)
-        rows = self._latent(x, cos, sin)
-        cache.keys[layer].index_copy_(1, pos.view(1), rows)
-        if x.is_cuda:
-            mask = torch.arange(cache.max_tokens, device=x.device)[None, :] <= pos.view(1, 1)
-            out = self.attend_absorbed(q_nope, q_rot, cache.keys[layer][0], mask=mask)
-        else:
-            out = self.attend_absorbed(q_nope, q_rot, cache.keys[layer][0, :int(pos) + 1], mask=None)
-        return self._out(out)

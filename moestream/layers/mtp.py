@@ -15,8 +15,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from moestream.layers.kv_cache import KVCache, LayerKV
-from moestream.layers.rope import Rope
+from moestream.kv.layout import LayerKV
+from moestream.kv.pool import LayerCache
 
 Norm = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]  # (x, weight, eps) -> normed x
 
@@ -27,7 +27,7 @@ class MTPLayer:
     embed_norm: torch.Tensor  # [H]
     hidden_norm: torch.Tensor  # [H]
     proj: torch.Tensor  # [H, 2H]: its input is [normed embedding, normed hidden]
-    block: object  # a decoder layer: block(x, cos, sin, cache, layer, start)
+    block: object  # a decoder layer: block(x, positions, sequences, kv)
     final_norm: torch.Tensor  # [H]
     head: torch.Tensor  # [V, H] (the main model's where the checkpoint shares it)
     kv: LayerKV  # the block's cache shape
@@ -35,18 +35,17 @@ class MTPLayer:
     eps: float
     chain_normed: bool = False  # the state the next chained step takes: after the final norm, or before
 
-    def __call__(self, hidden: torch.Tensor, ids: torch.Tensor, start: int, cache: KVCache, layer: int,
-                 rope: Rope) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, hidden: torch.Tensor, ids: torch.Tensor, start: int, kv: LayerCache,
+                 seq: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden [T, H] at positions start.., ids [T] the tokens one position later -> (the state a
-        chained step takes [T, H], logits [T, V] in float32). Writes the block's K/V at start.. in
-        `cache` (its layer `layer`); the caller records the positions."""
+        chained step takes [T, H], logits [T, V] in float32). Writes the block's K/V at start.. of
+        sequence `seq` in `kv` (the caller reserved their blocks and records the positions)."""
         e = F.embedding(ids, self.embed)  # [T, H]
         h = hidden.to(e.dtype)
         x = F.linear(torch.cat([self.norm(e, self.embed_norm, self.eps), self.norm(h, self.hidden_norm, self.eps)], -1),
                      self.proj)
         positions = torch.arange(start, start + ids.shape[0], device=ids.device)
-        cos, sin = rope.cos_sin(positions, x.dtype)
-        y = self.block(x, cos, sin, cache, layer, start)  # [T, H]
+        y = self.block(x, positions, torch.full_like(positions, seq), kv)  # [T, H]
         normed = self.norm(y, self.final_norm, self.eps)
         logits = F.linear(normed, self.head).to(torch.float32)
         return (normed if self.chain_normed else y), logits

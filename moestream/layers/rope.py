@@ -108,13 +108,13 @@ class Rope:
             cos, sin = cos * self.scale, sin * self.scale
         return cos.to(dtype), sin.to(dtype)
 
-    def rows_cos_sin(self, start: int, T: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, rotary_dim] of positions start.., each row as `cos_sin` gives its position
-        alone (a vectorized cos may round a vector's tail otherwise). The last answer is kept: the
-        layers of a CPU step of several rows ask for the same."""
-        key = (start, T, dtype)
+    def rows_cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, rotary_dim] of positions [T] (CPU), each row as `cos_sin` gives its position
+        alone (a vectorized cos may round a vector's tail otherwise). The last answer is kept: every
+        layer of a step or prefill chunk asks for the same."""
+        key = (tuple(positions.tolist()), dtype)
         if getattr(self, "_rows_key", None) != key:
-            rows = [self.cos_sin(torch.tensor([start + t], device=self.inv_freq.device), dtype) for t in range(T)]
+            rows = [self.cos_sin(positions[t:t + 1], dtype) for t in range(positions.shape[0])]
             self._rows = torch.cat([c for c, _ in rows]), torch.cat([s for _, s in rows])
             self._rows_key = key
         return self._rows

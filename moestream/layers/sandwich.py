@@ -5,10 +5,10 @@ the residual, and an MoE layer runs its routed experts beside (not instead of) t
     out = (h + post_ffn(post_ffn_1(mlp(pre_ffn(h))) + post_ffn_2(experts(pre_ffn_2(h))))) * scalar
 
 The router reads h itself (`GemmaRouter`). For the engine's decoder the layer offers the usual
-pair: `attention_step` -> (h, the experts' input), and an `ffn` that is either a dense
+pair: `attention_rows` -> (h, the experts' input), and an `ffn` that is either a dense
 `SandwichFFN` or a `ParallelMoEBlock` (route / shared_out / combine, with the dense MLP as its
 shared part). The decoder hands `route` and `shared_out` only the experts' input, so
-`attention_step` leaves h with the block (`ParallelMoEBlock.pending`) for the two calls that
+`attention_rows` leaves h with the block (`ParallelMoEBlock.pending`) for the two calls that
 follow it in the same segment."""
 from __future__ import annotations
 
@@ -19,10 +19,10 @@ import torch.nn.functional as F
 
 from moestream.layers.experts import RoutedExperts
 from moestream.layers.gelu_mlp import GeluMLP
-from moestream.layers.kv_cache import KVCache
+from moestream.kv.pool import LayerCache
+from moestream.layers.attention import Attention
 from moestream.layers.moe import MoEBlock
 from moestream.layers.norm_f32 import rms_norm_f32
-from moestream.layers.window_attention import WindowAttention
 
 
 @dataclass
@@ -36,9 +36,9 @@ class GemmaRouter:
     top_k: int
     eps: float
 
-    def __call__(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, h: torch.Tensor, *, linear=F.linear) -> tuple[torch.Tensor, torch.Tensor]:
         x = rms_norm_f32(h, None, self.eps) * self.scale * (h.shape[-1] ** -0.5)
-        probs = torch.softmax(F.linear(x, self.proj), dim=-1, dtype=torch.float32)  # [T, E]
+        probs = torch.softmax(linear(x, self.proj), dim=-1, dtype=torch.float32)  # [T, E]
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         weights = weights / weights.sum(dim=-1, keepdim=True)
         return (weights * self.per_expert_scale[ids]).to(h.dtype), ids
@@ -70,21 +70,26 @@ class ParallelMoEBlock(MoEBlock):
     def experts_input(self, h: torch.Tensor) -> torch.Tensor:
         return self._norm(h, "pre_feedforward_layernorm_2")
 
-    def route_h(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        weights, ids = self.gemma_router(h)
+    def route_h(self, h: torch.Tensor, linear=F.linear) -> tuple[torch.Tensor, torch.Tensor]:
+        weights, ids = self.gemma_router(h, linear=linear)
         if self.experts.reroute is not None:  # benchmarks only: routing at a known hit rate
             weights, ids = self.experts.reroute(self.layer, weights, ids)
         return weights, ids
 
-    def dense_h(self, h: torch.Tensor) -> torch.Tensor:
-        return self._norm(self.mlp(self._norm(h, "pre_feedforward_layernorm")), "post_feedforward_layernorm_1")
+    def dense_h(self, h: torch.Tensor, linear=F.linear) -> torch.Tensor:
+        return self._norm(self.mlp(self._norm(h, "pre_feedforward_layernorm"), linear=linear),
+                          "post_feedforward_layernorm_1")
+
+    def fuses(self, dtype: torch.dtype, max_experts: int | None = None) -> bool:
+        """Never: its router (GemmaRouter) is no plain softmax top-k over x."""
+        return False
 
     # the decoder's interface: x is the experts' input; h is `pending`
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.route_h(self.pending)
+    def route(self, x: torch.Tensor, *, linear=F.linear, fused=None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.route_h(self.pending, linear)
 
-    def shared_out(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dense_h(self.pending)
+    def shared_out(self, x: torch.Tensor, *, linear=F.linear) -> torch.Tensor:
+        return self.dense_h(self.pending, linear)
 
     def combine(self, routed: torch.Tensor, shared: torch.Tensor | None, residual: torch.Tensor | None) -> torch.Tensor:
         out = self._norm(shared + self._norm(routed, "post_feedforward_layernorm_2"), "post_feedforward_layernorm")
@@ -99,25 +104,29 @@ class ParallelMoEBlock(MoEBlock):
 
 @dataclass
 class SandwichLayer:
-    attn: WindowAttention
+    attn: Attention
     ffn: SandwichFFN | ParallelMoEBlock
     input_norm: torch.Tensor
     post_attn_norm: torch.Tensor
     eps: float
 
-    def _attention(self, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
-        return x + rms_norm_f32(a, self.post_attn_norm, self.eps)
-
-    def __call__(self, x, cos, sin, cache: KVCache, layer: int, start: int) -> torch.Tensor:
-        """A prefill chunk x [T, H] (the attention has its own rotary table: cos/sin unused)."""
-        h = self._attention(x, self.attn(rms_norm_f32(x, self.input_norm, self.eps), cache, layer, start))
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, sequences: torch.Tensor,
+                 kv: LayerCache) -> torch.Tensor:
+        """A prefill chunk x [T, H]."""
+        h = x + rms_norm_f32(self.attn.forward(rms_norm_f32(x, self.input_norm, self.eps), positions, sequences, kv),
+                             self.post_attn_norm, self.eps)
         return self.ffn(h, residual=h)
 
-    def attention_step(self, x: torch.Tensor, pos: torch.Tensor, cache: KVCache, layer: int
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    def attention_rows(self, x: torch.Tensor, positions: torch.Tensor, sequences: torch.Tensor, kv: LayerCache, *,
+                       linear=None, normed=None, split=None) -> tuple[torch.Tensor, torch.Tensor]:
         """(h, the FFN's input): the experts' input on an MoE layer, h itself on a dense one."""
-        h = self._attention(x, self.attn.step(rms_norm_f32(x, self.input_norm, self.eps), pos, cache, layer))
+        a = self.attn.forward(rms_norm_f32(x, self.input_norm, self.eps), positions, sequences, kv, linear=linear)
+        h = x + rms_norm_f32(a, self.post_attn_norm, self.eps)
         if isinstance(self.ffn, ParallelMoEBlock):
             self.ffn.pending = h
             return h, self.ffn.experts_input(h)
         return h, h
+
+    def rows_input_norm(self) -> None:
+        """No norm a caller computes for it (its norms scale in float32)."""
+        return None

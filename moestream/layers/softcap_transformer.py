@@ -6,7 +6,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moestream.layers.kv_cache import KVCache
 from moestream.layers.norm_f32 import rms_norm_f32
 from moestream.layers.transformer import MoETransformer
 
@@ -28,9 +27,3 @@ class SoftcapTransformer(MoETransformer):
         if self.softcap is None:
             return logits
         return torch.tanh(logits / self.softcap) * self.softcap
-
-    def forward(self, ids: torch.Tensor, start: int, cache: KVCache, *, all_logits: bool = False) -> torch.Tensor:
-        x = self.embed(ids)  # [T, H]
-        for i, layer in enumerate(self.layers):
-            x = layer(x, None, None, cache, i, start)
-        return self.head(x if all_logits else x[-1:])

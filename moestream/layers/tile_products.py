@@ -1,4 +1,4 @@
-"""Which kernel computes the products over a decode step's fixed row tile (--rows-products).
+"""Which kernel computes the products over a decode step's fixed row tile.
 
 With a step's rows at once (moestream.engine.decoder), the q/k/v, o, router and shared-expert
 products and the head take all MAX_STEP_TOKENS rows of the residual stream whatever T. "cublas":

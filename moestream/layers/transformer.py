@@ -1,7 +1,7 @@
 """The pre-norm decoder layer and the model around a stack of them: embed -> layers -> norm -> head.
 
 What the engine and the CUDA decoder ask of a model is here and nowhere else: `embed`, each layer's
-`attention_step` (everything before its FFN for one token at a device position) and `ffn` (a
+`attention_rows` (everything before its FFN for a step's rows, over the paged KV pool) and `ffn` (a
 MoEBlock or a dense FFN), `head`, and `forward` for prefill chunks. A family builds its layers from
 these pieces in its own file; a family whose layer differs (another attention, other norms) gives
 its layer the same two methods."""
@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from moestream.kernels.reference import rows_exact, rows_linear
+from moestream.kv.pool import KVPool, LayerCache
 from moestream.layers.attention import Attention
-from moestream.layers.kv_cache import KVCache
 from moestream.layers.norm import rms_norm
 from moestream.layers.rope import Rope
 
@@ -30,70 +30,40 @@ def _fused_norms():
 
 @dataclass
 class DecoderLayer:
-    attn: Attention
+    attn: Attention  # or any attention kind with the same forward (moestream.layers.mla)
     ffn: Callable[..., torch.Tensor]  # MoEBlock or a dense FFN, called as ffn(x, residual=h)
     input_norm: torch.Tensor
     post_norm: torch.Tensor
     eps: float
-    fused_prefill: bool = False  # the prefill's attention half on the fused kernels (--prefill-kernels fused)
 
-    def __call__(self, x, cos, sin, cache: KVCache, layer: int, start: int) -> torch.Tensor:
-        if self.fused_prefill:  # the norms, q/k norms, rotary and K/V write as a decode step runs them
-            td = _fused_norms()
-            a = self.attn.prefill_rows(td.rms_norm(x, self.input_norm, self.eps), start, cache, layer)
-            h, hn = td.add_rms_norm(x, a, self.post_norm, self.eps)
-            return self.ffn(hn, residual=h)
-        h = x + self.attn(rms_norm(x, self.input_norm, self.eps), cos, sin, cache, layer, start)
-        return self.ffn(rms_norm(h, self.post_norm, self.eps), residual=h)
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, sequences: torch.Tensor,
+                 kv: LayerCache) -> torch.Tensor:
+        """The whole layer for x [T, H] (a prefill chunk)."""
+        h, hn = self.attention_rows(x, positions, sequences, kv)
+        return self.ffn(hn, residual=h)
 
-    def takes_fused_prefill(self) -> bool:
-        """Whether `fused_prefill` can be set: this class's own prefill, with attention that `prefill_rows`
-        computes."""
-        return type(self).__call__ is DecoderLayer.__call__ and self.takes_slot()
-
-    def attention_step(self, x: torch.Tensor, pos: torch.Tensor, cache: KVCache,
-                       layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """One token x [1, H] at the device position pos [1]: (the residual stream after attention,
-        its normed copy, the FFN's input). Fused norm kernels on CUDA (torch's rounding order)."""
-        td = _fused_norms() if x.is_cuda else None
-        if td is None:
-            h = x + self.attn.step(rms_norm(x, self.input_norm, self.eps), pos, cache, layer)
-            return h, rms_norm(h, self.post_norm, self.eps)
-        a = self.attn.step(td.rms_norm(x, self.input_norm, self.eps), pos, cache, layer)
-        return td.add_rms_norm(x, a, self.post_norm, self.eps)
-
-    def attention_rows(self, x: torch.Tensor, pos: torch.Tensor, cache: KVCache, layer: int, T: int, *,
-                       slot: torch.Tensor | None = None, linear=F.linear, normed: torch.Tensor | None = None,
+    def attention_rows(self, x: torch.Tensor, positions: torch.Tensor, sequences: torch.Tensor, kv: LayerCache, *,
+                       linear=None, normed: torch.Tensor | None = None,
                        split: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """attention_step for the first T rows of x [R, H] at once (Attention.rows; CUDA, `takes_slot`):
-        (h, hn) [R, H], each row's bits those it gets in a step of its own. linear: the products' kernel.
+        """Everything before the FFN for the rows x [R, H], the first T = len(positions) of them tokens:
+        (h, hn) [R, H], the residual stream after attention and its normed copy. Fused norm kernels on
+        CUDA (torch's rounding order). linear: the products' kernel (the attention's default elsewise).
         normed: the input norm of x (`rows_input_norm`) where the caller's last kernel computed it
         already; split: hn's float32 copy for the gemv expert kernels (triton_decode.add_rms_norm)."""
-        td = _fused_norms()
+        # the fused norm kernels on CUDA, and wherever a caller hands their results in
+        td = _fused_norms() if x.is_cuda or normed is not None or split is not None else None
+        if td is None:
+            h = x + self.attn.forward(rms_norm(x, self.input_norm, self.eps), positions, sequences, kv, linear=linear)
+            return h, rms_norm(h, self.post_norm, self.eps)
         if normed is None:
             normed = td.rms_norm(x, self.input_norm, self.eps)
-        a = self.attn.rows(normed, pos, cache, layer, T, slot=slot, linear=linear)
+        a = self.attn.forward(normed, positions, sequences, kv, linear=linear)
         return td.add_rms_norm(x, a, self.post_norm, self.eps, split=split)
 
     def rows_input_norm(self) -> tuple[torch.Tensor, float] | None:
         """(weight, eps) of the RMSNorm attention_rows applies to x first, which a caller may compute
-        itself and pass as `normed` (triton_decode.rms_norm's arithmetic); None where a class's own
-        attention_rows does otherwise."""
-        return (self.input_norm, self.eps) if type(self).attention_rows is DecoderLayer.attention_rows else None
-
-    def takes_cpu_rows(self, dtype: torch.dtype) -> bool:
-        """Whether cpu_rows can run (Attention.takes_cpu_rows)."""
-        return isinstance(self.attn, Attention) and self.attn.takes_cpu_rows(dtype)
-
-    def cpu_rows(self, x: torch.Tensor, start: int, cache: KVCache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """attention_step for T tokens x [T, H] at positions start.. of one sequence at once, on the
-        CPU (Attention.cpu_rows): (h, hn) [T, H], each row's bits those it gets in a step of its own."""
-        h = x + self.attn.cpu_rows(rms_norm(x, self.input_norm, self.eps), start, cache, layer)
-        return h, rms_norm(h, self.post_norm, self.eps)
-
-    def takes_slot(self) -> bool:
-        """Whether attention_rows can run (each row's sequence slot a device value)."""
-        return isinstance(self.attn, Attention) and self.attn.takes_slot()
+        itself and pass as `normed` (triton_decode.rms_norm's arithmetic)."""
+        return self.input_norm, self.eps
 
 
 class MoETransformer:
@@ -149,18 +119,16 @@ class MoETransformer:
             return rows_linear(normed, self.lm_head).view(x.shape[0], -1).to(torch.float32)
         return torch.cat([self.head(x[t:t + 1]) for t in range(x.shape[0])])
 
-    def forward(self, ids: torch.Tensor, start: int, cache: KVCache, *, all_logits: bool = False,
-                last_row: torch.Tensor | None = None) -> torch.Tensor:
-        """A prefill chunk: ids [T] at positions start.. -> logits [T, V] (or [1, V] for the last
-        token) in float32. The caller records the tokens in the cache. last_row: a device index [1]
-        of the row whose logits to return instead of the last (rows past it are padding)."""
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, sequences: torch.Tensor, kv: KVPool, *,
+                all_logits: bool = False, last_row: torch.Tensor | None = None) -> torch.Tensor:
+        """A prefill chunk: ids [T] at positions [T] of sequences [T] -> logits [T, V] (or [1, V] for the
+        last token) in float32. The caller reserved the rows' blocks and records the tokens. last_row:
+        a device index [1] of the row whose logits to return instead of the last (rows past it are padding)."""
         x = self.embed(ids)  # [T, H]
-        positions = torch.arange(start, start + ids.shape[0], device=ids.device)
-        cos, sin = self.rope.cos_sin(positions, x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cache, i, start)
+            x = layer(x, positions, sequences, kv.layer(i))
         if self.on_hidden is not None:
-            self.on_hidden(start, x)
+            self.on_hidden(int(positions[0]), x)
         if not all_logits:
             x = x[-1:] if last_row is None else x.index_select(0, last_row)
-        return F.linear(rms_norm(x, self.final_norm, self.eps), self.lm_head).to(torch.float32)
+        return self.head(x)

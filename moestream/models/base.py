@@ -14,7 +14,7 @@ import torch
 
 from moestream.errors import FormatError
 from moestream.layers.attention import Attention, AttentionWeights
-from moestream.layers.kv_cache import LayerKV
+from moestream.kv.layout import LayerKV
 from moestream.layers.mlp import DenseMLP
 from moestream.layers.moe import MoEBlock, SharedExpert
 from moestream.layers.rope import Rope, rope_parameters, rope_theta
@@ -102,7 +102,7 @@ class BaseModelArgs:
         return 2 * self.head_dim
 
     def kv_layout(self) -> list[LayerKV]:
-        """Each layer's KV cache (moestream.layers.kv_cache): here every layer full attention, one shape."""
+        """Each layer's KV cache (moestream.kv.layout): here every layer full attention, one shape."""
         return [LayerKV(self.num_key_value_heads, self.head_dim)] * self.num_hidden_layers
 
     # -- multi-token prediction (moestream.models.mtp; a family with MTP layers overrides these) --

@@ -16,7 +16,7 @@ import torch
 
 from moestream.errors import UnsupportedModelError
 from moestream.layers.experts import RoutedExperts
-from moestream.layers.kv_cache import LayerKV
+from moestream.kv.layout import LayerKV
 from moestream.layers.mla import MLAShape, MLAttention, MLAWeights
 from moestream.layers.moe import MoEBlock
 from moestream.layers.rope import Rope, rope_scaling, yarn_inv_freq_and_scale, yarn_softmax_scale

@@ -17,11 +17,12 @@ from typing import ClassVar
 from moestream.errors import UnsupportedModelError
 from moestream.layers.experts import RoutedExperts
 from moestream.layers.gelu_mlp import GeluMLP
-from moestream.layers.kv_cache import LayerKV
+from moestream.kv.layout import LayerKV
 from moestream.layers.rope_proportional import rope_for
 from moestream.layers.sandwich import GemmaRouter, ParallelMoEBlock, SandwichFFN, SandwichLayer
 from moestream.layers.softcap_transformer import SoftcapTransformer
-from moestream.layers.window_attention import WindowAttention, WindowAttentionWeights
+from moestream.layers.attention import Attention, AttentionWeights
+from moestream.layers.norm_f32 import rms_norm_f32
 from moestream.models import base
 
 EXPERT_MODULE = ""  # model.layers.N.experts.gate_up_proj: the experts hang off the layer itself
@@ -94,7 +95,8 @@ class ModelArgs(base.BaseModelArgs):
         return max(self.intermediate_size or 0, self.moe_intermediate_size or 0)
 
     def kv_layout(self) -> list[LayerKV]:
-        return [LayerKV(heads, dim) for heads, dim in self.layer_shapes]
+        return [LayerKV(heads, dim, window=self.sliding_window if kind == SLIDING else None)
+                for (heads, dim), kind in zip(self.layer_shapes, self.layer_types)]
 
     def expanded_kv_width(self) -> int:
         """K/V are expanded to every query head at the widest layer's head size."""
@@ -133,13 +135,16 @@ def build(args: ModelArgs, loader, experts: RoutedExperts) -> SoftcapTransformer
     for i, (kind, (Nkv, D)) in enumerate(zip(args.layer_types, args.layer_shapes)):
         p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
         k_eq_v = args.attention_k_eq_v and kind == FULL
-        w = WindowAttentionWeights(
+        w = AttentionWeights(
             q=loader.take(a + "q_proj.weight", (Nq * D, H)), k=loader.take(a + "k_proj.weight", (Nkv * D, H)),
             v=None if k_eq_v else loader.take(a + "v_proj.weight", (Nkv * D, H)),
             o=loader.take(a + "o_proj.weight", (H, Nq * D)),
             q_norm=loader.take(a + "q_norm.weight", (D,)), k_norm=loader.take(a + "k_norm.weight", (D,)))
-        attn = WindowAttention(w, ropes[kind], num_heads=Nq, num_kv_heads=Nkv, head_dim=D, eps=eps,
-                               window=args.sliding_window if kind == SLIDING else None, scale=1.0)
+        w.fuse_qkv()
+        # the q/k norms bound the scores: scale 1; values get a scale-free norm
+        attn = Attention(w, ropes[kind], num_heads=Nq, num_kv_heads=Nkv, head_dim=D, eps=eps, qk_norm="head",
+                         norm=rms_norm_f32, window=args.sliding_window if kind == SLIDING else None, scale=1.0,
+                         v_norm=True)
         mlp = GeluMLP(*base.swiglu_weights(loader, p + "mlp.", H, args.intermediate_size))
         scalar = loader.take(p + "layer_scalar", (1,))
         if args.is_moe_layer(i):

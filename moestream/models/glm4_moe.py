@@ -16,7 +16,7 @@ from moestream.layers.moe import MoEBlock
 from moestream.layers.rope import Rope
 from moestream.layers.routers import sigmoid_topk
 from moestream.layers.transformer import DecoderLayer, MoETransformer
-from moestream.layers.kv_cache import LayerKV
+from moestream.kv.layout import LayerKV
 from moestream.models import base, mtp
 
 EXPERT_MODULE = "mlp"  # model.layers.N.mlp.experts.E.gate_proj.weight

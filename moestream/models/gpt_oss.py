@@ -16,6 +16,7 @@ from typing import ClassVar
 import torch
 
 from moestream.errors import UnsupportedModelError
+from moestream.kv.layout import LayerKV
 from moestream.layers.attention import Attention, AttentionWeights
 from moestream.layers.experts import RoutedExperts
 from moestream.layers.moe import MoEBlock
@@ -58,6 +59,11 @@ class ModelArgs(base.BaseModelArgs):
             raise UnsupportedModelError(f"{family}: sliding layers need a positive sliding_window")
         args.layer_types = types
         return args
+
+    def kv_layout(self) -> list[LayerKV]:
+        """A sliding layer keeps only the blocks its window sees."""
+        return [LayerKV(self.num_key_value_heads, self.head_dim, window=self.sliding_window if t == SLIDING else None)
+                for t in self.layer_types]
 
 
 sanitize = base.sanitize  # checkpoint names kept (the experts' stacks go to the converter's fused reader)

@@ -5,7 +5,7 @@ shared expert behind a sigmoid gate (dense layers by mlp_only_layers / decoder_s
 softmax top-k routing renormalized if norm_topk_prob.
 
 A linear-attention layer's cache is its recurrent state (LayerKV `state` / `conv`), kept for the
-last steps and at snapshots (moestream.layers.recurrent_state). The checkpoint's
+last steps and at snapshots (moestream.kv.recurrent). The checkpoint's
 multi-token-prediction layers (`mtp.*`: fc, pre_fc_norm_embedding, pre_fc_norm_hidden, layers.J,
 norm; see moestream.models.mtp) are built apart from the decoder by `build_mtp`; MTP layer J's
 routed experts are expert layer num_hidden_layers + J."""
@@ -18,11 +18,10 @@ import torch
 
 from moestream.errors import UnsupportedModelError
 from moestream.layers.experts import RoutedExperts
-from moestream.layers.gated_attention import GatedAttention, GatedAttentionWeights
+from moestream.layers.attention import Attention, AttentionWeights, offset_rms_norm
 from moestream.layers.gated_deltanet import DeltaNetWeights, GatedDeltaNet
 from moestream.layers.hybrid import HybridLayer, HybridTransformer
-from moestream.layers.gated_attention import offset_rms_norm
-from moestream.layers.kv_cache import LayerKV
+from moestream.kv.layout import LayerKV
 from moestream.layers.mtp import MTPLayer
 from moestream.layers.rope import Rope
 from moestream.models import base
@@ -117,15 +116,19 @@ def offset_norm(loader, name: str, size: int) -> torch.Tensor:
     return 1.0 + loader.take(name, (size,)).to(torch.float32)
 
 
-def gated_attention(loader, prefix: str, args: ModelArgs, rope: Rope) -> GatedAttention:
+def gated_attention(loader, prefix: str, args: ModelArgs, rope: Rope) -> Attention:
+    """Full attention with an output gate: q_proj gives each head's query and gate side by side, the
+    output is multiplied by sigmoid(gate) before o_proj; zero-centered per-head q/k norms."""
     H, D, Nq, Nkv = args.hidden_size, args.head_dim, args.num_attention_heads, args.num_key_value_heads
-    w = GatedAttentionWeights(q=loader.take(prefix + "q_proj.weight", (2 * Nq * D, H)),
-                              k=loader.take(prefix + "k_proj.weight", (Nkv * D, H)),
-                              v=loader.take(prefix + "v_proj.weight", (Nkv * D, H)),
-                              o=loader.take(prefix + "o_proj.weight", (H, Nq * D)),
-                              q_norm=offset_norm(loader, prefix + "q_norm.weight", D),
-                              k_norm=offset_norm(loader, prefix + "k_norm.weight", D))
-    return GatedAttention(w, rope, num_heads=Nq, num_kv_heads=Nkv, head_dim=D, eps=args.rms_norm_eps)
+    w = AttentionWeights(q=loader.take(prefix + "q_proj.weight", (2 * Nq * D, H)),
+                         k=loader.take(prefix + "k_proj.weight", (Nkv * D, H)),
+                         v=loader.take(prefix + "v_proj.weight", (Nkv * D, H)),
+                         o=loader.take(prefix + "o_proj.weight", (H, Nq * D)),
+                         q_norm=offset_norm(loader, prefix + "q_norm.weight", D),
+                         k_norm=offset_norm(loader, prefix + "k_norm.weight", D))
+    w.fuse_qkv()
+    return Attention(w, rope, num_heads=Nq, num_kv_heads=Nkv, head_dim=D, eps=args.rms_norm_eps, qk_norm="head",
+                     norm=offset_rms_norm, gate=True)
 
 
 def deltanet_projections(loader, prefix: str, args: ModelArgs):

@@ -10,7 +10,6 @@ pytestmark = pytest.mark.gpu
 pytest.importorskip("triton")
 
 from kernel_helpers import build_pool  # noqa: E402
-from moestream.engine.decoder import Decoder  # noqa: E402
 from moestream.engine.engine import Engine  # noqa: E402
 from moestream.engine.options import EngineOptions  # noqa: E402
 from moestream.kernels import triton_decode as td  # noqa: E402
@@ -116,8 +115,7 @@ def test_the_router_product_with_its_top_k_in_a_replayed_graph(dtype):
 
 
 def load(packed, **opts):
-    return Engine.load(packed, options=EngineOptions(**{"device": "cuda", "max_context": 256,
-                                                        "rows_products": "triton", **opts}))
+    return Engine.load(packed, options=EngineOptions(**{"device": "cuda", "max_context": 256, **opts}))
 
 
 def greedy(engine, prompt, n=16):
@@ -125,11 +123,10 @@ def greedy(engine, prompt, n=16):
 
 
 def unfused(engine):
-    """The engine's decoder rebuilt with each boundary kernel on its own (the step before the fusion)."""
+    """The engine's decoder with each boundary kernel on its own (the step before the fusion: the reference)."""
+    engine.decoder._boundaries(False)
     d = engine.decoder
-    engine.decoder = Decoder(engine.model, engine.caches, engine.experts, graphs=d.use_graphs, maps=d.maps,
-                             rows_products="triton", fuse_boundaries=False)
-    assert not engine.decoder.norm_after and not engine.decoder.split_in and not engine.decoder.fused_route
+    assert not d.graphs and not d.norm_after and not d.split_in and not d.fused_route
     return engine
 
 

@@ -1,7 +1,7 @@
-"""--prefill-graphs on CUDA: a fresh prompt's chunk replayed from its length bucket's graph gives the
+"""Prefill graphs on CUDA: a fresh prompt's chunk replayed from its length bucket's graph gives the
 bits of the same padded chunk run eagerly (without CUDA graphs, or at a partial cache, where no graph
 runs: the bits do not depend on the cache size), reuses one graph per bucket and row-block choice, and
-decodes the same tokens; against the unpadded prefill (off) the logits are close."""
+decodes the same tokens; against the unpadded prefill (the engine's graphs taken away) the logits are close."""
 import functools
 import inspect
 
@@ -16,8 +16,19 @@ pytestmark = pytest.mark.gpu
 LENGTHS = (23, 30, 64, 100, 200)  # the tiny model: 256 positions
 
 
-def prefills(packed, dtype, **options):
-    engine = Engine.load(packed, options=EngineOptions(device="cuda", dtype=dtype, max_context=256, **options))
+def load(packed, mode: str = "auto", **options) -> Engine:
+    """mode: auto (the engine's: a bucket captured at its second prompt), on (captured at its first) or
+    off (no padding: the graphs taken away)."""
+    engine = Engine.load(packed, options=EngineOptions(device="cuda", max_context=256, **options))
+    if mode == "off":
+        engine.prefill_graphs = None
+    elif mode == "on":
+        engine.prefill_graphs.capture_after = 0
+    return engine
+
+
+def prefills(packed, dtype, mode="auto", **options):
+    engine = load(packed, mode, dtype=dtype, **options)
     try:
         vocab = engine.args.vocab_size
         out = []
@@ -36,10 +47,10 @@ def prefills(packed, dtype, **options):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_prefill_graphs_give_the_padded_eager_bits(dtype, tiny_packed_model):
     packed = tiny_packed_model("qwen3_moe", "q4", dtype="bfloat16")
-    unpadded, none = prefills(packed, dtype, cache_size="all", prefill_graphs="off")
-    graphed, keys = prefills(packed, dtype, cache_size="all", prefill_graphs="on")
-    eager, no_graphs = prefills(packed, dtype, cache_size="all", prefill_graphs="auto", cuda_graphs=False)
-    streamed, _ = prefills(packed, dtype, cache_size="50%", prefill_graphs="auto")
+    unpadded, none = prefills(packed, dtype, "off", cache_size="all")
+    graphed, keys = prefills(packed, dtype, "on", cache_size="all")
+    eager, no_graphs = prefills(packed, dtype, cache_size="all", cuda_graphs=False)
+    streamed, _ = prefills(packed, dtype, cache_size="50%")
     assert none is None and keys and not no_graphs, "the graphs did not run, or ran without CUDA graphs"
     assert {k[0] for k in keys} == {32, 64, 128, 256}  # 23 and 30 share the 32 bucket
     bound = 2e-2 if dtype == "bfloat16" else 1e-4
@@ -57,9 +68,7 @@ def test_a_bucket_replayed_after_the_hits_were_read(tiny_packed_model):
     packed = tiny_packed_model("qwen3_moe", "q4", dtype="bfloat16")
     runs = {}
     for mode in ("eager", "on"):
-        engine = Engine.load(packed, options=EngineOptions(device="cuda", dtype="bfloat16", max_context=256,
-                                                           cache_size="all", prefill_graphs="on",
-                                                           cuda_graphs=mode == "on"))
+        engine = load(packed, "on", dtype="bfloat16", cache_size="all", cuda_graphs=mode == "on")
         try:
             vocab, out = engine.args.vocab_size, []
             for n in (23, 30, 23):
@@ -89,7 +98,7 @@ def test_no_replay_reads_a_tensor_freed_since_its_capture(tiny_packed_model, mon
     naming the tensor, where a torch op of the capture used a tensor that has been freed since."""
     monkeypatch.setattr(torch.cuda, "graph", functools.partial(torch.cuda.graph, check_input_liveness=True))
     packed = tiny_packed_model("qwen3_moe", "q4", dtype="bfloat16")
-    _, keys = prefills(packed, "bfloat16", cache_size="all", prefill_graphs="on")
+    _, keys = prefills(packed, "bfloat16", "on", cache_size="all")
     assert {k[0] for k in keys} == {32, 64, 128, 256}
 
 
@@ -97,8 +106,7 @@ def test_auto_captures_a_bucket_at_its_second_prompt(tiny_packed_model):
     """A capture costs more than a few eager prefills: auto runs a bucket's first prompt padded but
     eagerly (the same bits), captures at the second and replays from the third."""
     packed = tiny_packed_model("qwen3_moe", "q4", dtype="bfloat16")
-    engine = Engine.load(packed, options=EngineOptions(device="cuda", dtype="bfloat16", max_context=256,
-                                                       cache_size="all", prefill_graphs="auto"))
+    engine = load(packed, dtype="bfloat16", cache_size="all")
     try:
         prompt = [(11 * i + 3) % engine.args.vocab_size for i in range(40)]
         got = []

@@ -23,7 +23,8 @@ def test_the_workspace_is_kept_or_given_back(mode, budget, released, tiny_packed
     packed = tiny_packed_model("qwen3_moe", "q4", dtype="bfloat16")
     engine = Engine.load(packed, options=EngineOptions(device="cuda", dtype="bfloat16", max_context=1024,
                                                        cache_size="all", prefill_workspace=mode,
-                                                       memory_budget=budget, prefill_graphs="off"))
+                                                       memory_budget=budget))
+    engine.prefill_graphs = None
     try:
         vocab = engine.args.vocab_size
         prompt = [3 + i % (vocab - 3) for i in range(697)]  # token ids the model has

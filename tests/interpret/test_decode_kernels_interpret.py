@@ -15,8 +15,6 @@ pytest.importorskip("triton")
 
 from interpreter import gen, interpreted_module, randn, relative_error  # noqa: E402
 
-from moestream.layers.kv_cache import KVCache  # noqa: E402
-from moestream.layers.attention import Attention, AttentionWeights  # noqa: E402
 from moestream.layers.norm import rms_norm as torch_rms_norm  # noqa: E402
 from moestream.layers.rope import Rope, apply_rope  # noqa: E402
 
@@ -255,121 +253,6 @@ def test_rows_give_each_row_the_bits_it_gets_alone(td, pooled):
     assert not out[T:].any()
     with pytest.raises(ValueError, match="slot tensor of"):
         td.decode_attention_rows(qo, keys[:, layer], values[:, layer], pos, slot=slot[:2])
-
-
-# -- the whole attention of a layer -------------------------------------------------------------------
-
-@pytest.mark.parametrize("qk_norm", [None, "head"])
-def test_matches_the_attention_layer(td, qk_norm):
-    """F.linear + rope_qk_store + decode_attention + F.linear against the Attention layer's
-    one-token step, over several decode steps that share one cache."""
-    H, Nq, Nkv, D, max_tokens = 64, 4, 2, 16, 48
-    g = gen(11)
-    w = AttentionWeights(q=randn(Nq * D, H, g=g) / 8, k=randn(Nkv * D, H, g=g) / 8, v=randn(Nkv * D, H, g=g) / 8,
-                         o=randn(H, Nq * D, g=g) / 8)
-    if qk_norm:
-        w.q_norm, w.k_norm = 1 + randn(D, g=g) / 4, 1 + randn(D, g=g) / 4
-    rope = Rope(D, THETA, torch.device("cpu"))
-    attn = Attention(w, rope, num_heads=Nq, num_kv_heads=Nkv, head_dim=D, qk_norm=qk_norm, eps=EPS)
-    ref_cache, cache = (KVCache(2, Nkv, D, max_tokens, dtype=torch.float32, device=torch.device("cpu"))
-                        for _ in range(2))
-    w_qkv = torch.cat([w.q, w.k, w.v])
-    for p in (0, 1, 2, 3, 4, 5):  # a few decode steps; earlier steps' K/V stay in the caches
-        x = randn(1, H, g=g)
-        pos = torch.tensor([p])
-        cos, sin = rope.cos_sin(pos, torch.float32)
-        ref = attn(x, cos, sin, ref_cache, 1, p)
-        q, k, v = F.linear(x, w_qkv).split([Nq * D, Nkv * D, Nkv * D], dim=-1)
-        q = td.rope_qk_store(q, k, v, pos, rope.inv_freq, cache.keys[1], cache.values[1], q_norm=w.q_norm,
-                             k_norm=w.k_norm, eps=EPS)
-        out = F.linear(td.decode_attention(q, cache.keys[1], cache.values[1], pos, split=16), w.o)
-        assert relative_error(out, ref) < TOL[torch.float32]
-    assert relative_error(cache.keys, ref_cache.keys) < TOL[torch.float32]
-    assert torch.equal(cache.values, ref_cache.values)
-
-
-def plain_attention(qk_norm, *, seed, H=64, Nq=4, Nkv=2, D=16, max_tokens=48):
-    """An Attention layer with q/k/v in one matrix (qk_norm None, "head" or "full") and two empty
-    two-layer caches: (attn, rope, reference cache, cache)."""
-    g = gen(seed)
-    w = AttentionWeights(q=randn(Nq * D, H, g=g) / 8, k=randn(Nkv * D, H, g=g) / 8, v=randn(Nkv * D, H, g=g) / 8,
-                         o=randn(H, Nq * D, g=g) / 8)
-    if qk_norm == "head":
-        w.q_norm, w.k_norm = 1 + randn(D, g=g) / 4, 1 + randn(D, g=g) / 4
-    if qk_norm == "full":
-        w.q_norm, w.k_norm = 1 + randn(Nq * D, g=g) / 4, 1 + randn(Nkv * D, g=g) / 4
-    w.fuse_qkv()
-    rope = Rope(D, THETA, torch.device("cpu"))
-    attn = Attention(w, rope, num_heads=Nq, num_kv_heads=Nkv, head_dim=D, qk_norm=qk_norm, eps=EPS)
-    caches = [KVCache(2, Nkv, D, max_tokens, dtype=torch.float32, device=torch.device("cpu")) for _ in range(2)]
-    return attn, rope, *caches
-
-
-@pytest.mark.parametrize("qk_norm", [None, "head", "full"])
-def test_a_layers_rows_at_once_match_the_attention_layer(td, qk_norm):
-    """Attention.rows: a prompt's tokens as a few steps of several rows (a fixed 8-row tile, later
-    rows seeing the earlier rows' K/V) against the layer's prefill of the whole prompt."""
-    H, R = 64, 8
-    attn, rope, ref_cache, cache = plain_attention(qk_norm, seed=13)
-    assert attn.takes_slot()
-    x = randn(11, H, g=gen(14))
-    cos, sin = rope.cos_sin(torch.arange(11), torch.float32)
-    ref = attn(x, cos, sin, ref_cache, 1, 0)
-    start = 0
-    for T in (1, 3, 7):
-        tile = torch.zeros(R, H)
-        tile[:T] = x[start:start + T]
-        pos = torch.zeros(R, dtype=torch.long)
-        pos[:T] = torch.arange(start, start + T)
-        out = attn.rows(tile, pos, cache, 1, T)
-        assert out.shape == (R, H)
-        assert relative_error(out[:T], ref[start:start + T]) < TOL[torch.float32]
-        start += T
-    assert relative_error(cache.keys[1, :, :11], ref_cache.keys[1, :, :11]) < TOL[torch.float32]
-
-
-@pytest.mark.parametrize("qk_norm", [None, "head", "full"])
-def test_a_fused_prefill_matches_the_attention_layer(td, qk_norm):
-    """Attention.prefill_rows (--prefill-kernels fused): a prompt in two chunks (the second attending to
-    the first through the cache) against the layer's own prefill, and the same cache."""
-    attn, rope, ref_cache, cache = plain_attention(qk_norm, seed=17)
-    x = randn(16, 64, g=gen(18))
-    for start, end in ((0, 11), (11, 16)):
-        cos, sin = rope.cos_sin(torch.arange(start, end), torch.float32)
-        ref = attn(x[start:end], cos, sin, ref_cache, 1, start)
-        out = attn.prefill_rows(x[start:end], start, cache, 1)
-        assert out.shape == ref.shape
-        assert relative_error(out, ref) < TOL[torch.float32]
-    assert relative_error(cache.keys[1, :, :16], ref_cache.keys[1, :, :16]) < TOL[torch.float32]
-    assert torch.equal(cache.values[1, :, :16], ref_cache.values[1, :, :16])
-
-
-def test_a_decoder_layer_with_a_fused_prefill_matches_its_torch_prefill(td):
-    """DecoderLayer.fused_prefill: the input norm, the fused attention half and the residual add with the
-    post norm (one kernel) give the layer's torch prefill, the FFN fed the same way."""
-    from moestream.layers.transformer import DecoderLayer
-
-    H, Nq, Nkv, D = 64, 4, 2, 16
-    g = gen(19)
-    w = AttentionWeights(q=randn(Nq * D, H, g=g) / 8, k=randn(Nkv * D, H, g=g) / 8, v=randn(Nkv * D, H, g=g) / 8,
-                         o=randn(H, Nq * D, g=g) / 8, q_norm=1 + randn(D, g=g) / 4, k_norm=1 + randn(D, g=g) / 4)
-    w.fuse_qkv()
-    rope = Rope(D, THETA, torch.device("cpu"))
-    attn = Attention(w, rope, num_heads=Nq, num_kv_heads=Nkv, head_dim=D, qk_norm="head", eps=EPS)
-    up = randn(H, H, g=g) / 8
-
-    def ffn(x, residual):
-        return residual + F.linear(x, up)
-
-    layers = [DecoderLayer(attn, ffn, 1 + randn(H, g=g) / 4, 1 + randn(H, g=g) / 4, EPS) for _ in range(2)]
-    layers[1].input_norm, layers[1].post_norm = layers[0].input_norm, layers[0].post_norm
-    assert layers[1].takes_fused_prefill()
-    layers[1].fused_prefill = True
-    caches = [KVCache(1, Nkv, D, 32, dtype=torch.float32, device=torch.device("cpu")) for _ in range(2)]
-    x = randn(9, H, g=g)
-    cos, sin = rope.cos_sin(torch.arange(9), torch.float32)
-    ref, out = (layer(x, cos, sin, cache, 0, 0) for layer, cache in zip(layers, caches))
-    assert relative_error(out, ref) < TOL[torch.float32]
 
 
 def test_bad_arguments_are_refused(td):

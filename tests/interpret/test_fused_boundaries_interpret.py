@@ -213,9 +213,10 @@ def test_finish_with_the_next_norm(tm, td, T, H, dtype):
 
 def test_a_decoder_layer_given_its_normed_input_and_split_gives_the_same_bits(td):
     """DecoderLayer.attention_rows with `normed` (its input norm, computed by the caller) and `split`:
-    the (h, hn) it computes alone, and the split copy of hn; rows_input_norm names that norm."""
+    the (h, hn) it computes without the split, and the split copy of hn; rows_input_norm names that norm."""
     from moestream.layers.attention import Attention, AttentionWeights
-    from moestream.layers.kv_cache import KVCache
+    from moestream.kv.layout import LayerKV
+    from tests.paged import pool_for
     from moestream.layers.rope import Rope
     from moestream.layers.transformer import DecoderLayer
 
@@ -227,21 +228,20 @@ def test_a_decoder_layer_given_its_normed_input_and_split_gives_the_same_bits(td
     attn = Attention(aw, Rope(D, 1e6, torch.device("cpu")), num_heads=Nq, num_kv_heads=Nkv, head_dim=D,
                      qk_norm="head", eps=EPS)
     layer = DecoderLayer(attn, None, 1 + randn(H, g=g) / 4, 1 + randn(H, g=g) / 4, EPS)
-    caches = [KVCache(2, Nkv, D, 32, dtype=torch.float32, device=torch.device("cpu")) for _ in range(2)]
+    caches = [pool_for([LayerKV(Nkv, D)] * 2, context=32, block_size=4) for _ in range(2)]
+    for pool in caches:
+        pool.sequences[0].reserve(4, 4 + T)
     x = randn(R, H, g=g)
     pos = torch.zeros(R, dtype=torch.long)
     pos[:T] = torch.arange(4, 4 + T)
     weight, eps = layer.rows_input_norm()
     assert weight is layer.input_norm and eps == EPS
-    h_ref, hn_ref = layer.attention_rows(x, pos, caches[0], 1, T)
+    seqs = torch.zeros(T, dtype=torch.long)
+    h_ref, hn_ref = layer.attention_rows(x, pos[:T], seqs, caches[0].layer(1), normed=td.rms_norm(x, weight, eps))
     split = torch.zeros(R, 8, H // 8)
-    h, hn = layer.attention_rows(x, pos, caches[1], 1, T, normed=td.rms_norm(x, weight, eps), split=split)
+    h, hn = layer.attention_rows(x, pos[:T], seqs, caches[1].layer(1), normed=td.rms_norm(x, weight, eps),
+                                 split=split)
     assert torch.equal(h, h_ref) and torch.equal(hn, hn_ref)
     assert torch.equal(split, split_of(hn, 8))
-    assert torch.equal(caches[0].keys, caches[1].keys) and torch.equal(caches[0].values, caches[1].values)
-
-    class OwnRows(DecoderLayer):
-        def attention_rows(self, *args, **kwargs):
-            raise AssertionError("not called")
-
-    assert OwnRows(attn, None, layer.input_norm, layer.post_norm, EPS).rows_input_norm() is None
+    assert torch.equal(caches[0].layer(1).keys, caches[1].layer(1).keys)
+    assert torch.equal(caches[0].layer(1).values, caches[1].layer(1).values)

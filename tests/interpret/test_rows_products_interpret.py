@@ -1,7 +1,7 @@
 """The row tile's product kernel (moestream.kernels.triton_rows, --rows-products triton) under Triton's
 CPU interpreter (TRITON_INTERPRET=1), at tiny sizes: it agrees with a float64 product on odd shapes
 (N and K not multiples of the blocks, strided rows, a bias), a row's bits never depend on the rows
-beside it or on how many rows there are, and the rows-at-once layers (Attention.rows, the router,
+beside it or on how many rows there are, and the rows-at-once layers (Attention.forward, the router,
 the shared expert, the head) give F.linear's results with it.
 
 Runs in the interpreter's own stage (tests/interpret/interpreter.py). Float32 is checked tightly, bfloat16 loosely (the interpreter truncates float32 ->
@@ -15,7 +15,8 @@ pytest.importorskip("triton")
 from interpreter import gen, interpreted_module, randn, relative_error  # noqa: E402
 from moestream.kernels.expert_layout import KernelConfig  # noqa: E402
 from moestream.layers.attention import Attention, AttentionWeights  # noqa: E402
-from moestream.layers.kv_cache import KVCache  # noqa: E402
+from moestream.kv.layout import LayerKV  # noqa: E402
+from tests.paged import pool_for  # noqa: E402
 from moestream.layers.rope import Rope  # noqa: E402
 
 EPS = 1e-6
@@ -167,7 +168,7 @@ def test_choosing_the_products():
 
 
 def attention(qk_norm, *, seed, H=64, Nq=4, Nkv=2, D=16, max_tokens=48):
-    """A plain Attention layer with q/k/v in one matrix and two empty two-layer caches."""
+    """A plain Attention layer with q/k/v in one matrix and two empty two-layer pools."""
     g = gen(seed)
     w = AttentionWeights(q=randn(Nq * D, H, g=g) / 8, k=randn(Nkv * D, H, g=g) / 8, v=randn(Nkv * D, H, g=g) / 8,
                          o=randn(H, Nq * D, g=g) / 8)
@@ -176,12 +177,19 @@ def attention(qk_norm, *, seed, H=64, Nq=4, Nkv=2, D=16, max_tokens=48):
     w.fuse_qkv()
     attn = Attention(w, Rope(D, 1e6, torch.device("cpu")), num_heads=Nq, num_kv_heads=Nkv, head_dim=D,
                      qk_norm=qk_norm, eps=EPS)
-    return attn, [KVCache(2, Nkv, D, max_tokens, dtype=torch.float32, device=torch.device("cpu")) for _ in range(2)]
+    return attn, [pool_for([LayerKV(Nkv, D)] * 2, context=max_tokens, block_size=4) for _ in range(2)]
+
+
+def rows(attn, tile, pos, pool, T, **kw):
+    """attn.forward over the tile's first T rows at positions pos[:T] of sequence 0 in layer 1."""
+    pool.sequences[0].reserve(int(pos[0]), int(pos[T - 1]) + 1)
+    pool.sync()
+    return attn.forward(tile, pos[:T], torch.zeros(T, dtype=torch.long), pool.layer(1), **kw)
 
 
 @pytest.mark.parametrize("qk_norm", [None, "head"])
 def test_attention_rows_with_the_kernel_match_cublas_products(qk_norm):
-    """Attention.rows over a 16-row tile, steps of 1, 4 and 6 rows: the kernel's q/k/v and o products
+    """Attention.forward over a 16-row tile, steps of 1, 4 and 6 rows: the kernel's q/k/v and o products
     give F.linear's outputs and K/V cache rows (float32); a row's output bits are the same whatever
     the padding rows of the tile hold."""
     interpreted_module("moestream.kernels.triton_decode")
@@ -195,17 +203,17 @@ def test_attention_rows_with_the_kernel_match_cublas_products(qk_norm):
         tile[:T] = x[start:start + T]
         pos = torch.zeros(R, dtype=torch.long)
         pos[:T] = torch.arange(start, start + T)
-        ref = attn.rows(tile, pos, ref_cache, 1, T)
-        got = attn.rows(tile, pos, cache, 1, T, linear=linear)
+        ref = rows(attn, tile, pos, ref_cache, T)
+        got = rows(attn, tile, pos, cache, T, linear=linear)
         assert got.shape == (R, H)
         assert relative_error(got[:T], ref[:T]) < TOL[torch.float32]
         other = tile.clone()
         other[T:] = randn(R - T, H, g=gen(100 + T)) * 10
-        again = attn.rows(other, pos, cache, 1, T, linear=linear)  # rewrites the same K/V rows
+        again = rows(attn, other, pos, cache, T, linear=linear)  # rewrites the same K/V rows
         assert torch.equal(again[:T], got[:T])
         start += T
-    assert relative_error(cache.keys[1, :, :11], ref_cache.keys[1, :, :11]) < TOL[torch.float32]
-    assert relative_error(cache.values[1, :, :11], ref_cache.values[1, :, :11]) < TOL[torch.float32]
+    for got_kv, ref_kv in zip(cache.layer(1).gather(0, 0, 11), ref_cache.layer(1).gather(0, 0, 11)):
+        assert relative_error(got_kv, ref_kv) < TOL[torch.float32]
 
 
 def test_a_decoder_layer_router_and_shared_expert_with_the_kernel():
@@ -230,8 +238,11 @@ def test_a_decoder_layer_router_and_shared_expert_with_the_kernel():
     x = randn(R, H, g=g)
     pos = torch.zeros(R, dtype=torch.long)
     pos[:T] = torch.arange(T)
-    h_ref, hn_ref = layer.attention_rows(x, pos, ref_cache, 1, T)
-    h, hn = layer.attention_rows(x, pos, cache, 1, T, linear=linear)
+    seqs = torch.zeros(T, dtype=torch.long)
+    for pool in (ref_cache, cache):
+        pool.sequences[0].reserve(0, T)
+    h_ref, hn_ref = layer.attention_rows(x, pos[:T], seqs, ref_cache.layer(1))
+    h, hn = layer.attention_rows(x, pos[:T], seqs, cache.layer(1), linear=linear)
     assert relative_error(h[:T], h_ref[:T]) < TOL[torch.float32]
     assert relative_error(hn[:T], hn_ref[:T]) < TOL[torch.float32]
     logits_ref, logits = block.router_logits(hn_ref), block.router_logits(hn_ref, linear=linear)
@@ -257,27 +268,14 @@ def test_the_head_over_the_tile_with_the_kernel():
     assert torch.equal(got.argmax(dim=-1), ref.argmax(dim=-1))
 
 
-def test_the_option_reaches_the_engine_options():
-    import argparse
-
-    from moestream.engine.options import EngineOptions, add_engine_arguments
-
-    parser = argparse.ArgumentParser()
-    add_engine_arguments(parser)
-    assert EngineOptions.from_args(parser.parse_args([]), environ={}).rows_products == "triton"
-    assert EngineOptions.from_args(parser.parse_args(["--rows-products", "cublas"]), environ={}).rows_products == "cublas"
-    with pytest.raises(SystemExit):
-        parser.parse_args(["--rows-products", "cutlass"])
-
-
 # -- the decoder's rows-at-once step with the kernel --------------------------------------------------------
 
 def decode(engine, prompt, n, linear=None):
     """Greedy tokens and logits of prefill then n one-token steps, then the logits of the first four
-    of those tokens as one step after the same prefill. linear: switch the decoder's rows-at-once
-    step on with these tile products (on CUDA the decoder chooses it; here the CPU is made to run it)."""
+    of those tokens as one step after the same prefill. linear: the decoder's products over the
+    step's rows (on CUDA the decoder chooses the kernel; here the CPU is made to run it)."""
     if linear is not None:
-        engine.decoder.rows_at_once, engine.decoder.tile_linear = True, linear
+        engine.decoder.tile_linear = linear
     logits = engine.prefill(prompt)[0][-1]
     tokens, rows = [int(logits.argmax())], []
     for _ in range(n):
@@ -289,10 +287,10 @@ def decode(engine, prompt, n, linear=None):
 
 
 def test_the_decoders_rows_at_once_step_with_the_kernel(tiny_packed_model):
-    """A tiny qwen2_moe (a gated shared expert on every layer), float32: the decoder's rows-at-once
-    step (Decoder._attention_rows: q/k/v, o, router and shared expert over its 16-row tile) with the
-    kernel gives the logits of the CPU's own decoding and of F.linear products, and a step of four
-    tokens gives each the bits of its one-token step."""
+    """A tiny qwen2_moe (a gated shared expert on every layer), float32: the decoder's step
+    (Decoder._attention_rows: q/k/v, o, router and shared expert over the step's rows) with the
+    kernel gives the logits of the CPU's own decoding, and a step of four tokens gives each the bits
+    of its one-token step."""
     from moestream.engine.engine import Engine
     from moestream.engine.options import EngineOptions
 
@@ -305,17 +303,17 @@ def test_the_decoders_rows_at_once_step_with_the_kernel(tiny_packed_model):
 
     packed = tiny_packed_model("qwen2_moe", "q4", dtype="float32")
     runs = {}
-    for name, linear in (("cpu", None), ("F.linear", F.linear), ("kernel", counted)):
+    for name, linear in (("cpu", None), ("kernel", counted)):
         engine = Engine.load(packed, options=EngineOptions(device="cpu", dtype="float32", max_context=96,
                                                            cache_size="all"))
         try:
             runs[name] = decode(engine, [t % engine.args.vocab_size for t in range(5, 40)], 6, linear)
         finally:
             engine.close()
-    # 7 steps x (3 layers' q/k/v and o + the one MoE layer's router and 4 shared-expert products), 16 rows each
-    assert set(calls) == {16} and len(calls) == 7 * (3 * 2 + 5)
+    # 7 steps x (3 layers' q/k/v and o + the one MoE layer's router and 4 shared-expert products)
+    assert set(calls) == {1, 4} and len(calls) == 7 * (3 * 2 + 5)
     ref_tokens, ref_rows, ref_many = runs["cpu"]
-    for name in ("F.linear", "kernel"):
+    for name in ("kernel",):
         tokens, rows, many = runs[name]
         assert tokens == ref_tokens
         assert max(relative_error(a, b) for a, b in zip(rows, ref_rows)) < TOL[torch.float32]

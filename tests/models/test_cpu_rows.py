@@ -1,11 +1,12 @@
 """The CPU's faster steps give the bits of the row-by-row reference they replace: kept unpacked
 experts, a step's expert pairs batched (TorchPlan._run_rows), a step's rows through each layer's
-attention half and the head at once (Decoder cpu_rows, rows_head), codes read through bytes. The
+attention half and the head at once (Decoder step_rows, rows_head), codes read through bytes. The
 reference is the same engine with each of these turned off; the logits of every step and the
 tokens of greedy, sampled and speculative decoding must be identical, at every cache size."""
 import pytest
 import torch
 
+from moestream.engine.decoder import Decoder
 from moestream.engine.engine import DEMO_MODEL, Engine
 from moestream.engine.options import EngineOptions
 from moestream.engine.speculative import NGramDrafter, SpeculativeOptions
@@ -22,6 +23,14 @@ def load(packed, cache_size, **opts):
     return Engine.load(packed, options=EngineOptions(device="cpu", threads=1, cache_size=cache_size, **opts))
 
 
+_step_rows = Decoder.step_rows
+
+
+def one_row_at_a_time(self, tokens, positions, slots, *, head=True, device_tokens=None):
+    """The reference of a step of several rows: each row a step of its own."""
+    return torch.cat([_step_rows(self, [t], [p], [s], head=head).clone() for t, p, s in zip(tokens, positions, slots)])
+
+
 @pytest.fixture
 def row_by_row(monkeypatch):
     """Turns every new piece off: what the CPU computed before (pass the engine to `apply`)."""
@@ -30,7 +39,7 @@ def row_by_row(monkeypatch):
         monkeypatch.setattr(MoETransformer, "rows_head",
                             lambda self, x: torch.cat([self.head(x[t:t + 1]) for t in range(x.shape[0])]))
         monkeypatch.setattr(affine, "float_codes", lambda w, bits: affine.unpack(w, bits).to(torch.float32))
-        engine.decoder.cpu_rows = False
+        monkeypatch.setattr(Decoder, "step_rows", one_row_at_a_time)
         engine.experts.unpacked = None
         return engine
     return apply
@@ -58,7 +67,7 @@ def decode(engine, prompt, sampling, speculative=None, n=40):
 @pytest.mark.parametrize("cache_size", ["100%", "25%"])
 def test_demo_model_gives_the_row_by_row_bits(cache_size, row_by_row):
     fast = load(DEMO_MODEL, cache_size)
-    assert fast.decoder.cpu_rows and fast.experts.unpacked is not None  # the new pieces run here
+    assert fast.experts.unpacked is not None  # the new pieces run here
     prompt = fast.tokenizer.encode(PROMPT)
     fast_logits = steps(fast, prompt)
     fast_tokens = [decode(fast, prompt, s) for s in (SamplingParams(), SAMPLED)]
@@ -79,11 +88,10 @@ def test_demo_model_gives_the_row_by_row_bits(cache_size, row_by_row):
     assert fast_tokens[0] != fast_tokens[1]  # sampling really sampled
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss", "gemma4_text", "qwen3_next", "deepseek_v3"])
 def test_tiny_families_give_the_row_by_row_bits(family, tiny_packed_model, row_by_row):
     packed = tiny_packed_model(family, "q4")
     fast = load(packed, "100%", prefetch="none")
-    assert fast.decoder.cpu_rows
     prompt = fast.tokenizer.encode(PROMPT)
     fast_logits = steps(fast, prompt)
     fast.close()
@@ -94,8 +102,8 @@ def test_tiny_families_give_the_row_by_row_bits(family, tiny_packed_model, row_b
         assert torch.equal(a, b)
 
 
-def test_step_rows_off_turns_the_cpu_rows_off():
-    engine = load(DEMO_MODEL, "30%", step_rows="off", unpacked_experts="0")
-    assert not engine.decoder.cpu_rows and engine.experts.unpacked is None
+def test_unpacked_experts_off_keeps_none():
+    engine = load(DEMO_MODEL, "30%", unpacked_experts="0")
+    assert engine.experts.unpacked is None
     assert engine.memory_ledger()["unpacked_experts"] == 0
     engine.close()

@@ -1,5 +1,5 @@
-"""--prefill-graphs: a fresh prompt's chunk padded to its length bucket gives the eager prefill's
-next-token logits (CPU: the padding run eagerly, `on`), and only where it can."""
+"""Prefill graphs: a fresh prompt's chunk padded to its length bucket gives the eager prefill's
+next-token logits (here on the CPU, the padding run eagerly: `on`), and only where it can."""
 import pytest
 import torch
 
@@ -11,9 +11,14 @@ from moestream.layers.experts import padding_on_last_row
 
 
 def load(packed, mode: str, **opts) -> Engine:
+    """A CPU engine; mode "on": its fresh chunks padded as a CUDA engine's are (eagerly, nothing captured)."""
     opts.setdefault("cache_size", "all")
-    return Engine.load(packed, options=EngineOptions(device="cpu", threads=1, prefetch="none",
-                                                     prefill_graphs=mode, **opts))
+    engine = Engine.load(packed, options=EngineOptions(device="cpu", threads=1, prefetch="none", **opts))
+    assert engine.prefill_graphs is None  # CUDA only
+    if mode == "on" and PrefillGraphs.fits(engine.pool):
+        engine.prefill_graphs = PrefillGraphs(engine.model, engine.experts, engine.pool,
+                                              largest=engine.plan.prefill_chunk, capture=False)
+    return engine
 
 
 def test_buckets_are_powers_of_two_from_the_smallest():
@@ -21,14 +26,14 @@ def test_buckets_are_powers_of_two_from_the_smallest():
     assert SMALLEST == 32
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])  # deepseek_v3: dense first layers, shared expert
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "qwen3_next"])  # dense first layers; recurrent
 def test_padded_prefill_gives_the_eager_logits_and_tokens(family, tiny_packed_model):
     packed = tiny_packed_model(family, "q4")
     runs = {}
     for mode in ("off", "on"):
         engine = load(packed, mode)
         try:
-            assert (engine.prefill_graphs is not None) == (mode == "on" and family == "qwen3_moe")
+            assert (engine.prefill_graphs is not None) == (mode == "on" and family != "qwen3_next")
             vocab = engine.args.vocab_size
             out = []
             for n in (23, 64, 100):  # inside a bucket, a full bucket, another bucket
@@ -50,13 +55,12 @@ def test_only_fresh_chunks_of_a_fitting_model_are_padded(tiny_packed_model):
     engine = load(tiny_packed_model("qwen3_moe", "q4"), "on")
     graphs = engine.prefill_graphs
     assert isinstance(graphs, PrefillGraphs) and not graphs.capture
-    cache = engine.cache
-    assert graphs.takes(17, 0, cache) and graphs.takes(cache.max_tokens, 0, cache)  # 256: a bucket
-    assert not graphs.takes(16, 0, cache)  # a step's graph takes those
-    assert not graphs.takes(40, 5, cache)  # keys would not have the bucket's length
-    assert not graphs.takes(cache.max_tokens - 50, 0, cache) or bucket(cache.max_tokens - 50) <= cache.max_tokens
-    assert not graphs.takes(200, 0, cache) if bucket(200) > cache.max_tokens else graphs.takes(200, 0, cache)
-    assert not PrefillGraphs(engine.model, engine.experts, largest=64, capture=False).takes(65, 0, cache)
+    context = engine.max_context
+    assert graphs.takes(17, 0, 0) and graphs.takes(context, 0, 0)  # 256: a bucket
+    assert not graphs.takes(16, 0, 0)  # a step's graph takes those
+    assert not graphs.takes(40, 5, 0)  # not a fresh chunk
+    assert not graphs.takes(200, 0, 0) if bucket(200) > context else graphs.takes(200, 0, 0)
+    assert not PrefillGraphs(engine.model, engine.experts, engine.pool, largest=64, capture=False).takes(65, 0, 0)
     calls = []
     graphs.run = lambda piece, c: calls.append(len(piece)) or PrefillGraphs.run(graphs, piece, c)
     vocab = engine.args.vocab_size
@@ -65,9 +69,6 @@ def test_only_fresh_chunks_of_a_fitting_model_are_padded(tiny_packed_model):
     engine.prefill([(5 * i) % vocab for i in range(40)], all_logits=True)
     assert calls == [40]  # the second reused 40 tokens (start 40), the third wants every row's logits
     engine.close()
-    off = load(tiny_packed_model("qwen3_moe", "q4"), "auto")  # auto: CUDA only
-    assert off.prefill_graphs is None
-    off.close()
 
 
 def resident_on_cpu(engine: Engine) -> None:
@@ -127,20 +128,16 @@ def test_the_hit_counter_is_kept_and_zeroed_when_read(tiny_packed_model):
         engine.close()
 
 
-def test_graph_keys_bind_the_sequence_cache(tiny_packed_model):
-    """A graph writes the K/V of the cache it was captured with: another sequence slot has its own."""
+def test_one_graph_serves_every_sequence_slot(tiny_packed_model):
+    """The rows' sequence is a static input of the graph: its key names no slot."""
     engine = load(tiny_packed_model("qwen3_moe", "q4"), "on", max_sequences=2)
     try:
-        graphs, (first, second) = engine.prefill_graphs, engine.caches
-        assert graphs._key(23, first) == graphs._key(30, first) != graphs._key(23, second)
-        assert graphs._key(23, first)[0] == graphs._key(23, second)[0] == 32
-        assert graphs._key(23, first)[-1] == 0 and graphs._key(23, second)[-1] == 1
-        # every slot's fresh prompts are padded (the bits must not depend on the slot); only the first
-        # slot's replay graphs (one graph per slot would capture mid-serving); the CPU captures none
-        assert graphs.takes(23, 0, first) and graphs.takes(23, 0, second)
-        assert not graphs.replays(first) and not graphs.replays(second)
+        graphs = engine.prefill_graphs
+        assert graphs._key(23) == graphs._key(30) and graphs._key(23)[0] == 32
+        # every slot's fresh prompts are padded (the bits must not depend on the slot); the CPU captures none
+        assert graphs.takes(23, 0, 0) and graphs.takes(23, 0, 1) and not graphs.replays()
         graphs.broken = True  # a capture failed once: the padded chunks run eagerly, still padded
-        assert graphs.takes(23, 0, first)
+        assert graphs.takes(23, 0, 0)
     finally:
         engine.close()
 
@@ -155,7 +152,8 @@ def test_the_padding_rows_take_the_last_real_rows_experts():
 def prefill_logits(engine: Engine, n: int, *, seq: int = 0) -> torch.Tensor:
     """A fresh prompt's logits (the slot emptied first: a reused start would not be padded)."""
     vocab = engine.args.vocab_size
-    engine.caches[seq].truncate(0)
+    engine.caches[seq].release()
+    engine.pool.forget_published()
     logits, _ = engine.prefill([(7 * i + 3) % vocab for i in range(n)], seq=seq)
     return logits.clone()
 
@@ -204,13 +202,13 @@ def test_a_bucket_is_captured_only_where_its_workspace_fits(tiny_packed_model, m
     bucket eager (padded: the same bits), said once."""
     engine = load(tiny_packed_model("qwen3_moe", "q4"), "on")
     try:
-        graphs = PrefillGraphs(engine.model, engine.experts, largest=256, capture=False,
+        graphs = PrefillGraphs(engine.model, engine.experts, engine.pool, largest=256, capture=False,
                                workspace=lambda tokens: tokens * 1000)
         monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (50_000, 10 ** 9))
         monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 20_000)
         monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 5_000)
         assert graphs._room(64)  # 64,000 needed, 65,000 free (50,000 + 15,000 cached unused)
         assert not graphs._room(128) and graphs._short == {128}
-        assert PrefillGraphs(engine.model, engine.experts, largest=256, capture=False)._room(2048)  # no estimate
+        assert PrefillGraphs(engine.model, engine.experts, engine.pool, largest=256, capture=False)._room(2048)
     finally:
         engine.close()

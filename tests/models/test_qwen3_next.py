@@ -10,8 +10,8 @@ from safetensors.torch import load_file, save_file
 from moestream.engine.engine import Engine
 from moestream.engine.options import EngineOptions
 from moestream.format.reader import PackedModel
-from moestream.layers.kv_cache import KVCache
-from moestream.layers.recurrent_state import RECENT_STATES, StateBook
+from moestream.kv.pool import KVPool
+from moestream.kv.recurrent import RECENT_STATES, StateBook
 from moestream.models.registry import model_args
 from test_parity import load_reference
 from tiny import FAMILY_CONFIGS, TOKENIZER_TEXT
@@ -105,12 +105,12 @@ def test_the_state_record_keeps_recent_lengths_and_snapshots():
     book.ran(0, 100)  # a prefill: the last RECENT_STATES lengths and the snapshots at 32, 64, 96
     assert sorted(x for x in book.recent if x >= 0) == list(range(100 - RECENT_STATES + 1, 101))
     assert book.kept[:4] == [True] * 4 and not any(book.kept[4:])
-    assert book.restore(90, []) == 90  # in the ring: nothing to recompute
-    assert book.restore(80, []) == 64  # before the ring: the snapshot below it
+    assert book.restore(90, [], 0) == 90  # in the ring: nothing to recompute
+    assert book.restore(80, [], 0) == 64  # before the ring: the snapshot below it
     assert max(book.recent) == 64 and not book.kept[3]  # what lay beyond 80 is forgotten
     book.ran(64, 65)
-    assert book.restore(65, []) == 65
-    assert book.restore(10, []) == 0  # the empty state is always there
+    assert book.restore(65, [], 0) == 65
+    assert book.restore(10, [], 0) == 0  # the empty state is always there
     big = StateBook(32768)
     assert big.snapshots <= 17 and big.every % 32 == 0
 
@@ -119,9 +119,9 @@ def test_cache_bytes_are_what_the_ledger_counts(tiny_packed_model):
     args = load(tiny_packed_model("qwen3_next", "none")).args
     layout = args.kv_layout()
     assert [spec.recurrent for spec in layout] == [True, False, True, False]
-    cache = KVCache.for_layout(layout, 256, dtype=torch.float32, device=torch.device("cpu"))
-    assert cache.nbytes == KVCache.bytes_for_layout(layout, 256, torch.float32)
-    assert cache.states[0] is not None and cache.states[1] is None
+    pool = KVPool(layout, max_sequences=2, max_context=256, dtype=torch.float32, device=torch.device("cpu"))
+    assert pool.nbytes == KVPool.bytes_for(layout, sequences=2, max_context=256, dtype=torch.float32)
+    assert pool.layer(0).states is not None and pool.layer(1).states is None and pool.layer(1).keys is not None
 
 
 def test_layer_pattern_from_the_interval_and_refusals():
@@ -174,22 +174,3 @@ def test_speculation_gives_the_plain_tokens_and_bits(family, wrong_at, tiny_pack
         r = result.receipt["speculative"]
         assert r["accepted"] > 0 and (r["accepted"] < r["drafted"]) == (wrong_at is not None)
     engine.close()
-
-
-@pytest.mark.parametrize("family", HYBRID)
-def test_the_device_position_step_equals_the_host_one(family, tiny_packed_model):
-    """The CUDA decoder's step reads no position on the host (gated attention over the whole cache
-    with a mask, the recurrent state by device index): on the CPU it gives the host step's tokens."""
-    from moestream.layers.gated_attention import GatedAttention
-
-    packed = tiny_packed_model(family, "none")
-    host, device_form = load(packed), load(packed)
-    for layer in device_form.model.layers:
-        if isinstance(layer.mixer, GatedAttention):
-            layer.mixer.step = layer.mixer.step_masked
-    prompt = long_prompt(host)
-    want, want_lp = greedy(host, prompt, 12)
-    got, got_lp = greedy(device_form, prompt, 12)
-    assert got == want and max(abs(a - b) for a, b in zip(got_lp, want_lp)) < 1e-5
-    host.close()
-    device_form.close()

@@ -100,7 +100,7 @@ def test_slots_refuse_what_they_cannot_do(tiny_packed_model):
     packed = tiny_packed_model("olmoe", "q4")
     engine = load(packed, max_sequences=2, max_context=64)
     one = load(packed, max_context=64)
-    assert engine.plan.ledger.kv_cache == 2 * one.plan.ledger.kv_cache == sum(c.nbytes for c in engine.caches)
+    assert engine.plan.ledger.kv_cache == 2 * one.plan.ledger.kv_cache == engine.pool.nbytes
     one.close()
     slot = engine.open_sequence()
     with pytest.raises(MoestreamError, match="slots are open"):
@@ -123,16 +123,22 @@ def test_slots_refuse_what_they_cannot_do(tiny_packed_model):
     engine.close()
 
 
-def test_open_sequence_keeps_the_longest_cached_prefix(tiny_packed_model):
+def test_a_new_sequence_shares_the_blocks_of_an_ended_one(tiny_packed_model):
+    """An ended sequence's full blocks stay published: a prompt starting the same way, in any slot,
+    shares them rather than computing them again, and decodes as the first did."""
     engine = load(tiny_packed_model("mixtral", "q4"), max_sequences=3)
     engine.close_sequence(0)
-    first, second = engine.open_sequence(), engine.open_sequence()
-    engine.prefill([5, 6, 7, 8], seq=first)
-    engine.prefill([9, 10, 11], seq=second)
+    first = engine.open_sequence()
+    prompt = [(5 * i + 1) % engine.args.vocab_size for i in range(40)]  # two full blocks of 16 and a part
+    logits, _ = engine.prefill(prompt, seq=first)
     engine.close_sequence(first)
-    engine.close_sequence(second)
-    again = engine.open_sequence(prefix=[9, 10, 12])
-    assert again == second and engine.caches[again].tokens == [9, 10]
+    again = engine.open_sequence(prefix=prompt[:35] + [3, 4])
+    assert engine.caches[again].tokens == prompt[:32]
+    group = engine.pool.groups[None]
+    assert all(group.allocator.refs[b] == 1 for b in group.held[again][:2])
+    shared, reused = engine.prefill(prompt, seq=again)
+    assert reused == 32
+    torch.testing.assert_close(shared, logits, rtol=1e-4, atol=1e-4)
     fresh = engine.open_sequence()
     assert engine.caches[fresh].tokens == []
     engine.close()

@@ -63,8 +63,8 @@ def assert_follows_the_family(packed: PackedModel, bits: int | None) -> None:
 def run_briefly(folder: Path) -> torch.Tensor:
     engine = Engine.load(folder, options=EngineOptions(device="cpu", threads=1, max_context=64))
     try:
-        # the ledger's KV cache is the cache the engine allocates (args.kv_layout())
-        assert engine.plan.ledger.kv_cache == engine.cache.nbytes
+        # the ledger's KV line is the pool the engine allocates (args.kv_layout())
+        assert engine.plan.ledger.kv_cache == engine.pool.nbytes
         logits, _ = engine.prefill(PROMPT)
         assert torch.isfinite(logits).all()
         assert len(list(engine.generate(PROMPT, max_new_tokens=3, stop_at_eos=False))) == 3

@@ -9,11 +9,11 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter, yarn_apply_mscale
 
 from moestream.errors import UnsupportedModelError
-from moestream.layers.kv_cache import KVCache
 from moestream.layers.mla import MLAShape, MLAttention, MLAWeights
 from moestream.layers.rope import Rope, rope_theta, yarn_inv_freq_and_scale, yarn_softmax_scale
 from moestream.layers.routers import sigmoid_group_topk
 from moestream.models.registry import model_args
+from tests.paged import pool_for, run_chunks
 
 YARN = [
     dict(factor=40, original_max_position_embeddings=4096, mscale=1.0, mscale_all_dim=1.0, beta_fast=32, beta_slow=1),
@@ -95,39 +95,34 @@ def _random_mla(*, q_lora: bool, interleaved: bool, seed: int = 0):
 
 @pytest.mark.parametrize("q_lora", [True, False])
 @pytest.mark.parametrize("interleaved", [True, False])
-def test_absorbed_step_equals_expanded_attention(q_lora, interleaved):
-    """Each one-token step (absorbed) gives what the expanded form gives over the same cache; a
-    prefill of the whole sequence (expanded, causal) gives the same rows as the steps."""
+def test_absorbed_forward_equals_expanded_attention(q_lora, interleaved):
+    """Each row of the forward (absorbed, over the latent rows in the pool's blocks) gives what the
+    expanded form gives over the same rows; one-token steps give the bits of one pass."""
     attn, H = _random_mla(q_lora=q_lora, interleaved=interleaved)
     layout = [attn.shape.cache_layout()]
     x = torch.randn(10, H, generator=torch.Generator().manual_seed(1))
-    steps_cache = KVCache.for_layout(layout, 16, dtype=torch.float32, device=torch.device("cpu"))
-    assert steps_cache.keys[0].shape == (1, 16, 32 + 8) and steps_cache.values[0].numel() == 0
-    stepped = torch.cat([attn.step(x[t:t + 1], torch.tensor([t]), steps_cache, 0) for t in range(10)])
-    whole_cache = KVCache.for_layout(layout, 16, dtype=torch.float32, device=torch.device("cpu"))
+    pool = pool_for(layout, context=16, block_size=4)
+    assert pool.layer(0).keys.shape == (4, 4, 1, 32 + 8) and pool.layer(0).values is None
+    whole = run_chunks(attn, x, pool)
+    stepped = run_chunks(attn, x, pool_for(layout, context=16, block_size=3), [1] * 10)
+    assert torch.equal(stepped, whole)
+    rows = pool.layer(0).gather(0, 0, 10)[0][:, 0]  # [10, R + Dr]
     cos, sin = attn.rope.cos_sin(torch.arange(10), torch.float32)
-    whole = attn(x, cos, sin, whole_cache, 0, 0)
-    # the same latent rows cached (to rounding: a [10, H] matmul need not round as ten [1, H] ones)
-    torch.testing.assert_close(whole_cache.keys[0][:, :10], steps_cache.keys[0][:, :10], rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(stepped, whole, rtol=1e-4, atol=1e-5)
-    # the two forms on one query over the same rows, directly
-    cos, sin = attn.rope.cos_sin(torch.tensor([9]), torch.float32)
-    q_nope, q_rot = attn._query(x[9:], cos, sin)
-    rows = whole_cache.keys[0][0, :10]
-    expanded = attn.attend_expanded(q_nope, q_rot, rows, mask=None, causal=False)
-    torch.testing.assert_close(attn.attend_absorbed(q_nope, q_rot, rows, mask=None), expanded, rtol=1e-4, atol=1e-5)
-    assert not torch.allclose(expanded, attn.attend_expanded(q_nope, q_rot, rows[:9], mask=None, causal=False))
+    q_nope, q_rot = attn._query(x, cos, sin)
+    mask = torch.ones(10, 10, dtype=torch.bool).tril()
+    expanded = attn._out(attn.attend_expanded(q_nope, q_rot, rows, mask=mask, causal=False))
+    torch.testing.assert_close(whole, expanded, rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(expanded[9:], attn._out(attn.attend_expanded(q_nope[:, 9:], q_rot[:, 9:], rows[:9],
+                                                                           mask=None, causal=False)))
 
 
 def test_chunked_prefill_equals_one_prefill():
     attn, H = _random_mla(q_lora=True, interleaved=True, seed=3)
     layout = [attn.shape.cache_layout()]
     x = torch.randn(9, H, generator=torch.Generator().manual_seed(2))
-    caches = [KVCache.for_layout(layout, 16, dtype=torch.float32, device=torch.device("cpu")) for _ in range(2)]
-    cos, sin = attn.rope.cos_sin(torch.arange(9), torch.float32)
-    whole = attn(x, cos, sin, caches[0], 0, 0)
-    parts = [attn(x[a:b], cos[a:b], sin[a:b], caches[1], 0, a) for a, b in ((0, 4), (4, 5), (5, 9))]
-    torch.testing.assert_close(torch.cat(parts), whole, rtol=1e-4, atol=1e-5)
+    whole = run_chunks(attn, x, pool_for(layout, context=16), [9])
+    parts = run_chunks(attn, x, pool_for(layout, context=16, block_size=2), [4, 1, 4])
+    assert torch.equal(parts, whole)
 
 
 def test_config_reading_and_refusals():

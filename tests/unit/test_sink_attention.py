@@ -3,9 +3,10 @@ attention in transformers (each layer kind), in one prefill, in chunks and one t
 import pytest
 import torch
 
+from moestream.kv.layout import LayerKV
 from moestream.layers.attention import Attention, AttentionWeights
-from moestream.layers.kv_cache import KVCache
 from moestream.layers.rope import Rope, rope_parameters
+from tests.paged import pool_for, run_chunks
 
 WINDOW, T = 4, 11
 
@@ -49,18 +50,16 @@ def test_sinks_window_and_yarn_match_gpt_oss_attention(layer):
     assert rope_parameters(cfg.to_dict())["rope_type"] == "yarn"
     x, expected = seen[layer]
     attn = ours(cfg, model.layers[layer], WINDOW if cfg.layer_types[layer] == "sliding_attention" else None)
-    assert not attn.plain and not attn.rope.plain
+    assert not attn.rope.plain
+    window = attn.window
 
-    def run(chunks):
-        cache, outs, start = KVCache(1, 2, 16, 32, dtype=torch.float32, device=torch.device("cpu")), [], 0
-        for n in chunks:
-            cos, sin = attn.rope.cos_sin(torch.arange(start, start + n), torch.float32)
-            outs.append(attn(x[start:start + n], cos, sin, cache, 0, start))
-            start += n
-        return torch.cat(outs)
+    def run(chunks, block_size):
+        return run_chunks(attn, x, pool_for([LayerKV(2, 16, window=window)], block_size=block_size), chunks)
 
     with torch.no_grad():
-        whole, chunked, steps = run([T]), run([5, 6]), run([1] * T)
+        whole, chunked, steps = run([T], 16), run([5, 6], 3), run([1] * T, 2)
+    # every row alone: the same bits whatever the chunks and the block size
+    assert torch.equal(whole, chunked) and torch.equal(whole, steps)
     for got in (whole, chunked, steps):  # outputs reach ~7: float32 rounding relative to that
         assert (got - expected).abs().max() < 1e-5 * expected.abs().max() * 10, (got - expected).abs().max()
 
@@ -69,9 +68,8 @@ def test_without_sinks_the_window_alone_changes_only_positions_past_it():
     cfg, model, seen = reference()
     x, _ = seen[0]
     windowed, full = ours(cfg, model.layers[0], WINDOW), ours(cfg, model.layers[0], None)
-    cos, sin = windowed.rope.cos_sin(torch.arange(T), torch.float32)
     with torch.no_grad():
-        a = windowed(x, cos, sin, KVCache(1, 2, 16, 32, dtype=torch.float32, device=torch.device("cpu")), 0, 0)
-        b = full(x, cos, sin, KVCache(1, 2, 16, 32, dtype=torch.float32, device=torch.device("cpu")), 0, 0)
+        a = run_chunks(windowed, x, pool_for([LayerKV(2, 16, window=WINDOW)], block_size=2), [T])
+        b = run_chunks(full, x, pool_for([LayerKV(2, 16)]), [T])
     assert torch.allclose(a[:WINDOW], b[:WINDOW], atol=1e-6)
     assert not torch.allclose(a[WINDOW:], b[WINDOW:], atol=1e-4)

@@ -325,15 +325,6 @@ def test_the_choice_is_the_best_estimated_rate():
         assert policy.choose() == expected
 
 
-def test_the_draft_engine_captures_no_prefill_graphs():
-    """Its prefills are catch-ups in the middle of decoding: a bucket's first capture would stall it."""
-    from moestream.engine.draft_choice import draft_engine_options
-    from moestream.engine.options import EngineOptions
-
-    options = draft_engine_options(EngineOptions(device="cuda", prefill_graphs="auto", cache_size="25%"))
-    assert options.prefill_graphs == "off" and options.cache_size == "auto" and options.device == "cuda"
-
-
 def test_a_plain_choice_says_how_many_plain_steps_follow_until_the_probe():
     """Plain steps teach the policy no acceptance, so after choosing 0 it knows how many plain steps
     in a row it will give; a caller that runs them at once (took_plain) meets the probe where one

@@ -87,7 +87,7 @@ def test_host_tier_copies_are_in_the_trace(tmp_path, capsys):
 
 def test_hooks_do_nothing_when_off():
     assert not timeline.enabled()
-    with timeline.span("x", layer=1), timeline.segment(("attention", 0, 0)):
+    with timeline.span("x", layer=1), timeline.segment(("attention-rows", 0, 1)):
         timeline.instant("y")
         timeline.complete("z", 0.0, 1.0)
     assert timeline.span("x") is timeline.span("y")  # one shared do-nothing context
@@ -119,7 +119,7 @@ def test_recorder_threads_nesting_and_names(tmp_path):
 
 
 @pytest.mark.parametrize("key,expected", [
-    (("attention", 2, 1), ("attention", {"layer": 2, "token": 1})),
+    (("attention-rows", 2, 1), ("attention", {"layer": 2, "tokens": 1})),
     (("experts", 2, 4), ("experts", {"layer": 2, "tokens": 4})),
     (("head", 2), ("head", {"tokens": 2})),
     (("head",), ("head", {})),

@@ -16,7 +16,7 @@ A layer run over positions start..end-1 reads the ring slot of `start` and write
 the lengths max(start + 1, end - RECENT_STATES + 1)..end into the ring and every multiple of
 `every` in start+1..end into the snapshots; a one-token step does it with device indices (no
 host read: CUDA graphs replay it at any position). The host-side record of which lengths are held
-(`StateBook`) is shared by the recurrent layers of a cache, which always move together."""
+(`StateBook`, one per sequence) is shared by the recurrent layers of a sequence, which always move together."""
 from __future__ import annotations
 
 import math
@@ -47,9 +47,9 @@ class StateBook:
         for k in range(old // self.every + 1, new // self.every + 1):
             self.kept[k] = True
 
-    def restore(self, length: int, states: list["RecurrentState"]) -> int:
-        """Forget the states past `length`; bring the longest kept length <= `length` into its ring
-        slot and return it."""
+    def restore(self, length: int, states: list["RecurrentState"], seq: int) -> int:
+        """Forget the states past `length`; bring the longest kept length <= `length` into sequence
+        `seq`'s ring slot and return it."""
         self.recent = [held if held <= length else -1 for held in self.recent]
         self.kept = [kept and k * self.every <= length for k, kept in enumerate(self.kept)]
         recent = max(self.recent)  # -1 where the ring holds nothing kept; snapshot 0 is always kept
@@ -58,68 +58,79 @@ class StateBook:
             return recent
         slot = snapshot % RECENT_STATES
         for state in states:
-            state.load_snapshot(snapshot // self.every, slot)
+            state.load_snapshot(seq, snapshot // self.every, slot)
         self.recent[slot] = snapshot
         return snapshot
 
 
 class RecurrentState:
-    """One recurrent layer's states: `state` float32 [*state_shape] and `conv` [*conv_shape] in the
-    model's dtype, in a ring of RECENT_STATES and in snapshots (plus one scratch snapshot that a
-    step writes when its length is no multiple of `every`)."""
+    """One recurrent layer's states for every sequence slot of the pool: `state` float32
+    [S, ..., *state_shape] and `conv` [S, ..., *conv_shape] in the model's dtype, in a ring of
+    RECENT_STATES and in snapshots (plus one scratch snapshot that a step writes when its length is
+    no multiple of `every`). A sequence's StateBook says which of its lengths are held."""
 
-    def __init__(self, state_shape: tuple[int, ...], conv_shape: tuple[int, int], book: StateBook, *,
+    def __init__(self, state_shape: tuple[int, ...], conv_shape: tuple[int, int], sequences: int, max_tokens: int, *,
                  dtype: torch.dtype, device: torch.device):
+        book = StateBook(max_tokens)
         self.every, self.scratch = book.every, book.snapshots
         n = book.snapshots + 1
-        self.recent = torch.zeros((RECENT_STATES, *state_shape), dtype=torch.float32, device=device)
-        self.recent_conv = torch.zeros((RECENT_STATES, *conv_shape), dtype=dtype, device=device)
-        self.snaps = torch.zeros((n, *state_shape), dtype=torch.float32, device=device)
-        self.snaps_conv = torch.zeros((n, *conv_shape), dtype=dtype, device=device)
+        self.recent = torch.zeros((sequences, RECENT_STATES, *state_shape), dtype=torch.float32, device=device)
+        self.recent_conv = torch.zeros((sequences, RECENT_STATES, *conv_shape), dtype=dtype, device=device)
+        self.snaps = torch.zeros((sequences, n, *state_shape), dtype=torch.float32, device=device)
+        self.snaps_conv = torch.zeros((sequences, n, *conv_shape), dtype=dtype, device=device)
 
     @staticmethod
     def nbytes_for(state_shape: tuple[int, ...], conv_shape: tuple[int, int], max_tokens: int, item: int) -> int:
+        """Bytes of one sequence's states."""
         copies = RECENT_STATES + StateBook(max_tokens).snapshots + 1
         return copies * (math.prod(state_shape) * 4 + math.prod(conv_shape) * item)
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.recent, self.recent_conv, self.snaps, self.snaps_conv]
 
-    def load_snapshot(self, k: int, slot: int) -> None:
-        self.recent[slot].copy_(self.snaps[k])
-        self.recent_conv[slot].copy_(self.snaps_conv[k])
+    def load_snapshot(self, seq: int, k: int, slot: int) -> None:
+        self.recent[seq, slot].copy_(self.snaps[seq, k])
+        self.recent_conv[seq, slot].copy_(self.snaps_conv[seq, k])
 
-    # -- a run over positions start..end-1 (prefill: host positions) ------------------------------
-    def read(self, start: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(state, conv) after `start` tokens, as copies."""
+    def clear(self, seq: int) -> None:
+        """Sequence `seq` back to the empty state (ring slot 0 and snapshot 0 hold zeros)."""
+        for t in self.tensors():
+            t[seq].zero_()
+
+    # -- a run over positions start..end-1 of one sequence (host positions) -----------------------
+    def read(self, seq: int, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(state, conv) of sequence `seq` after `start` tokens, as copies."""
         slot = start % RECENT_STATES
-        return self.recent[slot].clone(), self.recent_conv[slot].clone()
+        return self.recent[seq, slot].clone(), self.recent_conv[seq, slot].clone()
 
     def wants(self, length: int, end: int) -> bool:
         """Whether a run ending at `end` keeps the state of `length`."""
         return length > end - RECENT_STATES or length % self.every == 0
 
-    def write(self, length: int, end: int, state: torch.Tensor, conv: torch.Tensor) -> None:
+    def write(self, seq: int, length: int, end: int, state: torch.Tensor, conv: torch.Tensor) -> None:
         """Keep the state of `length` reached by a run ending at `end` (where `wants` says)."""
         if length > end - RECENT_STATES:
-            self.recent[length % RECENT_STATES].copy_(state)
-            self.recent_conv[length % RECENT_STATES].copy_(conv)
+            self.recent[seq, length % RECENT_STATES].copy_(state)
+            self.recent_conv[seq, length % RECENT_STATES].copy_(conv)
         if length % self.every == 0:
-            self.snaps[length // self.every].copy_(state)
-            self.snaps_conv[length // self.every].copy_(conv)
+            self.snaps[seq, length // self.every].copy_(state)
+            self.snaps_conv[seq, length // self.every].copy_(conv)
 
-    # -- a one-token step at a device position -----------------------------------------------------
-    def read_at(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(state, conv) after pos [1] tokens."""
-        slot = torch.remainder(pos, RECENT_STATES)
-        return self.recent.index_select(0, slot)[0], self.recent_conv.index_select(0, slot)[0]
+    # -- one token at device values (a sequence slot and a position) --------------------------------
+    def read_at(self, seq: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(state, conv) of sequence seq [1] after pos [1] tokens."""
+        flat = seq * RECENT_STATES + torch.remainder(pos, RECENT_STATES)
+        return (self.recent.flatten(0, 1).index_select(0, flat)[0],
+                self.recent_conv.flatten(0, 1).index_select(0, flat)[0])
 
-    def write_at(self, length: torch.Tensor, state: torch.Tensor, conv: torch.Tensor) -> None:
-        """Keep the state of `length` [1] (its ring slot; its snapshot where `every` divides it)."""
-        slot = torch.remainder(length, RECENT_STATES)
-        self.recent.index_copy_(0, slot, state[None])
-        self.recent_conv.index_copy_(0, slot, conv[None].to(self.recent_conv.dtype))
+    def write_at(self, seq: torch.Tensor, length: torch.Tensor, state: torch.Tensor, conv: torch.Tensor) -> None:
+        """Keep the state of `length` [1] of sequence seq [1] (its ring slot; its snapshot where
+        `every` divides it)."""
+        flat = seq * RECENT_STATES + torch.remainder(length, RECENT_STATES)
+        self.recent.flatten(0, 1).index_copy_(0, flat, state[None])
+        self.recent_conv.flatten(0, 1).index_copy_(0, flat, conv[None].to(self.recent_conv.dtype))
         snap = torch.where(torch.remainder(length, self.every) == 0, length // self.every,
                            torch.full_like(length, self.scratch))
-        self.snaps.index_copy_(0, snap, state[None])
-        self.snaps_conv.index_copy_(0, snap, conv[None].to(self.snaps_conv.dtype))
+        n = self.snaps.shape[1]
+        self.snaps.flatten(0, 1).index_copy_(0, seq * n + snap, state[None])
+        self.snaps_conv.flatten(0, 1).index_copy_(0, seq * n + snap, conv[None].to(self.snaps_conv.dtype))

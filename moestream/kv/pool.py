@@ -1,0 +1,353 @@
+"""The paged KV pool: every layer's per-token rows in fixed-size blocks shared by all sequences.
+
+Layout (what the attention kernels read): a layer's keys are [num_blocks, block_size, Nkv, D] and
+values [num_blocks, block_size, Nkv, Dv]; a layer group (the layers with the same window) has one
+block table, int32 [max_sequences, max_blocks], on the device (a host mirror beside it): position
+p of sequence s lies in block table[s, p // block_size], row p % block_size. Blocks are taken as a
+sequence grows (`SequenceKV.reserve`) and given back when it shrinks or ends; a sliding-window
+group gives back the blocks its window no longer sees. A full block of known tokens is published
+under a chained hash of its token ids, so a prompt starting like an earlier one shares those blocks
+(reference counted) rather than computing them again; a freed published block stays reusable
+until its room is needed. Recurrent (linear-attention) layers keep a state per sequence instead
+(moestream.kv.recurrent), accounted in the same ledger.
+
+Legend: NB blocks, BS block size, S sequences, MB blocks per sequence, Nkv heads, D head size."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moestream.kv.blocks import BlockAllocator
+from moestream.kv.layout import LayerKV
+from moestream.kv.recurrent import RECENT_STATES, RecurrentState, StateBook
+
+BLOCK_SIZE = 16
+ROLLBACK_MARGIN = 32  # positions behind a window that stay kept: a rollback of a step or two finds them
+MAX_STEP_TOKENS = RECENT_STATES - 1  # a step's rows at most (moestream.engine.decoder)
+
+
+@dataclass
+class LayerCache:
+    """One layer's part of the pool, what its attention forward reads and writes."""
+
+    keys: torch.Tensor | None  # [NB, BS, Nkv, D] (None: a recurrent layer)
+    values: torch.Tensor | None  # [NB, BS, Nkv, Dv] (None: no values, e.g. a latent cache)
+    block_table: torch.Tensor | None  # [S, MB] int32 on the device
+    host_table: torch.Tensor | None  # [S, MB] int32, the host's copy
+    block_size: int
+    window: int | None
+    states: RecurrentState | None = None  # a recurrent layer's states
+
+    def write(self, positions: torch.Tensor, sequences: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None) -> None:
+        """Rows k [T, Nkv, D], v [T, Nkv, Dv] at positions [T] of sequences [T] (device values: no host read)."""
+        blocks = self.block_table[sequences, torch.div(positions, self.block_size, rounding_mode="floor")].long()
+        rows = torch.remainder(positions, self.block_size)
+        self.keys[blocks, rows] = k.to(self.keys.dtype)
+        if v is not None:
+            self.values[blocks, rows] = v.to(self.values.dtype)
+
+    def gather(self, seq: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Keys [end - start, Nkv, D] and values of positions start..end-1 of sequence `seq` (host values)."""
+        bs = self.block_size
+        ids = self.host_table[seq, start // bs:(end - 1) // bs + 1].to(self.keys.device, torch.long)
+        lo = start % bs
+        keys = self.keys[ids].flatten(0, 1)[lo:lo + end - start]
+        values = None if self.values is None else self.values[ids].flatten(0, 1)[lo:lo + end - start]
+        return keys, values
+
+    def first_visible(self, position: int) -> int:
+        return 0 if self.window is None else max(0, position - self.window + 1)
+
+
+class _Group:
+    """Layers with the same window: one allocator and one block table."""
+
+    def __init__(self, window: int | None, num_blocks: int, sequences: int, max_blocks: int, device: torch.device):
+        self.window = window
+        self.allocator = BlockAllocator(num_blocks)
+        self.host = torch.zeros((sequences, max_blocks), dtype=torch.int32,
+                                pin_memory=device.type == "cuda")
+        self.table = self.host if device.type == "cpu" else torch.zeros_like(self.host, device=device)
+        self.held: list[list[int]] = [[] for _ in range(sequences)]  # per sequence its blocks (-1: given back)
+        self.layers: list[int] = []
+        self.dirty = False
+
+
+class KVPool:
+    def __init__(self, layout: list[LayerKV], *, max_sequences: int, max_context: int, dtype: torch.dtype,
+                 device: torch.device, block_size: int = BLOCK_SIZE, num_blocks: int | None = None,
+                 prefill_chunk: int = 0):
+        """num_blocks: blocks of a full-attention group (default: every sequence at the whole context);
+        a window group gets what its window needs for every sequence, and one prefill chunk's more."""
+        if block_size < 1:
+            raise ValueError(f"the KV block size must be at least 1, got {block_size}")
+        self.layout, self.block_size, self.max_context = layout, block_size, max_context
+        self.max_sequences, self.dtype, self.device = max_sequences, dtype, device
+        self.prefill_chunk = prefill_chunk
+        self.max_blocks = -(-max_context // block_size)
+        self.groups: dict[int | None, _Group] = {}
+        self.layers: list[LayerCache] = []
+        for i, spec in enumerate(layout):
+            if not spec.paged:
+                states = RecurrentState(spec.state, spec.conv, max_sequences, max_context, dtype=dtype,
+                                        device=device) if spec.recurrent else None
+                self.layers.append(LayerCache(None, None, None, None, block_size, None, states))
+                continue
+            if spec.window not in self.groups:
+                self.groups[spec.window] = _Group(spec.window, self.blocks_for(spec.window, num_blocks),
+                                                  max_sequences, self.max_blocks, device)
+            group = self.groups[spec.window]
+            group.layers.append(i)
+            nb = group.allocator.num_blocks
+            keys = torch.zeros((nb, block_size, spec.heads, spec.k_dim), dtype=dtype, device=device)
+            values = None if spec.value_dim == 0 else \
+                torch.zeros((nb, block_size, spec.value_heads, spec.value_dim), dtype=dtype, device=device)
+            self.layers.append(LayerCache(keys, values, group.table, group.host, block_size, spec.window))
+        self.recurrent = [c.states for c in self.layers if c.states is not None]
+        self.sequences = [SequenceKV(self, s) for s in range(max_sequences)]
+
+    def blocks_for(self, window: int | None, num_blocks: int | None) -> int:
+        if window is None:
+            return num_blocks if num_blocks is not None else self.max_sequences * self.max_blocks
+        return window_blocks(window, max_context=self.max_context, block_size=self.block_size,
+                             sequences=self.max_sequences, prefill_chunk=self.prefill_chunk)
+
+    def layer(self, i: int) -> LayerCache:
+        return self.layers[i]
+
+    def sync(self) -> None:
+        """Bring the device's block tables up to the host's (before a step or prefill reads them)."""
+        for group in self.groups.values():
+            if group.dirty and group.table is not group.host:
+                group.table.copy_(group.host)
+            group.dirty = False
+
+    def forget_published(self) -> None:
+        """No block answers a hash any more: the next prompts are computed whole (Engine.reset)."""
+        for group in self.groups.values():
+            group.allocator.forget_all()
+
+    @property
+    def nbytes(self) -> int:
+        tensors = [t for c in self.layers for t in (c.keys, c.values) if t is not None]
+        tensors += [t for state in self.recurrent for t in state.tensors()]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    @staticmethod
+    def bytes_for(layout: list[LayerKV], *, sequences: int, max_context: int, dtype: torch.dtype,
+                  block_size: int = BLOCK_SIZE, prefill_chunk: int = 0) -> int:
+        """What a pool for `layout` allocates (the ledger's KV line)."""
+        item = torch.finfo(dtype).bits // 8
+        total, blocks = 0, sequences * -(-max_context // block_size)
+        for spec in layout:
+            if spec.paged:
+                n = blocks if spec.window is None else \
+                    window_blocks(spec.window, max_context=max_context, block_size=block_size, sequences=sequences,
+                                  prefill_chunk=prefill_chunk)
+                total += n * block_size * spec.bytes_per_token(item)
+            total += sequences * spec.state_bytes(max_context, item)
+        return total
+
+
+def window_blocks(window: int, *, max_context: int, block_size: int, sequences: int, prefill_chunk: int) -> int:
+    """Blocks a window group needs: every sequence's window (and the margin a rollback and a step
+    reach), and one prefill chunk's rows written before the window slides past them."""
+    span = min(max_context, window + ROLLBACK_MARGIN + MAX_STEP_TOKENS)
+    per_sequence = min(-(-max_context // block_size), -(-span // block_size) + 2)
+    return sequences * per_sequence + -(-min(prefill_chunk, max_context) // block_size) + 1
+
+
+def _digest(parent: int, tokens: list[int]) -> int:
+    return hash((parent, tuple(tokens)))
+
+
+class SequenceKV:
+    """One sequence slot of the pool: the token ids whose rows it holds (the one record of what is
+    cached: prefix reuse and rollback only ask it), its blocks in every group, its recurrent states."""
+
+    def __init__(self, pool: KVPool, seq: int):
+        self.pool, self.seq = pool, seq
+        self.max_tokens = pool.max_context
+        self.tokens: list[int] = []
+        self.hashes: list[int] = []  # chained digest of each full block of known tokens
+        self.book = StateBook(pool.max_context) if pool.recurrent else None
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
+
+    # -- blocks -----------------------------------------------------------------------------------
+    def _set(self, group: _Group, j: int, block: int) -> None:
+        held = group.held[self.seq]
+        while len(held) <= j:
+            held.append(-1)
+        held[j] = block
+        group.host[self.seq, j] = max(block, 0)
+        group.dirty = True
+
+    def reserve(self, start: int, end: int) -> None:
+        """Blocks this sequence alone holds for positions start..end-1, before a step writes them: a
+        missing one is taken, a shared one copied first (its other holders keep its content)."""
+        if end > self.max_tokens:
+            raise ValueError(f"{end} tokens exceed the KV cache's {self.max_tokens}")
+        bs = self.pool.block_size
+        for group in self.pool.groups.values():
+            held = group.held[self.seq]
+            for j in range(start // bs, (end - 1) // bs + 1):
+                block = held[j] if j < len(held) else -1
+                if block < 0:
+                    self._set(group, j, group.allocator.take())
+                elif group.allocator.refs[block] > 1:
+                    fresh = group.allocator.take()
+                    for i in group.layers:
+                        layer = self.pool.layers[i]
+                        layer.keys[fresh].copy_(layer.keys[block])
+                        if layer.values is not None:
+                            layer.values[fresh].copy_(layer.values[block])
+                    group.allocator.release(block)
+                    self._set(group, j, fresh)
+                else:
+                    group.allocator.forget(block)
+
+    def _drop(self, group: _Group, j: int) -> None:
+        held = group.held[self.seq]
+        if j < len(held) and held[j] >= 0:
+            group.allocator.release(held[j])
+            held[j] = -1
+
+    def _publish(self) -> None:
+        """Publish every full block of known tokens not published yet (in every group that holds it)."""
+        bs, n = self.pool.block_size, len(self.hashes)
+        while (n + 1) * bs <= self.length:
+            block_tokens = self.tokens[n * bs:(n + 1) * bs]
+            if any(t < 0 for t in block_tokens):  # a token the host has not read yet (Engine.step_unread)
+                return
+            self.hashes.append(_digest(self.hashes[-1] if self.hashes else 0, block_tokens))
+            for group in self.pool.groups.values():
+                held = group.held[self.seq]
+                if n < len(held) and held[n] >= 0:
+                    group.allocator.publish(held[n], self.hashes[n])
+            n += 1
+
+    def _slide(self) -> None:
+        """Give back the blocks no window can see any more (ROLLBACK_MARGIN kept for rollbacks)."""
+        bs = self.pool.block_size
+        for group in self.pool.groups.values():
+            if group.window is None:
+                continue
+            first = self.length - group.window + 1 - ROLLBACK_MARGIN
+            for j in range(max(0, first) // bs):
+                self._drop(group, j)
+
+    def append(self, ids: list[int]) -> None:
+        """Record that the rows of `ids` (at the next positions) are now stored in every layer."""
+        if self.length + len(ids) > self.max_tokens:
+            raise ValueError(f"{self.length + len(ids)} tokens exceed the KV cache's {self.max_tokens}")
+        if self.book is not None:  # the recurrent layers wrote their states for the new lengths
+            self.book.ran(self.length, self.length + len(ids))
+        self.tokens.extend(ids)
+        self._publish()
+        self._slide()
+
+    def name(self, position: int, token: int) -> None:
+        """The id of a token run before the host knew it (Engine.name_token)."""
+        self.tokens[position] = token
+        self._publish()
+
+    def truncate(self, length: int) -> int:
+        """Forget every position from `length` on and return the length kept: with recurrent layers
+        the longest length <= `length` whose state is kept, with a window the longest whose window's
+        blocks are still held (else 0); the caller recomputes the tokens after it (Engine.rollback)."""
+        length = max(0, min(length, self.length))
+        if self.book is not None:
+            length = self.book.restore(length, self.pool.recurrent, self.seq)
+        if not self._window_held(length):
+            length = 0
+            if self.book is not None:
+                length = self.book.restore(0, self.pool.recurrent, self.seq)
+        bs = self.pool.block_size
+        for group in self.pool.groups.values():
+            for j in range(-(-length // bs), len(group.held[self.seq])):
+                self._drop(group, j)
+        del self.tokens[length:]
+        del self.hashes[length // bs:]
+        return length
+
+    def _window_held(self, length: int) -> bool:
+        """Whether every window group holds (or can share back) the blocks position `length` sees."""
+        bs = self.pool.block_size
+        for group in self.pool.groups.values():
+            if group.window is None or length == 0:
+                continue
+            held = group.held[self.seq]
+            for j in range(max(0, length - group.window) // bs, (length - 1) // bs + 1):
+                if j < len(held) and held[j] >= 0:
+                    continue
+                block = group.allocator.share(self.hashes[j]) if j < len(self.hashes) else None
+                if block is None:
+                    return False
+                self._set(group, j, block)
+        return True
+
+    def release(self) -> None:
+        """Give every block back (published ones stay reusable) and forget the tokens."""
+        self.truncate(0)
+        for group in self.pool.groups.values():
+            group.held[self.seq] = []
+        if self.book is not None:
+            for state in self.pool.recurrent:
+                state.clear(self.seq)
+            self.book = StateBook(self.pool.max_context)
+
+    # -- prefix reuse --------------------------------------------------------------------------------
+    def reuse(self, prompt: list[int], limit: int) -> int:
+        """Keep as much of `prompt` (at most `limit` tokens) as this sequence or the pool's published
+        blocks hold, and return the length kept (the prefill computes the rest)."""
+        own = 0
+        for a, b in zip(self.tokens, prompt[:limit]):
+            if a != b:
+                break
+            own += 1
+        shared = self._shared_blocks(prompt, limit) * self.pool.block_size
+        if shared > own:
+            self.release()
+            self._adopt(prompt, shared // self.pool.block_size)
+            own = min(shared, limit)
+        return self.truncate(own)
+
+    def _chain(self, prompt: list[int], blocks: int) -> list[int]:
+        bs, out = self.pool.block_size, []
+        for j in range(blocks):
+            out.append(_digest(out[-1] if out else 0, prompt[j * bs:(j + 1) * bs]))
+        return out
+
+    def _shared_blocks(self, prompt: list[int], limit: int) -> int:
+        """How many full blocks of prompt's start the pool can share (none with recurrent layers:
+        their states are a sequence's own)."""
+        if self.pool.recurrent or not self.pool.groups:
+            return 0
+        bs = self.pool.block_size
+        chain = self._chain(prompt, -(-limit // bs) if limit > 0 else 0)
+        full = [g for g in self.pool.groups.values() if g.window is None]
+        n = 0
+        while n < len(chain) and all(chain[n] in g.allocator.by_hash for g in full):
+            n += 1
+        while n > 0:  # a window group needs the blocks its window sees at the end
+            end = n * bs
+            if all(chain[j] in g.allocator.by_hash for g in self.pool.groups.values() if g.window is not None
+                   for j in range(max(0, end - g.window) // bs, n)):
+                return n
+            n -= 1
+        return 0
+
+    def _adopt(self, prompt: list[int], blocks: int) -> None:
+        bs = self.pool.block_size
+        chain = self._chain(prompt, blocks)
+        for group in self.pool.groups.values():
+            first = 0 if group.window is None else max(0, blocks * bs - group.window) // bs
+            for j in range(first, blocks):
+                self._set(group, j, group.allocator.share(chain[j]))
+        self.tokens = list(prompt[:blocks * bs])
+        self.hashes = chain
+        self._slide()
