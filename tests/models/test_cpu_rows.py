@@ -28,6 +28,8 @@ _step_rows = Decoder.step_rows
 
 def one_row_at_a_time(self, tokens, positions, slots, *, head=True, device_tokens=None):
     """The reference of a step of several rows: each row a step of its own."""
+    if device_tokens is not None:  # one row whose token is still on the device (plain greedy decoding)
+        return _step_rows(self, tokens, positions, slots, head=head, device_tokens=device_tokens)
     return torch.cat([_step_rows(self, [t], [p], [s], head=head).clone() for t, p, s in zip(tokens, positions, slots)])
 
 
