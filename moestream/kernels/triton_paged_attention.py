@@ -98,13 +98,13 @@ def _attend_block(n0, m_i, l_i, acc, q0, q_ptr, q_off, q_ok, bt_ptr, max_blocks,
                   k_ptr, stride_kb, stride_ks, v_ptr, stride_vb, stride_vs, key_lo, key_hi, k_first, k_last,
                   scale, qk_scale, softcap,
                   D: tl.constexpr, BKD: tl.constexpr, NUM_DK: tl.constexpr, DV: tl.constexpr, BDV: tl.constexpr,
-                  BS: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, DOT_F32: tl.constexpr,
-                  PRECISION: tl.constexpr):
+                  BS: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, GAPS: tl.constexpr,
+                  DOT_F32: tl.constexpr, PRECISION: tl.constexpr):
     """One block of BLOCK_N keys (positions n0 ..) of one kv head against M query rows: online
     softmax update of the running max m_i [M] (log2 units), sum l_i [M] and output acc [M, BDV].
     Keys k_first .. k_last are loaded; row i sees keys key_lo[i] .. key_hi[i] of them (none: its
-    state stays as it was, exactly). q0: the [M, BKD] query tile when NUM_DK == 1, else q is read
-    chunk by chunk at q_ptr + q_off."""
+    state stays as it was, exactly). GAPS: some key between k_first and k_last may be seen by no
+    row. q0: the [M, BKD] query tile when NUM_DK == 1, else q is read chunk by chunk at q_ptr + q_off."""
     n = n0 + tl.arange(0, BLOCK_N)
     n_ok = (n >= k_first) & (n <= k_last)
     phys = _clamp(tl.load(bt_ptr + n // BS, mask=n_ok & (n // BS < max_blocks), other=0), num_blocks)
@@ -134,13 +134,42 @@ def _attend_block(n0, m_i, l_i, acc, q0, q_ptr, q_off, q_ok, bt_ptr, max_blocks,
     alpha = tl.exp2(m_i - m_use)
     p = tl.exp2(sc - m_use[:, None])
     # values only of keys some row sees: a slot between the rows' ranges may hold anything (a freed
-    # block, NaN), and p = 0 times NaN would still be NaN
-    v_ok = n_ok & (tl.max(seen.to(tl.int32), axis=0) > 0)
+    # block, NaN), and p = 0 times NaN would still be NaN. Without gaps every loaded key is seen: the
+    # mask needs no reduction over the rows and the loads of V need not wait for the scores.
+    if GAPS:
+        v_ok = n_ok & (tl.max(seen.to(tl.int32), axis=0) > 0)
+    else:
+        v_ok = n_ok
     dv = tl.arange(0, BDV)
     v = tl.load(v_ptr + v_rows[:, None] + dv[None, :], mask=v_ok[:, None] & (dv < DV)[None, :], other=0.0)
     l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None] + _mm(p.to(v.dtype), v, DOT_F32, PRECISION)
     return m_new, l_i, acc
+
+
+@triton.jit
+def _attend_keys(first, m_i, l_i, acc, q0, q_ptr, q_off, q_ok, bt_ptr, max_blocks, num_blocks,
+                 k_ptr, stride_kb, stride_ks, v_ptr, stride_vb, stride_vs, key_lo, key_hi, k_first, k_last,
+                 scale, qk_scale, softcap,
+                 D: tl.constexpr, BKD: tl.constexpr, NUM_DK: tl.constexpr, DV: tl.constexpr, BDV: tl.constexpr,
+                 BS: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, GAPS: tl.constexpr,
+                 WHILE_LOOP: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr):
+    """_attend_block over the blocks first, first + BLOCK_N, .. up to k_last, in order."""
+    if WHILE_LOOP:  # the interpreter takes no loop bounds read from memory
+        n0 = first
+        while n0 <= k_last:
+            m_i, l_i, acc = _attend_block(n0, m_i, l_i, acc, q0, q_ptr, q_off, q_ok, bt_ptr, max_blocks, num_blocks,
+                                          k_ptr, stride_kb, stride_ks, v_ptr, stride_vb, stride_vs, key_lo, key_hi,
+                                          k_first, k_last, scale, qk_scale, softcap, D, BKD, NUM_DK, DV, BDV, BS,
+                                          BLOCK_N, SOFTCAP, GAPS, DOT_F32, PRECISION)
+            n0 += BLOCK_N
+    else:
+        for n0 in range(first, k_last + 1, BLOCK_N):
+            m_i, l_i, acc = _attend_block(n0, m_i, l_i, acc, q0, q_ptr, q_off, q_ok, bt_ptr, max_blocks, num_blocks,
+                                          k_ptr, stride_kb, stride_ks, v_ptr, stride_vb, stride_vs, key_lo, key_hi,
+                                          k_first, k_last, scale, qk_scale, softcap, D, BKD, NUM_DK, DV, BDV, BS,
+                                          BLOCK_N, SOFTCAP, GAPS, DOT_F32, PRECISION)
+    return m_i, l_i, acc
 
 
 @triton.jit
@@ -203,22 +232,20 @@ def _attn_kernel(q_ptr, stride_qt, stride_qh, k_ptr, stride_kb, stride_ks, strid
                 k_last = tl.max(key_hi, axis=0)
                 seq_bt = bt_ptr + cur.to(tl.int64) * stride_bt
                 first = k_first // BLOCK_N * BLOCK_N  # blocks at multiples of BLOCK_N: a row's blocks whatever the pass
-                if WHILE_LOOP:  # the interpreter takes no loop bounds read from memory
-                    n0 = first
-                    while n0 <= k_last:
-                        m_i, l_i, acc = _attend_block(n0, m_i, l_i, acc, q0, q_ptr, q_off, real, seq_bt, max_blocks,
-                                                      num_blocks, k_ptr, stride_kb, stride_ks, v_ptr, stride_vb,
-                                                      stride_vs, key_lo, key_hi, k_first, k_last, scale, qk_scale,
-                                                      softcap, D, BKD, NUM_DK, DV, BDV, BS, BLOCK_N, SOFTCAP,
-                                                      DOT_F32, PRECISION)
-                        n0 += BLOCK_N
+                # the rows' ranges meet or touch pairwise: their union k_first .. k_last has no gap
+                joined = tl.max(tl.where(sel, start, -1), axis=0) <= tl.min(tl.where(sel, last, max_pos), axis=0) + 1
+                if joined:
+                    m_i, l_i, acc = _attend_keys(first, m_i, l_i, acc, q0, q_ptr, q_off, real, seq_bt, max_blocks,
+                                                 num_blocks, k_ptr, stride_kb, stride_ks, v_ptr, stride_vb, stride_vs,
+                                                 key_lo, key_hi, k_first, k_last, scale, qk_scale, softcap, D, BKD,
+                                                 NUM_DK, DV, BDV, BS, BLOCK_N, SOFTCAP, False, WHILE_LOOP, DOT_F32,
+                                                 PRECISION)
                 else:
-                    for n0 in range(first, k_last + 1, BLOCK_N):
-                        m_i, l_i, acc = _attend_block(n0, m_i, l_i, acc, q0, q_ptr, q_off, real, seq_bt, max_blocks,
-                                                      num_blocks, k_ptr, stride_kb, stride_ks, v_ptr, stride_vb,
-                                                      stride_vs, key_lo, key_hi, k_first, k_last, scale, qk_scale,
-                                                      softcap, D, BKD, NUM_DK, DV, BDV, BS, BLOCK_N, SOFTCAP,
-                                                      DOT_F32, PRECISION)
+                    m_i, l_i, acc = _attend_keys(first, m_i, l_i, acc, q0, q_ptr, q_off, real, seq_bt, max_blocks,
+                                                 num_blocks, k_ptr, stride_kb, stride_ks, v_ptr, stride_vb, stride_vs,
+                                                 key_lo, key_hi, k_first, k_last, scale, qk_scale, softcap, D, BKD,
+                                                 NUM_DK, DV, BDV, BS, BLOCK_N, SOFTCAP, True, WHILE_LOOP, DOT_F32,
+                                                 PRECISION)
                 done = done | sel
     dv = tl.arange(0, BDV)
     if SPLIT:
@@ -413,24 +440,31 @@ class Tile:
     gp: int
     block_n: int
     warps: int
+    stages: int
 
 
-def _tile(dtype: torch.dtype, G: int, D: int, Dv: int, m: int) -> Tile:
+def _tile(G: int, m: int, block_n: int, warps: int, stages: int) -> Tile:
     gp = triton.next_power_of_2(G)
-    block_r = max(1, max(m, 16) // gp)
-    block_n = 32 if dtype == torch.float32 or max(D, Dv) > 128 else 64
-    return Tile(block_r, gp, block_n, 8 if block_r * gp * max(D, Dv) >= 8192 else 4)
+    return Tile(max(1, max(m, 16) // gp), gp, block_n, warps, stages)
 
 
 def decode_tile(dtype: torch.dtype, G: int, D: int, Dv: int) -> Tile:
-    """Decode: 32-64 MMA rows, so up to 64 / G rows of a call read their sequence's K/V once (a step of
-    T drafted tokens reads the cache about once, not T times)."""
-    return _tile(dtype, G, D, Dv, 64 if dtype != torch.float32 and max(D, Dv) <= 128 else 32)
+    """Decode: the fewest MMA rows (16; more where G pads past them), so that a single row wastes
+    little of the MMA; rows of one sequence in a step share a program where G leaves room."""
+    wide = max(D, Dv)
+    if dtype == torch.float32:
+        return _tile(G, 16, 32, 4, 2)
+    return _tile(G, 16, 64 if wide <= 128 else 32, 4 if wide <= 256 else 8, 2)
 
 
 def prefill_tile(dtype: torch.dtype, G: int, D: int, Dv: int) -> Tile:
     """Prefill: 64 MMA rows (32 in float32 or past 256 features a head)."""
-    return _tile(dtype, G, D, Dv, 32 if dtype == torch.float32 or max(D, Dv) > 256 else 64)
+    wide = max(D, Dv)
+    if dtype == torch.float32:
+        return _tile(G, 32, 32, 4, 2)
+    if wide <= 128:
+        return _tile(G, 64, 64, 4, 2)
+    return _tile(G, 64 if wide <= 256 else 32, 32, 8, 2)
 
 
 def decode_splits(shape: PagedShape, window: int | None, *, min_chunk: int = MIN_CHUNK,
@@ -455,7 +489,7 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block
         NUM_DK=num_dk, DV=shape.Dv, BDV=max(16, triton.next_power_of_2(shape.Dv)), BS=shape.BS,
         BLOCK_N=tile.block_n, WINDOWED=window is not None, SOFTCAP=softcap is not None,
         HAS_SINKS=sinks is not None, SPLIT=split is not None, WHILE_LOOP=_INTERPRETED, DOT_F32=_INTERPRETED,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=tile.warps, num_stages=2,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=tile.warps, num_stages=tile.stages,
         **pdl_launch(q, _INTERPRETED))
 
 
