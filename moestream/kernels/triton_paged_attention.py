@@ -55,7 +55,7 @@ from moestream.kernels.expert_layout import ACT_DTYPES
 from moestream.kernels.pdl import pdl_launch
 
 MIN_CHUNK = 64  # fewest keys of a decode split (a multiple of every BLOCK_N below)
-MAX_SPLITS = 128  # most splits of a decode row: enough programs to fill the GPU at batch 1, Nkv 2
+MAX_SPLITS = 64  # most splits of a decode row: fewer, longer splits read a long context faster than many
 _COMBINE_ELEMENTS = 4096  # split partials x value features the combine kernel holds per step (registers)
 _LOG2E = 1.4426950408889634
 
@@ -443,28 +443,32 @@ class Tile:
     stages: int
 
 
-def _tile(G: int, m: int, block_n: int, warps: int, stages: int) -> Tile:
+def _tile(dtype: torch.dtype, G: int, D: int, Dv: int, m: int, block_n: int, warps: int, stages: int) -> Tile:
     gp = triton.next_power_of_2(G)
+    if block_n * (D + Dv) * dtype.itemsize > 64 << 10:  # two stages of K and V would not fit shared memory
+        stages = 1
     return Tile(max(1, max(m, 16) // gp), gp, block_n, warps, stages)
 
 
 def decode_tile(dtype: torch.dtype, G: int, D: int, Dv: int) -> Tile:
-    """Decode: the fewest MMA rows (16; more where G pads past them), so that a single row wastes
-    little of the MMA; rows of one sequence in a step share a program where G leaves room."""
+    """Decode: the fewest MMA rows (16; more where G pads past them): one row of a call wastes little of
+    the MMA, and each program is short (a single row's step is latency-bound). Wide heads take fewer
+    keys per step."""
     wide = max(D, Dv)
     if dtype == torch.float32:
-        return _tile(G, 16, 32, 4, 2)
-    return _tile(G, 16, 64 if wide <= 128 else 32, 4 if wide <= 256 else 8, 2)
+        return _tile(dtype, G, D, Dv, 16, 32, 4, 2)
+    return _tile(dtype, G, D, Dv, 16, 64 if wide <= 128 else 32 if wide <= 256 else 16, 4, 2)
 
 
 def prefill_tile(dtype: torch.dtype, G: int, D: int, Dv: int) -> Tile:
-    """Prefill: 64 MMA rows (32 in float32 or past 256 features a head)."""
+    """Prefill: 128 MMA rows up to 256 features a head (8 warps from 128 features on), 32 in float32
+    or past 256 features."""
     wide = max(D, Dv)
     if dtype == torch.float32:
-        return _tile(G, 32, 32, 4, 2)
+        return _tile(dtype, G, D, Dv, 32, 32, 4 if wide <= 256 else 8, 2)
     if wide <= 128:
-        return _tile(G, 64, 64, 4, 2)
-    return _tile(G, 64 if wide <= 256 else 32, 32, 8, 2)
+        return _tile(dtype, G, D, Dv, 128, 64, 4 if wide <= 64 else 8, 2)
+    return _tile(dtype, G, D, Dv, 128 if wide <= 256 else 32, 32, 8, 2)
 
 
 def decode_splits(shape: PagedShape, window: int | None, *, min_chunk: int = MIN_CHUNK,
