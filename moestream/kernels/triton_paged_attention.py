@@ -34,7 +34,7 @@ place among them):
     into the same blocks whatever the other rows; a block outside a row's keys is masked for it and
     leaves its running max, sum and accumulator exactly as they were; each output of an MMA is one
     row's (the interpreter, whose tl.dot rounds by a row's place, takes sums of products instead).
-    Tile sizes follow from the dtype and head sizes, never from T.
+    Tile sizes and the decode split rule follow from the dtype and head sizes, never from T.
   - decode: a row's split size (chunk) follows from its own visible span only: the smallest multiple
     of BLOCK_N, at least min_chunk, that covers the span in at most max_splits splits, the splits
     aligned at multiples of chunk in absolute positions. Each split of a row is reduced by one
@@ -54,8 +54,6 @@ from triton.runtime.interpreter import InterpretedFunction
 from moestream.kernels.expert_layout import ACT_DTYPES
 from moestream.kernels.pdl import pdl_launch
 
-MIN_CHUNK = 64  # fewest keys of a decode split (a multiple of every BLOCK_N below)
-MAX_SPLITS = 64  # most splits of a decode row: fewer, longer splits read a long context faster than many
 _COMBINE_ELEMENTS = 4096  # split partials x value features the combine kernel holds per step (registers)
 _LOG2E = 1.4426950408889634
 
@@ -451,13 +449,25 @@ def _tile(dtype: torch.dtype, G: int, D: int, Dv: int, m: int, block_n: int, war
 
 
 def decode_tile(dtype: torch.dtype, G: int, D: int, Dv: int) -> Tile:
-    """Decode: the fewest MMA rows (16; more where G pads past them): one row of a call wastes little of
-    the MMA, and each program is short (a single row's step is latency-bound). Wide heads take fewer
-    keys per step."""
+    """Decode: the fewest MMA rows (16; more where G pads past them) up to 256 features a head: one row
+    of a call wastes little of the MMA, and each program is short (a single row's step is bound by the
+    latency of its loads). Narrow heads take more keys a step, wide ones fewer; past 256 features 32
+    rows (several rows of a step share their sequence's K/V at no cost to one row)."""
     wide = max(D, Dv)
     if dtype == torch.float32:
         return _tile(dtype, G, D, Dv, 16, 32, 4, 2)
-    return _tile(dtype, G, D, Dv, 16, 64 if wide <= 128 else 32 if wide <= 256 else 16, 4, 2)
+    if wide <= 256:
+        return _tile(dtype, G, D, Dv, 16, 128 if wide <= 64 else 64 if wide <= 128 else 32, 4, 2)
+    return _tile(dtype, G, D, Dv, 32, 32, 8, 2)
+
+
+def decode_split_rule(dtype: torch.dtype, D: int, Dv: int) -> tuple[int, int]:
+    """(min_chunk, max_splits) of a decode row: few, long splits (each program streams its keys with
+    loads in flight; the combine is cheap), fewer still for narrow heads, whose key rows are short."""
+    wide = max(D, Dv)
+    if dtype == torch.float32 or wide > 128:
+        return 64, 64
+    return 128, 32 if wide <= 64 else 64
 
 
 def prefill_tile(dtype: torch.dtype, G: int, D: int, Dv: int) -> Tile:
@@ -471,8 +481,7 @@ def prefill_tile(dtype: torch.dtype, G: int, D: int, Dv: int) -> Tile:
     return _tile(dtype, G, D, Dv, 128 if wide <= 256 else 32, 32, 8, 2)
 
 
-def decode_splits(shape: PagedShape, window: int | None, *, min_chunk: int = MIN_CHUNK,
-                  max_splits: int = MAX_SPLITS) -> int:
+def decode_splits(shape: PagedShape, window: int | None, *, min_chunk: int, max_splits: int) -> int:
     """The decode grid's split axis: the most splits any row of these shapes can use (host values only)."""
     span = shape.MB * shape.BS if window is None else min(window, shape.MB * shape.BS)
     return min(max_splits, triton.cdiv(span - 1, min_chunk) + 1)
@@ -500,16 +509,20 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                     positions: torch.Tensor, seq_of_row: torch.Tensor, *, scale: float, window: int | None = None,
                     sinks: torch.Tensor | None = None, softcap: float | None = None, out_rows: int | None = None,
-                    min_chunk: int = MIN_CHUNK, max_splits: int = MAX_SPLITS) -> torch.Tensor:
+                    min_chunk: int | None = None, max_splits: int | None = None) -> torch.Tensor:
     """Decode attention of q [T, Nq, D] (rows may be strided) over the paged cache: row t over positions
     max(0, pos_t - window + 1) .. pos_t of sequence seq_of_row[t]. Returns [out_rows or T, Nq*Dv] in q's
     dtype, rows past T zero. v_cache may be a view into k_cache (latent attention: the values are the
     keys' first Dv features). Flash-decoding: kernel 1 over (tile of rows, kv head, split), kernel 2
     combines a row's splits. Row t's bits depend on its own q, position, window and sequence only (and
-    on min_chunk / max_splits, the split rule: keep the defaults wherever bits are compared)."""
+    on min_chunk / max_splits, the split rule (None: decode_split_rule's; keep the defaults wherever bits
+    are compared)."""
     shape = _paged_shape(q, q.shape[1], k_cache, v_cache, block_table, positions, seq_of_row)
     out_rows = _check_options(shape, q.device, window, sinks, softcap, out_rows)
     tile = decode_tile(q.dtype, shape.G, shape.D, shape.Dv)
+    rule = decode_split_rule(q.dtype, shape.D, shape.Dv)
+    min_chunk = rule[0] if min_chunk is None else min_chunk
+    max_splits = rule[1] if max_splits is None else max_splits
     if min_chunk < tile.block_n or min_chunk % tile.block_n or max_splits < 2:
         raise ValueError(f"min_chunk {min_chunk}: a multiple of {tile.block_n}; max_splits {max_splits}: at least 2")
     T, Nq, Dv = shape.T, shape.Nq, shape.Dv
