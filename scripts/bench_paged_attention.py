@@ -2,12 +2,12 @@
 K/V, at the attention shapes of Gemma-4-26B-A4B, gpt-oss-20b and Qwen3-30B-A3B; JSON out.
 
     python scripts/bench_paged_attention.py --out paged-attention.json [--contexts 512 4096 32768]
-        [--rows 1] [--prefill 512 2048] [--block-size 16] [--dtype bf16] [--min-chunk 64] [--max-splits 128]
+        [--rows 1] [--prefill 512 2048] [--block-size 16] [--dtype bf16] [--min-chunk 64] [--max-splits 64]
 
 Decode: --rows rows (batch 1 by default) of one sequence at the last position of a --contexts long
-cache, for each split rule of --min-chunk x --max-splits (a sweep when several; us_paged is the
-fastest, us_paged_by_split all of them); prefill: --prefill rows at positions 0..n-1 of one
-sequence (the chunk's K/V already in the cache). Each cell is the median over replays of a CUDA
+cache, with the kernel's split rule for the shape, or each rule of --min-chunk x --max-splits (a
+sweep when several; us_paged is the fastest, us_paged_by_split all of them); prefill: --prefill
+rows at positions 0..n-1 of one sequence (the chunk's K/V already in the cache). Each cell is the median over replays of a CUDA
 graph of several calls, each call on its own copy of the cache (at least 200 MB of copies, so K/V
 come from HBM as in a step where the other layers pass between two calls), in microseconds per
 call. SDPA gets the same keys contiguous ([1, Nkv, n, D], enable_gqa; a window as the last
@@ -101,8 +101,9 @@ def cell(model: str, layer: str, kind: str, rows: int, context: int, args) -> di
             "sinks": torch.randn(Nq, generator=g).to(DEVICE) if sinks else None}
     attend = pa.paged_attention if kind == "decode" else pa.paged_prefill
     block_n = pa.decode_tile(dtype, Nq // Nkv, D, D).block_n  # a split rule's min_chunk is a multiple of it
-    splits = [{"min_chunk": c, "max_splits": n} for c in args.min_chunk for n in args.max_splits
-              if c % block_n == 0] if kind == "decode" else [{}]
+    rule = pa.decode_split_rule(dtype, D, D)
+    splits = [{"min_chunk": c, "max_splits": n} for c in args.min_chunk or [rule[0]]
+              for n in args.max_splits or [rule[1]] if c % block_n == 0] if kind == "decode" else [{}]
     ours = {}
     for split in splits:
         timed = time_graph([lambda k=k, v=v, t=t: attend(q, k, v, t, positions, seq, **opts, **split)
@@ -144,9 +145,9 @@ def main() -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--reps", type=int, default=50)
-    p.add_argument("--min-chunk", type=int, nargs="+", default=[pa.MIN_CHUNK],
-                   help="decode split rules to time (a sweep: several values)")
-    p.add_argument("--max-splits", type=int, nargs="+", default=[pa.MAX_SPLITS])
+    p.add_argument("--min-chunk", type=int, nargs="+",
+                   help="decode split rules to time (a sweep: several values; default: the kernel's rule)")
+    p.add_argument("--max-splits", type=int, nargs="+")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -155,7 +156,7 @@ def main() -> None:
         p.error("--block-size, --reps, --contexts, --rows and --prefill take positive numbers")
     for Nq, Nkv, D, window, sinks in SHAPES.values():
         block_n = pa.decode_tile(DTYPES[args.dtype], Nq // Nkv, D, D).block_n
-        if args.rows and not any(c % block_n == 0 for c in args.min_chunk):
+        if args.rows and args.min_chunk and not any(c % block_n == 0 for c in args.min_chunk):
             p.error(f"--min-chunk: none is a multiple of {block_n} (the decode kernel's keys per step at D {D})")
     cells = []
     for model, layer in SHAPES:
@@ -165,7 +166,7 @@ def main() -> None:
             cells.append(cell(model, layer, kind, rows, ctx, args))
             print(json.dumps(cells[-1]), flush=True)
     out = {"what": "paged attention (Triton) against SDPA on contiguous K/V, µs per call in a CUDA graph",
-           **machine_info(), "min_chunk": pa.MIN_CHUNK, "max_splits": pa.MAX_SPLITS, "cells": cells}
+           **machine_info(), "cells": cells}
     args.out.write_text(json.dumps(out, indent=1))
 
 

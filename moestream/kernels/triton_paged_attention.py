@@ -34,7 +34,7 @@ place among them):
     into the same blocks whatever the other rows; a block outside a row's keys is masked for it and
     leaves its running max, sum and accumulator exactly as they were; each output of an MMA is one
     row's (the interpreter, whose tl.dot rounds by a row's place, takes sums of products instead).
-    Tile sizes follow from the dtype and head sizes, never from T.
+    Tile sizes and the decode split rule follow from the dtype and head sizes, never from T.
   - decode: a row's split size (chunk) follows from its own visible span only: the smallest multiple
     of BLOCK_N, at least min_chunk, that covers the span in at most max_splits splits, the splits
     aligned at multiples of chunk in absolute positions. Each split of a row is reduced by one
@@ -54,8 +54,6 @@ from triton.runtime.interpreter import InterpretedFunction
 from moestream.kernels.expert_layout import ACT_DTYPES
 from moestream.kernels.pdl import pdl_launch
 
-MIN_CHUNK = 64  # fewest keys of a decode split (a multiple of every BLOCK_N below)
-MAX_SPLITS = 128  # most splits of a decode row: enough programs to fill the GPU at batch 1, Nkv 2
 _COMBINE_ELEMENTS = 4096  # split partials x value features the combine kernel holds per step (registers)
 _LOG2E = 1.4426950408889634
 
@@ -98,13 +96,13 @@ def _attend_block(n0, m_i, l_i, acc, q0, q_ptr, q_off, q_ok, bt_ptr, max_blocks,
                   k_ptr, stride_kb, stride_ks, v_ptr, stride_vb, stride_vs, key_lo, key_hi, k_first, k_last,
                   scale, qk_scale, softcap,
                   D: tl.constexpr, BKD: tl.constexpr, NUM_DK: tl.constexpr, DV: tl.constexpr, BDV: tl.constexpr,
-                  BS: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, DOT_F32: tl.constexpr,
-                  PRECISION: tl.constexpr):
+                  BS: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, GAPS: tl.constexpr,
+                  DOT_F32: tl.constexpr, PRECISION: tl.constexpr):
     """One block of BLOCK_N keys (positions n0 ..) of one kv head against M query rows: online
     softmax update of the running max m_i [M] (log2 units), sum l_i [M] and output acc [M, BDV].
     Keys k_first .. k_last are loaded; row i sees keys key_lo[i] .. key_hi[i] of them (none: its
-    state stays as it was, exactly). q0: the [M, BKD] query tile when NUM_DK == 1, else q is read
-    chunk by chunk at q_ptr + q_off."""
+    state stays as it was, exactly). GAPS: some key between k_first and k_last may be seen by no
+    row. q0: the [M, BKD] query tile when NUM_DK == 1, else q is read chunk by chunk at q_ptr + q_off."""
     n = n0 + tl.arange(0, BLOCK_N)
     n_ok = (n >= k_first) & (n <= k_last)
     phys = _clamp(tl.load(bt_ptr + n // BS, mask=n_ok & (n // BS < max_blocks), other=0), num_blocks)
@@ -134,13 +132,42 @@ def _attend_block(n0, m_i, l_i, acc, q0, q_ptr, q_off, q_ok, bt_ptr, max_blocks,
     alpha = tl.exp2(m_i - m_use)
     p = tl.exp2(sc - m_use[:, None])
     # values only of keys some row sees: a slot between the rows' ranges may hold anything (a freed
-    # block, NaN), and p = 0 times NaN would still be NaN
-    v_ok = n_ok & (tl.max(seen.to(tl.int32), axis=0) > 0)
+    # block, NaN), and p = 0 times NaN would still be NaN. Without gaps every loaded key is seen: the
+    # mask needs no reduction over the rows and the loads of V need not wait for the scores.
+    if GAPS:
+        v_ok = n_ok & (tl.max(seen.to(tl.int32), axis=0) > 0)
+    else:
+        v_ok = n_ok
     dv = tl.arange(0, BDV)
     v = tl.load(v_ptr + v_rows[:, None] + dv[None, :], mask=v_ok[:, None] & (dv < DV)[None, :], other=0.0)
     l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None] + _mm(p.to(v.dtype), v, DOT_F32, PRECISION)
     return m_new, l_i, acc
+
+
+@triton.jit
+def _attend_keys(first, m_i, l_i, acc, q0, q_ptr, q_off, q_ok, bt_ptr, max_blocks, num_blocks,
+                 k_ptr, stride_kb, stride_ks, v_ptr, stride_vb, stride_vs, key_lo, key_hi, k_first, k_last,
+                 scale, qk_scale, softcap,
+                 D: tl.constexpr, BKD: tl.constexpr, NUM_DK: tl.constexpr, DV: tl.constexpr, BDV: tl.constexpr,
+                 BS: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, GAPS: tl.constexpr,
+                 WHILE_LOOP: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr):
+    """_attend_block over the blocks first, first + BLOCK_N, .. up to k_last, in order."""
+    if WHILE_LOOP:  # the interpreter takes no loop bounds read from memory
+        n0 = first
+        while n0 <= k_last:
+            m_i, l_i, acc = _attend_block(n0, m_i, l_i, acc, q0, q_ptr, q_off, q_ok, bt_ptr, max_blocks, num_blocks,
+                                          k_ptr, stride_kb, stride_ks, v_ptr, stride_vb, stride_vs, key_lo, key_hi,
+                                          k_first, k_last, scale, qk_scale, softcap, D, BKD, NUM_DK, DV, BDV, BS,
+                                          BLOCK_N, SOFTCAP, GAPS, DOT_F32, PRECISION)
+            n0 += BLOCK_N
+    else:
+        for n0 in range(first, k_last + 1, BLOCK_N):
+            m_i, l_i, acc = _attend_block(n0, m_i, l_i, acc, q0, q_ptr, q_off, q_ok, bt_ptr, max_blocks, num_blocks,
+                                          k_ptr, stride_kb, stride_ks, v_ptr, stride_vb, stride_vs, key_lo, key_hi,
+                                          k_first, k_last, scale, qk_scale, softcap, D, BKD, NUM_DK, DV, BDV, BS,
+                                          BLOCK_N, SOFTCAP, GAPS, DOT_F32, PRECISION)
+    return m_i, l_i, acc
 
 
 @triton.jit
@@ -203,22 +230,20 @@ def _attn_kernel(q_ptr, stride_qt, stride_qh, k_ptr, stride_kb, stride_ks, strid
                 k_last = tl.max(key_hi, axis=0)
                 seq_bt = bt_ptr + cur.to(tl.int64) * stride_bt
                 first = k_first // BLOCK_N * BLOCK_N  # blocks at multiples of BLOCK_N: a row's blocks whatever the pass
-                if WHILE_LOOP:  # the interpreter takes no loop bounds read from memory
-                    n0 = first
-                    while n0 <= k_last:
-                        m_i, l_i, acc = _attend_block(n0, m_i, l_i, acc, q0, q_ptr, q_off, real, seq_bt, max_blocks,
-                                                      num_blocks, k_ptr, stride_kb, stride_ks, v_ptr, stride_vb,
-                                                      stride_vs, key_lo, key_hi, k_first, k_last, scale, qk_scale,
-                                                      softcap, D, BKD, NUM_DK, DV, BDV, BS, BLOCK_N, SOFTCAP,
-                                                      DOT_F32, PRECISION)
-                        n0 += BLOCK_N
+                # the rows' ranges meet or touch pairwise: their union k_first .. k_last has no gap
+                joined = tl.max(tl.where(sel, start, -1), axis=0) <= tl.min(tl.where(sel, last, max_pos), axis=0) + 1
+                if joined:
+                    m_i, l_i, acc = _attend_keys(first, m_i, l_i, acc, q0, q_ptr, q_off, real, seq_bt, max_blocks,
+                                                 num_blocks, k_ptr, stride_kb, stride_ks, v_ptr, stride_vb, stride_vs,
+                                                 key_lo, key_hi, k_first, k_last, scale, qk_scale, softcap, D, BKD,
+                                                 NUM_DK, DV, BDV, BS, BLOCK_N, SOFTCAP, False, WHILE_LOOP, DOT_F32,
+                                                 PRECISION)
                 else:
-                    for n0 in range(first, k_last + 1, BLOCK_N):
-                        m_i, l_i, acc = _attend_block(n0, m_i, l_i, acc, q0, q_ptr, q_off, real, seq_bt, max_blocks,
-                                                      num_blocks, k_ptr, stride_kb, stride_ks, v_ptr, stride_vb,
-                                                      stride_vs, key_lo, key_hi, k_first, k_last, scale, qk_scale,
-                                                      softcap, D, BKD, NUM_DK, DV, BDV, BS, BLOCK_N, SOFTCAP,
-                                                      DOT_F32, PRECISION)
+                    m_i, l_i, acc = _attend_keys(first, m_i, l_i, acc, q0, q_ptr, q_off, real, seq_bt, max_blocks,
+                                                 num_blocks, k_ptr, stride_kb, stride_ks, v_ptr, stride_vb, stride_vs,
+                                                 key_lo, key_hi, k_first, k_last, scale, qk_scale, softcap, D, BKD,
+                                                 NUM_DK, DV, BDV, BS, BLOCK_N, SOFTCAP, True, WHILE_LOOP, DOT_F32,
+                                                 PRECISION)
                 done = done | sel
     dv = tl.arange(0, BDV)
     if SPLIT:
@@ -413,28 +438,50 @@ class Tile:
     gp: int
     block_n: int
     warps: int
+    stages: int
 
 
-def _tile(dtype: torch.dtype, G: int, D: int, Dv: int, m: int) -> Tile:
+def _tile(dtype: torch.dtype, G: int, D: int, Dv: int, m: int, block_n: int, warps: int, stages: int) -> Tile:
     gp = triton.next_power_of_2(G)
-    block_r = max(1, max(m, 16) // gp)
-    block_n = 32 if dtype == torch.float32 or max(D, Dv) > 128 else 64
-    return Tile(block_r, gp, block_n, 8 if block_r * gp * max(D, Dv) >= 8192 else 4)
+    if block_n * (D + Dv) * dtype.itemsize > 64 << 10:  # two stages of K and V would not fit shared memory
+        stages = 1
+    return Tile(max(1, max(m, 16) // gp), gp, block_n, warps, stages)
 
 
 def decode_tile(dtype: torch.dtype, G: int, D: int, Dv: int) -> Tile:
-    """Decode: 32-64 MMA rows, so up to 64 / G rows of a call read their sequence's K/V once (a step of
-    T drafted tokens reads the cache about once, not T times)."""
-    return _tile(dtype, G, D, Dv, 64 if dtype != torch.float32 and max(D, Dv) <= 128 else 32)
+    """Decode: the fewest MMA rows (16; more where G pads past them) up to 256 features a head: one row
+    of a call wastes little of the MMA, and each program is short (a single row's step is bound by the
+    latency of its loads). Narrow heads take more keys a step, wide ones fewer; past 256 features 32
+    rows (several rows of a step share their sequence's K/V at no cost to one row)."""
+    wide = max(D, Dv)
+    if dtype == torch.float32:
+        return _tile(dtype, G, D, Dv, 16, 32, 4, 2)
+    if wide <= 256:
+        return _tile(dtype, G, D, Dv, 16, 128 if wide <= 64 else 64 if wide <= 128 else 32, 4, 2)
+    return _tile(dtype, G, D, Dv, 32, 32, 8, 2)
+
+
+def decode_split_rule(dtype: torch.dtype, D: int, Dv: int) -> tuple[int, int]:
+    """(min_chunk, max_splits) of a decode row: few, long splits (each program streams its keys with
+    loads in flight; the combine is cheap), fewer still for narrow heads, whose key rows are short."""
+    wide = max(D, Dv)
+    if dtype == torch.float32 or wide > 128:
+        return 64, 64
+    return 128, 32 if wide <= 64 else 64
 
 
 def prefill_tile(dtype: torch.dtype, G: int, D: int, Dv: int) -> Tile:
-    """Prefill: 64 MMA rows (32 in float32 or past 256 features a head)."""
-    return _tile(dtype, G, D, Dv, 32 if dtype == torch.float32 or max(D, Dv) > 256 else 64)
+    """Prefill: 128 MMA rows up to 256 features a head (8 warps from 128 features on), 32 in float32
+    or past 256 features."""
+    wide = max(D, Dv)
+    if dtype == torch.float32:
+        return _tile(dtype, G, D, Dv, 32, 32, 4 if wide <= 256 else 8, 2)
+    if wide <= 128:
+        return _tile(dtype, G, D, Dv, 128, 64, 4 if wide <= 64 else 8, 2)
+    return _tile(dtype, G, D, Dv, 128 if wide <= 256 else 32, 32, 8, 2)
 
 
-def decode_splits(shape: PagedShape, window: int | None, *, min_chunk: int = MIN_CHUNK,
-                  max_splits: int = MAX_SPLITS) -> int:
+def decode_splits(shape: PagedShape, window: int | None, *, min_chunk: int, max_splits: int) -> int:
     """The decode grid's split axis: the most splits any row of these shapes can use (host values only)."""
     span = shape.MB * shape.BS if window is None else min(window, shape.MB * shape.BS)
     return min(max_splits, triton.cdiv(span - 1, min_chunk) + 1)
@@ -455,23 +502,27 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block
         NUM_DK=num_dk, DV=shape.Dv, BDV=max(16, triton.next_power_of_2(shape.Dv)), BS=shape.BS,
         BLOCK_N=tile.block_n, WINDOWED=window is not None, SOFTCAP=softcap is not None,
         HAS_SINKS=sinks is not None, SPLIT=split is not None, WHILE_LOOP=_INTERPRETED, DOT_F32=_INTERPRETED,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=tile.warps, num_stages=2,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=tile.warps, num_stages=tile.stages,
         **pdl_launch(q, _INTERPRETED))
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                     positions: torch.Tensor, seq_of_row: torch.Tensor, *, scale: float, window: int | None = None,
                     sinks: torch.Tensor | None = None, softcap: float | None = None, out_rows: int | None = None,
-                    min_chunk: int = MIN_CHUNK, max_splits: int = MAX_SPLITS) -> torch.Tensor:
+                    min_chunk: int | None = None, max_splits: int | None = None) -> torch.Tensor:
     """Decode attention of q [T, Nq, D] (rows may be strided) over the paged cache: row t over positions
     max(0, pos_t - window + 1) .. pos_t of sequence seq_of_row[t]. Returns [out_rows or T, Nq*Dv] in q's
     dtype, rows past T zero. v_cache may be a view into k_cache (latent attention: the values are the
     keys' first Dv features). Flash-decoding: kernel 1 over (tile of rows, kv head, split), kernel 2
     combines a row's splits. Row t's bits depend on its own q, position, window and sequence only (and
-    on min_chunk / max_splits, the split rule: keep the defaults wherever bits are compared)."""
+    on min_chunk / max_splits, the split rule (None: decode_split_rule's; keep the defaults wherever bits
+    are compared)."""
     shape = _paged_shape(q, q.shape[1], k_cache, v_cache, block_table, positions, seq_of_row)
     out_rows = _check_options(shape, q.device, window, sinks, softcap, out_rows)
     tile = decode_tile(q.dtype, shape.G, shape.D, shape.Dv)
+    rule = decode_split_rule(q.dtype, shape.D, shape.Dv)
+    min_chunk = rule[0] if min_chunk is None else min_chunk
+    max_splits = rule[1] if max_splits is None else max_splits
     if min_chunk < tile.block_n or min_chunk % tile.block_n or max_splits < 2:
         raise ValueError(f"min_chunk {min_chunk}: a multiple of {tile.block_n}; max_splits {max_splits}: at least 2")
     T, Nq, Dv = shape.T, shape.Nq, shape.Dv
