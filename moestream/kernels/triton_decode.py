@@ -107,13 +107,10 @@ def _row_setup(x: torch.Tensor, weight: torch.Tensor) -> tuple[int, int, int, in
     return T, N, block, min(16, max(1, block // 256))
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """moestream.layers.norm.rms_norm of x [T, N] (rows may be strided); one program per row."""
     T, N, block, warps = _row_setup(x, weight)
-    if out is None:
-        out = torch.empty((T, N), dtype=x.dtype, device=x.device)
-    elif out.shape != x.shape or out.dtype != x.dtype or out.stride(-1) != 1:
-        raise ValueError(f"out: {out.dtype} {list(out.shape)}, expected {x.dtype} {list(x.shape)}")
+    out = torch.empty((T, N), dtype=x.dtype, device=x.device)
     if T:
         _rms_norm_kernel[(T,)](x, x.stride(0), weight, out, out.stride(0), N, eps, _inv(N), BLOCK=block,
                                num_warps=warps, enable_fp_fusion=False, **pdl_launch(x, _INTERPRETED))
