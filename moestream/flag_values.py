@@ -38,13 +38,6 @@ def non_negative_float(text: str) -> float:
     return value
 
 
-def positive_float(text: str) -> float:
-    value = _float(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be more than 0, not {text}")
-    return value
-
-
 def finite_float(text: str) -> float:
     return _float(text)
 

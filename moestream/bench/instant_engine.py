@@ -32,13 +32,6 @@ class BytesTokenizer:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
 
-class NoTextTokenizer(BytesTokenizer):
-    """Like a synthetic model without tokenizer files: every text is empty."""
-
-    def decode(self, ids: list[int]) -> str:
-        return ""
-
-
 class _Cache:
     def __init__(self) -> None:
         self.tokens: list[int] = []

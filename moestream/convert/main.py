@@ -37,7 +37,7 @@ DEFAULT_QUANT = "q4"  # without --quant: a float source's experts and matrices
 KEEP_MXFP4 = "mxfp4"  # without --quant, an MXFP4 source's experts keep their codes (recorded as this quant)
 KEEP_SOURCE = "source"  # without --quant, a GGUF's tensors as its types allow: codes kept, else no fewer bits
 GROUP_SIZES = (32, 64, 128)
-__all__ = ["convert", "main"]
+__all__ = ["convert"]
 
 
 BLOCK_BYTES = 32 << 20  # resident tensors are read, quantized and written this many source bytes at a time

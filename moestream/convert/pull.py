@@ -41,7 +41,6 @@ from moestream.format.writer import FileDigest, WriteError, stored_tensors, writ
 
 log = logging.getLogger(__name__)
 DOWNLOAD_DIR = ".pull-download"
-META_DIR = "meta"  # config, index and tokenizer files, kept until the end (small)
 SHARD_DIR = "shard"  # the one shard on disk
 
 

@@ -22,7 +22,6 @@ from moestream.quant.mxfp4 import is_mxfp4
 from moestream.quant.mlx import MlxQuantization
 
 log = logging.getLogger(__name__)
-SINGLE_NAME = "model.safetensors"
 
 
 class TensorNotHere(LookupError):

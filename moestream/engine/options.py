@@ -5,7 +5,7 @@ import argparse
 import os
 from dataclasses import dataclass, fields
 
-from moestream.flag_values import at_least, positive_float
+from moestream.flag_values import at_least
 
 # where digests of checked resident files are remembered (default ~/.cache/moestream); read here,
 # in the command-line layer, so the library itself never looks at the environment for it

@@ -89,14 +89,14 @@ class DirectSource(SourceBase):
     name = "direct"
 
     def __init__(self, packed: PackedModel, *, io_threads: int = 32, check_records: bool = True,
-                 fault_read_after: int | None = None, direct_io: bool = True):
+                 fault_read_after: int | None = None):
         super().__init__(packed, io_threads=io_threads, check_records=check_records, fault_read_after=fault_read_after)
         self._local = threading.local()
         self._bounce_reads = 0
         self._files: dict[int, _LayerFile] = {}
         try:
             for layer, entry in self._entries.items():
-                self._files[layer] = self._open(self._path(entry), direct_io and bool(_O_DIRECT))
+                self._files[layer] = self._open(self._path(entry), bool(_O_DIRECT))
         except OSError as exc:
             self._pool.shutdown(wait=False)
             self._close_files()

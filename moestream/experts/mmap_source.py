@@ -83,7 +83,6 @@ class MmapSource(SourceBase):
                  fault_read_after: int | None = None):
         super().__init__(packed, io_threads=io_threads, check_records=check_records, fault_read_after=fault_read_after)
         self._maps: dict[int, _Mapping] = {}
-        self._advised = 0
         self._warned_mincore = False
         try:
             for layer, entry in self._entries.items():
@@ -147,25 +146,6 @@ class MmapSource(SourceBase):
             return False
         return bool((np.frombuffer(vec, dtype=np.uint8) & 1).all())
 
-    def advise(self, layer: int, experts: Sequence[int]) -> None:
-        """madvise(WILLNEED) on these records, one call per run of neighbouring records."""
-        entry = self._entry(layer)
-        for e in experts:
-            self._check_expert(entry, e)
-        m = self._maps.get(layer)
-        if m is None:
-            return
-        runs: list[list[int]] = []
-        for e in sorted(set(experts)):
-            if runs and runs[-1][1] == e:
-                runs[-1][1] = e + 1
-            else:
-                runs.append([e, e + 1])
-        for first, end in runs:
-            self._willneed(m, first * entry.record_size, end * entry.record_size)
-        with self._lock:
-            self._advised += len(set(experts))
-
     @staticmethod
     def _willneed(m: _Mapping, start: int, stop: int) -> None:
         if m.mm is None or not hasattr(mmap, "MADV_WILLNEED"):
@@ -178,9 +158,6 @@ class MmapSource(SourceBase):
             m.mm.madvise(mmap.MADV_WILLNEED, aligned, stop - aligned)
         except (OSError, ValueError) as exc:  # a hint: failing costs speed, never correctness
             log.debug("madvise(WILLNEED) on %s failed: %s", m.path, exc)
-
-    def _extra_stats(self) -> dict:
-        return {"advised": self._advised}
 
     def _close_files(self) -> None:
         # The mappings are not closed: views handed out keep them alive and unmap them when dropped.

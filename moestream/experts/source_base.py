@@ -88,9 +88,6 @@ class SourceBase:
             self._check_expert(entry, e)
         return [False] * len(experts)
 
-    def advise(self, layer: int, experts: Sequence[int]) -> None:
-        pass
-
     def view(self, layer: int, expert: int) -> torch.Tensor | None:
         return None
 

@@ -45,10 +45,6 @@ class RecordSource(Protocol):
         """Whether each record is already in host RAM (always False for ``direct``)."""
         ...
 
-    def advise(self, layer: int, experts: Sequence[int]) -> None:
-        """Ask for an early read of these records (a no-op for ``direct``)."""
-        ...
-
     def view(self, layer: int, expert: int) -> torch.Tensor | None:
         """A zero-copy, read-only uint8 tensor over the record, or None if the source has none."""
         ...

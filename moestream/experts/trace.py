@@ -30,14 +30,6 @@ class RoutingTrace:
         with np.load(path, allow_pickle=False) as data:
             return RoutingTrace(data["layer"], data["position"], data["experts"], json.loads(str(data["meta"])))
 
-    def accesses(self) -> list[tuple[int, int]]:
-        """(layer, expert) keys in the order a forward pass asks for them: per token, layer by layer;
-        within a layer, each chosen expert once, in ascending id order."""
-        out = []
-        for layer, row in zip(self.layer.tolist(), self.experts.tolist()):
-            out.extend((layer, e) for e in sorted(set(row)))
-        return out
-
 
 class TraceRecorder:
     """Collects rows during a run; `to_trace()` packs them."""

@@ -67,10 +67,6 @@ class Manifest:
                 return entry
         return None
 
-    @property
-    def total_expert_bytes(self) -> int:
-        return sum(e.record_size * e.num_experts for e in self.expert_layers)
-
     def to_json(self) -> dict:
         obj = asdict(self)
         if not obj["mtp_layers"]:

@@ -66,9 +66,6 @@ class PackedModel:
             raise KeyError(f"layer {layer} has no routed experts")
         return entry
 
-    def expert_file(self, layer: int) -> Path:
-        return self.directory / self.expert_layer(layer).file
-
     # -- resident tensors -----------------------------------------------------
     def tensor_spec(self, name: str) -> QuantSpec:
         return QuantSpec.from_json(self.manifest.quantization["tensors"].get(name))
@@ -128,7 +125,3 @@ def dequantize_record(entry: ExpertLayer, tensors: dict[str, torch.Tensor], dtyp
         else:
             out[proj] = tensors[f"{proj}.weight"].to(dtype)
     return out
-
-
-def open_packed(directory: str | os.PathLike) -> PackedModel:
-    return PackedModel(directory)

@@ -39,7 +39,6 @@ class ExpertGroup:
     timeout_s: float = 0.0  # the group's collective timeout, for error messages
     collective_s: float = 0.0  # time spent in exchanges (on CUDA including the wait for the device)
     exchanges: int = 0
-    bytes_sent: int = 0
 
     def all_gather(self, rows: torch.Tensor, *, layer: int) -> list[torch.Tensor]:
         """Every rank's `rows`, by rank. A failure (a rank that stopped, the timeout) becomes one line."""
@@ -56,7 +55,6 @@ class ExpertGroup:
                 f"answer within {self.timeout_s:g} s): {first}") from None
         self.collective_s += time.perf_counter() - t0
         self.exchanges += 1
-        self.bytes_sent += rows.numel() * rows.element_size()
         return parts
 
     def all_gather_object(self, obj) -> list:

@@ -25,7 +25,6 @@ import torch
 from moestream.quant.affine import pack
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # the output column a word's j-th 4-bit element holds, per 8
-METHODS = ("gptq", "awq")
 
 
 class GroupwiseFormatError(ValueError):

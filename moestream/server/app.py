@@ -26,7 +26,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from moestream.errors import NoTokenizerError
 from moestream.server import chat_api, messages_api, responses_api
-from moestream.server.generation import SYSTEM_FINGERPRINT, RequestDefaults, Runtime  # noqa: F401 (re-exported)
+from moestream.server.generation import RequestDefaults, Runtime  # noqa: F401 (re-exported)
 from moestream.server.metrics import RequestCounter, ServerMetrics
 from moestream.server.protocol import APIError, ModelCard, ModelList, invalid
 from moestream.server.worker import Worker

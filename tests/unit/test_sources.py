@@ -168,7 +168,6 @@ def test_direct_has_no_view_and_nothing_resident(model_dir):
     with open_source("direct", packed, io_threads=2) as source:
         assert source.view(layer, 0) is None
         assert source.resident(layer, [0, 1, 2]) == [False, False, False]
-        source.advise(layer, [0, 1])  # a no-op
 
 
 def _evict(path: Path) -> None:
@@ -192,14 +191,6 @@ def test_mmap_resident_follows_the_page_cache(copy_dir):
         assert source.resident(entry.layer, [2]) == [True]
         if not any(before):  # the filesystem dropped the pages (not tmpfs), so mincore must have seen it
             assert source.resident(entry.layer, [5]) == [False]
-        source.advise(entry.layer, [4, 5, 7])
-        assert source.stats()["advised"] == 3
-        # WILLNEED starts the reads; they land soon after
-        import time
-        deadline = time.monotonic() + 5
-        while not all(source.resident(entry.layer, [4, 5, 7])) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert source.resident(entry.layer, [4, 5, 7]) == [True, True, True]
         assert source.resident(entry.layer, []) == []
 
 
