@@ -59,11 +59,14 @@ def hot():
         yield c
 
 
-def fresh(*clients):
-    """Leave every server's KV cache holding the same unrelated text: the next prompt is then
-    prefilled whole on each (a reused prefix computes the last prompt row alone, other bits)."""
+def fresh(*clients, prompts=(CODE,)):
+    """Give every server the same cached prefix blocks of the prompts the tests send: a request then
+    reuses the same prefix on each and computes the same rest (how many rows a prefill chunk has
+    changes a row's last bits, so both sides must prefill the same chunk)."""
     for client in clients:
-        client.completions.create(model=MODEL_ID, prompt="Once upon a time", max_tokens=2, temperature=0)
+        for prompt in prompts:
+            client.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=2, temperature=0)
+        client.chat.completions.create(model=MODEL_ID, messages=CHAT, max_tokens=2, temperature=0)
 
 
 def completion(client, **kw):
@@ -177,8 +180,8 @@ def ngram_batched(request):
 def test_drafts_in_a_batch_give_every_request_its_plain_text(plain, ngram_batched):
     """Four requests at once on a --parallel 4 server that drafts by prompt lookup: each returns what
     the plain one-at-a-time server returns for it, bit for bit (greedy, seeded, penalties), with
-    drafts kept and refused in the batched steps. (The prompts start differently, so that no slot
-    reuses another's prefix: a reused prefix computes its last row alone, with other bits.)"""
+    drafts kept and refused in the batched steps. (Both servers first cache the prompts' prefix blocks,
+    so each request reuses the same prefix on both.)"""
     from concurrent.futures import ThreadPoolExecutor
 
     prompts = [CODE, "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n",
@@ -190,11 +193,9 @@ def test_drafts_in_a_batch_give_every_request_its_plain_text(plain, ngram_batche
         r = client.completions.create(model=MODEL_ID, prompt=prompts[i], max_tokens=48, logprobs=1, **settings[i])
         return r.choices[0].text, r.choices[0].logprobs.token_logprobs, r.model_extra["timings"]
 
-    expected = []
-    for i in range(4):
-        fresh(plain)
-        expected.append(ask(plain, i)[:2])
     client, k = ngram_batched
+    fresh(plain, client, prompts=prompts)
+    expected = [ask(plain, i)[:2] for i in range(4)]
     with ThreadPoolExecutor(4) as pool:
         got = list(pool.map(lambda i: ask(client, i), range(4)))
     assert [g[:2] for g in got] == expected
