@@ -20,6 +20,7 @@ from typing import Callable, Iterator, Protocol
 
 import torch
 
+from moestream.engine import timeline
 from moestream.engine.emitter import Emitter
 from moestream.engine.speculative import Speculation
 from moestream.engine.types import TokenEvent
@@ -116,7 +117,8 @@ def _ahead(engine: Stepper, emit: Emitter, logits: torch.Tensor, budget: int) ->
             logits = engine.step_unread(token)
             token = torch.argmax(logits[-1:], dim=-1)
         try:
-            chosen = reader.read()
+            with timeline.span("sample", position=len(emit.seq)):  # the host's share of choosing: the read
+                chosen = reader.read()
         except BaseException:  # an interrupt or a device error: no position stays unread
             if ahead:
                 engine.rollback(position)
