@@ -22,7 +22,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 MAX_DEFAULT_CONTEXT = 32768
 # under --memory-budget without --max-context: a KV cache for 8k tokens leaves the rest to experts
 BUDGET_DEFAULT_CONTEXT = 8192
-# --unpacked-experts auto: on the CPU, at most this share of the memory budget (or of free RAM)
+# kept unpacked experts: on the CPU, at most this share of the memory budget (or of free RAM)
 UNPACKED_SHARE = 0.25
 # under --memory-budget the prefill chunk is halved until its workspace takes at most this share
 BUDGET_WORKSPACE_SHARE = 0.08
@@ -140,19 +140,12 @@ def plan_run(packed: PackedModel, options: EngineOptions, *, default_cache_size:
 
 
 def unpacked_limit(options: EngineOptions, device: torch.device, *, unpacked_bytes: int, total_experts: int) -> int:
-    """Experts whose dequantized copies a CPU run may keep (--unpacked-experts; the slots bound it
-    too): none on CUDA or with "0"; "auto": what fits in UNPACKED_SHARE of the memory budget (or of
-    free RAM); else a size as --cache-size takes it (bytes, a share of all experts, all)."""
-    text = options.unpacked_experts.strip().lower()
-    if device.type != "cpu" or text in ("0", "none", "off") or unpacked_bytes <= 0:
+    """Experts whose dequantized copies a CPU run may keep (the slots bound it too): none on CUDA,
+    else what fits in UNPACKED_SHARE of the memory budget (or of free RAM)."""
+    if device.type != "cpu" or unpacked_bytes <= 0:
         return 0
-    if text == "auto":
-        room = parse_bytes(options.memory_budget) if options.memory_budget else free_memory(device)
-        return min(total_experts, int(room * UNPACKED_SHARE) // unpacked_bytes)
-    try:
-        return slots_for(text, slot_bytes=unpacked_bytes, total_experts=total_experts, min_slots=0, flag="--unpacked-experts")
-    except MoestreamError as exc:
-        raise MoestreamError(str(exc) if "--unpacked-experts" in str(exc) else f"--unpacked-experts: {exc}") from None
+    room = parse_bytes(options.memory_budget) if options.memory_budget else free_memory(device)
+    return min(total_experts, int(room * UNPACKED_SHARE) // unpacked_bytes)
 
 
 def resolve_policy(name: str, *, slots: int, working_set: int) -> str:

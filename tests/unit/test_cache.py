@@ -14,8 +14,8 @@ from moestream.experts.trace import RoutingTrace
 FAMILY = "qwen3_moe"
 
 
-def run(model, prompt=None, *, max_new=12, **opts):
-    engine = Engine.load(model, options=EngineOptions(device="cpu", prefill_chunk_tokens=5, **opts))
+def run(model, prompt=None, *, max_new=12, prefetch=True, **opts):
+    engine = Engine.load(model, options=EngineOptions(device="cpu", prefill_chunk_tokens=5, **opts), prefetch=prefetch)
     prompt = prompt or engine.tokenizer.encode("def fibonacci(n):\n    if n < 2:")
     gen = engine.generate(prompt, max_new_tokens=max_new, logprobs=4)
     events = list(gen)
@@ -83,19 +83,19 @@ def test_filling_the_host_tier_reads_what_it_holds_once(model, reference, host):
 
 @pytest.mark.parametrize("size", ["min", "25%"])
 def test_next_layer_prefetch_changes_nothing_but_the_reads(model, reference, size):
-    out, receipt = run(model, cache_size=size, prefetch="next-layer")
+    out, receipt = run(model, cache_size=size)
     assert out == reference
     stats = receipt["experts"]
     assert 0 <= stats["prefetch_used"] <= stats["prefetch_issued"]
     if size != "min":  # at the floor every slot is pinned by the layer computing: no room for guesses
         assert stats["prefetch_issued"] > 0
-    out, receipt = run(model, cache_size=size, prefetch="none")
+    out, receipt = run(model, cache_size=size, prefetch=False)
     assert out == reference and receipt["experts"]["prefetch_issued"] == 0
 
 
 def test_prefetch_guesses_come_from_the_next_layers_router(model):
     """The predictor asks for exactly the next MoE layer's router top-k on this layer's expert input."""
-    engine = Engine.load(model, options=EngineOptions(device="cpu", cache_size="all", prefetch="next-layer"))
+    engine = Engine.load(model, options=EngineOptions(device="cpu", cache_size="all"))
     asked = []
     engine.provider.prefetch = lambda layer, experts: asked.append((layer, list(experts))) or 0
     prompt = engine.tokenizer.encode("x = 1")
@@ -115,8 +115,8 @@ def test_auto_policy_keeps_often_routed_experts_when_the_pool_is_below_one_token
 
     outs = {}
     for policy in ("clock", "auto"):
-        engine = Engine.load(DEMO_MODEL, options=EngineOptions(device="cpu", cache_size="10%", cache_policy=policy,
-                                                               prefetch="none"))
+        engine = Engine.load(DEMO_MODEL, options=EngineOptions(device="cpu", cache_size="10%", cache_policy=policy),
+                             prefetch=False)
         prompt = engine.tokenizer.encode("import os\nimport sys\n\ndef main():\n")
         gen = engine.generate(prompt, max_new_tokens=24, stop_at_eos=False)
         outs[policy] = ([e.token_id for e in gen], gen.result.receipt)
