@@ -71,7 +71,8 @@ def make_options(kind: str, path: str | None, *, draft_tokens: int | None, max_d
 
         if not (Path(path) / "moestream.json").is_file():
             raise MoestreamError(f"the draft model {path} is not a packed model (no moestream.json)")
-        draft_engine = Engine.load(path, options=draft_engine_options(engine_options), prefetch=False)
+        draft_engine = Engine.load(path, options=draft_engine_options(engine_options), prefetch=False,
+                                   digest_dir=getattr(main_engine, "digest_dir", None))
         try:
             if main_engine is not None and draft_engine.args.vocab_size != main_engine.args.vocab_size:
                 raise MoestreamError(f"the draft model {path} does not share the model's tokenizer (a vocabulary "

@@ -52,9 +52,10 @@ class Engine:
     `cache` is slot 0's."""
 
     def __init__(self, packed: PackedModel, options: EngineOptions, *, default_cache_size: str = "auto",
-                 graphs: bool = True, prefetch: bool = True):
+                 graphs: bool = True, prefetch: bool = True, digest_dir: str | None = None):
         """graphs=False runs CUDA decode steps and prefills eagerly (the same kernels, the same bits);
-        prefetch=False loads experts on demand only (no lookahead copies): for exact miss counts."""
+        prefetch=False loads experts on demand only (no lookahead copies): for exact miss counts;
+        digest_dir: where the checked resident files' digests are remembered (None: ~/.cache/moestream)."""
         from moestream.engine.decoder import Decoder
         from moestream.engine.plan import plan_run
         from moestream.experts.cache import ExpertCache
@@ -62,8 +63,8 @@ class Engine:
         from moestream.experts.sources import open_source
         from moestream.layers.experts import RoutedExperts
 
-        self.packed, self.options = packed, options
-        self.plan = plan_run(packed, options, default_cache_size=default_cache_size)
+        self.packed, self.options, self.digest_dir = packed, options, digest_dir
+        self.plan = plan_run(packed, options, default_cache_size=default_cache_size, digest_dir=digest_dir)
         self.device, self.dtype, self.max_context = self.plan.device, self.plan.dtype, self.plan.max_context
         if options.threads > 0:
             torch.set_num_threads(options.threads)
@@ -161,14 +162,15 @@ class Engine:
 
     @classmethod
     def load(cls, model_dir: str | Path | None = None, *, options: EngineOptions | None = None,
-             graphs: bool = True, prefetch: bool = True) -> "Engine":
+             graphs: bool = True, prefetch: bool = True, digest_dir: str | None = None) -> "Engine":
         if model_dir is None:
             model_dir = DEMO_MODEL
             if not (DEMO_MODEL / "moestream.json").is_file():
                 raise MoestreamError(f"no --model given and the built-in demo model is missing at {DEMO_MODEL}")
             return cls(PackedModel(model_dir), options or EngineOptions(), default_cache_size=DEMO_CACHE_SIZE,
-                       graphs=graphs, prefetch=prefetch)
-        return cls(PackedModel(model_dir), options or EngineOptions(), graphs=graphs, prefetch=prefetch)
+                       graphs=graphs, prefetch=prefetch, digest_dir=digest_dir)
+        return cls(PackedModel(model_dir), options or EngineOptions(), graphs=graphs, prefetch=prefetch,
+                   digest_dir=digest_dir)
 
     # -- running the model: prefill, step, rollback -----------------------------------------
     def _make_resident(self) -> None:
@@ -496,9 +498,9 @@ class Engine:
         return self.plan.ledger.to_json()
 
 
-def load_engine(model: str | os.PathLike | None, options: EngineOptions) -> Engine:
+def load_engine(model: str | os.PathLike | None, options: EngineOptions, *, digest_dir: str | None = None) -> Engine:
     """Open a packed model (default: the demo model), resolve the options (moestream.engine.plan), build
-    the Engine: what generate, serve and bench load."""
+    the Engine: what generate, serve and bench load. digest_dir: as Engine takes it."""
     from moestream.engine.plan import resolve_options
 
     if model is None:
@@ -507,5 +509,5 @@ def load_engine(model: str | os.PathLike | None, options: EngineOptions) -> Engi
         packed, default_size = PackedModel(DEMO_MODEL), DEMO_CACHE_SIZE
     else:
         packed, default_size = PackedModel(Path(model)), "auto"
-    options = resolve_options(packed, options, default_cache_size=default_size)
-    return Engine(packed, options, default_cache_size=default_size)
+    options = resolve_options(packed, options, default_cache_size=default_size, digest_dir=digest_dir)
+    return Engine(packed, options, default_cache_size=default_size, digest_dir=digest_dir)

@@ -7,8 +7,8 @@ from dataclasses import dataclass, fields
 
 from moestream.flag_values import at_least
 
-# where digests of checked resident files are remembered (default ~/.cache/moestream); read here,
-# in the command-line layer, so the library itself never looks at the environment for it
+# where digests of checked resident files are remembered (default ~/.cache/moestream); the commands
+# read it (moestream.commands.engine_checks.digest_dir), the library never looks at the environment
 CACHE_DIR_ENV = "MOESTREAM_CACHE_DIR"
 
 
@@ -30,7 +30,6 @@ class EngineOptions:
     lookahead_maps: str = "auto"
     memory_budget: str | None = None
     verify: bool = True  # crc32 of every expert record read, sha256 of the resident files at load
-    verify_cache_dir: str | None = None  # where resident files' digests are remembered; None: ~/.cache/moestream
     trace_routing: str | None = None
     max_sequences: int = 1  # sequence slots decoding together (Engine.step_many), each with its own KV cache
     # expert parallelism: a moestream.layers.expert_parallel.ExpertGroup (the CLI initializes the
@@ -42,12 +41,8 @@ class EngineOptions:
     cpu_experts: str = "auto"
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace, environ: dict | None = None) -> "EngineOptions":
-        environ = {} if environ is None else environ  # the commands pass theirs: the library reads none
-        values = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
-        if values.get("verify_cache_dir") is None and environ.get(CACHE_DIR_ENV):
-            values["verify_cache_dir"] = environ[CACHE_DIR_ENV]
-        return cls(**values)
+    def from_args(cls, args: argparse.Namespace) -> "EngineOptions":
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:

@@ -80,11 +80,13 @@ def free_memory(device: torch.device) -> int:
     return psutil.virtual_memory().available
 
 
-def plan_run(packed: PackedModel, options: EngineOptions, *, default_cache_size: str = "auto") -> RunPlan:
+def plan_run(packed: PackedModel, options: EngineOptions, *, default_cache_size: str = "auto",
+             digest_dir: str | None = None) -> RunPlan:
     """The run's shape. Every Engine starts here, so this is also where the resident files are
-    checked against the manifest (unless options.verify is off): no engine runs on damaged weights."""
+    checked against the manifest (unless options.verify is off): no engine runs on damaged weights.
+    digest_dir: where their digests are remembered (None: ~/.cache/moestream)."""
     if options.verify:
-        check = check_resident_files(packed.directory, packed.manifest, cache_dir=options.verify_cache_dir)
+        check = check_resident_files(packed.directory, packed.manifest, cache_dir=digest_dir)
         if check.hashed:
             log.info("checked %d resident files (%d hashed, %.1f MB)", check.files, check.hashed, check.bytes_hashed / 1e6)
     device = resolve_device(options.device)
@@ -175,12 +177,13 @@ def machine_cores_and_load() -> tuple[int, float]:
     return cores, load
 
 
-def resolve_options(packed: PackedModel, options: EngineOptions, *, default_cache_size: str = "auto") -> EngineOptions:
+def resolve_options(packed: PackedModel, options: EngineOptions, *, default_cache_size: str = "auto",
+                    digest_dir: str | None = None) -> EngineOptions:
     """Options with the defaults that depend on the machine and the model decided (threads: 0 ->
     `choose_threads`). The one place generate, serve and bench resolve them, before an Engine exists."""
     if options.threads > 0:
         return options
-    plan = plan_run(packed, options, default_cache_size=default_cache_size)
+    plan = plan_run(packed, options, default_cache_size=default_cache_size, digest_dir=digest_dir)
     cores, load = machine_cores_and_load()
     streaming = plan.slots < plan.total_experts
     threads = choose_threads(cores=cores, load=load, streaming=streaming)

@@ -174,7 +174,7 @@ def test_a_corrupt_record_is_named_by_default(model, tmp_path):
     data[3 * 8192 + 100] ^= 0xFF  # layer 2, expert 3
     path.write_bytes(bytes(data))
     # the file size is right, so it loads; the checksum finds the record when it is read
-    engine = Engine.load(bad, options=EngineOptions(device="cpu", cache_size="all", verify_cache_dir=str(tmp_path)))
+    engine = Engine.load(bad, options=EngineOptions(device="cpu", cache_size="all"), digest_dir=str(tmp_path))
     with pytest.raises(ExpertReadError, match=r"layer 2 expert 3"):
         engine.provider.fetch(2, list(range(8)))
     records = engine.provider.fetch(2, [0, 1, 2, 4])  # the others still load
@@ -217,14 +217,14 @@ def test_trace_routing_records_every_token_and_layer(model, tmp_path):
     assert np.array_equal(np.unique(trace.position), np.arange(tokens))
 
 
-def test_the_digest_cache_dir_comes_from_the_command_never_the_environment(monkeypatch):
-    import argparse
+def test_the_digest_cache_dir_comes_from_the_command_never_the_library(model, tmp_path, monkeypatch):
+    from moestream.commands.engine_checks import digest_dir
+    from moestream.engine.options import CACHE_DIR_ENV
 
-    from moestream.engine.options import CACHE_DIR_ENV, add_engine_arguments
-
-    parser = argparse.ArgumentParser()
-    add_engine_arguments(parser)
-    monkeypatch.setenv(CACHE_DIR_ENV, "/elsewhere")
-    assert EngineOptions.from_args(parser.parse_args([])).verify_cache_dir is None
-    given = EngineOptions.from_args(parser.parse_args([]), environ={CACHE_DIR_ENV: "/given"})  # as the commands pass it
-    assert given.verify_cache_dir == "/given"
+    assert digest_dir({CACHE_DIR_ENV: "/given"}) == "/given" and digest_dir({}) is None
+    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path / "elsewhere"))  # the library reads no environment
+    copy = tmp_path / "model"  # files this process has not hashed yet
+    shutil.copytree(model, copy)
+    engine = Engine.load(copy, options=EngineOptions(device="cpu", cache_size="min"), digest_dir=str(tmp_path / "given"))
+    engine.close()
+    assert (tmp_path / "given").is_dir() and not (tmp_path / "elsewhere").exists()
