@@ -4,11 +4,21 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import replace
 from pathlib import Path
 
 PROMPT = [1, 2, 3, 4, 5]
 NEW_TOKENS = 16
+
+
+def engine_for(model_dir, fields: dict, **more):
+    """An Engine of a job's fields: EngineOptions fields, and "on_demand" (no lookahead copies, so every
+    miss is one distinct expert)."""
+    from moestream.engine.engine import Engine
+    from moestream.engine.options import EngineOptions
+    from moestream.format.reader import PackedModel
+
+    options = {k: v for k, v in fields.items() if k != "on_demand"}
+    return Engine(PackedModel(model_dir), EngineOptions(**options, **more), prefetch=not fields.get("on_demand"))
 
 
 def run_generation(engine) -> dict:
@@ -33,17 +43,14 @@ def rank_main(rank: int, world: int, init_method: str, jobs: list, out_dir: str,
     import torch
 
     torch.set_num_threads(1)
-    from moestream.engine.engine import Engine
     from moestream.commands.launch import init_group, leave_group
-    from moestream.engine.options import EngineOptions
-    from moestream.format.reader import PackedModel
 
     group = init_group(rank, world, device="cpu", init_method=init_method, timeout_s=timeout_s)
     results: dict = {}
     t0 = time.perf_counter()
     try:
         for name, model_dir, fields in jobs:
-            engine = Engine(PackedModel(model_dir), replace(EngineOptions(**fields), expert_parallel=group))
+            engine = engine_for(model_dir, fields, expert_parallel=group)
             try:
                 if rank == fail_rank:
                     fetch, calls = engine.provider.fetch, [0]

@@ -18,7 +18,7 @@ from moestream.bench.main import (compare_transformers, drop_page_cache, measure
                                   plot, random_prompt)
 from moestream.bench.routing import parse_routing
 from moestream.commands.args import Parser, check_output_paths
-from moestream.commands.engine_checks import check_engine_args, engine_options, size_problem
+from moestream.commands.engine_checks import check_engine_args, digest_dir, engine_options, size_problem
 from moestream.commands.progress import Phases
 from moestream.commands.speculative_flags import (add_speculative_arguments, check_speculative_args, speculating,
                                                   speculative_options)
@@ -118,7 +118,7 @@ def run(args, parser: argparse.ArgumentParser) -> dict:
     if args.model or (DEMO_MODEL / "moestream.json").is_file():
         packed = PackedModel(args.model or DEMO_MODEL)
         for size in sizes:  # a bad size is named now, not after the sizes before it have run
-            context = plan_run(packed, replace(base, cache_size=size)).max_context
+            context = plan_run(packed, replace(base, cache_size=size), digest_dir=digest_dir()).max_context
     prefill_sizes = prefill_lengths(parser, args, context)
     if args.compare_transformers and not prefill_sizes:
         parser.error("argument --compare-transformers: needs at least one --prefill-tokens length")
@@ -131,7 +131,7 @@ def run(args, parser: argparse.ArgumentParser) -> dict:
             torch.cuda.reset_peak_memory_stats()
         with Phases(f"bench, cache {size}", enabled=not args.no_progress) as show:
             show("load")
-            engine = load_engine(args.model, replace(base, cache_size=size))
+            engine = load_engine(args.model, replace(base, cache_size=size), digest_dir=digest_dir())
             speculative = None
             try:
                 speculative = speculative_options(args, engine) if speculating(args) else None

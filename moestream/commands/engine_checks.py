@@ -1,13 +1,13 @@
 """Refusals of the engine's flags (generate, serve, bench) that argparse's types do not make: sizes
 that can never give a cache, more compute threads than the machine has, a device that is no
 device, a context longer than the model's. Exit 2, one line, before any model is loaded. And the
-EngineOptions the flags and this process's environment make."""
+EngineOptions the flags make, and where this process's environment keeps resident files' digests."""
 from __future__ import annotations
 
 import argparse
 import os
 
-from moestream.engine.options import EngineOptions
+from moestream.engine.options import CACHE_DIR_ENV, EngineOptions
 from moestream.errors import MoestreamError
 from moestream.experts.sizing import parse_bytes
 
@@ -15,9 +15,14 @@ NAMED_SIZES = ("auto", "min", "all", "max")
 
 
 def engine_options(args: argparse.Namespace) -> EngineOptions:
-    """The engine's options from its flags; $MOESTREAM_CACHE_DIR, where set, is where the digests of
-    checked resident files are remembered."""
-    return EngineOptions.from_args(args, environ=os.environ)
+    """The engine's options from its flags."""
+    return EngineOptions.from_args(args)
+
+
+def digest_dir(environ=os.environ) -> str | None:
+    """Where the digests of checked resident files are remembered: $MOESTREAM_CACHE_DIR where set,
+    else None (the library's default, ~/.cache/moestream)."""
+    return environ.get(CACHE_DIR_ENV) or None
 
 
 def size_problem(text: str, *, zero_ok: bool = False) -> str | None:

@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         engine = Engine.load(args.model, options=EngineOptions(device=args.device, cache_size="all",
                                                                prefill_chunk_tokens=args.file_tokens or 1024,
-                                                               prefetch="none", lookahead_maps="none"))
+                                                               lookahead_maps="none"), prefetch=False)
     except MoestreamError as exc:
         return fail(PROG, str(exc))
     try:

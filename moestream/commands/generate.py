@@ -8,7 +8,7 @@ import os
 import sys
 
 from moestream.commands.args import Parser, check_output_paths
-from moestream.commands.engine_checks import check_engine_args, engine_options
+from moestream.commands.engine_checks import check_engine_args, digest_dir, engine_options
 from moestream.commands.launch import add_parallel_arguments, init_group, leave_group, spawn_ranks, torchrun_rank
 from moestream.commands.speculative_flags import add_speculative_arguments, check_speculative_args, speculative_options
 from moestream.engine.detok import IncrementalDecoder
@@ -135,10 +135,11 @@ def run(args, group=None) -> int:
         from moestream.format.reader import PackedModel
 
         packed = PackedModel(args.model or DEMO_MODEL)
-        plan = plan_run(packed, options, default_cache_size=DEMO_CACHE_SIZE if not args.model else "auto")
+        plan = plan_run(packed, options, default_cache_size=DEMO_CACHE_SIZE if not args.model else "auto",
+                        digest_dir=digest_dir())
         print(f"{packed.directory} ({packed.family})\n{plan.describe()}")
         return 0
-    engine = load_engine(args.model, options)
+    engine = load_engine(args.model, options, digest_dir=digest_dir())
     speculative = None
     try:
         speculative = speculative_options(args, engine)

@@ -13,7 +13,7 @@ import os
 import sys
 
 from moestream.commands.args import Parser, check_output_paths
-from moestream.commands.engine_checks import check_engine_args, engine_options
+from moestream.commands.engine_checks import check_engine_args, digest_dir, engine_options
 from moestream.errors import MoestreamError
 from moestream.flag_values import at_least, finite_float, non_negative_float, probability_mass
 from moestream.server.app import DEFAULT_MAX_BODY_BYTES, RequestDefaults
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def load_engine():
         from moestream.engine.engine import load_engine as load
-        return load(args.model, options)
+        return load(args.model, options, digest_dir=digest_dir())
 
     def announce(url: str) -> None:
         shown = args.model_id or (os.path.basename(os.path.normpath(args.model)) if args.model else "the demo model")

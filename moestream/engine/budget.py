@@ -27,7 +27,7 @@ class Ledger:
     expert_slots: int
     host_tier: int
     read_buffers: int
-    unpacked_experts: int = 0  # CPU runs (the device is RAM): dequantized copies of the slots' experts (--unpacked-experts)
+    unpacked_experts: int = 0  # CPU runs (the device is RAM): dequantized copies of the slots' experts
 
     @property
     def device_total(self) -> int:

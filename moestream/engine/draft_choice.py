@@ -51,7 +51,7 @@ def draft_engine_options(engine_options):
     from moestream.engine.options import EngineOptions
 
     return replace(engine_options or EngineOptions(), trace_routing=None, cache_size="auto", host_cache_size="0",
-                   memory_budget=None, max_sequences=1, cpu_experts="off", prefetch="none", lookahead_maps="none",
+                   memory_budget=None, max_sequences=1, cpu_experts="off", lookahead_maps="none",
                    expert_parallel=None, expert_placement=None)
 
 
@@ -71,7 +71,8 @@ def make_options(kind: str, path: str | None, *, draft_tokens: int | None, max_d
 
         if not (Path(path) / "moestream.json").is_file():
             raise MoestreamError(f"the draft model {path} is not a packed model (no moestream.json)")
-        draft_engine = Engine.load(path, options=draft_engine_options(engine_options))
+        draft_engine = Engine.load(path, options=draft_engine_options(engine_options), prefetch=False,
+                                   digest_dir=getattr(main_engine, "digest_dir", None))
         try:
             if main_engine is not None and draft_engine.args.vocab_size != main_engine.args.vocab_size:
                 raise MoestreamError(f"the draft model {path} does not share the model's tokenizer (a vocabulary "

@@ -51,7 +51,11 @@ class Engine:
     pieces. Each sequence slot's KV cache holds its sequence (and is the record of its tokens);
     `cache` is slot 0's."""
 
-    def __init__(self, packed: PackedModel, options: EngineOptions, *, default_cache_size: str = "auto"):
+    def __init__(self, packed: PackedModel, options: EngineOptions, *, default_cache_size: str = "auto",
+                 graphs: bool = True, prefetch: bool = True, digest_dir: str | None = None):
+        """graphs=False runs CUDA decode steps and prefills eagerly (the same kernels, the same bits);
+        prefetch=False loads experts on demand only (no lookahead copies): for exact miss counts;
+        digest_dir: where the checked resident files' digests are remembered (None: ~/.cache/moestream)."""
         from moestream.engine.decoder import Decoder
         from moestream.engine.plan import plan_run
         from moestream.experts.cache import ExpertCache
@@ -59,8 +63,8 @@ class Engine:
         from moestream.experts.sources import open_source
         from moestream.layers.experts import RoutedExperts
 
-        self.packed, self.options = packed, options
-        self.plan = plan_run(packed, options, default_cache_size=default_cache_size)
+        self.packed, self.options, self.digest_dir = packed, options, digest_dir
+        self.plan = plan_run(packed, options, default_cache_size=default_cache_size, digest_dir=digest_dir)
         self.device, self.dtype, self.max_context = self.plan.device, self.plan.dtype, self.plan.max_context
         if options.threads > 0:
             torch.set_num_threads(options.threads)
@@ -68,8 +72,7 @@ class Engine:
         slots = self.plan.slots
         if self.parallel is not None:  # a rank never needs more slots than the experts it owns
             slots = max(1, min(slots, self.parallel.placement.count(self.parallel.group.rank)))
-        source = open_source(options.expert_source, packed, io_threads=options.io_threads,
-                             check_records=options.verify)
+        source = open_source(options.expert_source, packed, check_records=options.verify)
         self.provider = ExpertCache(packed, self.device, slots=slots, source=source,
                                     policy=self.plan.cache_policy, host_slots=self.plan.host_slots, host_policy=options.host_cache_policy,
                                     staging_buffers=self.plan.staging,
@@ -92,13 +95,12 @@ class Engine:
                                                               dtype=self.dtype)
             # CPU: a hook after each layer's fetch; CUDA: the decoder guesses on the device (Lookahead)
             cpu = self.device.type == "cpu"
-            self.guess_maps = None if options.prefetch == "none" else \
+            self.guess_maps = None if not prefetch else \
                 expert_setup.load_guess_maps(packed, options, self.model, hidden_size=self.args.hidden_size,
                                              device=self.device)
-            self.prefetcher = expert_setup.attach_prefetcher(self.model, self.experts, self.provider,
-                                                             options.prefetch if cpu else "none", maps=self.guess_maps)
-            lookahead = None if cpu or options.prefetch == "none" else \
-                Lookahead(self.provider, depth=2 if options.prefetch == "two-layers" else 1)
+            self.prefetcher = None if not (cpu and prefetch) else \
+                expert_setup.attach_prefetcher(self.model, self.experts, self.provider, maps=self.guess_maps)
+            lookahead = Lookahead(self.provider, depth=1) if prefetch and not cpu else None
             self.tokenizer = load_tokenizer(packed.directory, packed.config)
         except BaseException:
             self.provider.close()
@@ -107,11 +109,11 @@ class Engine:
         self.sequences = SequenceSlots(self.args.kv_layout(), self.max_context, count=options.max_sequences,
                                        dtype=self.dtype, device=self.device, prefill_chunk=self.plan.prefill_chunk)
         self.pool, self.caches = self.sequences.pool, self.sequences.caches
-        self.decoder = Decoder(self.model, self.pool, self.experts, graphs=options.cuda_graphs, lookahead=lookahead,
+        self.decoder = Decoder(self.model, self.pool, self.experts, graphs=graphs, lookahead=lookahead,
                                maps=self.guess_maps)
         item = torch.finfo(self.dtype).bits // 8
         self.prefill_graphs = prefill_graphs.for_engine(
-            self.model, self.experts, options, self.device, self.plan.prefill_chunk, self.pool,
+            self.model, self.experts, options, self.device, self.plan.prefill_chunk, self.pool, graphs=graphs,
             workspace=lambda tokens: prefill_workspace(self.args, tokens=tokens, context=self.max_context, item=item))
         self._resident_checked = False
         self._warmed: set[int] = set()  # row counts whose step graphs warm_steps captured
@@ -159,13 +161,16 @@ class Engine:
         self.provider.close()
 
     @classmethod
-    def load(cls, model_dir: str | Path | None = None, *, options: EngineOptions | None = None) -> "Engine":
+    def load(cls, model_dir: str | Path | None = None, *, options: EngineOptions | None = None,
+             graphs: bool = True, prefetch: bool = True, digest_dir: str | None = None) -> "Engine":
         if model_dir is None:
             model_dir = DEMO_MODEL
             if not (DEMO_MODEL / "moestream.json").is_file():
                 raise MoestreamError(f"no --model given and the built-in demo model is missing at {DEMO_MODEL}")
-            return cls(PackedModel(model_dir), options or EngineOptions(), default_cache_size=DEMO_CACHE_SIZE)
-        return cls(PackedModel(model_dir), options or EngineOptions())
+            return cls(PackedModel(model_dir), options or EngineOptions(), default_cache_size=DEMO_CACHE_SIZE,
+                       graphs=graphs, prefetch=prefetch, digest_dir=digest_dir)
+        return cls(PackedModel(model_dir), options or EngineOptions(), graphs=graphs, prefetch=prefetch,
+                   digest_dir=digest_dir)
 
     # -- running the model: prefill, step, rollback -----------------------------------------
     def _make_resident(self) -> None:
@@ -288,11 +293,11 @@ class Engine:
 
     def release_workspace(self) -> None:
         """Give the prefill's transient memory back to the device (decode needs a small part of it),
-        where the allocator keeps more than WORKSPACE_SLACK of it cached, when --prefill-workspace says
-        so. Kept, the next prompt's prefill reuses it: giving it back costs each prefill its allocations
-        again (~0.1 s on the H200 at the 30B shape, for any prompt length up to a chunk)."""
-        mode = self.options.prefill_workspace
-        if mode == "keep" or (mode == "auto" and not self.options.memory_budget):
+        where the allocator keeps more than WORKSPACE_SLACK of it cached, under a memory budget (decode
+        then holds only what it needs). Without one it is kept and the next prompt's prefill reuses it:
+        giving it back costs each prefill its allocations again (~0.1 s on the H200 at the 30B shape,
+        for any prompt length up to a chunk)."""
+        if not self.options.memory_budget:
             return
         if self.device.type == "cuda":
             cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
@@ -493,9 +498,9 @@ class Engine:
         return self.plan.ledger.to_json()
 
 
-def load_engine(model: str | os.PathLike | None, options: EngineOptions) -> Engine:
+def load_engine(model: str | os.PathLike | None, options: EngineOptions, *, digest_dir: str | None = None) -> Engine:
     """Open a packed model (default: the demo model), resolve the options (moestream.engine.plan), build
-    the Engine: what generate, serve and bench load."""
+    the Engine: what generate, serve and bench load. digest_dir: as Engine takes it."""
     from moestream.engine.plan import resolve_options
 
     if model is None:
@@ -504,5 +509,5 @@ def load_engine(model: str | os.PathLike | None, options: EngineOptions) -> Engi
         packed, default_size = PackedModel(DEMO_MODEL), DEMO_CACHE_SIZE
     else:
         packed, default_size = PackedModel(Path(model)), "auto"
-    options = resolve_options(packed, options, default_cache_size=default_size)
-    return Engine(packed, options, default_cache_size=default_size)
+    options = resolve_options(packed, options, default_cache_size=default_size, digest_dir=digest_dir)
+    return Engine(packed, options, default_cache_size=default_size, digest_dir=digest_dir)

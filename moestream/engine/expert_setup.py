@@ -92,17 +92,12 @@ def load_guess_maps(packed: PackedModel, options: EngineOptions, model, *, hidde
     return maps.to(device)
 
 
-def attach_prefetcher(model, experts, provider, mode: str, *, maps=None):
-    """The CPU's lookahead: a NextLayerPrefetcher hooked after each layer's fetch (mode
-    "next-layer"), or none ("none"); `maps` (fitted corrections, moestream.experts.guess_maps)
-    improve its guesses."""
-    from moestream.experts.predict import MODES, NextLayerPrefetcher
+def attach_prefetcher(model, experts, provider, *, maps=None):
+    """The CPU's lookahead: a NextLayerPrefetcher hooked after each layer's fetch; `maps` (fitted
+    corrections, moestream.experts.guess_maps) improve its guesses."""
+    from moestream.experts.predict import NextLayerPrefetcher
     from moestream.layers.moe import MoEBlock
 
-    if mode not in MODES:
-        raise ValueError(f"prefetch mode {mode!r} (choose from {', '.join(MODES)})")
-    if mode == "none":
-        return None
     blocks = [layer.ffn for layer in model.layers if isinstance(layer.ffn, MoEBlock)]
     predictor = NextLayerPrefetcher(blocks, provider, maps=maps)
     experts.after_fetch = predictor

@@ -7,8 +7,8 @@ from dataclasses import dataclass, fields
 
 from moestream.flag_values import at_least
 
-# where digests of checked resident files are remembered (default ~/.cache/moestream); read here,
-# in the command-line layer, so the library itself never looks at the environment for it
+# where digests of checked resident files are remembered (default ~/.cache/moestream); the commands
+# read it (moestream.commands.engine_checks.digest_dir), the library never looks at the environment
 CACHE_DIR_ENV = "MOESTREAM_CACHE_DIR"
 
 
@@ -19,24 +19,17 @@ class EngineOptions:
     max_context: int = 0  # 0: the model's max_position_embeddings (at most 32768)
     prefill_chunk_tokens: int = 2048  # each pass streams the experts it routes to once
     threads: int = 0  # CPU compute threads; 0: torch's default (the CLI resolves it: plan.choose_threads)
-    cuda_graphs: bool = True  # CUDA decode steps replay as CUDA graphs (one per step when all experts are resident)
     cache_size: str = "auto"
     cache_policy: str = "auto"  # clock, or lfu where the pool is smaller than one token's experts
     expert_source: str = "direct"
-    io_threads: int = 32
     host_cache_size: str = "0"
     host_cache_policy: str = "clock"
     streaming: str = "auto"  # who looks up a streamed layer's experts: the device (auto where it can) or the host
-    prefetch: str = "next-layer"  # start loading the next MoE layer(s)' likely experts early (one-token steps)
     # the lookahead's fitted correction (moestream fit-lookahead): auto (MODEL/lookahead.safetensors where it
     # exists), none, or a file
     lookahead_maps: str = "auto"
     memory_budget: str | None = None
-    # after a prefill, give its transient device memory back (release) or keep it for the next prompt (keep);
-    # auto: release under a memory budget (decode then holds only what it needs), else keep
-    prefill_workspace: str = "auto"
     verify: bool = True  # crc32 of every expert record read, sha256 of the resident files at load
-    verify_cache_dir: str | None = None  # where resident files' digests are remembered; None: ~/.cache/moestream
     trace_routing: str | None = None
     max_sequences: int = 1  # sequence slots decoding together (Engine.step_many), each with its own KV cache
     # expert parallelism: a moestream.layers.expert_parallel.ExpertGroup (the CLI initializes the
@@ -46,16 +39,10 @@ class EngineOptions:
     # the CPU computes a share of each streamed layer's misses from host RAM (with device-driven
     # streaming, where the native worker builds): "off", "auto" or "0".."1"
     cpu_experts: str = "auto"
-    # CPU runs: dequantized copies of the experts in the slots, kept (moestream.experts.unpacked): auto, 0, or a size
-    unpacked_experts: str = "auto"
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace, environ: dict | None = None) -> "EngineOptions":
-        environ = {} if environ is None else environ  # the commands pass theirs: the library reads none
-        values = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
-        if values.get("verify_cache_dir") is None and environ.get(CACHE_DIR_ENV):
-            values["verify_cache_dir"] = environ[CACHE_DIR_ENV]
-        return cls(**values)
+    def from_args(cls, args: argparse.Namespace) -> "EngineOptions":
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -69,8 +56,6 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--threads", type=at_least(1), default=0,
                    help="CPU compute threads (default: the cores this process may use, less the machine's load and "
                         "a core for the expert readers when experts stream)")
-    g.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
-                   help="run decode steps without CUDA graphs (on CUDA they are on by default)")
     c = parser.add_argument_group("expert cache")
     c.add_argument("--cache-size", default="auto",
                    help="device expert slots: bytes (4GiB), a share of all experts (25%%), min, all; "
@@ -82,7 +67,6 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "comes next latest)")
     c.add_argument("--expert-source", default="direct", choices=["direct", "mmap"],
                    help="direct: O_DIRECT reads by a thread pool (default); mmap: the page cache is the host tier")
-    c.add_argument("--io-threads", type=at_least(1), default=32, help="parallel record reads (default 32)")
     c.add_argument("--host-cache-size", default="0", help="pinned host RAM tier between disk and device slots (bytes or %%; default 0: none)")
     c.add_argument("--host-cache-policy", default="clock", choices=["clock", "lru", "arc", "lfu"], help="host tier policy (default clock)")
     c.add_argument("--streaming", default="auto", choices=["auto", "device", "host"],
@@ -90,20 +74,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "the host tier itself, no host round trip per layer; needs a host tier holding every expert, "
                         "--host-cache-size all), host (the host reads each layer's ids, then loads); auto (default): "
                         "device where it can run on CUDA, else host")
-    c.add_argument("--prefetch", default="next-layer", choices=["next-layer", "two-layers", "none"],
-                   help="next-layer (default): while a layer computes, start copying the experts the next MoE layer's "
-                        "router picks for the current hidden state; two-layers: also the one after (CUDA); copies "
-                        "for a layer whose guesses prove wrong stop (accuracy per layer in the receipt); none: on demand only")
     c.add_argument("--lookahead-maps", type=maps_arg, default="auto", metavar="auto|none|FILE",
                    help="fitted corrections of the lookahead's guesses (moestream fit-lookahead): auto (default: "
                         "MODEL/lookahead.safetensors where it exists), none (the plain routers), or a file; they "
                         "change which copies start early, never the output")
     c.add_argument("--memory-budget", default=None, metavar="SIZE", help="size everything to fit SIZE of device memory; refuse if impossible")
-    c.add_argument("--prefill-workspace", default="auto", choices=["auto", "keep", "release"],
-                   help="a prefill's transient device memory (activations of a chunk, the expert kernels' scratch): "
-                        "release gives it back after each prefill (decode holds only what it needs; the next prompt "
-                        "allocates it again), keep holds it for the next prompt; auto (default): release under "
-                        "--memory-budget, else keep")
     c.add_argument("--no-verify", dest="verify", action="store_false",
                    help="skip the integrity checks (on by default: each expert record's crc32 as it is read, the "
                         f"resident files' sha256 at load, remembered in ${CACHE_DIR_ENV} or ~/.cache/moestream)")
@@ -113,11 +88,6 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "misses (0..1), auto (default: the share that makes both finish together, from measured "
                         "speeds, where the native CPU kernels build), or off. Output within the dtype's tolerance of "
                         "off, not bit for bit")
-    c.add_argument("--unpacked-experts", type=unpacked_arg, default="auto", metavar="auto|0|SIZE",
-                   help="CPU runs: keep the dequantized matrices of up to SIZE of the experts in the slots (bytes, or a "
-                        "share of all experts as --cache-size takes it), so a step multiplies instead of unpacking "
-                        "4-bit codes; the same bits either way. Default auto: what fits in a quarter of the memory "
-                        "budget (or of free RAM), at most one per slot; 0: none")
     c.add_argument("--trace-routing", default=None, metavar="FILE", help="record (layer, position, experts) of every token to FILE (.npz)")
 
 
@@ -137,26 +107,3 @@ def cpu_share_arg(text: str) -> str:
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return value if isinstance(value, str) else repr(value)
-
-
-def unpacked_arg(text: str) -> str:
-    """--unpacked-experts: auto, 0 (none), a share of all experts (25%), all, or bytes (4GiB)."""
-    from moestream.errors import MoestreamError
-    from moestream.experts.sizing import parse_bytes
-
-    value = text.strip().lower()
-    if value in ("auto", "0", "none", "off", "all", "max", "min"):
-        return value
-    if value.endswith("%"):
-        try:
-            share = float(value[:-1])
-        except ValueError:
-            share = -1.0
-        if not 0 < share <= 100:
-            raise argparse.ArgumentTypeError(f"a share must be in (0%, 100%], not {text}")
-        return value
-    try:
-        parse_bytes(value)
-    except MoestreamError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return value

@@ -22,7 +22,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 MAX_DEFAULT_CONTEXT = 32768
 # under --memory-budget without --max-context: a KV cache for 8k tokens leaves the rest to experts
 BUDGET_DEFAULT_CONTEXT = 8192
-# --unpacked-experts auto: on the CPU, at most this share of the memory budget (or of free RAM)
+# kept unpacked experts: on the CPU, at most this share of the memory budget (or of free RAM)
 UNPACKED_SHARE = 0.25
 # under --memory-budget the prefill chunk is halved until its workspace takes at most this share
 BUDGET_WORKSPACE_SHARE = 0.08
@@ -80,11 +80,13 @@ def free_memory(device: torch.device) -> int:
     return psutil.virtual_memory().available
 
 
-def plan_run(packed: PackedModel, options: EngineOptions, *, default_cache_size: str = "auto") -> RunPlan:
+def plan_run(packed: PackedModel, options: EngineOptions, *, default_cache_size: str = "auto",
+             digest_dir: str | None = None) -> RunPlan:
     """The run's shape. Every Engine starts here, so this is also where the resident files are
-    checked against the manifest (unless options.verify is off): no engine runs on damaged weights."""
+    checked against the manifest (unless options.verify is off): no engine runs on damaged weights.
+    digest_dir: where their digests are remembered (None: ~/.cache/moestream)."""
     if options.verify:
-        check = check_resident_files(packed.directory, packed.manifest, cache_dir=options.verify_cache_dir)
+        check = check_resident_files(packed.directory, packed.manifest, cache_dir=digest_dir)
         if check.hashed:
             log.info("checked %d resident files (%d hashed, %.1f MB)", check.files, check.hashed, check.bytes_hashed / 1e6)
     device = resolve_device(options.device)
@@ -140,19 +142,12 @@ def plan_run(packed: PackedModel, options: EngineOptions, *, default_cache_size:
 
 
 def unpacked_limit(options: EngineOptions, device: torch.device, *, unpacked_bytes: int, total_experts: int) -> int:
-    """Experts whose dequantized copies a CPU run may keep (--unpacked-experts; the slots bound it
-    too): none on CUDA or with "0"; "auto": what fits in UNPACKED_SHARE of the memory budget (or of
-    free RAM); else a size as --cache-size takes it (bytes, a share of all experts, all)."""
-    text = options.unpacked_experts.strip().lower()
-    if device.type != "cpu" or text in ("0", "none", "off") or unpacked_bytes <= 0:
+    """Experts whose dequantized copies a CPU run may keep (the slots bound it too): none on CUDA,
+    else what fits in UNPACKED_SHARE of the memory budget (or of free RAM)."""
+    if device.type != "cpu" or unpacked_bytes <= 0:
         return 0
-    if text == "auto":
-        room = parse_bytes(options.memory_budget) if options.memory_budget else free_memory(device)
-        return min(total_experts, int(room * UNPACKED_SHARE) // unpacked_bytes)
-    try:
-        return slots_for(text, slot_bytes=unpacked_bytes, total_experts=total_experts, min_slots=0, flag="--unpacked-experts")
-    except MoestreamError as exc:
-        raise MoestreamError(str(exc) if "--unpacked-experts" in str(exc) else f"--unpacked-experts: {exc}") from None
+    room = parse_bytes(options.memory_budget) if options.memory_budget else free_memory(device)
+    return min(total_experts, int(room * UNPACKED_SHARE) // unpacked_bytes)
 
 
 def resolve_policy(name: str, *, slots: int, working_set: int) -> str:
@@ -182,12 +177,13 @@ def machine_cores_and_load() -> tuple[int, float]:
     return cores, load
 
 
-def resolve_options(packed: PackedModel, options: EngineOptions, *, default_cache_size: str = "auto") -> EngineOptions:
+def resolve_options(packed: PackedModel, options: EngineOptions, *, default_cache_size: str = "auto",
+                    digest_dir: str | None = None) -> EngineOptions:
     """Options with the defaults that depend on the machine and the model decided (threads: 0 ->
     `choose_threads`). The one place generate, serve and bench resolve them, before an Engine exists."""
     if options.threads > 0:
         return options
-    plan = plan_run(packed, options, default_cache_size=default_cache_size)
+    plan = plan_run(packed, options, default_cache_size=default_cache_size, digest_dir=digest_dir)
     cores, load = machine_cores_and_load()
     streaming = plan.slots < plan.total_experts
     threads = choose_threads(cores=cores, load=load, streaming=streaming)

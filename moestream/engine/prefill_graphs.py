@@ -29,7 +29,7 @@ after each replay, for the real rows only, as the eager prefill counts them.
 Where it pads: a chunk starting at position 0 of a model with no recurrent layer, no routing trace,
 routing replacement, hidden-state tap or expert parallelism. Where a graph replays: besides, CUDA
 graphs on, every expert resident (no lookups), the Triton expert kernels, no device map, no memory budget (the
-graphs keep their activations, like `--prefill-workspace keep`). Elsewhere the padded chunk runs
+graphs keep their activations, as a prefill's workspace is kept without one). Elsewhere the padded chunk runs
 eagerly."""
 from __future__ import annotations
 
@@ -57,14 +57,14 @@ def bucket(tokens: int) -> int:
     return n
 
 
-def for_engine(model: MoETransformer, experts, options, device: torch.device, chunk: int, pool: KVPool,
-               workspace: Callable[[int], int] | None = None) -> "PrefillGraphs | None":
+def for_engine(model: MoETransformer, experts, options, device: torch.device, chunk: int, pool: KVPool, *,
+               graphs: bool = True, workspace: Callable[[int], int] | None = None) -> "PrefillGraphs | None":
     """An engine's padded prefill on CUDA, None elsewhere. Graphs are captured with CUDA graphs and no
-    memory budget or released workspace (the graphs keep their activations), on a key's second use.
+    memory budget (the workspace is given back there; the graphs keep their activations), on a key's second use.
     workspace(tokens): a chunk's transient bytes (a capture needs that much free)."""
     if device.type != "cuda" or not PrefillGraphs.fits(pool):
         return None
-    capture = options.cuda_graphs and options.memory_budget is None and options.prefill_workspace != "release"
+    capture = graphs and options.memory_budget is None
     return PrefillGraphs(model, experts, pool, largest=max(1, chunk), capture=capture, capture_after=1,
                          workspace=workspace)
 

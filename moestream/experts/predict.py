@@ -13,9 +13,6 @@ import torch
 
 from moestream.experts.guess_maps import GuessMaps
 
-MODES = ("next-layer", "two-layers", "none")  # two-layers: CUDA guesses two MoE layers ahead (CPU: one)
-
-
 class NextLayerPrefetcher:
     """The CPU lookahead: a hook after each layer's fetch (`RoutedExperts.after_fetch`). Its guesses
     go through a Lookahead that scores them (the receipt's `lookahead`) and copies every one.

@@ -13,21 +13,21 @@ pytestmark = pytest.mark.gpu
 FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "gpt_oss", "gemma4_text", "qwen3_next", "deepseek_v3"]
 
 
-def load(packed, **opts):
+def load(packed, *, graphs=True, **opts):
     return Engine.load(packed, options=EngineOptions(**{"device": "cuda", "dtype": "bfloat16", "max_context": 256,
-                                                        **opts}))
+                                                        **opts}), graphs=graphs)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("cache_size,graphs", [("50%", True), ("all", True), ("50%", False)])
 def test_sequences_decoded_together_get_the_bits_each_gets_alone(family, cache_size, graphs, tiny_packed_model):
     packed = tiny_packed_model(family, "q4", dtype="bfloat16")  # the Triton layout
-    single = load(packed, cache_size=cache_size, cuda_graphs=graphs)
+    single = load(packed, cache_size=cache_size, graphs=graphs)
     prompts = [single.tokenizer.encode(p) for p in PROMPTS]
     expected = [alone(single, p, end - begin) for p, (begin, end) in zip(prompts, SCHEDULE)]
     single.close()
 
-    engine = load(packed, cache_size=cache_size, cuda_graphs=graphs, max_sequences=3)
+    engine = load(packed, cache_size=cache_size, graphs=graphs, max_sequences=3)
     engine.close_sequence(0)
     got = together(engine, prompts, SCHEDULE)
     assert_same_bits(got, expected)

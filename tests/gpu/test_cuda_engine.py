@@ -86,8 +86,8 @@ def test_decode_gives_the_same_bits_with_or_without_graphs_resident_or_streamed(
     packed = tiny_packed_model("qwen3_moe", "q4", dtype="bfloat16")  # bf16 scales: the Triton path
     outs = {}
     for graphs, size in ((True, "50%"), (False, "50%"), (True, "all"), (False, "all")):
-        engine = Engine.load(packed, options=EngineOptions(device="cuda", dtype=dtype, cuda_graphs=graphs,
-                                                           max_context=1024, cache_size=size))
+        engine = Engine.load(packed, options=EngineOptions(device="cuda", dtype=dtype,
+                                                           max_context=1024, cache_size=size), graphs=graphs)
         assert engine.decoder is not None and engine.decoder.use_graphs == graphs
         prompt = engine.tokenizer.encode("def fibonacci(n):\n    if n < 2:")
         outs[(graphs, size)] = [(e.token_id, e.logprob) for e in

@@ -23,8 +23,9 @@ BF16_LOGPROB_TOLERANCE = 0.15
 MIN_AGREED_STEPS = STEPS // 4
 
 
-def load(packed, **opts):
-    return Engine.load(packed, options=EngineOptions(**{"device": "cuda", "max_context": 256, **opts}))
+def load(packed, *, graphs=True, prefetch=True, **opts):
+    return Engine.load(packed, options=EngineOptions(**{"device": "cuda", "max_context": 256, **opts}), graphs=graphs,
+                       prefetch=prefetch)
 
 
 def greedy_with_logprobs(engine, prompt, steps):
@@ -91,7 +92,7 @@ def test_same_bits_for_every_cache_size_and_graphs_on_or_off(family, tiny_packed
     runs = {}
     for size, graphs, host in (("min", True, "0"), ("50%", True, "all"), ("all", True, "0"), ("all", False, "0"),
                                ("60%", False, "all")):
-        engine = load(packed, dtype="bfloat16", cache_size=size, cuda_graphs=graphs, host_cache_size=host,
+        engine = load(packed, dtype="bfloat16", cache_size=size, graphs=graphs, host_cache_size=host,
                       cpu_experts="off")
         prompt = engine.tokenizer.encode(PROMPT)
         runs[(size, graphs, host)] = greedy_with_logprobs(engine, prompt, STEPS)
@@ -121,9 +122,9 @@ def test_step_of_t_tokens_equals_t_single_steps_on_cuda(family, size, tiny_packe
 def test_lookahead_changes_no_bits_and_reports_its_accuracy(family, tiny_packed_model):
     packed = tiny_packed_model(family, "q4", dtype="bfloat16")
     outs = {}
-    for prefetch in ("none", "next-layer", "two-layers"):
-        engine = load(packed, dtype="bfloat16", cache_size="50%", prefetch=prefetch, host_cache_size="all",
-                      cpu_experts="off")
+    for prefetch in ("none", "next-layer"):
+        engine = load(packed, dtype="bfloat16", cache_size="50%", prefetch=prefetch == "next-layer",
+                      host_cache_size="all", cpu_experts="off")
         prompt = engine.tokenizer.encode(PROMPT)
         gen = engine.generate(prompt, max_new_tokens=STEPS, logprobs=1, stop_at_eos=False)
         outs[prefetch] = [(e.token_id, e.logprob) for e in gen]
@@ -134,4 +135,4 @@ def test_lookahead_changes_no_bits_and_reports_its_accuracy(family, tiny_packed_
             assert engine.decoder.lookahead is not None and receipt["lookahead"]["accuracy"]["depth1"] is not None
             assert receipt["experts"]["prefetch_issued"] > 0
         engine.close()
-    assert outs["next-layer"] == outs["none"] and outs["two-layers"] == outs["none"]
+    assert outs["next-layer"] == outs["none"]

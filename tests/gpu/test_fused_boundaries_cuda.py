@@ -114,8 +114,8 @@ def test_the_router_product_with_its_top_k_in_a_replayed_graph(dtype):
                 assert torch.equal(got_ids, ids) and torch.equal(got_w, w)
 
 
-def load(packed, **opts):
-    return Engine.load(packed, options=EngineOptions(**{"device": "cuda", "max_context": 256, **opts}))
+def load(packed, *, graphs=True, **opts):
+    return Engine.load(packed, options=EngineOptions(**{"device": "cuda", "max_context": 256, **opts}), graphs=graphs)
 
 
 def greedy(engine, prompt, n=16):
@@ -159,7 +159,7 @@ def test_the_fused_step_gives_the_same_bits_for_every_cache_size(tiny_packed_mod
     packed = tiny_packed_model("qwen3_moe", "q4", dtype="bfloat16")
     runs = []
     for size, graphs in (("all", True), ("50%", True), ("min", False)):
-        engine = load(packed, dtype="bfloat16", cache_size=size, cuda_graphs=graphs)
+        engine = load(packed, dtype="bfloat16", cache_size=size, graphs=graphs)
         try:
             assert engine.decoder.norm_after
             prompt = [t % engine.args.vocab_size for t in range(7, 90)]

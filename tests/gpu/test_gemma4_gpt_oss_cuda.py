@@ -16,8 +16,8 @@ PROMPT = "def fibonacci(n):\n    if n < 2:"
 STEPS = 32
 
 
-def load(packed, **opts):
-    return Engine.load(packed, options=EngineOptions(**{"device": "cuda", "max_context": 256, **opts}))
+def load(packed, *, graphs=True, **opts):
+    return Engine.load(packed, options=EngineOptions(**{"device": "cuda", "max_context": 256, **opts}), graphs=graphs)
 
 
 def greedy(engine, prompt):
@@ -58,7 +58,7 @@ def test_same_bits_for_every_cache_size_graphs_on_or_off_and_device_driven(famil
     for size, streaming, graphs in (("min", "host", True), (slots(packed, 16), "host", True),
                                     (slots(packed, 16), "device", True), (slots(packed, 20), "device", False),
                                     ("all", "auto", True), ("all", "auto", False)):
-        engine = load(packed, dtype="bfloat16", cache_size=size, cuda_graphs=graphs, host_cache_size="all",
+        engine = load(packed, dtype="bfloat16", cache_size=size, graphs=graphs, host_cache_size="all",
                       streaming=streaming, cpu_experts="off")
         assert all(triton_layers(engine))  # the default plan on CUDA
         runs[(size, streaming, graphs)] = greedy(engine, engine.tokenizer.encode(PROMPT))

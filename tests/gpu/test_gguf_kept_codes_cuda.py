@@ -27,8 +27,8 @@ def models(tiny_checkpoint, tmp_path_factory):
     return kept, convert(path, folder / "none", quant="none", progress=False, tokenizer=src)
 
 
-def greedy(model, **options):
-    engine = Engine.load(model, options=EngineOptions(**options))
+def greedy(model, *, prefetch=True, **options):
+    engine = Engine.load(model, options=EngineOptions(**options), prefetch=prefetch)
     try:
         events = list(engine.generate(PROMPT, max_new_tokens=STEPS, logprobs=1, stop_at_eos=False))
         return [e.token_id for e in events], [e.logprob for e in events]
@@ -42,6 +42,6 @@ def test_kept_q8_0_codes_decode_like_the_unquantized_conversion(models, cache_si
     cuda = dict(device="cuda", dtype="float32", cache_size=cache_size, max_context=128)
     tokens, logprobs = greedy(kept, **cuda)
     ref_tokens, ref_logprobs = greedy(none, **cuda)
-    cpu_tokens, _ = greedy(kept, device="cpu", threads=1, prefetch="none")
+    cpu_tokens, _ = greedy(kept, device="cpu", threads=1, prefetch=False)
     assert tokens == ref_tokens == cpu_tokens
     assert max(abs(a - b) for a, b in zip(logprobs, ref_logprobs)) < 1e-4

@@ -81,7 +81,7 @@ def test_same_bits_for_every_cache_size_and_graphs_on_or_off(kept):
     runs = {}
     for size, graphs in (("min", True), ("50%", True), ("all", True), ("all", False)):
         engine = Engine.load(kept, options=EngineOptions(device="cuda", dtype="bfloat16", cache_size=size,
-                                                         cuda_graphs=graphs, max_context=256))
+                                                         max_context=256), graphs=graphs)
         uses = triton_layers(engine)  # the MXFP4 Triton kernels
         assert uses and all(uses)
         runs[(size, graphs)] = greedy(engine)

@@ -14,9 +14,10 @@ FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "minimax_m
             "qwen3_next", "deepseek_v3", "glm4_moe_lite"]
 
 
-def load(packed, device: str, **opts) -> Engine:
+def load(packed, device: str, *, graphs: bool = True, **opts) -> Engine:
     opts = {"max_context": 256, "cache_size": "all", "dtype": "float32", **opts}
-    return Engine.load(packed, options=EngineOptions(device=device, threads=1 if device == "cpu" else 0, **opts))
+    return Engine.load(packed, options=EngineOptions(device=device, threads=1 if device == "cpu" else 0, **opts),
+                       graphs=graphs)
 
 
 def prompt_of(engine, n: int, seed: int = 0) -> list[int]:
@@ -51,7 +52,7 @@ def test_greedy_tokens_on_cuda_equal_the_cpu_reference(family, tiny_packed_model
 @pytest.mark.parametrize("graphs", [True, False])
 def test_a_step_of_t_tokens_gives_the_bits_of_t_single_steps(family, graphs, tiny_packed_model):
     packed = tiny_packed_model(family, "q4", dtype="bfloat16")
-    engine = load(packed, "cuda", dtype="bfloat16", cuda_graphs=graphs)
+    engine = load(packed, "cuda", dtype="bfloat16", graphs=graphs)
     try:
         prompt = prompt_of(engine, 40)
         engine.prefill(prompt)

@@ -16,10 +16,10 @@ pytestmark = pytest.mark.gpu
 LENGTHS = (23, 30, 64, 100, 200)  # the tiny model: 256 positions
 
 
-def load(packed, mode: str = "auto", **options) -> Engine:
+def load(packed, mode: str = "auto", *, graphs: bool = True, **options) -> Engine:
     """mode: auto (the engine's: a bucket captured at its second prompt), on (captured at its first) or
     off (no padding: the graphs taken away)."""
-    engine = Engine.load(packed, options=EngineOptions(device="cuda", max_context=256, **options))
+    engine = Engine.load(packed, options=EngineOptions(device="cuda", max_context=256, **options), graphs=graphs)
     if mode == "off":
         engine.prefill_graphs = None
     elif mode == "on":
@@ -49,7 +49,7 @@ def test_prefill_graphs_give_the_padded_eager_bits(dtype, tiny_packed_model):
     packed = tiny_packed_model("qwen3_moe", "q4", dtype="bfloat16")
     unpadded, none = prefills(packed, dtype, "off", cache_size="all")
     graphed, keys = prefills(packed, dtype, "on", cache_size="all")
-    eager, no_graphs = prefills(packed, dtype, cache_size="all", cuda_graphs=False)
+    eager, no_graphs = prefills(packed, dtype, cache_size="all", graphs=False)
     streamed, _ = prefills(packed, dtype, cache_size="50%")
     assert none is None and keys and not no_graphs, "the graphs did not run, or ran without CUDA graphs"
     assert {k[0] for k in keys} == {32, 64, 128, 256}  # 23 and 30 share the 32 bucket
@@ -68,7 +68,7 @@ def test_a_bucket_replayed_after_the_hits_were_read(tiny_packed_model):
     packed = tiny_packed_model("qwen3_moe", "q4", dtype="bfloat16")
     runs = {}
     for mode in ("eager", "on"):
-        engine = load(packed, "on", dtype="bfloat16", cache_size="all", cuda_graphs=mode == "on")
+        engine = load(packed, "on", dtype="bfloat16", cache_size="all", graphs=mode == "on")
         try:
             vocab, out = engine.args.vocab_size, []
             for n in (23, 30, 23):

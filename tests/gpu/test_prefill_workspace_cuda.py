@@ -1,6 +1,5 @@
-"""--prefill-workspace: a prefill's transient device memory is kept for the next prompt (keep, and auto
-without a memory budget) or given back after each prefill (release, and auto under a budget), and the
-logits are the same bits either way."""
+"""A prefill's transient device memory is kept for the next prompt without a memory budget and given
+back after each prefill under one, and the logits are the same bits either way."""
 import pytest
 import torch
 
@@ -10,9 +9,8 @@ from moestream.engine.options import EngineOptions
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("mode,budget,released", [("keep", None, False), ("auto", None, False),
-                                                  ("release", None, True), ("auto", "6GiB", True)])
-def test_the_workspace_is_kept_or_given_back(mode, budget, released, tiny_packed_model, monkeypatch):
+@pytest.mark.parametrize("budget,released", [(None, False), ("6GiB", True)])
+def test_the_workspace_is_kept_or_given_back(budget, released, tiny_packed_model, monkeypatch):
     import moestream.engine.engine as engine_module
 
     monkeypatch.setattr(engine_module, "WORKSPACE_SLACK", -1)  # the tiny model's workspace is small
@@ -22,7 +20,7 @@ def test_the_workspace_is_kept_or_given_back(mode, budget, released, tiny_packed
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: (emptied.append(1), empty_cache()))
     packed = tiny_packed_model("qwen3_moe", "q4", dtype="bfloat16")
     engine = Engine.load(packed, options=EngineOptions(device="cuda", dtype="bfloat16", max_context=1024,
-                                                       cache_size="all", prefill_workspace=mode,
+                                                       cache_size="all",
                                                        memory_budget=budget))
     engine.prefill_graphs = None
     try:

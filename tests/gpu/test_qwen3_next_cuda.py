@@ -17,8 +17,8 @@ FAMILIES = ["qwen3_next", "qwen3_5_moe"]
 STEPS = 32
 
 
-def load(packed, **opts):
-    return Engine.load(packed, options=EngineOptions(**{"device": "cuda", "max_context": 256, **opts}))
+def load(packed, *, graphs=True, **opts):
+    return Engine.load(packed, options=EngineOptions(**{"device": "cuda", "max_context": 256, **opts}), graphs=graphs)
 
 
 class Oracle(Drafter):
@@ -66,7 +66,7 @@ def test_same_bits_for_every_cache_size_and_graphs_on_or_off(family, tiny_packed
     packed = tiny_packed_model(family, "q4", dtype="bfloat16")
     runs = {}
     for size, graphs in (("min", True), ("50%", True), ("all", True), ("all", False)):
-        engine = load(packed, dtype="bfloat16", cache_size=size, cuda_graphs=graphs)
+        engine = load(packed, dtype="bfloat16", cache_size=size, graphs=graphs)
         runs[(size, graphs)] = greedy(engine, long_prompt(engine))
         engine.close()
     first = next(iter(runs.values()))

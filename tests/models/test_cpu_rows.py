@@ -19,8 +19,9 @@ PROMPT = "import os\nimport sys\n\nclass Config:\n    def __init__(self, path):\
 SAMPLED = SamplingParams(temperature=0.8, top_k=50, seed=7)
 
 
-def load(packed, cache_size, **opts):
-    return Engine.load(packed, options=EngineOptions(device="cpu", threads=1, cache_size=cache_size, **opts))
+def load(packed, cache_size, *, prefetch=True, **opts):
+    return Engine.load(packed, options=EngineOptions(device="cpu", threads=1, cache_size=cache_size, **opts),
+                       prefetch=prefetch)
 
 
 _step_rows = Decoder.step_rows
@@ -93,19 +94,12 @@ def test_demo_model_gives_the_row_by_row_bits(cache_size, row_by_row):
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss", "gemma4_text", "qwen3_next", "deepseek_v3"])
 def test_tiny_families_give_the_row_by_row_bits(family, tiny_packed_model, row_by_row):
     packed = tiny_packed_model(family, "q4")
-    fast = load(packed, "100%", prefetch="none")
+    fast = load(packed, "100%", prefetch=False)
     prompt = fast.tokenizer.encode(PROMPT)
     fast_logits = steps(fast, prompt)
     fast.close()
-    slow = row_by_row(load(packed, "100%", prefetch="none"))
+    slow = row_by_row(load(packed, "100%", prefetch=False))
     slow_logits = steps(slow, prompt)
     slow.close()
     for a, b in zip(fast_logits, slow_logits):
         assert torch.equal(a, b)
-
-
-def test_unpacked_experts_off_keeps_none():
-    engine = load(DEMO_MODEL, "30%", unpacked_experts="0")
-    assert engine.experts.unpacked is None
-    assert engine.memory_ledger()["unpacked_experts"] == 0
-    engine.close()

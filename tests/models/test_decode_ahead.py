@@ -14,7 +14,7 @@ NEXT = "import os\nclass Thing:"
 
 
 def load(packed) -> Engine:
-    return Engine.load(packed, options=EngineOptions(device="cpu", threads=1, prefetch="none", cache_size="min"))
+    return Engine.load(packed, options=EngineOptions(device="cpu", threads=1, cache_size="min"), prefetch=False)
 
 
 def run(engine: Engine, prompt: str, n: int, **kw):

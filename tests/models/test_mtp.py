@@ -46,7 +46,7 @@ def mtp_model(tmp_path_factory):
 
 
 def load(packed, **opts):
-    return Engine.load(packed, options=EngineOptions(device="cpu", threads=1, prefetch="none", **opts))
+    return Engine.load(packed, options=EngineOptions(device="cpu", threads=1, **opts), prefetch=False)
 
 
 def generate(engine, prompt, n, sampling, speculative=None):

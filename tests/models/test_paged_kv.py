@@ -13,7 +13,7 @@ FAMILIES = ["qwen3_moe", "gpt_oss", "gemma4_text", "qwen3_next", "deepseek_v3"]
 
 def load(packed, **opts) -> Engine:
     opts.setdefault("max_context", 256)
-    return Engine.load(packed, options=EngineOptions(device="cpu", threads=1, prefetch="none", **opts))
+    return Engine.load(packed, options=EngineOptions(device="cpu", threads=1, **opts), prefetch=False)
 
 
 def prompt_of(engine, n: int, seed: int = 0) -> list[int]:

@@ -13,7 +13,7 @@ from moestream.layers.experts import padding_on_last_row
 def load(packed, mode: str, **opts) -> Engine:
     """A CPU engine; mode "on": its fresh chunks padded as a CUDA engine's are (eagerly, nothing captured)."""
     opts.setdefault("cache_size", "all")
-    engine = Engine.load(packed, options=EngineOptions(device="cpu", threads=1, prefetch="none", **opts))
+    engine = Engine.load(packed, options=EngineOptions(device="cpu", threads=1, **opts), prefetch=False)
     assert engine.prefill_graphs is None  # CUDA only
     if mode == "on" and PrefillGraphs.fits(engine.pool):
         engine.prefill_graphs = PrefillGraphs(engine.model, engine.experts, engine.pool,

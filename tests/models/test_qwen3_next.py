@@ -20,7 +20,7 @@ HYBRID = ["qwen3_next", "qwen3_5_moe"]
 
 
 def load(packed, **opts):
-    return Engine.load(packed, options=EngineOptions(device="cpu", threads=1, prefetch="none", **opts))
+    return Engine.load(packed, options=EngineOptions(device="cpu", threads=1, **opts), prefetch=False)
 
 
 def long_prompt(engine) -> list[int]:

@@ -20,7 +20,7 @@ SAMPLED = SamplingParams(temperature=0.9, top_k=40, seed=1234)
 
 
 def load(packed, **opts):
-    return Engine.load(packed, options=EngineOptions(device="cpu", threads=1, prefetch="none", **opts))
+    return Engine.load(packed, options=EngineOptions(device="cpu", threads=1, **opts), prefetch=False)
 
 
 def run(engine, prompt, n, sampling=SamplingParams(), speculative=None, logprobs=0):

@@ -12,7 +12,7 @@ PROMPT = "def fibonacci(n):\n    if n < 2:"
 
 
 def load(packed, **opts):
-    return Engine.load(packed, options=EngineOptions(device="cpu", threads=1, prefetch="none", **opts))
+    return Engine.load(packed, options=EngineOptions(device="cpu", threads=1, **opts), prefetch=False)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

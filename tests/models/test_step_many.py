@@ -14,7 +14,7 @@ FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"]
 
 
 def load(packed, **opts):
-    return Engine.load(packed, options=EngineOptions(device="cpu", threads=1, prefetch="none", **opts))
+    return Engine.load(packed, options=EngineOptions(device="cpu", threads=1, **opts), prefetch=False)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -14,8 +14,8 @@ from moestream.experts.trace import RoutingTrace
 FAMILY = "qwen3_moe"
 
 
-def run(model, prompt=None, *, max_new=12, **opts):
-    engine = Engine.load(model, options=EngineOptions(device="cpu", prefill_chunk_tokens=5, **opts))
+def run(model, prompt=None, *, max_new=12, prefetch=True, **opts):
+    engine = Engine.load(model, options=EngineOptions(device="cpu", prefill_chunk_tokens=5, **opts), prefetch=prefetch)
     prompt = prompt or engine.tokenizer.encode("def fibonacci(n):\n    if n < 2:")
     gen = engine.generate(prompt, max_new_tokens=max_new, logprobs=4)
     events = list(gen)
@@ -83,19 +83,19 @@ def test_filling_the_host_tier_reads_what_it_holds_once(model, reference, host):
 
 @pytest.mark.parametrize("size", ["min", "25%"])
 def test_next_layer_prefetch_changes_nothing_but_the_reads(model, reference, size):
-    out, receipt = run(model, cache_size=size, prefetch="next-layer")
+    out, receipt = run(model, cache_size=size)
     assert out == reference
     stats = receipt["experts"]
     assert 0 <= stats["prefetch_used"] <= stats["prefetch_issued"]
     if size != "min":  # at the floor every slot is pinned by the layer computing: no room for guesses
         assert stats["prefetch_issued"] > 0
-    out, receipt = run(model, cache_size=size, prefetch="none")
+    out, receipt = run(model, cache_size=size, prefetch=False)
     assert out == reference and receipt["experts"]["prefetch_issued"] == 0
 
 
 def test_prefetch_guesses_come_from_the_next_layers_router(model):
     """The predictor asks for exactly the next MoE layer's router top-k on this layer's expert input."""
-    engine = Engine.load(model, options=EngineOptions(device="cpu", cache_size="all", prefetch="next-layer"))
+    engine = Engine.load(model, options=EngineOptions(device="cpu", cache_size="all"))
     asked = []
     engine.provider.prefetch = lambda layer, experts: asked.append((layer, list(experts))) or 0
     prompt = engine.tokenizer.encode("x = 1")
@@ -115,8 +115,8 @@ def test_auto_policy_keeps_often_routed_experts_when_the_pool_is_below_one_token
 
     outs = {}
     for policy in ("clock", "auto"):
-        engine = Engine.load(DEMO_MODEL, options=EngineOptions(device="cpu", cache_size="10%", cache_policy=policy,
-                                                               prefetch="none"))
+        engine = Engine.load(DEMO_MODEL, options=EngineOptions(device="cpu", cache_size="10%", cache_policy=policy),
+                             prefetch=False)
         prompt = engine.tokenizer.encode("import os\nimport sys\n\ndef main():\n")
         gen = engine.generate(prompt, max_new_tokens=24, stop_at_eos=False)
         outs[policy] = ([e.token_id for e in gen], gen.result.receipt)
@@ -174,7 +174,7 @@ def test_a_corrupt_record_is_named_by_default(model, tmp_path):
     data[3 * 8192 + 100] ^= 0xFF  # layer 2, expert 3
     path.write_bytes(bytes(data))
     # the file size is right, so it loads; the checksum finds the record when it is read
-    engine = Engine.load(bad, options=EngineOptions(device="cpu", cache_size="all", verify_cache_dir=str(tmp_path)))
+    engine = Engine.load(bad, options=EngineOptions(device="cpu", cache_size="all"), digest_dir=str(tmp_path))
     with pytest.raises(ExpertReadError, match=r"layer 2 expert 3"):
         engine.provider.fetch(2, list(range(8)))
     records = engine.provider.fetch(2, [0, 1, 2, 4])  # the others still load
@@ -217,14 +217,14 @@ def test_trace_routing_records_every_token_and_layer(model, tmp_path):
     assert np.array_equal(np.unique(trace.position), np.arange(tokens))
 
 
-def test_the_digest_cache_dir_comes_from_the_command_never_the_environment(monkeypatch):
-    import argparse
+def test_the_digest_cache_dir_comes_from_the_command_never_the_library(model, tmp_path, monkeypatch):
+    from moestream.commands.engine_checks import digest_dir
+    from moestream.engine.options import CACHE_DIR_ENV
 
-    from moestream.engine.options import CACHE_DIR_ENV, add_engine_arguments
-
-    parser = argparse.ArgumentParser()
-    add_engine_arguments(parser)
-    monkeypatch.setenv(CACHE_DIR_ENV, "/elsewhere")
-    assert EngineOptions.from_args(parser.parse_args([])).verify_cache_dir is None
-    given = EngineOptions.from_args(parser.parse_args([]), environ={CACHE_DIR_ENV: "/given"})  # as the commands pass it
-    assert given.verify_cache_dir == "/given"
+    assert digest_dir({CACHE_DIR_ENV: "/given"}) == "/given" and digest_dir({}) is None
+    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path / "elsewhere"))  # the library reads no environment
+    copy = tmp_path / "model"  # files this process has not hashed yet
+    shutil.copytree(model, copy)
+    engine = Engine.load(copy, options=EngineOptions(device="cpu", cache_size="min"), digest_dir=str(tmp_path / "given"))
+    engine.close()
+    assert (tmp_path / "given").is_dir() and not (tmp_path / "elsewhere").exists()

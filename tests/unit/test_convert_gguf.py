@@ -23,7 +23,7 @@ def write_gguf(hf_folder, path, *, expert_type, tokenizer=False):
 
 
 def logits(model_dir, tokens):
-    engine = Engine.load(model_dir, options=EngineOptions(device="cpu", threads=1, prefetch="none"))
+    engine = Engine.load(model_dir, options=EngineOptions(device="cpu", threads=1), prefetch=False)
     try:
         return engine.prefill(tokens, all_logits=True)[0]
     finally:
@@ -145,7 +145,7 @@ def test_tokenizer_and_chat_template_from_the_metadata(hf_model, tmp_path):
     messages = [{"role": "user", "content": "hello"}]
     assert ours.chat_ids(messages) == theirs.chat_ids(messages)
     assert ours.eos_token_ids >= {json.loads((src / "config.json").read_text())["eos_token_id"]}
-    engine = Engine.load(out, options=EngineOptions(device="cpu", threads=1, prefetch="none"))
+    engine = Engine.load(out, options=EngineOptions(device="cpu", threads=1), prefetch=False)
     try:
         assert engine.tokenizer.encode("import os") == theirs.encode("import os")
     finally:

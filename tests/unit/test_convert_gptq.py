@@ -109,7 +109,7 @@ def build(folder: Path, out: Path, method: str, *, act_order: bool = False, fmt:
 
 
 def greedy(model_dir, n=12) -> list[int]:
-    engine = Engine.load(model_dir, options=EngineOptions(device="cpu", threads=1, prefetch="none"))
+    engine = Engine.load(model_dir, options=EngineOptions(device="cpu", threads=1), prefetch=False)
     try:
         gen = engine.generate(PROMPT, max_new_tokens=n, sampling=SamplingParams())
         return [event.token_id for event in gen]

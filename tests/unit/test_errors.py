@@ -31,7 +31,6 @@ MAINS = {"generate": generate_main, "serve": serve_main, "bench": bench_main, "c
 # (command, arguments, exit code, the exact stderr line); {missing}, {port}, {file}, {trace} are
 # filled in per run and shown as such in the document
 CASES = [
-    ("generate", "--io-threads 0", 2, "moestream generate: error: argument --io-threads: must be at least 1, not 0"),
     ("generate", "--threads 0", 2, "moestream generate: error: argument --threads: must be at least 1, not 0"),
     ("generate", "--logprobs -1", 2, "moestream generate: error: argument --logprobs: must be at least 0, not -1"),
     ("generate", "--prefill-chunk-tokens 0", 2,
@@ -73,8 +72,6 @@ CASES = [
      "moestream generate: error: argument --cpu-experts: the share must be between 0 and 1, not 1.5"),
     ("generate", "--devices cpu,cpu --cpu-experts 0.5", 2,
      "moestream generate: error: argument --cpu-experts: not with expert parallelism (--devices, torchrun)"),
-    ("generate", "--unpacked-experts lots", 2,
-     "moestream generate: error: argument --unpacked-experts: cannot read size 'lots' (examples: 4GiB, 512MB, 1000000)"),
     ("generate", "--lookahead-maps {missing}/m.safetensors", 2,
      "moestream generate: error: argument --lookahead-maps: no such file: {missing}/m.safetensors"),
     ("generate", "--cache-size 0", 2, "moestream generate: error: argument --cache-size: 0 holds no expert (give "
@@ -98,7 +95,6 @@ CASES = [
     ("bench", "--cpu-experts fast", 2,
      "moestream bench: error: argument --cpu-experts: 'fast' is not off, auto or a share between 0 and 1"),
     ("bench", "--out {missing}/b.json", 2, "moestream bench: error: argument --out: the folder {missing} does not exist"),
-    ("bench", "--io-threads -3", 2, "moestream bench: error: argument --io-threads: must be at least 1, not -3"),
     ("bench", "--cache-sizes 10%,0", 2, "moestream bench: error: argument --cache-sizes: 0 holds no expert (give "
                                         "bytes like 4GiB, a share like 25%, min or all)"),
     ("bench", "--model {other_model} --prefill-tokens 128,4096", 2,

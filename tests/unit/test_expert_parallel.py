@@ -8,15 +8,13 @@ import time
 import pytest
 import torch
 
-from ep_workers import rank_main, run_generation
-from moestream.engine.engine import Engine
+from ep_workers import engine_for, rank_main, run_generation
 from moestream.engine.expert_setup import placement_from_trace
-from moestream.engine.options import EngineOptions
 from moestream.format.reader import PackedModel
 from moestream.layers.expert_parallel import ExpertPlacement, owners_balanced, owners_by_modulo
 
 FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
-EXACT = dict(device="cpu", threads=1, cache_size="all", prefetch="none")  # every miss is one distinct expert
+EXACT = dict(device="cpu", threads=1, cache_size="all", on_demand=True)  # every miss is one distinct expert
 STREAMED = dict(device="cpu", threads=1, cache_size="min")  # evictions, batches, early reads
 
 
@@ -35,7 +33,7 @@ def spawn(world: int, jobs: list, out_dir, *, fail_rank: int = -1, timeout_s: fl
 def reference(model_dir, fields: dict) -> tuple[dict, dict[int, set[int]]]:
     """One process: the generation, and the experts each MoE layer routed to."""
     before = torch.get_num_threads()
-    engine = Engine(PackedModel(model_dir), EngineOptions(**fields))
+    engine = engine_for(model_dir, fields)
     used: dict[int, set[int]] = {}
     trace = engine.experts.on_route
 

@@ -55,7 +55,7 @@ def checkpoint_with(src, out, held):
 
 
 def tokens(model_dir) -> list[int]:
-    engine = Engine.load(model_dir, options=EngineOptions(device="cpu", threads=1, prefetch="none"))
+    engine = Engine.load(model_dir, options=EngineOptions(device="cpu", threads=1), prefetch=False)
     try:
         return [e.token_id for e in engine.generate(PROMPT, max_new_tokens=10, stop_at_eos=False)]
     finally:

@@ -45,7 +45,7 @@ def same_checkpoint(src, out, values: dict[str, torch.Tensor]):
 
 
 def run(model_dir) -> tuple[torch.Tensor, list[int]]:
-    engine = Engine.load(model_dir, options=EngineOptions(device="cpu", threads=1, prefetch="none"))
+    engine = Engine.load(model_dir, options=EngineOptions(device="cpu", threads=1), prefetch=False)
     try:
         logits = engine.prefill(PROMPT, all_logits=True)[0]
         tokens = [e.token_id for e in engine.generate(PROMPT, max_new_tokens=8, stop_at_eos=False)]

@@ -1,6 +1,6 @@
 """The CPU's exact batching pieces: rows_linear gives each row F.linear's one-row bits, float_codes
 gives unpack's codes, the kept unpacked experts are valid only while their slot holds them, and
---unpacked-experts sizes them (CPU only)."""
+a quarter of the memory budget (or of free RAM) sizes them (CPU only)."""
 import itertools
 
 import pytest
@@ -9,7 +9,6 @@ import torch.nn.functional as F
 
 from moestream.engine.options import EngineOptions
 from moestream.engine.plan import unpacked_limit
-from moestream.errors import MoestreamError
 from moestream.experts.unpacked import UnpackedExperts
 from moestream.kernels import reference
 from moestream.kernels.reference import rows_exact, rows_linear
@@ -114,14 +113,10 @@ def test_unpacked_experts_keep_a_copy_while_the_slot_holds_the_expert():
     assert made[-2:] == ["g", "h"] and none.stats()["unpacked_experts"] == 0
 
 
-def test_unpacked_limit_reads_the_option():
+def test_unpacked_limit_is_a_quarter_of_the_budget():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     size = 1 << 20
-    assert unpacked_limit(EngineOptions(unpacked_experts="0"), cpu, unpacked_bytes=size, total_experts=100) == 0
     assert unpacked_limit(EngineOptions(), cuda, unpacked_bytes=size, total_experts=100) == 0
-    assert unpacked_limit(EngineOptions(unpacked_experts="25%"), cpu, unpacked_bytes=size, total_experts=100) == 25
-    assert unpacked_limit(EngineOptions(unpacked_experts="10MiB"), cpu, unpacked_bytes=size, total_experts=100) == 10
-    budget = EngineOptions(unpacked_experts="auto", memory_budget="40MiB")
+    budget = EngineOptions(memory_budget="40MiB")
     assert unpacked_limit(budget, cpu, unpacked_bytes=size, total_experts=100) == 10  # a quarter of the budget
-    with pytest.raises(MoestreamError, match="--unpacked-experts"):
-        unpacked_limit(EngineOptions(unpacked_experts="lots"), cpu, unpacked_bytes=size, total_experts=100)
+    assert unpacked_limit(EngineOptions(memory_budget="1GiB"), cpu, unpacked_bytes=size, total_experts=100) == 100

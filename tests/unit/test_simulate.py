@@ -16,7 +16,7 @@ def test_simulated_hit_counts_equal_the_engine_decode_counts(tiny_packed_model, 
     # one token at a time, so the engine asks for exactly one token's experts per layer, as replayed;
     # reads on demand only, as the simulator replays them (no next-layer guesses)
     engine = Engine.load(model, options=EngineOptions(device="cpu", cache_size="40KiB", prefill_chunk_tokens=1,
-                                                      cache_policy="lru", trace_routing=str(path), prefetch="none"))
+                                                      cache_policy="lru", trace_routing=str(path)), prefetch=False)
     list(engine.generate(engine.tokenizer.encode("def fibonacci(n):"), max_new_tokens=20))
     stats = engine.provider.stats()
     trace = RoutingTrace.load(path)
