@@ -7,10 +7,11 @@ from __future__ import annotations
 import argparse
 import os
 
-from moestream.engine.options import CACHE_DIR_ENV, EngineOptions
+from moestream.engine.options import EngineOptions
 from moestream.errors import MoestreamError
 from moestream.experts.sizing import parse_bytes
 
+CACHE_DIR_ENV = "MOESTREAM_CACHE_DIR"  # read here, never in the library
 NAMED_SIZES = ("auto", "min", "all", "max")
 
 

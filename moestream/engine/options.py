@@ -9,7 +9,6 @@ from moestream.flag_values import at_least
 
 # where digests of checked resident files are remembered (default ~/.cache/moestream); the commands
 # read it (moestream.commands.engine_checks.digest_dir), the library never looks at the environment
-CACHE_DIR_ENV = "MOESTREAM_CACHE_DIR"
 
 
 @dataclass
@@ -81,7 +80,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--memory-budget", default=None, metavar="SIZE", help="size everything to fit SIZE of device memory; refuse if impossible")
     c.add_argument("--no-verify", dest="verify", action="store_false",
                    help="skip the integrity checks (on by default: each expert record's crc32 as it is read, the "
-                        f"resident files' sha256 at load, remembered in ${CACHE_DIR_ENV} or ~/.cache/moestream)")
+                        "resident files' sha256 at load, remembered in $MOESTREAM_CACHE_DIR or ~/.cache/moestream)")
     c.add_argument("--cpu-experts", type=cpu_share_arg, default="auto", metavar="off|auto|SHARE",
                    help="with device-driven streaming (CUDA), the CPU computes a share of each layer's missed experts "
                         "straight from the host tier while the device copies and computes the rest: SHARE of the "
