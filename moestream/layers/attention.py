@@ -35,6 +35,9 @@ Norm = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]  # (x, weight
 def offset_rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm whose weight is stored centered on 0: `scale` is 1 + w in float32, applied in float32
     before rounding back to x's dtype (the reference's order)."""
+    if x.is_cuda:
+        from moestream.kernels.triton_norm import rms_norm_rows
+        return rms_norm_rows(x, scale, eps, "f32")
     x32 = x.to(torch.float32)
     return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * scale).to(x.dtype)
 
@@ -77,6 +80,10 @@ class AttentionWeights:
             self.qkv_bias = torch.cat([self.q_bias, self.k_bias] + ([] if self.v is None else [self.v_bias]))
 
 
+# the per-head norms the CUDA kernel computes with the rotary (moestream.kernels.triton_norm's kinds)
+_CUDA_NORM_KINDS = {rms_norm: "round", rms_norm_f32: "f32", offset_rms_norm: "f32"}
+
+
 class Attention:
     def __init__(self, weights: AttentionWeights, rope: Rope, *, num_heads: int, num_kv_heads: int, head_dim: int,
                  eps: float, qk_norm: str | None = None, norm: Norm = rms_norm, clip_qkv: float | None = None,
@@ -91,8 +98,9 @@ class Attention:
         self.window, self.softcap, self.v_norm, self.gate = window, softcap, v_norm, gate
         self.scale = head_dim ** -0.5 if scale is None else scale
 
-    def _project(self, x: torch.Tensor, linear) -> tuple[torch.Tensor, ...]:
-        """x [R, H] -> q [R, Nq, D], k [R, Nkv, D], v [R, Nkv, Dv], gate [R, Nq * D] or None."""
+    def _project(self, x: torch.Tensor, linear, head_norm: bool = True) -> tuple[torch.Tensor, ...]:
+        """x [R, H] -> q [R, Nq, D], k [R, Nkv, D], v [R, Nkv, Dv], gate [R, Nq * D] or None.
+        head_norm=False: q and k not yet normed per head (the CUDA path norms them with the rotary)."""
         w, R, D = self.w, x.shape[0], self.head_dim
         qkv = linear(x, w.qkv, w.qkv_bias) if w.qkv is not None else \
             torch.cat([linear(x, m, b) for m, b in ((w.q, w.q_bias), (w.k, w.k_bias), (w.v, w.v_bias))
@@ -110,7 +118,7 @@ class Attention:
             q, gate = qg[..., :D], qg[..., D:].reshape(R, self.num_heads * D)
         q, k = q.reshape(R, self.num_heads, D), k.reshape(R, self.num_kv_heads, D)
         v = v.reshape(R, self.num_kv_heads, -1)
-        if self.qk_norm == "head":
+        if self.qk_norm == "head" and head_norm:
             q, k = self.norm(q, w.q_norm, self.eps), self.norm(k, w.k_norm, self.eps)
         if self.v_norm:
             v = rms_norm_f32(v, None, self.eps)
@@ -131,13 +139,17 @@ class Attention:
         else row_linear, the rows of a step on the CPU)."""
         T = positions.shape[0]
         linear = linear or (F.linear if x.is_cuda or T > MAX_STEP_TOKENS else row_linear)
-        q, k, v, gate = self._project(x, linear)
-        cos, sin = self._cos_sin(positions, x.dtype)
-        q = apply_rope(q[:T].transpose(0, 1), cos, sin)  # [Nq, T, D]
-        k = apply_rope(k[:T].transpose(0, 1), cos, sin).transpose(0, 1)  # [T, Nkv, D]
         if x.is_cuda:
+            # the per-head q/k norm and the rotary in one kernel each (moestream.kernels.triton_norm)
+            kind = _CUDA_NORM_KINDS.get(self.norm) if self.qk_norm == "head" else None
+            q, k, v, gate = self._project(x, linear, head_norm=kind is None)
+            q, k = (self._norm_rope(t[:T], positions, weight, kind) for t, weight in ((q, self.w.q_norm), (k, self.w.k_norm)))
             out = self._attend_cuda(q, k, v[:T], positions, sequences, kv, x.shape[0])
         else:
+            q, k, v, gate = self._project(x, linear)
+            cos, sin = self._cos_sin(positions, x.dtype)
+            q = apply_rope(q[:T].transpose(0, 1), cos, sin)  # [Nq, T, D]
+            k = apply_rope(k[:T].transpose(0, 1), cos, sin).transpose(0, 1)  # [T, Nkv, D]
             kv.write(positions, sequences, k, v[:T])
             out = self._attend_cpu(q, positions, sequences, kv)
             if x.shape[0] > T:
@@ -185,15 +197,22 @@ class Attention:
         out = torch.matmul(probs, values)  # [Nq, T, Dv]
         return out.transpose(0, 1).reshape(T, -1)
 
+    def _norm_rope(self, x: torch.Tensor, positions: torch.Tensor, weight: torch.Tensor | None,
+                   kind: str | None) -> torch.Tensor:
+        """x [T, N, D] -> [T, N, D]: normed per head (kind: triton_norm's, None: no norm), then rotated."""
+        from moestream.kernels.triton_norm import norm_rope
+
+        return norm_rope(x, positions, self.rope.inv_freq, self.rope.scale, weight=weight, eps=self.eps, kind=kind)
+
     def _attend_cuda(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                      sequences: torch.Tensor, kv: LayerCache, rows: int) -> torch.Tensor:
         """Store the rows' K/V in their blocks, then attend with no host read (capturable): the paged
         Triton kernels, decode's split form for a step's rows, the prefill form for a chunk's.
-        q [Nq, T, D] -> [rows, Nq * Dv] (rows past T zero)."""
+        q [T, Nq, D] -> [rows, Nq * Dv] (rows past T zero)."""
         from moestream.kernels import triton_paged_attention as paged
 
         paged.store_kv(k, v, positions, sequences, kv.block_table, kv.keys, kv.values)
-        attend = paged.paged_attention if q.shape[1] <= MAX_STEP_TOKENS else paged.paged_prefill
-        return attend(q.transpose(0, 1), kv.keys, kv.values, kv.block_table, positions, sequences, scale=self.scale,
+        attend = paged.paged_attention if q.shape[0] <= MAX_STEP_TOKENS else paged.paged_prefill
+        return attend(q, kv.keys, kv.values, kv.block_table, positions, sequences, scale=self.scale,
                       window=self.window, sinks=None if self.w.sinks is None else self.w.sinks.float(),
                       softcap=self.softcap, out_rows=rows)

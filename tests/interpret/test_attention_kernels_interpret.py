@@ -45,7 +45,7 @@ def test_gqa_on_the_kernels_gives_the_cpu_rows(pa, window, sinks, softcap, T):
     q, k = apply_rope(q.transpose(0, 1), cos, sin), apply_rope(k.transpose(0, 1), cos, sin).transpose(0, 1)
     pools[0].layer(0).write(pos, seqs, k, v)
     want = attn._attend_cpu(q, pos, seqs, pools[0].layer(0))
-    got = attn._attend_cuda(q, k, v, pos, seqs, pools[1].layer(0), T + 3)
+    got = attn._attend_cuda(q.transpose(0, 1), k, v, pos, seqs, pools[1].layer(0), T + 3)
     assert (got[:T] - want).abs().max() < 1e-5 * want.abs().max() * 10 and not got[T:].any()
     for a, b in zip(pools[0].layer(0).gather(1, 0, 10 + T), pools[1].layer(0).gather(1, 0, 10 + T)):
         assert torch.equal(a, b)  # store_kv wrote what the torch write wrote

@@ -1,0 +1,61 @@
+"""The RMSNorm-rows and per-head norm + rotary kernels (moestream.kernels.triton_norm) under Triton's
+CPU interpreter: each kind gives the torch function it stands for (float32 here: the interpreter
+truncates where a GPU rounds, so bfloat16 bits are checked on the GPU), over strided inputs, with
+partial rotary and a scale; rows past the rotary pass through.
+
+Runs in CI's interpreter stage (TRITON_INTERPRET=1)."""
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from interpreter import interpreted_module, relative_error  # noqa: E402
+from moestream.layers.attention import offset_rms_norm  # noqa: E402
+from moestream.layers.norm import rms_norm  # noqa: E402
+from moestream.layers.norm_f32 import rms_norm_f32  # noqa: E402
+from moestream.layers.rope import Rope, apply_rope  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def kn():
+    return interpreted_module("moestream.kernels.triton_norm")
+
+
+NORMS = {"round": rms_norm, "f32": rms_norm_f32, "plain": lambda x, w, eps: rms_norm_f32(x, None, eps)}
+
+
+@pytest.mark.parametrize("kind", ["round", "f32", "plain"])
+@pytest.mark.parametrize("shape", [(7, 48), (3, 5, 40), (2, 3, 4, 24)])
+def test_rms_rows_give_the_torch_norm(kn, kind, shape):
+    g = torch.Generator().manual_seed(len(shape))
+    wide = torch.randn(*shape[:-1], shape[-1] + 8, generator=g)  # strided rows: a slice of wider ones
+    x, w = wide[..., 3:3 + shape[-1]], torch.randn(shape[-1], generator=g)
+    got = kn.rms_norm_rows(x, None if kind == "plain" else w, 1e-6, kind)
+    want = NORMS[kind](x, w, 1e-6)
+    assert got.shape == want.shape and got.dtype == want.dtype and got.is_contiguous()
+    assert relative_error(got, want) < 1e-6
+
+
+def test_offset_norm_is_the_f32_kind(kn):
+    x, scale = torch.randn(4, 32), 1 + torch.randn(32) / 10
+    assert relative_error(kn.rms_norm_rows(x, scale, 1e-6, "f32"), offset_rms_norm(x, scale, 1e-6)) < 1e-6
+
+
+@pytest.mark.parametrize("kind", [None, "round", "f32", "plain"])
+@pytest.mark.parametrize("rotary,scale", [(32, 1.0), (20, 1.3)])
+def test_norm_rope_gives_the_norm_then_apply_rope(kn, kind, rotary, scale):
+    g = torch.Generator().manual_seed(rotary)
+    T, N, D = 6, 3, 32
+    qkv = torch.randn(T, N * D + 16, generator=g)
+    x = qkv[:, 16:].view(T, N, D)  # a view of the projection, as Attention._project gives it
+    w = torch.randn(D, generator=g)
+    rope = Rope(D, 1e4, torch.device("cpu"), rotary_dim=rotary, scale=scale)
+    positions = torch.tensor([0, 1, 9, 500, 4095, 7])
+    normed = x if kind is None else NORMS[kind](x, w, 1e-6)
+    cos, sin = rope.cos_sin(positions, x.dtype)
+    want = apply_rope(normed.transpose(0, 1), cos, sin).transpose(0, 1)
+    got = kn.norm_rope(x, positions, rope.inv_freq, rope.scale, weight=None if kind == "plain" else w, eps=1e-6,
+                       kind=kind)
+    assert got.shape == (T, N, D) and got.is_contiguous()
+    assert relative_error(got, want) < 1e-5
+    assert torch.equal(got[..., rotary:], normed[..., rotary:].contiguous())
