@@ -148,7 +148,8 @@ class Decoder:
             if isinstance(block, MoEBlock) and self.tile_linear is not F.linear and \
                     block.fuses(dtype, MAX_FUSED_EXPERTS):
                 self.fused_route[i] = router
-            if not isinstance(block, MoEBlock) or not self.experts.uses_triton(block.layer, dtype):
+            if not isinstance(block, MoEBlock) or not self.experts.uses_triton(block.layer, dtype) or \
+                    not layer.writes_split:
                 continue
             shape = split_shape(self.experts.layouts[block.layer], MAX_STEP_TOKENS)
             if shape not in buffers:  # one per shape: the layers run one after another

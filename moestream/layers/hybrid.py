@@ -4,7 +4,7 @@ gated full attention or Gated DeltaNet (linear attention), every RMSNorm zero-ce
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +21,7 @@ class HybridLayer:
     input_norm: torch.Tensor  # float32, 1 + w
     post_norm: torch.Tensor  # float32, 1 + w
     eps: float
+    writes_split: ClassVar[bool] = False  # (attention_rows takes no `split`: its experts copy their input)
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, sequences: torch.Tensor,
                  kv: LayerCache) -> torch.Tensor:
@@ -28,7 +29,7 @@ class HybridLayer:
         return self.ffn(hn, residual=h)
 
     def attention_rows(self, x: torch.Tensor, positions: torch.Tensor, sequences: torch.Tensor, kv: LayerCache, *,
-                       linear=None, normed=None, split=None) -> tuple[torch.Tensor, torch.Tensor]:
+                       linear=None) -> tuple[torch.Tensor, torch.Tensor]:
         h = x + self.mixer.forward(offset_rms_norm(x, self.input_norm, self.eps), positions, sequences, kv,
                                    linear=linear)
         return h, offset_rms_norm(h, self.post_norm, self.eps)

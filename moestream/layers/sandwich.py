@@ -13,6 +13,7 @@ follow it in the same segment."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -109,6 +110,7 @@ class SandwichLayer:
     input_norm: torch.Tensor
     post_attn_norm: torch.Tensor
     eps: float
+    writes_split: ClassVar[bool] = False  # (attention_rows takes no `split`: its experts copy their input)
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, sequences: torch.Tensor,
                  kv: LayerCache) -> torch.Tensor:
@@ -118,7 +120,7 @@ class SandwichLayer:
         return self.ffn(h, residual=h)
 
     def attention_rows(self, x: torch.Tensor, positions: torch.Tensor, sequences: torch.Tensor, kv: LayerCache, *,
-                       linear=None, normed=None, split=None) -> tuple[torch.Tensor, torch.Tensor]:
+                       linear=None) -> tuple[torch.Tensor, torch.Tensor]:
         """(h, the FFN's input): the experts' input on an MoE layer, h itself on a dense one."""
         a = self.attn.forward(rms_norm_f32(x, self.input_norm, self.eps), positions, sequences, kv, linear=linear)
         h = x + rms_norm_f32(a, self.post_attn_norm, self.eps)

@@ -8,7 +8,7 @@ its layer the same two methods."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +35,8 @@ class DecoderLayer:
     input_norm: torch.Tensor
     post_norm: torch.Tensor
     eps: float
+    # attention_rows writes the experts' gemv input (`split`) with its post-attention norm
+    writes_split: ClassVar[bool] = True
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, sequences: torch.Tensor,
                  kv: LayerCache) -> torch.Tensor:
