@@ -23,11 +23,12 @@ KINDS = {"round": 0, "f32": 1, "plain": 2}
 
 
 @triton.jit
-def _normed(x, w, r, KIND: tl.constexpr, DT: tl.constexpr):
-    """x [BLOCK] float32, its weights w (float32), 1/rms r -> the normed row, float32 holding DT values."""
+def _normed(x, w, r, KIND: tl.constexpr, XT: tl.constexpr, DT: tl.constexpr):
+    """x [BLOCK] float32 (holding XT values), its weights w (float32), 1/rms r -> the normed row,
+    float32 holding DT values (the output's dtype)."""
     y = x * r
     if KIND == 0:
-        y = y.to(DT).to(tl.float32) * w
+        y = y.to(XT).to(tl.float32) * w
     elif KIND == 1:
         y = y * w
     return y.to(DT).to(tl.float32)
@@ -43,7 +44,7 @@ def _rms_rows(x_ptr, s0, s1, w_ptr, out_ptr, B, N, eps, KIND: tl.constexpr, BLOC
     w = x
     if KIND != 2:
         w = tl.load(w_ptr + cols, mask=keep, other=0.0).to(tl.float32)
-    y = _normed(x, w, r, KIND, out_ptr.dtype.element_ty)
+    y = _normed(x, w, r, KIND, x_ptr.dtype.element_ty, out_ptr.dtype.element_ty)
     tl.store(out_ptr + (a.to(tl.int64) * B + b) * N + cols, y.to(out_ptr.dtype.element_ty), mask=keep)
 
 
@@ -84,7 +85,7 @@ def _norm_rope(x_ptr, s0, s1, w_ptr, pos_ptr, freq_ptr, out_ptr, N, D, R, eps, s
         if KIND != 2:
             w = tl.load(w_ptr + cols, mask=keep, other=0.0).to(tl.float32)
             wp = tl.load(w_ptr + partner, mask=keep, other=0.0).to(tl.float32)
-        x, xp = _normed(x, w, r, KIND, DT), _normed(xp, wp, r, KIND, DT)
+        x, xp = _normed(x, w, r, KIND, DT, DT), _normed(xp, wp, r, KIND, DT, DT)
     # cos and sin as Rope.cos_sin gives them: float32 angle, times the scale, rounded to the dtype
     f = tl.load(freq_ptr + tl.where(cols < half, cols, cols - half), mask=rotated, other=0.0)
     angle = tl.load(pos_ptr + t).to(tl.float32) * f

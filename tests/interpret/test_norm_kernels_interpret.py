@@ -59,3 +59,11 @@ def test_norm_rope_gives_the_norm_then_apply_rope(kn, kind, rotary, scale):
     assert got.shape == (T, N, D) and got.is_contiguous()
     assert relative_error(got, want) < 1e-5
     assert torch.equal(got[..., rotary:], normed[..., rotary:].contiguous())
+
+
+def test_round_kind_with_a_float32_weight_rounds_to_the_input_dtype_first(kn):
+    # rms_norm's order: the normed row in x's dtype, then times a float32 weight (a float32 result)
+    x, w = torch.randn(3, 64, dtype=torch.float64).to(torch.float16), torch.randn(64)
+    got, want = kn.rms_norm_rows(x, w, 1e-6, "round"), rms_norm(x, w, 1e-6)
+    assert got.dtype == want.dtype == torch.float32
+    assert relative_error(got, want) < 1e-6
