@@ -82,6 +82,8 @@ FAMILY_CONFIGS["qwen3_5_moe"] = dict(
                  "layer_types": ["linear_attention"] * 3 + ["full_attention"]},
     tie_word_embeddings=False,
     vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64))
+# its language model saved alone (Qwen3_5MoeForCausalLM): the same settings at the top level
+FAMILY_CONFIGS["qwen3_5_moe_text"] = dict(FAMILY_CONFIGS["qwen3_5_moe"]["text_config"], tie_word_embeddings=False)
 # the multimodal checkpoint: the language model above beside a small vision tower
 FAMILY_CONFIGS["gemma4"] = dict(
     text_config=FAMILY_CONFIGS["gemma4_text"], audio_config=None, tie_word_embeddings=True,
@@ -108,7 +110,7 @@ SCALED_VECTORS = {"gemma4_text", "gemma4"}
 DRAWN_VECTORS = {"gpt_oss"}
 # hybrid linear-attention families: zero-centered norms (0 at init) and the DeltaNet's decay and
 # convolution drawn so that a missing 1 + w, decay or convolution tap changes the logits
-HYBRID = {"qwen3_next", "qwen3_5_moe"}
+HYBRID = {"qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text"}
 # families saved as their multimodal model (the vision tower's weights in the checkpoint)
 IMAGE_TEXT = {"qwen3_5_moe"}
 
@@ -185,6 +187,33 @@ def model_class(cfg, *, image_text: bool = False):
 
     causal = type(cfg) in MODEL_FOR_CAUSAL_LM_MAPPING and not image_text
     return AutoModelForCausalLM if causal else AutoModelForImageTextToText
+
+
+def save_language_model(multimodal: Path, folder: Path, *, alone: bool) -> Path:
+    """A multimodal checkpoint's language model saved as a text-only checkpoint with its weights:
+    `alone`, as the text model's causal-LM class built from `text_config` saves it (its own names);
+    else as AutoModelForCausalLM loads and saves the multimodal checkpoint (where transformers maps
+    that to a text-only class, which keeps the multimodal names)."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    folder = Path(folder)
+    if alone:
+        whole = AutoModelForImageTextToText.from_pretrained(multimodal, dtype=torch.float32)
+        text = whole.config.text_config
+        text.tie_word_embeddings = whole.config.tie_word_embeddings  # the outer setting ties the head
+        model = AutoModelForCausalLM.from_config(text, dtype=torch.float32)
+        model.model.load_state_dict(whole.model.language_model.state_dict())
+        if not text.tie_word_embeddings:
+            model.lm_head.load_state_dict(whole.lm_head.state_dict())
+    else:
+        model = AutoModelForCausalLM.from_pretrained(multimodal, dtype=torch.float32)
+    model.save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(Path(multimodal) / name, folder / name)
+    return folder
 
 
 def load_all(folder):

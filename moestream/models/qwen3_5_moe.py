@@ -4,7 +4,7 @@ the language model only. Its settings are config.json's `text_config`; its weigh
 multi-token-prediction layers `mtp.*` (kept as they are); the tower is left out. The architecture is
 qwen3_next's, with the linear attention's projections stored apart (in_proj_qkv, in_proj_z,
 in_proj_b, in_proj_a), every layer MoE and the top-k weights always renormalized. Its multimodal
-rotary (mrope) gives text positions the plain rotary."""
+rotary (mrope) gives text positions the plain rotary. Text-only saves are qwen3_5_moe_text."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -15,6 +15,8 @@ from moestream.models import qwen3_next
 from moestream.models.qwen3_next import EXPERT_MODULE, EXPERT_NAMES, build, build_mtp, quant_predicate  # noqa: F401
 
 LANGUAGE_MODEL = "model.language_model."
+# the language model's own names, as a save of the text model alone writes them
+TEXT_MODEL = ("model.embed_tokens.", "model.layers.", "model.norm.")
 
 
 @dataclass
@@ -23,17 +25,25 @@ class ModelArgs(qwen3_next.ModelArgs):
 
     @classmethod
     def from_dict(cls, config: dict):
-        text = base.text_model_config(config, "qwen3_5_moe")
+        text = cls.language_model_config(config)
         # Qwen3.5 has no dense layers and always renormalizes (its config has no such fields)
         text.update(norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
         return super().from_dict(text)
 
+    @staticmethod
+    def language_model_config(config: dict) -> dict:
+        return base.text_model_config(config, "qwen3_5_moe")
+
 
 def sanitize(name: str) -> str | None:
-    """model.language_model.X -> model.X; lm_head and mtp.* as they are; the vision tower is not kept."""
+    """model.language_model.X -> model.X, and the text model's own model.X as it is; lm_head and
+    mtp.* as they are; the vision tower is not kept. Both spellings occur under either model_type
+    (transformers writes a text-only save of the multimodal model with the nested names)."""
     if name.startswith(LANGUAGE_MODEL):
         return qwen3_next.sanitize("model." + name[len(LANGUAGE_MODEL):])
-    return qwen3_next.sanitize(name) if name == "lm_head.weight" or name.startswith(qwen3_next.MTP) else None
+    if name == "lm_head.weight" or name.startswith((qwen3_next.MTP, *TEXT_MODEL)):
+        return qwen3_next.sanitize(name)
+    return None
 
 
 def checkpoint_name(name: str) -> str:

@@ -8,7 +8,7 @@ from moestream.engine.options import EngineOptions
 from moestream.convert.export_hf import export_hf
 
 FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "deepseek_v3", "glm4_moe_lite", "gemma4_text", "gpt_oss", "minimax_m2",
-            "qwen3_next", "qwen3_5_moe"]
+            "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text"]
 STEPS = 24
 
 

@@ -86,7 +86,7 @@ def test_corrupt_safetensors_header(src, tmp_path):
 
 def test_unsupported_model_type_lists_supported(src, tmp_path):
     edit_config(src, model_type="llama")
-    expect_error(src, tmp_path / "out", r"model_type 'llama' is not supported \(supported: qwen3_moe, qwen2_moe, mixtral, olmoe, glm4_moe, deepseek_v3, glm4_moe_lite, gemma4_text, gemma4, kimi_k25, gpt_oss, minimax_m2, qwen3_next, qwen3_5_moe\)")
+    expect_error(src, tmp_path / "out", r"model_type 'llama' is not supported \(supported: qwen3_moe, qwen2_moe, mixtral, olmoe, glm4_moe, deepseek_v3, glm4_moe_lite, gemma4_text, gemma4, kimi_k25, gpt_oss, minimax_m2, qwen3_next, qwen3_5_moe, qwen3_5_moe_text\)")
 
 
 def test_expert_with_wrong_shape_is_named(src, tmp_path):
