@@ -490,9 +490,10 @@ class Engine:
         return stats
 
     def stats(self) -> dict:
+        used, total = self.pool.usage()
         return {"model": self.model_name, "family": self.packed.family, "device": str(self.device),
                 "dtype": str(self.dtype).replace("torch.", ""), "max_context": self.max_context,
-                "experts": self.expert_stats()}
+                "experts": self.expert_stats(), "kv": {"blocks_used": used, "blocks_total": total}}
 
     def memory_ledger(self) -> dict:
         return self.plan.ledger.to_json()

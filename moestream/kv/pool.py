@@ -128,6 +128,13 @@ class KVPool:
         for group in self.groups.values():
             group.allocator.forget_all()
 
+    def usage(self) -> tuple[int, int]:
+        """(blocks held by sequences, blocks) over every layer group. A free block that still answers
+        a prefix's hash is not held: it is taken whenever room is needed."""
+        groups = list(self.groups.values())
+        total = sum(g.allocator.num_blocks for g in groups)
+        return total - sum(g.allocator.free for g in groups), total
+
     @property
     def nbytes(self) -> int:
         tensors = [t for c in self.layers for t in (c.keys, c.values) if t is not None]

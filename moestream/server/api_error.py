@@ -1,4 +1,5 @@
-"""The error the HTTP side answers with, in OpenAI's shape, and the two 400s most checks raise.
+"""The error the HTTP side answers with, in OpenAI's shape (Anthropic's on its Messages routes), and
+the two 400s most checks raise.
 
 Kept apart from the request and response models so that any part of the server can refuse a
 request without pulling in pydantic's models. Never imports torch.
@@ -21,6 +22,16 @@ class APIError(Exception):
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def anthropic_body(self) -> dict:
+        """The same error as Anthropic's API shapes it: {"type": "error", "error": {type, message}}."""
+        return {"type": "error", "error": {"type": ANTHROPIC_TYPES.get(self.status, "api_error"), "message": self.message}}
+
+
+# Anthropic's error types by status (its SDKs pick the exception class by status; the type names the kind)
+ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                   404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
+                   429: "rate_limit_error", 503: "overloaded_error"}
 
 
 def invalid(message: str, param: str | None = None, code: str | None = "invalid_value") -> APIError:

@@ -1,6 +1,6 @@
 """The HTTP app: auth, CORS, request ids, errors, models and health, and the API routes
 (chat_api: OpenAI chat and completions; messages_api: Anthropic's Messages; responses_api:
-OpenAI's Responses).
+OpenAI's Responses; tokenize_api: llama.cpp's /tokenize and /detokenize).
 
 Everything here runs on the event loop and handles only JSON and text: requests are validated,
 tokenized (in a thread, through the worker's locked tokenizer) and handed to the worker as Jobs;
@@ -25,7 +25,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from moestream.errors import NoTokenizerError
-from moestream.server import chat_api, messages_api, responses_api
+from moestream.server import chat_api, messages_api, responses_api, tokenize_api
 from moestream.server.generation import RequestDefaults, Runtime  # noqa: F401 (re-exported)
 from moestream.server.metrics import RequestCounter, ServerMetrics
 from moestream.server.protocol import APIError, ModelCard, ModelList, invalid
@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 API_PREFIXES = ("/v1", "/api/v1")
+KEYED_ROOT_ROUTES = ("/tokenize", "/detokenize")  # outside the prefixes, still behind the key
 
 
 # ------------------------------------------------------------------------------------- middleware
@@ -44,7 +45,16 @@ def _digest(key: str) -> bytes:
 
 
 def _is_api_path(path: str) -> bool:
-    return any(path == p or path.startswith(p + "/") for p in API_PREFIXES)
+    return any(path == p or path.startswith(p + "/") for p in API_PREFIXES) or path in KEYED_ROOT_ROUTES
+
+
+def _is_anthropic_path(path: str) -> bool:
+    """Anthropic's routes (/v1/messages and below): their errors take Anthropic's shape."""
+    return any(path == p + "/messages" or path.startswith(p + "/messages/") for p in API_PREFIXES)
+
+
+def _error_body(error: APIError, path: str) -> dict:
+    return error.anthropic_body() if _is_anthropic_path(path) else error.body()
 
 
 async def _send_json(send: Send, status: int, body: dict, headers: dict[str, str] | None = None) -> None:
@@ -56,8 +66,10 @@ async def _send_json(send: Send, status: int, body: dict, headers: dict[str, str
 
 
 class APIKeyMiddleware:
-    """Bearer key on every /v1 and /api/v1 route, compared in constant time (sha256 digests of
-    both sides, then hmac.compare_digest, so neither the key's length nor its bytes leak)."""
+    """The key on every /v1 and /api/v1 route (and /tokenize, /detokenize), as `Authorization:
+    Bearer KEY` (OpenAI's header) or `x-api-key: KEY` (Anthropic's), compared in constant time
+    (sha256 digests of both sides, then hmac.compare_digest, so neither the key's length nor its
+    bytes leak)."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
@@ -67,21 +79,23 @@ class APIKeyMiddleware:
         if scope["type"] != "http" or not _is_api_path(scope.get("path", "")):
             await self.app(scope, receive, send)
             return
-        given = None
+        given: dict[bytes, str | None] = {}  # the first of each header (None: not a bearer token)
         for name, value in scope.get("headers", []):
-            if name == b"authorization":
+            if name == b"authorization" and name not in given:
                 scheme, _, token = value.decode("latin-1").strip().partition(" ")
-                if scheme.lower() == "bearer":
-                    given = token.strip()
-                break
-        if given is None:
-            error = APIError(401, "Missing API key: send 'Authorization: Bearer <key>'.", code="invalid_api_key")
-        elif not hmac.compare_digest(_digest(given), self._digest):
+                given[name] = token.strip() if scheme.lower() == "bearer" else None
+            elif name == b"x-api-key" and name not in given:
+                given[name] = value.decode("latin-1").strip()
+        keys = [key for key in given.values() if key is not None]
+        if not keys:
+            error = APIError(401, "Missing API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'.",
+                             code="invalid_api_key")
+        elif not any([hmac.compare_digest(_digest(key), self._digest) for key in keys]):  # a list: compare each
             error = APIError(401, "Incorrect API key provided.", code="invalid_api_key")
         else:
             await self.app(scope, receive, send)
             return
-        await _send_json(send, 401, error.body(), {"www-authenticate": "Bearer"})
+        await _send_json(send, 401, _error_body(error, scope.get("path", "")), {"www-authenticate": "Bearer"})
 
 
 class RequestIdMiddleware:
@@ -111,8 +125,8 @@ class RequestIdMiddleware:
 
 # ----------------------------------------------------------------------------------------- helpers
 
-def _error_response(error: APIError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+def _error_response(error: APIError, request: Request) -> JSONResponse:
+    return JSONResponse(_error_body(error, request.url.path), status_code=error.status, headers=error.headers)
 
 
 async def _read_json(request: Request, max_bytes: int) -> Any:
@@ -172,11 +186,11 @@ def create_app(worker: Worker, *, api_key: str | None = None, model_id: str | No
     async def read_json(request: Request) -> Any:
         return await _read_json(request, max_body_bytes)
 
-    # ---- errors in OpenAI's shape
+    # ---- errors in OpenAI's shape (Anthropic's on its routes)
 
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, exc: APIError) -> Response:
-        return _error_response(exc)
+        return _error_response(exc, request)
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException) -> Response:
@@ -184,17 +198,18 @@ def create_app(worker: Worker, *, api_key: str | None = None, model_id: str | No
         message = {404: f"No route {request.method} {request.url.path}.",
                    405: f"Method {request.method} is not allowed on {request.url.path}."}.get(exc.status_code, str(exc.detail))
         error = APIError(exc.status_code, message, code=code, headers=dict(exc.headers or {}))
-        return _error_response(error)
+        return _error_response(error, request)
 
     @app.exception_handler(NoTokenizerError)
     async def on_text_without_tokenizer(request: Request, exc: NoTokenizerError) -> Response:
         return _error_response(APIError(400, "This model has no tokenizer files: send the prompt as token ids "
-                                        "(a list of integers, /v1/completions).", code="no_tokenizer"))
+                                        "(a list of integers, /v1/completions).", code="no_tokenizer"), request)
 
     @app.exception_handler(Exception)
     async def on_unexpected(request: Request, exc: Exception) -> Response:
         log.exception("unexpected error on %s %s", request.method, request.url.path)
-        return _error_response(APIError(500, "Internal server error.", type="server_error", code="internal_error"))
+        return _error_response(APIError(500, "Internal server error.", type="server_error", code="internal_error"),
+                               request)
 
     # ---- routes
 
@@ -217,6 +232,9 @@ def create_app(worker: Worker, *, api_key: str | None = None, model_id: str | No
     responses_api.register(router, runtime, read_json)
     app.include_router(router, prefix="/v1")
     app.include_router(router, prefix="/api/v1")
+    root = APIRouter()
+    tokenize_api.register(root, runtime, read_json)
+    app.include_router(root)
 
     @app.get("/health")
     async def health() -> Response:
@@ -237,7 +255,8 @@ def create_app(worker: Worker, *, api_key: str | None = None, model_id: str | No
         body, content_type = metrics.exposition()
         return Response(body, media_type=content_type)
 
-    templates = [prefix + route.path for prefix in API_PREFIXES for route in router.routes] + ["/health", "/metrics"]
+    templates = [prefix + route.path for prefix in API_PREFIXES for route in router.routes] + \
+        [route.path for route in root.routes] + ["/health", "/metrics"]
     return _wrap(app, api_key, metrics, templates)
 
 

@@ -40,7 +40,8 @@ from moestream.engine.receipt import COUNTERS, Receipt
 from moestream.engine.types import common_prefix
 from moestream.errors import MoestreamError
 from moestream.server.stops import IncrementalDecoder, StopMatcher
-from moestream.server.jobs import Failed, Job, Started, TextDelta, TokenLogprobInfo, is_user_error, one_line
+from moestream.server.jobs import (Failed, Job, Started, TextDelta, TokenClock, TokenLogprobInfo, is_user_error,
+                                   one_line)
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,7 @@ class Running:
     decoder: IncrementalDecoder
     matcher: StopMatcher
     before: dict  # the expert cache's counters when it started
+    clock: TokenClock  # when its tokens came out (the latency figures)
     computed: int = 0  # prompt tokens in the slot's KV cache so far
     reused: int = 0
     next_token: int | None = None  # the token the next decode step runs
@@ -187,7 +189,8 @@ class BatchScheduler:
         r = Running(job, index, slot, queue_s, self.job_started.get(id(job), time.monotonic()), prompt,
                     budget=min(choice.max_new_tokens, engine.max_context - len(prompt)), emit=emit, state=state,
                     decoder=IncrementalDecoder(self.worker.tokenizer.decode), matcher=StopMatcher(job.stops),
-                    before=self.stats, computed=reused, reused=reused)
+                    before=self.stats, clock=TokenClock(job.enqueued_at, index == 0), computed=reused,
+                    reused=reused)
         spec = self.worker.speculative
         if spec is not None:
             r.spec_off = spec.not_used_reason(choice.sampling)
@@ -296,6 +299,7 @@ class BatchScheduler:
         try:
             for event in events:
                 r.generated += 1
+                self.worker._token_out(r.clock)
                 if job.logprobs is not None:
                     r.pending.append(self.worker._logprob_info(event, job.logprobs))
                 text = r.matcher.feed(r.decoder.push(event.token_id))

@@ -47,12 +47,17 @@ async def constraint(rt: Runtime, req: ChatCompletionRequest, tools: Optional[li
     return (lambda: g.GrammarMask(matcher.deep_copy())), forced
 
 
-async def start_chat(rt: Runtime, request: Request, req: ChatCompletionRequest) -> Submitted:
-    """Validate, render and queue a chat request (also what the other APIs translate into)."""
+async def chat_prompt(rt: Runtime, req: ChatCompletionRequest) -> tuple[list[int], Optional[list[dict]]]:
+    """(The prompt's token ids as the chat template renders the request, the tools it was given)."""
     rt.tokenizer()
     messages = req.chat_messages()
     tools = tool_schemas(req.tools) if req.tool_mode != "none" else None
-    prompt_ids = await rt.chat_ids(messages, tools)
+    return await rt.chat_ids(messages, tools), tools
+
+
+async def start_chat(rt: Runtime, request: Request, req: ChatCompletionRequest) -> Submitted:
+    """Validate, render and queue a chat request (also what the other APIs translate into)."""
+    prompt_ids, tools = await chat_prompt(rt, req)
     processor, forced_format = await constraint(rt, req, tools)
     max_new, base = rt.plan(req, prompt_ids, "messages")
     choices = make_choices([prompt_ids], req.n or 1, [max_new], [base], processor=processor)

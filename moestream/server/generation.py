@@ -137,18 +137,25 @@ class Runtime:
         packed = getattr(self.worker.engine, "packed", None)
         return tool_format(self.tokenizer().chat_template, getattr(packed, "family", None))
 
+    def grammar_tokenizer(self) -> Any:
+        """The model's vocabulary as llguidance reads it (each token's bytes), built once; raises
+        GrammarError where the tokenizer offers no such view. Blocks: call it off the event loop."""
+        from moestream.server.grammar import GrammarTokenizer
+
+        with self._grammar_lock:
+            if self._grammar_tokenizer is None:
+                raw = self.worker.engine.tokenizer
+                args = getattr(self.worker.engine, "args", None)
+                vocab = getattr(args, "vocab_size", None) or self.worker.tokenizer.vocab_size
+                self._grammar_tokenizer = GrammarTokenizer(raw, raw.eos_token_ids, vocab)
+            return self._grammar_tokenizer
+
     async def grammar_matcher(self, grammar: str, param: str) -> Any:
         """A compiled matcher for `grammar` on this model's vocabulary; a 400 naming `param` if not."""
-        from moestream.server.grammar import GrammarError, GrammarTokenizer
+        from moestream.server.grammar import GrammarError
 
         def build() -> Any:
-            with self._grammar_lock:
-                if self._grammar_tokenizer is None:
-                    raw = self.worker.engine.tokenizer
-                    args = getattr(self.worker.engine, "args", None)
-                    vocab = getattr(args, "vocab_size", None) or self.worker.tokenizer.vocab_size
-                    self._grammar_tokenizer = GrammarTokenizer(raw, raw.eos_token_ids, vocab)
-            return self._grammar_tokenizer.matcher(grammar)
+            return self.grammar_tokenizer().matcher(grammar)
 
         self.tokenizer()
         try:

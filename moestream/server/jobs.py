@@ -62,6 +62,17 @@ class Failed:
 Event = Any  # Started | PromptLogprobs | TextDelta | Finished | Failed
 
 
+@dataclass
+class TokenClock:
+    """When a choice's tokens came out, for the latency figures: the first one's time since the job
+    was queued (the job's first choice only: a later one waited for the earlier ones, not the
+    queue), then the gap before each next one."""
+
+    queued_at: float
+    first_choice: bool
+    last: Optional[float] = None
+
+
 # ---------------------------------------------------------------------------------------- the job
 
 @dataclass

@@ -1,5 +1,11 @@
 """Anthropic's Messages API (POST /messages): translated into a chat request, answered in
-Anthropic's shapes, whole or as its stream of named events."""
+Anthropic's shapes, whole or as its stream of named events; POST /messages/count_tokens counts
+the prompt such a request would get.
+
+Usage: the engine's prefix cache is automatic, so `cache_read_input_tokens` is the prompt tokens it
+reused and `input_tokens` the rest (computed); `cache_creation_input_tokens` is always 0: nothing is
+written to the cache on request, and no token is counted twice (Anthropic's total prompt is the sum
+of the three)."""
 from __future__ import annotations
 
 import json
@@ -18,10 +24,13 @@ ReadJSON = Callable[[Request], Awaitable[Any]]
 
 
 def _anthropic_error(exc: APIError) -> JSONResponse:
-    kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-            413: "request_too_large", 503: "overloaded_error"}.get(exc.status, "api_error")
-    return JSONResponse({"type": "error", "error": {"type": kind, "message": exc.message}},
-                        status_code=exc.status, headers=exc.headers)
+    return JSONResponse(exc.anthropic_body(), status_code=exc.status, headers=exc.headers)
+
+
+def _usage(end: Finished) -> dict:
+    reused = min(end.prompt_tokens, int(end.receipt.get("reused_tokens", 0) or 0))
+    return {"input_tokens": end.prompt_tokens - reused, "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": reused, "output_tokens": end.completion_tokens}
 
 
 def _text_of(content: Any, param: str) -> str:
@@ -37,11 +46,12 @@ def _text_of(content: Any, param: str) -> str:
     return "\n".join(texts)
 
 
-def to_chat(body: Any) -> dict:
-    """The Messages request as an OpenAI chat request body."""
+def to_chat(body: Any, *, generate: bool = True) -> dict:
+    """The Messages request as an OpenAI chat request body (`generate` False: only its prompt
+    counts, as count_tokens reads it, without max_tokens)."""
     if not isinstance(body, dict):
         raise invalid("The request body must be a JSON object.", code="invalid_type")
-    if not isinstance(body.get("max_tokens"), int) or isinstance(body.get("max_tokens"), bool):
+    if generate and (not isinstance(body.get("max_tokens"), int) or isinstance(body.get("max_tokens"), bool)):
         raise invalid("max_tokens is required: an integer.", "max_tokens", code="missing_required_parameter")
     messages: list[dict] = []
     if body.get("system") is not None:
@@ -79,7 +89,9 @@ def to_chat(body: Any) -> dict:
             if calls:
                 message["tool_calls"] = calls
             messages.append(message)
-    out = {"messages": messages, "max_tokens": body["max_tokens"], "stream": bool(body.get("stream"))}
+    out: dict = {"messages": messages, "stream": bool(body.get("stream"))} if generate else {"messages": messages}
+    if generate:
+        out["max_tokens"] = body["max_tokens"]
     for name in ("temperature", "top_p", "top_k"):
         if body.get(name) is not None:
             out[name] = body[name]
@@ -131,7 +143,16 @@ def _blocks(text: str, parse_tools: str) -> list[dict]:
 
 
 def register(router: APIRouter, rt: Runtime, read_json: ReadJSON) -> None:
-    from moestream.server.chat_api import start_chat
+    from moestream.server.chat_api import chat_prompt, start_chat
+
+    @router.post("/messages/count_tokens")
+    async def count_tokens(request: Request) -> Response:
+        try:
+            req = parse_request(ChatCompletionRequest, to_chat(await read_json(request), generate=False))
+            prompt_ids, _ = await chat_prompt(rt, req)
+        except APIError as exc:
+            return _anthropic_error(exc)
+        return JSONResponse({"input_tokens": len(prompt_ids)})
 
     @router.post("/messages")
     async def messages(request: Request) -> Response:
@@ -149,8 +170,7 @@ def register(router: APIRouter, rt: Runtime, read_json: ReadJSON) -> None:
         reason, sequence = _stop_reason(end, any(b["type"] == "tool_use" for b in blocks))
         return JSONResponse({"id": "msg_" + sub.meta["id"].split("-", 1)[1], "type": "message", "role": "assistant",
                              "model": sub.meta["model"], "content": blocks, "stop_reason": reason,
-                             "stop_sequence": sequence,
-                             "usage": {"input_tokens": end.prompt_tokens, "output_tokens": end.completion_tokens}})
+                             "stop_sequence": sequence, "usage": _usage(end)})
 
 
 async def _stream(sub: Submitted) -> AsyncIterator[str]:
@@ -201,7 +221,9 @@ async def _stream(sub: Submitted) -> AsyncIterator[str]:
             yield named_sse("message_start", {"type": "message_start", "message": {
                 "id": "msg_" + sub.meta["id"].split("-", 1)[1], "type": "message", "role": "assistant",
                 "model": sub.meta["model"], "content": [], "stop_reason": None, "stop_sequence": None,
-                "usage": {"input_tokens": prompt_tokens, "output_tokens": 0}}})
+                # the cache is consulted later, by the prefill: message_delta gives the final split
+                "usage": {"input_tokens": prompt_tokens, "cache_creation_input_tokens": 0,
+                          "cache_read_input_tokens": 0, "output_tokens": 0}}})
         elif isinstance(event, TextDelta):
             for text in pieces(parser.feed(event.text) if parser else [event.text]):
                 yield text
@@ -211,7 +233,7 @@ async def _stream(sub: Submitted) -> AsyncIterator[str]:
             reason, sequence = _stop_reason(event, calls > 0)
             yield named_sse("message_delta", {"type": "message_delta",
                                               "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                                              "usage": {"output_tokens": event.completion_tokens}})
+                                              "usage": _usage(event)})
             yield named_sse("message_stop", {"type": "message_stop"})
         elif isinstance(event, Failed):
             yield named_sse("error", {"type": "error", "error": {"type": "api_error", "message": event.message}})

@@ -1,14 +1,17 @@
 """`GET /metrics` in Prometheus's text format: requests by route and status, tokens, the queue,
-the batch, prefix reuse, time per phase, and what the expert cache did.
+the batch, prefix reuse, time per phase, latency (time to first token, between tokens), the KV
+pool's use, and what the expert cache did.
 
 Three kinds of figures, each from where it is known:
 - requests by route and status: an ASGI middleware, on the event loop;
+- time to first token and between tokens: the worker thread, as each token comes out;
 - tokens, phase times, prefix reuse and the cache's per-request work (bytes read per tier, read
   wait, misses): the receipts the worker thread reports as each choice ends, summed into counters;
   when requests are batched, the cache's work is reported per engine step instead (a step shared
   by several requests counts once), and each decode step's batch size;
-- the queue, the running request and the cache's hit rate since load: read from the worker at
-  scrape time (its stats snapshot, refreshed after every job, so no scrape ever calls the engine).
+- the queue, the running request, the KV pool's blocks and the cache's hit rate since load: read
+  from the worker at scrape time (its stats snapshot, refreshed after every job, so no scrape ever
+  calls the engine).
 
 Each app owns its registry, so two servers in one process (tests) never share counters. Plain
 numbers only: this module never imports torch.
@@ -29,6 +32,9 @@ log = logging.getLogger(__name__)
 PREFIX = "moestream"
 # Phases last from milliseconds (a queue wait, a reused prompt) to minutes (a long decode).
 PHASE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+# A decode step takes from about a millisecond (resident experts, a GPU) to seconds (experts from disk).
+TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5,
+                 5.0, 10.0)
 BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128)
 REUSE_BUCKETS = (0, 16, 64, 256, 1024, 4096, 16384, 65536)
 UNMATCHED_ROUTE = "unmatched"  # any path no route serves: one label, so scanners cannot grow the series
@@ -52,6 +58,12 @@ class ServerMetrics:
                                registry=r)
         self.queue_seconds = Histogram(f"{PREFIX}_queue_seconds", "Time a request waited in the queue.",
                                        buckets=PHASE_BUCKETS, registry=r)
+        self.first_token_seconds = Histogram(f"{PREFIX}_time_to_first_token_seconds",
+                                             "Time from a request's arrival in the queue to its first generated "
+                                             "token.", buckets=PHASE_BUCKETS, registry=r)
+        self.inter_token_seconds = Histogram(f"{PREFIX}_inter_token_latency_seconds",
+                                             "Time between successive generated tokens of a choice.",
+                                             buckets=TOKEN_BUCKETS, registry=r)
         self.prefill_seconds = Histogram(f"{PREFIX}_prefill_seconds", "Prefill time of one choice.",
                                          buckets=PHASE_BUCKETS, registry=r)
         self.decode_seconds = Histogram(f"{PREFIX}_decode_seconds", "Decode time of one choice.",
@@ -73,6 +85,12 @@ class ServerMetrics:
 
     def job_started(self, queue_s: float) -> None:
         self.queue_seconds.observe(max(0.0, queue_s))
+
+    def first_token(self, seconds: float) -> None:
+        self.first_token_seconds.observe(max(0.0, seconds))
+
+    def inter_token(self, seconds: float) -> None:
+        self.inter_token_seconds.observe(max(0.0, seconds))
 
     def choice_done(self, prompt_tokens: int, generated: int, finish_reason: str, receipt: dict) -> None:
         self.prompt_tokens.inc(max(0, prompt_tokens))
@@ -150,6 +168,12 @@ class _WorkerCollector(Collector):
             yield family
         if "slots" in experts:
             yield _gauge("expert_cache_slots", "Expert slots in the device pool.", experts["slots"])
+        kv = stats.get("kv") if isinstance(stats.get("kv"), dict) else {}
+        if kv.get("blocks_total"):
+            used, total = _number(kv.get("blocks_used")), _number(kv["blocks_total"])
+            yield _gauge("kv_blocks_used", "KV pool blocks held by sequences (their cached tokens).", used)
+            yield _gauge("kv_blocks_total", "KV pool blocks.", total)
+            yield _gauge("kv_usage_ratio", "Share of the KV pool's blocks held by sequences.", used / total)
 
 
 def _gauge(name: str, text: str, value: Any) -> GaugeMetricFamily:

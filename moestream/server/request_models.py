@@ -330,3 +330,23 @@ def parse_request(cls: type[_Strict], data: Any) -> Any:
         raise invalid(f"Invalid value{where}: {first.get('msg', 'invalid')}.", param, code=code) from None
     request.check()
     return request
+
+
+class TokenizeRequest(_Strict):
+    """llama.cpp's POST /tokenize."""
+
+    content: str
+    add_special: bool = False  # the tokenizer's special tokens (BOS) around the text
+    with_pieces: bool = False  # each id with its piece: text, or its bytes where they are not UTF-8
+
+    def check(self) -> None:
+        pass
+
+
+class DetokenizeRequest(_Strict):
+    """llama.cpp's POST /detokenize."""
+
+    tokens: list[Int]
+
+    def check(self) -> None:
+        pass

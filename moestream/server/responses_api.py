@@ -97,6 +97,10 @@ def _text_format(body: dict, out: dict) -> None:
     if not isinstance(fmt, dict):
         raise invalid("text.format must be an object.", "text.format")
     if fmt.get("type") == "json_schema":
+        for name in ("name", "schema"):  # required here (Chat Completions defaults them; the Responses API does not)
+            if fmt.get(name) is None:
+                raise invalid(f"text.format of type 'json_schema' needs '{name}'.", f"text.format.{name}",
+                              code="missing_required_parameter")
         schema = {name: fmt[name] for name in ("name", "description", "schema", "strict") if fmt.get(name) is not None}
         out["response_format"] = {"type": "json_schema", "json_schema": schema}
     else:
@@ -147,8 +151,8 @@ def _function_call(call: ParsedCall) -> dict:
             "name": call.name, "arguments": call.arguments, "status": "completed"}
 
 
-def _message(item_id: str, text: str) -> dict:
-    return {"type": "message", "id": item_id, "status": "completed", "role": "assistant",
+def _message(item_id: str, text: str, status: str = "completed") -> dict:
+    return {"type": "message", "id": item_id, "status": status, "role": "assistant",
             "content": [{"type": "output_text", "text": text, "annotations": []}]}
 
 
@@ -199,6 +203,8 @@ def register(router: APIRouter, rt: Runtime, read_json: ReadJSON) -> None:
         if end is None:
             return Response(status_code=499)
         output = _output_items(sub.sink.text(0), sub.extra["parse_tools"], "msg_" + sub.meta["id"].split("-", 1)[1])
+        if end.finish_reason == "length" and output[-1]["type"] == "message":
+            output[-1]["status"] = "incomplete"  # the message the limit cut
         return JSONResponse(_response(sub, req, "completed", output, end, created))
 
 
@@ -253,13 +259,13 @@ async def _stream(sub: Submitted, req: ChatCompletionRequest, created: int) -> A
                          content_index=0, delta=text, logprobs=[]))
         return out
 
-    def close_text() -> list[str]:
+    def close_text(status: str = "completed") -> list[str]:
         nonlocal text_parts
         if text_parts is None:
             return []
         text, item_id, index = "".join(text_parts), message_id(), len(output)
         text_parts = None
-        item = _message(item_id, text)
+        item = _message(item_id, text, status)
         output.append(item)
         return [event("response.output_text.done", item_id=item_id, output_index=index, content_index=0, text=text,
                       logprobs=[]),
@@ -298,7 +304,7 @@ async def _stream(sub: Submitted, req: ChatCompletionRequest, created: int) -> A
             tail = pieces(parser.finish() if parser else [])
             if not output and text_parts is None:
                 tail += text_events("")  # an empty reply is still one (empty) message
-            for text in tail + close_text():
+            for text in tail + close_text("incomplete" if ev.finish_reason == "length" else "completed"):
                 yield text
             yield event("response.completed", response=_response(sub, req, "completed", output, ev, created))
         elif isinstance(ev, Failed):

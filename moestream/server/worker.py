@@ -25,7 +25,7 @@ from typing import Any, Callable
 from moestream.engine.types import SamplingParams
 from moestream.errors import MoestreamError
 from moestream.server.jobs import (Choice, Event, Failed, Finished, Job, PromptLogprobs, Started, TextDelta,
-                                   TokenLogprobInfo, is_user_error, one_line)
+                                   TokenClock, TokenLogprobInfo, is_user_error, one_line)
 from moestream.server.stops import IncrementalDecoder, StopMatcher
 
 log = logging.getLogger(__name__)
@@ -304,6 +304,15 @@ class Worker:
         except Exception as exc:  # stats are informative; never let them stop the server
             log.warning("engine.stats() failed: %s", exc)
 
+    def _token_out(self, clock: TokenClock) -> None:
+        """A choice generated a token now: tell the observers its latency."""
+        now = time.monotonic()
+        if clock.last is not None:
+            self._observe("inter_token", now - clock.last)
+        elif clock.first_choice:
+            self._observe("first_token", now - clock.queued_at)
+        clock.last = now
+
     def _observe(self, name: str, *args: Any) -> None:
         for observer in self.observers:
             try:
@@ -345,6 +354,7 @@ class Worker:
         # the engine's logprobs=K gives the chosen token's logprob and the top K (0: none)
         engine_logprobs = max(1, job.logprobs) if job.logprobs is not None else 0
         speculative, not_used = self._speculation_for(choice.sampling)
+        clock = TokenClock(job.enqueued_at, index == 0)
         try:
             gen = engine.generate(choice.prompt_ids, max_new_tokens=choice.max_new_tokens, sampling=choice.sampling,
                                   logprobs=engine_logprobs, should_stop=job.cancelled.is_set,
@@ -355,6 +365,7 @@ class Worker:
         try:
             for event in gen:
                 generated += 1
+                self._token_out(clock)
                 if job.logprobs is not None:
                     pending.append(self._logprob_info(event, job.logprobs))
                 text = matcher.feed(decoder.push(event.token_id))

@@ -24,6 +24,7 @@ VOCAB_SIZE = FIRST_PIECE + len(PIECES)
 # What the toy "model" writes: short units, many overlapping, some split into byte tokens.
 UNITS = ["a", "b", "a", "b", " ", "ab", "ba", "aa", " the", "é", "😀", "\n", "\n\n", ".", "x", "日本", "<|", "|>"]
 PREFILL_CHUNK = 16
+KV_BLOCK = 16  # tokens per block of the engine's paged KV pool
 
 
 class FakeTokenizer:
@@ -271,7 +272,10 @@ class FakeEngine:
         return out
 
     def stats(self) -> dict:
-        return {"requests": self.requests, "hit_rate": 0.75, "slots": 16, "kv_tokens": len(self._kv_tokens)}
+        # like the engine's paged pool: blocks of 16 tokens, the cached tokens' blocks held
+        return {"requests": self.requests, "hit_rate": 0.75, "slots": 16, "kv_tokens": len(self._kv_tokens),
+                "kv": {"blocks_used": -(-len(self._kv_tokens) // KV_BLOCK),
+                       "blocks_total": -(-self.max_context // KV_BLOCK)}}
 
 
 def reference_ids(prompt_ids: list[int], max_new_tokens: int, sampling: SamplingParams, eos_every: int = 0) -> list[int]:

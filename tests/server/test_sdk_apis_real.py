@@ -208,7 +208,7 @@ def test_anthropic_tool_result_round_trip(claude, sdk):
                       "name": "lookup", "arguments": json.dumps(use.input)}}]},
                   {"role": "tool", "tool_call_id": use.id, "content": '{"value": 42}'}])
     assert second.content[0].text == chat.choices[0].message.content
-    assert second.usage.input_tokens == chat.usage.prompt_tokens
+    assert second.usage.input_tokens + second.usage.cache_read_input_tokens == chat.usage.prompt_tokens
 
 
 @pytest.mark.parametrize("one_call", [True, False])

@@ -164,7 +164,7 @@ def test_anthropic_messages(real, sdk):
     assert msg.role == "assistant" and msg.content[0].type == "text"
     assert msg.content[0].text == chat.choices[0].message.content
     assert msg.stop_reason == "max_tokens" and msg.usage.output_tokens == 10
-    assert msg.usage.input_tokens == chat.usage.prompt_tokens
+    assert msg.usage.input_tokens + msg.usage.cache_read_input_tokens == chat.usage.prompt_tokens
     with client.messages.stream(model=MODEL_ID, system="Be brief.", messages=USER, max_tokens=10,
                                 extra_body={"temperature": 0}) as stream:
         kinds = [e.type for e in stream]
