@@ -18,6 +18,7 @@ from moestream.errors import MoestreamError
 from moestream.flag_values import at_least, finite_float, non_negative_float, probability_mass
 from moestream.server.app import DEFAULT_MAX_BODY_BYTES, RequestDefaults
 from moestream.server.main import serve
+from moestream.server.reasoning import FORMATS as REASONING_FORMATS
 
 API_KEY_ENV = "MOESTREAM_API_KEY"
 
@@ -60,6 +61,10 @@ def build_parser(*, engine_arguments: bool = True) -> argparse.ArgumentParser:
                         help=f"default top-p (default {defaults.top_p})")
     parser.add_argument("--max-tokens", type=at_least(1), default=None,
                         help="default completion limit (default: the rest of the context)")
+    parser.add_argument("--reasoning-format", choices=REASONING_FORMATS, default="auto",
+                        help="where a reply's reasoning goes: apart from the content (auto, the default: a <think> "
+                             "block or gpt-oss's analysis channel becomes reasoning_content, a reasoning item, a "
+                             "thinking block) or left in it (none)")
     parser.add_argument("--max-body-bytes", type=at_least(1), default=DEFAULT_MAX_BODY_BYTES,
                         help=f"largest request body accepted, else 413 (default {DEFAULT_MAX_BODY_BYTES})")
     parser.add_argument("--shutdown-grace", type=non_negative_float, default=10.0,
@@ -135,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
             return serve(load_engine, host=args.host, port=args.port, api_key=api_key, model_id=args.model_id,
                          max_queue=args.max_queue, parallel=args.parallel, max_context=args.max_context or None,
                          defaults=defaults, max_body_bytes=args.max_body_bytes, shutdown_grace=args.shutdown_grace,
-                         log_level=args.log_level, on_listening=announce,
+                         log_level=args.log_level, on_listening=announce, reasoning_format=args.reasoning_format,
                          speculation=(lambda engine: speculative_options(args, engine)) if speculating(args) else None)
     except MoestreamError as exc:
         print(f"moestream serve: error: {exc}", file=sys.stderr)

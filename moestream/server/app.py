@@ -29,6 +29,7 @@ from moestream.server import chat_api, messages_api, responses_api, tokenize_api
 from moestream.server.generation import RequestDefaults, Runtime  # noqa: F401 (re-exported)
 from moestream.server.metrics import RequestCounter, ServerMetrics
 from moestream.server.protocol import APIError, ModelCard, ModelList, invalid
+from moestream.server.reasoning import FORMATS as REASONING_FORMATS
 from moestream.server.worker import Worker
 
 log = logging.getLogger(__name__)
@@ -155,10 +156,15 @@ async def _read_json(request: Request, max_bytes: int) -> Any:
 
 def create_app(worker: Worker, *, api_key: str | None = None, model_id: str | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, defaults: RequestDefaults | None = None,
-               max_context: int | None = None, shutdown_timeout: float = 5.0) -> FastAPI:
+               max_context: int | None = None, shutdown_timeout: float = 5.0,
+               reasoning_format: str = "auto") -> FastAPI:
     """The ASGI app around a started Worker. `model_id` defaults to the engine's model name;
     `max_context` (prompt plus completion) is capped at the engine's. When the ASGI server's
-    lifespan ends, the worker stops (within `shutdown_timeout` seconds) and closes the engine."""
+    lifespan ends, the worker stops (within `shutdown_timeout` seconds) and closes the engine.
+    `reasoning_format` (moestream.server.reasoning.FORMATS): auto gives a reply's reasoning apart
+    from its content, none leaves it in the content."""
+    if reasoning_format not in REASONING_FORMATS:
+        raise ValueError(f"reasoning_format must be one of {', '.join(REASONING_FORMATS)}, not {reasoning_format!r}")
     defaults = defaults or RequestDefaults()
     created = int(time.time())
 
@@ -181,7 +187,8 @@ def create_app(worker: Worker, *, api_key: str | None = None, model_id: str | No
         limit = worker.max_context
         return min(limit, max_context) if max_context else limit
 
-    runtime = Runtime(worker, defaults=defaults, model_id=current_model_id, context_limit=context_limit)
+    runtime = Runtime(worker, defaults=defaults, model_id=current_model_id, context_limit=context_limit,
+                      reasoning_format=reasoning_format)
 
     async def read_json(request: Request) -> Any:
         return await _read_json(request, max_body_bytes)

@@ -67,6 +67,7 @@ class Running:
     reused: int = 0
     next_token: int | None = None  # the token the next decode step runs
     generated: int = 0
+    shown: int = 0  # generated tokens whose text was delivered
     pending: list[TokenLogprobInfo] = field(default_factory=list)
     speculation: Any = None  # its drafting (moestream.engine.speculative.Speculation), where it drafts
     spec_off: str | None = None  # why the server's speculation sits this one out
@@ -304,8 +305,8 @@ class BatchScheduler:
                     r.pending.append(self.worker._logprob_info(event, job.logprobs))
                 text = r.matcher.feed(r.decoder.push(event.token_id))
                 if text:
-                    self.worker._deliver(job, TextDelta(text, r.pending, r.index))
-                    r.pending = []
+                    self.worker._deliver(job, TextDelta(text, r.pending, r.index, r.generated - r.shown))
+                    r.pending, r.shown = [], r.generated
                 if r.matcher.stopped:
                     end = "stop"
                 elif job.cancelled.is_set():
@@ -328,8 +329,8 @@ class BatchScheduler:
     def _flush(self, r: Running) -> None:
         tail = r.matcher.feed(r.decoder.flush()) + r.matcher.flush()
         if tail:
-            self.worker._deliver(r.job, TextDelta(tail, r.pending, r.index))
-            r.pending = []
+            self.worker._deliver(r.job, TextDelta(tail, r.pending, r.index, r.generated - r.shown))
+            r.pending, r.shown = [], r.generated
 
     # ---- leaving
 

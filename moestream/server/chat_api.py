@@ -15,9 +15,10 @@ from moestream.server.protocol import (ChatChoice, ChatChunkChoice, ChatCompleti
                                        ChatCompletionRequest, Completion, CompletionChoice, CompletionRequest,
                                        FunctionCall, ResponseMessage, ToolCall, invalid, parse_request,
                                        timings_from_receipt)
+from moestream.server.reasoning import Reasoning, ReasoningMode, ReplyReader, reasoning_mode, reply_reader, split_reply
 from moestream.server.render import (chat_logprobs, completion_logprobs, error_event, sse, usage,
                                      without_nulls)
-from moestream.server.tools import ParsedCall, ToolCallParser, parse_tool_calls, tool_schemas
+from moestream.server.tools import ParsedCall, tool_schemas
 
 FIM_TOKENS = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")
 
@@ -60,9 +61,11 @@ async def start_chat(rt: Runtime, request: Request, req: ChatCompletionRequest) 
     prompt_ids, tools = await chat_prompt(rt, req)
     processor, forced_format = await constraint(rt, req, tools)
     max_new, base = rt.plan(req, prompt_ids, "messages")
+    reasoning = await reasoning_mode(rt, prompt_ids, constrained=processor is not None)
     choices = make_choices([prompt_ids], req.n or 1, [max_new], [base], processor=processor)
     sub = rt.submit(request, choices, stream=bool(req.stream), stops=req.stop_list(), logprobs=req.logprobs_k,
                     prefix="chatcmpl-")
+    sub.extra["reasoning"] = reasoning
     # the format's name; a forced call is written in the form its grammar spells out. Harmony
     # replies are always read: their channels are markup, and only the final one is the answer
     fmt = forced_format if req.forced_tool is not None else rt.tool_format()
@@ -74,13 +77,18 @@ def tool_call_model(call: ParsedCall) -> ToolCall:
     return ToolCall(id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments))
 
 
-def chat_message(text: str, parse_tools: str, reason: str) -> tuple[ResponseMessage, str]:
-    if parse_tools:
-        content, calls = parse_tool_calls(text, parse_tools)
-        if calls:
-            return ResponseMessage(content=content or None, tool_calls=[tool_call_model(c) for c in calls]), "tool_calls"
-        return ResponseMessage(content=content), reason  # without calls: the text, less any markup
-    return ResponseMessage(content=text), reason
+def chat_message(deltas: list[tuple[str, int]], parse_tools: str, reasoning: Optional[ReasoningMode],
+                 reason: str) -> tuple[ResponseMessage, str, int]:
+    """(the message, its finish reason, its reasoning tokens) from a choice's deltas."""
+    if not parse_tools and reasoning is None:
+        return ResponseMessage(content="".join(text for text, _ in deltas)), reason, 0
+    reader = ReplyReader(reasoning, parse_tools)
+    thought, content, calls = split_reply(reader.read(deltas))
+    if calls:
+        return (ResponseMessage(content=content or None, reasoning_content=thought or None,
+                                tool_calls=[tool_call_model(c) for c in calls]), "tool_calls", reader.reasoning_tokens)
+    # without calls: the text, less any markup and reasoning
+    return ResponseMessage(content=content, reasoning_content=thought or None), reason, reader.reasoning_tokens
 
 
 def register(router: APIRouter, rt: Runtime, read_json: ReadJSON) -> None:
@@ -94,15 +102,17 @@ def register(router: APIRouter, rt: Runtime, read_json: ReadJSON) -> None:
         if end is None:  # the client left; nobody reads this
             return Response(status_code=499)
         ends = [sub.sink.ends[i] for i in range(sub.choices) if i in sub.sink.ends]
-        choices = []
+        choices, thinking = [], 0
         for i, e in enumerate(ends):
-            message, reason = chat_message(sub.sink.text(i), sub.extra["parse_tools"], finish_reason(e))
+            message, reason, tokens = chat_message(sub.sink.deltas(i), sub.extra["parse_tools"],
+                                                   sub.extra["reasoning"], finish_reason(e))
+            thinking += tokens
             logprobs = chat_logprobs(sub.sink.logprobs.get(i, [])) if req.logprobs_k is not None else None
             choices.append(ChatChoice(index=i, message=message, logprobs=logprobs, finish_reason=reason))
-        body = ChatCompletion(**sub.meta, choices=choices, usage=usage(ends, len(ends)),
+        body = ChatCompletion(**sub.meta, choices=choices, usage=usage(ends, len(ends), reasoning_tokens=thinking),
                               timings=timings_from_receipt(end.receipt, queue_s=end.queue_s)).model_dump()
         for choice in body["choices"]:  # the spec has tool_calls absent, not null, when there are none
-            without_nulls(choice["message"], "tool_calls")
+            without_nulls(choice["message"], "tool_calls", "reasoning_content")
         return JSONResponse(body)
 
     @router.post("/completions")
@@ -160,7 +170,7 @@ def register(router: APIRouter, rt: Runtime, read_json: ReadJSON) -> None:
 
 async def chat_stream(sub: Submitted, include_usage: bool) -> AsyncIterator[str]:
     meta, wants_logprobs = sub.meta, sub.job.logprobs is not None
-    parsers = {i: ToolCallParser(sub.extra["parse_tools"]) for i in range(sub.choices)} if sub.extra.get("parse_tools") else {}
+    readers = {i: reader for i in range(sub.choices) if (reader := reply_reader(sub.extra)) is not None}
     calls: dict[int, int] = {}
     ends: list[Finished] = []
 
@@ -171,6 +181,9 @@ async def chat_stream(sub: Submitted, include_usage: bool) -> AsyncIterator[str]
     def pieces(index: int, parts: list) -> list[str]:
         out = []
         for part in parts:
+            if isinstance(part, Reasoning):
+                out.append(chunk(index, {"reasoning_content": part.text}))
+                continue
             if isinstance(part, str):
                 if part:
                     out.append(chunk(index, {"content": part}))
@@ -189,8 +202,8 @@ async def chat_stream(sub: Submitted, include_usage: bool) -> AsyncIterator[str]
                 yield chunk(i, {"role": "assistant", "content": ""})
         elif isinstance(event, TextDelta):
             logprobs = chat_logprobs(event.logprobs) if wants_logprobs else None
-            if event.index in parsers:
-                out = pieces(event.index, parsers[event.index].feed(event.text))
+            if event.index in readers:
+                out = pieces(event.index, readers[event.index].feed(event.text, event.tokens))
                 for j, text in enumerate(out):
                     yield text
                 if logprobs is not None and event.logprobs:
@@ -199,15 +212,17 @@ async def chat_stream(sub: Submitted, include_usage: bool) -> AsyncIterator[str]
                 yield chunk(event.index, {"content": event.text}, logprobs=logprobs)
         elif isinstance(event, Finished):
             ends.append(event)
-            if event.index in parsers:
-                for text in pieces(event.index, parsers[event.index].finish()):
+            if event.index in readers:
+                for text in pieces(event.index, readers[event.index].finish()):
                     yield text
             reason = "tool_calls" if calls.get(event.index) else finish_reason(event)
             logprobs = chat_logprobs(event.logprobs) if wants_logprobs and event.logprobs else None
             if not event.last or include_usage:
                 yield chunk(event.index, {}, finish=reason, logprobs=logprobs)
             if event.last:
-                total, timings = usage(ends, len(ends)), timings_from_receipt(event.receipt, queue_s=event.queue_s)
+                thinking = sum(reader.reasoning_tokens for reader in readers.values())
+                total = usage(ends, len(ends), reasoning_tokens=thinking)
+                timings = timings_from_receipt(event.receipt, queue_s=event.queue_s)
                 if include_usage:
                     yield sse(ChatCompletionChunk(**meta, choices=[], usage=total, timings=timings))
                 else:

@@ -57,6 +57,7 @@ class Sink:
         self.future: asyncio.Future = loop.create_future()
         self.started: Started | None = None
         self.parts: dict[int, list[str]] = {}
+        self.part_tokens: dict[int, list[int]] = {}  # each part's generated tokens
         self.logprobs: dict[int, list[TokenLogprobInfo]] = {}
         self.prompts: dict[int, PromptLogprobs] = {}
         self.ends: dict[int, Finished] = {}
@@ -71,6 +72,7 @@ class Sink:
             self.prompts[event.index] = event
         elif isinstance(event, TextDelta):
             self.parts.setdefault(event.index, []).append(event.text)
+            self.part_tokens.setdefault(event.index, []).append(event.tokens)
             self.logprobs.setdefault(event.index, []).extend(event.logprobs)
         elif isinstance(event, Finished):
             self.logprobs.setdefault(event.index, []).extend(event.logprobs)
@@ -82,6 +84,10 @@ class Sink:
 
     def text(self, index: int) -> str:
         return "".join(self.parts.get(index, ()))
+
+    def deltas(self, index: int) -> list[tuple[str, int]]:
+        """A choice's text as it came: (text, generated tokens) per delta."""
+        return list(zip(self.parts.get(index, ()), self.part_tokens.get(index, ())))
 
     def _resolve(self, event: Any) -> None:
         if not self.future.done():
@@ -101,8 +107,9 @@ class Runtime:
     """The worker plus the server's settings, as the API modules use them."""
 
     def __init__(self, worker: Worker, *, defaults: RequestDefaults, model_id: Callable[[], str],
-                 context_limit: Callable[[], int]) -> None:
+                 context_limit: Callable[[], int], reasoning_format: str = "auto") -> None:
         self.worker = worker
+        self.reasoning_format = reasoning_format  # auto: reasoning apart from the content; none: left in it
         self.defaults = defaults
         self.model_id = model_id
         self.context_limit = context_limit

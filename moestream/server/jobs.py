@@ -29,6 +29,7 @@ class TextDelta:
     text: str
     logprobs: list[TokenLogprobInfo] = field(default_factory=list)
     index: int = 0  # the choice
+    tokens: int = 0  # generated tokens whose text ends here (held text comes with a later token's)
 
 
 @dataclass

@@ -17,8 +17,8 @@ from fastapi.responses import JSONResponse, Response
 from moestream.server.generation import JobStream, Runtime, Submitted, events, wait_whole
 from moestream.server.jobs import Failed, Finished, Started, TextDelta
 from moestream.server.protocol import APIError, ChatCompletionRequest, invalid, parse_request
+from moestream.server.reasoning import Reasoning, reply_reader
 from moestream.server.render import named_sse
-from moestream.server.tools import ToolCallParser
 
 ReadJSON = Callable[[Request], Awaitable[Any]]
 
@@ -82,6 +82,8 @@ def to_chat(body: Any, *, generate: bool = True) -> dict:
                 result = block.get("content", "")
                 messages.append({"role": "tool", "tool_call_id": str(block.get("tool_use_id", "")),
                                  "content": _text_of(result, f"{where}.content")})
+            elif kind in ("thinking", "redacted_thinking") and m["role"] == "assistant":
+                continue  # earlier reasoning sent back: templates leave it out of the history
             else:
                 raise invalid(f"Unsupported content block {kind!r} in a {m['role']} message.", where)
         if texts or calls:
@@ -126,13 +128,19 @@ def _stop_reason(end: Finished, has_calls: bool) -> tuple[str, Any]:
     return "end_turn", None
 
 
-def _blocks(text: str, parse_tools: str) -> list[dict]:
-    """The reply's content blocks in the order the stream sends them (text around calls kept)."""
-    parser = ToolCallParser(parse_tools) if parse_tools else None
-    parts = parser.feed(text) + parser.finish() if parser else [text]
+def _blocks(sub: Submitted) -> list[dict]:
+    """The reply's content blocks in the order the stream sends them (thinking first, text around
+    calls kept)."""
+    reader = reply_reader(sub.extra)
+    parts = reader.read(sub.sink.deltas(0)) if reader else [sub.sink.text(0)]
     blocks: list[dict] = []
     for part in parts:
-        if isinstance(part, str):
+        if isinstance(part, Reasoning):
+            if blocks and blocks[-1]["type"] == "thinking":
+                blocks[-1]["thinking"] += part.text
+            else:
+                blocks.append({"type": "thinking", "thinking": part.text, "signature": ""})
+        elif isinstance(part, str):
             if blocks and blocks[-1]["type"] == "text":
                 blocks[-1]["text"] += part
             elif part:
@@ -166,7 +174,7 @@ def register(router: APIRouter, rt: Runtime, read_json: ReadJSON) -> None:
             return _anthropic_error(exc)
         if end is None:
             return Response(status_code=499)
-        blocks = _blocks(sub.sink.text(0), sub.extra["parse_tools"])
+        blocks = _blocks(sub)
         reason, sequence = _stop_reason(end, any(b["type"] == "tool_use" for b in blocks))
         return JSONResponse({"id": "msg_" + sub.meta["id"].split("-", 1)[1], "type": "message", "role": "assistant",
                              "model": sub.meta["model"], "content": blocks, "stop_reason": reason,
@@ -174,34 +182,39 @@ def register(router: APIRouter, rt: Runtime, read_json: ReadJSON) -> None:
 
 
 async def _stream(sub: Submitted) -> AsyncIterator[str]:
-    parser = ToolCallParser(sub.extra["parse_tools"]) if sub.extra["parse_tools"] else None
+    parser = reply_reader(sub.extra)
     block = -1
-    open_text = False
+    open_kind = ""  # the open block's type: text, thinking, or none
     calls = 0
 
-    def text_piece(text: str) -> list[str]:
-        nonlocal block, open_text
-        out = []
-        if not open_text:
+    def text_piece(text: str, kind: str = "text") -> list[str]:
+        nonlocal block, open_kind
+        out = close_text() if open_kind != kind else []
+        if not open_kind:
             block += 1
-            open_text = True
+            open_kind = kind
+            start = {"type": "text", "text": ""} if kind == "text" else {"type": "thinking", "thinking": "",
+                                                                         "signature": ""}
             out.append(named_sse("content_block_start", {"type": "content_block_start", "index": block,
-                                                          "content_block": {"type": "text", "text": ""}}))
-        out.append(named_sse("content_block_delta", {"type": "content_block_delta", "index": block,
-                                                      "delta": {"type": "text_delta", "text": text}}))
+                                                          "content_block": start}))
+        delta = {"type": "text_delta", "text": text} if kind == "text" else {"type": "thinking_delta", "thinking": text}
+        out.append(named_sse("content_block_delta", {"type": "content_block_delta", "index": block, "delta": delta}))
         return out
 
     def close_text() -> list[str]:
-        nonlocal open_text
-        if not open_text:
+        nonlocal open_kind
+        if not open_kind:
             return []
-        open_text = False
+        open_kind = ""
         return [named_sse("content_block_stop", {"type": "content_block_stop", "index": block})]
 
     def pieces(parts: list) -> list[str]:
         nonlocal block, calls
         out: list[str] = []
         for part in parts:
+            if isinstance(part, Reasoning):
+                out += text_piece(part.text, "thinking")
+                continue
             if isinstance(part, str):
                 out += text_piece(part) if part else []
                 continue
@@ -225,7 +238,7 @@ async def _stream(sub: Submitted) -> AsyncIterator[str]:
                 "usage": {"input_tokens": prompt_tokens, "cache_creation_input_tokens": 0,
                           "cache_read_input_tokens": 0, "output_tokens": 0}}})
         elif isinstance(event, TextDelta):
-            for text in pieces(parser.feed(event.text) if parser else [event.text]):
+            for text in pieces(parser.feed(event.text, event.tokens) if parser else [event.text]):
                 yield text
         elif isinstance(event, Finished):
             for text in pieces(parser.finish() if parser else []) + close_text():

@@ -22,9 +22,9 @@ def without_nulls(body: dict, *keys: str) -> dict:
     return body
 
 
-def usage(ends: list[Finished], n: int = 1) -> Usage:
+def usage(ends: list[Finished], n: int = 1, *, reasoning_tokens: int = 0) -> Usage:
     """One usage for all of a request's choices: each prompt counted once (choice p*n is prompt
-    p's first), every completion."""
+    p's first), every completion (`reasoning_tokens` of them the replies' reasoning)."""
     firsts = [end for end in ends if end.index % n == 0]
     prompt_tokens = sum(end.prompt_tokens for end in firsts)
     completion = sum(end.completion_tokens for end in ends)
@@ -36,7 +36,8 @@ def usage(ends: list[Finished], n: int = 1) -> Usage:
             drafted, accepted = drafted + int(spec.get("drafted") or 0), accepted + int(spec.get("accepted") or 0)
     return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion, total_tokens=prompt_tokens + completion,
                  prompt_tokens_details=PromptTokensDetails(cached_tokens=reused),
-                 completion_tokens_details=CompletionTokensDetails(accepted_prediction_tokens=accepted,
+                 completion_tokens_details=CompletionTokensDetails(reasoning_tokens=reasoning_tokens,
+                                                                   accepted_prediction_tokens=accepted,
                                                                    rejected_prediction_tokens=drafted - accepted))
 
 

@@ -16,9 +16,10 @@ class PromptTokensDetails(BaseModel):
 
 
 class CompletionTokensDetails(BaseModel):
-    """Speculative decoding's drafted tokens that the model kept and that it rejected (OpenAI's
-    names for a prediction's tokens); 0 without speculation."""
+    """The tokens of the replies' reasoning; speculative decoding's drafted tokens that the model
+    kept and that it rejected (OpenAI's names for a prediction's tokens), 0 without speculation."""
 
+    reasoning_tokens: int = 0
     accepted_prediction_tokens: int = 0
     rejected_prediction_tokens: int = 0
 
@@ -129,6 +130,7 @@ class ToolCall(BaseModel):
 class ResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: Optional[str] = None
+    reasoning_content: Optional[str] = None  # the model's reasoning, apart from the content
     refusal: Optional[str] = None
     tool_calls: Optional[list[ToolCall]] = None
 

@@ -15,8 +15,9 @@ from moestream.server.chat_api import start_chat
 from moestream.server.generation import JobStream, Runtime, Submitted, events, wait_whole
 from moestream.server.jobs import Failed, Finished, Started, TextDelta
 from moestream.server.protocol import APIError, ChatCompletionRequest, invalid, parse_request, unsupported
+from moestream.server.reasoning import Reasoning, reply_reader
 from moestream.server.render import named_sse
-from moestream.server.tools import ParsedCall, ToolCallParser
+from moestream.server.tools import ParsedCall
 
 ReadJSON = Callable[[Request], Awaitable[Any]]
 
@@ -54,9 +55,11 @@ def _input_messages(given: list, messages: list[dict]) -> None:
         elif kind == "function_call_output":
             messages.append({"role": "tool", "tool_call_id": str(item.get("call_id") or ""),
                              "content": _content_text(item.get("output"), f"{param}.output")})
+        elif kind == "reasoning":
+            continue  # earlier reasoning sent back: templates leave it out of the history
         else:
-            raise invalid("Each input item must be a message with a role, a function_call or a "
-                          "function_call_output.", param)
+            raise invalid("Each input item must be a message with a role, a function_call, a "
+                          "function_call_output or a reasoning item.", param)
 
 
 def _tools(body: dict, out: dict) -> None:
@@ -156,13 +159,26 @@ def _message(item_id: str, text: str, status: str = "completed") -> dict:
             "content": [{"type": "output_text", "text": text, "annotations": []}]}
 
 
+def _reasoning(item_id: str, text: str) -> dict:
+    # an open model's own reasoning is its content; OpenAI's summaries are not made
+    return {"type": "reasoning", "id": item_id, "status": "completed", "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}]}
+
+
+def _item_id(base_id: str, kind: str, output: list[dict]) -> str:
+    """An output item's id: the reply's id after the kind's prefix (msg_, rs_), and its position
+    after the first item."""
+    return kind + base_id.split("_", 1)[1] + (f"_{len(output)}" if output else "")
+
+
 def _response(sub: Submitted, req: ChatCompletionRequest, status: str, output: list[dict], end: Finished | None,
-              created: int) -> dict:
+              created: int, reasoning_tokens: int = 0) -> dict:
     usage = None
     if end is not None:
         cached = int(end.receipt.get("reused_tokens", 0) or 0)
         usage = {"input_tokens": end.prompt_tokens, "input_tokens_details": {"cached_tokens": cached},
-                 "output_tokens": end.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                 "output_tokens": end.completion_tokens,
+                 "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
                  "total_tokens": end.prompt_tokens + end.completion_tokens}
     incomplete = end is not None and end.finish_reason == "length"
     tools, choice = _tools_echo(req)
@@ -202,39 +218,53 @@ def register(router: APIRouter, rt: Runtime, read_json: ReadJSON) -> None:
         end = await wait_whole(request, sub, "input")
         if end is None:
             return Response(status_code=499)
-        output = _output_items(sub.sink.text(0), sub.extra["parse_tools"], "msg_" + sub.meta["id"].split("-", 1)[1])
-        if end.finish_reason == "length" and output[-1]["type"] == "message":
+        output, reasoning_tokens = _output_items(sub, "msg_" + sub.meta["id"].split("-", 1)[1])
+        if end.finish_reason == "length" and output and output[-1]["type"] == "message":
             output[-1]["status"] = "incomplete"  # the message the limit cut
-        return JSONResponse(_response(sub, req, "completed", output, end, created))
+        return JSONResponse(_response(sub, req, "completed", output, end, created, reasoning_tokens))
 
 
-def _output_items(text: str, parse_tools: str, base_id: str) -> list[dict]:
-    """The reply's output items in the order the stream sends them (text around calls kept)."""
-    parser = ToolCallParser(parse_tools) if parse_tools else None
-    parts = parser.feed(text) + parser.finish() if parser else [text]
+def _output_items(sub: Submitted, base_id: str) -> tuple[list[dict], int]:
+    """(the reply's output items in the order the stream sends them: reasoning, then text around
+    calls; its reasoning tokens)."""
+    reader = reply_reader(sub.extra)
+    parts = reader.read(sub.sink.deltas(0)) if reader else [sub.sink.text(0)]
     output: list[dict] = []
     pending: list[str] = []
+    thought: list[str] = []
 
     def flush() -> None:
+        if thought:
+            output.append(_reasoning(_item_id(base_id, "rs_", output), "".join(thought)))
+            thought.clear()
         if pending:
-            output.append(_message(base_id if not output else f"{base_id}_{len(output)}", "".join(pending)))
+            output.append(_message(_item_id(base_id, "msg_", output), "".join(pending)))
             pending.clear()
 
     for part in parts:
-        if isinstance(part, str):
+        if isinstance(part, Reasoning):
+            if pending:
+                flush()
+            thought.append(part.text)
+        elif isinstance(part, str):
+            if part and thought:
+                flush()
             pending += [part] if part else []
         else:
             flush()
             output.append(_function_call(part))
     flush()
-    return output or [_message(base_id, "")]
+    if not any(item["type"] != "reasoning" for item in output):
+        output.append(_message(_item_id(base_id, "msg_", output), ""))  # the answer is a message, if empty
+    return output, reader.reasoning_tokens if reader else 0
 
 
 async def _stream(sub: Submitted, req: ChatCompletionRequest, created: int) -> AsyncIterator[str]:
     seq = 0
     output: list[dict] = []  # the items done so far, as response.completed lists them
     text_parts: list[str] | None = None  # the open message item's text, None when none is open
-    parser = ToolCallParser(sub.extra["parse_tools"]) if sub.extra["parse_tools"] else None
+    thought_parts: list[str] | None = None  # the open reasoning item's text, likewise
+    parser = reply_reader(sub.extra)
     base_id = "msg_" + sub.meta["id"].split("-", 1)[1]
 
     def event(kind: str, **payload: Any) -> str:
@@ -243,11 +273,40 @@ async def _stream(sub: Submitted, req: ChatCompletionRequest, created: int) -> A
         return named_sse(kind, {"type": kind, "sequence_number": seq - 1, **payload})
 
     def message_id() -> str:
-        return base_id if not output else f"{base_id}_{len(output)}"
+        return _item_id(base_id, "msg_", output)
+
+    def reasoning_events(text: str) -> list[str]:
+        nonlocal thought_parts
+        out = close_text()
+        item_id = _item_id(base_id, "rs_", output)
+        if thought_parts is None:
+            thought_parts = []
+            out.append(event("response.output_item.added", output_index=len(output), item={
+                "type": "reasoning", "id": item_id, "status": "in_progress", "summary": [], "content": []}))
+            out.append(event("response.content_part.added", item_id=item_id, output_index=len(output),
+                             content_index=0, part={"type": "reasoning_text", "text": ""}))
+        thought_parts.append(text)
+        out.append(event("response.reasoning_text.delta", item_id=item_id, output_index=len(output),
+                         content_index=0, delta=text))
+        return out
+
+    def close_reasoning() -> list[str]:
+        nonlocal thought_parts
+        if thought_parts is None:
+            return []
+        text, item_id, index = "".join(thought_parts), _item_id(base_id, "rs_", output), len(output)
+        thought_parts = None
+        item = _reasoning(item_id, text)
+        output.append(item)
+        return [event("response.reasoning_text.done", item_id=item_id, output_index=index, content_index=0,
+                      text=text),
+                event("response.content_part.done", item_id=item_id, output_index=index, content_index=0,
+                      part=item["content"][0]),
+                event("response.output_item.done", output_index=index, item=item)]
 
     def text_events(text: str) -> list[str]:
         nonlocal text_parts
-        out = []
+        out = close_reasoning()
         if text_parts is None:
             text_parts = []
             out.append(event("response.output_item.added", output_index=len(output), item={
@@ -287,10 +346,12 @@ async def _stream(sub: Submitted, req: ChatCompletionRequest, created: int) -> A
     def pieces(parts: list) -> list[str]:
         out: list[str] = []
         for part in parts:
-            if isinstance(part, str):
+            if isinstance(part, Reasoning):
+                out += reasoning_events(part.text)
+            elif isinstance(part, str):
                 out += text_events(part) if part else []
             else:
-                out += close_text() + call_events(part)
+                out += close_reasoning() + close_text() + call_events(part)
         return out
 
     async for ev in events(sub):
@@ -298,15 +359,16 @@ async def _stream(sub: Submitted, req: ChatCompletionRequest, created: int) -> A
             yield event("response.created", response=_response(sub, req, "in_progress", [], None, created))
             yield event("response.in_progress", response=_response(sub, req, "in_progress", [], None, created))
         elif isinstance(ev, TextDelta):
-            for text in pieces(parser.feed(ev.text) if parser else [ev.text]):
+            for text in pieces(parser.feed(ev.text, ev.tokens) if parser else [ev.text]):
                 yield text
         elif isinstance(ev, Finished):
             tail = pieces(parser.finish() if parser else [])
-            if not output and text_parts is None:
-                tail += text_events("")  # an empty reply is still one (empty) message
-            for text in tail + close_text("incomplete" if ev.finish_reason == "length" else "completed"):
+            if text_parts is None and all(item["type"] == "reasoning" for item in output):
+                tail += text_events("")  # an empty answer is still one (empty) message
+            for text in tail + close_reasoning() + close_text("incomplete" if ev.finish_reason == "length" else "completed"):
                 yield text
-            yield event("response.completed", response=_response(sub, req, "completed", output, ev, created))
+            yield event("response.completed", response=_response(sub, req, "completed", output, ev, created,
+                                                                 parser.reasoning_tokens if parser else 0))
         elif isinstance(ev, Failed):
             yield event("response.failed", response={**_response(sub, req, "failed", output, None, created),
                                                      "error": {"code": ev.code, "message": ev.message}})

@@ -350,7 +350,7 @@ class Worker:
         decoder = IncrementalDecoder(tokenizer.decode)
         matcher = StopMatcher(job.stops)
         pending: list[TokenLogprobInfo] = []
-        generated = 0
+        generated = shown = 0  # tokens generated, and those whose text was delivered
         # the engine's logprobs=K gives the chosen token's logprob and the top K (0: none)
         engine_logprobs = max(1, job.logprobs) if job.logprobs is not None else 0
         speculative, not_used = self._speculation_for(choice.sampling)
@@ -370,15 +370,15 @@ class Worker:
                     pending.append(self._logprob_info(event, job.logprobs))
                 text = matcher.feed(decoder.push(event.token_id))
                 if text:
-                    self._deliver(job, TextDelta(text, pending, index))
-                    pending = []
+                    self._deliver(job, TextDelta(text, pending, index, generated - shown))
+                    pending, shown = [], generated
                 if matcher.stopped or job.cancelled.is_set():
                     break
             else:
                 tail = matcher.feed(decoder.flush())
                 tail += matcher.flush()
                 if tail:
-                    self._deliver(job, TextDelta(tail, pending, index))
+                    self._deliver(job, TextDelta(tail, pending, index, generated - shown))
                     pending = []
         finally:
             gen.close()

@@ -61,7 +61,8 @@ def live_server(engine: FakeEngine | None = None, *, load: Callable[[], Any] | N
                 api_key: str | None = None, max_queue: int = 8, parallel: int = 1, max_body_bytes: int = 1 << 20,
                 max_context: int | None = None, defaults: RequestDefaults | None = None,
                 model_id: str | None = MODEL_ID, wait_ready: bool = True,
-                speculation: Callable[[Any], Any] | None = None) -> Iterator[LiveServer]:
+                speculation: Callable[[Any], Any] | None = None,
+                reasoning_format: str = "auto") -> Iterator[LiveServer]:
     import uvicorn
 
     if load is None:
@@ -69,7 +70,8 @@ def live_server(engine: FakeEngine | None = None, *, load: Callable[[], Any] | N
         load = lambda: engine  # noqa: E731
     worker = Worker(load, max_queue=max_queue, parallel=parallel, speculation=speculation).start()
     app = create_app(worker, api_key=api_key, model_id=model_id, max_body_bytes=max_body_bytes,
-                     defaults=defaults or RequestDefaults(), max_context=max_context)
+                     defaults=defaults or RequestDefaults(), max_context=max_context,
+                     reasoning_format=reasoning_format)
     sock = bind_socket("127.0.0.1", 0)
     port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(app, lifespan="off", log_level="warning", log_config=None,

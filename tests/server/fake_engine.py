@@ -28,6 +28,11 @@ KV_BLOCK = 16  # tokens per block of the engine's paged KV pool
 
 
 class FakeTokenizer:
+    # a test sets these for a model whose template shows its reply format (think tags, harmony's
+    # channels) or whose generation prompt opens a think block ("<assistant><think>\n")
+    chat_template: str | None = None
+    generation_prompt = "<assistant>"
+
     def __init__(self) -> None:
         self.eos_token_ids = frozenset({EOS})
         self.bos_token_id = BOS
@@ -53,7 +58,7 @@ class FakeTokenizer:
                 raise MoestreamError(f"the chat template has no role {m['role']!r}")
             text += f"<{m['role']}>{m['content']}</s>"
         if add_generation_prompt:
-            text += "<assistant>"
+            text += self.generation_prompt
         return self.encode(text)
 
 

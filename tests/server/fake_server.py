@@ -40,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
         return serve(load, host=args.host, port=args.port, api_key=api_key_from(args), model_id=args.model_id,
                      max_queue=args.max_queue, defaults=defaults_from_args(args), max_body_bytes=args.max_body_bytes,
                      shutdown_grace=args.shutdown_grace, log_level=args.log_level,
+                     reasoning_format=args.reasoning_format,
                      on_listening=lambda url: print(url, flush=True))
     except MoestreamError as exc:
         print(f"fake server: error: {exc}", file=sys.stderr)
