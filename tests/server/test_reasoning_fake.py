@@ -256,3 +256,24 @@ def test_reasoning_format_flag_is_checked(capsys):
         "moestream serve: error: argument --reasoning-format: invalid choice: 'hidden' (choose from 'auto', 'none')"]
     with pytest.raises(ValueError, match="reasoning_format"):
         create_app(Worker(FakeEngine), reasoning_format="hidden")
+
+
+@pytest.mark.parametrize("limit,texts", [
+    (10, ["Th", ""]),  # cut while reasoning: the reasoning so far, then an empty (cut) answer
+    (REASONING_TOKENS + 5, [REASONING, "It "]),  # cut in the answer
+])
+def test_responses_cut_with_reasoning_whole_and_streamed_agree(thinker, limit, texts):
+    server, _ = thinker
+    with server.client() as client:
+        whole = client.responses.create(model=MODEL_ID, input="What is 2+2?", max_output_tokens=limit)
+        events = list(client.responses.create(model=MODEL_ID, input="What is 2+2?", max_output_tokens=limit,
+                                              stream=True))
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    for output in (whole.output, events[-1].response.output, done):
+        assert [(item.type, item.status) for item in output] == [("reasoning", "completed"), ("message", "incomplete")]
+        assert [item.content[0].text for item in output] == texts
+    for response in (whole, events[-1].response):
+        assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
+        assert response.usage.output_tokens_details.reasoning_tokens == min(limit, REASONING_TOKENS)
+    streamed_id = events[-1].response.id
+    assert [o.id.replace(whole.id[5:], streamed_id[5:]) for o in whole.output] == [o.id for o in done]
