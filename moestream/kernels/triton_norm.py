@@ -5,7 +5,8 @@ about ten (cos/sin tables, halves, products, concatenation); a decode step of Ge
 norms a token this way. Here one program per row (per row and head for the rotary one) holds the
 whole vector, so a row's bits never depend on the rows beside it or on how many there are. The
 roundings follow the torch functions they stand for (moestream.layers.norm / norm_f32, apply_rope):
-statistics in float32, rounded to the input's dtype where torch rounds.
+statistics in float32, rounded to the input's dtype where torch rounds (no fused multiply-adds:
+one would skip a rounding torch does; sums may still add in another order).
 
 Norm kinds:
   "round"  weight * round(x / rms)        (rms_norm: the scale applied in the input dtype)
@@ -62,7 +63,7 @@ def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor | None, eps: float, kind
     if out.numel():
         A, B = x3.shape[0], x3.shape[1]
         _rms_rows[(A, B)](x3, x3.stride(0), x3.stride(1), weight if weight is not None else x3, out, B, N, eps,
-                          KIND=KINDS[kind], BLOCK=triton.next_power_of_2(N))
+                          KIND=KINDS[kind], BLOCK=triton.next_power_of_2(N), enable_fp_fusion=False)
     return out
 
 
@@ -115,7 +116,8 @@ def norm_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, 
         kind = "plain" if norm and weight is None else kind
         _norm_rope[(T, N)](x, x.stride(0), x.stride(1), weight if weight is not None else x, positions, inv_freq, out,
                            N, D, 2 * inv_freq.shape[0], eps, scale, KIND=KINDS.get(kind, 2), NORM=norm,
-                           BLOCK=triton.next_power_of_2(D), LIBDEVICE=not _INTERPRETED)
+                           BLOCK=triton.next_power_of_2(D), LIBDEVICE=not _INTERPRETED,
+                           enable_fp_fusion=False)
     return out
 
 
