@@ -288,6 +288,6 @@ def text_model_config(config: dict, model_type: str, *, tie_default: bool | None
 def language_model_config(config: dict, model_type: str) -> dict:
     """The language model's settings where a checkpoint may carry them either way: nested in a
     `text_config` (as text_model_config reads it), or at the top level (a text-only save)."""
-    if "text_config" in config:
+    if config.get("text_config") is not None:
         return text_model_config(config, model_type)
     return dict(config)
