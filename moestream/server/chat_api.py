@@ -25,8 +25,8 @@ ReadJSON = Callable[[Request], Awaitable[Any]]
 
 
 async def constraint(rt: Runtime, req: ChatCompletionRequest, tools: Optional[list[dict]]):
-    """(A factory of fresh grammar masks for a forced tool call or a response_format, or None; the
-    format a forced call is written in, or None)."""
+    """(A factory of fresh grammar masks, given a choice's token budget, for a forced tool call or a
+    response_format, or None; the format a forced call is written in, or None)."""
     from moestream.server import grammar as g
 
     forced = None
@@ -43,8 +43,7 @@ async def constraint(rt: Runtime, req: ChatCompletionRequest, tools: Optional[li
             return None, None
     except g.GrammarError as exc:
         raise invalid(f"The response_format cannot be enforced: {exc}.", "response_format") from None
-    matcher = await rt.grammar_matcher(text, param)
-    return (lambda: g.GrammarMask(matcher.deep_copy())), forced
+    return await rt.grammar_masks(text, param, closing=forced is not None), forced
 
 
 async def start_chat(rt: Runtime, request: Request, req: ChatCompletionRequest) -> Submitted:
@@ -53,9 +52,10 @@ async def start_chat(rt: Runtime, request: Request, req: ChatCompletionRequest) 
     messages = req.chat_messages()
     tools = tool_schemas(req.tools) if req.tool_mode != "none" else None
     prompt_ids = await rt.chat_ids(messages, tools)
-    processor, forced_format = await constraint(rt, req, tools)
+    masks, forced_format = await constraint(rt, req, tools)
     max_new, base = rt.plan(req, prompt_ids, "messages")
-    choices = make_choices([prompt_ids], req.n or 1, [max_new], [base], processor=processor)
+    choices = make_choices([prompt_ids], req.n or 1, [max_new], [base],
+                           processor=(lambda: masks(max_new)) if masks is not None else None)
     sub = rt.submit(request, choices, stream=bool(req.stream), stops=req.stop_list(), logprobs=req.logprobs_k,
                     prefix="chatcmpl-")
     # the format's name; a forced call is written in the form its grammar spells out. Harmony
