@@ -26,8 +26,8 @@ ReadJSON = Callable[[Request], Awaitable[Any]]
 
 
 async def constraint(rt: Runtime, req: ChatCompletionRequest, tools: Optional[list[dict]]):
-    """(A factory of fresh grammar masks for a forced tool call or a response_format, or None; the
-    format a forced call is written in, or None)."""
+    """(A factory of fresh grammar masks, given a choice's token budget, for a forced tool call or a
+    response_format, or None; the format a forced call is written in, or None)."""
     from moestream.server import grammar as g
 
     forced = None
@@ -44,8 +44,7 @@ async def constraint(rt: Runtime, req: ChatCompletionRequest, tools: Optional[li
             return None, None
     except g.GrammarError as exc:
         raise invalid(f"The response_format cannot be enforced: {exc}.", "response_format") from None
-    matcher = await rt.grammar_matcher(text, param)
-    return (lambda: g.GrammarMask(matcher.deep_copy())), forced
+    return await rt.grammar_masks(text, param, closing=forced is not None), forced
 
 
 async def chat_prompt(rt: Runtime, req: ChatCompletionRequest) -> tuple[list[int], Optional[list[dict]]]:
@@ -59,10 +58,11 @@ async def chat_prompt(rt: Runtime, req: ChatCompletionRequest) -> tuple[list[int
 async def start_chat(rt: Runtime, request: Request, req: ChatCompletionRequest) -> Submitted:
     """Validate, render and queue a chat request (also what the other APIs translate into)."""
     prompt_ids, tools = await chat_prompt(rt, req)
-    processor, forced_format = await constraint(rt, req, tools)
+    masks, forced_format = await constraint(rt, req, tools)
     max_new, base = rt.plan(req, prompt_ids, "messages")
-    reasoning = await reasoning_mode(rt, prompt_ids, constrained=processor is not None)
-    choices = make_choices([prompt_ids], req.n or 1, [max_new], [base], processor=processor)
+    reasoning = await reasoning_mode(rt, prompt_ids, constrained=masks is not None)
+    choices = make_choices([prompt_ids], req.n or 1, [max_new], [base],
+                           processor=(lambda: masks(max_new)) if masks is not None else None)
     sub = rt.submit(request, choices, stream=bool(req.stream), stops=req.stop_list(), logprobs=req.logprobs_k,
                     prefix="chatcmpl-")
     sub.extra["reasoning"] = reasoning

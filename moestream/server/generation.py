@@ -157,18 +157,25 @@ class Runtime:
                 self._grammar_tokenizer = GrammarTokenizer(raw, raw.eos_token_ids, vocab)
             return self._grammar_tokenizer
 
-    async def grammar_matcher(self, grammar: str, param: str) -> Any:
-        """A compiled matcher for `grammar` on this model's vocabulary; a 400 naming `param` if not."""
-        from moestream.server.grammar import GrammarError
+    async def grammar_masks(self, grammar: str, param: str, *, closing: bool = False) -> Callable[[int], Any]:
+        """Fresh allowed-token masks for `grammar` on this model's vocabulary, given a choice's token
+        budget (`closing`: a forced call, finished within that budget); a 400 naming `param` if it
+        cannot be compiled."""
+        from moestream.server.closing import Closing
+        from moestream.server.grammar import GrammarError, GrammarMask
 
         def build() -> Any:
-            return self.grammar_tokenizer().matcher(grammar)
+            tokenizer = self.grammar_tokenizer()
+            with self._grammar_lock:
+                vocab = tokenizer.closing_vocab() if closing else None
+            return tokenizer.matcher(grammar), vocab
 
         self.tokenizer()
         try:
-            return await run_in_threadpool(build)
+            matcher, vocab = await run_in_threadpool(build)
         except GrammarError as exc:
             raise invalid(f"The {param} cannot be enforced: {exc}.", param) from None
+        return lambda budget: GrammarMask(matcher.deep_copy(), Closing(vocab, budget) if vocab is not None else None)
 
     # ---- sampling and submission
 

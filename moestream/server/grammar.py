@@ -3,7 +3,8 @@
 A grammar is compiled per request (on the HTTP side, so a bad schema is a 400 before anything is
 queued); the worker's sampler calls a GrammarMask with the tokens generated so
 far, and it sets every token the grammar does not allow next to -inf. When the grammar is complete
-only the end-of-sequence token is allowed, so the engine stops there.
+only the end-of-sequence token is allowed, so the engine stops there. Schemas are enforced with
+their objects closed (closed_schema), and a forced call is finished within its token budget (closing).
 """
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from typing import Any, Callable, Optional, Sequence
 
 import llguidance
 
+from moestream.server.closed_schema import closed, rebased
+from moestream.server.closing import Closing, ClosingVocab, unpack
 from moestream.server.tools import CLOSE, OPEN, deepseek_marker
 
 log = logging.getLogger(__name__)
@@ -39,15 +42,20 @@ def json_schema_grammar(schema: dict) -> str:
     if not isinstance(schema, dict):
         raise GrammarError("the JSON schema must be an object")
     try:
-        return llguidance.LLMatcher.grammar_from_json_schema(_styled(schema))
+        return llguidance.LLMatcher.grammar_from_json_schema(_styled(closed(schema)))
     except (ValueError, TypeError) as exc:
         raise GrammarError(f"the JSON schema cannot be used: {exc}") from None
 
 
-def _call_schema(tool: dict) -> dict:
-    function = tool["function"]
-    parameters = function.get("parameters") or {"type": "object", "properties": {}}
-    return {"type": "object", "properties": {"name": {"const": function["name"]}, "arguments": parameters},
+def _parameters(tool: dict) -> dict:
+    """A tool's parameters as the grammar holds its arguments to (none given: no arguments)."""
+    return closed(tool["function"].get("parameters") or {"type": "object", "properties": {}})
+
+
+def _call_schema(tool: dict, at: str) -> dict:
+    """The Hermes call object for `tool`, placed at JSON pointer `at` of the whole schema."""
+    arguments = rebased(_parameters(tool), at + "/properties/arguments")
+    return {"type": "object", "properties": {"name": {"const": tool["function"]["name"]}, "arguments": arguments},
             "required": ["name", "arguments"], "additionalProperties": False}
 
 
@@ -66,12 +74,12 @@ def tool_call_grammar(tools: list[dict], name: str, *, parallel: bool, fmt: str 
 
 def _arguments_rules(chosen: list[dict]) -> str:
     """`args_i`: tool i's parameters as compact JSON."""
-    return "".join(f"args_{i}: %json {json.dumps(_styled(t['function'].get('parameters') or {'type': 'object'}))}\n"
-                   for i, t in enumerate(chosen))
+    return "".join(f"args_{i}: %json {json.dumps(_styled(_parameters(t)))}\n" for i, t in enumerate(chosen))
 
 
 def _hermes_calls(chosen: list[dict], parallel: bool, token_id) -> str:
-    schema = _call_schema(chosen[0]) if len(chosen) == 1 else {"anyOf": [_call_schema(t) for t in chosen]}
+    schema = (_call_schema(chosen[0], "") if len(chosen) == 1 else
+              {"anyOf": [_call_schema(t, f"/anyOf/{i}") for i, t in enumerate(chosen)]})
     repeat = "+" if parallel else ""
     return (f"start: call{repeat}\n"
             f"call: {json.dumps(OPEN + chr(10))} body {json.dumps(chr(10) + CLOSE + chr(10))}\n"
@@ -122,14 +130,22 @@ class GrammarTokenizer:
         backend = getattr(tokenizer, "backend", None)
         eos = sorted(eos_ids) or None
         if backend is not None:
-            import llguidance.hf
-            self.ll = llguidance.hf.from_tokenizer(backend, n_vocab=vocab_size, eos_token=eos)
+            import llguidance.hf as from_hf  # (a plain `import llguidance.hf` would make llguidance local here)
+            self.ll = from_hf.from_tokenizer(backend, n_vocab=vocab_size, eos_token=eos)
         elif hasattr(tokenizer, "token_bytes"):
             self.ll = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_BytesVocab(tokenizer, eos)),
                                              n_vocab=vocab_size, eos_token=eos)
         else:
             raise GrammarError("this model's tokenizer cannot be used for constrained decoding")
         self.vocab_size = self.ll.vocab_size
+        self.eos = eos or []
+        self._closing: Optional[ClosingVocab] = None
+
+    def closing_vocab(self) -> ClosingVocab:
+        """What forced calls' look-ahead needs of the vocabulary (built on first use)."""
+        if self._closing is None:
+            self._closing = ClosingVocab(self.ll, self.eos, [deepseek_marker("tool calls end")])
+        return self._closing
 
     def matcher(self, grammar: str) -> "llguidance.LLMatcher":
         error = llguidance.LLMatcher.validate_grammar(grammar, self.ll)
@@ -158,23 +174,32 @@ class _BytesVocab:
 class GrammarMask:
     """The allowed-token mask: generated tokens -> a numpy bool array [V] of the tokens the grammar
     allows next. It follows the generated tokens itself (consuming new ones, rolling back on a
-    shorter list), so it needs no other channel than what the sampler passes."""
+    shorter list), so it needs no other channel than what the sampler passes. With `closing`, a
+    forced call's look-ahead, it allows only the way to finish the call once the budget runs short."""
 
-    def __init__(self, matcher: "llguidance.LLMatcher") -> None:
+    def __init__(self, matcher: "llguidance.LLMatcher", closing: Optional[Closing] = None) -> None:
         self._matcher = matcher
+        self._closing = closing
         self._consumed = 0
         self._lock = threading.Lock()
 
     def __call__(self, generated: Sequence[int]) -> Any:
-        import numpy as np
-
         with self._lock:
             if len(generated) < self._consumed:
                 self._matcher.rollback(self._consumed - len(generated))
                 self._consumed = len(generated)
+                if self._closing is not None:
+                    self._closing.rolled_back(self._consumed)
             new = list(generated[self._consumed:])
             if new and not self._matcher.consume_tokens(new):
                 raise RuntimeError(f"the grammar refused a generated token: {self._matcher.get_error()}")
+            if new and self._closing is not None:
+                self._closing.consumed(new)
             self._consumed = len(generated)
-            bits = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8)
-        return np.unpackbits(bits, bitorder="little").astype(bool)  # tokens past its length: not allowed
+            bits = self._matcher.compute_bitmask()
+            allowed = unpack(bits, len(bits) * 8)  # tokens past its length: not allowed
+            only = self._closing.only(self._matcher, allowed) if self._closing is not None else None
+        if only is not None:
+            allowed[:] = False
+            allowed[only] = True
+        return allowed
