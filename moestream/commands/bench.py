@@ -23,7 +23,7 @@ from moestream.commands.progress import Phases
 from moestream.commands.speculative_flags import (add_speculative_arguments, check_speculative_args, speculating,
                                                   speculative_options)
 from moestream.engine import timeline
-from moestream.engine.options import add_engine_arguments
+from moestream.commands.engine_args import add_engine_arguments
 from moestream.errors import MoestreamError
 from moestream.flag_values import at_least
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from moestream.commands.engine_args import options_from_args
 from moestream.engine.options import EngineOptions
 from moestream.errors import MoestreamError
 from moestream.experts.sizing import parse_bytes
@@ -17,7 +18,7 @@ NAMED_SIZES = ("auto", "min", "all", "max")
 
 def engine_options(args: argparse.Namespace) -> EngineOptions:
     """The engine's options from its flags."""
-    return EngineOptions.from_args(args)
+    return options_from_args(args)
 
 
 def digest_dir(environ=os.environ) -> str | None:

@@ -12,7 +12,7 @@ from moestream.commands.engine_checks import check_engine_args, digest_dir, engi
 from moestream.commands.launch import add_parallel_arguments, init_group, leave_group, spawn_ranks, torchrun_rank
 from moestream.commands.speculative_flags import add_speculative_arguments, check_speculative_args, speculative_options
 from moestream.engine.detok import IncrementalDecoder
-from moestream.engine.options import add_engine_arguments
+from moestream.commands.engine_args import add_engine_arguments
 from moestream.engine.types import SamplingParams
 from moestream.errors import MoestreamError
 from moestream.flag_values import at_least, non_negative_float, probability_mass, unit_interval

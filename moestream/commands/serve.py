@@ -76,7 +76,7 @@ def build_parser(*, engine_arguments: bool = True) -> argparse.ArgumentParser:
                              "written when the server stops")
     if engine_arguments:
         # the engine's flags (device, dtype, --max-context, prefill chunk, ...)
-        from moestream.engine.options import add_engine_arguments
+        from moestream.commands.engine_args import add_engine_arguments
         from moestream.commands.speculative_flags import add_speculative_arguments
         add_speculative_arguments(parser)
         add_engine_arguments(parser)

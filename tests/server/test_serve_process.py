@@ -59,8 +59,8 @@ def test_parser_defaults_and_flags():
 
 def test_parser_has_the_engine_flags():
     args = build_parser().parse_args(["--model", "m", "--max-context", "512"])
-    from moestream.engine.options import EngineOptions
-    assert EngineOptions.from_args(args).max_context == 512 and args.model == "m"
+    from moestream.commands.engine_args import options_from_args
+    assert options_from_args(args).max_context == 512 and args.model == "m"
 
 
 def test_api_key_from_flag_or_environment():
