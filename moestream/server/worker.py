@@ -270,12 +270,17 @@ class Worker:
             finally:
                 self._job_done(job, started)
 
-    def _job_done(self, job: Job, started: float) -> None:
-        """A running job ended (any outcome): free its place, wake its waiter, update the figures."""
+    def _release(self, job: Job) -> None:
+        """Free a running job's place (its engine slot is already closed)."""
         with self._cond:
             if job in self._running:
                 self._running.remove(job)
             self._cond.notify_all()
+
+    def _job_done(self, job: Job, started: float) -> None:
+        """A running job ended (any outcome): free its place (if its last event has not), wake its
+        waiter, update the figures."""
+        self._release(job)
         job.done.set()
         self.jobs_done += 1
         self._avg_job_s = 0.8 * self._avg_job_s + 0.2 * (time.monotonic() - started)
@@ -321,6 +326,10 @@ class Worker:
                 log.warning("observer %s failed: %s", name, exc)
 
     def _deliver(self, job: Job, event: Event) -> None:
+        if isinstance(event, Failed) or (isinstance(event, Finished) and event.last):
+            # the job's answer is complete with this event: its place is free before the client can
+            # know it, so a next request sent at once is counted against a queue without it
+            self._release(job)
         try:
             job.sink(event)
         except Exception as exc:  # the HTTP side is gone (event loop closed): nobody is listening
