@@ -115,9 +115,7 @@ class BatchScheduler:
                     break
                 admitted = []
                 while w._waiting and len(w._running) < self.slots:
-                    job = w._waiting.popleft()
-                    w._running.append(job)
-                    admitted.append(job)
+                    admitted.append(w._start_next())
             for job in admitted:
                 self._admit(job)
             self._retire_cancelled()

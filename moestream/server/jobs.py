@@ -98,6 +98,11 @@ class Job:
     done: threading.Event = field(default_factory=threading.Event)
     _worker: Any = field(default=None, repr=False)  # the server.worker.Worker that queued it
 
+    @property
+    def prompt_tokens(self) -> int:
+        """The prompt tokens it holds while it waits (each choice its own copy)."""
+        return sum(len(choice.prompt_ids) for choice in self.choices)
+
     def cancel(self) -> None:
         """The client is gone (or the server is stopping): drop the job or stop its generation."""
         if self.done.is_set() or self.cancelled.is_set():

@@ -273,7 +273,7 @@ def test_parallel_and_queue_size_flags():
 
     parser = build_parser(engine_arguments=False)
     args = parser.parse_args([])
-    assert (args.parallel, args.max_queue) == (1, 8)
+    assert (args.parallel, args.max_queue) == (1, None)
     args = parser.parse_args(["--parallel", "16", "--queue-size", "3"])
     assert (args.parallel, args.max_queue) == (16, 3)
     with pytest.raises(SystemExit):
