@@ -200,7 +200,7 @@ class Worker:
         with self._cond:
             if self._stopping:
                 raise NotReady("stopped", "the server is shutting down")
-            free = self.parallel - len(self._running)
+            free = self._free_slots_locked()
             # the first `free` waiting jobs take the free slots; the others wait for running ones to end
             held = self._waiting_tokens - sum(j.prompt_tokens for j in itertools.islice(self._waiting, free))
             reason = self.limits.refusal(len(self._waiting), held, free, job.prompt_tokens)
@@ -208,6 +208,7 @@ class Worker:
                 raise QueueFull(reason, self._retry_after_locked())
             job._worker = self
             job.enqueued_at = time.monotonic()
+            job.choices_left = len(job.choices)
             self._waiting.append(job)
             self._waiting_tokens += job.prompt_tokens
             self._cond.notify_all()
@@ -288,6 +289,16 @@ class Worker:
                 self._deliver(job, Failed(one_line(exc)))
             finally:
                 self._job_done(job, started)
+
+    def _free_slots_locked(self) -> int:
+        """Slots no running job holds or is owed: each holds one per choice not yet ended, up to
+        `parallel` (one at a time: one)."""
+        return max(0, self.parallel - sum(min(job.choices_left, self.parallel) for job in self._running))
+
+    def _choice_ended(self, job: Job) -> None:
+        """One of a running job's choices ended: the slot it held is free for others."""
+        with self._cond:
+            job.choices_left -= 1
 
     def _start_next(self) -> Job:
         """The first waiting job, now running (the caller holds the lock)."""

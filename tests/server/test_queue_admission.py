@@ -219,7 +219,8 @@ def test_a_request_beyond_the_budget_gets_503_over_http():
     with live_server(engine, queue_tokens=64) as s, s.http() as http:
         with http.stream("POST", "/v1/completions", json={"prompt": "running", "max_tokens": 400,
                                                           "stream": True}) as running:
-            next(running.iter_lines())
+            lines = running.iter_lines()  # (dropping this iterator would close the connection)
+            next(lines)
             wait_until(lambda: s.worker.running == 1)
             results: dict = {}
             first = threading.Thread(target=lambda: results.setdefault(
@@ -228,7 +229,7 @@ def test_a_request_beyond_the_budget_gets_503_over_http():
             first.start()
             wait_until(lambda: s.worker.queue_depth == 1)
             refused = http.post("/v1/completions", json={"prompt": "x" * 10, "max_tokens": 1})
-            assert refused.status_code == 503
+            assert refused.status_code == 503, (refused.text, http.get("/health").json())
             assert 1 <= int(refused.headers["retry-after"]) <= 10
             error = refused.json()["error"]
             assert error["code"] == "server_busy"
