@@ -252,8 +252,7 @@ class BatchScheduler:
             self._fail(r.job, exc)
             return
         self._account()
-        if r.computed == r.reused:  # its first chunk: the pool may have shared more of the prompt's start
-            r.reused = max(r.reused, reused)
+        r.reused += max(0, reused - r.computed)  # blocks the pool shared (another slot computed them)
         r.computed = end
         if not r.prefilling:
             r.run.prefilled.append(r.prompt)
