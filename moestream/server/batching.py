@@ -2,7 +2,8 @@
 
 The scheduler runs on the worker's thread and owns the engine's slots. Each turn of its loop is
 one step boundary:
-- admit: waiting jobs take free slots, first in first out. A job's prompt goes to the free slot
+- admit: waiting jobs are admitted while a slot is free (a job is owed one per choice not yet ended),
+  first in first out, and their choices take free slots in order. A choice's prompt goes to the free slot
   whose cached tokens share the longest start with it (that start is not computed again); where
   none shares any, the least recently used slot (eviction is slot reuse). So the prefix cache is
   the slots' KV caches, shared by all requests.
