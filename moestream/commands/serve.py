@@ -35,7 +35,7 @@ def build_parser(*, engine_arguments: bool = True) -> argparse.ArgumentParser:
         prog="moestream serve",
         description="Serve a packed MoE model over the OpenAI HTTP API (/v1/chat/completions, /v1/completions, "
                     "/v1/models; also under /api/v1) with /health and /metrics. Up to --parallel requests generate "
-                    "together (continuous batching); --max-queue more may wait.")
+                    "together (continuous batching); more wait in a queue bounded by their prompt tokens (--queue-tokens).")
     parser.add_argument("--model", default=None,
                         help="packed model directory (default: the built-in demo model)")
     parser.add_argument("--host", default="127.0.0.1",
@@ -47,9 +47,13 @@ def build_parser(*, engine_arguments: bool = True) -> argparse.ArgumentParser:
     parser.add_argument("--parallel", type=at_least(1), default=1,
                         help="requests that generate together, each in its own sequence slot and KV cache, joining "
                              "and leaving the batch at step boundaries (default 1: one at a time)")
-    parser.add_argument("--max-queue", "--queue-size", dest="max_queue", type=at_least(0), default=8,
-                        help="requests that may wait beyond the --parallel running ones (default 8); beyond that, "
-                             "503 with Retry-After")
+    parser.add_argument("--max-queue", "--queue-size", dest="max_queue", type=at_least(0), default=None,
+                        help="requests that may wait beyond the --parallel running ones (default: no count limit, "
+                             "only --queue-tokens); beyond that, 503 with Retry-After")
+    parser.add_argument("--queue-tokens", type=at_least(1), default=None,
+                        help="prompt tokens the waiting requests may hold in all (default: 1/64 of the machine's "
+                             "memory at 64 bytes a token, e.g. 4 M tokens on 16 GiB); a request beyond it gets 503 "
+                             "with Retry-After, unless nothing else waits")
     parser.add_argument("--model-id", default=None,
                         help="the id /v1/models advertises (default: the model's name); requests may name any model")
     defaults = RequestDefaults()
@@ -138,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         # the server's timeline has the host tracks only: its device is known once the engine has loaded
         with timeline.recording(args.timeline):
             return serve(load_engine, host=args.host, port=args.port, api_key=api_key, model_id=args.model_id,
-                         max_queue=args.max_queue, parallel=args.parallel, max_context=args.max_context or None,
+                         max_queue=args.max_queue, queue_tokens=args.queue_tokens, parallel=args.parallel, max_context=args.max_context or None,
                          defaults=defaults, max_body_bytes=args.max_body_bytes, shutdown_grace=args.shutdown_grace,
                          log_level=args.log_level, on_listening=announce, reasoning_format=args.reasoning_format,
                          speculation=(lambda engine: speculative_options(args, engine)) if speculating(args) else None)

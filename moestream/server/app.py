@@ -247,7 +247,8 @@ def create_app(worker: Worker, *, api_key: str | None = None, model_id: str | No
     async def health() -> Response:
         if worker.state == "ready":
             body = {"status": "ok", "model": current_model_id(), "max_context": context_limit(),
-                    "queue": {"waiting": worker.queue_depth, "max": worker.max_queue, "busy": worker.busy,
+                    "queue": {"waiting": worker.queue_depth, "max": worker.max_queue,
+                              "tokens": worker.queue_tokens, "max_tokens": worker.limits.max_tokens, "busy": worker.busy,
                               "running": worker.running, "parallel": worker.parallel},
                     "requests_done": worker.jobs_done, "stats": worker.stats_snapshot,
                     "last_receipt": worker.last_receipt}

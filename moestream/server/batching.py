@@ -2,7 +2,8 @@
 
 The scheduler runs on the worker's thread and owns the engine's slots. Each turn of its loop is
 one step boundary:
-- admit: waiting jobs take free slots, first in first out. A job's prompt goes to the free slot
+- admit: waiting jobs are admitted while a slot is free (a job is owed one per choice not yet ended),
+  first in first out, and their choices take free slots in order. A choice's prompt goes to the free slot
   whose cached tokens share the longest start with it (that start is not computed again); where
   none shares any, the least recently used slot (eviction is slot reuse). So the prefix cache is
   the slots' KV caches, shared by all requests.
@@ -27,7 +28,11 @@ over `step_many`; they reach this module through the engine's objects, never imp
 Each sequence has its own sampler settings (seed, penalties, grammar state), detokenizer, stop
 matcher and event sink, and chooses through the same Emitter as `engine.generate`, so a request's
 text does not depend on what else runs: greedy, the tokens it gets alone; sampled, the same seeded
-draws. A job's choices (n > 1, several prompts) run one after another in its slot, in order.
+draws. A job's choices (n > 1, several prompts) run side by side, each in a slot of its own as
+slots free up (an admitted job's choices before later jobs); a choice whose prompt an earlier choice
+of its job is still prefilling starts once that prompt is in the KV pool, so it shares its blocks
+(the pool shares a prompt's full blocks by content) and computes only the rest. The worker counts a
+job's choices not yet ended as the slots it is owed, so it admits a job only where a slot is free.
 """
 from __future__ import annotations
 
@@ -53,8 +58,7 @@ class Running:
     job: Job
     index: int
     slot: int
-    queue_s: float
-    started: float  # when the job was admitted
+    run: "JobRun"
     prompt: list[int]
     budget: int  # tokens it may generate
     emit: Any  # the engine's Emitter: logits row -> TokenEvent, or None at the end
@@ -76,12 +80,24 @@ class Running:
     t_decode: float = 0.0
 
     @property
-    def last(self) -> bool:
-        return self.index == len(self.job.choices) - 1
-
-    @property
     def prefilling(self) -> bool:
         return self.computed < len(self.prompt)
+
+
+@dataclass
+class JobRun:
+    """An admitted job: its choices start in order, as slots allow."""
+
+    job: Job
+    queue_s: float
+    started: float  # when it was admitted
+    next: int = 0  # its next choice to start
+    running: int = 0  # its choices generating now
+    prefilled: list[list[int]] = field(default_factory=list)  # prompts its choices brought into the pool
+
+    @property
+    def unstarted(self) -> bool:
+        return self.next < len(self.job.choices)
 
 
 class BatchScheduler:
@@ -97,7 +113,7 @@ class BatchScheduler:
         self.chunk = max(1, int(getattr(getattr(self.engine, "plan", None), "prefill_chunk", 2048)))
         self.active: list[Running] = []
         self.last_used = {s: 0.0 for s in range(self.slots)}
-        self.job_started: dict[int, float] = {}  # id(job) -> when admitted
+        self.runs: dict[int, JobRun] = {}  # id(job) -> its run, in the order admitted
         # the expert cache's counters as last read (once per engine call, _account): the metrics count the
         # work since, and a request's receipt starts and ends at such a reading
         self.stats: dict = {}
@@ -109,67 +125,87 @@ class BatchScheduler:
         self.stats = self.engine.expert_stats()
         while True:
             with w._cond:
-                while not w._waiting and not self.active and not w._stopping:
+                while not w._waiting and not self.runs and not w._stopping:
                     w._cond.wait()
                 if w._stopping:
                     break
                 admitted = []
-                while w._waiting and len(w._running) < self.slots:
-                    job = w._waiting.popleft()
-                    w._running.append(job)
-                    admitted.append(job)
+                while w._waiting and w._free_slots_locked() > 0:
+                    admitted.append(w._start_next())
             for job in admitted:
                 self._admit(job)
             self._retire_cancelled()
+            self._start_choices()
             self._decode_step()
             self._prefill_one_chunk()
         for r in list(self.active):  # stopping: whatever still runs is cancelled
             r.job.cancelled.set()
             self._finish(r, "cancelled")
+        for run in list(self.runs.values()):  # admitted, no choice running yet
+            w._deliver(run.job, Failed("the server is shutting down", code="server_shutdown"))
+            self._end_job(run)
 
     # ---- admission
 
     def _admit(self, job: Job) -> None:
-        self.job_started[id(job)] = time.monotonic()
-        queue_s = time.monotonic() - job.enqueued_at
+        now = time.monotonic()
+        run = JobRun(job, now - job.enqueued_at, now)
+        self.runs[id(job)] = run
         if job.cancelled.is_set():
-            self._job_done(job)
+            self._end_job(run)
             return
-        self.worker._deliver(job, Started(queue_s=queue_s))
-        self.worker._observe("job_started", queue_s)
-        self._start_choice(job, 0, queue_s)
+        self.worker._deliver(job, Started(queue_s=run.queue_s))
+        self.worker._observe("job_started", run.queue_s)
 
-    def _start_choice(self, job: Job, index: int, queue_s: float) -> None:
-        """Open a slot for the job's choice `index` (or end the job: no choices left, cancelled, refused)."""
-        w, engine = self.worker, self.engine
-        while index < len(job.choices) and not job.cancelled.is_set():
-            choice = job.choices[index]
-            last = index == len(job.choices) - 1
-            try:
-                engine.check_prompt(choice.prompt_ids)
-            except MoestreamError as exc:  # refused before starting, as engine.generate would
-                w._deliver(job, Failed(one_line(exc), code="invalid_request"))
-                break
-            slot = self._open_slot(choice.prompt_ids)
-            if choice.echo:
-                try:
-                    ok = w._echo(job, choice, index, seq=slot)
-                except BaseException as exc:
-                    engine.close_sequence(slot)
-                    self._fail(job, exc)
-                    return
-                self._account()  # the prompt's scoring is cache work too
-                if not ok:
-                    engine.close_sequence(slot)
+    def _start_choices(self) -> None:
+        """Admitted jobs' next choices take the free slots, oldest job first. A choice whose prompt an
+        earlier choice of its job is prefilling waits for it: then it shares that prompt's blocks."""
+        for run in list(self.runs.values()):
+            while run.unstarted and len(self.engine.open_sequences) < self.slots and id(run.job) in self.runs:
+                prompt = run.job.choices[run.next].prompt_ids
+                if prompt not in run.prefilled and \
+                        any(r.run is run and r.prefilling and r.prompt == prompt for r in self.active):
                     break
-            if choice.max_new_tokens <= 0:
-                engine.close_sequence(slot)
-                w._nothing_to_generate(job, choice, index, last, queue_s)
-                index += 1
-                continue
-            self.active.append(self._running(job, index, slot, queue_s))
+                self._start_choice(run)
+            if len(self.engine.open_sequences) >= self.slots:
+                return
+
+    def _start_choice(self, run: JobRun) -> None:
+        """Open a slot for `run`'s next choice, or end that choice (nothing to generate) or the job
+        (refused, cancelled) at once."""
+        w, engine, job, index = self.worker, self.engine, run.job, run.next
+        choice = job.choices[index]
+        run.next += 1
+        try:
+            engine.check_prompt(choice.prompt_ids)
+        except MoestreamError as exc:  # refused before starting, as engine.generate would
+            w._deliver(job, Failed(one_line(exc), code="invalid_request"))
+            self._end_job(run)
             return
-        self._job_done(job)
+        slot = self._open_slot(choice.prompt_ids)
+        if choice.echo:
+            try:
+                ok = w._echo(job, choice, index, seq=slot)
+            except BaseException as exc:
+                engine.close_sequence(slot)
+                self._fail(job, exc)
+                return
+            self._account()  # the prompt's scoring is cache work too
+            if not ok:  # cancelled
+                engine.close_sequence(slot)
+                self._end_job(run)
+                return
+        if choice.max_new_tokens <= 0:
+            engine.close_sequence(slot)
+            w._nothing_to_generate(job, choice, index, self._last_to_end(run), run.queue_s)
+            self._choice_over(run)
+            return
+        self.active.append(self._running(run, index, slot))
+        run.running += 1
+
+    def _last_to_end(self, run: JobRun) -> bool:
+        """Whether the choice of `run` ending now (no longer counted as running) is its job's last."""
+        return not run.unstarted and run.running == 0
 
     def _open_slot(self, prompt: list[int]) -> int:
         """The free slot sharing the longest start with `prompt`; among equals the least recently used."""
@@ -178,8 +214,9 @@ class BatchScheduler:
         best = max(free, key=lambda s: (common_prefix(engine.caches[s].tokens, prompt), -self.last_used[s]))
         return engine.open_sequence(prompt, slot=best)
 
-    def _running(self, job: Job, index: int, slot: int, queue_s: float) -> Running:
-        engine, choice = self.engine, job.choices[index]
+    def _running(self, run: JobRun, index: int, slot: int) -> Running:
+        engine, job = self.engine, run.job
+        choice = job.choices[index]
         prompt = list(choice.prompt_ids)
         state: dict = {"tokens": [], "finish": "length"}
         # the engine's logprobs=K gives the chosen token's logprob and the top K (0: none)
@@ -187,7 +224,7 @@ class BatchScheduler:
         emit = engine.emitter(prompt, state, sampling=choice.sampling, logprobs=k, should_stop=job.cancelled.is_set)
         # what the slot kept of the prompt; the last prompt token is always run (its logits start decoding)
         reused = min(engine.caches[slot].length, len(prompt) - 1)
-        r = Running(job, index, slot, queue_s, self.job_started.get(id(job), time.monotonic()), prompt,
+        r = Running(job, index, slot, run, prompt,
                     budget=min(choice.max_new_tokens, engine.max_context - len(prompt)), emit=emit, state=state,
                     decoder=IncrementalDecoder(self.worker.tokenizer.decode), matcher=StopMatcher(job.stops),
                     before=self.stats, clock=TokenClock(job.enqueued_at, index == 0), computed=reused,
@@ -209,15 +246,17 @@ class BatchScheduler:
         end = min(len(r.prompt), r.computed + self.chunk)
         try:
             # the slot holds prompt[:computed]: prefill reuses it and computes prompt[computed:end]
-            logits, _ = self.engine.prefill(r.prompt[:end], seq=r.slot)
+            logits, reused = self.engine.prefill(r.prompt[:end], seq=r.slot)
         except BaseException as exc:
             self._account()
             self._drop(r)
             self._fail(r.job, exc)
             return
         self._account()
+        r.reused += max(0, reused - r.computed)  # blocks the pool shared (another slot computed them)
         r.computed = end
         if not r.prefilling:
+            r.run.prefilled.append(r.prompt)
             r.prefill_s = time.perf_counter() - r.t0
             r.t_decode = time.perf_counter()
             self._take(r, r.emit.take(logits[-1:], room=1))
@@ -264,6 +303,7 @@ class BatchScheduler:
         now = time.perf_counter()
         for r in newcomers:  # their prompts are in their slots now; their first choice follows
             r.computed = len(r.prompt)
+            r.run.prefilled.append(r.prompt)
             r.prefill_s, r.t_decode = now - r.t0, now
         ready = newcomers + ready
         # the plain greedy rows' choices at once: one reduction and one wait for the device per step, not one each
@@ -273,6 +313,8 @@ class BatchScheduler:
             plain = []
         picks = dict(zip(map(id, plain), choose([logits[r.slot][-1] for r in plain]) if plain else []))
         for r in ready:
+            if r not in self.active:  # a sibling choice ended its job (cancelled) earlier in this loop
+                continue
             k, draft = drafts.get(id(r), (0, []))
             rows = logits[r.slot]
             if r.speculation is None:
@@ -337,9 +379,13 @@ class BatchScheduler:
     def _retire_cancelled(self) -> None:
         for r in [r for r in self.active if r.job.cancelled.is_set()]:
             self._finish(r, "cancelled")
+        for run in [run for run in self.runs.values() if run.job.cancelled.is_set()]:  # none running
+            self._end_job(run)
 
     def _finish(self, r: Running, reason: str) -> None:
-        w, engine = self.worker, self.engine
+        if r not in self.active:  # its job already ended (a sibling choice cancelled or failed it)
+            return
+        w, engine, run = self.worker, self.engine, r.run
         self._drop(r)
         now = time.perf_counter()
         if r.prefilling:
@@ -358,30 +404,41 @@ class BatchScheduler:
         # the metrics count the cache's work per step (_work_since), not per request, which would count a shared
         # step once for each request in it
         observed = {k: v for k, v in receipt.items() if k not in COUNTERS}
-        going_on = w._end_choice(r.job, r.index, r.last, r.queue_s, len(r.prompt), r.generated, reason, receipt,
-                                 r.pending, r.matcher, observed=observed)
-        if going_on and not r.last and not r.job.cancelled.is_set():
-            self._start_choice(r.job, r.index + 1, r.queue_s)
-        else:
-            self._job_done(r.job)
+        going_on = w._end_choice(r.job, r.index, self._last_to_end(run), run.queue_s, len(r.prompt), r.generated,
+                                 reason, receipt, r.pending, r.matcher, observed=observed)
+        if going_on and not r.job.cancelled.is_set():
+            self._choice_over(run)
+        else:  # cancelled: its other choices go too
+            self._end_job(run)
+
+    def _choice_over(self, run: JobRun) -> None:
+        """One of `run`'s choices ended; the job ends with its last."""
+        self.worker._choice_ended(run.job)
+        if not run.unstarted and run.running == 0:
+            self._end_job(run)
 
     def _drop(self, r: Running) -> None:
         """Take `r` out of the batch and free its slot (its tokens stay cached)."""
         if r in self.active:
             self.active.remove(r)
+            r.run.running -= 1
             self.engine.close_sequence(r.slot)
             self.last_used[r.slot] = time.monotonic()
 
     def _fail(self, job: Job, exc: BaseException) -> None:
+        run = self.runs.get(id(job))
+        if run is None:  # already failed (another of its choices in the same step)
+            return
         log.error("request %s failed: %s", job.request_id, exc, exc_info=not is_user_error(exc))
         self.worker._deliver(job, Failed(one_line(exc)))
-        self._job_done(job)
+        self._end_job(run)
 
-    def _job_done(self, job: Job) -> None:
-        if job.done.is_set():
-            return
-        started = self.job_started.pop(id(job), time.monotonic())
-        self.worker._job_done(job, started)
+    def _end_job(self, run: JobRun) -> None:
+        """The job is over (answered, failed or cancelled): its choices still running leave the batch."""
+        for r in [r for r in self.active if r.run is run]:
+            self._drop(r)
+        if self.runs.pop(id(run.job), None) is not None and not run.job.done.is_set():
+            self.worker._job_done(run.job, run.started)
 
     def _account(self) -> None:
         """Read the cache's counters once after an engine call; the metrics count its work (a step shared

@@ -220,8 +220,7 @@ class Runtime:
         try:
             self.worker.submit(job)
         except QueueFull as exc:
-            raise APIError(503, f"The server is busy: {self.worker.max_queue} requests are already waiting. "
-                                "Retry later.", type="server_error", code="server_busy",
+            raise APIError(503, f"The server is busy: {exc}. Retry later.", type="server_error", code="server_busy",
                            headers={"Retry-After": str(exc.retry_after_s)}) from None
         except NotReady as exc:
             raise not_ready(exc) from None

@@ -78,7 +78,8 @@ class TokenClock:
 
 @dataclass
 class Choice:
-    """One generation of a job: a request with n > 1 or several prompts has several, run in order."""
+    """One generation of a job: a request with n > 1 or several prompts has several (in order one at
+    a time, or side by side in the batch scheduler's slots)."""
 
     prompt_ids: list[int]
     max_new_tokens: int
@@ -94,9 +95,15 @@ class Job:
     logprobs: Optional[int] = None  # None: off; K: each token's logprob and the K most likely
     request_id: str = ""
     enqueued_at: float = field(default_factory=time.monotonic)
+    choices_left: int = 0  # choices not yet ended (the worker's count of the slots it is owed)
     cancelled: threading.Event = field(default_factory=threading.Event)
     done: threading.Event = field(default_factory=threading.Event)
     _worker: Any = field(default=None, repr=False)  # the server.worker.Worker that queued it
+
+    @property
+    def prompt_tokens(self) -> int:
+        """The prompt tokens it holds while it waits (each choice its own copy)."""
+        return sum(len(choice.prompt_ids) for choice in self.choices)
 
     def cancel(self) -> None:
         """The client is gone (or the server is stopping): drop the job or stop its generation."""

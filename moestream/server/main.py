@@ -43,17 +43,20 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 def serve(load_engine: Callable[[], Any], *, host: str = "127.0.0.1", port: int = 8080, api_key: str | None = None,
-          model_id: str | None = None, max_queue: int = 8, parallel: int = 1, max_context: int | None = None,
+          model_id: str | None = None, max_queue: int | None = None,
+          queue_tokens: int | None = None, parallel: int = 1, max_context: int | None = None,
           defaults: RequestDefaults | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
           shutdown_grace: float = 10.0, log_level: str = "info",
           on_listening: Callable[[str], None] | None = None,
           speculation: Callable[[Any], Any] | None = None, reasoning_format: str = "auto") -> int:
     """Bind, start loading the engine, serve until SIGTERM/SIGINT, shut down cleanly; returns 0. A
     model that cannot load stops the server, then is a MoestreamError. speculation: engine ->
-    SpeculativeOptions (Worker); reasoning_format: create_app's."""
+    SpeculativeOptions (Worker); max_queue, queue_tokens: the Worker's queue limits; reasoning_format:
+    create_app's."""
     sock = bind_socket(host, port)
     bound_host, bound_port = sock.getsockname()[:2]
-    worker = Worker(load_engine, max_queue=max_queue, parallel=parallel, speculation=speculation)
+    worker = Worker(load_engine, max_queue=max_queue, queue_tokens=queue_tokens, parallel=parallel,
+                    speculation=speculation)
     app = create_app(worker, api_key=api_key, model_id=model_id, max_body_bytes=max_body_bytes,
                      defaults=defaults, max_context=max_context, shutdown_timeout=max(1.0, shutdown_grace),
                      reasoning_format=reasoning_format)

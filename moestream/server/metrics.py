@@ -133,7 +133,11 @@ class _WorkerCollector(Collector):
     def collect(self) -> Iterator[Any]:
         w = self.worker
         yield _gauge("queue_length", "Requests waiting in the queue.", w.queue_depth)
-        yield _gauge("queue_capacity", "Requests that may wait (--max-queue).", w.max_queue)
+        capacity = w.max_queue if w.max_queue is not None else float("inf")
+        yield _gauge("queue_capacity", "Requests that may wait (--max-queue; +Inf: no count limit).", capacity)
+        yield _gauge("queue_tokens", "Prompt tokens the waiting requests hold.", w.queue_tokens)
+        yield _gauge("queue_tokens_capacity", "Prompt tokens the waiting requests may hold (--queue-tokens).",
+                     w.limits.max_tokens)
         running = getattr(w, "running", 1 if w.busy else 0)
         yield _gauge("requests_running", "Requests the engine is generating now (at most --parallel).", running)
         yield _gauge("parallel", "Requests that may generate together (--parallel).", getattr(w, "parallel", 1))

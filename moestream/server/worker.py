@@ -8,7 +8,8 @@ a streamed reply and a whole one are made of exactly the same pieces.
 With `parallel` 1 it runs one job at a time through `engine.generate`, speculating where the
 server was started with a drafter or the hot head (the same text, faster); with more, the batch
 scheduler (server/batching.py) runs up to `parallel` jobs together, one sequence slot each. The
-queue holds `max_queue` jobs beyond those.
+queue in front holds jobs beyond those within its limits (server/queue_limits.py: their prompt
+tokens, and a count where one is set).
 
 A job whose client goes away is cancelled: a waiting one leaves the queue at once, a running one
 stops at the engine's next `should_stop()` check (between tokens and between prefill chunks).
@@ -16,6 +17,7 @@ stops at the engine's next `should_stop()` check (between tokens and between pre
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import math
 import threading
@@ -26,14 +28,15 @@ from moestream.engine.types import SamplingParams
 from moestream.errors import MoestreamError
 from moestream.server.jobs import (Choice, Event, Failed, Finished, Job, PromptLogprobs, Started, TextDelta,
                                    TokenClock, TokenLogprobInfo, is_user_error, one_line)
+from moestream.server.queue_limits import QueueLimits, default_queue_tokens
 from moestream.server.stops import IncrementalDecoder, StopMatcher
 
 log = logging.getLogger(__name__)
 
 
 class QueueFull(Exception):
-    def __init__(self, retry_after_s: int):
-        super().__init__("the queue is full")
+    def __init__(self, reason: str, retry_after_s: int):
+        super().__init__(reason)
         self.retry_after_s = retry_after_s
 
 
@@ -90,19 +93,21 @@ class Worker:
     """Loads the engine on its own thread, then runs queued jobs in order: one at a time, or up to
     `parallel` together (continuous batching)."""
 
-    def __init__(self, load_engine: Callable[[], Any], *, max_queue: int = 8, parallel: int = 1,
+    def __init__(self, load_engine: Callable[[], Any], *, max_queue: int | None = None,
+                 queue_tokens: int | None = None, parallel: int = 1,
                  speculation: Callable[[Any], Any] | None = None, name: str = "moestream-engine"):
-        """speculation: engine -> the engine's SpeculativeOptions (or None), made on this thread
-        once the engine is loaded (it may load a draft model); every request it can serve uses it."""
-        if max_queue < 0:
-            raise ValueError("max_queue must be >= 0")
+        """max_queue: requests that may wait beyond the free slots (None: no count limit);
+        queue_tokens: the prompt tokens they may hold in all (None: queue_limits.default_queue_tokens,
+        from the machine's memory). speculation: engine -> the engine's SpeculativeOptions (or None),
+        made on this thread once the engine is loaded (it may load a draft model); every request it can
+        serve uses it."""
+        self.limits = QueueLimits(queue_tokens if queue_tokens is not None else default_queue_tokens(), max_queue)
         if parallel < 1:
             raise ValueError("parallel must be >= 1")
         self._load_engine = load_engine
         self._make_speculation = speculation
         self.speculative: Any = None  # the SpeculativeOptions every request it can serve uses
         self.on_load_failed: Callable[[str], None] | None = None  # e.g. stop the HTTP server
-        self.max_queue = max_queue
         self.parallel = parallel
         self.state = "loading"  # loading | ready | failed | stopped
         self.error: str | None = None
@@ -116,6 +121,7 @@ class Worker:
         # told of every job's start and every choice's end, on this thread (e.g. the server's metrics)
         self.observers: list[Any] = []
         self._waiting: collections.deque[Job] = collections.deque()
+        self._waiting_tokens = 0  # the waiting jobs' prompt tokens
         self._running: list[Job] = []  # admitted, not yet done (at most `parallel`)
         self._cond = threading.Condition()
         self._stopping = False
@@ -140,6 +146,7 @@ class Worker:
             self._stopping = True
             waiting = list(self._waiting)
             self._waiting.clear()
+            self._waiting_tokens = 0
             running = list(self._running)
             self._cond.notify_all()
         for job in waiting:
@@ -158,6 +165,15 @@ class Worker:
     def queue_depth(self) -> int:
         with self._cond:
             return len(self._waiting)
+
+    @property
+    def max_queue(self) -> int | None:
+        return self.limits.max_requests
+
+    @property
+    def queue_tokens(self) -> int:
+        """The prompt tokens the waiting jobs hold."""
+        return self._waiting_tokens
 
     @property
     def busy(self) -> bool:
@@ -184,13 +200,17 @@ class Worker:
         with self._cond:
             if self._stopping:
                 raise NotReady("stopped", "the server is shutting down")
-            # a job waits only for a free slot: room for max_queue beyond the slots that are free
-            free = self.parallel - len(self._running)
-            if len(self._waiting) >= self.max_queue + free:
-                raise QueueFull(self._retry_after_locked())
+            free = self._free_slots_locked()
+            # the first `free` waiting jobs take the free slots; the others wait for running ones to end
+            held = self._waiting_tokens - sum(j.prompt_tokens for j in itertools.islice(self._waiting, free))
+            reason = self.limits.refusal(len(self._waiting), held, free, job.prompt_tokens)
+            if reason is not None:
+                raise QueueFull(reason, self._retry_after_locked())
             job._worker = self
             job.enqueued_at = time.monotonic()
+            job.choices_left = len(job.choices)
             self._waiting.append(job)
+            self._waiting_tokens += job.prompt_tokens
             self._cond.notify_all()
         return job
 
@@ -200,6 +220,7 @@ class Worker:
                 self._waiting.remove(job)
             except ValueError:
                 return  # already running or finished: the engine's should_stop sees the flag
+            self._waiting_tokens -= job.prompt_tokens
         job.done.set()
         log.info("request %s left the queue", job.request_id)
 
@@ -259,8 +280,7 @@ class Worker:
                     self._cond.wait()
                 if self._stopping:
                     break
-                job = self._waiting.popleft()
-                self._running.append(job)
+                job = self._start_next()
             started = time.monotonic()
             try:
                 self._run_job(job)
@@ -270,12 +290,34 @@ class Worker:
             finally:
                 self._job_done(job, started)
 
-    def _job_done(self, job: Job, started: float) -> None:
-        """A running job ended (any outcome): free its place, wake its waiter, update the figures."""
+    def _free_slots_locked(self) -> int:
+        """Slots no running job holds or is owed: each holds one per choice not yet ended, up to
+        `parallel` (one at a time: one)."""
+        return max(0, self.parallel - sum(min(job.choices_left, self.parallel) for job in self._running))
+
+    def _choice_ended(self, job: Job) -> None:
+        """One of a running job's choices ended: the slot it held is free for others."""
+        with self._cond:
+            job.choices_left -= 1
+
+    def _start_next(self) -> Job:
+        """The first waiting job, now running (the caller holds the lock)."""
+        job = self._waiting.popleft()
+        self._waiting_tokens -= job.prompt_tokens
+        self._running.append(job)
+        return job
+
+    def _release(self, job: Job) -> None:
+        """Free a running job's place (its engine slot is already closed)."""
         with self._cond:
             if job in self._running:
                 self._running.remove(job)
             self._cond.notify_all()
+
+    def _job_done(self, job: Job, started: float) -> None:
+        """A running job ended (any outcome): free its place (if its last event has not), wake its
+        waiter, update the figures."""
+        self._release(job)
         job.done.set()
         self.jobs_done += 1
         self._avg_job_s = 0.8 * self._avg_job_s + 0.2 * (time.monotonic() - started)
@@ -321,6 +363,10 @@ class Worker:
                 log.warning("observer %s failed: %s", name, exc)
 
     def _deliver(self, job: Job, event: Event) -> None:
+        if isinstance(event, Failed) or (isinstance(event, Finished) and event.last):
+            # the job's answer is complete with this event: its place is free before the client can
+            # know it, so a next request sent at once is counted against a queue without it
+            self._release(job)
         try:
             job.sink(event)
         except Exception as exc:  # the HTTP side is gone (event loop closed): nobody is listening

@@ -58,7 +58,8 @@ class LiveServer:
 
 @contextlib.contextmanager
 def live_server(engine: FakeEngine | None = None, *, load: Callable[[], Any] | None = None,
-                api_key: str | None = None, max_queue: int = 8, parallel: int = 1, max_body_bytes: int = 1 << 20,
+                api_key: str | None = None, max_queue: int | None = None, queue_tokens: int | None = None,
+                parallel: int = 1, max_body_bytes: int = 1 << 20,
                 max_context: int | None = None, defaults: RequestDefaults | None = None,
                 model_id: str | None = MODEL_ID, wait_ready: bool = True,
                 speculation: Callable[[Any], Any] | None = None,
@@ -68,7 +69,8 @@ def live_server(engine: FakeEngine | None = None, *, load: Callable[[], Any] | N
     if load is None:
         engine = engine or FakeEngine()
         load = lambda: engine  # noqa: E731
-    worker = Worker(load, max_queue=max_queue, parallel=parallel, speculation=speculation).start()
+    worker = Worker(load, max_queue=max_queue, queue_tokens=queue_tokens, parallel=parallel,
+                    speculation=speculation).start()
     app = create_app(worker, api_key=api_key, model_id=model_id, max_body_bytes=max_body_bytes,
                      defaults=defaults or RequestDefaults(), max_context=max_context,
                      reasoning_format=reasoning_format)

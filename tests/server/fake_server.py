@@ -38,7 +38,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return serve(load, host=args.host, port=args.port, api_key=api_key_from(args), model_id=args.model_id,
-                     max_queue=args.max_queue, defaults=defaults_from_args(args), max_body_bytes=args.max_body_bytes,
+                     max_queue=args.max_queue, queue_tokens=args.queue_tokens, defaults=defaults_from_args(args),
+                     max_body_bytes=args.max_body_bytes,
                      shutdown_grace=args.shutdown_grace, log_level=args.log_level,
                      reasoning_format=args.reasoning_format,
                      on_listening=lambda url: print(url, flush=True))

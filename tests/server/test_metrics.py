@@ -32,7 +32,8 @@ def test_metrics_move_with_requests_on_the_fake_engine():
     with live_server(engine, api_key="sk-metrics") as server, server.http() as http, server.client() as sdk:
         before = scrape(http)
         assert value(before, "moestream_engine_state", state="ready") == 1.0
-        assert value(before, "moestream_queue_capacity") == 8.0
+        assert value(before, "moestream_queue_capacity") == float("inf")  # no count limit unless set
+        assert value(before, "moestream_queue_tokens_capacity") == server.worker.limits.max_tokens
         assert value(before, "moestream_generated_tokens_total") == 0.0
         replies = [sdk.chat.completions.create(model="m", messages=CHAT, max_tokens=n, temperature=0)
                    for n in (3, 5, 7)]

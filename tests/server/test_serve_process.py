@@ -43,7 +43,8 @@ def start(*flags: str, env: dict | None = None) -> tuple[subprocess.Popen, str]:
 def test_parser_defaults_and_flags():
     parser = build_parser(engine_arguments=False)
     args = parser.parse_args([])
-    assert (args.host, args.port, args.max_queue, args.api_key, args.model) == ("127.0.0.1", 8080, 8, None, None)
+    assert (args.host, args.port, args.max_queue, args.queue_tokens, args.api_key, args.model) == \
+        ("127.0.0.1", 8080, None, None, None, None)
     d = defaults_from_args(args)
     assert (d.temperature, d.top_k, d.top_p, d.max_tokens) == (0.2, 64, 0.95, None)
     args = parser.parse_args(["--temperature", "0", "--top-k", "5", "--top-p", "0.5", "--max-tokens", "7",
@@ -53,6 +54,9 @@ def test_parser_defaults_and_flags():
         (0.0, 5, 0.5, 7, 0, "m", 99)
     with pytest.raises(SystemExit):
         parser.parse_args(["--max-queue", "-1"])
+    assert parser.parse_args(["--queue-tokens", "5000"]).queue_tokens == 5000
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--queue-tokens", "0"])
     with pytest.raises(SystemExit):
         defaults_from_args(parser.parse_args(["--temperature", "3"]))
 

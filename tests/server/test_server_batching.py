@@ -81,7 +81,7 @@ def test_concurrent_requests_get_what_they_get_alone(real, reference):
             extra = {"temperature": 0.9, "top_p": 0.95, "seed": 1000 + i}
             sampling = SamplingParams(temperature=0.9, top_p=0.95, top_k=64, seed=1000 + i)
         expected = [alone(reference, ids, max_new, sampling)]
-        if i == 7:  # n = 2: each choice with its own seed, one after the other in the job's slot
+        if i == 7:  # n = 2: each choice with its own seed, side by side in slots of their own
             extra = {"n": 2, "temperature": 0.9, "seed": 7}
             expected = [alone(reference, ids, max_new, SamplingParams(temperature=0.9, top_k=64, top_p=0.95,
                                                                       seed=choice_seed(7, c))) for c in range(2)]
@@ -114,6 +114,48 @@ def test_concurrent_requests_get_what_they_get_alone(real, reference):
     for i, (job, texts) in enumerate(zip(jobs, got)):
         assert texts == job[4], f"request {i} ({job[0]}, {job[3]}) differs from its result alone"
     assert real.wait_idle(5) < 5
+
+
+class Seen:
+    """An observer of the decode steps' sizes and each choice's prompt tokens reused."""
+
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+        self.reused: list[int] = []
+
+    def batch_step(self, rows: int) -> None:
+        self.steps.append(rows)
+
+    def choice_done(self, prompt_tokens, generated, reason, receipt) -> None:
+        self.reused.append(int(receipt.get("reused_tokens", 0)))
+
+    def __getattr__(self, name: str):  # the other figures are not looked at here
+        return lambda *args: None
+
+
+def test_n_choices_run_side_by_side_as_they_run_one_after_another(real, model_dir, reference):
+    """n=3 on 4 slots: the three choices share decode steps (the later two sharing the first's prompt
+    blocks in the KV pool) and are the seeded choices --parallel 1 gives, one after another."""
+    prompt = "Side by side: " + " ".join(f"w{i}" for i in range(20))
+    assert len(reference.tokenizer.encode(prompt)) > 2 * BLOCK_SIZE
+    body = dict(model=MODEL_ID, prompt=prompt, n=3, max_tokens=10, temperature=0.9, seed=4321,
+                logit_bias=no_eos(reference))
+    real.wait_idle(5)
+    seen = Seen()
+    real.worker.observers.append(seen)
+    try:
+        with real.client() as c:
+            together = c.completions.create(**body)
+    finally:
+        real.worker.observers.remove(seen)
+    with live_server(load=lambda: Engine.load(model_dir, options=options()), parallel=1, model_id=MODEL_ID) as one, \
+            one.client() as c:
+        apart = c.completions.create(**body)
+    texts = [ch.text for ch in sorted(together.choices, key=lambda ch: ch.index)]
+    assert texts == [ch.text for ch in sorted(apart.choices, key=lambda ch: ch.index)]
+    assert len(set(texts)) > 1  # each choice its own seed
+    assert 3 in seen.steps  # one decode step ran the three
+    assert sorted(seen.reused)[1] >= 2 * BLOCK_SIZE  # the later choices found the prompt's blocks
 
 
 def test_metrics_show_batches_and_prefix_reuse(real, reference):
@@ -273,7 +315,7 @@ def test_parallel_and_queue_size_flags():
 
     parser = build_parser(engine_arguments=False)
     args = parser.parse_args([])
-    assert (args.parallel, args.max_queue) == (1, 8)
+    assert (args.parallel, args.max_queue) == (1, None)
     args = parser.parse_args(["--parallel", "16", "--queue-size", "3"])
     assert (args.parallel, args.max_queue) == (16, 3)
     with pytest.raises(SystemExit):

@@ -13,6 +13,7 @@ from conftest import API_KEY, MODEL_ID, live_server
 from fake_engine import FakeEngine
 from moestream.errors import MoestreamError
 from moestream.server import app as app_module
+from moestream.server.queue_limits import default_queue_tokens
 
 pytestmark = pytest.mark.timeout(120)  # a hung stream fails its test instead of stalling the run
 
@@ -105,7 +106,8 @@ def test_health_while_loading_then_ready():
         r = httpx.get(s.url + "/health")
         assert r.status_code == 200
         body = r.json()
-        assert body["status"] == "ok" and body["stats"]["slots"] == 16 and body["queue"]["max"] == 8
+        assert body["status"] == "ok" and body["stats"]["slots"] == 16 and body["queue"]["max"] is None
+        assert body["queue"]["max_tokens"] == default_queue_tokens() and body["queue"]["tokens"] == 0
 
 
 def test_health_when_loading_failed():
