@@ -16,15 +16,11 @@ from fastapi.responses import JSONResponse, Response
 
 from moestream.server.generation import JobStream, Runtime, Submitted, events, wait_whole
 from moestream.server.jobs import Failed, Finished, Started, TextDelta
-from moestream.server.protocol import APIError, ChatCompletionRequest, invalid, parse_request
+from moestream.server.protocol import ChatCompletionRequest, invalid, parse_request
 from moestream.server.reasoning import Reasoning, reply_reader
 from moestream.server.render import named_sse
 
 ReadJSON = Callable[[Request], Awaitable[Any]]
-
-
-def _anthropic_error(exc: APIError) -> JSONResponse:
-    return JSONResponse(exc.anthropic_body(), status_code=exc.status, headers=exc.headers)
 
 
 def _usage(end: Finished) -> dict:
@@ -155,23 +151,18 @@ def register(router: APIRouter, rt: Runtime, read_json: ReadJSON) -> None:
 
     @router.post("/messages/count_tokens")
     async def count_tokens(request: Request) -> Response:
-        try:
-            req = parse_request(ChatCompletionRequest, to_chat(await read_json(request), generate=False))
-            prompt_ids, _ = await chat_prompt(rt, req)
-        except APIError as exc:
-            return _anthropic_error(exc)
+        # (an APIError takes Anthropic's shape in the app's handler: this is a /messages route)
+        req = parse_request(ChatCompletionRequest, to_chat(await read_json(request), generate=False))
+        prompt_ids, _ = await chat_prompt(rt, req)
         return JSONResponse({"input_tokens": len(prompt_ids)})
 
     @router.post("/messages")
     async def messages(request: Request) -> Response:
-        try:
-            req = parse_request(ChatCompletionRequest, to_chat(await read_json(request)))
-            sub = await start_chat(rt, request, req)
-            if req.stream:
-                return JobStream(sub.job, _stream(sub))
-            end = await wait_whole(request, sub, "messages")
-        except APIError as exc:
-            return _anthropic_error(exc)
+        req = parse_request(ChatCompletionRequest, to_chat(await read_json(request)))
+        sub = await start_chat(rt, request, req)
+        if req.stream:
+            return JobStream(sub.job, _stream(sub))
+        end = await wait_whole(request, sub, "messages")
         if end is None:
             return Response(status_code=499)
         blocks = _blocks(sub)
