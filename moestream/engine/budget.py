@@ -84,8 +84,9 @@ def unpacked_expert_bytes(packed: PackedModel, dtype: torch.dtype) -> int:
 def plan_ledger(packed: PackedModel, args, *, dtype: torch.dtype, max_context: int, chunk: int, slots: int,
                 slot_bytes: int, host_slots: int, staging: int, cuda: bool = False, sequences: int = 1,
                 unpacked: int = 0) -> Ledger:
-    """sequences: sequence slots of the paged KV pool (its full-attention blocks for every slot at the
-    whole context, a window layer's for its window, recurrent states per slot)."""
+    """sequences: sequence slots of the paged KV pool (its full-attention blocks for one sequence's
+    whole context and a share per further slot, moestream.kv.pool.full_blocks; a window layer's for
+    its window; recurrent states per slot)."""
     item = torch.finfo(dtype).bits // 8
     kv = KVPool.bytes_for(args.kv_layout(), sequences=sequences, max_context=max_context, dtype=dtype,
                           prefill_chunk=chunk)

@@ -30,7 +30,7 @@ from moestream.engine.sequences import PromptTooLongError, SequenceSlots
 from moestream.engine.tokenizer import load_tokenizer
 from moestream.engine.types import SamplingParams
 from moestream.errors import MoestreamError
-from moestream.kv.pool import SequenceKV
+from moestream.kv.pool import KVRoom, SequenceKV
 from moestream.format.reader import PackedModel
 from moestream.models.registry import build_model
 
@@ -198,12 +198,22 @@ class Engine:
     def open_sequences(self) -> list[int]:
         return self.sequences.open_ids
 
-    def open_sequence(self, prefix: list[int] | None = None, *, slot: int | None = None) -> int:
+    def open_sequence(self, prefix: list[int] | None = None, *, slot: int | None = None,
+                      tokens: int | None = None) -> int:
         """Open a free slot and return its id. With `prefix` (the prompt to come), the free slot
         whose cache shares the longest start with it, that start kept (prefill reuses it); else
         the lowest free slot, emptied. `slot` names the free slot to open (a caller's own choice,
-        e.g. the least recently used); its shared start with `prefix` is kept the same way."""
-        return self.sequences.open(prefix, slot=slot)
+        e.g. the least recently used); its shared start with `prefix` is kept the same way.
+        `tokens`: the positions it may reach (default the whole context), kept free for it (kv_room)."""
+        return self.sequences.open(prefix, slot=slot, tokens=tokens)
+
+    def kv_room(self, prompt_ids: list[int], max_new_tokens: int) -> KVRoom:
+        """Whether the KV pool holds a new sequence of `prompt_ids` and up to `max_new_tokens` more
+        beside the open ones, each of which may still grow to the length it was opened for: a caller
+        that opens a sequence only where `.fits` (with tokens=len(prompt_ids) + max_new_tokens) never
+        sees one run out of blocks; `.ever` is False where it cannot fit even alone."""
+        tokens = min(len(prompt_ids) + max(0, max_new_tokens), self.max_context)
+        return self.sequences.room(list(prompt_ids), tokens)
 
     def close_sequence(self, seq: int) -> None:
         """Free slot `seq` for open_sequence (its cached tokens stay, for a later prompt's prefix)."""

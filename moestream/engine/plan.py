@@ -14,6 +14,7 @@ from moestream.errors import MoestreamError
 from moestream.experts.sizing import parse_bytes, slots_for
 from moestream.format.integrity import check_resident_files
 from moestream.format.reader import PackedModel
+from moestream.kv.pool import BLOCK_SIZE, full_blocks
 from moestream.models.registry import family_module
 
 log = logging.getLogger(__name__)
@@ -46,11 +47,14 @@ class RunPlan:
     unpacked: int = 0  # experts whose dequantized copies the CPU keeps (moestream.experts.unpacked)
     unpacked_bytes: int = 0  # one such copy's bytes
     cache_policy: str = "clock"  # the device cache's policy, "auto" resolved
+    kv_tokens: int = 0  # positions the KV pool's full-attention blocks hold, over all sequences
+    sequences: int = 1
 
     def describe(self) -> str:
         return (f"device {self.device}, {str(self.dtype).replace('torch.', '')}, context {self.max_context} tokens, "
                 f"prefill chunk {self.prefill_chunk} tokens, slot {self.slot_bytes} B, floor {self.min_slots} slots, "
-                f"policy {self.cache_policy}\n"
+                f"policy {self.cache_policy}, KV pool {self.kv_tokens} tokens for {self.sequences} "
+                f"sequence{'s' if self.sequences > 1 else ''}\n"
                 + self.ledger.table(slots=self.slots, slot_bytes=self.slot_bytes, total_experts=self.total_experts))
 
 
@@ -138,7 +142,16 @@ def plan_run(packed: PackedModel, options: EngineOptions, *, default_cache_size:
     return RunPlan(device=device, dtype=dtype, max_context=max_context, slots=slots, host_slots=host_slots,
                    slot_bytes=slot_bytes, total_experts=total, min_slots=floor, staging=staging, ledger=ledger(slots),
                    prefill_chunk=chunk, unpacked=min(slots, most_unpacked), unpacked_bytes=unpacked_bytes,
-                   cache_policy=resolve_policy(options.cache_policy, slots=slots, working_set=working_set))
+                   cache_policy=resolve_policy(options.cache_policy, slots=slots, working_set=working_set),
+                   kv_tokens=kv_pool_tokens(args, sequences=options.max_sequences, max_context=max_context),
+                   sequences=options.max_sequences)
+
+
+def kv_pool_tokens(args, *, sequences: int, max_context: int) -> int:
+    """Positions a full-attention layer's blocks hold, over all sequences (moestream.kv.pool.full_blocks)."""
+    layout = args.kv_layout()
+    max_blocks = -(-max_context // BLOCK_SIZE)
+    return BLOCK_SIZE * full_blocks(sequences, max_blocks, recurrent=any(s.recurrent for s in layout))
 
 
 def unpacked_limit(options: EngineOptions, device: torch.device, *, unpacked_bytes: int, total_experts: int) -> int:

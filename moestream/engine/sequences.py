@@ -3,7 +3,8 @@
 Kept apart from the engine because it is bookkeeping, not computation: which slot a sequence
 runs in, which free slot a new prompt should take (the one whose cache shares the longest start
 with it, so prefill reuses that start; the pool's published blocks serve any slot too), and
-whether a slot has room for more tokens. Slot 0, the default sequence, is open from the start."""
+whether a slot has room for more tokens, and whether the pool has room for one more sequence (each
+open one may still grow to the length it was opened for). Slot 0, the default sequence, is open from the start."""
 from __future__ import annotations
 
 import torch
@@ -12,7 +13,7 @@ from moestream.engine.types import common_prefix
 from moestream.errors import MoestreamError
 from moestream.kv.layout import LayerKV
 from moestream.kv import pool as kv_pool
-from moestream.kv.pool import KVPool, SequenceKV
+from moestream.kv.pool import KVPool, KVRoom, SequenceKV
 
 
 class PromptTooLongError(MoestreamError):
@@ -46,11 +47,18 @@ class SequenceSlots:
     def open_ids(self) -> list[int]:
         return sorted(self._open)
 
-    def open(self, prefix: list[int] | None = None, *, slot: int | None = None) -> int:
+    def room(self, prompt: list[int], tokens: int) -> KVRoom:
+        """Whether a sequence starting with `prompt` and reaching `tokens` positions fits the pool
+        beside the open ones (moestream.kv.pool.KVPool.room)."""
+        return self.pool.room(prompt, tokens, self.open_ids)
+
+    def open(self, prefix: list[int] | None = None, *, slot: int | None = None, tokens: int | None = None) -> int:
         """Open a free slot and return its id. With `prefix` (the prompt to come), the free slot
         whose cache shares the longest start with it, the start it or the pool's published blocks
         hold kept (prefill reuses it); else the lowest free slot, emptied. `slot` names the free slot
-        to open (a caller's own choice, e.g. the least recently used); its start is kept the same way."""
+        to open (a caller's own choice, e.g. the least recently used); its start is kept the same way.
+        `tokens`: the positions the sequence may reach (default the whole context), which `room`
+        keeps free for it."""
         free = [s for s in range(len(self.caches)) if s not in self._open]
         if not free:
             raise MoestreamError(f"all {len(self.caches)} sequence slots are open (max_sequences)")
@@ -63,6 +71,7 @@ class SequenceSlots:
             self.caches[slot].reuse(prefix, len(prefix))
         else:
             self.caches[slot].truncate(0)
+        self.caches[slot].promise = self.max_context if tokens is None else min(tokens, self.max_context)
         self._open.add(slot)
         return slot
 

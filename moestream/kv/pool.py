@@ -11,6 +11,13 @@ under a chained hash of its token ids, so a prompt starting like an earlier one 
 until its room is needed. Recurrent (linear-attention) layers keep a state per sequence instead
 (moestream.kv.recurrent), accounted in the same ledger.
 
+Sizing: a full-attention group holds the whole context for one sequence plus a quarter of it for
+each further slot (`full_blocks`), so the context is a limit per sequence, not a reservation per
+slot: one sequence can still reach the whole context while the others are short. A caller that runs
+several sequences admits one only where its whole length fits (`SequenceSlots.room`), so none runs
+out mid-generation. A pool with recurrent layers keeps every slot's whole context: there a free
+slot keeps its blocks and states for its next prompt's prefix rather than sharing them by content.
+
 Legend: NB blocks, BS block size, S sequences, MB blocks per sequence, Nkv heads, D head size."""
 from __future__ import annotations
 
@@ -23,8 +30,29 @@ from moestream.kv.layout import LayerKV
 from moestream.kv.recurrent import RECENT_STATES, RecurrentState, StateBook
 
 BLOCK_SIZE = 16
+FURTHER_SLOT_SHARE = 4  # each slot past the first gets 1/4 of the context's blocks
 ROLLBACK_MARGIN = 32  # positions behind a window that stay kept: a rollback of a step or two finds them
 MAX_STEP_TOKENS = RECENT_STATES - 1  # a step's rows at most (moestream.engine.decoder)
+
+
+@dataclass
+class KVRoom:
+    """Whether a sequence of `tokens` positions fits the pool's full-attention blocks beside the open ones."""
+
+    need: int  # blocks it would take (its prompt's full blocks open sequences hold are free to it)
+    free: int  # blocks free now, less what the open sequences may still take
+    total: int  # the pool's blocks (a full-attention group's)
+    block_size: int
+    reserved: bool = False  # every slot holds its whole context: any sequence fits
+
+    @property
+    def fits(self) -> bool:
+        return self.reserved or self.need <= self.free
+
+    @property
+    def ever(self) -> bool:
+        """Whether it fits alone, nothing else running."""
+        return self.reserved or self.need <= self.total
 
 
 @dataclass
@@ -78,8 +106,7 @@ class KVPool:
     def __init__(self, layout: list[LayerKV], *, max_sequences: int, max_context: int, dtype: torch.dtype,
                  device: torch.device, block_size: int = BLOCK_SIZE, num_blocks: int | None = None,
                  prefill_chunk: int = 0):
-        """num_blocks: blocks of a full-attention group (default: every sequence at the whole context);
-        a window group gets what its window needs for every sequence, and one prefill chunk's more."""
+        """num_blocks: blocks of a full-attention group (default: `full_blocks`); a window group gets what its window needs for every sequence, and one prefill chunk's more."""
         if block_size < 1:
             raise ValueError(f"the KV block size must be at least 1, got {block_size}")
         self.layout, self.block_size, self.max_context = layout, block_size, max_context
@@ -109,7 +136,8 @@ class KVPool:
 
     def blocks_for(self, window: int | None, num_blocks: int | None) -> int:
         if window is None:
-            return num_blocks if num_blocks is not None else self.max_sequences * self.max_blocks
+            return num_blocks if num_blocks is not None else \
+                full_blocks(self.max_sequences, self.max_blocks, recurrent=any(s.recurrent for s in self.layout))
         return window_blocks(window, max_context=self.max_context, block_size=self.block_size,
                              sequences=self.max_sequences, prefill_chunk=self.prefill_chunk)
 
@@ -135,6 +163,43 @@ class KVPool:
         total = sum(g.allocator.num_blocks for g in groups)
         return total - sum(g.allocator.free for g in groups), total
 
+    def room(self, prompt: list[int], tokens: int, open_seqs: list[int]) -> KVRoom:
+        """Whether a new sequence starting with `prompt` and reaching `tokens` positions fits beside the
+        open sequences `open_seqs`, each of which may still grow to its `promise`."""
+        bs = self.block_size
+        need = -(-min(tokens, self.max_context) // bs)
+        full = [g for g in self.groups.values() if g.window is None]
+        if not full:  # window and recurrent layers only: every sequence's share is set aside
+            return KVRoom(need, need, need, bs, reserved=True)
+        total = min(g.allocator.num_blocks for g in full)
+        if total >= self.max_sequences * self.max_blocks:
+            return KVRoom(need, total, total, bs, reserved=True)
+        # its prompt's full blocks before the first it writes, where an open sequence holds them: shared
+        kept = min(self.shared_blocks(prompt, len(prompt) - 1), (len(prompt) - 1) // bs)
+        chain = _chain(prompt, kept, bs)
+        need -= sum(all(g.allocator.refs[g.allocator.by_hash[d]] > 0 for g in full) for d in chain)
+        free = min(g.allocator.free - sum(self.sequences[s].to_take(g) for s in open_seqs) for g in full)
+        return KVRoom(need, free, total, bs)
+
+    def shared_blocks(self, prompt: list[int], limit: int) -> int:
+        """How many full blocks of prompt's start the pool can share (none with recurrent layers:
+        their states are a sequence's own)."""
+        if self.recurrent or not self.groups:
+            return 0
+        bs = self.block_size
+        chain = _chain(prompt, -(-limit // bs) if limit > 0 else 0, bs)
+        full = [g for g in self.groups.values() if g.window is None]
+        n = 0
+        while n < len(chain) and all(chain[n] in g.allocator.by_hash for g in full):
+            n += 1
+        while n > 0:  # a window group needs the blocks its window sees at the end
+            end = n * bs
+            if all(chain[j] in g.allocator.by_hash for g in self.groups.values() if g.window is not None
+                   for j in range(max(0, end - g.window) // bs, n)):
+                return n
+            n -= 1
+        return 0
+
     @property
     def nbytes(self) -> int:
         tensors = [t for c in self.layers for t in (c.keys, c.values) if t is not None]
@@ -146,7 +211,8 @@ class KVPool:
                   block_size: int = BLOCK_SIZE, prefill_chunk: int = 0) -> int:
         """What a pool for `layout` allocates (the ledger's KV line)."""
         item = torch.finfo(dtype).bits // 8
-        total, blocks = 0, sequences * -(-max_context // block_size)
+        total = 0
+        blocks = full_blocks(sequences, -(-max_context // block_size), recurrent=any(s.recurrent for s in layout))
         for spec in layout:
             if spec.paged:
                 n = blocks if spec.window is None else \
@@ -155,6 +221,14 @@ class KVPool:
                 total += n * block_size * spec.bytes_per_token(item)
             total += sequences * spec.state_bytes(max_context, item)
         return total
+
+
+def full_blocks(sequences: int, max_blocks: int, *, recurrent: bool = False) -> int:
+    """Blocks of a full-attention group: one sequence's whole context, and FURTHER_SLOT_SHARE's part
+    of it for each further slot (every slot's whole context with recurrent layers, see above)."""
+    if recurrent:
+        return sequences * max_blocks
+    return min(sequences * max_blocks, max_blocks + (sequences - 1) * -(-max_blocks // FURTHER_SLOT_SHARE))
 
 
 def window_blocks(window: int, *, max_context: int, block_size: int, sequences: int, prefill_chunk: int) -> int:
@@ -169,6 +243,14 @@ def _digest(parent: int, tokens: list[int]) -> int:
     return hash((parent, tuple(tokens)))
 
 
+def _chain(prompt: list[int], blocks: int, bs: int) -> list[int]:
+    """The chained digests of prompt's first `blocks` full blocks of `bs` tokens."""
+    out: list[int] = []
+    for j in range(blocks):
+        out.append(_digest(out[-1] if out else 0, prompt[j * bs:(j + 1) * bs]))
+    return out
+
+
 class SequenceKV:
     """One sequence slot of the pool: the token ids whose rows it holds (the one record of what is
     cached: prefix reuse and rollback only ask it), its blocks in every group, its recurrent states."""
@@ -176,6 +258,7 @@ class SequenceKV:
     def __init__(self, pool: KVPool, seq: int):
         self.pool, self.seq = pool, seq
         self.max_tokens = pool.max_context
+        self.promise = pool.max_context  # the positions it may reach while open (KVPool.room)
         self.tokens: list[int] = []
         self.hashes: list[int] = []  # chained digest of each full block of known tokens
         self.book = StateBook(pool.max_context) if pool.recurrent else None
@@ -216,6 +299,15 @@ class SequenceKV:
                     self._set(group, j, fresh)
                 else:
                     group.allocator.forget(block)
+
+    def to_take(self, group: _Group) -> int:
+        """Blocks of `group` this sequence may still take on its way to `promise` positions: those it
+        does not hold, and a held one it will write while another holds it too (copied first)."""
+        bs, held = self.pool.block_size, group.held[self.seq]
+        blocks = -(-min(self.promise, self.max_tokens) // bs)
+        done = sum(1 for j in range(min(blocks, len(held)))
+                   if held[j] >= 0 and (j < self.length // bs or group.allocator.refs[held[j]] == 1))
+        return max(0, blocks - done)
 
     def _drop(self, group: _Group, j: int) -> None:
         held = group.held[self.seq]
@@ -316,41 +408,16 @@ class SequenceKV:
             if a != b:
                 break
             own += 1
-        shared = self._shared_blocks(prompt, limit) * self.pool.block_size
+        shared = self.pool.shared_blocks(prompt, limit) * self.pool.block_size
         if shared > own:
             self.release()
             self._adopt(prompt, shared // self.pool.block_size)
             own = min(shared, limit)
         return self.truncate(own)
 
-    def _chain(self, prompt: list[int], blocks: int) -> list[int]:
-        bs, out = self.pool.block_size, []
-        for j in range(blocks):
-            out.append(_digest(out[-1] if out else 0, prompt[j * bs:(j + 1) * bs]))
-        return out
-
-    def _shared_blocks(self, prompt: list[int], limit: int) -> int:
-        """How many full blocks of prompt's start the pool can share (none with recurrent layers:
-        their states are a sequence's own)."""
-        if self.pool.recurrent or not self.pool.groups:
-            return 0
-        bs = self.pool.block_size
-        chain = self._chain(prompt, -(-limit // bs) if limit > 0 else 0)
-        full = [g for g in self.pool.groups.values() if g.window is None]
-        n = 0
-        while n < len(chain) and all(chain[n] in g.allocator.by_hash for g in full):
-            n += 1
-        while n > 0:  # a window group needs the blocks its window sees at the end
-            end = n * bs
-            if all(chain[j] in g.allocator.by_hash for g in self.pool.groups.values() if g.window is not None
-                   for j in range(max(0, end - g.window) // bs, n)):
-                return n
-            n -= 1
-        return 0
-
     def _adopt(self, prompt: list[int], blocks: int) -> None:
         bs = self.pool.block_size
-        chain = self._chain(prompt, blocks)
+        chain = _chain(prompt, blocks, bs)
         for group in self.pool.groups.values():
             first = 0 if group.window is None else max(0, blocks * bs - group.window) // bs
             for j in range(first, blocks):

@@ -2,8 +2,12 @@
 
 The scheduler runs on the worker's thread and owns the engine's slots. Each turn of its loop is
 one step boundary:
-- admit: waiting jobs are admitted while a slot is free (a job is owed one per choice not yet ended),
-  first in first out, and their choices take free slots in order. A choice's prompt goes to the free slot
+- admit: waiting jobs are admitted while a slot is free (a job is owed one per choice not yet ended)
+  and the KV pool has room for the first's first choice, first in first out, and their choices take
+  free slots in order. A choice starts only where the pool holds its prompt plus its max_tokens beside
+  what the running ones may still take (`Engine.kv_room`: its prompt's blocks a running one holds are
+  free to it), so no sequence runs out of blocks mid-generation; else it waits, and the jobs after it
+  too, until running ones end. One that cannot fit even alone is refused (400). A choice's prompt goes to the free slot
   whose cached tokens share the longest start with it (that start is not computed again); where
   none shares any, the least recently used slot (eviction is slot reuse). So the prefix cache is
   the slots' KV caches, shared by all requests.
@@ -117,6 +121,7 @@ class BatchScheduler:
         # the expert cache's counters as last read (once per engine call, _account): the metrics count the
         # work since, and a request's receipt starts and ends at such a reading
         self.stats: dict = {}
+        self.kv_waiting = False  # an admitted job's choice waits for KV blocks (the queue waits behind it)
 
     # ---- the loop
 
@@ -130,7 +135,7 @@ class BatchScheduler:
                 if w._stopping:
                     break
                 admitted = []
-                while w._waiting and w._free_slots_locked() > 0:
+                while w._waiting and w._free_slots_locked() > 0 and not self._kv_waits(w._waiting[0]):
                     admitted.append(w._start_next())
             for job in admitted:
                 self._admit(job)
@@ -157,62 +162,102 @@ class BatchScheduler:
         self.worker._deliver(job, Started(queue_s=run.queue_s))
         self.worker._observe("job_started", run.queue_s)
 
+    def _kv_waits(self, job: Job) -> bool:
+        """Whether the first waiting job stays in the queue for KV blocks: an admitted one's choice
+        waits for them (first come first served), or its first choice does not fit beside the running
+        ones now (one that never fits, or a prompt the engine refuses, is admitted to be refused)."""
+        room_of = getattr(self.engine, "kv_room", None)
+        if room_of is None:
+            return False
+        if self.kv_waiting:
+            return True
+        choice = job.choices[0]
+        if not choice.prompt_ids or len(choice.prompt_ids) >= self.engine.max_context:
+            return False
+        room = room_of(choice.prompt_ids, choice.max_new_tokens)
+        return room.ever and not room.fits
+
     def _start_choices(self) -> None:
         """Admitted jobs' next choices take the free slots, oldest job first. A choice whose prompt an
-        earlier choice of its job is prefilling waits for it: then it shares that prompt's blocks."""
+        earlier choice of its job is prefilling waits for it: then it shares that prompt's blocks. One
+        that waits for KV blocks holds back every later one."""
+        self.kv_waiting = False
         for run in list(self.runs.values()):
             while run.unstarted and len(self.engine.open_sequences) < self.slots and id(run.job) in self.runs:
                 prompt = run.job.choices[run.next].prompt_ids
                 if prompt not in run.prefilled and \
                         any(r.run is run and r.prefilling and r.prompt == prompt for r in self.active):
                     break
-                self._start_choice(run)
+                if not self._start_choice(run):
+                    self.kv_waiting = True
+                    return
             if len(self.engine.open_sequences) >= self.slots:
                 return
 
-    def _start_choice(self, run: JobRun) -> None:
+    def _start_choice(self, run: JobRun) -> bool:
         """Open a slot for `run`'s next choice, or end that choice (nothing to generate) or the job
-        (refused, cancelled) at once."""
+        (refused, cancelled) at once; False where it waits for KV blocks (nothing done)."""
         w, engine, job, index = self.worker, self.engine, run.job, run.next
         choice = job.choices[index]
-        run.next += 1
         try:
             engine.check_prompt(choice.prompt_ids)
         except MoestreamError as exc:  # refused before starting, as engine.generate would
+            run.next += 1
             w._deliver(job, Failed(one_line(exc), code="invalid_request"))
             self._end_job(run)
-            return
-        slot = self._open_slot(choice.prompt_ids)
+            return True
+        tokens = None
+        room_of = getattr(engine, "kv_room", None)
+        if room_of is not None:
+            budget = max(0, min(choice.max_new_tokens, engine.max_context - len(choice.prompt_ids)))
+            room = room_of(choice.prompt_ids, budget)
+            if not room.ever:
+                run.next += 1
+                w._deliver(job, Failed(
+                    f"the request needs {room.need} KV blocks of {room.block_size} tokens (its prompt of "
+                    f"{len(choice.prompt_ids)} tokens plus max_tokens {choice.max_new_tokens}); the KV pool "
+                    f"holds {room.total}", code="invalid_request"))
+                self._end_job(run)
+                return True
+            if not room.fits:
+                return False
+            tokens = len(choice.prompt_ids) + budget
+        run.next += 1
+        slot = self._open_slot(choice.prompt_ids, tokens)
         if choice.echo:
             try:
                 ok = w._echo(job, choice, index, seq=slot)
             except BaseException as exc:
                 engine.close_sequence(slot)
                 self._fail(job, exc)
-                return
+                return True
             self._account()  # the prompt's scoring is cache work too
             if not ok:  # cancelled
                 engine.close_sequence(slot)
                 self._end_job(run)
-                return
+                return True
         if choice.max_new_tokens <= 0:
             engine.close_sequence(slot)
             w._nothing_to_generate(job, choice, index, self._last_to_end(run), run.queue_s)
             self._choice_over(run)
-            return
+            return True
         self.active.append(self._running(run, index, slot))
         run.running += 1
+        return True
 
     def _last_to_end(self, run: JobRun) -> bool:
         """Whether the choice of `run` ending now (no longer counted as running) is its job's last."""
         return not run.unstarted and run.running == 0
 
-    def _open_slot(self, prompt: list[int]) -> int:
-        """The free slot sharing the longest start with `prompt`; among equals the least recently used."""
+    def _open_slot(self, prompt: list[int], tokens: int | None) -> int:
+        """The free slot sharing the longest start with `prompt`; among equals the least recently used.
+        `tokens`: the positions it may reach, kept free for it in the KV pool (None: no such count)."""
         engine = self.engine
         free = [s for s in range(self.slots) if s not in engine.open_sequences]
         best = max(free, key=lambda s: (common_prefix(engine.caches[s].tokens, prompt), -self.last_used[s]))
-        return engine.open_sequence(prompt, slot=best)
+        if tokens is None:
+            return engine.open_sequence(prompt, slot=best)
+        return engine.open_sequence(prompt, slot=best, tokens=tokens)
 
     def _running(self, run: JobRun, index: int, slot: int) -> Running:
         engine, job = self.engine, run.job
