@@ -254,7 +254,8 @@ def test_a_long_prompt_is_prefilled_between_decode_steps(model_dir, reference):
 def test_beyond_the_slots_and_the_queue_503(model_dir, reference):
     with live_server(load=lambda: Engine.load(model_dir, options=options(max_sequences=2)), parallel=2,
                      max_queue=1, model_id=MODEL_ID) as s:
-        body = {"prompt": PROMPTS[0], "max_tokens": 900, "temperature": 0, "stream": True,
+        # (two prompts of 500 tokens fit the two slots' shared KV pool together; 900 would not)
+        body = {"prompt": PROMPTS[0], "max_tokens": 500, "temperature": 0, "stream": True,
                 "logit_bias": no_eos(reference)}
         with httpx.Client(base_url=s.url, timeout=60) as a, httpx.Client(base_url=s.url, timeout=60) as b:
             with a.stream("POST", "/v1/completions", json=body) as ra, \
