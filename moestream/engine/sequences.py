@@ -67,8 +67,9 @@ class SequenceSlots:
         shared = {s: common_prefix(self.caches[s].tokens, prefix) if prefix else 0 for s in free}
         if slot is None:
             slot = max(free, key=lambda s: (shared[s], -s))
-        if prefix:
-            self.caches[slot].reuse(prefix, len(prefix))
+        if prefix:  # its last token is run anew (its logits start decoding): a block shared to its end is
+            # copied then, which `room` counts only where this sequence does not hold that token yet
+            self.caches[slot].reuse(prefix, len(prefix) - 1)
         else:
             self.caches[slot].truncate(0)
         self.caches[slot].promise = self.max_context if tokens is None else min(tokens, self.max_context)

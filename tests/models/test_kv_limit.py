@@ -91,3 +91,31 @@ def test_a_pool_smaller_than_a_context_says_so():
     s = slots(2, num_blocks=4)
     room = s.room([1, 2, 3], 5 * BLOCK_SIZE)
     assert not room.ever and not room.fits and room.total == 4
+
+
+def grow(s: SequenceSlots, seq: int, end: int) -> None:
+    """Run sequence `seq` to `end` positions, a block at a time, as steps do."""
+    cache = s.caches[seq]
+    while cache.length < end:
+        stop = min(end, (cache.length // BLOCK_SIZE + 1) * BLOCK_SIZE)
+        cache.reserve(cache.length, stop)
+        cache.append([1000 + seq] * (stop - cache.length))
+
+
+def test_a_wholly_shared_prompt_counts_the_copy_of_its_last_block():
+    s = slots(3)  # 16 + 2 * 4 = 24 blocks
+    prompt = [(7 * i) % 97 for i in range(5 * BLOCK_SIZE)]  # 5 full blocks, its last token in the 5th
+    a = s.open(prompt, slot=0, tokens=CONTEXT)
+    s.caches[a].reserve(0, len(prompt))
+    s.caches[a].append(prompt)
+    assert s.room(prompt, 8 * BLOCK_SIZE).need == 4  # the 5th is copied: prefill runs the last token again
+    b = s.open(prompt, slot=1, tokens=8 * BLOCK_SIZE)
+    assert s.caches[b].length == len(prompt) - 1  # not prefilled yet: it shares all 5
+    room = s.room([3] * 10, 5 * BLOCK_SIZE)
+    assert room.free == 24 - 16 - 4 and not room.fits
+    if room.fits:  # what the scheduler does: open only where it fits, then every sequence may reach its length
+        c = s.open([3] * 10, slot=2, tokens=5 * BLOCK_SIZE)
+        grow(s, c, 5 * BLOCK_SIZE)
+    s.caches[b].truncate(len(prompt) - 1)  # b's prefill: its last prompt token, then its tokens
+    grow(s, b, 8 * BLOCK_SIZE)
+    grow(s, a, CONTEXT)
