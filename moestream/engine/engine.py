@@ -207,13 +207,14 @@ class Engine:
         `tokens`: the positions it may reach (default the whole context), kept free for it (kv_room)."""
         return self.sequences.open(prefix, slot=slot, tokens=tokens)
 
-    def kv_room(self, prompt_ids: list[int], max_new_tokens: int) -> KVRoom:
+    def kv_room(self, prompt_ids: list[int], max_new_tokens: int, *, share: bool = True) -> KVRoom:
         """Whether the KV pool holds a new sequence of `prompt_ids` and up to `max_new_tokens` more
         beside the open ones, each of which may still grow to the length it was opened for: a caller
         that opens a sequence only where `.fits` (with tokens=len(prompt_ids) + max_new_tokens) never
-        sees one run out of blocks; `.ever` is False where it cannot fit even alone."""
+        sees one run out of blocks; `.ever` is False where it cannot fit even alone. `share` False: a
+        prompt computed whole (prompt_logprobs), which shares no block the pool holds."""
         tokens = min(len(prompt_ids) + max(0, max_new_tokens), self.max_context)
-        return self.sequences.room(list(prompt_ids), tokens)
+        return self.sequences.room(list(prompt_ids), tokens, share=share)
 
     def close_sequence(self, seq: int) -> None:
         """Free slot `seq` for open_sequence (its cached tokens stay, for a later prompt's prefix)."""

@@ -47,10 +47,10 @@ class SequenceSlots:
     def open_ids(self) -> list[int]:
         return sorted(self._open)
 
-    def room(self, prompt: list[int], tokens: int) -> KVRoom:
+    def room(self, prompt: list[int], tokens: int, *, share: bool = True) -> KVRoom:
         """Whether a sequence starting with `prompt` and reaching `tokens` positions fits the pool
         beside the open ones (moestream.kv.pool.KVPool.room)."""
-        return self.pool.room(prompt, tokens, self.open_ids)
+        return self.pool.room(prompt, tokens, self.open_ids, share=share)
 
     def open(self, prefix: list[int] | None = None, *, slot: int | None = None, tokens: int | None = None) -> int:
         """Open a free slot and return its id. With `prefix` (the prompt to come), the free slot

@@ -163,9 +163,10 @@ class KVPool:
         total = sum(g.allocator.num_blocks for g in groups)
         return total - sum(g.allocator.free for g in groups), total
 
-    def room(self, prompt: list[int], tokens: int, open_seqs: list[int]) -> KVRoom:
+    def room(self, prompt: list[int], tokens: int, open_seqs: list[int], *, share: bool = True) -> KVRoom:
         """Whether a new sequence starting with `prompt` and reaching `tokens` positions fits beside the
-        open sequences `open_seqs`, each of which may still grow to its `promise`."""
+        open sequences `open_seqs`, each of which may still grow to its `promise`. `share` False: it
+        computes its whole prompt (e.g. to score it), so it shares no block."""
         bs = self.block_size
         need = -(-min(tokens, self.max_context) // bs)
         full = [g for g in self.groups.values() if g.window is None]
@@ -175,7 +176,7 @@ class KVPool:
         if total >= self.max_sequences * self.max_blocks:
             return KVRoom(need, total, total, bs, reserved=True)
         # its prompt's full blocks before the first it writes, where an open sequence holds them: shared
-        kept = min(self.shared_blocks(prompt, len(prompt) - 1), (len(prompt) - 1) // bs)
+        kept = min(self.shared_blocks(prompt, len(prompt) - 1), (len(prompt) - 1) // bs) if share else 0
         chain = _chain(prompt, kept, bs)
         need -= sum(all(g.allocator.refs[g.allocator.by_hash[d]] > 0 for g in full) for d in chain)
         free = min(g.allocator.free - sum(self.sequences[s].to_take(g) for s in open_seqs) for g in full)

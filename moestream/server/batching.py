@@ -55,6 +55,11 @@ from moestream.server.jobs import (Failed, Job, Started, TextDelta, TokenClock, 
 log = logging.getLogger(__name__)
 
 
+def _echoed(choice: Any) -> dict:
+    """kv_room's arguments for a choice whose prompt is scored (echo): computed whole, it shares no block."""
+    return {"share": False} if choice.echo else {}
+
+
 @dataclass
 class Running:
     """One choice of a job, generating in sequence slot `slot`."""
@@ -174,7 +179,7 @@ class BatchScheduler:
         choice = job.choices[0]
         if not choice.prompt_ids or len(choice.prompt_ids) >= self.engine.max_context:
             return False
-        room = room_of(choice.prompt_ids, choice.max_new_tokens)
+        room = room_of(choice.prompt_ids, choice.max_new_tokens, **_echoed(choice))
         return room.ever and not room.fits
 
     def _start_choices(self) -> None:
@@ -210,7 +215,7 @@ class BatchScheduler:
         room_of = getattr(engine, "kv_room", None)
         if room_of is not None:
             budget = max(0, min(choice.max_new_tokens, engine.max_context - len(choice.prompt_ids)))
-            room = room_of(choice.prompt_ids, budget)
+            room = room_of(choice.prompt_ids, budget, **_echoed(choice))
             if not room.ever:
                 run.next += 1
                 w._deliver(job, Failed(

@@ -100,3 +100,36 @@ def test_a_request_that_never_fits_is_refused_with_400(model_dir, monkeypatch):
         assert "KV blocks" in message and "the KV pool holds 4" in message
         r = httpx.post(f"{s.url}/v1/completions", json={**body, "max_tokens": 8}, timeout=120)
         assert r.status_code == 200, r.text
+
+
+def test_an_echoed_prompt_counts_every_block_it_computes(model_dir):
+    """A prompt whose log-probabilities are asked for (echo) is computed whole, sharing none of the
+    blocks a running request holds: its admission counts them all, so neither runs out of blocks."""
+    import time
+
+    engine = load(model_dir, 2)  # 10 blocks
+    text = "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n"
+    ids = engine.tokenizer.encode(text * 4)
+    assert len(ids) >= 3 * kv_pool.BLOCK_SIZE + 1
+    prompt = ids[:3 * kv_pool.BLOCK_SIZE + 1]  # its 3 full blocks are published once it is prefilled
+    sampling = no_eos(engine)
+    worker = Worker(lambda: engine, parallel=2)
+    worker.start()
+    assert worker.wait_ready(60), worker.error
+    try:
+        first = event_collector()
+        worker.submit(Job([Choice(prompt, 40, sampling)], sink=first[2]))  # 6 blocks (89 positions)
+        deadline = time.monotonic() + 120
+        while not any(isinstance(e, TextDelta) for e in first[0]) and not first[1].is_set():
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        # 6 blocks (90 positions), 3 of them the running one's prompt blocks it would share, were it not
+        # scored whole: it waits for the first to end, as they would run out of blocks side by side
+        second = event_collector()
+        worker.submit(Job([Choice(prompt + [prompt[1]], 40, sampling, echo=True)], sink=second[2], logprobs=0))
+        for events, done, _ in (first, second):
+            assert done.wait(240)
+            assert not [e for e in events if isinstance(e, Failed)], events
+            assert [e.finish_reason for e in events if isinstance(e, Finished)] == ["length"]
+    finally:
+        worker.shutdown()
