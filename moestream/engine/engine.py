@@ -205,7 +205,18 @@ class Engine:
         the lowest free slot, emptied. `slot` names the free slot to open (a caller's own choice,
         e.g. the least recently used); its shared start with `prefix` is kept the same way.
         `tokens`: the positions it may reach (default the whole context), kept free for it (kv_room)."""
+        if tokens is not None:
+            tokens = self._reach(prefix or [], tokens)
         return self.sequences.open(prefix, slot=slot, tokens=tokens)
+
+    def _reach(self, prompt_ids: list[int], tokens: int) -> int:
+        """The positions a sequence of `tokens` for `prompt_ids` may hold blocks for: a first prefill
+        chunk padded to its graph's bucket holds the padding's blocks too (prefill_graphs.run)."""
+        graphs = self.prefill_graphs
+        first = min(len(prompt_ids), max(1, self.plan.prefill_chunk))
+        if graphs is not None and first > 0 and graphs.takes(first, 0, 0):
+            tokens = max(tokens, prefill_graphs.bucket(first))
+        return min(tokens, self.max_context)
 
     def kv_room(self, prompt_ids: list[int], max_new_tokens: int, *, share: bool = True) -> KVRoom:
         """Whether the KV pool holds a new sequence of `prompt_ids` and up to `max_new_tokens` more
@@ -213,7 +224,7 @@ class Engine:
         that opens a sequence only where `.fits` (with tokens=len(prompt_ids) + max_new_tokens) never
         sees one run out of blocks; `.ever` is False where it cannot fit even alone. `share` False: a
         prompt computed whole (prompt_logprobs), which shares no block the pool holds."""
-        tokens = min(len(prompt_ids) + max(0, max_new_tokens), self.max_context)
+        tokens = self._reach(prompt_ids, len(prompt_ids) + max(0, max_new_tokens))
         return self.sequences.room(list(prompt_ids), tokens, share=share)
 
     def close_sequence(self, seq: int) -> None:

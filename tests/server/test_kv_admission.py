@@ -133,3 +133,28 @@ def test_an_echoed_prompt_counts_every_block_it_computes(model_dir):
             assert [e.finish_reason for e in events if isinstance(e, Finished)] == ["length"]
     finally:
         worker.shutdown()
+
+
+def test_a_padded_first_prefill_chunk_counts_its_padding(model_dir):
+    """Where the engine pads a prompt's first prefill chunk to its graph's bucket (CUDA), the padding's
+    rows take blocks too: admission and the sequence's promise count them."""
+    from moestream.engine import prefill_graphs
+
+    class Pads:  # the engine's padded prefill, as on CUDA: every chunk of more than 16 tokens
+        def takes(self, tokens, start, seq):
+            return start == 0 and tokens > 16
+
+    engine = load(model_dir, 2)
+    try:
+        prompt = list(range(10, 50))  # 40 tokens: padded to 64
+        assert engine.kv_room(prompt, 2).need == 3
+        engine.prefill_graphs = Pads()
+        assert prefill_graphs.bucket(len(prompt)) == 64
+        assert engine.kv_room(prompt, 2).need == 4
+        for seq in list(engine.open_sequences):
+            engine.close_sequence(seq)
+        seq = engine.open_sequence(prompt, tokens=len(prompt) + 2)
+        assert engine.caches[seq].promise == 64
+    finally:
+        engine.prefill_graphs = None
+        engine.close()
