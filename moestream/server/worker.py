@@ -365,7 +365,9 @@ class Worker:
     def _deliver(self, job: Job, event: Event) -> None:
         if isinstance(event, Failed) or (isinstance(event, Finished) and event.last):
             # the job's answer is complete with this event: its place is free before the client can
-            # know it, so a next request sent at once is counted against a queue without it
+            # know it, so a next request sent at once is counted against a queue without it; the
+            # figures (/metrics) are the engine's after it, before anyone can see the server idle
+            self._refresh_stats()
             self._release(job)
         try:
             job.sink(event)
