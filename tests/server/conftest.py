@@ -112,3 +112,26 @@ def client(server: LiveServer):
 def http(server: LiveServer) -> Iterator[httpx.Client]:
     with server.http() as c:
         yield c
+
+
+TINY_MODEL_ID = "tiny-moe"
+
+
+@pytest.fixture(scope="module")
+def real(tiny_packed_model):
+    """A live server over the tiny real qwen3_moe model on the CPU (2048 positions: room for a tools
+    prompt), model id "tiny-moe"; a module with its own model overrides this fixture."""
+    from moestream.engine.engine import Engine
+    from moestream.engine.options import EngineOptions
+
+    model_dir = tiny_packed_model("qwen3_moe", max_position_embeddings=2048)
+    with live_server(load=lambda: Engine.load(model_dir, options=EngineOptions(device="cpu")),
+                     model_id=TINY_MODEL_ID) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def sdk(real):
+    """An openai client of `real`."""
+    with real.client() as c:
+        yield c

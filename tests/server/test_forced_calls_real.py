@@ -8,11 +8,9 @@ import json
 
 import pytest
 
-from conftest import live_server
 
 pytest.importorskip("torch")
 Engine = pytest.importorskip("moestream.engine.engine").Engine
-from moestream.engine.options import EngineOptions  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -23,20 +21,6 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
          {"type": "function", "function": {"name": "get_time", "parameters": ORDINARY}}]
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
 TIGHT = 75  # tokens: about what the shortest call takes in the tiny model's byte-level vocabulary
-
-
-@pytest.fixture(scope="module")
-def real(tiny_packed_model):
-    model_dir = tiny_packed_model("qwen3_moe", max_position_embeddings=2048)
-    with live_server(load=lambda: Engine.load(model_dir, options=EngineOptions(device="cpu")),
-                     model_id=MODEL_ID) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def sdk(real):
-    with real.client() as c:
-        yield c
 
 
 def _fits(name: str, arguments: str) -> None:

@@ -11,7 +11,6 @@ from typing import Literal
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
-from conftest import live_server
 
 pytest.importorskip("torch")
 langchain_openai = pytest.importorskip("langchain_openai")  # CI installs it (requirements-ci.txt)
@@ -19,7 +18,6 @@ from langchain_core.messages import AIMessage, HumanMessage, ToolMessage  # noqa
 from langchain_core.tools import tool  # noqa: E402
 
 Engine = pytest.importorskip("moestream.engine.engine").Engine
-from moestream.engine.options import EngineOptions  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -43,14 +41,6 @@ class Verdict(BaseModel):
     model_config = ConfigDict(extra="forbid")
     ok: bool
     score: int = Field(ge=0, le=9)
-
-
-@pytest.fixture(scope="module")
-def real(tiny_packed_model):
-    model_dir = tiny_packed_model("qwen3_moe", max_position_embeddings=2048)
-    with live_server(load=lambda: Engine.load(model_dir, options=EngineOptions(device="cpu")),
-                     model_id=MODEL_ID) as s:
-        yield s
 
 
 def chat_model(real, **kw):

@@ -9,11 +9,9 @@ import json
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
-from conftest import live_server
 
 pytest.importorskip("torch")
 Engine = pytest.importorskip("moestream.engine.engine").Engine
-from moestream.engine.options import EngineOptions  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -37,20 +35,6 @@ class Verdict(BaseModel):
 
 def valid_lookup(arguments: dict) -> bool:
     return set(arguments) == {"n", "tag"} and isinstance(arguments["n"], int) and arguments["tag"] in ("a", "b")
-
-
-@pytest.fixture(scope="module")
-def real(tiny_packed_model):
-    model_dir = tiny_packed_model("qwen3_moe", max_position_embeddings=2048)  # room for a tools prompt
-    with live_server(load=lambda: Engine.load(model_dir, options=EngineOptions(device="cpu")),
-                     model_id=MODEL_ID) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def sdk(real):
-    with real.client() as c:
-        yield c
 
 
 @pytest.fixture(scope="module")

@@ -44,12 +44,6 @@ def real(model_dir):
         yield s
 
 
-@pytest.fixture(scope="module")
-def sdk(real):
-    with real.client() as c:
-        yield c
-
-
 def test_echo_logprobs_score_the_prompt(sdk, engine):
     ids = engine.tokenizer.encode("The quick brown fox jumps", add_special_tokens=False)
     out = sdk.completions.create(model=MODEL_ID, prompt=ids, max_tokens=0, echo=True, logprobs=2, temperature=0)

@@ -43,12 +43,6 @@ def real(model_dir):
         yield s
 
 
-@pytest.fixture(scope="module")
-def sdk(real):
-    with real.client() as c:
-        yield c
-
-
 def engine_text(engine, prompt_ids, max_new, sampling) -> str:
     gen = engine.generate(prompt_ids, max_new_tokens=max_new, sampling=sampling)
     ids = [ev.token_id for ev in gen]
