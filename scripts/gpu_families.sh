@@ -4,7 +4,9 @@
 # (uniform routing, prefill 512 and 2048), one process per shape.
 #   scripts/gpu_families.sh OUT [SHAPE...]   (default: the shapes below; BEFORE=DIR also benches the
 #                                             same shapes with an older checkout's moestream/ beside it;
-#                                             TESTS=0 skips the tests, FILE_LIMIT=s per test file)
+#                                             TESTS=0 skips the tests, FILE_LIMIT=s per test file,
+#                                             FILES='a b' only those test files, JOBS=n files at once;
+#                                             the shape 'none' skips the benches)
 # OUT gets run.log (a line per file and per bench), gpu-tests.log (failures in full) and
 # benches.json (every bench's JSON, keyed by shape and side): few files, as a device call returns.
 set -u
@@ -13,18 +15,22 @@ shapes=${*:-gemma-4-26b-a4b gpt-oss-20b qwen3-30b-a3b qwen3.5-35b-a3b qwen3-next
 mkdir -p "$out"; root=$PWD; tmp=$(mktemp -d)
 export PYTHONUNBUFFERED=1 PYTHONPATH=$root
 log() { echo "[$(date +%T)] $*" | tee -a "$out/run.log"; }
-(for s in $shapes; do python3 -m moestream synth --shape "$s" "/tmp/$s" --force > "$tmp/synth-$s.log" 2>&1 & done
+([ "$shapes" = none ] || for s in $shapes; do python3 -m moestream synth --shape "$s" "/tmp/$s" --force > "$tmp/synth-$s.log" 2>&1 & done
  wait; log "synth done") &
+one_file() {  # one test file in its own process; its log kept only where it failed
+  local f=$1 t; t=$(mktemp)
+  timeout "${FILE_LIMIT:-150}" python3 -m pytest -o addopts="" -q -p no:cacheprovider -rfE --tb=short "$f" > "$t" 2>&1
+  local rc=$?
+  log "$(basename "$f") rc=$rc $(tail -1 "$t")"
+  [ $rc = 0 ] || { echo "=== $f (rc $rc)"; cat "$t"; } >> "$out/gpu-tests.log"
+}
+export -f one_file log; export out
 if [ "${TESTS:-1}" != 0 ]; then
-  for f in tests/gpu/test_*.py; do
-    timeout "${FILE_LIMIT:-150}" python3 -m pytest -o addopts="" -q -p no:cacheprovider -rfE --tb=short "$f" \
-      > "$tmp/test.log" 2>&1
-    rc=$?
-    log "$(basename "$f") rc=$rc $(tail -1 "$tmp/test.log")"
-    [ $rc = 0 ] || { echo "=== $f (rc $rc)"; cat "$tmp/test.log"; } >> "$out/gpu-tests.log"
-  done
+  files=${FILES:-$(ls tests/gpu/test_*.py)}
+  for f in $files; do echo "$f"; done | xargs -P "${JOBS:-1}" -I{} bash -c 'one_file {}'
 fi
 wait
+[ "$shapes" = none ] && shapes=""
 for s in $shapes; do
   for side in after ${BEFORE:+before}; do
     d=$root; [ "$side" = before ] && d=$BEFORE
