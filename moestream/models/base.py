@@ -17,6 +17,7 @@ from moestream.layers.attention import Attention, AttentionWeights
 from moestream.kv.layout import LayerKV
 from moestream.layers.mlp import DenseMLP
 from moestream.layers.moe import MoEBlock, SharedExpert
+from moestream.layers.packed_matrix import packed_matrix, packs
 from moestream.layers.rope import Rope, rope_parameters, rope_theta
 from moestream.layers.routers import softmax_topk
 from moestream.layers.transformer import DecoderLayer, MoETransformer
@@ -144,6 +145,22 @@ class WeightLoader:
         self.unused.discard(name)
         return t.to(self.device)
 
+    def take_matrix(self, name: str, shape: tuple[int, int]) -> torch.Tensor:
+        """A matrix the layers only multiply by (F.linear): on the CPU, where the native row products
+        take its codes, kept packed (moestream.layers.packed_matrix); else as `take` gives it."""
+        spec = self.packed.tensor_spec(name) if self.has(name) else None
+        if self.device.type != "cpu" or self.dtype != torch.float32 or spec is None or not spec.quantized:
+            return self.take(name, shape)
+        base = name[: -len(".weight")]
+        scales = self.packed.raw_dense(base + ".scales")
+        if not packs(spec, shape, scales.dtype):
+            return self.take(name, shape)
+        m = packed_matrix(self.packed.raw_dense(name), scales, self.packed.raw_dense(base + ".biases"), spec)
+        if tuple(m.shape) != tuple(shape):
+            raise FormatError(f"{self.packed.directory}: weight {name!r} has shape {list(m.shape)}, config implies {list(shape)}")
+        self.unused.discard(name)
+        return m
+
     def finish(self) -> None:
         if self.unused:
             names = sorted(self.unused)
@@ -168,6 +185,9 @@ class ShapeRecorder:
         self.shapes[name] = tuple(shape)
         return torch.empty(shape, device="meta")
 
+    def take_matrix(self, name: str, shape: tuple[int, int]) -> torch.Tensor:
+        return self.take(name, shape)
+
     def finish(self) -> None:
         pass
 
@@ -180,10 +200,10 @@ def attention(loader, prefix: str, args: BaseModelArgs, rope: Rope, *, bias: boo
     ([Nq*D] / [Nkv*D] weights) or None."""
     H, D, Nq, Nkv = args.hidden_size, args.head_dim, args.num_attention_heads, args.num_key_value_heads
     w = AttentionWeights(
-        q=loader.take(prefix + "q_proj.weight", (Nq * D, H)),
-        k=loader.take(prefix + "k_proj.weight", (Nkv * D, H)),
-        v=loader.take(prefix + "v_proj.weight", (Nkv * D, H)),
-        o=loader.take(prefix + "o_proj.weight", (H, Nq * D)))
+        q=loader.take_matrix(prefix + "q_proj.weight", (Nq * D, H)),
+        k=loader.take_matrix(prefix + "k_proj.weight", (Nkv * D, H)),
+        v=loader.take_matrix(prefix + "v_proj.weight", (Nkv * D, H)),
+        o=loader.take_matrix(prefix + "o_proj.weight", (H, Nq * D)))
     if bias:
         w.q_bias = loader.take(prefix + "q_proj.bias", (Nq * D,))
         w.k_bias = loader.take(prefix + "k_proj.bias", (Nkv * D,))
@@ -235,7 +255,7 @@ def embeddings(loader, args: BaseModelArgs) -> tuple[torch.Tensor, torch.Tensor,
     V, H = args.vocab_size, args.hidden_size
     embed = loader.take(EMBEDDING, (V, H))
     tied = args.tie_word_embeddings and not loader.has("lm_head.weight")
-    lm_head = embed if tied else loader.take("lm_head.weight", (V, H))
+    lm_head = embed if tied else loader.take_matrix("lm_head.weight", (V, H))
     return embed, loader.take("model.norm.weight", (H,)), lm_head
 
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from moestream.convert.main import convert
+from moestream.cpu_share import kernels as native
 from moestream.engine.engine import Engine
 from moestream.engine.options import EngineOptions
 from moestream.format.reader import PackedModel
-from moestream.layers import experts as experts_module
 from moestream.quant.affine import QuantSpec, dequantize
 
 gguf = pytest.importorskip("gguf")
@@ -40,13 +40,13 @@ def run(model_dir) -> tuple[torch.Tensor, list[int]]:
 
 def same_model(kept, unquantized, monkeypatch) -> None:
     """The kept codes and the unquantized conversion run as the same model: the same tokens; the
-    same logits within float32 rounding where the native CPU kernels compute the kept codes' experts
-    (the unquantized records take the float path), and bit for bit on the float path for both."""
+    same logits within float32 rounding where the native CPU kernels multiply the kept codes (the
+    unquantized weights take the float path), and bit for bit on the float path for both."""
     (logits_a, tokens_a), (logits_b, tokens_b) = run(kept), run(unquantized)
     assert tokens_a == tokens_b
     assert torch.allclose(logits_a, logits_b, rtol=0, atol=1e-4)
-    monkeypatch.setattr(experts_module, "native_layout", lambda fields, quant: None)
-    assert torch.equal(run(kept)[0], logits_b)  # the same weights, the same arithmetic: bit for bit
+    monkeypatch.setattr(native, "_state", {"reason": "the float path"})  # as without the native build
+    assert torch.equal(run(kept)[0], run(unquantized)[0])  # the same weights, the same arithmetic: bit for bit
 
 
 def stored_bits(spec: QuantSpec, dtype_bits: int = 32) -> int:
@@ -156,7 +156,7 @@ def test_q4_0_gguf_keeps_its_codes(tiny_checkpoint, tmp_path, monkeypatch):
     same_model(out, none, monkeypatch)
 
 
-def test_mxfp4_moe_gguf_keeps_mxfp4_experts_and_q8_0_codes(tiny_checkpoint, tmp_path):
+def test_mxfp4_moe_gguf_keeps_mxfp4_experts_and_q8_0_codes(tiny_checkpoint, tmp_path, monkeypatch):
     """llama-quantize MXFP4_MOE's gpt-oss: MXFP4 experts, Q8_0 attention, embeddings and head, F32 router."""
     src = tiny_checkpoint("gpt_oss")
     path = tmp_path / "tiny-mxfp4-moe.gguf"
@@ -174,9 +174,7 @@ def test_mxfp4_moe_gguf_keeps_mxfp4_experts_and_q8_0_codes(tiny_checkpoint, tmp_
         assert got.tensor_spec(name) == QuantSpec(8, 32), name
         assert torch.equal(got.dense(name, torch.float32), PackedModel(none).dense(name, torch.float32)), name
     assert not got.tensor_spec("model.layers.0.mlp.router.weight").quantized
-    (logits_a, tokens_a), (logits_b, tokens_b) = run(out), run(none)
-    assert tokens_a == tokens_b
-    assert torch.equal(logits_a, logits_b)
+    same_model(out, none, monkeypatch)
     classes = got.manifest.quantization["classes"]
     assert classes["experts"] == "MXFP4 (kept)"
     assert classes["attention"] == classes["head"] == classes["embeddings"] == "8-bit g32 (kept Q8_0 codes)"

@@ -1,6 +1,7 @@
 // Routed experts on the CPU straight from the project's expert records (moestream.cpu_share.kernels):
-// the CPU device's own experts (expert_sum, moestream.layers.native_experts), and the device-driven CPU
-// share's worker loop around them (moestream.cpu_share.worker).
+// the CPU device's own experts (expert_sum, moestream.layers.native_experts) and packed resident
+// matrices (packed_linear, moestream.layers.packed_matrix), and the device-driven CPU share's worker
+// loop around them (moestream.cpu_share.worker).
 //
 // A record holds, per projection, uint32 code words (least-significant bits first: byte j of a 4-bit
 // row holds codes 2j and 2j+1 in its low and high nibble) and one scale and one bias per group of
@@ -111,6 +112,49 @@ void expert_sum(torch::Tensor layout, torch::Tensor pool, torch::Tensor table, t
     for (int64_t a = 1; a < A; ++a)
       for (int64_t h = 0; h < H; ++h) yt[h] += r[a * H + h];
   }
+}
+
+// out[t, n] = sum over k of w[n, k] x[t, k] (float32 [T, N]) for a resident matrix kept packed
+// (moestream.layers.packed_matrix): codes int32 [N, K * bits / 32] (a record's layout: least
+// significant bits first), scales and biases [N, K / group] of one dtype; x float32 [T, K]. Each
+// output row is one member's from start to end, so neither T nor the team changes its bits.
+void packed_linear(torch::Tensor codes, torch::Tensor scales, torch::Tensor biases, int64_t bits, int64_t group,
+                   torch::Tensor x, torch::Tensor out, int64_t threads) {
+  check(codes.dtype() == torch::kInt32 && codes.dim() == 2 && codes.is_contiguous(), "codes: int32 [N, words]");
+  const int64_t N = codes.size(0), K = codes.size(1) * 32 / bits, T = x.size(0);
+  const int64_t stype = scales.dtype() == torch::kBFloat16 ? SCALE_BF16 : scales.dtype() == torch::kFloat16 ? SCALE_F16
+                        : scales.dtype() == torch::kFloat32 ? SCALE_F32 : -1;
+  check(stype >= 0 && biases.dtype() == scales.dtype(), "scales and biases: one of bfloat16, float16, float32");
+  Layout L;
+  L.hidden = K; L.inter = K; L.bits_gu = bits; L.bits_d = bits; L.group = group; L.scale_type = stype;
+  const std::string why = L.refusal();
+  check(why.empty(), why);
+  for (const auto* t : {&scales, &biases})
+    check(t->dim() == 2 && t->size(0) == N && t->size(1) == K / group && t->is_contiguous(), "scales, biases: [N, K / group]");
+  check(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.size(1) == K && x.is_contiguous(), "x: float32 [T, K]");
+  check(out.dtype() == torch::kFloat32 && out.dim() == 2 && out.size(0) == T && out.size(1) == N && out.is_contiguous(),
+        "out: float32 [T, N]");
+  const uint8_t* w = reinterpret_cast<const uint8_t*>(codes.data_ptr<int32_t>());
+  const uint8_t* s = reinterpret_cast<const uint8_t*>(scales.data_ptr());
+  const uint8_t* b = reinterpret_cast<const uint8_t*>(biases.data_ptr());
+  const float* xs = x.data_ptr<float>();
+  float* y = out.data_ptr<float>();
+  const int64_t row_bytes = K * bits / 8, row_scales = (K / group) * (stype == SCALE_F32 ? 4 : 2);
+  const RowFn row = row_fn(bits, group, stype, false);
+  pybind11::gil_scoped_release free;
+  std::vector<Input> in(T);
+  for (int64_t t = 0; t < T; ++t) prepare_float(xs + t * K, K, group, bits, in[t]);
+  std::lock_guard<std::mutex> hold(standalone_lock);
+  Team& team = standalone(threads);
+  const int64_t blocks = (N + ROW_BLOCK - 1) / ROW_BLOCK;
+  Dealer rows;
+  team.run([&](int, int members) {
+    rows.deal(blocks, Dealer::chunk_for(blocks, members), [&](int64_t block) {
+      for (int64_t n = block * ROW_BLOCK, end = std::min(N, n + ROW_BLOCK); n < end; ++n)
+        for (int64_t t = 0; t < T; ++t)
+          y[t * N + n] = row(w + n * row_bytes, s + n * row_scales, b + n * row_scales, in[t], K);
+    });
+  });
 }
 
 // out[p] = weights[p] * ffn_{experts[p]}(x[tokens[p]]) for records at `addresses` (int64 [n]).
@@ -377,6 +421,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("expert_sum", &expert_sum, "out[t] = sum over a of weights[t, a] * ffn of the record of ids[t, a] at x[t]",
         pybind11::arg("layout"), pybind11::arg("pool"), pybind11::arg("table"), pybind11::arg("ids"),
         pybind11::arg("weights"), pybind11::arg("x"), pybind11::arg("out"), pybind11::arg("threads"));
+  m.def("packed_linear", &packed_linear, "out = x @ w.T for a matrix of affine-quantized codes",
+        pybind11::arg("codes"), pybind11::arg("scales"), pybind11::arg("biases"), pybind11::arg("bits"),
+        pybind11::arg("group"), pybind11::arg("x"), pybind11::arg("out"), pybind11::arg("threads"));
   m.def("weighted_rows", &weighted_rows, "out[p] = weights[p] * ffn of record experts[p] at x[tokens[p]]",
         pybind11::arg("layout"), pybind11::arg("addresses"), pybind11::arg("experts"), pybind11::arg("tokens"),
         pybind11::arg("weights"), pybind11::arg("x"), pybind11::arg("out"), pybind11::arg("threads"));

@@ -1,0 +1,86 @@
+"""Resident matrices kept packed on the CPU (moestream.layers.packed_matrix) against the dequantized
+matrix: products within float32 rounding, a row's bits the same alone, beside other rows, through
+rows_linear's batched call and on any team; a prefill chunk's products, row slices, concatenation
+(fuse_qkv), row gathers and any other function exactly the dequantized matrix's; the loader packs
+the attention and head matrices of a quantized model on the CPU, and nothing without the build."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moestream.cpu_share import kernels as native
+from moestream.engine.engine import Engine
+from moestream.engine.options import EngineOptions
+from moestream.kernels.reference import rows_linear
+from moestream.layers.attention import AttentionWeights
+from moestream.layers.packed_matrix import PackedMatrix, packed_matrix
+from moestream.quant.affine import QuantSpec, dequantize, quantize
+
+# float32 rounding of sums over K products, relative to the output's largest entry (int8-rounded
+# activations, or a code read from the wrong nibble, land orders of magnitude above)
+TOLERANCE = 2e-6
+
+
+def matrix(out_f: int, in_f: int, bits: int = 4, group: int = 64, scale_dtype=torch.bfloat16, seed: int = 0):
+    w = torch.randn(out_f, in_f, generator=torch.Generator().manual_seed(seed))
+    q, s, b = quantize(w.to(scale_dtype), bits, group)
+    return packed_matrix(q, s, b, QuantSpec(bits, group)), dequantize(q.view(torch.int32), s, b, bits, group)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_products_match_the_dequantized_matrix(bits, group, scale_dtype):
+    m, w = matrix(136, 384, bits, group, scale_dtype)
+    x = torch.randn(5, 384, generator=torch.Generator().manual_seed(1))
+    expected = F.linear(x, w)
+    error = (F.linear(x, m) - expected).abs().max().item() / expected.abs().max().item()
+    assert error < TOLERANCE, error
+
+
+def test_a_rows_bits_alone_beside_others_batched_and_on_any_team():
+    m, _ = matrix(200, 256)
+    x = torch.randn(7, 256, generator=torch.Generator().manual_seed(2))
+    together = F.linear(x, m)
+    for t in range(7):
+        assert torch.equal(F.linear(x[t:t + 1], m)[0], together[t])
+    assert torch.equal(rows_linear(x, m).view(7, -1), together)  # bmm over .t().expand()
+    assert torch.equal(rows_linear(x[:1], m).view(1, -1), together[:1])  # mm over .t()
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert torch.equal(F.linear(x, m), together)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_prefill_chunk_and_other_functions_get_the_dequantized_matrixs_bits():
+    m, w = matrix(96, 256, bits=8)
+    x = torch.randn(40, 256, generator=torch.Generator().manual_seed(3))  # more rows than a step
+    assert torch.equal(F.linear(x, m), F.linear(x, w))
+    assert torch.equal(m * 2, w * 2) and torch.equal(m.sum(0), w.sum(0))
+    assert torch.equal(m.index_select(0, torch.tensor([5, 1, 90])), w[[5, 1, 90]])
+    assert m.shape == w.shape and m.dtype == w.dtype and m.numel() == w.numel() and m.dim() == 2
+
+
+def test_fused_qkv_is_packed_rows_of_the_parts():
+    (q, wq), (k, wk), (v, wv), (o, wo) = (matrix(n, 256, seed=s) for s, n in enumerate((128, 64, 64, 256)))
+    fused = AttentionWeights(q=q, k=k, v=v, o=o)
+    fused.fuse_qkv()
+    assert isinstance(fused.qkv, PackedMatrix) and isinstance(fused.k, PackedMatrix)
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(4))
+    assert torch.equal(F.linear(x, fused.qkv), torch.cat([F.linear(x, p) for p in (q, k, v)], dim=-1))
+    assert torch.equal(fused.v.dequantized(), wv) and torch.equal(fused.qkv.dequantized(), torch.cat([wq, wk, wv]))
+
+
+def test_the_cpu_loader_packs_attention_and_head_matrices(tiny_packed_model, monkeypatch):
+    packed = tiny_packed_model("qwen3_moe", "q4")
+    engine = Engine.load(packed, options=EngineOptions(device="cpu"))
+    attn = engine.model.layers[0].attn.w
+    assert all(isinstance(t, PackedMatrix) for t in (attn.qkv, attn.o, engine.model.lm_head))
+    assert not isinstance(engine.model.embed_weight, PackedMatrix)  # gathered by rows: kept float
+    engine.close()
+    monkeypatch.setattr(native, "_state", {"reason": "no compiler here"})  # no build: float matrices
+    engine = Engine.load(packed, options=EngineOptions(device="cpu"))
+    assert not isinstance(engine.model.lm_head, PackedMatrix) and not isinstance(engine.model.layers[0].attn.w.qkv,
+                                                                                 PackedMatrix)
+    engine.close()
