@@ -20,7 +20,7 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from moestream.kernels.triton_norm import _normed
 
-F32 = 1  # triton_norm's "f32" kind: round(x / rms * w)
+F32 = tl.constexpr(1)  # triton_norm's "f32" kind: round(x / rms * w)
 
 
 @triton.jit
