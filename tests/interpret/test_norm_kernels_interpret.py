@@ -124,3 +124,20 @@ def test_route_topk_with_expert_scales_gives_the_torch_routing():
     w, ids = tr.route_topk(logits, 4, normalize=True, out_dtype=torch.float32, expert_scale=scale)
     w_ref, ids_ref = softmax_topk(logits, 4, normalize=True, out_dtype=torch.float32, expert_scale=scale)
     assert torch.equal(ids, ids_ref) and relative_error(w, w_ref) < 1e-6
+
+
+@pytest.mark.parametrize("kind", [None, "f32", "plain"])
+def test_norm_rope_of_queries_and_keys_in_one_launch_gives_each_alone(kn, kind):
+    g = torch.Generator().manual_seed(11)
+    T, D = 5, 32
+    q, k = torch.randn(T, 4, D, generator=g), torch.randn(T, 2, D, generator=g)
+    wq, wk = torch.randn(D, generator=g), torch.randn(D, generator=g)
+    rope = Rope(D, 1e4, torch.device("cpu"), rotary_dim=24)
+    positions = torch.tensor([3, 0, 77, 12, 5])
+    weights = (None, None) if kind == "plain" else (wq, wk)
+    got_q, got_k = kn.norm_rope(q, positions, rope.inv_freq, rope.scale, weight=weights[0], eps=1e-6, kind=kind,
+                                other=k, other_weight=weights[1])
+    assert torch.equal(got_q, kn.norm_rope(q, positions, rope.inv_freq, rope.scale, weight=weights[0], eps=1e-6,
+                                           kind=kind))
+    assert torch.equal(got_k, kn.norm_rope(k, positions, rope.inv_freq, rope.scale, weight=weights[1], eps=1e-6,
+                                           kind=kind))
