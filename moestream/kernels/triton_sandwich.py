@@ -1,4 +1,5 @@
-"""Gemma 4's sandwich norms around the feed-forward half, each side one Triton kernel.
+"""Gemma 4's sandwich norms around the feed-forward half, each side one Triton kernel, and its dense
+MLP's activation on the gate and up products computed as one.
 
 In torch a decode step's MoE layer takes ~20 kernels between attention and experts and back: the
 post-attention norm and residual add, three norms of h (the dense MLP's, the experts', the router's
@@ -16,6 +17,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 from triton.runtime.interpreter import InterpretedFunction
 
 from moestream.kernels.triton_norm import _normed
@@ -94,3 +96,31 @@ def sandwich_combine(routed: torch.Tensor, dense: torch.Tensor, residual: torch.
 
 
 _INTERPRETED = isinstance(_tail, InterpretedFunction)  # Triton's CPU interpreter (the tests' stage)
+
+
+@triton.jit
+def _gelu_glu(y_ptr, out_ptr, I, BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr):
+    # y [R, 2I] = [gate | up] (one product) -> gelu_tanh(gate) * up [R, I], each rounded as torch rounds
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    keep = cols < I
+    DT = out_ptr.dtype.element_ty
+    g = tl.load(y_ptr + row * 2 * I + cols, mask=keep, other=0.0).to(tl.float32)
+    u = tl.load(y_ptr + row * 2 * I + I + cols, mask=keep, other=0.0).to(tl.float32)
+    inner = 0.7978845608028654 * (g + 0.044715 * (g * g * g))
+    if LIBDEVICE:  # tanh as torch's CUDA gelu takes it
+        t = libdevice.tanh(inner)
+    else:  # (the CPU interpreter has no libdevice)
+        t = 1.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0)
+    a = (0.5 * g * (1.0 + t)).to(DT).to(tl.float32)
+    tl.store(out_ptr + row * I + cols, (a * u).to(DT), mask=keep)
+
+
+def gelu_glu(y: torch.Tensor) -> torch.Tensor:
+    """y [R, 2I] (the gate and up products side by side, contiguous) -> gelu_tanh(gate) * up [R, I]."""
+    R, I = y.shape[0], y.shape[1] // 2
+    out = torch.empty((R, I), dtype=y.dtype, device=y.device)
+    if R:
+        _gelu_glu[(R, triton.cdiv(I, 1024))](y, out, I, BLOCK=1024, LIBDEVICE=not _INTERPRETED,
+                                                  enable_fp_fusion=False)
+    return out

@@ -141,3 +141,13 @@ def test_norm_rope_of_queries_and_keys_in_one_launch_gives_each_alone(kn, kind):
                                            kind=kind))
     assert torch.equal(got_k, kn.norm_rope(k, positions, rope.inv_freq, rope.scale, weight=weights[1], eps=1e-6,
                                            kind=kind))
+
+
+def test_gelu_glu_of_the_stacked_products_gives_the_torch_activation():
+    import torch.nn.functional as F
+
+    ks = interpreted_module("moestream.kernels.triton_sandwich")
+    g = torch.Generator().manual_seed(5)
+    y = torch.randn(3, 2 * 1500, generator=g) * 3  # I = 1500: two blocks of columns, the second partial
+    want = F.gelu(y[:, :1500], approximate="tanh") * y[:, 1500:]
+    assert relative_error(ks.gelu_glu(y), want) < 1e-5
