@@ -8,6 +8,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
+from moestream.kv.blocks import common_prefix  # noqa: F401 (prefix reuse: the engine's and the server's name for it)
+
 # tokens generated so far -> which tokens may come next (a numpy bool array [V], or None: any); e.g. a
 # grammar. The sampler applies it after the penalties and the bias, before the sampling filters.
 AllowedTokens = Callable[[Sequence[int]], Any]
@@ -86,11 +88,3 @@ class GenerationResult:
     receipt: Mapping = field(default_factory=dict)  # a moestream.engine.receipt.Receipt
 
 
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading token ids a and b share (prefix reuse: a KV cache's tokens against a prompt)."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n

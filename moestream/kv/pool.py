@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moestream.kv.blocks import BlockAllocator
+from moestream.kv.blocks import BlockAllocator, common_prefix
 from moestream.kv.layout import LayerKV
 from moestream.kv.recurrent import RECENT_STATES, RecurrentState, StateBook
 
@@ -402,19 +402,56 @@ class SequenceKV:
 
     # -- prefix reuse --------------------------------------------------------------------------------
     def reuse(self, prompt: list[int], limit: int) -> int:
-        """Keep as much of `prompt` (at most `limit` tokens) as this sequence or the pool's published
-        blocks hold, and return the length kept (the prefill computes the rest)."""
-        own = 0
-        for a, b in zip(self.tokens, prompt[:limit]):
-            if a != b:
-                break
-            own += 1
+        """Keep as much of `prompt` (at most `limit` tokens) as this sequence, another open one or the
+        pool's published blocks hold, and return the length kept (the prefill computes the rest).
+        Another sequence's blocks are held as they are, its last partly filled one too (copied before
+        either writes it): the positions kept have the bits they were computed with, so a prompt
+        that starts like a running one continues as it would in that one's own slot."""
+        own = common_prefix(self.tokens, prompt[:limit])
         shared = self.pool.shared_blocks(prompt, limit) * self.pool.block_size
-        if shared > own:
+        donor, beside = self._donor(prompt[:limit])
+        if beside > max(own, shared):
+            self.release()
+            self._hold_from(donor, beside)
+            own = beside
+        elif shared > own:
             self.release()
             self._adopt(prompt, shared // self.pool.block_size)
             own = min(shared, limit)
         return self.truncate(own)
+
+    def _donor(self, prompt: list[int]) -> tuple["SequenceKV | None", int]:
+        """The other sequence whose known tokens share the longest start with `prompt`, and that length
+        (none with recurrent layers: their states are a sequence's own)."""
+        if self.pool.recurrent:
+            return None, 0
+        best, n = None, 0
+        for other in self.pool.sequences:
+            if other is not self and other.length > n:
+                common = common_prefix(other.tokens, prompt)
+                if common > n and other._holds(common):
+                    best, n = other, common
+        return best, n
+
+    def _holds(self, length: int) -> bool:
+        """Whether every group holds the blocks a sequence of `length` positions sees (a window's only)."""
+        bs = self.pool.block_size
+        for group in self.pool.groups.values():
+            held = group.held[self.seq]
+            first = 0 if group.window is None else max(0, length - group.window) // bs
+            if any(j >= len(held) or held[j] < 0 for j in range(first, -(-length // bs))):
+                return False
+        return True
+
+    def _hold_from(self, donor: "SequenceKV", length: int) -> None:
+        bs = self.pool.block_size
+        for group in self.pool.groups.values():
+            first = 0 if group.window is None else max(0, length - group.window) // bs
+            for j in range(first, -(-length // bs)):
+                self._set(group, j, group.allocator.hold(group.held[donor.seq][j]))
+        self.tokens = list(donor.tokens[:length])
+        self.hashes = donor.hashes[:length // bs]
+        self._slide()
 
     def _adopt(self, prompt: list[int], blocks: int) -> None:
         bs = self.pool.block_size
