@@ -4,6 +4,7 @@ only (the grammar's tensors are touched on the worker thread, inside the sampler
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import secrets
 import threading
@@ -19,7 +20,7 @@ from starlette.types import Receive, Scope, Send
 
 from moestream.engine.types import SamplingParams, TokenHistory
 from moestream.server.jobs import Choice, Failed, Finished, Job, PromptLogprobs, Started, TextDelta, TokenLogprobInfo
-from moestream.server.protocol import APIError, invalid
+from moestream.server.api_error import APIError, invalid
 from moestream.server.worker import NotReady, QueueFull, Worker
 
 log = logging.getLogger(__name__)
@@ -85,6 +86,9 @@ class Sink:
     def text(self, index: int) -> str:
         return "".join(self.parts.get(index, ()))
 
+    def choice_ends(self) -> list[Finished]:
+        return [self.ends[i] for i in sorted(self.ends)]
+
     def deltas(self, index: int) -> list[tuple[str, int]]:
         """A choice's text as it came: (text, generated tokens) per delta."""
         return list(zip(self.parts.get(index, ()), self.part_tokens.get(index, ())))
@@ -107,8 +111,9 @@ class Runtime:
     """The worker plus the server's settings, as the API modules use them."""
 
     def __init__(self, worker: Worker, *, defaults: RequestDefaults, model_id: Callable[[], str],
-                 context_limit: Callable[[], int], reasoning_format: str = "auto") -> None:
+                 context_limit: Callable[[], int], reasoning_format: str = "auto", max_body_bytes: int) -> None:
         self.worker = worker
+        self.max_body_bytes = max_body_bytes
         self.reasoning_format = reasoning_format  # auto: reasoning apart from the content; none: left in it
         self.defaults = defaults
         self.model_id = model_id
@@ -121,6 +126,29 @@ class Runtime:
         if worker.state != "ready" or worker.tokenizer is None:
             raise not_ready(NotReady(worker.state, worker.error or f"the model is {worker.state}"))
         return worker.tokenizer
+
+    async def read_json(self, request: Request) -> Any:
+        """The request's body as JSON: at most max_body_bytes, a JSON value (no NaN or Infinity)."""
+        too_large = APIError(413, f"The request body is larger than {self.max_body_bytes} bytes.",
+                             code="request_too_large")
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+            raise too_large
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > self.max_body_bytes:
+                raise too_large
+        if not body.strip():
+            raise invalid("The request body is empty: send a JSON object.", code="invalid_json")
+
+        def no_constants(name: str) -> Any:
+            raise ValueError(f"{name} is not valid JSON")
+
+        try:
+            return json.loads(bytes(body), parse_constant=no_constants)
+        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+            raise invalid(f"The request body is not valid JSON: {exc}.", code="invalid_json") from None
 
     # ---- prompts
 
