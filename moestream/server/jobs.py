@@ -63,17 +63,6 @@ class Failed:
 Event = Any  # Started | PromptLogprobs | TextDelta | Finished | Failed
 
 
-@dataclass
-class TokenClock:
-    """When a choice's tokens came out, for the latency figures: the first one's time since the job
-    was queued (the job's first choice only: a later one waited for the earlier ones, not the
-    queue), then the gap before each next one."""
-
-    queued_at: float
-    first_choice: bool
-    last: Optional[float] = None
-
-
 # ---------------------------------------------------------------------------------------- the job
 
 @dataclass
@@ -99,6 +88,11 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
     done: threading.Event = field(default_factory=threading.Event)
     _worker: Any = field(default=None, repr=False)  # the server.worker.Worker that queued it
+
+    @property
+    def engine_logprobs(self) -> int:
+        """The engine's logprobs=K: the chosen token's logprob and the K most likely (0: none)."""
+        return max(1, self.logprobs) if self.logprobs is not None else 0
 
     @property
     def prompt_tokens(self) -> int:
