@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import hmac
-import json
 import logging
 import time
 import uuid
@@ -58,14 +57,6 @@ def _error_body(error: APIError, path: str) -> dict:
     return error.anthropic_body() if _is_anthropic_path(path) else error.body()
 
 
-async def _send_json(send: Send, status: int, body: dict, headers: dict[str, str] | None = None) -> None:
-    payload = json.dumps(body).encode()
-    raw = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
-    raw += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
-    await send({"type": "http.response.start", "status": status, "headers": raw})
-    await send({"type": "http.response.body", "body": payload})
-
-
 class APIKeyMiddleware:
     """The key on every /v1 and /api/v1 route (and /tokenize, /detokenize), as `Authorization:
     Bearer KEY` (OpenAI's header) or `x-api-key: KEY` (Anthropic's), compared in constant time
@@ -96,7 +87,8 @@ class APIKeyMiddleware:
         else:
             await self.app(scope, receive, send)
             return
-        await _send_json(send, 401, _error_body(error, scope.get("path", "")), {"www-authenticate": "Bearer"})
+        await JSONResponse(_error_body(error, scope.get("path", "")), 401,
+                           {"www-authenticate": "Bearer"})(scope, receive, send)
 
 
 class RequestIdMiddleware:
@@ -123,8 +115,6 @@ class RequestIdMiddleware:
 
         await self.app(scope, receive, send_with_id)
 
-
-# ----------------------------------------------------------------------------------------- helpers
 
 def _error_response(error: APIError, request: Request) -> JSONResponse:
     return JSONResponse(_error_body(error, request.url.path), status_code=error.status, headers=error.headers)

@@ -48,7 +48,7 @@ from typing import Any, Iterator
 from moestream.engine.receipt import COUNTERS, Receipt
 from moestream.engine.types import common_prefix
 from moestream.errors import MoestreamError
-from moestream.server.jobs import Failed, Job, Started, is_user_error, one_line
+from moestream.server.jobs import Failed, Job, Started, one_line
 from moestream.server.stops import ChoiceText
 
 log = logging.getLogger(__name__)
@@ -456,7 +456,7 @@ class BatchScheduler:
         run = self.runs.get(id(job))
         if run is None:  # already failed (another of its choices in the same step)
             return
-        log.error("request %s failed: %s", job.request_id, exc, exc_info=not is_user_error(exc))
+        log.error("request %s failed: %s", job.request_id, exc, exc_info=not isinstance(exc, MoestreamError))
         self.worker._deliver(job, Failed(one_line(exc)))
         self._end_job(run)
 

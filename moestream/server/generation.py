@@ -19,7 +19,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from moestream.engine.types import SamplingParams, TokenHistory
-from moestream.server.jobs import Choice, Failed, Finished, Job, PromptLogprobs, Started, TextDelta, TokenLogprobInfo
+from moestream.server.jobs import Choice, Failed, Finished, Job, PromptLogprobs, TextDelta, TokenLogprobInfo
 from moestream.server.api_error import APIError, invalid
 from moestream.server.worker import NotReady, QueueFull, Worker
 
@@ -56,9 +56,7 @@ class Sink:
         self.stream = stream
         self.queue: asyncio.Queue = asyncio.Queue()
         self.future: asyncio.Future = loop.create_future()
-        self.started: Started | None = None
-        self.parts: dict[int, list[str]] = {}
-        self.part_tokens: dict[int, list[int]] = {}  # each part's generated tokens
+        self.texts: dict[int, list[tuple[str, int]]] = {}  # each choice's deltas: (text, generated tokens)
         self.logprobs: dict[int, list[TokenLogprobInfo]] = {}
         self.prompts: dict[int, PromptLogprobs] = {}
         self.ends: dict[int, Finished] = {}
@@ -67,31 +65,28 @@ class Sink:
         if self.stream:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
             return
-        if isinstance(event, Started):
-            self.started = event
-        elif isinstance(event, PromptLogprobs):
+        if isinstance(event, PromptLogprobs):
             self.prompts[event.index] = event
         elif isinstance(event, TextDelta):
-            self.parts.setdefault(event.index, []).append(event.text)
-            self.part_tokens.setdefault(event.index, []).append(event.tokens)
+            self.texts.setdefault(event.index, []).append((event.text, event.tokens))
             self.logprobs.setdefault(event.index, []).extend(event.logprobs)
         elif isinstance(event, Finished):
             self.logprobs.setdefault(event.index, []).extend(event.logprobs)
             self.ends[event.index] = event
             if event.last:
                 self.loop.call_soon_threadsafe(self._resolve, event)
-        else:
+        elif isinstance(event, Failed):
             self.loop.call_soon_threadsafe(self._resolve, event)
 
     def text(self, index: int) -> str:
-        return "".join(self.parts.get(index, ()))
+        return "".join(text for text, _ in self.texts.get(index, ()))
 
     def choice_ends(self) -> list[Finished]:
         return [self.ends[i] for i in sorted(self.ends)]
 
     def deltas(self, index: int) -> list[tuple[str, int]]:
         """A choice's text as it came: (text, generated tokens) per delta."""
-        return list(zip(self.parts.get(index, ()), self.part_tokens.get(index, ())))
+        return self.texts.get(index, [])
 
     def _resolve(self, event: Any) -> None:
         if not self.future.done():

@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from moestream.engine.types import SamplingParams
-from moestream.errors import MoestreamError
 
 # ------------------------------------------------------------------------------------------ events
 
@@ -120,10 +119,6 @@ def event_collector() -> tuple[list, threading.Event, Callable]:
             done.set()
 
     return events, done, sink
-
-
-def is_user_error(exc: BaseException) -> bool:
-    return isinstance(exc, MoestreamError)
 
 
 def one_line(exc: BaseException) -> str:

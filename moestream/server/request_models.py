@@ -45,6 +45,9 @@ class _Strict(BaseModel):
                     if v is not None or (k in fields and fields[k].is_required())}
         return data
 
+    def check(self) -> None:
+        """What pydantic's field checks cannot say (an APIError); parse_request calls it."""
+
 
 class StreamOptions(_Strict):
     include_usage: bool = False
@@ -339,14 +342,8 @@ class TokenizeRequest(_Strict):
     add_special: bool = False  # the tokenizer's special tokens (BOS) around the text
     with_pieces: bool = False  # each id with its piece: text, or its bytes where they are not UTF-8
 
-    def check(self) -> None:
-        pass
-
 
 class DetokenizeRequest(_Strict):
     """llama.cpp's POST /detokenize."""
 
     tokens: list[Int]
-
-    def check(self) -> None:
-        pass

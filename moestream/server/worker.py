@@ -27,7 +27,7 @@ from typing import Any, Callable
 from moestream.engine.types import SamplingParams
 from moestream.errors import MoestreamError
 from moestream.server.jobs import (Choice, Event, Failed, Finished, Job, PromptLogprobs, Started, TokenLogprobInfo,
-                                   is_user_error, one_line)
+                                   one_line)
 from moestream.server.queue_limits import QueueLimits, default_queue_tokens
 from moestream.server.stops import ChoiceText
 
@@ -253,7 +253,7 @@ class Worker:
         except BaseException as exc:  # a failed load is reported by /health, not by a dead thread
             self.error = f"loading the model failed: {exc}"
             self.state = "failed"
-            log.error("%s", self.error, exc_info=not is_user_error(exc))
+            log.error("%s", self.error, exc_info=not isinstance(exc, MoestreamError))
             self._ready.set()
             if self.on_load_failed is not None:
                 self.on_load_failed(self.error)
@@ -285,7 +285,7 @@ class Worker:
             try:
                 self._run_job(job)
             except BaseException as exc:  # keep serving after any failure in one job
-                log.error("request %s failed: %s", job.request_id, exc, exc_info=not is_user_error(exc))
+                log.error("request %s failed: %s", job.request_id, exc, exc_info=not isinstance(exc, MoestreamError))
                 self._deliver(job, Failed(one_line(exc)))
             finally:
                 self._job_done(job, started)
