@@ -200,23 +200,16 @@ class BatchScheduler:
         try:
             engine.check_prompt(choice.prompt_ids)
         except MoestreamError as exc:  # refused before starting, as engine.generate would
-            run.next += 1
-            w._deliver(job, Failed(one_line(exc), code="invalid_request"))
-            self._end_job(run)
-            return True
+            return self._refuse(run, one_line(exc))
         tokens = None
         room_of = getattr(engine, "kv_room", None)
         if room_of is not None:
             budget = max(0, min(choice.max_new_tokens, engine.max_context - len(choice.prompt_ids)))
             room = room_of(choice.prompt_ids, budget, **_echoed(choice))
             if not room.ever:
-                run.next += 1
-                w._deliver(job, Failed(
-                    f"the request needs {room.need} KV blocks of {room.block_size} tokens (its prompt of "
-                    f"{len(choice.prompt_ids)} tokens plus max_tokens {choice.max_new_tokens}); the KV pool "
-                    f"holds {room.total}", code="invalid_request"))
-                self._end_job(run)
-                return True
+                return self._refuse(run, f"the request needs {room.need} KV blocks of {room.block_size} tokens "
+                                         f"(its prompt of {len(choice.prompt_ids)} tokens plus max_tokens "
+                                         f"{choice.max_new_tokens}); the KV pool holds {room.total}")
             if not room.fits:
                 return False
             tokens = len(choice.prompt_ids) + budget
@@ -241,6 +234,13 @@ class BatchScheduler:
             return True
         self.active.append(self._running(run, index, slot))
         run.running += 1
+        return True
+
+    def _refuse(self, run: JobRun, message: str) -> bool:
+        """End `run`'s job at its next choice, refused (a 400)."""
+        run.next += 1
+        self.worker._deliver(run.job, Failed(message, code="invalid_request"))
+        self._end_job(run)
         return True
 
     def _last_to_end(self, run: JobRun) -> bool:

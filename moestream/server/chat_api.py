@@ -120,7 +120,7 @@ async def completion_prompts(rt: Runtime, req: CompletionRequest) -> tuple[list[
 def register(router: APIRouter, rt: Runtime) -> None:
     @router.post("/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        req: ChatCompletionRequest = parse_request(ChatCompletionRequest, await rt.read_json(request))
+        req: ChatCompletionRequest = parse_request(ChatCompletionRequest, await rt.read_object(request))
         sub = await start_chat(rt, request, req)
         if req.stream:
             return JobStream(sub.job, chat_stream(sub, req.include_usage))
@@ -140,7 +140,7 @@ def register(router: APIRouter, rt: Runtime) -> None:
 
     @router.post("/completions")
     async def completions(request: Request) -> Response:
-        req: CompletionRequest = parse_request(CompletionRequest, await rt.read_json(request))
+        req: CompletionRequest = parse_request(CompletionRequest, await rt.read_object(request))
         prompts, texts = await completion_prompts(rt, req)
         plans = [rt.plan(req, ids, "prompt") for ids in prompts]
         n = req.n or 1

@@ -122,8 +122,8 @@ class Runtime:
             raise not_ready(NotReady(worker.state, worker.error or f"the model is {worker.state}"))
         return worker.tokenizer
 
-    async def read_json(self, request: Request) -> Any:
-        """The request's body as JSON: at most max_body_bytes, a JSON value (no NaN or Infinity)."""
+    async def read_object(self, request: Request) -> dict:
+        """The request's body: a JSON object (no NaN or Infinity) of at most max_body_bytes."""
         too_large = APIError(413, f"The request body is larger than {self.max_body_bytes} bytes.",
                              code="request_too_large")
         length = request.headers.get("content-length")
@@ -141,13 +141,16 @@ class Runtime:
             raise ValueError(f"{name} is not valid JSON")
 
         try:
-            return json.loads(bytes(body), parse_constant=no_constants)
+            data = json.loads(bytes(body), parse_constant=no_constants)
         except (ValueError, UnicodeDecodeError, RecursionError) as exc:
             raise invalid(f"The request body is not valid JSON: {exc}.", code="invalid_json") from None
+        if not isinstance(data, dict):
+            raise invalid("The request body must be a JSON object.", code="invalid_type")
+        return data
 
     # ---- prompts
 
-    async def chat_ids(self, messages: list[dict], tools: list[dict] | None, param: str = "messages") -> list[int]:
+    async def chat_ids(self, messages: list[dict], tools: list[dict] | None) -> list[int]:
         from moestream.server.tools import as_text_messages, template_knows_tools
 
         tokenizer = self.tokenizer()
@@ -158,7 +161,7 @@ class Runtime:
         try:
             return await run_in_threadpool(tokenizer.chat_ids, messages, True, tools)
         except Exception as exc:  # the model's chat template refused the conversation
-            raise invalid(f"The chat template could not format these messages: {exc}", param) from None
+            raise invalid(f"The chat template could not format these messages: {exc}", "messages") from None
 
     def tool_format(self) -> str:
         """How this model writes tool calls (moestream.server.tools.FORMATS)."""

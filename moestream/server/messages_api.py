@@ -43,11 +43,9 @@ def _text_of(content: Any, param: str) -> str:
     return "\n".join(texts)
 
 
-def to_chat(body: Any, *, generate: bool = True) -> dict:
+def to_chat(body: dict, *, generate: bool = True) -> dict:
     """The Messages request as an OpenAI chat request body (`generate` False: only its prompt
     counts, as count_tokens reads it, without max_tokens)."""
-    if not isinstance(body, dict):
-        raise invalid("The request body must be a JSON object.", code="invalid_type")
     if generate and (not isinstance(body.get("max_tokens"), int) or isinstance(body.get("max_tokens"), bool)):
         raise invalid("max_tokens is required: an integer.", "max_tokens", code="missing_required_parameter")
     messages: list[dict] = []
@@ -170,13 +168,13 @@ def register(router: APIRouter, rt: Runtime) -> None:
     @router.post("/messages/count_tokens")
     async def count_tokens(request: Request) -> Response:
         # (an APIError takes Anthropic's shape in the app's handler: this is a /messages route)
-        req = parse_request(ChatCompletionRequest, to_chat(await rt.read_json(request), generate=False))
+        req = parse_request(ChatCompletionRequest, to_chat(await rt.read_object(request), generate=False))
         prompt_ids, _ = await chat_prompt(rt, req)
         return JSONResponse({"input_tokens": len(prompt_ids)})
 
     @router.post("/messages")
     async def messages(request: Request) -> Response:
-        req = parse_request(ChatCompletionRequest, to_chat(await rt.read_json(request)))
+        req = parse_request(ChatCompletionRequest, to_chat(await rt.read_object(request)))
         sub = await start_chat(rt, request, req)
         if req.stream:
             return JobStream(sub.job, _stream(sub))

@@ -1,8 +1,10 @@
 """A chat reply's parts as Anthropic's Messages and OpenAI's Responses answers list them: a run of
 reasoning is one block, a run of text one block, each tool call a block of its own.
 
-A subclass says what each block's stream events are and keeps the blocks it builds; a whole answer
-is built by reading the choice's deltas the same way, so whole and streamed answers always agree."""
+A subclass says what each block's stream events are and keeps the blocks it builds: `opened(kind)`,
+`grew(kind, text)`, `closed(kind, text, end)` (`end`: the reply's end, where the block closes with
+it) and `call(call)` each return their events. A whole answer is built by reading the choice's
+deltas the same way, so whole and streamed answers always agree."""
 from __future__ import annotations
 
 from typing import Optional
@@ -21,23 +23,6 @@ class ReplyBlocks:
         self.reader = reply_reader(sub.extra) or ReplyReader(None)
         self.open: Optional[str] = None  # the kind of the block now open (REASONING, TEXT)
         self.texts: list[str] = []  # the open block's text
-
-    # ---- what a subclass says: the stream events of a block's start, of more text, of its end, of a call
-
-    def opened(self, kind: str) -> list[str]:
-        raise NotImplementedError
-
-    def grew(self, kind: str, text: str) -> list[str]:
-        raise NotImplementedError
-
-    def closed(self, kind: str, text: str, end: Optional[Finished]) -> list[str]:
-        """`end`: the reply's end, where the block closes with it."""
-        raise NotImplementedError
-
-    def call(self, call: ParsedCall) -> list[str]:
-        raise NotImplementedError
-
-    # ---- reading the reply
 
     def feed(self, text: str, tokens: int) -> list[str]:
         return self.parts(self.reader.feed(text, tokens))

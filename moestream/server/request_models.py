@@ -317,10 +317,8 @@ def _param_from_loc(loc: tuple) -> str | None:
     return param or None
 
 
-def parse_request(cls: type[_Strict], data: Any) -> Any:
-    """Validate a decoded JSON body, turning pydantic's complaint into a 400 APIError."""
-    if not isinstance(data, dict):
-        raise invalid("The request body must be a JSON object.", code="invalid_type")
+def parse_request(cls: type[_Strict], data: dict) -> Any:
+    """Validate a decoded JSON object, turning pydantic's complaint into a 400 APIError."""
     try:
         request = cls.model_validate(data)
     except ValidationError as exc:

@@ -109,9 +109,7 @@ def _text_format(body: dict, out: dict) -> None:
         out["response_format"] = {"type": fmt.get("type")}
 
 
-def to_chat(body: Any) -> dict:
-    if not isinstance(body, dict):
-        raise invalid("The request body must be a JSON object.", code="invalid_type")
+def to_chat(body: dict) -> dict:
     for name in ("previous_response_id", "conversation"):  # nothing is stored: a reply without them would mislead
         if body.get(name) is not None:
             raise unsupported(f"{name} is not supported (this server stores no responses): send the whole "
@@ -262,7 +260,7 @@ def _responses_param(param: str | None) -> str | None:
 def register(router: APIRouter, rt: Runtime) -> None:
     @router.post("/responses")
     async def responses(request: Request) -> Response:
-        body = to_chat(await rt.read_json(request))
+        body = to_chat(await rt.read_object(request))
         try:
             req = parse_request(ChatCompletionRequest, body)
             sub = await start_chat(rt, request, req)

@@ -41,14 +41,14 @@ def _pieces(rt: Runtime, ids: list[int]) -> list[dict]:
 def register(router: APIRouter, rt: Runtime) -> None:
     @router.post("/tokenize")
     async def tokenize(request: Request) -> Response:
-        req: TokenizeRequest = parse_request(TokenizeRequest, await rt.read_json(request))
+        req: TokenizeRequest = parse_request(TokenizeRequest, await rt.read_object(request))
         ids = await run_in_threadpool(rt.tokenizer().encode, req.content, req.add_special)
         tokens: list[Any] = await run_in_threadpool(_pieces, rt, ids) if req.with_pieces else ids
         return JSONResponse({"tokens": tokens})
 
     @router.post("/detokenize")
     async def detokenize(request: Request) -> Response:
-        req: DetokenizeRequest = parse_request(DetokenizeRequest, await rt.read_json(request))
+        req: DetokenizeRequest = parse_request(DetokenizeRequest, await rt.read_object(request))
         tokenizer = rt.tokenizer()
         vocab = tokenizer.vocab_size
         if vocab is None:

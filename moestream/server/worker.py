@@ -184,13 +184,9 @@ class Worker:
         """Jobs the engine is generating now (at most `parallel`)."""
         return len(self._running)
 
-    def retry_after_s(self) -> int:
-        """A guess at when a slot frees up, for Retry-After: 1 to 10 seconds."""
-        with self._cond:
-            return self._retry_after_locked()
-
     def _retry_after_locked(self) -> int:
-        # about half the work ahead: a slot frees when a running job ends, not when all do
+        """A guess at when a slot frees up, for Retry-After: 1 to 10 seconds (about half the work
+        ahead: a slot frees when a running job ends, not when all do)."""
         ahead = (len(self._waiting) + len(self._running)) / self.parallel
         return int(min(10, max(1, math.ceil(self._avg_job_s * max(1.0, ahead) / 2))))
 
@@ -331,11 +327,8 @@ class Worker:
                 drafter.close()
             except Exception as exc:
                 log.warning("closing the draft model failed: %s", exc)
-        close = getattr(self.engine, "close", None)
-        if close is None:
-            return
         try:
-            close()
+            self.engine.close()
         except Exception as exc:  # the server is stopping anyway; say why the engine did not close cleanly
             log.warning("closing the engine failed: %s", exc)
         log.info("engine closed")
