@@ -13,7 +13,7 @@ from moestream.server.generation import (JobStream, Runtime, Submitted, events, 
 from moestream.server.jobs import Failed, Finished, PromptLogprobs, Started, TextDelta
 from moestream.server.api_error import invalid
 from moestream.server.request_models import ChatCompletionRequest, CompletionRequest, parse_request
-from moestream.server.reasoning import Reasoning, ReasoningMode, ReplyReader, reasoning_mode, reply_reader, split_reply
+from moestream.server.reasoning import Reasoning, ReplyReader, reasoning_mode, split_reply
 from moestream.server.render import (DONE, chat_logprobs, completion_logprobs, error_event, openai_answer, sse,
                                      timings, usage)
 from moestream.server.tools import tool_schemas
@@ -61,22 +61,20 @@ async def start_chat(rt: Runtime, request: Request, req: ChatCompletionRequest) 
                            processor=(lambda: masks(max_new)) if masks is not None else None)
     sub = rt.submit(request, choices, stream=bool(req.stream), stops=req.stop_list(), logprobs=req.logprobs_k,
                     prefix="chatcmpl-")
-    sub.extra["reasoning"] = reasoning
+    sub.reasoning = reasoning
     # the format's name; a forced call is written in the form its grammar spells out. Harmony
     # replies are always read: their channels are markup, and only the final one is the answer
     fmt = forced_format if req.forced_tool is not None else rt.tool_format()
-    sub.extra["parse_tools"] = fmt if req.tool_mode != "none" or fmt == "harmony" else ""
+    sub.parse_tools = fmt if req.tool_mode != "none" or fmt == "harmony" else ""
     return sub
 
 
-def chat_message(deltas: list[tuple[str, int]], parse_tools: str, reasoning: Optional[ReasoningMode],
-                 reason: str) -> tuple[dict, str, int]:
+def chat_message(deltas: list[tuple[str, int]], reader: Optional[ReplyReader], reason: str) -> tuple[dict, str, int]:
     """(the message, its finish reason, its reasoning tokens) from a choice's deltas. The spec has
     tool_calls (and our reasoning_content) absent, not null, when there are none."""
-    if not parse_tools and reasoning is None:
+    if reader is None:
         thought, content, calls, tokens = "", "".join(text for text, _ in deltas), [], 0
     else:
-        reader = ReplyReader(reasoning, parse_tools)
         (thought, content, calls), tokens = split_reply(reader.read(deltas)), reader.reasoning_tokens
     message: dict[str, Any] = {"role": "assistant", "content": (content or None) if calls else content}
     if thought:
@@ -130,8 +128,7 @@ def register(router: APIRouter, rt: Runtime) -> None:
         ends = sub.sink.choice_ends()
         choices, thinking = [], 0
         for i, e in enumerate(ends):
-            message, reason, tokens = chat_message(sub.sink.deltas(i), sub.extra["parse_tools"],
-                                                   sub.extra["reasoning"], finish_reason(e))
+            message, reason, tokens = chat_message(sub.sink.deltas(i), sub.reply_reader(), finish_reason(e))
             thinking += tokens
             logprobs = chat_logprobs(sub.sink.logprobs.get(i, [])) if req.logprobs_k is not None else None
             choices.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": reason})
@@ -179,7 +176,7 @@ def last_chunks(end: Finished, chunk: Callable[..., str], head: dict, total: dic
 
 async def chat_stream(sub: Submitted, include_usage: bool) -> AsyncIterator[str]:
     wants_logprobs = sub.job.logprobs is not None
-    readers = {i: reader for i in range(sub.choices) if (reader := reply_reader(sub.extra)) is not None}
+    readers = {i: reader for i in range(sub.choices) if (reader := sub.reply_reader()) is not None}
     calls: dict[int, int] = {}
     ends: list[Finished] = []
 

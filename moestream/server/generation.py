@@ -10,7 +10,7 @@ import secrets
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Optional
 
 from fastapi import Request
@@ -21,6 +21,7 @@ from starlette.types import Receive, Scope, Send
 from moestream.engine.types import SamplingParams, TokenHistory
 from moestream.server.jobs import Choice, Failed, Finished, Job, PromptLogprobs, TextDelta, TokenLogprobInfo
 from moestream.server.api_error import APIError, invalid
+from moestream.server.reasoning import ReasoningMode, ReplyReader
 from moestream.server.worker import NotReady, QueueFull, Worker
 
 log = logging.getLogger(__name__)
@@ -99,7 +100,12 @@ class Submitted:
     sink: Sink
     meta: dict  # id, created, model, system_fingerprint
     choices: int
-    extra: dict = field(default_factory=dict)  # per-API data the renderer needs
+    reasoning: Optional[ReasoningMode] = None  # a chat reply's reasoning format, where it is split off
+    parse_tools: str = ""  # the tool-call format a chat reply is read in ("": none)
+
+    def reply_reader(self) -> Optional[ReplyReader]:
+        """The reader of a chat reply's parts (a fresh one each call); None when its text is the content."""
+        return ReplyReader(self.reasoning, self.parse_tools) if self.reasoning or self.parse_tools else None
 
 
 class Runtime:

@@ -11,7 +11,7 @@ from typing import Optional
 
 from moestream.server.generation import Submitted
 from moestream.server.jobs import Finished
-from moestream.server.reasoning import Reasoning, ReplyReader, reply_reader
+from moestream.server.reasoning import Reasoning, ReplyReader
 from moestream.server.tools import ParsedCall
 
 REASONING, TEXT = "reasoning", "text"
@@ -20,7 +20,7 @@ REASONING, TEXT = "reasoning", "text"
 class ReplyBlocks:
     def __init__(self, sub: Submitted) -> None:
         self.sub = sub
-        self.reader = reply_reader(sub.extra) or ReplyReader(None)
+        self.reader = sub.reply_reader() or ReplyReader(None)
         self.open: Optional[str] = None  # the kind of the block now open (REASONING, TEXT)
         self.texts: list[str] = []  # the open block's text
 

@@ -24,7 +24,6 @@ import threading
 import time
 from typing import Any, Callable
 
-from moestream.engine.types import SamplingParams
 from moestream.errors import MoestreamError
 from moestream.server.jobs import (Choice, Event, Failed, Finished, Job, PromptLogprobs, Started, TokenLogprobInfo,
                                    one_line)
@@ -378,12 +377,14 @@ class Worker:
             self._nothing_to_generate(job, choice, index, last, queue_s)
             return True
         text = ChoiceText(self, job, index)
-        speculative, not_used = self._speculation_for(choice.sampling)
+        # the server's speculation, unless it sits this request out (not_used says why)
+        not_used = self.speculative.not_used_reason(choice.sampling) if self.speculative is not None else None
+        speculates = self.speculative is not None and not_used is None
         try:
             gen = self.engine.generate(choice.prompt_ids, max_new_tokens=choice.max_new_tokens,
                                        sampling=choice.sampling, logprobs=job.engine_logprobs,
                                        should_stop=job.cancelled.is_set,
-                                       **({"speculative": speculative} if speculative is not None else {}))
+                                       **({"speculative": self.speculative} if speculates else {}))
         except MoestreamError as exc:  # the engine refused the request before starting it
             self._deliver(job, Failed(one_line(exc), code="invalid_request"))
             return False
@@ -407,14 +408,6 @@ class Worker:
         else:
             reason = result.finish_reason if result is not None else "length"
         return self._end_choice(text, last, queue_s, len(choice.prompt_ids), reason, receipt)
-
-    def _speculation_for(self, sampling: SamplingParams) -> tuple[Any, str | None]:
-        """(the SpeculativeOptions to generate with or None, why the server's speculation sits this
-        request out or None)."""
-        if self.speculative is None:
-            return None, None
-        reason = self.speculative.not_used_reason(sampling)
-        return (None, reason) if reason is not None else (self.speculative, None)
 
     def _end_choice(self, text: ChoiceText, last: bool, queue_s: float, prompt_tokens: int, reason: str,
                     receipt: dict, observed: dict | None = None) -> bool:
