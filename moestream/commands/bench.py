@@ -17,13 +17,13 @@ from moestream.bench.machine import machine_info
 from moestream.bench.main import (compare_transformers, drop_page_cache, measure, parse_lengths, parse_step_tokens,
                                   plot, random_prompt)
 from moestream.bench.routing import parse_routing
-from moestream.commands.args import Parser, check_output_paths
-from moestream.commands.engine_checks import check_engine_args, digest_dir, engine_options, size_problem
+from moestream.commands.args import Parser, check_output_paths, fail
+from moestream.commands.engine_args import add_engine_arguments, options_from_args
+from moestream.commands.engine_checks import check_engine_args, digest_dir, size_problem
 from moestream.commands.progress import Phases
 from moestream.commands.speculative_flags import (add_speculative_arguments, check_speculative_args, speculating,
                                                   speculative_options)
 from moestream.engine import timeline
-from moestream.commands.engine_args import add_engine_arguments
 from moestream.errors import MoestreamError
 from moestream.flag_values import at_least
 
@@ -106,7 +106,7 @@ def run(args, parser: argparse.ArgumentParser) -> dict:
 
     from moestream.bench.routing import attach as attach_routing
 
-    base = engine_options(args)
+    base = options_from_args(args)
     routing = parse_routing(args.routing)
     sizes = [x.strip() for x in args.cache_sizes.split(",") if x.strip()] if args.cache_sizes else [base.cache_size]
     step_sizes = parse_step_tokens(args.step_tokens) if args.step_tokens else []
@@ -228,8 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         results = run(args, parser)
     except MoestreamError as exc:
-        print(f"moestream bench: error: {exc}", file=sys.stderr)
-        return 1
+        return fail("moestream bench", str(exc))
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
     if args.plot:
@@ -238,6 +237,5 @@ def main(argv: list[str] | None = None) -> int:
         try:
             plot_heatmap(results, args.heatmap, title=f"{results['model']}: expert hit rate per layer")
         except ReportError as exc:
-            print(f"moestream bench: error: --heatmap: the results {exc}", file=sys.stderr)
-            return 1
+            return fail("moestream bench", f"--heatmap: the results {exc}")
     return 0

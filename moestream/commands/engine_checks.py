@@ -1,24 +1,17 @@
 """Refusals of the engine's flags (generate, serve, bench) that argparse's types do not make: sizes
 that can never give a cache, more compute threads than the machine has, a device that is no
-device, a context longer than the model's. Exit 2, one line, before any model is loaded. And the
-EngineOptions the flags make, and where this process's environment keeps resident files' digests."""
+device, a context longer than the model's. Exit 2, one line, before any model is loaded. And where
+this process's environment keeps resident files' digests."""
 from __future__ import annotations
 
 import argparse
 import os
 
-from moestream.commands.engine_args import options_from_args
-from moestream.engine.options import EngineOptions
 from moestream.errors import MoestreamError
 from moestream.experts.sizing import parse_bytes
 
 CACHE_DIR_ENV = "MOESTREAM_CACHE_DIR"  # read here, never in the library
 NAMED_SIZES = ("auto", "min", "all", "max")
-
-
-def engine_options(args: argparse.Namespace) -> EngineOptions:
-    """The engine's options from its flags."""
-    return options_from_args(args)
 
 
 def digest_dir(environ=os.environ) -> str | None:

@@ -7,12 +7,12 @@ import logging
 import os
 import sys
 
-from moestream.commands.args import Parser, check_output_paths
-from moestream.commands.engine_checks import check_engine_args, digest_dir, engine_options
+from moestream.commands.args import Parser, check_output_paths, fail
+from moestream.commands.engine_args import add_engine_arguments, options_from_args
+from moestream.commands.engine_checks import check_engine_args, digest_dir
 from moestream.commands.launch import add_parallel_arguments, init_group, leave_group, spawn_ranks, torchrun_rank
 from moestream.commands.speculative_flags import add_speculative_arguments, check_speculative_args, speculative_options
 from moestream.engine.detok import IncrementalDecoder
-from moestream.commands.engine_args import add_engine_arguments
 from moestream.engine.types import SamplingParams
 from moestream.errors import MoestreamError
 from moestream.flag_values import at_least, non_negative_float, probability_mass, unit_interval
@@ -128,7 +128,7 @@ def run(args, group=None) -> int:
 
     from moestream.engine.engine import load_engine
 
-    options = replace(engine_options(args), expert_parallel=group)
+    options = replace(options_from_args(args), expert_parallel=group)
     if args.plan:
         from moestream.engine.engine import DEMO_CACHE_SIZE, DEMO_MODEL
         from moestream.engine.plan import plan_run
@@ -223,8 +223,7 @@ def _run_rank(args, *, rank: int, world_size: int, device: str, init_method: str
             leave_group()
     except MoestreamError as exc:
         where = "" if str(exc).startswith(f"rank {rank}") else f"rank {rank}: "
-        print(f"moestream generate: error: {where}{exc}", file=sys.stderr)
-        return 1
+        return fail("moestream generate", f"{where}{exc}")
     except KeyboardInterrupt:
         return 130
 
@@ -254,7 +253,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return run(args)
     except MoestreamError as exc:
-        print(f"moestream generate: error: {exc}", file=sys.stderr)
-        return 1
+        return fail("moestream generate", str(exc))
     except KeyboardInterrupt:
         return 130

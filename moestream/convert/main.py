@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import sys
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -37,6 +38,7 @@ DEFAULT_QUANT = "q4"  # without --quant: a float source's experts and matrices
 KEEP_MXFP4 = "mxfp4"  # without --quant, an MXFP4 source's experts keep their codes (recorded as this quant)
 KEEP_SOURCE = "source"  # without --quant, a GGUF's tensors as its types allow: codes kept, else no fewer bits
 GROUP_SIZES = (32, 64, 128)
+DOWNLOAD_DIR = ".pull-download"  # where a pull keeps the shard it is converting
 __all__ = ["convert"]
 
 
@@ -95,6 +97,8 @@ def _our_files(out: Path) -> list[Path]:
 class Conversion:
     """One run of `convert`: the checked source, the plan, and OUT with its resume state."""
 
+    JOB = "conversion"
+
     def __init__(self, source: CheckpointSource, out: Path, *, quant: str | None, group_size: int, progress: bool,
                  workers: int = 1, kill_after_layers: int | None = None, mtp: bool = True):
         """quant: "q4", "q8", "none", or None: a GGUF's tensors as its types allow (KEEP_SOURCE), else the
@@ -134,28 +138,32 @@ class Conversion:
     def prepare(self, *, force: bool, resume: bool) -> bool:
         """Make OUT ready; False when it already holds this very conversion, finished."""
         out, src = self.out.resolve(), self.source.folder.resolve()
-        if out == src or _is_inside(src, out):
+        if not self.options.get("pull") and (out == src or _is_inside(src, out)):
             raise MoestreamError(f"{self.out}: OUT must not be the source folder or contain it")
         if out.exists() and not out.is_dir():
             raise MoestreamError(f"{self.out}: exists and is not a directory")
         has_state = (out / STATE_NAME).is_file()
         if resume and has_state:
             self.state = ConvertState.load(out)
+            if self.options.get("pull") and not self.state.options.get("pull"):
+                raise ResumeError(f"{self.out}: holds an unfinished `moestream convert`, not a pull (resume it with "
+                                  "convert --resume, or use --force to start over)")
             self.state.check_options(self.options)
-            log.info("resuming the conversion in %s (%d steps already done)", out, len(self.state.steps))
+            log.info("resuming the %s in %s (%d steps already done)", self.JOB, out, len(self.state.steps))
             return True
         if resume and (out / MANIFEST_NAME).is_file():
             self._check_finished(out)
-            log.info("%s already holds this conversion, finished", out)
+            log.info("%s already holds this model, finished", out)
             return False
-        if out.exists() and any(out.iterdir()):
+        if out.exists() and any(p.name != DOWNLOAD_DIR for p in out.iterdir()):
             if resume:
                 raise ResumeError(f"{self.out}: nothing to resume ({STATE_NAME} is missing); use --force to start over")
             if not force:
-                hint = " or --resume to continue the unfinished conversion" if has_state else ""
+                hint = f" or --resume to continue the unfinished {self.JOB}" if has_state else ""
                 raise MoestreamError(f"{self.out}: exists and is not empty (use --force to overwrite it{hint})")
             for path in _our_files(out):
                 path.unlink()
+            shutil.rmtree(out / DOWNLOAD_DIR, ignore_errors=True)
             left = [p.name for p in out.iterdir()]
             if left:
                 log.warning("%s: kept %d file(s) that are not moestream's, e.g. %s", out, len(left), left[0])
@@ -205,12 +213,15 @@ class Conversion:
             finally:
                 if executor is not None:
                     executor.shutdown(cancel_futures=True)
+        return self._write_manifest(entries, digests, self._source_hashes())
+
+    def _write_manifest(self, entries: list[ExpertLayer], digests: dict[str, FileDigest],
+                        source_hashes: dict[str, str]) -> Manifest:
+        """The tokenizer files copied, then the manifest (last), and the resume state removed."""
         for path in self.source.tokenizer_files():
             digests[path.name] = self._copy(path)
-        source_hashes = self._source_hashes()
-        quantization = self._quantization()
         manifest = Manifest(family=self.source.family, config=self.source.config,
-                            source={**self.source.origin, "files": source_hashes}, quantization=quantization,
+                            source={**self.source.origin, "files": source_hashes}, quantization=self._quantization(),
                             expert_layers=entries, files={name: d.to_json() for name, d in digests.items()},
                             mtp_layers=self.mtp_layers)
         try:
@@ -317,6 +328,16 @@ class Conversion:
         return record["files"]
 
 
+def check_request(quant: str | None, group_size: int, force: bool, resume: bool) -> None:
+    """What convert and pull refuse before they look at the source."""
+    if quant is not None and quant not in QUANT_BITS:
+        raise MoestreamError(f"quantization {quant!r} is not supported (supported: {', '.join(QUANT_BITS)})")
+    if group_size not in GROUP_SIZES:
+        raise MoestreamError(f"group size {group_size} is not supported (supported: {', '.join(map(str, GROUP_SIZES))})")
+    if force and resume:
+        raise MoestreamError("--force and --resume exclude each other (--force starts over, --resume continues)")
+
+
 def convert(src: str | Path, out: str | Path, *, quant: str | None = None, group_size: int = 64, force: bool = False,
             resume: bool = False, revision: str | None = None, progress: bool = True, workers: int = 1,
             kill_after_layers: int | None = None, tokenizer: str | Path | None = None, mtp: bool = True) -> Path:
@@ -333,12 +354,7 @@ def convert(src: str | Path, out: str | Path, *, quant: str | None = None, group
     `kill_after_layers=N` ends the process abruptly (exit 75, nothing flushed) inside expert layer
     N once N layers are finished: how resume is tested against a real kill. `mtp=False` leaves the
     multi-token-prediction layers out (moestream.convert.mtp)."""
-    if quant is not None and quant not in QUANT_BITS:
-        raise MoestreamError(f"quantization {quant!r} is not supported (supported: {', '.join(QUANT_BITS)})")
-    if group_size not in GROUP_SIZES:
-        raise MoestreamError(f"group size {group_size} is not supported (supported: {', '.join(map(str, GROUP_SIZES))})")
-    if force and resume:
-        raise MoestreamError("--force and --resume exclude each other (--force starts over, --resume continues)")
+    check_request(quant, group_size, force, resume)
     out = Path(out)
     source = open_source(src, revision=revision, tokenizer=tokenizer, bits=QUANT_BITS[quant or DEFAULT_QUANT])
     try:

@@ -5,12 +5,10 @@ Every Hub failure becomes a one-line HubError naming the repository; the commit 
 and every later request asks for it, so a branch that moves during a pull changes nothing."""
 from __future__ import annotations
 
-import contextlib
-import errno
 from dataclasses import dataclass
 from pathlib import Path
 
-from moestream.convert.hub import HubError
+from moestream.convert.hub import HubError, hub_errors
 from moestream.format.safetensors_io import ITEMSIZE, TensorInfo
 
 
@@ -19,45 +17,6 @@ class RemoteFile:
     name: str
     size: int
     sha256: str | None  # the LFS object id, which is the content's sha256; None for small git files
-
-
-def _is_network_error(exc: BaseException) -> bool:
-    """Connection failures surface as the HTTP client's own exceptions (httpx and its relatives)."""
-    return isinstance(exc, ConnectionError) or type(exc).__module__.split(".")[0] in ("httpx", "httpx2", "httpcore")
-
-
-@contextlib.contextmanager
-def hub_errors(repo_id: str, revision: str | None, what: str = "download"):
-    from huggingface_hub import errors as hf
-
-    where = repo_id if revision is None else f"{repo_id}@{revision}"
-    try:
-        yield
-    except hf.OfflineModeIsEnabled:
-        raise HubError(f"{where}: HF_HUB_OFFLINE is set, and pulling needs the Hub (unset it, or convert a local folder)") from None
-    except hf.GatedRepoError:
-        raise HubError(f"{where}: the repository is gated; accept its terms on the Hub and log in (hf auth login)") from None
-    except hf.RepositoryNotFoundError:
-        raise HubError(f"{repo_id}: no such repository on the Hugging Face Hub (or it is private: log in with hf auth login)") from None
-    except hf.RevisionNotFoundError:
-        raise HubError(f"{repo_id}: revision {revision!r} not found on the Hugging Face Hub") from None
-    except hf.LocalEntryNotFoundError:
-        raise HubError(f"{where}: the Hugging Face Hub cannot be reached (offline?)") from None
-    except hf.HFValidationError:
-        raise HubError(f"{repo_id}: not a valid Hugging Face repo id") from None
-    except hf.HfHubHTTPError as exc:
-        raise HubError(f"{where}: {what} from the Hugging Face Hub failed ({str(exc).splitlines()[0]})") from None
-    except OSError as exc:
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise HubError(f"{where}: no space left on device downloading it") from None
-        if isinstance(exc, ConnectionError):
-            raise HubError(f"{where}: the Hugging Face Hub cannot be reached ({exc})") from None
-        raise
-    except Exception as exc:
-        if _is_network_error(exc):
-            raise HubError(f"{where}: the Hugging Face Hub cannot be reached ({type(exc).__name__}: "
-                           f"{str(exc).splitlines()[0] if str(exc) else 'no answer'})") from None
-        raise
 
 
 def forwarding_bar(bar):

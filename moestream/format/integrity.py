@@ -24,7 +24,6 @@ log = logging.getLogger(__name__)
 
 CACHE_FILE = "verified-files.json"
 CACHE_VERSION = 1
-_CHUNK = 8 << 20
 _lock = threading.Lock()  # one writer per process; os.replace keeps concurrent processes safe
 _memo: dict[tuple, str] = {}  # identity -> sha256 for this process, even where the cache file cannot be written
 
@@ -39,11 +38,14 @@ def file_identity(path: Path) -> list:
     return [str(path.resolve()), st.st_size, st.st_mtime_ns, st.st_ino]
 
 
-def sha256_of(path: Path) -> str:
+def sha256_file(path: Path, *, bar=None) -> str:
+    """The file's sha256, read 8 MiB at a time (`bar`: a tqdm told each block's bytes)."""
     digest = hashlib.sha256()
     with open(path, "rb") as fh:
-        while block := fh.read(_CHUNK):
+        while block := fh.read(8 << 20):
             digest.update(block)
+            if bar is not None:
+                bar.update(len(block))
     return digest.hexdigest()
 
 
@@ -128,7 +130,7 @@ def check_resident_files(directory: str | os.PathLike, manifest: Manifest, *,
             identity = file_identity(path)
             sha = cache.lookup(identity)
             if sha is None:
-                sha = sha256_of(path)
+                sha = sha256_file(path)
                 report.hashed += 1
                 report.bytes_hashed += identity[1]
                 found[identity[0]] = (identity, sha)

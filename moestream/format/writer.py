@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from moestream.errors import MoestreamError
+from moestream.format.integrity import sha256_file
 from moestream.format.manifest import DENSE_NAME, EXPERT_PROJECTIONS, ExpertLayer, Manifest, write_manifest
 from moestream.format.records import encode_record, plan_record
 from moestream.format.safetensors_io import DTYPE_NAMES, TensorEntry, plan_safetensors, tensor_bytes
@@ -30,18 +31,14 @@ def write_error(path: Path, exc: OSError) -> WriteError:
     return WriteError(f"cannot write {path}: {exc.strerror or exc}")
 
 
-def sha256_file(path: Path, chunk: int = 8 << 20) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 @dataclass(frozen=True)
 class FileDigest:
     size: int
     sha256: str
+
+    @staticmethod
+    def of(path: Path) -> "FileDigest":
+        return FileDigest(path.stat().st_size, sha256_file(path))
 
     def to_json(self) -> dict:
         return {"sha256": self.sha256, "size": self.size}
@@ -210,7 +207,7 @@ def finish_model(directory: Path, *, family: str, config: dict, source: dict, qu
     digests = {DENSE_NAME: save_safetensors(directory / DENSE_NAME, dense, {"format": "pt"})}
     names = [e.file for e in expert_layers] + list(extra_files)
     files = {DENSE_NAME: digests[DENSE_NAME].to_json()}
-    files.update({n: {"sha256": sha256_file(directory / n), "size": (directory / n).stat().st_size} for n in names})
+    files.update({n: FileDigest.of(directory / n).to_json() for n in names})
     manifest = Manifest(family=family, config=config, source=source, quantization=quantization,
                         expert_layers=sorted(expert_layers, key=lambda e: e.layer), files=files)
     write_manifest(directory, manifest)

@@ -1,9 +1,26 @@
-"""What the plotting scripts share: LABEL=FILE arguments (a label and the runs of a `moestream bench`
-JSON), an axes to draw on and its saving as a PNG."""
+"""PNG figures without a display (matplotlib is imported on first use: only plotting needs it), and
+what the plotting scripts share: LABEL=FILE arguments (a label and the runs of a `moestream bench`
+JSON), an axes to draw on and its saving."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
+
+
+def pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_png(fig, path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    pyplot().close(fig)
 
 
 def labelled_runs(spec: str, tool: str) -> tuple[str, list[dict]]:
@@ -18,23 +35,14 @@ def labelled_runs(spec: str, tool: str) -> tuple[str, list[dict]]:
 
 
 def new_axes():
-    """(figure, axes) of the plots' size, drawn without a display (matplotlib imported here: only
-    the plotting scripts need it)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt.subplots(figsize=(7, 4.5))
+    """(figure, axes) of the plotting scripts' size."""
+    return pyplot().subplots(figsize=(7, 4.5))
 
 
 def save_axes(fig, ax, out: str, title: str, legend: dict | None = None) -> None:
     """Title, grid and legend on `ax`, then `fig` written to `out` (PNG) and one line saying so."""
-    import sys
-
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(**(legend or {}))
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
+    save_png(fig, out)
     print(f"wrote {out}", file=sys.stderr)
