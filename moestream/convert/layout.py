@@ -238,7 +238,7 @@ class FusedLayer(LayerExperts):
 
     def __init__(self, source, layer: int, prefix: str, names: dict[str, str], layout: FusedLayout = FusedLayout()):
         self.source, self.layer, self.prefix, self.names, self.layout = source, layer, prefix, names, layout
-        self.num_experts = source.shape(names["down_proj"])[0] if "down_proj" in names else 0
+        self.num_experts = source.info(names["down_proj"]).shape[0] if "down_proj" in names else 0
 
     def _expected(self, expect: ExpertShapes):
         """(part, shape, what) of every stack the layout holds."""
@@ -327,7 +327,7 @@ class MlxStackLayer(LayerExperts):
     def __init__(self, source, layer: int, prefix: str, names: dict[tuple[str, str], str], quant: MlxQuantization | None):
         self.source, self.layer, self.prefix, self.names, self.quant = source, layer, prefix, names, quant
         first = names.get(("down_proj", "weight")) or next(iter(names.values()))
-        self.num_experts = source.shape(first)[0]
+        self.num_experts = source.info(first).shape[0]
         self.specs: dict[str, QuantSpec] = {}
 
     def module(self, proj: str) -> str:

@@ -15,6 +15,7 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
+from typing import Iterable
 
 import torch
 from tqdm import tqdm
@@ -57,24 +58,18 @@ def _row_blocks(source: CheckpointSource, name: str):
         yield source.get_rows(name, start, min(step, rows - start))
 
 
-def _write_dense_item(writer: SafetensorsWriter, source: CheckpointSource, item: DenseTensor) -> None:
-    if item.codes:  # the source's codes and block scales, as affine parts, a block of rows at a time
+def dense_blocks(source: CheckpointSource, item: DenseTensor) -> list[tuple[str, Iterable[torch.Tensor]]]:
+    """Each part dense.safetensors holds for `item`, in order, as consecutive blocks of rows."""
+    if item.codes:  # the source's codes and block scales, as affine parts
         rows = item.shape[0]
         step = max(1, rows * BLOCK_BYTES // max(item.source_bytes, 1))
         pieces = [source.affine_rows(item.name, start, min(step, rows - start)) for start in range(0, rows, step)]
-        for part, key in zip(item.parts, ("weight", "scales", "biases")):
-            writer.write_blocks(part.name, (p[key] for p in pieces))
-        return
-    if not item.quantize:  # copied as it is (float, or MLX-quantized parts), block by block
-        for part in item.parts:
-            as_u32 = part.dtype == "U32"
-            writer.write_blocks(part.name, (b.view(torch.uint32) if as_u32 and b.dtype == torch.int32 else b
-                                            for b in _row_blocks(source, part.name)))
-        return
-    # Rows quantize independently; the packed words (a quarter or half of the source) are gathered.
-    pieces = [stored_tensors(item.name, block, item.spec) for block in _row_blocks(source, item.name)]
-    for part in item.parts:
-        writer.write_blocks(part.name, (p[part.name] for p in pieces))
+        return [(part.name, [p[key] for p in pieces]) for part, key in zip(item.parts, ("weight", "scales", "biases"))]
+    if item.quantize:  # rows quantize independently; the packed words (a quarter or half of the source) are gathered
+        pieces = [stored_tensors(item.name, block, item.spec) for block in _row_blocks(source, item.name)]
+        return [(part.name, [p[part.name] for p in pieces]) for part in item.parts]
+    return [(part.name, (b.view(torch.uint32) if part.dtype == "U32" and b.dtype == torch.int32 else b  # copied as it is
+                         for b in _row_blocks(source, part.name))) for part in item.parts]
 
 
 def _layer_entry(obj: dict) -> ExpertLayer:
@@ -257,7 +252,8 @@ class Conversion:
         try:
             for group in writer.order:
                 item = by_first[group[0].name]
-                _write_dense_item(writer, self.source, item)
+                for name, blocks in dense_blocks(self.source, item):
+                    writer.write_blocks(name, blocks)
                 bar.update(item.source_bytes)
             digest = writer.close()
         except BaseException:

@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from moestream.convert.hub import HubError, looks_like_repo_id
 from moestream.convert.layout import FusedLayer, MlxStackLayer, PerExpertLayer, check_expert_layers, find_expert_layers
-from moestream.convert.main import DOWNLOAD_DIR, Conversion, _row_blocks, check_request
+from moestream.convert.main import DOWNLOAD_DIR, Conversion, check_request, dense_blocks
 from moestream.convert.pulled_source import PulledSource, ZeroSource
 from moestream.convert.remote import HubRepo
 from moestream.convert.state import STATE_NAME, ConvertState, ResumeError
@@ -35,7 +35,7 @@ from moestream.format.manifest import DENSE_NAME, EXPERT_PROJECTIONS, ExpertLaye
 from moestream.format.records import encode_record, plan_record
 from moestream.format.safetensors_io import plan_safetensors, tensor_bytes
 from moestream.format.verify import record_checksums, verify
-from moestream.format.writer import FileDigest, WriteError, sha256_file, stored_tensors, write_error
+from moestream.format.writer import FileDigest, WriteError, sha256_file, write_error
 
 log = logging.getLogger(__name__)
 SHARD_DIR = "shard"  # the one shard on disk
@@ -158,11 +158,8 @@ class Pull(Conversion):
     def pieces(self) -> list[Piece]:
         out = []
         for item in self.dense:
-            if item.quantize:
-                out.append(Piece((item.name,), lambda item=item: self._write_quantized(item), item.name))
-            else:
-                for part in item.parts:
-                    out.append(Piece((part.name,), lambda part=part: self._write_copy(part), part.name))
+            deps = (item.name,) if item.quantize else tuple(part.name for part in item.parts)
+            out.append(Piece(deps, lambda item=item: self._write_resident(item), item.name))
         for layer in sorted(self.layers):
             experts = self.layers[layer]
             for expert in range(experts.num_experts):
@@ -170,21 +167,13 @@ class Pull(Conversion):
                                  f"layer {layer} expert {expert}"))
         return out
 
-    def _write_copy(self, part) -> None:
-        offset = self.dense_offsets[part.name]
-        for block in _row_blocks(self.source, part.name):
-            data = tensor_bytes(block)
-            self.outputs.pwrite(DENSE_NAME, data, offset)
-            offset += len(data)
-
-    def _write_quantized(self, item) -> None:
-        offsets = {p.name: self.dense_offsets[p.name] for p in item.parts}
-        for block in _row_blocks(self.source, item.name):
-            stored = stored_tensors(item.name, block, item.spec)
-            for part in item.parts:
-                data = tensor_bytes(stored[part.name])
-                self.outputs.pwrite(DENSE_NAME, data, offsets[part.name])
-                offsets[part.name] += len(data)
+    def _write_resident(self, item) -> None:
+        for name, blocks in dense_blocks(self.source, item):
+            offset = self.dense_offsets[name]
+            for block in blocks:
+                data = tensor_bytes(block)
+                self.outputs.pwrite(DENSE_NAME, data, offset)
+                offset += len(data)
 
     def _write_record(self, layer: int, expert: int) -> None:
         entry = self.entries[layer]

@@ -101,24 +101,21 @@ class SafetensorsWriter:
     def path(self) -> Path:
         return self._out.path
 
-    def write(self, name: str, tensor: torch.Tensor) -> None:
+    def _expect(self, name: str) -> TensorEntry:
         if self._next >= len(self._queue) or self._queue[self._next].name != name:
             expected = self._queue[self._next].name if self._next < len(self._queue) else "nothing"
             raise ValueError(f"{self.path}: {name} written out of order (expected {expected})")
-        entry = self._queue[self._next]
-        dtype = DTYPE_NAMES.get(tensor.dtype)
-        if dtype != entry.dtype or tuple(tensor.shape) != entry.shape:
-            raise ValueError(f"{self.path}: {name} is {dtype} {list(tensor.shape)}, the header says "
-                             f"{entry.dtype} {list(entry.shape)}")
-        self._out.write(tensor_bytes(tensor))
-        self._next += 1
+        return self._queue[self._next]
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        entry = self._expect(name)
+        if tuple(tensor.shape) != entry.shape:
+            raise ValueError(f"{self.path}: {name} is {list(tensor.shape)}, the header says {list(entry.shape)}")
+        self.write_blocks(name, [tensor])
 
     def write_blocks(self, name: str, blocks) -> None:
         """One tensor given as consecutive row blocks (e.g. read piecewise from a source file)."""
-        if self._next >= len(self._queue) or self._queue[self._next].name != name:
-            expected = self._queue[self._next].name if self._next < len(self._queue) else "nothing"
-            raise ValueError(f"{self.path}: {name} written out of order (expected {expected})")
-        entry, written = self._queue[self._next], 0
+        entry, written = self._expect(name), 0
         for block in blocks:
             if DTYPE_NAMES.get(block.dtype) != entry.dtype:
                 raise ValueError(f"{self.path}: {name} block is {DTYPE_NAMES.get(block.dtype)}, the header says {entry.dtype}")

@@ -126,15 +126,9 @@ def float_codes(weight: torch.Tensor, bits: int) -> torch.Tensor:
     """uint32/int32 [O, W] -> the codes as float32 [O, W*32/b] (unpack's values, exactly). On the CPU
     4- and 8-bit codes are read through bytes (a word's bytes in memory order hold its codes in
     order on little-endian CPUs): a few operations instead of a shift per code lane."""
-    if weight.device.type != "cpu" or bits not in (4, 8):
-        return unpack(weight, bits).to(torch.float32)
-    raw = weight.contiguous().view(torch.uint8)  # [O, W*4]
-    if bits == 8:
-        return raw.to(torch.float32)
-    codes = torch.empty((*raw.shape, 2), dtype=torch.float32)  # byte k: codes 2k (low nibble), 2k + 1
-    codes[..., 0] = raw & 15
-    codes[..., 1] = raw >> 4
-    return codes.view(raw.shape[0], -1)
+    codes = torch.empty(weight.shape[0], weight.shape[1] * 32 // bits, dtype=torch.float32, device=weight.device)
+    _codes_into(weight, bits, codes.view(-1))
+    return codes
 
 
 def dequantize(weight: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, bits: int, group_size: int,
@@ -157,10 +151,7 @@ def dequantize_many(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     codes = torch.empty(sum(o * i for o, i in shapes), dtype=torch.float32, device=parts[0][0].device)
     at = 0
     for (w, _, _), (o, i) in zip(parts, shapes):
-        if w.device.type == "cpu" and bits in (4, 8):
-            _codes_into(w, bits, codes[at:at + o * i])
-        else:
-            codes[at:at + o * i].view(o, i).copy_(float_codes(w, bits))
+        _codes_into(w, bits, codes[at:at + o * i])
         at += o * i
     scales = torch.cat([s.reshape(-1) for _, s, _ in parts]).to(torch.float32)
     biases = torch.cat([b.reshape(-1) for _, _, b in parts]).to(torch.float32)
@@ -173,8 +164,11 @@ def dequantize_many(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
 def _codes_into(weight: torch.Tensor, bits: int, out: torch.Tensor) -> None:
-    """float_codes(weight, bits) written into the flat float32 `out` (CPU, 4 or 8 bits)."""
-    raw = weight.contiguous().view(torch.uint8).view(-1)
+    """float_codes(weight, bits) written into the flat float32 `out`."""
+    if weight.device.type != "cpu" or bits not in (4, 8):
+        out.copy_(unpack(weight, bits).reshape(-1))
+        return
+    raw = weight.contiguous().view(torch.uint8).view(-1)  # a word's bytes in memory order hold its codes in order
     if bits == 8:
         out.copy_(raw)
         return
