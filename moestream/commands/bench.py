@@ -7,10 +7,12 @@ import argparse
 import json
 import logging
 import sys
+import threading
 from dataclasses import replace
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from moestream.bench.heatmap import ReportError, plot_heatmap
 from moestream.bench.machine import machine_info
@@ -18,9 +20,8 @@ from moestream.bench.main import (compare_transformers, drop_page_cache, measure
                                   plot, random_prompt)
 from moestream.bench.routing import parse_routing
 from moestream.commands.args import Parser, check_output_paths, fail
-from moestream.commands.engine_args import add_engine_arguments, options_from_args
-from moestream.commands.engine_checks import check_engine_args, digest_dir, size_problem
-from moestream.commands.progress import Phases
+from moestream.commands.engine_args import (add_engine_arguments, check_engine_args, digest_dir, options_from_args,
+                                            size_problem)
 from moestream.commands.speculative_flags import (add_speculative_arguments, check_speculative_args, speculating,
                                                   speculative_options)
 from moestream.engine import timeline
@@ -29,6 +30,37 @@ from moestream.flag_values import at_least
 
 log = logging.getLogger(__name__)
 DEFAULT_PREFILL = "512,2048"
+
+
+class Phases:
+    """A progress line on stderr: `with Phases("bench", enabled=...) as show: show("load"); ...` shows the
+    phase now running and the time spent in it, redrawn every second, so a phase that takes minutes
+    never leaves the terminal silent."""
+
+    def __init__(self, label: str, *, enabled: bool = True, refresh_s: float = 1.0) -> None:
+        self.label, self.enabled, self.refresh_s = label, enabled, refresh_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._redraw, name="progress", daemon=True)
+
+    def __enter__(self) -> "Phases":
+        self._bar = tqdm(total=None, desc=self.label, file=sys.stderr, bar_format="{desc} {elapsed}", leave=False,
+                         disable=not self.enabled)
+        if self.enabled:
+            self._thread.start()
+        return self
+
+    def __call__(self, phase: str) -> None:
+        self._bar.set_description_str(f"{self.label}: {phase}")
+
+    def _redraw(self) -> None:
+        while not self._stop.wait(self.refresh_s):
+            self._bar.refresh()
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self.enabled:
+            self._thread.join()
+        self._bar.close()
 
 
 def build_parser() -> argparse.ArgumentParser:

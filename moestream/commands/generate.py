@@ -8,8 +8,7 @@ import os
 import sys
 
 from moestream.commands.args import Parser, check_output_paths, fail
-from moestream.commands.engine_args import add_engine_arguments, options_from_args
-from moestream.commands.engine_checks import check_engine_args, digest_dir
+from moestream.commands.engine_args import add_engine_arguments, check_engine_args, digest_dir, options_from_args
 from moestream.commands.launch import add_parallel_arguments, init_group, leave_group, spawn_ranks, torchrun_rank
 from moestream.commands.speculative_flags import add_speculative_arguments, check_speculative_args, speculative_options
 from moestream.engine.detok import IncrementalDecoder

@@ -12,8 +12,7 @@ import logging
 import os
 
 from moestream.commands.args import Parser, check_output_paths, fail
-from moestream.commands.engine_args import options_from_args
-from moestream.commands.engine_checks import check_engine_args, digest_dir
+from moestream.commands.engine_args import check_engine_args, digest_dir, options_from_args
 from moestream.errors import MoestreamError
 from moestream.flag_values import at_least, finite_float, non_negative_float, probability_mass
 from moestream.server.app import DEFAULT_MAX_BODY_BYTES, RequestDefaults

@@ -21,14 +21,13 @@ import torch
 from tqdm import tqdm
 
 from moestream.convert.layout import LayoutError, check_expert_layers, find_expert_layers
-from moestream.convert.mtp import select_mtp
-from moestream.convert.open_source import open_source
-from moestream.convert.resident import DenseTensor, check_dense, plan_dense
-from moestream.convert.source import TOKENIZER_FILES, CheckpointSource
+from moestream.convert.resident import DenseTensor, check_dense, plan_dense, select_mtp
+from moestream.convert.hub import download, looks_like_repo_id
+from moestream.convert.source import TOKENIZER_FILES, CheckpointError, CheckpointSource
 from moestream.convert.state import STATE_NAME, ConvertState, ResumeError
 from moestream.convert.summary import class_table, summary_text
 from moestream.errors import MoestreamError
-from moestream.format.manifest import (DENSE_NAME, FORMAT_VERSION, MANIFEST_NAME, ExpertLayer, Manifest, RecordField,
+from moestream.format.manifest import (DENSE_NAME, FORMAT_VERSION, MANIFEST_NAME, ExpertLayer, Manifest,
                                        read_manifest, write_manifest)
 from moestream.format.writer import (ExpertFileWriter, FileDigest, OutputFile, SafetensorsWriter, WriteError,
                                      stored_tensors, write_error)
@@ -70,18 +69,6 @@ def dense_blocks(source: CheckpointSource, item: DenseTensor) -> list[tuple[str,
         return [(part.name, [p[part.name] for p in pieces]) for part in item.parts]
     return [(part.name, (b.view(torch.uint32) if part.dtype == "U32" and b.dtype == torch.int32 else b  # copied as it is
                          for b in _row_blocks(source, part.name))) for part in item.parts]
-
-
-def _layer_entry(obj: dict) -> ExpertLayer:
-    return ExpertLayer(**{**obj, "fields": [RecordField(**f) for f in obj["fields"]]})
-
-
-def _is_inside(path: Path, folder: Path) -> bool:
-    try:
-        path.relative_to(folder)
-        return True
-    except ValueError:
-        return False
 
 
 def _our_files(out: Path) -> list[Path]:
@@ -133,7 +120,7 @@ class Conversion:
     def prepare(self, *, force: bool, resume: bool) -> bool:
         """Make OUT ready; False when it already holds this very conversion, finished."""
         out, src = self.out.resolve(), self.source.folder.resolve()
-        if not self.options.get("pull") and (out == src or _is_inside(src, out)):
+        if not self.options.get("pull") and src.is_relative_to(out):
             raise MoestreamError(f"{self.out}: OUT must not be the source folder or contain it")
         if out.exists() and not out.is_dir():
             raise MoestreamError(f"{self.out}: exists and is not a directory")
@@ -203,7 +190,7 @@ class Conversion:
                         record = self._write_layer(layer, bar, abort_at, executor)
                     else:
                         bar.update(expert_bytes[layer])
-                    entries.append(_layer_entry(record["entry"]))
+                    entries.append(ExpertLayer.from_json(record["entry"]))
                     digests[record["file"]] = FileDigest(record["size"], record["sha256"])
             finally:
                 if executor is not None:
@@ -324,6 +311,39 @@ class Conversion:
         return record["files"]
 
 
+def _folder_source(folder: Path, bits: int | None, origin: dict | None = None) -> CheckpointSource:
+    """A folder's source: GPTQ/AWQ checkpoints get theirs (which needs the requested bits)."""
+    try:
+        quant = json.loads((folder / "config.json").read_text()).get("quantization_config")
+    except (OSError, ValueError, AttributeError):
+        quant = None  # CheckpointSource says what is wrong with it
+    if isinstance(quant, dict) and quant.get("quant_method") in ("gptq", "awq"):
+        from moestream.convert.gptq_source import GroupwiseSource
+        return GroupwiseSource(folder, bits=bits, origin=origin)
+    return CheckpointSource(folder, origin=origin)
+
+
+def open_source(src: str | Path, *, revision: str | None = None, tokenizer: str | Path | None = None,
+                bits: int | None = 4) -> CheckpointSource:
+    """A local checkpoint folder, a .gguf file, or a Hub repo id fetched into the Hugging Face cache;
+    `bits` is the quantization asked for (None: unquantized), which a GPTQ/AWQ source needs."""
+    text = str(src)
+    path = Path(text).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        from moestream.convert.gguf_source import GgufSource
+        return GgufSource(path, tokenizer=tokenizer)
+    if tokenizer is not None:
+        raise CheckpointError("--tokenizer applies to GGUF files only")
+    if path.exists():
+        if revision is not None:
+            raise CheckpointError(f"{text}: --revision applies to Hub repos, and this is a local folder")
+        return _folder_source(path, bits) if path.is_dir() else CheckpointSource(path)
+    if looks_like_repo_id(text):
+        folder, origin = download(text, revision)
+        return _folder_source(Path(folder), bits, origin)
+    raise CheckpointError(f"{text}: no such file or directory")
+
+
 def check_request(quant: str | None, group_size: int, force: bool, resume: bool) -> None:
     """What convert and pull refuse before they look at the source."""
     if quant is not None and quant not in QUANT_BITS:
@@ -349,7 +369,7 @@ def convert(src: str | Path, out: str | Path, *, quant: str | None = None, group
     worker's torch ops are best run single-threaded (the CLI sets that), else the pools compete.
     `kill_after_layers=N` ends the process abruptly (exit 75, nothing flushed) inside expert layer
     N once N layers are finished: how resume is tested against a real kill. `mtp=False` leaves the
-    multi-token-prediction layers out (moestream.convert.mtp)."""
+    multi-token-prediction layers out (moestream.convert.resident.select_mtp)."""
     check_request(quant, group_size, force, resume)
     out = Path(out)
     source = open_source(src, revision=revision, tokenizer=tokenizer, bits=QUANT_BITS[quant or DEFAULT_QUANT])

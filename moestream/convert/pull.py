@@ -24,11 +24,10 @@ from typing import Callable
 
 from tqdm import tqdm
 
-from moestream.convert.hub import HubError, looks_like_repo_id
+from moestream.convert.hub import HubError, HubRepo, looks_like_repo_id
 from moestream.convert.layout import FusedLayer, MlxStackLayer, PerExpertLayer, check_expert_layers, find_expert_layers
 from moestream.convert.main import DOWNLOAD_DIR, Conversion, check_request, dense_blocks
 from moestream.convert.pulled_source import PulledSource, ZeroSource
-from moestream.convert.remote import HubRepo
 from moestream.convert.state import STATE_NAME, ConvertState, ResumeError
 from moestream.errors import MoestreamError
 from moestream.format.manifest import DENSE_NAME, EXPERT_PROJECTIONS, ExpertLayer, Manifest

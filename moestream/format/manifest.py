@@ -40,11 +40,9 @@ class ExpertLayer:
     quant: dict[str, dict | None]  # projection -> QuantSpec json
     crc32: list[int] = field(default_factory=list)  # one per record, for --check-records
 
-    def field(self, name: str) -> RecordField:
-        for f in self.fields:
-            if f.name == name:
-                return f
-        raise KeyError(name)
+    @staticmethod
+    def from_json(obj: dict) -> "ExpertLayer":
+        return ExpertLayer(**{**obj, "fields": [RecordField(**f) for f in obj["fields"]]})
 
 
 @dataclass
@@ -82,9 +80,8 @@ class Manifest:
         if obj.get("format_version") != FORMAT_VERSION:
             raise FormatError(f"manifest format version {obj.get('format_version')} is not supported (this moestream reads {FORMAT_VERSION})")
         _check_types(obj)
-        layers = [ExpertLayer(**{**e, "fields": [RecordField(**f) for f in e["fields"]]}) for e in obj["expert_layers"]]
-        return Manifest(family=obj["family"], config=obj["config"], source=obj["source"],
-                        quantization=obj["quantization"], expert_layers=layers, files=obj["files"],
+        return Manifest(family=obj["family"], config=obj["config"], source=obj["source"], quantization=obj["quantization"],
+                        expert_layers=[ExpertLayer.from_json(e) for e in obj["expert_layers"]], files=obj["files"],
                         mtp_layers=obj.get("mtp_layers", 0))
 
 
