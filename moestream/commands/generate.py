@@ -227,12 +227,6 @@ def _run_rank(args, *, rank: int, world_size: int, device: str, init_method: str
         return 130
 
 
-def torch_cuda_available() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -243,7 +237,9 @@ def main(argv: list[str] | None = None) -> int:
         rank, world, local = ranked
         device = args.devices[local] if args.devices else args.device
         if device in ("auto", "cuda"):
-            device = f"cuda:{local}" if torch_cuda_available() else "cpu"
+            import torch
+
+            device = f"cuda:{local}" if torch.cuda.is_available() else "cpu"
         return _run_rank(args, rank=rank, world_size=world, device=device, init_method="env://")
     if args.devices is not None and len(args.devices) > 1 and not args.plan:
         return spawn_ranks(args.devices, _rank_main, args)

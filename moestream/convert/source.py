@@ -139,7 +139,7 @@ class CheckpointSource:
             self.fp8_scales[weight] = (key, self.index.pop(key))
         for key, file in self.index.items():
             if self._open(file).info(key).dtype in fp8.FP8_DTYPES and key not in self.fp8_scales:
-                raise CheckpointError(f"{key}: an FP8 weight without its {fp8.scale_name(key)}")
+                raise CheckpointError(f"{key}: an FP8 weight without its {key}{fp8.SCALE_SUFFIX}")
 
     def _pair_mxfp4_blocks(self) -> None:
         """Each `X_blocks` with its `X_scales`, both replaced in the index by the stack `X`."""

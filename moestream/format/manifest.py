@@ -60,10 +60,7 @@ class Manifest:
     mtp_layers: int = 0
 
     def expert_layer(self, layer: int) -> ExpertLayer | None:
-        for entry in self.expert_layers:
-            if entry.layer == layer:
-                return entry
-        return None
+        return next((entry for entry in self.expert_layers if entry.layer == layer), None)
 
     def to_json(self) -> dict:
         obj = asdict(self)
@@ -129,14 +126,19 @@ def _check_types(obj: dict) -> None:
             _count(f.get("nbytes"), f"layer {e['layer']} field {f['name']!r}'s nbytes")
 
 
-def write_manifest(directory: Path, manifest: Manifest) -> None:
-    """Write atomically: the manifest appears last, so a half-written model never looks complete."""
-    tmp = Path(directory) / (MANIFEST_NAME + ".tmp")
+def write_json(path: Path, obj) -> None:
+    """Atomically: written to `path`.tmp and fsynced, then renamed over `path`."""
+    tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w") as fh:
-        json.dump(manifest.to_json(), fh, indent=1)
+        json.dump(obj, fh, indent=1)
         fh.flush()
         os.fsync(fh.fileno())
-    os.replace(tmp, Path(directory) / MANIFEST_NAME)
+    os.replace(tmp, path)
+
+
+def write_manifest(directory: Path, manifest: Manifest) -> None:
+    """The manifest appears last (atomically), so a half-written model never looks complete."""
+    write_json(Path(directory) / MANIFEST_NAME, manifest.to_json())
 
 
 def read_manifest(directory: str | os.PathLike) -> Manifest:

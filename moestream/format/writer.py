@@ -175,21 +175,20 @@ class ExpertFileWriter:
         self.entry = ExpertLayer(layer=layer, file=self.path.name, num_experts=num_experts, record_size=record_size,
                                  fields=fields, quant={k: v.to_json() for k, v in quant.items()})
         self._out = OutputFile(self.path)
-        self._next = 0
         self.digest: FileDigest | None = None
 
     def write(self, expert: int, tensors: dict[str, torch.Tensor]) -> None:
-        if expert != self._next:
-            raise ValueError(f"layer {self.entry.layer}: expert {expert} written out of order (expected {self._next})")
+        written = len(self.entry.crc32)
+        if expert != written:
+            raise ValueError(f"layer {self.entry.layer}: expert {expert} written out of order (expected {written})")
         record = encode_record(self.entry.fields, self.entry.record_size, tensors)
         self._out.write(record)
         self.entry.crc32.append(zlib.crc32(record))
-        self._next += 1
 
     def close(self) -> ExpertLayer:
-        if self._next != self.entry.num_experts:
+        if len(self.entry.crc32) != self.entry.num_experts:
             self._out.abort()
-            raise ValueError(f"layer {self.entry.layer}: {self._next} of {self.entry.num_experts} experts written")
+            raise ValueError(f"layer {self.entry.layer}: {len(self.entry.crc32)} of {self.entry.num_experts} experts written")
         self.digest = self._out.close()
         return self.entry
 

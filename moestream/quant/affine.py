@@ -52,11 +52,6 @@ class QuantSpec:
                          obj.get("mode", "affine"))
 
 
-def check_bits(bits: int) -> None:
-    if bits not in SUPPORTED_BITS:
-        raise ValueError(f"{bits}-bit quantization is not supported (supported: {', '.join(map(str, SUPPORTED_BITS))})")
-
-
 def packed_shape(out_features: int, in_features: int, bits: int, group_size: int) -> tuple[tuple, tuple]:
     """Shapes of (weight, scales) for a quantized [out, in] matrix; biases match scales."""
     return (out_features, in_features * bits // 32), (out_features, in_features // group_size)
@@ -76,7 +71,8 @@ def quantize(w: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor,
     Scales and biases are rounded to their storage dtype before the codes are chosen, so the
     reconstruction error is at most half a step (plus that rounding) for every element. Rows are
     independent, so a big matrix is done in blocks of rows to bound the float32/int64 temporaries."""
-    check_bits(bits)
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(f"{bits}-bit quantization is not supported (supported: {', '.join(map(str, SUPPORTED_BITS))})")
     if w.dim() != 2 or w.shape[1] % group_size or w.shape[1] % (32 // bits):
         raise ValueError(f"cannot quantize a {list(w.shape)} tensor with group size {group_size} at {bits} bits")
     out_features, in_features = w.shape
