@@ -52,10 +52,12 @@ class Engine:
     `cache` is slot 0's."""
 
     def __init__(self, packed: PackedModel, options: EngineOptions, *, default_cache_size: str = "auto",
-                 graphs: bool = True, prefetch: bool = True, digest_dir: str | None = None):
+                 graphs: bool = True, prefetch: bool = True, digest_dir: str | None = None,
+                 reroute: Callable | None = None):
         """graphs=False runs CUDA decode steps and prefills eagerly (the same kernels, the same bits);
         prefetch=False loads experts on demand only (no lookahead copies): for exact miss counts;
-        digest_dir: where the checked resident files' digests are remembered (None: ~/.cache/moestream)."""
+        digest_dir: where the checked resident files' digests are remembered (None: ~/.cache/moestream);
+        reroute(args, device): the routing replacement of a benchmark (moestream.bench.routing), or None."""
         from moestream.engine.decoder import Decoder
         from moestream.engine.plan import plan_run
         from moestream.experts.cache import ExpertCache
@@ -66,6 +68,7 @@ class Engine:
         self.packed, self.options, self.digest_dir = packed, options, digest_dir
         self.plan = plan_run(packed, options, default_cache_size=default_cache_size, digest_dir=digest_dir)
         self.device, self.dtype, self.max_context = self.plan.device, self.plan.dtype, self.plan.max_context
+        self.model_name = packed.directory.name if packed.directory != DEMO_MODEL else "moestream-demo"
         if options.threads > 0:
             torch.set_num_threads(options.threads)
         self.parallel = expert_setup.expert_parallel(packed, options)
@@ -82,30 +85,35 @@ class Engine:
             from moestream.layers.expert_parallel import OwnedExperts
 
             self.provider = OwnedExperts(self.provider, self.parallel.placement, self.parallel.group.rank)
+        # CPU: the lookahead is a hook after each layer's fetch; CUDA: the decoder guesses on the device
+        cpu = self.device.type == "cpu"
+        self.prefetcher = None
+        self.trace = None
         try:
             def make_experts(args):  # the decoder's MoE layers and the multi-token-prediction layers' experts
                 layers = args.moe_layers() + args.mtp_expert_layers(packed.manifest.mtp_layers)
-                moe = {i: args.num_experts for i in layers}
-                return RoutedExperts(self.provider, moe, device=self.device, parallel=self.parallel,
-                                     unpacked=expert_setup.unpacked_experts(self.plan),
+                if options.trace_routing:
+                    self.trace = expert_setup.trace_recorder(self.model_name, packed.family, args)
+                return RoutedExperts(self.provider, {i: args.num_experts for i in layers}, device=self.device,
+                                     parallel=self.parallel, unpacked=expert_setup.unpacked_experts(self.plan),
                                      cpu_share=expert_setup.share_request(options, parallel=self.parallel,
-                                                                          hidden=args.hidden_size, dtype=self.dtype))
+                                                                          hidden=args.hidden_size, dtype=self.dtype),
+                                     on_route=self._record_route if options.trace_routing else None,
+                                     after_fetch=self._prefetch if cpu and prefetch else None,
+                                     reroute=None if reroute is None else reroute(args, self.device))
 
             self.args, self.experts, self.model = build_model(packed, make_experts, device=self.device,
                                                               dtype=self.dtype)
-            # CPU: a hook after each layer's fetch; CUDA: the decoder guesses on the device (Lookahead)
-            cpu = self.device.type == "cpu"
             self.guess_maps = None if not prefetch else \
                 expert_setup.load_guess_maps(packed, options, self.model, hidden_size=self.args.hidden_size,
                                              device=self.device)
-            self.prefetcher = None if not (cpu and prefetch) else \
-                expert_setup.attach_prefetcher(self.model, self.experts, self.provider, maps=self.guess_maps)
+            if cpu and prefetch:
+                self.prefetcher = expert_setup.prefetcher(self.model, self.provider, maps=self.guess_maps)
             lookahead = Lookahead(self.provider, depth=1) if prefetch and not cpu else None
             self.tokenizer = load_tokenizer(packed.directory, packed.config)
         except BaseException:
             self.provider.close()
             raise
-        self.model_name = packed.directory.name if packed.directory != DEMO_MODEL else "moestream-demo"
         self.sequences = SequenceSlots(self.args.kv_layout(), self.max_context, count=options.max_sequences,
                                        dtype=self.dtype, device=self.device, prefill_chunk=self.plan.prefill_chunk)
         self.pool, self.caches = self.sequences.pool, self.sequences.caches
@@ -121,9 +129,12 @@ class Engine:
         # hidden_tap(first position, rows [T, H]); the MTP drafter's input (moestream.engine.mtp_drafter)
         self.hidden_tap: Callable[[int, torch.Tensor], None] | None = None
         self._position = 0  # first position of the chunk being run (for routing traces)
-        self.trace = None
-        if options.trace_routing:
-            self._start_trace()
+
+    def _record_route(self, layer: int, ids: torch.Tensor) -> None:
+        self.trace.record(layer, self._position, ids.cpu().numpy())
+
+    def _prefetch(self, layer: int, x: torch.Tensor, chosen: list[int]) -> None:
+        self.prefetcher(layer, x, chosen)
 
     @property
     def lookahead(self):
@@ -136,15 +147,6 @@ class Engine:
     def parallel_stats(self, before: dict, after: dict) -> dict | None:
         """Every rank's expert-cache figures for a run (a collective); None for one process."""
         return expert_setup.parallel_stats(self.parallel, before, after)
-
-    def _start_trace(self) -> None:
-        from moestream.experts.trace import TraceRecorder
-
-        moe_layers = self.args.moe_layers()
-        self.trace = TraceRecorder({"model": self.model_name, "family": self.packed.family,
-                                    "num_experts": self.args.num_experts, "top_k": self.args.num_experts_per_tok,
-                                    "moe_layers": moe_layers, "num_layers": self.args.num_hidden_layers})
-        self.experts.on_route = lambda layer, ids: self.trace.record(layer, self._position, ids.cpu().numpy())
 
     @property
     def cache(self) -> SequenceKV:
@@ -163,14 +165,9 @@ class Engine:
     @classmethod
     def load(cls, model_dir: str | Path | None = None, *, options: EngineOptions | None = None,
              graphs: bool = True, prefetch: bool = True, digest_dir: str | None = None) -> "Engine":
-        if model_dir is None:
-            model_dir = DEMO_MODEL
-            if not (DEMO_MODEL / "moestream.json").is_file():
-                raise MoestreamError(f"no --model given and the built-in demo model is missing at {DEMO_MODEL}")
-            return cls(PackedModel(model_dir), options or EngineOptions(), default_cache_size=DEMO_CACHE_SIZE,
-                       graphs=graphs, prefetch=prefetch, digest_dir=digest_dir)
-        return cls(PackedModel(model_dir), options or EngineOptions(), graphs=graphs, prefetch=prefetch,
-                   digest_dir=digest_dir)
+        packed, default_size = open_packed(model_dir)
+        return cls(packed, options or EngineOptions(), default_cache_size=default_size, graphs=graphs,
+                   prefetch=prefetch, digest_dir=digest_dir)
 
     # -- running the model: prefill, step, rollback -----------------------------------------
     def _make_resident(self) -> None:
@@ -200,32 +197,22 @@ class Engine:
 
     def open_sequence(self, prefix: list[int] | None = None, *, slot: int | None = None,
                       tokens: int | None = None) -> int:
-        """Open a free slot and return its id. With `prefix` (the prompt to come), the free slot
-        whose cache shares the longest start with it, that start kept (prefill reuses it); else
-        the lowest free slot, emptied. `slot` names the free slot to open (a caller's own choice,
-        e.g. the least recently used); its shared start with `prefix` is kept the same way.
-        `tokens`: the positions it may reach (default the whole context), kept free for it (kv_room)."""
+        """SequenceSlots.open: a free slot opened for `prefix` (the prompt to come), its shared start
+        kept; `tokens`, the positions it may reach, kept free for it (kv_room)."""
         if tokens is not None:
             tokens = self._reach(prefix or [], tokens)
         return self.sequences.open(prefix, slot=slot, tokens=tokens)
 
-    def _reach(self, prompt_ids: list[int], tokens: int) -> int:
-        """The positions a sequence of `tokens` for `prompt_ids` may hold blocks for: a first prefill
-        chunk padded to its graph's bucket holds the padding's blocks too (prefill_graphs.run)."""
-        graphs = self.prefill_graphs
-        first = min(len(prompt_ids), max(1, self.plan.prefill_chunk))
-        if graphs is not None and first > 0 and graphs.takes(first, 0, 0):
-            tokens = max(tokens, prefill_graphs.bucket(first))
-        return min(tokens, self.max_context)
-
     def kv_room(self, prompt_ids: list[int], max_new_tokens: int, *, share: bool = True) -> KVRoom:
-        """Whether the KV pool holds a new sequence of `prompt_ids` and up to `max_new_tokens` more
-        beside the open ones, each of which may still grow to the length it was opened for: a caller
-        that opens a sequence only where `.fits` (with tokens=len(prompt_ids) + max_new_tokens) never
-        sees one run out of blocks; `.ever` is False where it cannot fit even alone. `share` False: a
-        prompt computed whole (prompt_logprobs), which shares no block the pool holds."""
+        """SequenceSlots.room of a new sequence of `prompt_ids` and up to `max_new_tokens` more: a caller
+        that opens one only where `.fits` (with tokens=len(prompt_ids) + max_new_tokens) never sees one
+        run out of blocks; `share` False: a prompt computed whole (prompt_logprobs)."""
         tokens = self._reach(prompt_ids, len(prompt_ids) + max(0, max_new_tokens))
         return self.sequences.room(list(prompt_ids), tokens, share=share)
+
+    def _reach(self, prompt_ids: list[int], tokens: int) -> int:
+        """The positions a sequence of `tokens` for `prompt_ids` holds blocks for (a padded prefill's too)."""
+        return tokens if self.prefill_graphs is None else self.prefill_graphs.reach(len(prompt_ids), tokens)
 
     def close_sequence(self, seq: int) -> None:
         """Free slot `seq` for open_sequence (its cached tokens stay, for a later prompt's prefix)."""
@@ -521,16 +508,21 @@ class Engine:
         return self.plan.ledger.to_json()
 
 
-def load_engine(model: str | os.PathLike | None, options: EngineOptions, *, digest_dir: str | None = None) -> Engine:
+def load_engine(model: str | os.PathLike | None, options: EngineOptions, *, digest_dir: str | None = None,
+                reroute: Callable | None = None) -> Engine:
     """Open a packed model (default: the demo model), resolve the options (moestream.engine.plan), build
-    the Engine: what generate, serve and bench load. digest_dir: as Engine takes it."""
+    the Engine: what generate, serve and bench load. digest_dir, reroute: as Engine takes them."""
     from moestream.engine.plan import resolve_options
 
+    packed, default_size = open_packed(model)
+    options = resolve_options(packed, options, default_cache_size=default_size, digest_dir=digest_dir)
+    return Engine(packed, options, default_cache_size=default_size, digest_dir=digest_dir, reroute=reroute)
+
+
+def open_packed(model: str | os.PathLike | None) -> tuple[PackedModel, str]:
+    """The packed model at `model` (None: the built-in demo model) and its default cache size."""
     if model is None:
         if not (DEMO_MODEL / "moestream.json").is_file():
             raise MoestreamError(f"no --model given and the built-in demo model is missing at {DEMO_MODEL}")
-        packed, default_size = PackedModel(DEMO_MODEL), DEMO_CACHE_SIZE
-    else:
-        packed, default_size = PackedModel(Path(model)), "auto"
-    options = resolve_options(packed, options, default_cache_size=default_size, digest_dir=digest_dir)
-    return Engine(packed, options, default_cache_size=default_size, digest_dir=digest_dir)
+        return PackedModel(DEMO_MODEL), DEMO_CACHE_SIZE
+    return PackedModel(Path(model)), "auto"

@@ -92,16 +92,23 @@ def load_guess_maps(packed: PackedModel, options: EngineOptions, model, *, hidde
     return maps.to(device)
 
 
-def attach_prefetcher(model, experts, provider, *, maps=None):
-    """The CPU's lookahead: a NextLayerPrefetcher hooked after each layer's fetch; `maps` (fitted
-    corrections, moestream.experts.guess_maps) improve its guesses."""
+def prefetcher(model, provider, *, maps=None):
+    """The CPU's lookahead (a NextLayerPrefetcher, which RoutedExperts calls after each layer's
+    fetch); `maps` (fitted corrections, moestream.experts.guess_maps) improve its guesses."""
     from moestream.experts.predict import NextLayerPrefetcher
     from moestream.layers.moe import MoEBlock
 
-    blocks = [layer.ffn for layer in model.layers if isinstance(layer.ffn, MoEBlock)]
-    predictor = NextLayerPrefetcher(blocks, provider, maps=maps)
-    experts.after_fetch = predictor
-    return predictor
+    return NextLayerPrefetcher([layer.ffn for layer in model.layers if isinstance(layer.ffn, MoEBlock)], provider,
+                               maps=maps)
+
+
+def trace_recorder(model_name: str, family: str, args):
+    """The routing trace a run records (--trace-routing)."""
+    from moestream.experts.trace import TraceRecorder
+
+    return TraceRecorder({"model": model_name, "family": family, "num_experts": args.num_experts,
+                          "top_k": args.num_experts_per_tok, "moe_layers": args.moe_layers(),
+                          "num_layers": args.num_hidden_layers})
 
 
 def share_request(options: EngineOptions, *, parallel, hidden: int, dtype: torch.dtype):

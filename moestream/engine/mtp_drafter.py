@@ -16,7 +16,6 @@ expert layer num_hidden_layers + 0 of the same slot cache; drafting calls no rou
 prefetch hook. The drafter changes only the speed: the loop verifies every drafted token."""
 from __future__ import annotations
 
-from contextlib import contextmanager
 from typing import Sequence
 
 import torch
@@ -35,17 +34,6 @@ def mtp_layers(engine) -> list:
                              "multi-token-prediction layers (its family has none, its checkpoint had none, or it was "
                              "converted with --no-mtp)")
     return layers
-
-
-@contextmanager
-def quiet(experts):
-    """Drafting's expert calls stay out of routing traces and prefetch guesses."""
-    saved = experts.on_route, experts.after_fetch
-    experts.on_route = experts.after_fetch = None
-    try:
-        yield
-    finally:
-        experts.on_route, experts.after_fetch = saved
 
 
 class MTPDrafter(ModelDrafter):
@@ -95,7 +83,7 @@ class MTPDrafter(ModelDrafter):
         missing = [p for p in range(kept, L - 1) if p not in self.states]
         if missing:  # computed before the drafter saw them: nothing to draft from
             return []
-        with torch.inference_mode(), quiet(self.engine.experts):
+        with torch.inference_mode(), self.engine.experts.quiet():
             if kept < L - 1:
                 chunk = max(1, self.engine.plan.prefill_chunk)  # a long prompt's pairs in prefill-sized pieces
                 for start in range(kept, L - 1, chunk):
