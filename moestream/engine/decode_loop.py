@@ -16,7 +16,7 @@ choice allows it."""
 from __future__ import annotations
 
 import time
-from typing import Callable, Iterator, Protocol
+from typing import Iterator
 
 import torch
 
@@ -26,27 +26,11 @@ from moestream.engine.speculative import Speculation
 from moestream.engine.types import TokenEvent
 
 
-class Stepper(Protocol):
-    """What the loop needs of an engine (moestream.engine.engine.Engine)."""
-
-    max_context: int
-    device: torch.device
-    hidden_tap: Callable | None
-
-    def step(self, tokens: list[int]) -> torch.Tensor: ...
-
-    def step_unread(self, token: torch.Tensor) -> torch.Tensor: ...
-
-    def name_token(self, position: int, token: int) -> None: ...
-
-    def rollback(self, length: int) -> None: ...
-
-
-def decode(engine: Stepper, emit: Emitter, logits: torch.Tensor, budget: int, *,
+def decode(engine, emit: Emitter, logits: torch.Tensor, budget: int, *,
            speculation: Speculation | None = None) -> Iterator[TokenEvent]:
-    """Up to `budget` tokens, the first chosen from `logits`' last row (the prefill's), each through
-    `emit` (which stops the loop at an end token or a cancel). The cache then holds every token
-    emitted but the last (after a stop in plain greedy decoding, the last too)."""
+    """Up to `budget` tokens of `engine` (an Engine), the first chosen from `logits`' last row (the
+    prefill's), each through `emit` (which stops the loop at an end token or a cancel). The cache
+    then holds every token emitted but the last (after a stop in plain greedy decoding, the last too)."""
     if speculation is None:
         yield from _plain(engine, emit, logits, budget)
         return
@@ -84,7 +68,7 @@ def decode(engine: Stepper, emit: Emitter, logits: torch.Tensor, budget: int, *,
             engine.rollback(len(seq) - 1)  # forget the rejected drafts
 
 
-def _plain(engine: Stepper, emit: Emitter, logits: torch.Tensor, budget: int) -> Iterator[TokenEvent]:
+def _plain(engine, emit: Emitter, logits: torch.Tensor, budget: int) -> Iterator[TokenEvent]:
     """Plain decoding of up to `budget` tokens, the first chosen from `logits`' last row. Where the
     choice is the raw row's argmax with nothing read on the host (no log-probabilities, no hidden-state
     tap), each step is queued before the host reads the token it takes; else one step a token."""
@@ -100,7 +84,7 @@ def _plain(engine: Stepper, emit: Emitter, logits: torch.Tensor, budget: int) ->
             logits = engine.step([event.token_id])
 
 
-def _ahead(engine: Stepper, emit: Emitter, logits: torch.Tensor, budget: int) -> Iterator[TokenEvent]:
+def _ahead(engine, emit: Emitter, logits: torch.Tensor, budget: int) -> Iterator[TokenEvent]:
     """Greedy decoding that keeps the device busy: step n + 1 is queued with token n still on the
     device (its argmax), then the host reads token n while the step runs, names it in the cache,
     and checks the stops. The same tokens as one step at a time (the same steps, fed the same ids);

@@ -36,7 +36,7 @@ norm also writes the experts' float32 input (`_boundaries`)."""
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -53,26 +53,21 @@ MAX_STEP_TOKENS = 16  # tokens one step takes at most (longer lists are cut into
 
 @dataclass
 class _Routed:
-    """What an MoE layer's attention segments hand its experts segment, one entry per token t
+    """What an MoE layer's attention segment hands its experts segment, all the step's rows at once
     (inside a capture these are the graph's own static outputs)."""
 
     ids_host: torch.Tensor  # [MAX_STEP_TOKENS * A] int64 (pinned on CUDA)
-    weights: list = field(default_factory=list)  # [1, A] routing weights
-    ids: list = field(default_factory=list)  # [1, A] int64 expert ids
-    h: list = field(default_factory=list)  # [1, H] residual stream after attention
-    hn: list = field(default_factory=list)  # [1, H] its normed copy, the experts' input
-    shared: list = field(default_factory=list)  # [1, H] the shared expert's output (or None)
-    guesses: list = field(default_factory=list)  # [1, depth * A'] later MoE layers' router top-k (lookahead)
     guesses_host: torch.Tensor | None = None
-    whole: bool = False  # rows at once: entry 0 of each list holds every row [MAX_STEP_TOKENS, ...]
+    weights: torch.Tensor | None = None  # [rows, A] routing weights
+    ids: torch.Tensor | None = None  # [rows, A] int64 expert ids
+    h: torch.Tensor | None = None  # [rows, H] residual stream after attention
+    hn: torch.Tensor | None = None  # [rows, H] its normed copy, the experts' input
+    shared: torch.Tensor | None = None  # [rows, H] the shared expert's output (or None)
+    guesses: torch.Tensor | None = None  # [rows, depth * A'] later MoE layers' router top-k (lookahead)
 
     def rows(self, name: str, T: int) -> torch.Tensor | None:
-        parts = getattr(self, name)[:T]
-        if parts[0] is None:
-            return None
-        if self.whole:
-            return parts[0][:T]
-        return parts[0] if T == 1 else torch.cat(parts)
+        value = getattr(self, name)
+        return None if value is None else value[:T]
 
 
 class Decoder:
@@ -166,13 +161,10 @@ class Decoder:
             routed = {}
             for i, layer in enumerate(self.model.layers):
                 if isinstance(layer.ffn, MoEBlock):
-                    ids_host = torch.zeros(MAX_STEP_TOKENS * layer.ffn.top_k, dtype=torch.long)
-                    routed[i] = _Routed(ids_host.pin_memory() if self.cuda else ids_host)
-                    for name in ("weights", "ids", "h", "hn", "shared", "guesses"):
-                        setattr(routed[i], name, [None] * MAX_STEP_TOKENS)
                     ahead = sum(self.model.layers[j].ffn.top_k for j in self.ahead[i])
-                    if ahead:
-                        routed[i].guesses_host = torch.zeros(ahead, dtype=torch.long, pin_memory=self.cuda)
+                    routed[i] = _Routed(
+                        torch.zeros(MAX_STEP_TOKENS * layer.ffn.top_k, dtype=torch.long, pin_memory=self.cuda),
+                        torch.zeros(ahead, dtype=torch.long, pin_memory=self.cuda) if ahead else None)
             self._modes[key] = routed
         return self._modes[key]
 
@@ -203,8 +195,7 @@ class Decoder:
                     self.x[t:t + 1].copy_(layer.ffn(hn[t:t + 1], residual=h[t:t + 1]))
             return
         for name, value in self._route(i, h, hn, tile=T).items():
-            getattr(r, name)[0] = value
-        r.whole = True
+            setattr(r, name, value)
 
     def _route(self, i: int, h: torch.Tensor, hn: torch.Tensor, *, tile: int) -> dict:
         """An MoE layer's router (and the later layers' guessed routers) and shared expert on hn (the
@@ -243,7 +234,7 @@ class Decoder:
     def _fused_ends(self, i: int, T: int) -> dict:
         """The fused boundary's arguments of MoE layer i's experts for T rows (see `_boundaries`)."""
         out = {}
-        if self.routed[i].whole and i in self.split_in:
+        if i in self.split_in:
             out["split_x"] = self.split_in[i][:T]
         if i in self.norm_after:
             out["norm"] = (*self.norm_after[i], self.normed[:T])
@@ -252,17 +243,12 @@ class Decoder:
     def _head(self, T: int) -> None:
         if self.cuda:
             self.logits.copy_(self._tile_head(self.x))  # [MAX_STEP_TOKENS, V], whatever T
-        elif T == 1:
-            self.logits[:1].copy_(self.model.head(self.x[:1]))
         else:
-            self.logits[:T].copy_(self.model.rows_head(self.x[:T]))
+            self.logits[:T].copy_(self.head_rows(self.x[:T]))
 
     def _tile_head(self, x: torch.Tensor) -> torch.Tensor:
         """The head over the row tile x [MAX_STEP_TOKENS, H], its product on `tile_linear`."""
         return self.model.tile_head(x, self.tile_linear)
-
-    def _saved_head(self) -> None:
-        self.saved_logits.copy_(self._tile_head(self.saved_x))
 
     def head_rows(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [n, V] (float32; a static buffer on CUDA) of saved residual-stream rows [n, H]
@@ -273,7 +259,7 @@ class Decoder:
         if not self.cuda:
             return self.model.head(hidden) if n == 1 else self.model.rows_head(hidden)
         self.saved_x[:n].copy_(hidden)
-        self._replay(("saved-head",), self._saved_head)
+        self._replay(("saved-head",), lambda: self.saved_logits.copy_(self._tile_head(self.saved_x)))
         return self.saved_logits[:n]
 
     def _whole(self, T: int, head: bool = True) -> None:
@@ -312,22 +298,16 @@ class Decoder:
         with timeline.segment(key):
             graph.replay()
 
-    def step(self, tokens: list[int], start: int, *, slot: int = 0, head: bool = True,
-             device_tokens: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [T, V] (float32, a static buffer: copy before the next step) of `tokens` at
-        positions start.. of sequence `slot`, T <= MAX_STEP_TOKENS. The caller records the tokens
-        in the KV cache. head=False: stop before the head and return the final residual stream
-        [T, H] (a static buffer too; `head_rows` turns saved rows into logits).
-        device_tokens: the T token ids as a tensor on the model's device, in place of `tokens` (the
-        host has not read them: the step is queued behind the work that computes them)."""
-        return self.step_rows(tokens, [start + t for t in range(len(tokens))], [slot] * len(tokens), head=head,
-                              device_tokens=device_tokens)
-
     def step_rows(self, tokens: list[int], positions: list[int], slots: list[int], *,
                   head: bool = True, device_tokens: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [T, V] as `step`, row t being token tokens[t] at positions[t] of sequence slots[t]
-        (a sequence's rows in order of position). The layers' experts run once for all rows; a
-        row's bits are those it gets in a step of its own. head=False: the rows [T, H] before the head."""
+        """Logits [T, V] (float32, a static buffer: copy before the next step), row t being token
+        tokens[t] at positions[t] of sequence slots[t] (a sequence's rows in order of position),
+        T <= MAX_STEP_TOKENS. The caller records the tokens in the KV cache. The layers' experts run
+        once for all rows; a row's bits are those it gets in a step of its own. head=False: stop
+        before the head and return the final residual stream [T, H] (a static buffer too;
+        `head_rows` turns saved rows into logits). device_tokens: the T token ids as a tensor on the
+        model's device, in place of `tokens` (the host has not read them: the step is queued behind
+        the work that computes them)."""
         T = len(tokens)
         if not 1 <= T <= MAX_STEP_TOKENS:
             raise ValueError(f"a step takes 1..{MAX_STEP_TOKENS} tokens, not {T}")
@@ -398,7 +378,7 @@ class Decoder:
         A = ids.shape[1]
         host = r.ids_host[:T * A]
         host.copy_(ids.view(-1), non_blocking=True)
-        guessing = T == 1 and r.guesses_host is not None and r.guesses[0] is not None
+        guessing = T == 1 and r.guesses_host is not None and r.guesses is not None
         if guessing:
             r.guesses_host.copy_(r.rows("guesses", 1).reshape(-1), non_blocking=True)
         if self.cuda:  # the one host sync of a streamed layer

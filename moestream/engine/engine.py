@@ -365,8 +365,9 @@ class Engine:
                 piece = tokens[i:i + MAX_STEP_TOKENS]
                 self._position = cache.length
                 with timeline.span("step", position=cache.length, tokens=len(piece)):
-                    out = self.decoder.step(piece, cache.length, slot=seq, head=head and tap is None,
-                                            device_tokens=device_tokens).clone()
+                    out = self.decoder.step_rows(piece, list(range(cache.length, cache.length + len(piece))),
+                                                 [seq] * len(piece), head=head and tap is None,
+                                                 device_tokens=device_tokens).clone()
                     if tap is not None:  # the rows before the head, then the head's bits for them
                         tap(cache.length, out)
                         out = self.decoder.head_rows(out).clone() if head else out

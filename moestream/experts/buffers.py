@@ -16,10 +16,7 @@ import weakref
 
 import torch
 
-__all__ = ["PAGE_SIZE", "aligned_buffer", "is_page_aligned", "pin_if_cuda"]
-
 log = logging.getLogger(__name__)
-
 PAGE_SIZE = mmap.PAGESIZE
 
 

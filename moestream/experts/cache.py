@@ -10,8 +10,7 @@ On CUDA, records go disk -> pinned host buffer -> slot by an async copy on a sep
 compute waits (stream-wise) only for the slots it uses, and a victim slot is overwritten only
 after the compute that read it has finished.
 
-Beside it: host_tier.py (the pinned RAM tier between the disk and the slots) and cache_stats.py
-(the figures the cache books).
+Beside it: host_tier.py (the pinned RAM tier between the disk and the slots).
 """
 from __future__ import annotations
 
@@ -20,13 +19,13 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 
 from moestream.errors import ExpertReadError
 from moestream.experts.buffers import aligned_buffer, pin_if_cuda
-from moestream.experts.cache_stats import CacheStats
 from moestream.experts.directory import CacheFullError, SlotDirectory
 from moestream.experts.host_tier import HostTier
 from moestream.format.reader import PackedModel
@@ -36,16 +35,48 @@ from moestream.quant.affine import QuantSpec
 log = logging.getLogger(__name__)
 
 
-class NoTimeline:
-    """Where no timeline records the cache's loads, reads and copies: hooks that do nothing."""
+@dataclass
+class CacheStats:
+    """The cache's figures: hits and misses (in total and per layer), bytes read per tier, time
+    waiting on reads, early reads issued and used, evictions. Besides its own lookups they come from
+    the device-driven path's and the resident tables' counts. Plain counters, no locking: the cache
+    holds its lock where reader threads add to them."""
 
-    @staticmethod
-    def complete(name: str, start_s: float, end_s: float, **args) -> None:
-        pass
+    hits: int = 0
+    misses: int = 0
+    bytes_read_disk: int = 0
+    bytes_read_host: int = 0
+    read_wait_s: float = 0.0
+    prefetch_issued: int = 0
+    prefetch_used: int = 0
+    evictions: int = 0
+    layer_hits: dict = field(default_factory=dict)
+    layer_misses: dict = field(default_factory=dict)
 
-    @staticmethod
-    def instant(name: str, **args) -> None:
-        pass
+    def count(self, layer: int, *, hit: bool, n: int = 1) -> None:
+        """Book n hits (or misses) of `layer`."""
+        table = self.layer_hits if hit else self.layer_misses
+        table[layer] = table.get(layer, 0) + n
+        if hit:
+            self.hits += n
+        else:
+            self.misses += n
+
+    def add_device_counts(self, counts: dict[int, tuple[int, int]], record_bytes: dict[int, int]) -> None:
+        """Book the device-driven path's {layer: (hits, misses)}; each miss copied one record from the host tier."""
+        for layer, (hits, misses) in counts.items():
+            self.count(layer, hit=True, n=hits)
+            self.count(layer, hit=False, n=misses)
+            self.bytes_read_host += misses * record_bytes[layer]
+
+    def hit_rate_per_layer(self, layers: list[int]) -> dict[str, float]:
+        """{layer: hit rate} of the layers that were looked up at all."""
+        rates = {}
+        for layer in layers:
+            hits, misses = self.layer_hits.get(layer, 0), self.layer_misses.get(layer, 0)
+            if hits + misses:
+                rates[str(layer)] = round(hits / (hits + misses), 4)
+        return rates
 
 
 class ExpertCache:
@@ -53,7 +84,7 @@ class ExpertCache:
 
     def __init__(self, packed: PackedModel, device: torch.device, *, slots: int, source, policy: str = "clock",
                  host_slots: int = 0, host_policy: str = "clock", staging_buffers: int = 8,
-                 device_policy: str = "cycle", timeline=NoTimeline):
+                 device_policy: str = "cycle", timeline):
         """timeline: where loads, waits on reads, reads and copies are recorded (an object with
         `complete(name, start_s, end_s, **args)` and `instant(name, **args)`: moestream.engine.timeline)."""
         self.packed, self.device, self.source = packed, torch.device(device), source
@@ -117,23 +148,21 @@ class ExpertCache:
         try:
             for e in experts:
                 key = (li, e)
-                slot = self.directory.lookup(key)
-                if slot is not None:
-                    self.directory.pin(key)
-                    pinned.append(key)
-                    self.directory.touch(key)
-                    self.stats_.count(layer, hit=True)
-                    if key in self._prefetched:
-                        self._prefetched.discard(key)
-                        st.prefetch_used += 1
-                    if key in self.pending:
-                        waits.append(key)
-                else:
-                    self.stats_.count(layer, hit=False)
+                hit = self.directory.lookup(key) is not None
+                st.count(layer, hit=hit)
+                if not hit:
                     self._reserve(key)
-                    self.directory.pin(key)
-                    pinned.append(key)
+                self.directory.pin(key)
+                pinned.append(key)
+                if not hit:
                     self._start_load(key)
+                    waits.append(key)
+                    continue
+                self.directory.touch(key)
+                if key in self._prefetched:
+                    self._prefetched.discard(key)
+                    st.prefetch_used += 1
+                if key in self.pending:
                     waits.append(key)
             t0 = time.perf_counter()
             error = None
@@ -227,9 +256,8 @@ class ExpertCache:
 
     # -- everything resident ----------------------------------------------------------
     def can_hold_all(self) -> bool:
-        """Whether the pool has a slot for every expert of every layer (in each layer's share)."""
-        return all(self.batch_limit(layer) >= self.entries[layer].num_experts for layer in self.moe_layers) and \
-            self.num_slots >= self.total_experts
+        """Whether the pool has a slot for every expert of every layer."""
+        return self.num_slots >= self.total_experts
 
     def make_resident(self) -> bool:
         """Where the pool holds every expert: load the ones not yet in a slot, pin all of them for
@@ -325,14 +353,10 @@ class ExpertCache:
                                     {l: e.record_size for l, e in self.entries.items()}, policy=self.device_policy)
         return self.device_map  # it starts empty: what the host path left in the slots is not reused
 
-    def _collect_device_map(self) -> None:
-        if self.device_map is None:
-            return
-        self.stats_.add_device_counts(self.device_map.counts(), self.device_map.record_bytes)
-        self.device_map.reset_counts()
-
     def _collect_device_hits(self) -> None:
-        self._collect_device_map()
+        if self.device_map is not None:
+            self.stats_.add_device_counts(self.device_map.counts(), self.device_map.record_bytes)
+            self.device_map.reset_counts()
         if self._device_hits is not None:
             counts = self._device_hits.tolist()
             with torch.inference_mode():  # the counter is made inside the engine's inference mode
@@ -347,11 +371,7 @@ class ExpertCache:
         except CacheFullError:
             if not wait or not self.pending:
                 raise
-            for k in list(self.pending):  # early reads hold slots: let them land, then retry
-                try:
-                    self._finish(k)
-                except ExpertReadError:
-                    pass
+            self._settle(self.pending)  # early reads hold slots: let them land, then retry
             res = self.directory.reserve(key)
         if res.evicted is not None:
             self.stats_.evictions += 1
@@ -360,13 +380,9 @@ class ExpertCache:
             if self.cuda:
                 self.ready_events.pop(res.evicted, None)
         if self.cuda:  # the copy into this slot must wait for compute that still reads its old record
-            self._slot_free_event(res.slot)
+            event = self._victim_events[res.slot] = torch.cuda.Event()
+            event.record(self.compute_stream)
         return res.slot
-
-    def _slot_free_event(self, slot: int) -> None:
-        event = torch.cuda.Event()
-        event.record(self.compute_stream)
-        self._victim_events[slot] = event
 
     def _start_load(self, key, *, early: bool = False) -> None:
         li, expert = key
@@ -406,11 +422,16 @@ class ExpertCache:
 
     def _reap_prefetches(self) -> None:
         """Mark early reads that have landed as ready, so that a guess nobody used can be evicted."""
-        for key in [k for k in self._prefetch_loading if k not in self.pending or self.pending[k].done()]:
-            self._prefetch_loading.discard(key)  # only loading ones are looked at: this runs at every fetch
+        landed = [k for k in self._prefetch_loading if k not in self.pending or self.pending[k].done()]
+        self._prefetch_loading.difference_update(landed)  # only loading ones are looked at: this runs at every fetch
+        self._settle(landed)
+
+    def _settle(self, keys) -> None:
+        """Wait for these loads; a failed one's slot is freed (a later fetch reads the expert again)."""
+        for key in list(keys):
             try:
                 self._finish(key)
-            except ExpertReadError:  # the slot is freed; a later fetch reads the expert again
+            except ExpertReadError:
                 pass
 
     def _run_deferred(self, *, wait: bool = False) -> None:
@@ -512,9 +533,5 @@ class ExpertCache:
 
     def close(self) -> None:
         self._run_deferred(wait=True)
-        for key in list(self.pending):
-            try:
-                self._finish(key)
-            except ExpertReadError:
-                pass
+        self._settle(self.pending)
         self.source.close()

@@ -6,24 +6,12 @@ can all share one implementation and the simulator's hit rates are the cache's h
 A policy knows slots (ints in ``[0, capacity)``), not where their bytes live. The caller decides
 which slots may be evicted right now (pinned or loading slots may not) through ``can_evict``.
 """
-
 from __future__ import annotations
 
 import abc
 import math
 from collections import OrderedDict
 from typing import Callable, Hashable
-
-__all__ = [
-    "ReplacementPolicy",
-    "ClockPolicy",
-    "LRUPolicy",
-    "ARCPolicy",
-    "LFUPolicy",
-    "POLICY_NAMES",
-    "make_policy",
-]
-
 
 class ReplacementPolicy(abc.ABC):
     """Chooses which occupied slot to give up when a new key needs one."""
@@ -347,11 +335,8 @@ class LFUPolicy(ReplacementPolicy):
         return self._count
 
 
-_POLICIES: dict[str, type[ReplacementPolicy]] = {
-    cls.name: cls for cls in (ClockPolicy, LRUPolicy, ARCPolicy, LFUPolicy)
-}
-POLICY_NAMES = ("clock", "lru", "arc", "lfu")
-assert set(POLICY_NAMES) == set(_POLICIES)
+_POLICIES: dict[str, type[ReplacementPolicy]] = {cls.name: cls for cls in (ClockPolicy, LRUPolicy, ARCPolicy, LFUPolicy)}
+POLICY_NAMES = tuple(_POLICIES)
 
 
 def make_policy(name: str, capacity: int, **options) -> ReplacementPolicy:

@@ -70,17 +70,11 @@ class SourceBase:
 
     # -- the interface -------------------------------------------------------
     def submit(self, layer: int, expert: int, dest: torch.Tensor) -> Future[None]:
-        entry = self._check(layer, expert, dest)
-        if self._closed:
-            raise RuntimeError(f"the {self.name} expert source is closed")
-        return self._pool.submit(self._read_record, entry, expert, dest)
+        return self._pool.submit(self._read_record, self._check(layer, expert, dest), expert, dest)
 
     def read(self, layer: int, expert: int, dest: torch.Tensor) -> None:
         """Blocking read; the same as ``submit(...).result()`` but on the caller's thread."""
-        entry = self._check(layer, expert, dest)
-        if self._closed:
-            raise RuntimeError(f"the {self.name} expert source is closed")
-        self._read_record(entry, expert, dest)
+        self._read_record(self._check(layer, expert, dest), expert, dest)
 
     def resident(self, layer: int, experts: Sequence[int]) -> list[bool]:
         entry = self._entry(layer)
@@ -137,6 +131,8 @@ class SourceBase:
                 or dest.numel() != entry.record_size):
             raise ValueError(f"a record of layer {layer} needs a contiguous uint8 CPU tensor of {entry.record_size} "
                              f"bytes, not {dest.dtype} {tuple(dest.shape)} on {dest.device}")
+        if self._closed:
+            raise RuntimeError(f"the {self.name} expert source is closed")
         return entry
 
     def _path(self, entry: ExpertLayer) -> Path:
@@ -153,16 +149,14 @@ class SourceBase:
                 if crc != entry.crc32[expert]:
                     raise ExpertReadError(f"{self._path(entry)}: {where} is corrupt (crc32 {crc:08x}, the manifest "
                                           f"says {entry.crc32[expert]:08x}; `moestream verify` checks every file)")
-        except Truncated as exc:
+        except BaseException as exc:
             self._count(start, 0, failed=True)
-            end = (expert + 1) * entry.record_size
-            raise ExpertReadError(f"{self._path(entry)} is truncated: {where} ends at byte {end}, "
-                                  f"but the file ends at byte {exc.file_end}") from None
-        except OSError as exc:
-            self._count(start, 0, failed=True)
-            raise ExpertReadError(f"reading {where} from {self._path(entry)} failed: {exc}") from exc
-        except BaseException:
-            self._count(start, 0, failed=True)
+            if isinstance(exc, Truncated):
+                end = (expert + 1) * entry.record_size
+                raise ExpertReadError(f"{self._path(entry)} is truncated: {where} ends at byte {end}, "
+                                      f"but the file ends at byte {exc.file_end}") from None
+            if isinstance(exc, OSError):
+                raise ExpertReadError(f"reading {where} from {self._path(entry)} failed: {exc}") from exc
             raise
         self._count(start, entry.record_size, failed=False)
 

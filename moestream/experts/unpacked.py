@@ -38,9 +38,6 @@ class UnpackedExperts:
                 self._entries.popitem(last=False)
         return matrices
 
-    def clear(self) -> None:
-        self._entries.clear()
-
     def stats(self) -> dict:
         return {"unpacked_experts": len(self._entries), "unpacked_capacity": self.capacity,
                 "unpacked_bytes": len(self._entries) * self.entry_bytes,
