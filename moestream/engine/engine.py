@@ -144,10 +144,6 @@ class Engine:
             return self.decoder.lookahead
         return self.prefetcher.lookahead if self.prefetcher is not None else None
 
-    def parallel_stats(self, before: dict, after: dict) -> dict | None:
-        """Every rank's expert-cache figures for a run (a collective); None for one process."""
-        return expert_setup.parallel_stats(self.parallel, before, after)
-
     @property
     def cache(self) -> SequenceKV:
         """Slot 0's KV cache (the default sequence)."""

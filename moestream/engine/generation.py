@@ -13,6 +13,7 @@ import torch
 
 from moestream.engine.decode_loop import decode
 from moestream.engine.emitter import Emitter
+from moestream.engine.expert_setup import parallel_stats
 from moestream.engine.receipt import Receipt
 from moestream.engine.speculative import SpeculativeOptions
 from moestream.engine.types import GenerationResult, SamplingParams, TokenEvent
@@ -80,7 +81,7 @@ def generate(engine, prompt_ids: list[int], *, max_new_tokens: int, sampling: Sa
                                  generated=len(state["tokens"]), finish=state["finish"],
                                  prefill_s=state["prefill_s"], decode_s=state["decode_s"], before=before,
                                  after=after, memory=engine.memory_ledger(),
-                                 parallel=engine.parallel_stats(before, after),
+                                 parallel=parallel_stats(engine.parallel, before, after),
                                  device=str(engine.device), model=engine.model_name,
                                  threads=torch.get_num_threads(), verify=engine.options.verify,
                                  lookahead=engine.lookahead.stats() if engine.lookahead else {},

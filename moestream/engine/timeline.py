@@ -82,15 +82,14 @@ class Timeline:
         return tid
 
     def add(self, name: str, start_s: float, end_s: float, args: dict, *, cat: str = "host") -> None:
-        event = {"name": name, "cat": cat, "ph": "X", "ts": self._us(start_s),
-                 "dur": round(max(0.0, end_s - start_s) * 1e6, 3), "pid": self.pid, "args": args}
-        with self._lock:
-            event["tid"] = self._tid()
-            self.events.append(event)
+        self._append({"name": name, "cat": cat, "ph": "X", "ts": self._us(start_s),
+                      "dur": round(max(0.0, end_s - start_s) * 1e6, 3), "pid": self.pid, "args": args})
 
     def point(self, name: str, args: dict) -> None:
-        event = {"name": name, "cat": "host", "ph": "i", "s": "t", "ts": self._us(time.perf_counter()),
-                 "pid": self.pid, "args": args}
+        self._append({"name": name, "cat": "host", "ph": "i", "s": "t", "ts": self._us(time.perf_counter()),
+                      "pid": self.pid, "args": args})
+
+    def _append(self, event: dict) -> None:
         with self._lock:
             event["tid"] = self._tid()
             self.events.append(event)

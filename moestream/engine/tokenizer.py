@@ -15,8 +15,6 @@ class TextTokenizer:
         from transformers import AutoTokenizer
 
         model_dir = Path(model_dir)
-        if not (model_dir / "tokenizer.json").is_file() and not (model_dir / "tokenizer_config.json").is_file():
-            raise FormatError(f"{model_dir}: no tokenizer files (tokenizer.json) in the model directory")
         try:
             self._tok = AutoTokenizer.from_pretrained(str(model_dir))
         except Exception as exc:  # transformers raises many kinds; the user needs one line
@@ -54,10 +52,6 @@ class TextTokenizer:
         return self._tok
 
     @property
-    def has_chat_template(self) -> bool:
-        return bool(getattr(self._tok, "chat_template", None))
-
-    @property
     def chat_template(self) -> str | None:
         template = getattr(self._tok, "chat_template", None)
         return template if isinstance(template, str) else None
@@ -69,7 +63,7 @@ class TextTokenizer:
 
     def chat_ids(self, messages: list[dict], *, add_generation_prompt: bool = True,
                  tools: list[dict] | None = None) -> list[int]:
-        if not self.has_chat_template:
+        if not getattr(self._tok, "chat_template", None):
             raise FormatError("this model has no chat template; use a plain prompt")
         text = self._tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False,
                                              tools=tools or None)
@@ -78,8 +72,6 @@ class TextTokenizer:
 
 class NoTokenizer:
     """For packed models without tokenizer files (e.g. synthetic ones): token ids only."""
-
-    has_chat_template = False
 
     def __init__(self, config: dict):
         eos = config.get("eos_token_id")
@@ -96,6 +88,7 @@ class NoTokenizer:
 
 
 def load_tokenizer(model_dir: str | Path, config: dict):
+    """The model's TextTokenizer, or a NoTokenizer where the directory has no tokenizer files."""
     model_dir = Path(model_dir)
     if not (model_dir / "tokenizer.json").is_file() and not (model_dir / "tokenizer_config.json").is_file():
         return NoTokenizer(config)

@@ -79,9 +79,7 @@ def pin_if_cuda(t: torch.Tensor) -> torch.Tensor:
     is copied into a pinned allocation from torch, which is page-aligned as well; use the
     returned tensor.
     """
-    if t.device.type != "cpu" or not torch.cuda.is_available():
-        return t
-    if t.is_pinned():
+    if t.device.type != "cpu" or not torch.cuda.is_available() or t.is_pinned():
         return t
     mapping = _mapping_of(t) if t.is_contiguous() else None
     if mapping is not None:

@@ -35,6 +35,7 @@ State, all device tensors:
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable, Mapping
 
 import torch
@@ -119,17 +120,13 @@ class DeviceMap:
         misses (withheld included). gate: an int32 [1] tensor; where 0 the call does nothing at all (no lookup, no stamp, no copy; the clock stands still), so a graph
         can hold a lookup that runs only when the device decides. before_copy runs after the
         decision, before the records are copied. count: add this call to the hit and miss counts."""
+        decide = self.decide
         if self.pool.device.type == "cuda":
             from moestream.kernels import triton_slot_map
 
             if triton_slot_map.fits(ids, self.slots):
-                src, dst, todo = triton_slot_map.slot_map(self, layer, ids, withhold=withhold, count=count,
-                                                          withheld=withheld, gate=gate)
-                if before_copy is not None:
-                    before_copy()
-                copy_records(self.host_pool, self.pool, src, dst, todo)
-                return
-        src, dst, todo = self.decide(layer, ids, withhold=withhold, count=count, withheld=withheld, gate=gate)
+                decide = functools.partial(triton_slot_map.slot_map, self)
+        src, dst, todo = decide(layer, ids, withhold=withhold, count=count, withheld=withheld, gate=gate)
         if before_copy is not None:
             before_copy()
         copy_records(self.host_pool, self.pool, src, dst, todo)

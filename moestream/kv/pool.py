@@ -111,7 +111,6 @@ class KVPool:
             raise ValueError(f"the KV block size must be at least 1, got {block_size}")
         self.layout, self.block_size, self.max_context = layout, block_size, max_context
         self.max_sequences, self.dtype, self.device = max_sequences, dtype, device
-        self.prefill_chunk = prefill_chunk
         self.max_blocks = -(-max_context // block_size)
         self.groups: dict[int | None, _Group] = {}
         self.layers: list[LayerCache] = []
@@ -122,8 +121,10 @@ class KVPool:
                 self.layers.append(LayerCache(None, None, None, None, block_size, None, states))
                 continue
             if spec.window not in self.groups:
-                self.groups[spec.window] = _Group(spec.window, self.blocks_for(spec.window, num_blocks),
-                                                  max_sequences, self.max_blocks, device)
+                blocks = num_blocks if spec.window is None and num_blocks is not None else \
+                    group_blocks(layout, spec.window, sequences=max_sequences, max_context=max_context,
+                                 block_size=block_size, prefill_chunk=prefill_chunk)
+                self.groups[spec.window] = _Group(spec.window, blocks, max_sequences, self.max_blocks, device)
             group = self.groups[spec.window]
             group.layers.append(i)
             nb = group.allocator.num_blocks
@@ -133,13 +134,6 @@ class KVPool:
             self.layers.append(LayerCache(keys, values, group.table, group.host, block_size, spec.window))
         self.recurrent = [c.states for c in self.layers if c.states is not None]
         self.sequences = [SequenceKV(self, s) for s in range(max_sequences)]
-
-    def blocks_for(self, window: int | None, num_blocks: int | None) -> int:
-        if window is None:
-            return num_blocks if num_blocks is not None else \
-                full_blocks(self.max_sequences, self.max_blocks, recurrent=any(s.recurrent for s in self.layout))
-        return window_blocks(window, max_context=self.max_context, block_size=self.block_size,
-                             sequences=self.max_sequences, prefill_chunk=self.prefill_chunk)
 
     def layer(self, i: int) -> LayerCache:
         return self.layers[i]
@@ -213,15 +207,22 @@ class KVPool:
         """What a pool for `layout` allocates (the ledger's KV line)."""
         item = torch.finfo(dtype).bits // 8
         total = 0
-        blocks = full_blocks(sequences, -(-max_context // block_size), recurrent=any(s.recurrent for s in layout))
         for spec in layout:
             if spec.paged:
-                n = blocks if spec.window is None else \
-                    window_blocks(spec.window, max_context=max_context, block_size=block_size, sequences=sequences,
-                                  prefill_chunk=prefill_chunk)
-                total += n * block_size * spec.bytes_per_token(item)
+                total += group_blocks(layout, spec.window, sequences=sequences, max_context=max_context,
+                                      block_size=block_size, prefill_chunk=prefill_chunk) * \
+                    block_size * spec.bytes_per_token(item)
             total += sequences * spec.state_bytes(max_context, item)
         return total
+
+
+def group_blocks(layout: list[LayerKV], window: int | None, *, sequences: int, max_context: int, block_size: int,
+                 prefill_chunk: int) -> int:
+    """Blocks of the layer group of `window`: `full_blocks` for full attention, else `window_blocks`."""
+    if window is None:
+        return full_blocks(sequences, -(-max_context // block_size), recurrent=any(s.recurrent for s in layout))
+    return window_blocks(window, max_context=max_context, block_size=block_size, sequences=sequences,
+                         prefill_chunk=prefill_chunk)
 
 
 def full_blocks(sequences: int, max_blocks: int, *, recurrent: bool = False) -> int:

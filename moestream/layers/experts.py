@@ -63,8 +63,6 @@ class RoutedExperts:
         chosen) runs once a layer's experts are pinned (the CPU lookahead's early reads start there;
         chosen: the distinct experts the layer routed to, to score earlier guesses); reroute(layer,
         weights, ids) -> replaced weights, ids (benchmarks only: moestream.bench.routing)."""
-        if parallel is not None and cpu_share is not None:
-            raise ValueError("a CPU share does not run with expert parallelism")
         self.provider, self.num_experts, self.device = provider, dict(moe_layers), torch.device(device)
         self.parallel = parallel
         self.layouts = {layer: self._layout(layer) for layer in self.num_experts}
