@@ -22,16 +22,22 @@ import torch
 
 from moestream.engine import expert_setup, generation, prefill_graphs, timeline
 from moestream.engine.budget import prefill_workspace
+from moestream.engine.decoder import MAX_STEP_TOKENS, Decoder
 from moestream.engine.emitter import Emitter
 from moestream.engine.generation import Generation
 from moestream.engine.options import EngineOptions
+from moestream.engine.plan import plan_run, resolve_options
 from moestream.engine.sampling import argmax_rows
 from moestream.engine.sequences import PromptTooLongError, SequenceSlots
 from moestream.engine.tokenizer import load_tokenizer
 from moestream.engine.types import SamplingParams
 from moestream.errors import MoestreamError
-from moestream.kv.pool import KVRoom, SequenceKV
+from moestream.experts.cache import ExpertCache
+from moestream.experts.predict import Lookahead
+from moestream.experts.sources import open_source
 from moestream.format.reader import PackedModel
+from moestream.kv.pool import KVRoom, SequenceKV
+from moestream.layers.experts import RoutedExperts
 from moestream.models.registry import build_model
 
 if TYPE_CHECKING:
@@ -58,13 +64,6 @@ class Engine:
         prefetch=False loads experts on demand only (no lookahead copies): for exact miss counts;
         digest_dir: where the checked resident files' digests are remembered (None: ~/.cache/moestream);
         reroute(args, device): the routing replacement of a benchmark (moestream.bench.routing), or None."""
-        from moestream.engine.decoder import Decoder
-        from moestream.engine.plan import plan_run
-        from moestream.experts.cache import ExpertCache
-        from moestream.experts.predict import Lookahead
-        from moestream.experts.sources import open_source
-        from moestream.layers.experts import RoutedExperts
-
         self.packed, self.options, self.digest_dir = packed, options, digest_dir
         self.plan = plan_run(packed, options, default_cache_size=default_cache_size, digest_dir=digest_dir)
         self.device, self.dtype, self.max_context = self.plan.device, self.plan.dtype, self.plan.max_context
@@ -262,8 +261,6 @@ class Engine:
         last row's logits are the bits prefill gives. The slot's cache is brought to the reused start
         first. None where prefill would run a pass or the step has no room for them: then call
         prefill (which reuses the same start)."""
-        from moestream.engine.decoder import MAX_STEP_TOKENS
-
         rows = MAX_STEP_TOKENS - beside
         cache = self.sequences.open_cache(seq)
         reuse = self._reuse(cache, prompt_ids, seq)  # less where a recurrent layer keeps no state there
@@ -292,8 +289,6 @@ class Engine:
         a step's rows at once, up to a step's rows (a replayed graph costs a fraction of the pass's
         hundreds of launches; with graphs off the same kernels run eagerly, so the same bits). Either
         way is one fixed path per prompt length, whatever else runs."""
-        from moestream.engine.decoder import MAX_STEP_TOKENS
-
         return 0 < new <= MAX_STEP_TOKENS and self.decoder.rows_at_once and (self.hidden_tap is None or seq != 0)
 
     def release_workspace(self) -> None:
@@ -347,8 +342,6 @@ class Engine:
 
     def _step(self, tokens: list[int], seq: int, *, head: bool,
               device_tokens: torch.Tensor | None = None) -> torch.Tensor:
-        from moestream.engine.decoder import MAX_STEP_TOKENS
-
         cache = self.sequences.open_cache(seq)
         if not tokens:
             raise ValueError("step needs at least one token")
@@ -376,8 +369,6 @@ class Engine:
         batched requests or speculative verifications neither pay for them nor time them. The steps
         write K/V at sequence `seq`'s next positions and record no token: a sequence writes a
         position before it reads it, so nothing it reads changes."""
-        from moestream.engine.decoder import MAX_STEP_TOKENS
-
         n = min(rows, MAX_STEP_TOKENS)
         start = self.sequences.open_cache(seq).length if seq else self.caches[0].length
         todo = [T for T in range(1, n + 1) if T not in self._warmed]
@@ -396,8 +387,6 @@ class Engine:
         """`step` for several sequences at once: {slot: tokens} -> {slot: logits [T_s, V]}. Their
         rows share decoder steps, so each MoE layer loads the union of the experts they route to
         once; each sequence's logits are the bits `step` gives it alone."""
-        from moestream.engine.decoder import MAX_STEP_TOKENS
-
         if not batch:
             raise ValueError("step_many needs at least one sequence")
         for seq, tokens in batch.items():
@@ -509,8 +498,6 @@ def load_engine(model: str | os.PathLike | None, options: EngineOptions, *, dige
                 reroute: Callable | None = None) -> Engine:
     """Open a packed model (default: the demo model), resolve the options (moestream.engine.plan), build
     the Engine: what generate, serve and bench load. digest_dir, reroute: as Engine takes them."""
-    from moestream.engine.plan import resolve_options
-
     packed, default_size = open_packed(model)
     options = resolve_options(packed, options, default_cache_size=default_size, digest_dir=digest_dir)
     return Engine(packed, options, default_cache_size=default_size, digest_dir=digest_dir, reroute=reroute)

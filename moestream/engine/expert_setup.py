@@ -15,9 +15,17 @@ from typing import Any
 
 import torch
 
+from moestream.cpu_share.share import ShareRequest, parse_share
 from moestream.engine.options import EngineOptions
 from moestream.errors import MoestreamError
+from moestream.experts.device_map import DeviceMapUnavailable
+from moestream.experts.guess_maps import GuessMaps, manifest_digest, maps_path
+from moestream.experts.predict import NextLayerPrefetcher
+from moestream.experts.trace import RoutingTrace, TraceRecorder
+from moestream.experts.unpacked import UnpackedExperts
 from moestream.format.reader import PackedModel
+from moestream.layers.expert_parallel import ExpertParallel, ExpertPlacement
+from moestream.layers.moe import MoEBlock
 
 log = logging.getLogger(__name__)
 
@@ -27,8 +35,6 @@ def expert_parallel(packed: PackedModel, options: EngineOptions):
     group = options.expert_parallel
     if group is None or group.world_size <= 1:
         return None
-    from moestream.layers.expert_parallel import ExpertParallel, ExpertPlacement
-
     counts = {e.layer: e.num_experts for e in packed.manifest.expert_layers}
     if options.expert_placement:
         placement = placement_from_trace(options.expert_placement, counts, group.world_size)
@@ -41,9 +47,6 @@ def expert_parallel(packed: PackedModel, options: EngineOptions):
 
 def placement_from_trace(path: str, counts: dict[int, int], world_size: int):
     """The placement balanced by a routing trace's expert counts (--expert-placement)."""
-    from moestream.layers.expert_parallel import ExpertPlacement
-    from moestream.experts.trace import RoutingTrace
-
     try:
         trace = RoutingTrace.load(path)
     except (OSError, ValueError, KeyError) as exc:
@@ -72,9 +75,6 @@ def parallel_stats(parallel, before: dict, after: dict) -> dict | None:
 def load_guess_maps(packed: PackedModel, options: EngineOptions, model, *, hidden_size: int,
                     device: torch.device):
     """The lookahead's fitted corrections (moestream fit-lookahead) on the device, or None."""
-    from moestream.experts.guess_maps import GuessMaps, manifest_digest, maps_path
-    from moestream.layers.moe import MoEBlock
-
     path = maps_path(packed.directory, options.lookahead_maps)
     if path is None:
         return None
@@ -95,17 +95,12 @@ def load_guess_maps(packed: PackedModel, options: EngineOptions, model, *, hidde
 def prefetcher(model, provider, *, maps=None):
     """The CPU's lookahead (a NextLayerPrefetcher, which RoutedExperts calls after each layer's
     fetch); `maps` (fitted corrections, moestream.experts.guess_maps) improve its guesses."""
-    from moestream.experts.predict import NextLayerPrefetcher
-    from moestream.layers.moe import MoEBlock
-
     return NextLayerPrefetcher([layer.ffn for layer in model.layers if isinstance(layer.ffn, MoEBlock)], provider,
                                maps=maps)
 
 
 def trace_recorder(model_name: str, family: str, args):
     """The routing trace a run records (--trace-routing)."""
-    from moestream.experts.trace import TraceRecorder
-
     return TraceRecorder({"model": model_name, "family": family, "num_experts": args.num_experts,
                           "top_k": args.num_experts_per_tok, "moe_layers": args.moe_layers(),
                           "num_layers": args.num_hidden_layers})
@@ -115,8 +110,6 @@ def share_request(options: EngineOptions, *, parallel, hidden: int, dtype: torch
     """The CPU share RoutedExperts starts with device-driven streaming (--cpu-experts), or None
     (off, or expert parallelism: `auto` is the default, so only a share asked for by number is
     refused there)."""
-    from moestream.cpu_share.share import ShareRequest, parse_share
-
     try:
         share = parse_share(options.cpu_experts)
     except ValueError as exc:
@@ -134,16 +127,12 @@ def unpacked_experts(plan):
     """CPU runs: the kept dequantized experts the plan makes room for (the same bits), or None."""
     if not plan.unpacked:
         return None
-    from moestream.experts.unpacked import UnpackedExperts
-
     return UnpackedExperts(plan.unpacked, entry_bytes=plan.unpacked_bytes)
 
 
 def start_streaming(engine: Any) -> None:  # an Engine (moestream.engine.engine imports this module)
     """Device-driven streaming where the option allows and it can run (else the host path);
     `--streaming device` where it cannot is an error naming why."""
-    from moestream.experts.device_map import DeviceMapUnavailable
-
     experts, options, provider = engine.experts, engine.options, engine.provider
     mode = options.streaming
     reason = "--streaming host" if mode == "host" else None
