@@ -1,15 +1,10 @@
 """The engine: a packed model, its expert provider, a KV cache and the generation loop.
 
-An Engine has `max_sequences` sequence slots, each with its own KV cache; slot 0 is the default
-sequence that prefill/step/rollback work on. Several slots decode together through `step_many`:
-the experts one step routes to are loaded once for all of them, and each sequence gets the bits it
-gets alone. A slot keeps its KV cache and reuses the longest common token prefix of the next
-prompt, so a chat that re-sends its history prefills only the new part.
-
-This file holds the engine's core: loading, prefill, step and step_many. Beside it:
-sequences.py (the slots' KV caches and which are open), expert_setup.py (expert parallelism, the
-CPU share, the lookahead's maps, device- or host-driven streaming) and generation.py (the decode
-loop behind `generate`)."""
+An Engine has `max_sequences` sequence slots (moestream.engine.sequences); slot 0 is the default one.
+Several slots decode together through `step_many`: the experts one step routes to are loaded once
+for all of them, and each sequence gets the bits it gets alone. A slot reuses the longest common
+token prefix of the next prompt, so a chat that re-sends its history prefills only the new part.
+Beside it: expert_setup.py (how experts reach the compute) and generation.py (`generate`)."""
 from __future__ import annotations
 
 import logging
@@ -51,11 +46,8 @@ UNREAD = -1  # a cached position's id while the host has not read it yet (step_u
 
 
 class Engine:
-    """A packed model ready to run: prefill a prompt, step T tokens, roll the KV cache back.
-
-    `generate` is a small loop over these; speculative decoding and batching build on the same
-    pieces. Each sequence slot's KV cache holds its sequence (and is the record of its tokens);
-    `cache` is slot 0's."""
+    """A packed model ready to run: prefill a prompt, step T tokens, roll the KV cache back;
+    `generate`, speculative decoding and batching build on these pieces."""
 
     def __init__(self, packed: PackedModel, options: EngineOptions, *, default_cache_size: str = "auto",
                  graphs: bool = True, prefetch: bool = True, digest_dir: str | None = None,
@@ -166,8 +158,8 @@ class Engine:
 
     # -- running the model: prefill, step, rollback -----------------------------------------
     def _make_resident(self) -> None:
-        """On CUDA, when the device cache has a slot for every expert, load them all once: then no
-        layer needs a cache lookup or a host sync, and a decode step is one CUDA graph."""
+        """At the first run: on CUDA with a slot for every expert, load them all (no lookups, no host
+        syncs: a decode step is one CUDA graph); else start streaming."""
         if self._resident_checked:
             return
         self._resident_checked = True
@@ -181,8 +173,8 @@ class Engine:
 
     @property
     def streaming(self) -> str:
-        """How routed experts reach the device: resident, device (the device map) or host. Decided at
-        the first prefill or step (`_make_resident`); before it, host."""
+        """How routed experts reach the device: resident, device (the device map) or host (also before
+        the first run decides it)."""
         return "resident" if self.experts.resident else "device" if self.experts.device_map is not None else "host"
 
     # -- sequence slots (moestream.engine.sequences) ------------------------------------------
@@ -215,9 +207,9 @@ class Engine:
 
     def prefill(self, prompt_ids: list[int], *, seq: int = 0, should_stop: Callable[[], bool] | None = None,
                 all_logits: bool = False) -> tuple[torch.Tensor | None, int]:
-        """Bring sequence `seq`'s KV cache to `prompt_ids`, reusing the cached prefix, in chunks of
-        `prefill_chunk_tokens`; returns (logits [T, V] of the computed positions with all_logits, else
-        of the last one [1, V]; tokens reused). (None, reused) if should_stop interrupted it."""
+        """Bring sequence `seq`'s KV cache to `prompt_ids`, reusing the cached prefix; returns (logits
+        [T, V] of the computed positions with all_logits, else [1, V] of the last; tokens reused), or
+        (None, reused) if should_stop interrupted it."""
         cache = self.sequences.open_cache(seq)
         reuse = cache.truncate(0) if all_logits else self._reuse(cache, prompt_ids, seq)
         self.sequences.check_room(len(prompt_ids) - reuse, cache)
@@ -255,12 +247,10 @@ class Engine:
         return (torch.cat(outputs) if all_logits else outputs[-1]), reuse
 
     def prompt_step(self, prompt_ids: list[int], *, seq: int, beside: int) -> list[int] | None:
-        """The prompt tokens that `prefill(prompt_ids, seq=seq)` would run as one decoder step of their
-        own (`_prefill_by_steps`), for a caller to run in a `step_many` beside `beside` other rows,
-        all in one decoder step: a row's bits never depend on the other rows of its step, so their
-        last row's logits are the bits prefill gives. The slot's cache is brought to the reused start
-        first. None where prefill would run a pass or the step has no room for them: then call
-        prefill (which reuses the same start)."""
+        """The prompt tokens `prefill(prompt_ids, seq=seq)` would run as one decoder step, for a caller
+        to run in a `step_many` beside `beside` other rows (a row's bits never depend on the others),
+        the slot's cache brought to the reused start. None where prefill would run a pass or the step
+        has no room: then call prefill."""
         rows = MAX_STEP_TOKENS - beside
         cache = self.sequences.open_cache(seq)
         reuse = self._reuse(cache, prompt_ids, seq)  # less where a recurrent layer keeps no state there
@@ -271,32 +261,27 @@ class Engine:
         return list(prompt_ids[reuse:])
 
     def greedy_choices(self, rows: list[torch.Tensor]) -> list[int]:
-        """Each logits row's greedy choice (choose_token's for plain greedy settings), with one wait for
-        the device for all of them (moestream.engine.sampling.argmax_rows)."""
+        """Each logits row's greedy choice, with one wait for the device (sampling.argmax_rows)."""
         return argmax_rows(rows)
 
     def _reuse(self, cache: SequenceKV, prompt_ids: list[int], seq: int) -> int:
-        """Bring sequence `seq`'s cache to the start of `prompt_ids` it (or the pool's published blocks)
-        holds and return its length: less its last token (its logits start decoding), less one more
-        where the hidden tap must see the state before the first new token."""
+        """Keep the start of `prompt_ids` the cache (or the pool's published blocks) holds, less its last
+        token (its logits start decoding), less one more where the hidden tap must see the state
+        before the first new token; returns its length."""
         reuse = cache.reuse(prompt_ids, len(prompt_ids) - 1)
         if self.hidden_tap is not None and seq == 0 and reuse > 0:
             reuse = cache.truncate(reuse - 1)
         return reuse
 
     def _prefill_by_steps(self, new: int, seq: int) -> bool:
-        """Whether `new` prompt tokens run as one decoder step rather than a prefill pass: on CUDA with
-        a step's rows at once, up to a step's rows (a replayed graph costs a fraction of the pass's
-        hundreds of launches; with graphs off the same kernels run eagerly, so the same bits). Either
-        way is one fixed path per prompt length, whatever else runs."""
+        """Whether `new` prompt tokens run as one decoder step rather than a prefill pass (CUDA, up to a
+        step's rows: a replay costs a fraction of the pass's launches). One fixed path per length."""
         return 0 < new <= MAX_STEP_TOKENS and self.decoder.rows_at_once and (self.hidden_tap is None or seq != 0)
 
     def release_workspace(self) -> None:
-        """Give the prefill's transient memory back to the device (decode needs a small part of it),
-        where the allocator keeps more than WORKSPACE_SLACK of it cached, under a memory budget (decode
-        then holds only what it needs). Without one it is kept and the next prompt's prefill reuses it:
-        giving it back costs each prefill its allocations again (~0.1 s on the H200 at the 30B shape,
-        for any prompt length up to a chunk)."""
+        """Under a memory budget, give the prefill's cached transient memory back to the device beyond
+        WORKSPACE_SLACK. Without one it is kept for the next prefill: giving it back costs each
+        prefill its allocations again (~0.1 s on the H200 at the 30B shape)."""
         if not self.options.memory_budget:
             return
         if self.device.type == "cuda":
@@ -305,28 +290,24 @@ class Engine:
                 torch.cuda.empty_cache()
 
     def step(self, tokens: list[int], *, seq: int = 0) -> torch.Tensor:
-        """Run `tokens` at the next positions of sequence `seq`; logits [T, V] (float32), row t
-        predicting the token after tokens[t]. A token's logits are the same bits whatever T is:
-        step([a, b]) gives what step([a]) then step([b]) give (speculative verification needs it)."""
+        """Run `tokens` at the next positions of sequence `seq`; logits [T, V] (float32), row t predicting
+        the token after tokens[t], the same bits whatever T (speculative verification needs it)."""
         return self._step(tokens, seq, head=True)
 
     def step_hidden(self, tokens: list[int], *, seq: int = 0) -> torch.Tensor:
-        """`step` without the head: the final residual stream [T, H] (before the final norm), for
-        a caller that scores rows its own way (the hot-vocabulary head); `head_rows` gives the
-        logits `step` would have given those rows, bit for bit."""
+        """`step` without the head: the final residual stream [T, H] (before the final norm), for the
+        hot-vocabulary head; `head_rows` gives the logits `step` would have given, bit for bit."""
         return self._step(tokens, seq, head=False)
 
     def head_rows(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits [n, V] (float32) of rows that `step_hidden` returned, with `step`'s bits: on CUDA
-        one pass over the weights for all of them (n <= decoder.MAX_STEP_TOKENS)."""
+        """Logits [n, V] (float32) of rows `step_hidden` returned, with `step`'s bits."""
         with torch.inference_mode():
             return self.decoder.head_rows(hidden).clone()
 
     def step_unread(self, token: torch.Tensor, *, seq: int = 0) -> torch.Tensor:
-        """`step([t])` for a token the host has not read: `token` is t on the model's device (the
-        argmax of the last logits), so the step is queued behind the work that computes t and the host
-        reads t while the step runs. The cache holds the position with the id UNREAD until `name_token`
-        names it, which the caller does before anything else uses the sequence. Logits [1, V]."""
+        """`step([t])` for t still on the model's device (the last logits' argmax): queued behind the work
+        that computes t while the host reads it. The position holds UNREAD until `name_token`, which
+        the caller calls before anything else uses the sequence. Logits [1, V]."""
         if token.numel() != 1 or token.device.type != self.device.type:  # "cuda:0" is "cuda"
             raise ValueError("step_unread takes one token id on the model's device")
         if self.hidden_tap is not None and seq == 0:
@@ -365,10 +346,9 @@ class Engine:
         return rows[0] if len(rows) == 1 else torch.cat(rows)
 
     def warm_steps(self, rows: int, *, seq: int = 0) -> None:
-        """Capture the CUDA graphs of steps of 1..rows rows now (rows at once), so that the first
-        batched requests or speculative verifications neither pay for them nor time them. The steps
-        write K/V at sequence `seq`'s next positions and record no token: a sequence writes a
-        position before it reads it, so nothing it reads changes."""
+        """Capture the CUDA graphs of steps of 1..rows rows now, not in the first timed batch or
+        verification. They write K/V at sequence `seq`'s next positions and record no token (a
+        position is written before it is read)."""
         n = min(rows, MAX_STEP_TOKENS)
         start = self.sequences.open_cache(seq).length if seq else self.caches[0].length
         todo = [T for T in range(1, n + 1) if T not in self._warmed]
@@ -384,9 +364,8 @@ class Engine:
         log.info("captured the steps of %s rows in %.1f s", todo, time.perf_counter() - t0)
 
     def step_many(self, batch: dict[int, list[int]]) -> dict[int, torch.Tensor]:
-        """`step` for several sequences at once: {slot: tokens} -> {slot: logits [T_s, V]}. Their
-        rows share decoder steps, so each MoE layer loads the union of the experts they route to
-        once; each sequence's logits are the bits `step` gives it alone."""
+        """`step` for several sequences at once: {slot: tokens} -> {slot: logits [T_s, V]}, sharing decoder
+        steps (each MoE layer loads its experts once); each gets the bits `step` gives it alone."""
         if not batch:
             raise ValueError("step_many needs at least one sequence")
         for seq, tokens in batch.items():
@@ -414,8 +393,7 @@ class Engine:
         return {seq: parts[0] if len(parts) == 1 else torch.cat(parts) for seq, parts in out.items()}
 
     def rollback(self, length: int, *, seq: int = 0) -> None:
-        """Forget sequence `seq`'s cached tokens from position `length` on (rejected draft tokens,
-        a new prompt)."""
+        """Forget sequence `seq`'s cached tokens from position `length` on (rejected drafts)."""
         cache = self.sequences.open_cache(seq)
         if not 0 <= length <= cache.length:
             raise ValueError(f"cannot roll back to {length}: the cache holds {cache.length} tokens")
@@ -424,8 +402,8 @@ class Engine:
             self.prefill(kept, seq=seq)
 
     def reset(self, *, seq: int = 0) -> None:
-        """Forget sequence `seq`'s cached tokens and the pool's published prefixes (the next prompt is
-        prefilled whole: a prefill's bits depend on how its chunks fall)."""
+        """Forget sequence `seq`'s tokens and the pool's published prefixes: the next prompt is prefilled
+        whole (a prefill's bits depend on how its chunks fall)."""
         self.sequences.open_cache(seq).release()
         self.pool.forget_published()
 
@@ -444,26 +422,23 @@ class Engine:
     def generate(self, prompt_ids: list[int], *, max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
                  logprobs: int = 0, should_stop: Callable[[], bool] | None = None,
                  stop_at_eos: bool = True, speculative: "SpeculativeOptions | None" = None) -> Generation:
-        """Prefill, then the decode loop (moestream.engine.decode_loop); with `speculative`, its drafts
-        verified: the same tokens, faster."""
+        """Prefill, then the decode loop; with `speculative`, drafts verified: the same tokens, faster."""
         return generation.generate(self, prompt_ids, max_new_tokens=max_new_tokens, sampling=sampling,
                                    logprobs=logprobs, should_stop=should_stop, stop_at_eos=stop_at_eos,
                                    speculative=speculative)
 
     def emitter(self, prompt_ids: list[int], state: dict, *, sampling: SamplingParams, logprobs: int = 0,
                 should_stop: Callable[[], bool] | None = None) -> Emitter:
-        """The chooser `generate` uses (one position at a time, from a logits row), for a caller that
-        drives the decode loop's pieces over `step_many` (the server's batch scheduler). `state` as
-        in Emitter: "tokens" (appended to), "finish" (set when it stops)."""
+        """The chooser `generate` uses, for a caller driving the loop's pieces over `step_many` (the
+        server's batch scheduler); `state` as in Emitter."""
         return Emitter(list(prompt_ids), state, sampling=sampling, logprobs=logprobs,
                        eos_ids=self.tokenizer.eos_token_ids, should_stop=should_stop, stop_at_eos=True)
 
     def prompt_logprobs(self, prompt_ids: list[int], k: int, *, seq: int = 0,
                         should_stop: Callable[[], bool] | None = None
                         ) -> list[tuple[int, float | None, list[tuple[int, float]]]] | None:
-        """[(token id, its logprob given the tokens before it, the k most likely there)] for every
-        prompt token (what evaluation harnesses score); the first has no logprob (None) and no
-        alternatives. None if should_stop interrupted the prefill."""
+        """generation.score_prompt of every prompt token (what evaluation harnesses score), or None if
+        should_stop interrupted the prefill."""
         logits, _ = self.prefill(list(prompt_ids), seq=seq, should_stop=should_stop, all_logits=True)
         if logits is None:
             return None
@@ -496,8 +471,7 @@ class Engine:
 
 def load_engine(model: str | os.PathLike | None, options: EngineOptions, *, digest_dir: str | None = None,
                 reroute: Callable | None = None) -> Engine:
-    """Open a packed model (default: the demo model), resolve the options (moestream.engine.plan), build
-    the Engine: what generate, serve and bench load. digest_dir, reroute: as Engine takes them."""
+    """The Engine generate, serve and bench load: `model` (None: the demo model), options resolved."""
     packed, default_size = open_packed(model)
     options = resolve_options(packed, options, default_cache_size=default_size, digest_dir=digest_dir)
     return Engine(packed, options, default_cache_size=default_size, digest_dir=digest_dir, reroute=reroute)
