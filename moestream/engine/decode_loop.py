@@ -1,18 +1,12 @@
 """The decode loop: one sequence's tokens after its prefill, with a drafter or none.
 
-Without a drafter every step runs one token. With one, a step runs the last token and the
-drafter's k proposals: row i of its logits predicts the token after draft[:i], and a token's
-logits are the same bits whatever the step's length, so choosing row i's token (argmax, or the
-Gumbel-max draw keyed by (seed, position)) gives exactly the token plain decoding chooses there.
-The loop keeps drafted tokens while they equal the model's own choice, takes the model's token at
-the first difference (or the bonus token after the last draft) and the caller rolls the KV cache
-back over the rejected ones. So the text is plain decoding's, greedy or sampled with a seed; the
-drafter and the draft length (fixed, or the adaptive policy's) change only the speed.
-
-`decode` is the loop of `Engine.generate` (one sequence over `step`); the server's batch scheduler
-drives the same pieces over `step_many` (a Speculation's `draft` and `verify`, `Emitter.take`).
-Plain greedy steps are queued before the host reads the token they take (`_plain`), wherever the
-choice allows it."""
+With a drafter a step runs the last token and the k proposals: row i predicts the token after
+draft[:i] with the bits of a step of its own, so choosing row i's token (argmax, or the Gumbel-max
+draw keyed by (seed, position)) gives the token plain decoding chooses there. Drafted tokens are kept
+while they equal the model's choice, the model's token taken at the first difference (or after the
+last draft), the cache rolled back over the rest: the text is plain decoding's, the drafter changes
+only the speed. The server's batch scheduler drives the same pieces over `step_many`. Plain greedy
+steps are queued before the host reads the token they take (`_ahead`)."""
 from __future__ import annotations
 
 import time

@@ -397,7 +397,7 @@ class Decoder:
         show a routing trace the ids."""
         layer, ids = self.model.layers[i].ffn.layer, self.routed[i].rows("ids", T)
         if self.experts.resident:
-            self.experts.count_resident(layer, ids)
+            self.experts.count_resident_step([(layer, ids)])
         elif self.experts.on_route is not None:
             self.experts.on_route(layer, ids)
 

@@ -1,10 +1,7 @@
-"""Fitting the lookahead's per-layer correction on text (`moestream fit-lookahead`).
-
-Runs the model over text (teacher-forced prefill, every expert resident), records each MoE layer's
-expert input and chosen experts, fits a map per (later layer, depth) that turns one layer's expert
-input into a better guess of a later layer's router logits (moestream.experts.guess_maps). The
-guesses' accuracy is measured against the plain router and against reusing the previous token's
-experts."""
+"""Fitting the lookahead's per-layer correction on text (`moestream fit-lookahead`): record each MoE
+layer's expert input and chosen experts over text, fit a map per (later layer, depth)
+(moestream.experts.guess_maps), and measure its guesses against the plain router and against
+reusing the previous token's experts."""
 from __future__ import annotations
 
 import logging

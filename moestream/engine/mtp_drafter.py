@@ -1,19 +1,12 @@
 """The multi-token-prediction drafter (`--speculative mtp`): the model's own MTP layer drafts.
 
-The MTP layer (moestream.layers.mtp) at position p reads the main model's final residual state
-h_p and the token t_{p+1} and guesses t_{p+2}. The engine hands every state slot 0 computes to
-`hidden_tap` (prefill chunks and steps, drafted positions included), so when the speculative loop
-asks for a draft after a context of L tokens, the states h_0 .. h_{L-2} are known (the engine's
-cache holds context[:-1]), and so are the tokens: the drafter brings its own KV cache up to the
-pairs (h_p, t_{p+1}) for p <= L-2, whose last output guesses t_L. Each further draft runs the
-layer once more on its own output state and the token it just drafted (chained); those positions
-are forgotten again, so after a verification its cache holds only pairs of accepted tokens and
-the main model's states (the rollback after rejected drafts). A new prompt keeps the pairs its
-tokens share with the last context.
-
-Only the first MTP layer drafts (every published checkpoint has one). Its routed experts are
-expert layer num_hidden_layers + 0 of the same slot cache; drafting calls no routing trace and no
-prefetch hook. The drafter changes only the speed: the loop verifies every drafted token."""
+The MTP layer (moestream.layers.mtp) at position p reads the main model's final residual state h_p
+and the token t_{p+1} and guesses t_{p+2}. The engine hands every state slot 0 computes to
+`hidden_tap`, so for a draft after L tokens the drafter brings its own KV cache up to the pairs
+(h_p, t_{p+1}) for p <= L-2, whose last output guesses t_L; each further draft runs the layer on its
+own output state and the token it just drafted, positions forgotten again (its cache keeps only
+accepted tokens' pairs). Only the first MTP layer drafts (every published checkpoint has one); its
+experts are expert layer num_hidden_layers of the same slot cache, out of traces and prefetches."""
 from __future__ import annotations
 
 from typing import Sequence

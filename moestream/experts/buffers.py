@@ -1,11 +1,9 @@
 """Page-aligned host buffers for expert records, page-locked when a CUDA device is present.
 
-O_DIRECT reads need a page-aligned destination, and host→GPU copies are only asynchronous from
-page-locked memory. An anonymous mapping gives both: it starts on a page boundary and can be
-registered with CUDA in place. The tensor keeps its mapping alive (torch.frombuffer holds a
-reference until the last view of the storage is gone), and the mapping undoes its CUDA
-registration when it is freed, so a buffer stays valid and pinned exactly as long as any view
-of it is in use.
+O_DIRECT reads need a page-aligned destination, and host->GPU copies are asynchronous only from
+page-locked memory. An anonymous mapping gives both (registered with CUDA in place); the tensor keeps
+its mapping alive and the mapping unregisters itself when freed, so a buffer stays valid and pinned
+exactly as long as a view of it is in use.
 """
 from __future__ import annotations
 

@@ -1,16 +1,12 @@
 """The expert slot cache: one pool of slots on the compute device, shared by all layers.
 
-A layer asks for the experts its router chose (`fetch`). Hits are pinned and returned at once;
-misses get a slot from the directory (a free one, or a victim the policy picks among unpinned,
-ready slots) and are filled from the host tier or the record source. Early reads (`prefetch`)
-fill slots before a layer asks. What moves never changes the answer: a slot holds the record's
-exact bytes, and the layer computes only after its slots are filled.
-
-On CUDA, records go disk -> pinned host buffer -> slot by an async copy on a separate stream;
-compute waits (stream-wise) only for the slots it uses, and a victim slot is overwritten only
-after the compute that read it has finished.
-
-Beside it: host_tier.py (the pinned RAM tier between the disk and the slots).
+A layer asks for the experts its router chose (`fetch`): hits are pinned at once; misses get a slot
+from the directory (free, or a victim the policy picks among unpinned, ready slots), filled from the
+host tier (host_tier.py) or the record source. Early reads (`prefetch`) fill slots before a layer
+asks. A slot holds the record's exact bytes and the layer computes only after its slots are filled:
+what moves never changes the answer. On CUDA, records go disk -> pinned buffer -> slot by an async
+copy on a stream of its own; compute waits only for the slots it uses, and a victim slot is
+overwritten only after the compute that read it.
 """
 from __future__ import annotations
 
@@ -80,7 +76,7 @@ class CacheStats:
 
 
 class ExpertCache:
-    """Implements the ExpertProvider protocol over a fixed slot pool."""
+    """What RoutedExperts computes from: a fixed slot pool (see the module doc)."""
 
     def __init__(self, packed: PackedModel, device: torch.device, *, slots: int, source, policy: str = "clock",
                  host_slots: int = 0, host_policy: str = "clock", staging_buffers: int = 8,
@@ -130,15 +126,13 @@ class ExpertCache:
         self.device_policy = device_policy  # its victim rule (moestream.experts.device_map)
         self.stats_ = CacheStats()
 
-    # -- ExpertProvider -------------------------------------------------------------
+    # -- what RoutedExperts asks for -------------------------------------------------
     def quant(self, layer: int) -> dict[str, QuantSpec]:
         return self._quant[layer]
 
     def fetch(self, layer: int, experts: Sequence[int], *, views: bool = True) -> dict[int, dict[str, torch.Tensor]]:
         """Pin the experts' slots, loading misses; returns record views (none with views=False, for
         kernels that index the pool through `slots_of`)."""
-        if self.device_map is not None:
-            raise RuntimeError("the device drives this cache (device-driven streaming): the host does not fetch")
         entry, li = self.entries[layer], self._index[layer]
         pinned, waits = [], []
         st = self.stats_

@@ -15,7 +15,7 @@ import torch
 
 from moestream.errors import ExpertReadError
 from moestream.experts.buffers import aligned_buffer, is_page_aligned
-from moestream.experts.source_base import SourceBase, Truncated, bytes_of
+from moestream.experts.source_base import RecordSource, Truncated, bytes_of
 from moestream.format.manifest import ExpertLayer
 from moestream.format.reader import PackedModel
 
@@ -78,7 +78,7 @@ class _LayerFile:
                 _warn_no_direct(self.path.parent)
 
 
-class DirectSource(SourceBase):
+class DirectSource(RecordSource):
     """Whole-record ``preadv`` with O_DIRECT from a thread pool; the page cache keeps no copy.
 
     Where a filesystem refuses O_DIRECT (EINVAL on open or on a file's first read) that file is

@@ -1,7 +1,5 @@
-"""The ``mmap`` record source: the kernel's page cache as the host tier.
-
-Expert files are mapped read-only; ``mincore`` says which records are already in RAM and
-``madvise(WILLNEED)`` asks for early reads.
+"""The ``mmap`` record source: the kernel's page cache as the host tier (files mapped read-only,
+``mincore`` for what is in RAM, ``madvise(WILLNEED)`` for early reads).
 """
 from __future__ import annotations
 
@@ -19,7 +17,7 @@ import torch
 
 from moestream.errors import ExpertReadError
 from moestream.experts.buffers import PAGE_SIZE
-from moestream.experts.source_base import SourceBase, Truncated
+from moestream.experts.source_base import RecordSource, Truncated
 from moestream.format.manifest import ExpertLayer
 from moestream.format.reader import PackedModel
 
@@ -68,7 +66,7 @@ class _Mapping:
         return 0 if self.tensor is None else self.tensor.numel()
 
 
-class MmapSource(SourceBase):
+class MmapSource(RecordSource):
     """Expert files mapped read-only: the kernel's page cache holds records, no copy of our own.
 
     ``submit`` copies from the mapping into ``dest`` on the I/O threads (the copy's page faults

@@ -1,10 +1,8 @@
 """Replacement policies for a fixed pool of expert slots.
 
-Pure Python and free of package imports, so the slot cache, the host tier and the cache simulator
-can all share one implementation and the simulator's hit rates are the cache's hit rates.
-
-A policy knows slots (ints in ``[0, capacity)``), not where their bytes live. The caller decides
-which slots may be evicted right now (pinned or loading slots may not) through ``can_evict``.
+Pure Python, free of package imports: the slot cache, the host tier and the simulator share one
+implementation. A policy knows slots (ints in ``[0, capacity)``), not where their bytes live; the
+caller says which may be evicted now (not pinned or loading ones) through ``can_evict``.
 """
 from __future__ import annotations
 
@@ -12,6 +10,7 @@ import abc
 import math
 from collections import OrderedDict
 from typing import Callable, Hashable
+
 
 class ReplacementPolicy(abc.ABC):
     """Chooses which occupied slot to give up when a new key needs one."""

@@ -1,12 +1,9 @@
-"""Next-layer expert prediction: start reading the experts the next MoE layer will probably want
-while the current layer computes.
+"""Next-layer expert prediction: start reading the experts the next MoE layer will probably want.
 
-The residual stream changes little from one layer to the next, so the next layer's router applied
-to this layer's expert input picks many of the experts that router will pick a moment later. Their
-reads start early through the cache's `prefetch`, issued once this layer's own experts are pinned,
-so a wrong guess costs a read and a slot, never an answer and never a slot this layer needs. One
-token at a time only: a prefill chunk touches most experts anyway. The cache counts the guesses
-issued and used (`prefetch_issued`, `prefetch_used` in its stats)."""
+The residual stream changes little from one layer to the next, so the next layer's router on this
+layer's expert input picks many of the experts it will pick. Their early reads (the cache's
+`prefetch`) start once this layer's experts are pinned: a wrong guess costs a read and a slot, never
+an answer or a slot this layer needs. One token at a time only (a prefill chunk touches most experts)."""
 from __future__ import annotations
 
 import torch

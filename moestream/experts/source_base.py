@@ -1,15 +1,10 @@
 """What every expert record source shares: checks, the I/O thread pool, crc32, faults, statistics.
 
-:class:`SourceBase` implements the :class:`~moestream.experts.sources.RecordSource` interface
-around one method a source supplies, ``_read_into`` (one whole record into a host tensor); the
-direct and mmap sources build on it. Reads run on a pool of I/O threads so that many misses are
-in flight at once.
-
-By default every record is checked against the crc32 the manifest holds for it, on the I/O
-thread that read it, before anyone may use it: a damaged record is an ExpertReadError naming the
-file, layer and expert, never a wrong answer. Checking costs about 8 us per 57 KB record and
-0.36 ms per 2.6 MB record (7.5 GB/s on one core, docs/bench/crc32.json), against 66 us and 1.2 ms
-for the O_DIRECT read itself.
+A source supplies `_read_into` (one whole record into a host tensor); reads run on a pool of I/O
+threads so that many misses are in flight at once. By default every record is checked against the
+manifest's crc32 on the thread that read it: a damaged record is an ExpertReadError naming the file,
+layer and expert, never a wrong answer. It costs about 8 us per 57 KB record and 0.36 ms per 2.6 MB
+record (docs/bench/crc32.json), against 66 us and 1.2 ms for the O_DIRECT read itself.
 """
 from __future__ import annotations
 
@@ -43,8 +38,9 @@ class Truncated(Exception):
         self.file_end = file_end
 
 
-class SourceBase:
-    """Validation, the I/O thread pool, checksums, fault injection and statistics."""
+class RecordSource:
+    """Reads expert records (what the slot cache talks to): validation, the I/O thread pool,
+    checksums, fault injection and statistics around a source's `_read_into`."""
 
     name = "?"
 
@@ -70,6 +66,8 @@ class SourceBase:
 
     # -- the interface -------------------------------------------------------
     def submit(self, layer: int, expert: int, dest: torch.Tensor) -> Future[None]:
+        """Start reading record (layer, expert) into `dest` (uint8, CPU, exactly record_size bytes);
+        the future raises ExpertReadError naming the file, layer, expert and the OS error."""
         return self._pool.submit(self._read_record, self._check(layer, expert, dest), expert, dest)
 
     def read(self, layer: int, expert: int, dest: torch.Tensor) -> None:
@@ -77,12 +75,14 @@ class SourceBase:
         self._read_record(self._check(layer, expert, dest), expert, dest)
 
     def resident(self, layer: int, experts: Sequence[int]) -> list[bool]:
+        """Whether each record is already in host RAM (always False here)."""
         entry = self._entry(layer)
         for e in experts:
             self._check_expert(entry, e)
         return [False] * len(experts)
 
     def view(self, layer: int, expert: int) -> torch.Tensor | None:
+        """A zero-copy, read-only uint8 tensor over the record, or None (here: always)."""
         return None
 
     def stats(self) -> dict:

@@ -1,22 +1,18 @@
 """The paged KV pool: every layer's per-token rows in fixed-size blocks shared by all sequences.
 
-Layout (what the attention kernels read): a layer's keys are [num_blocks, block_size, Nkv, D] and
-values [num_blocks, block_size, Nkv, Dv]; a layer group (the layers with the same window) has one
-block table, int32 [max_sequences, max_blocks], on the device (a host mirror beside it): position
-p of sequence s lies in block table[s, p // block_size], row p % block_size. Blocks are taken as a
-sequence grows (`SequenceKV.reserve`) and given back when it shrinks or ends; a sliding-window
-group gives back the blocks its window no longer sees. A full block of known tokens is published
-under a chained hash of its token ids, so a prompt starting like an earlier one shares those blocks
-(reference counted) rather than computing them again; a freed published block stays reusable
-until its room is needed. Recurrent (linear-attention) layers keep a state per sequence instead
-(moestream.kv.recurrent), accounted in the same ledger.
+A layer's keys are [NB, BS, Nkv, D] and values [NB, BS, Nkv, Dv]; the layers with the same window (a
+group) share a block table, int32 [S, MB] on the device with a host mirror: position p of sequence s
+lies in block table[s, p // BS], row p % BS. Blocks are taken as a sequence grows and given back when
+it shrinks or ends (a window group: those its window no longer sees). A full block of known tokens is
+published under a chained hash of its ids, so a prompt starting like an earlier one shares those
+blocks (reference counted); a freed published block stays reusable until its room is needed.
+Recurrent layers keep a state per sequence instead (moestream.kv.recurrent).
 
-Sizing: a full-attention group holds the whole context for one sequence plus a quarter of it for
-each further slot (`full_blocks`), so the context is a limit per sequence, not a reservation per
-slot: one sequence can still reach the whole context while the others are short. A caller that runs
-several sequences admits one only where its whole length fits (`SequenceSlots.room`), so none runs
-out mid-generation. A pool with recurrent layers keeps every slot's whole context: there a free
-slot keeps its blocks and states for its next prompt's prefix rather than sharing them by content.
+Sizing: a full-attention group holds the whole context for one sequence plus a quarter of it for each
+further slot (`full_blocks`): the context is a limit per sequence, not a reservation per slot. A
+caller admits a sequence only where its whole length fits (`KVPool.room`), so none runs out
+mid-generation. With recurrent layers every slot keeps its whole context, and a free slot its blocks
+and states for its next prompt's prefix, rather than sharing them by content.
 
 Legend: NB blocks, BS block size, S sequences, MB blocks per sequence, Nkv heads, D head size."""
 from __future__ import annotations

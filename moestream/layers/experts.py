@@ -247,10 +247,6 @@ class RoutedExperts:
         if not self.device_driven:
             self.provider.release(layer)
 
-    def count_resident(self, layer: int, ids: torch.Tensor) -> None:
-        """A resident layer ran without the host half: book its hits and tell the trace."""
-        self.count_resident_step([(layer, ids)])
-
     def count_resident_step(self, routed: list[tuple[int, torch.Tensor]]) -> None:
         """count_resident for every MoE layer [(layer, ids)] of a step that ran without the host half."""
         self.provider.count_resident_many(routed)
