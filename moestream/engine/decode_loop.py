@@ -22,9 +22,8 @@ from moestream.engine.types import TokenEvent
 
 def decode(engine, emit: Emitter, logits: torch.Tensor, budget: int, *,
            speculation: Speculation | None = None) -> Iterator[TokenEvent]:
-    """Up to `budget` tokens of `engine` (an Engine), the first chosen from `logits`' last row (the
-    prefill's), each through `emit` (which stops the loop at an end token or a cancel). The cache
-    then holds every token emitted but the last (after a stop in plain greedy decoding, the last too)."""
+    """Up to `budget` tokens of `engine` (an Engine), the first from `logits`' last row, each through
+    `emit` (which stops the loop). The cache then holds every token emitted but the last."""
     if speculation is None:
         yield from _plain(engine, emit, logits, budget)
         return
@@ -63,9 +62,8 @@ def decode(engine, emit: Emitter, logits: torch.Tensor, budget: int, *,
 
 
 def _plain(engine, emit: Emitter, logits: torch.Tensor, budget: int) -> Iterator[TokenEvent]:
-    """Plain decoding of up to `budget` tokens, the first chosen from `logits`' last row. Where the
-    choice is the raw row's argmax with nothing read on the host (no log-probabilities, no hidden-state
-    tap), each step is queued before the host reads the token it takes; else one step a token."""
+    """Plain decoding of up to `budget` tokens: `_ahead` where the choice is the raw row's argmax and
+    nothing else is read on the host (log-probabilities, the hidden-state tap), else a step a token."""
     if emit.plain_argmax and not emit.logprobs and engine.hidden_tap is None:
         yield from _ahead(engine, emit, logits, budget)
         return
@@ -79,11 +77,10 @@ def _plain(engine, emit: Emitter, logits: torch.Tensor, budget: int) -> Iterator
 
 
 def _ahead(engine, emit: Emitter, logits: torch.Tensor, budget: int) -> Iterator[TokenEvent]:
-    """Greedy decoding that keeps the device busy: step n + 1 is queued with token n still on the
-    device (its argmax), then the host reads token n while the step runs, names it in the cache,
-    and checks the stops. The same tokens as one step at a time (the same steps, fed the same ids);
-    a stop leaves one step more in the cache, the KV of a real token at its position, which the next
-    prompt reuses or truncates like any other. On the CPU nothing overlaps, but it is the same path."""
+    """Greedy decoding that keeps the device busy: step n + 1 is queued with token n still on the device,
+    then the host reads token n while it runs, names it in the cache and checks the stops. The same
+    tokens as a step at a time; a stop leaves one more real token in the cache (the next prompt reuses
+    or truncates it like any other)."""
     reader = _TokenReader(engine.device)
     token = torch.argmax(logits[-1:], dim=-1)  # [1] on the device: argmax_index's choice
     for n in range(budget):

@@ -47,9 +47,8 @@ def tokenizer_mismatch(model_dir: str | Path, draft_dir: str | Path) -> str | No
 
 
 def draft_engine_options(engine_options):
-    """The draft engine runs beside the model: all its (few) experts resident where they fit, one
-    sequence, nothing recorded, no CPU share or lookahead of its own (its bits never reach the
-    output, which the model verifies)."""
+    """The draft engine beside the model: its experts resident where they fit, one sequence, nothing
+    recorded, no CPU share or lookahead (the model verifies whatever it drafts)."""
     return replace(engine_options or EngineOptions(), trace_routing=None, cache_size="auto", host_cache_size="0",
                    memory_budget=None, max_sequences=1, cpu_experts="off", lookahead_maps="none",
                    expert_parallel=None, expert_placement=None)

@@ -85,9 +85,8 @@ class AdaptivePolicy:
         table[key] = seconds if old is None else old + self.smoothing * (seconds - old)
 
     def begin(self) -> None:
-        """A generation starts: its first draft pays for the drafter's reading of the prompt. The probe
-        schedule starts again (the first probe after `probe_every` plain steps, whatever probes cost
-        before): a kept policy still tries each new text once."""
+        """A generation starts: its first draft pays for reading the prompt, and the probe schedule
+        starts again (a kept policy still tries each new text once)."""
         self._in_step, self._chosen = False, 0
         self._plain_run, self._probe_gap, self._fresh = 0, self.probe_every, True
 
@@ -129,9 +128,8 @@ class AdaptivePolicy:
         return max(known) if known else 0.0
 
     def _catch_up(self) -> float:
-        """What drafting now costs besides the draft and the step: after plain steps the drafter reads
-        what it has not seen (a draft engine's prefill), priced as the last probe was (or the drafter's
-        own estimate); after a drafted verification nothing."""
+        """What drafting now costs besides the draft and the step: after plain steps the drafter's
+        catching up, priced as the last probe was; after a drafted verification nothing."""
         return 0.0 if self._in_step else self.probe_s
 
     def estimated_rate(self, k: int) -> float:
@@ -159,8 +157,7 @@ class AdaptivePolicy:
 
     def _gap(self) -> int:
         """Plain steps before the next probe: the backed-off gap, or more where probes are dear (a
-        generation's first probe too, once a probe's price is known: a probe dearer than PROBE_SHARE of
-        a generation's plain steps is not worth its chance)."""
+        generation's first too, once a price is known)."""
         if self._fresh and self.probe_s <= 0:  # no price known yet: the first probe at the backed-off gap
             return self._probe_gap
         plain = self.step_cost.get(1, 0.0)

@@ -1,12 +1,6 @@
-"""How routed experts reach the compute: the choices an Engine makes when it loads and at its first
-step, kept apart from the engine's running of the model.
-
-- expert parallelism: which rank owns which experts (`expert_parallel`), and every rank's
-  figures for a run (`parallel_stats`);
-- the lookahead's fitted corrections (`load_guess_maps`, from moestream fit-lookahead);
-- the backends RoutedExperts is built with: the CPU's share of the misses (`share_request`:
-  --cpu-experts) and the CPU's kept unpacked experts (`unpacked_experts`);
-- device- or host-driven streaming (`start_streaming`: --streaming)."""
+"""How routed experts reach the compute, decided when an Engine loads and at its first step: expert
+parallelism, the lookahead's fitted maps and the CPU's prefetcher, what RoutedExperts is built with
+(the CPU share, the kept unpacked experts, a routing trace), device- or host-driven streaming."""
 from __future__ import annotations
 
 import logging
@@ -107,9 +101,8 @@ def trace_recorder(model_name: str, family: str, args):
 
 
 def share_request(options: EngineOptions, *, parallel, hidden: int, dtype: torch.dtype):
-    """The CPU share RoutedExperts starts with device-driven streaming (--cpu-experts), or None
-    (off, or expert parallelism: `auto` is the default, so only a share asked for by number is
-    refused there)."""
+    """The CPU share RoutedExperts starts with device-driven streaming (--cpu-experts), or None (off,
+    or `auto` under expert parallelism, where a share asked for by number is an error)."""
     try:
         share = parse_share(options.cpu_experts)
     except ValueError as exc:

@@ -83,10 +83,9 @@ def fit_maps(cap: Capture, blocks: list[MoEBlock], *, depths=(1, 2), rank: int =
 
 
 def evaluate(cap: Capture, blocks: list[MoEBlock], *, depth: int, maps: GuessMaps | None = None) -> dict:
-    """Guess accuracy per target layer at `depth` (share of the layer's k experts the guess names,
-    mean over tokens that have a previous token): `router` (the target's router on the source's
-    expert input), `fitted` (with the map, where `maps` has one), `previous_token` (the target
-    layer's experts of the token before)."""
+    """Guess accuracy per target layer at `depth` (the share of its experts a guess names, over tokens
+    with a previous token): `router` (its router on the source's expert input), `fitted` (with the
+    map, where there is one), `previous_token` (its experts of the token before)."""
     keep = ~cap.first_rows()
     out = {}
     for src, tgt in zip(blocks, blocks[depth:]):

@@ -1,9 +1,5 @@
-"""Generation over an Engine: the prefill, the decode loop (moestream.engine.decode_loop) and the
-receipt behind `Engine.generate`, and the scoring of a prompt's own tokens behind
-`Engine.prompt_logprobs`.
-
-Kept apart from the engine because it only calls the engine's pieces (prefill, step, the expert
-figures); the engine holds what runs the model, and this module never imports it."""
+"""`Engine.generate` (the prefill, the decode loop, the receipt) and `Engine.prompt_logprobs`'s scoring,
+over the engine's pieces (this module never imports the engine)."""
 from __future__ import annotations
 
 import time
