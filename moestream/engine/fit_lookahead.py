@@ -4,7 +4,6 @@ layer's expert input and chosen experts over text, fit a map per (later layer, d
 reusing the previous token's experts."""
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -14,7 +13,6 @@ from moestream.errors import MoestreamError
 from moestream.experts.guess_maps import GuessMaps, choose_and_fit, manifest_digest, overlap, top_k
 from moestream.layers.moe import MoEBlock
 
-log = logging.getLogger(__name__)
 TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst")
 
 

@@ -38,10 +38,6 @@ class HotHead:
         self.hot_ids = hot_ids.to(lm_head.device)
         self.weight = lm_head.index_select(0, self.hot_ids).contiguous()  # [N, H]
 
-    @classmethod
-    def of_model(cls, model, hot_ids: torch.Tensor) -> "HotHead":
-        return cls(model.final_norm, model.lm_head, model.eps, hot_ids)
-
     def guess(self, hidden: torch.Tensor) -> list[int]:
         """hidden [T, H] -> the best hot token of each row."""
         scores = F.linear(rms_norm(hidden, self.final_norm, self.eps), self.weight)  # [T, N]
@@ -83,8 +79,9 @@ class HotHeadDrafter(Drafter):
         the cache then holds context and the guesses (rows saved for verify_rows)."""
         model, work = self.engine.model, list(context)
         if self.hot is None:
-            self.hot = HotHead.of_model(model, hot_vocabulary(work, model.vocab_size, prompt_tokens=self.prompt_tokens,
-                                                              base_tokens=self.base_tokens))
+            hot_ids = hot_vocabulary(work, model.vocab_size, prompt_tokens=self.prompt_tokens,
+                                     base_tokens=self.base_tokens)
+            self.hot = HotHead(model.final_norm, model.lm_head, model.eps, hot_ids)
         self.hidden = []
         with torch.inference_mode():
             for i in range(k + 1):

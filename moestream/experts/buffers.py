@@ -70,13 +70,9 @@ def _mapping_of(t: torch.Tensor) -> _HostMapping | None:
 
 
 def pin_if_cuda(t: torch.Tensor) -> torch.Tensor:
-    """Page-lock ``t`` for fast asynchronous host→GPU copies; a no-op without CUDA.
-
-    A buffer from :func:`aligned_buffer` is registered with CUDA in place and returned as is
-    (its whole mapping is registered once). Any other tensor, or one whose registration fails,
-    is copied into a pinned allocation from torch, which is page-aligned as well; use the
-    returned tensor.
-    """
+    """Page-lock ``t`` for asynchronous host->GPU copies (a no-op without CUDA): an aligned_buffer is
+    registered in place; any other tensor, or one whose registration fails, is copied into pinned
+    memory from torch. Use the returned tensor."""
     if t.device.type != "cpu" or not torch.cuda.is_available() or t.is_pinned():
         return t
     mapping = _mapping_of(t) if t.is_contiguous() else None

@@ -10,7 +10,6 @@ overwritten only after the compute that read it.
 """
 from __future__ import annotations
 
-import logging
 import queue
 import threading
 import time
@@ -28,15 +27,11 @@ from moestream.format.reader import PackedModel
 from moestream.format.records import decode_record
 from moestream.quant.affine import QuantSpec
 
-log = logging.getLogger(__name__)
-
 
 @dataclass
 class CacheStats:
-    """The cache's figures: hits and misses (in total and per layer), bytes read per tier, time
-    waiting on reads, early reads issued and used, evictions. Besides its own lookups they come from
-    the device-driven path's and the resident tables' counts. Plain counters, no locking: the cache
-    holds its lock where reader threads add to them."""
+    """The cache's figures (its lookups', the device map's and the resident tables' counts). Plain
+    counters: the cache holds its lock where reader threads add to them."""
 
     hits: int = 0
     misses: int = 0
@@ -228,9 +223,8 @@ class ExpertCache:
         return issued
 
     def fill_host_tier(self) -> int:
-        """Read every record the host tier has room for and does not hold yet, in parallel, straight
-        into its pinned slots (used to measure the host-RAM tier without first-touch disk reads).
-        Returns the records read."""
+        """Read every record the host tier has room for and lacks, in parallel, straight into its
+        slots; returns the records read."""
         if self.host is None:
             return 0
         from tqdm import tqdm
@@ -254,10 +248,9 @@ class ExpertCache:
         return self.num_slots >= self.total_experts
 
     def make_resident(self) -> bool:
-        """Where the pool holds every expert: load the ones not yet in a slot, pin all of them for
-        good, and keep a device slot table per layer (`resident_table`). Then a layer's routed
-        experts need no lookup and no host sync: kernels index the table with the router's ids.
-        Loading counts as reads (bytes), not as hits or misses. Returns whether it is so now."""
+        """Where the pool holds every expert: load them all, pinned for good, and keep a device slot
+        table per layer (`resident_table`): no lookup, no host sync. Loading counts as reads, not as
+        hits or misses. Returns whether it is so now."""
         if self.resident_tables:
             return True
         if not self.cuda or not self.can_hold_all():
@@ -311,9 +304,8 @@ class ExpertCache:
         hits.index_add_(0, rows, seen.sum(dim=1))
 
     def _hit_counter(self) -> torch.Tensor:
-        """The device counters of resident hits (int64, one per MoE layer), made on first use (made by
-        make_resident, before any capture). Never counted inside a CUDA graph's capture: the graph
-        would add into the counter at every replay, whatever reads or resets it in between."""
+        """The device counters of resident hits (int64 per MoE layer), made by make_resident. Never
+        counted inside a graph's capture: every replay would add into them."""
         if self.cuda and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("resident hits are counted outside CUDA graph captures (book them after the replay)")
         if self._device_hits is None:
@@ -322,10 +314,8 @@ class ExpertCache:
 
     # -- device-driven streaming ----------------------------------------------------------
     def start_device_map(self):
-        """Hand the slot pool to a DeviceMap (moestream.experts.device_map): from now on the device
-        looks up its experts and copies misses from the host tier itself. Needs a host tier that
-        holds every record (filled here, reading what it lacks) and, on CUDA, host memory the GPU
-        can read. Raises DeviceMapUnavailable naming what is missing."""
+        """Hand the slot pool to a DeviceMap (moestream.experts.device_map), given a host tier holding
+        every record (filled here) that the GPU can read; else DeviceMapUnavailable says what lacks."""
         from moestream.experts.device_map import DeviceMap, DeviceMapUnavailable
         from moestream.experts.uva import device_view
 
@@ -459,9 +449,9 @@ class ExpertCache:
 
     def _copy_into_slot(self, key, slot: int, data: torch.Tensor, size: int, done: Future, after, *,
                         defer: bool = False, early: bool = False) -> None:
-        """Copy a host record into its device slot; `after` runs once the source buffer is free again:
-        at once after waiting for the copy, or (defer, main thread only) when a later call finds the
-        copy done, so that many copies queue back to back on the link."""
+        """Copy a host record into its device slot; `after` runs once the source is free again: after
+        waiting, or (defer, main thread only) when a later call finds the copy done, so that copies
+        queue back to back on the link."""
         if self.cuda or data.data_ptr() != self.pool[slot].data_ptr():  # a CPU read lands in its slot: no copy
             self.timeline.instant("copy", layer=self.moe_layers[key[0]], expert=key[1], early=early)
         if self.cuda:

@@ -79,12 +79,9 @@ class _LayerFile:
 
 
 class DirectSource(RecordSource):
-    """Whole-record ``preadv`` with O_DIRECT from a thread pool; the page cache keeps no copy.
-
-    Where a filesystem refuses O_DIRECT (EINVAL on open or on a file's first read) that file is
-    read through the page cache instead, with one warning per process. A destination that is
-    not page-aligned is read through a per-thread bounce buffer.
-    """
+    """Whole-record ``preadv`` with O_DIRECT. Where a filesystem refuses O_DIRECT (EINVAL on open or on a
+    file's first read) the file is read through the page cache, with one warning per process; an
+    unaligned destination is read through a per-thread bounce buffer."""
 
     name = "direct"
 

@@ -40,11 +40,8 @@ class _Partition:
 
 class SlotDirectory:
     """Maps keys to slots, tracks pins and in-flight loads, and picks victims through a policy.
-
-    ``partition="per-layer"`` gives each layer ``capacity // num_layers`` slots (the remainder to
-    the first layers) and its own policy, so one layer's traffic cannot push out another's;
-    ``"shared"`` lets busy layers borrow slots from quiet ones.
-    """
+    ``partition="per-layer"`` gives each layer ``capacity // num_layers`` slots (the rest to the first
+    layers) and a policy of its own; ``"shared"`` lets busy layers borrow slots from quiet ones."""
 
     def __init__(self, capacity: int, *, policy: str = "clock", partition: str = "shared", num_layers: int = 1,
                  **policy_options):

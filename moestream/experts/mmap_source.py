@@ -67,13 +67,9 @@ class _Mapping:
 
 
 class MmapSource(RecordSource):
-    """Expert files mapped read-only: the kernel's page cache holds records, no copy of our own.
-
-    ``submit`` copies from the mapping into ``dest`` on the I/O threads (the copy's page faults
-    read from disk); ``view`` hands out the mapped record itself. The mapping must not shrink
-    while in use: touching a page past the end of a file is a SIGBUS, so each read checks the
-    file's size first and reports a truncated file instead.
-    """
+    """Expert files mapped read-only: ``submit`` copies from the mapping on the I/O threads (its page
+    faults read the disk), ``view`` hands out the mapped record. A page past a file's end is a
+    SIGBUS, so each read checks the file's size first and reports a truncated file instead."""
 
     name = "mmap"
 
@@ -120,11 +116,8 @@ class MmapSource(RecordSource):
         return m.tensor[offset:offset + size]
 
     def resident(self, layer: int, experts: Sequence[int]) -> list[bool]:
-        """Whether every page of each record is in the page cache (``mincore``).
-
-        The kernel answers for page-cache pages of files the process owns or may write; for
-        others it reports only pages this process has touched, so the answer can err towards False.
-        """
+        """Whether every page of each record is in the page cache (``mincore``; for files this process may
+        not write it reports only pages it touched, so it can err towards False)."""
         out = []
         for e in experts:
             m, offset, size = self._span(layer, e)

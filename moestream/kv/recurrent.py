@@ -60,10 +60,9 @@ class StateBook:
 
 
 class RecurrentState:
-    """One recurrent layer's states for every sequence slot of the pool: `state` float32
-    [S, ..., *state_shape] and `conv` [S, ..., *conv_shape] in the model's dtype, in a ring of
-    RECENT_STATES and in snapshots (plus one scratch snapshot that a step writes when its length is
-    no multiple of `every`). A sequence's StateBook says which of its lengths are held."""
+    """One recurrent layer's states for every sequence slot: float32 states and convolution histories
+    in the model's dtype, in a ring of RECENT_STATES and in snapshots (plus a scratch snapshot a step
+    writes when its length is no multiple of `every`)."""
 
     def __init__(self, state_shape: tuple[int, ...], conv_shape: tuple[int, int], sequences: int, max_tokens: int, *,
                  dtype: torch.dtype, device: torch.device):
