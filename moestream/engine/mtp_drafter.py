@@ -19,23 +19,17 @@ from moestream.errors import MoestreamError
 from moestream.kv.pool import KVPool
 
 
-def mtp_layers(engine) -> list:
-    """The engine's MTP layers; an error naming why where it has none."""
-    layers = getattr(engine.model, "mtp", None) or []
-    if not layers:
-        raise MoestreamError(f"--speculative mtp: the model {engine.model_name!r} ({engine.packed.family}) has no "
-                             "multi-token-prediction layers (its family has none, its checkpoint had none, or it was "
-                             "converted with --no-mtp)")
-    return layers
-
-
 class MTPDrafter(ModelDrafter):
     name = "mtp"
 
     def __init__(self, engine):
         super().__init__()
-        self.layer = mtp_layers(engine)[0]
-        self.engine = engine
+        layers = getattr(engine.model, "mtp", None)
+        if not layers:
+            raise MoestreamError(f"--speculative mtp: the model {engine.model_name!r} ({engine.packed.family}) has no "
+                                 "multi-token-prediction layers (its family has none, its checkpoint had none, or it "
+                                 "was converted with --no-mtp)")
+        self.layer, self.engine = layers[0], engine
         self.pool = KVPool([self.layer.kv], max_sequences=1, max_context=engine.max_context, dtype=engine.dtype,
                            device=engine.device, prefill_chunk=engine.plan.prefill_chunk)
         self.cache = self.pool.sequences[0]

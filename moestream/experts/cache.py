@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
+from tqdm import tqdm
 
 from moestream.errors import ExpertReadError
 from moestream.experts.buffers import aligned_buffer, pin_if_cuda
@@ -227,8 +228,6 @@ class ExpertCache:
         slots; returns the records read."""
         if self.host is None:
             return 0
-        from tqdm import tqdm
-
         todo = [(e.layer, x) for e in self.entries.values() for x in range(e.num_experts)
                 if self.host.directory.lookup((e.layer, x)) is None][:self.host.slots - self.host.directory.occupied()]
         reads = []
@@ -258,8 +257,6 @@ class ExpertCache:
         st = self.stats_
         counts = (st.hits, st.misses, dict(st.layer_hits), dict(st.layer_misses))
         tables = {}
-        from tqdm import tqdm
-
         for layer in tqdm(self.moe_layers, desc="loading experts", unit="layer", disable=None, leave=False):
             experts = list(range(self.entries[layer].num_experts))
             self.fetch(layer, experts, views=False)

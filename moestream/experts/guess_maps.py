@@ -10,6 +10,7 @@ changes an output.
 Legend: N rows (tokens), H hidden, E experts of the target layer, r the correction's rank, k top-k."""
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,8 +25,6 @@ ALPHAS = (1e-3, 1e-2, 1e-1, 1.0, 10.0)  # ridge strengths tried, relative to the
 
 def manifest_digest(model_dir: str | Path) -> str:
     """sha256 of a packed model's moestream.json: maps are fitted for exactly one model."""
-    import hashlib
-
     return hashlib.sha256((Path(model_dir) / "moestream.json").read_bytes()).hexdigest()
 
 
