@@ -198,8 +198,12 @@ class Engine:
         return self.sequences.room(list(prompt_ids), tokens, share=share)
 
     def _reach(self, prompt_ids: list[int], tokens: int) -> int:
-        """The positions a sequence of `tokens` for `prompt_ids` holds blocks for (a padded prefill's too)."""
-        return tokens if self.prefill_graphs is None else self.prefill_graphs.reach(len(prompt_ids), tokens)
+        """The positions a sequence of `tokens` for `prompt_ids` holds blocks for: a first prefill chunk
+        padded to its graph's bucket holds the padding's too (prefill_graphs.run)."""
+        first = min(len(prompt_ids), max(1, self.plan.prefill_chunk))
+        if self.prefill_graphs is not None and first > 0 and self.prefill_graphs.takes(first, 0, 0):
+            return max(tokens, prefill_graphs.bucket(first))
+        return tokens
 
     def close_sequence(self, seq: int) -> None:
         """Free slot `seq` for open_sequence (its cached tokens stay, for a later prompt's prefix)."""

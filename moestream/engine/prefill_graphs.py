@@ -101,12 +101,6 @@ class PrefillGraphs:
         return start == 0 and SMALLEST // 2 < tokens <= self.largest and bucket(tokens) <= self.pool.max_context and \
             ex.on_route is None and ex.reroute is None and ex.parallel is None and self.model.on_hidden is None
 
-    def reach(self, prompt: int, tokens: int) -> int:
-        """The positions a sequence of `tokens` for a prompt of `prompt` tokens holds blocks for: its
-        first chunk, where padded, holds the padding's too (`run`)."""
-        first = min(prompt, self.largest)
-        return max(tokens, bucket(first)) if first > 0 and self.takes(first, 0, 0) else tokens
-
     def replays(self) -> bool:
         """Whether a padded chunk runs as a graph: every expert resident, no device map, every MoE layer
         on the Triton kernels (the torch reference reads ids on the host)."""
