@@ -136,7 +136,7 @@ def run(args, parser: argparse.ArgumentParser) -> dict:
     from moestream.engine.engine import load_engine
     from moestream.engine.plan import run_facts
 
-    from moestream.bench.routing import attach as attach_routing
+    from moestream.bench.routing import rerouter
 
     base = options_from_args(args)
     routing = parse_routing(args.routing)
@@ -163,12 +163,12 @@ def run(args, parser: argparse.ArgumentParser) -> dict:
             torch.cuda.reset_peak_memory_stats()
         with Phases(f"bench, cache {size}", enabled=not args.no_progress) as show:
             show("load")
-            engine = load_engine(args.model, replace(base, cache_size=size), digest_dir=digest_dir())
+            engine = load_engine(args.model, replace(base, cache_size=size), digest_dir=digest_dir(),
+                                 reroute=rerouter(routing, seed=args.seed))
             speculative = None
             try:
                 speculative = speculative_options(args, engine) if speculating(args) else None
                 prompt = engine.tokenizer.encode(args.prompt) if args.prompt is not None else None
-                attach_routing(engine, routing, seed=args.seed)
                 if args.warmup:  # the host tier filled with every record it can hold, a long prefill, a short decode
                     show("warmup")
                     engine.provider.fill_host_tier()

@@ -16,9 +16,8 @@ AllowedTokens = Callable[[Sequence[int]], Any]
 
 
 class TokenHistory:
-    """The tokens a sampler chose, by position, for the settings that depend on them (frequency
-    and presence penalties, allowed-token masks) when the caller does not pass them. Re-choosing a
-    position (a rollback) forgets everything from there on."""
+    """The tokens a sampler chose, by position, for the settings that depend on them when the caller
+    does not pass them; re-choosing a position (a rollback) forgets everything from there on."""
 
     def __init__(self) -> None:
         self._start: int | None = None
