@@ -1,5 +1,7 @@
 """Routed experts on the CPU in native code, straight from the project's expert records in host RAM
-(native/cpu_experts.cpp beside this file): no repacking, float32 accumulation.
+(native/cpu_experts.cpp beside this file): no repacking, float32 accumulation. They compute the CPU
+device's own experts (moestream.layers.native_experts, float32 rows) and the CPU share of a GPU's
+misses (the worker loop).
 
 For each (token, expert) pair: the gate and up products, SiLU(gate)·up, the down product, times the
 routing weight, from the record's 4- or 8-bit code words and their per-group scales and biases
@@ -9,8 +11,9 @@ the CPU share's worker loop (moestream.cpu_share.worker).
 
 The extension is compiled at first use (torch.utils.cpp_extension, `-O3 -march=native`, cached in
 torch's extensions directory). Where it cannot be built (no compiler, no ninja) `load` returns None
-and `reason()` says why in one line; there is then no CPU share. `refusal` names the layouts it does not
-compute (activations other than SwiGLU, MXFP4, unquantized, mixed group sizes, ...).
+and `reason()` says why in one line; there is then no CPU share, and the CPU device's experts take the
+torch reference. `refusal` names the layouts it does not compute (activations other than SwiGLU,
+MXFP4, unquantized, mixed group sizes, ...).
 
 Activations: on a CPU with AVX-512 VNNI (the extension's `VNNI`) each token's input and each pair's
 h are quantized per group to int8 and the codes multiplied as bytes (native/int8_rows.h), several

@@ -158,12 +158,12 @@ class Engine:
 
     # -- running the model: prefill, step, rollback -----------------------------------------
     def _make_resident(self) -> None:
-        """At the first run: on CUDA with a slot for every expert, load them all (no lookups, no host
-        syncs: a decode step is one CUDA graph); else start streaming."""
+        """When the device cache has a slot for every expert, load them all once: then no layer needs
+        a cache lookup or a host sync (on CUDA a decode step is one CUDA graph)."""
         if self._resident_checked:
             return
         self._resident_checked = True
-        if self.device.type == "cuda" and self.provider.can_hold_all():
+        if self.provider.can_hold_all():
             t0 = time.perf_counter()
             self.experts.make_resident()
             log.info("all %d experts resident on %s (%.1f s)", self.provider.total_experts, self.device,

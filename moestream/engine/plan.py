@@ -15,6 +15,7 @@ from moestream.experts.sizing import parse_bytes, slots_for
 from moestream.format.integrity import check_resident_files
 from moestream.format.reader import PackedModel
 from moestream.kv.pool import BLOCK_SIZE, full_blocks
+from moestream.layers.native_experts import takes_every_layer
 from moestream.models.registry import family_module
 
 log = logging.getLogger(__name__)
@@ -115,7 +116,8 @@ def plan_run(packed: PackedModel, options: EngineOptions, *, default_cache_size:
                                flag="--host-cache-size")
 
     chunk = options.prefill_chunk_tokens
-    unpacked_bytes = unpacked_expert_bytes(packed, dtype)
+    # kept dequantized copies serve the torch reference only: none where the native kernels take the records
+    unpacked_bytes = 0 if device.type == "cpu" and takes_every_layer(packed) else unpacked_expert_bytes(packed, dtype)
     most_unpacked = unpacked_limit(options, device, unpacked_bytes=unpacked_bytes, total_experts=total)
 
     def ledger(slots: int, unpacked: int = most_unpacked) -> Ledger:

@@ -252,7 +252,7 @@ class ExpertCache:
         hits or misses. Returns whether it is so now."""
         if self.resident_tables:
             return True
-        if not self.cuda or not self.can_hold_all():
+        if not self.can_hold_all():
             return False
         st = self.stats_
         counts = (st.hits, st.misses, dict(st.layer_hits), dict(st.layer_misses))

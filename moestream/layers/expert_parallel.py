@@ -6,8 +6,9 @@ Every rank runs the whole model (attention replicated, one sequence). At an MoE 
 computes the weighted output row of each pair whose expert it owns, into a [P, H] tensor that is
 zero elsewhere; the ranks all-gather those tensors, each takes every pair's row from its owner's
 copy (a selection, no arithmetic), and every rank adds the rows into the layer's output exactly as
-one process does (TorchPlan: experts in ascending id order, `index_add_` per expert). So every
-rank's output is the single-process output bit for bit, for any number of ranks and any placement.
+one process does (the native CPU kernels' NativePlan: a token's rows in the order of its picks;
+else TorchPlan: experts in ascending id order, `index_add_` per expert). So every rank's output is
+the single-process output bit for bit, for any number of ranks and any placement.
 
 The host half fetches only owned experts, and `OwnedExperts` guards the provider, so a rank never
 reads another rank's records (its own cache's statistics show it)."""
@@ -22,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from moestream.errors import MoestreamError
+from moestream.layers.native_experts import NativePlan
 from moestream.layers.torch_experts import TorchPlan
 
 
@@ -171,17 +173,26 @@ class ExpertParallel:
 
 
 class ExpertParallelPlan:
-    """TorchPlan's arithmetic split over ranks (see the module doc); `run` takes owned experts only."""
+    """One process's plan split over ranks (see the module doc): NativePlan's arithmetic where the
+    native kernels take the records (`native`: their layout), else TorchPlan's; `run` takes owned
+    experts only."""
 
     def __init__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, fields, quant, *,
-                 per_pair: bool, parallel: ExpertParallel, layer: int):
-        self.local = TorchPlan(x, ids, weights, fields, quant, per_pair=per_pair)
+                 per_pair: bool, parallel: ExpertParallel, layer: int, native: torch.Tensor | None = None):
         self.parallel, self.layer, self.ids = parallel, layer, ids
         T, A = ids.shape
         self.A = A
-        self.rows = torch.zeros((T * A, x.shape[-1]), dtype=self.local.out.dtype, device=x.device)  # [P, H]
+        if native is not None:
+            self.local = NativePlan(x, ids, weights, native, threads=torch.get_num_threads())
+            self.rows = self.local.pair_rows()  # [P, H], its own rows
+        else:
+            self.local = TorchPlan(x, ids, weights, fields, quant, per_pair=per_pair)
+            self.rows = torch.zeros((T * A, x.shape[-1]), dtype=self.local.out.dtype, device=x.device)  # [P, H]
 
     def run(self, pool: torch.Tensor, experts: Sequence[int], slots: Sequence[int]) -> None:
+        if isinstance(self.local, NativePlan):
+            self.local.run(pool, experts, slots)
+            return
         for e, slot in sorted(zip(experts, slots)):
             tok, pick, rows = self.local.expert_rows(pool, e, slot)
             self.rows[tok * self.A + pick] = rows
@@ -194,6 +205,9 @@ class ExpertParallelPlan:
         parts = self.parallel.group.all_gather(self.rows, layer=self.layer)  # world x [P, H]
         owner = self.parallel.placement.owner_tensor(self.layer, self.ids.device)[self.ids.reshape(-1)]  # [P]
         rows = torch.stack(parts)[owner, torch.arange(owner.shape[0], device=owner.device)]  # [P, H]
+        if isinstance(self.local, NativePlan):
+            self.local.rows = rows  # every pair's row: added as one process adds them
+            return self.local.finish(residual, out)
         for e in torch.unique(self.ids).tolist():  # ascending, as TorchPlan adds them
             tok, pick = torch.where(self.ids == e)
             self.local.out.index_add_(0, tok, rows[tok * self.A + pick])

@@ -11,11 +11,12 @@ It has two halves:
     decoder captures it in a graph.
 
 Kernels behind it: the Triton slot-pool kernels (CUDA, 4/8-bit records in the MLX layout and MXFP4
-records, every gated activation of torch_experts.ACTIVATIONS with its biases) and the torch reference
-(moestream.layers.torch_experts: the CPU, expert parallelism, and any record layout the Triton
-kernels do not take, e.g. unquantized experts). Which one a layer uses depends only on the device
-and the record layout, never on what is cached, so the bits are the same for every cache size and
-policy.
+records, every gated activation of torch_experts.ACTIVATIONS with its biases), the native CPU kernels
+(moestream.layers.native_experts: the CPU's 4/8-bit affine SwiGLU records, straight from the slots)
+and the torch reference (moestream.layers.torch_experts: expert parallelism, a CPU share's layers,
+and any record layout neither takes, e.g. unquantized experts, or a CPU without the native build).
+Which one a layer uses depends only on the device, the record layout and the build, never on what
+is cached, so the bits are the same for every cache size and policy.
 
 Its backends and hooks are given when it is built, never set from outside: expert parallelism (`parallel`: a
 plan whose `run` takes the experts this rank owns and whose `finish` adds the other ranks' rows in
@@ -31,6 +32,7 @@ import torch
 
 from moestream.cpu_share.share import CpuShare, ShareRequest, ShareUnavailable
 from moestream.kernels.expert_layout import ACT_DTYPES, SlotLayout, UnsupportedLayout
+from moestream.layers.native_experts import NativePlan, native_layout
 from moestream.layers.torch_experts import TorchPlan, activation_of
 
 log = logging.getLogger(__name__)
@@ -66,6 +68,9 @@ class RoutedExperts:
         self.provider, self.num_experts, self.device = provider, dict(moe_layers), torch.device(device)
         self.parallel = parallel
         self.layouts = {layer: self._layout(layer) for layer in self.num_experts}
+        # the CPU's native kernels, where they take the layer's records (else the torch reference)
+        self.native = {layer: native_layout(provider.record_fields(layer), provider.quant(layer))
+                       if self.device.type == "cpu" else None for layer in self.num_experts}
         self.tables = {layer: torch.full((e,), -1, dtype=torch.int32, device=self.device)
                        for layer, e in self.num_experts.items()}  # the decoder's per-layer slot tables
         pin = self.device.type == "cuda"
@@ -117,13 +122,16 @@ class RoutedExperts:
             from moestream.layers.expert_parallel import ExpertParallelPlan
 
             return ExpertParallelPlan(x, ids, weights, self.provider.record_fields(layer), self.provider.quant(layer),
-                                      per_pair=per_pair, parallel=self.parallel, layer=layer)
+                                      per_pair=per_pair, parallel=self.parallel, layer=layer,
+                                      native=self.native[layer])
         if self.uses_triton(layer, x.dtype):
             from moestream.kernels import triton_moe
 
             return triton_moe.MoEPlan(x, ids, weights, self.num_experts[layer], self.layouts[layer],
                                       mode="gemv" if per_pair else "auto", tile_tokens=self.tile_tokens,
                                       split_x=split_x)
+        if self.native[layer] is not None:
+            return NativePlan(x, ids, weights, self.native[layer], threads=torch.get_num_threads())
         return TorchPlan(x, ids, weights, self.provider.record_fields(layer), self.provider.quant(layer),
                          per_pair=per_pair, unpacked=self.unpacked, layer=layer)
 

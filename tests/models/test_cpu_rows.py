@@ -1,6 +1,7 @@
-"""The CPU's faster steps give the bits of the row-by-row reference they replace: kept unpacked
-experts, a step's expert pairs batched (TorchPlan._run_rows), a step's rows through each layer's
-attention half and the head at once (Decoder step_rows, rows_head), codes read through bytes. The
+"""The CPU's faster steps give the bits of the row-by-row reference they replace: a step's rows
+through each layer's attention half and the head at once (Decoder step_rows, rows_head), and, where
+the torch reference computes the experts (records the native kernels do not take), kept unpacked
+experts, a step's expert pairs batched (TorchPlan._run_rows) and codes read through bytes. The
 reference is the same engine with each of these turned off; the logits of every step and the
 tokens of greedy, sampled and speculative decoding must be identical, at every cache size."""
 import pytest
@@ -70,13 +71,11 @@ def decode(engine, prompt, sampling, speculative=None, n=40):
 @pytest.mark.parametrize("cache_size", ["100%", "25%"])
 def test_demo_model_gives_the_row_by_row_bits(cache_size, row_by_row):
     fast = load(DEMO_MODEL, cache_size)
-    assert fast.experts.unpacked is not None  # the new pieces run here
+    assert all(layout is not None for layout in fast.experts.native.values())  # the native experts run here
     prompt = fast.tokenizer.encode(PROMPT)
     fast_logits = steps(fast, prompt)
     fast_tokens = [decode(fast, prompt, s) for s in (SamplingParams(), SAMPLED)]
     spec = [decode(fast, prompt, s, SpeculativeOptions(drafter=NGramDrafter())) for s in (SamplingParams(), SAMPLED)]
-    kept = fast.expert_stats()
-    assert kept["unpacked_hits"] > 0 and kept["unpacked_experts"] <= fast.plan.slots
     fast.close()
 
     slow = row_by_row(load(DEMO_MODEL, cache_size))
@@ -99,6 +98,24 @@ def test_tiny_families_give_the_row_by_row_bits(family, tiny_packed_model, row_b
     fast_logits = steps(fast, prompt)
     fast.close()
     slow = row_by_row(load(packed, "100%", prefetch=False))
+    slow_logits = steps(slow, prompt)
+    slow.close()
+    for a, b in zip(fast_logits, slow_logits):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("cache_size", ["100%", "25%"])
+def test_unquantized_records_give_the_row_by_row_bits(cache_size, tiny_packed_model, row_by_row):
+    """Records the native kernels do not take: the torch reference's own faster pieces run."""
+    packed = tiny_packed_model("qwen3_moe", "none")
+    fast = load(packed, cache_size, prefetch=False)
+    assert fast.experts.unpacked is not None and all(layout is None for layout in fast.experts.native.values())
+    prompt = fast.tokenizer.encode(PROMPT)
+    fast_logits = steps(fast, prompt)
+    kept = fast.expert_stats()
+    assert kept["unpacked_hits"] > 0 and kept["unpacked_experts"] <= fast.plan.slots
+    fast.close()
+    slow = row_by_row(load(packed, cache_size, prefetch=False))
     slow_logits = steps(slow, prompt)
     slow.close()
     for a, b in zip(fast_logits, slow_logits):

@@ -228,16 +228,18 @@ def test_without_the_native_kernels_there_is_no_share_and_the_log_says_why(model
     monkeypatch.setattr(native, "_state", {"reason": "no compiler here"})  # as if the build had failed
     with caplog.at_level(logging.INFO, logger="moestream"):
         tokens, logprobs, stats = run(model, cpu_experts="1")
-    assert "cpu_share" not in stats and tokens == reference[0] and logprobs == reference[1]
+    # no build: the CPU device's own experts take the float path too, the share asked for or not
+    no_share = run(model, cpu_experts="off")
+    assert "cpu_share" not in stats and tokens == no_share[0] == reference[0] and logprobs == no_share[1]
     assert sum("no CPU share: no native CPU kernels (no compiler here)" in r.getMessage() for r in caplog.records) == 1
 
 
 def test_a_share_of_a_model_whose_layouts_the_kernels_refuse_is_none(tiny_packed_model, caplog):
     import logging
 
-    model = tiny_packed_model("qwen3_moe", "none", num_hidden_layers=2)  # unquantized records
-    with caplog.at_level(logging.INFO, logger="moestream"):
-        _, _, stats, _, streaming = run_with_share(model, 3, cpu_experts="1", streaming="device", cache_size="all")
+    model = tiny_packed_model("qwen3_moe", "none", num_hidden_layers=5)  # unquantized records, 4 MoE layers
+    with caplog.at_level(logging.INFO, logger="moestream"):  # two of the four layers' experts: streamed
+        _, _, stats, _, streaming = run_with_share(model, 3, cpu_experts="1", streaming="device", cache_size="50%")
     assert streaming == "device" and "cpu_share" not in stats
     assert any("the native CPU kernels take no layer's records" in r.getMessage() for r in caplog.records)
 

@@ -218,10 +218,10 @@ def test_streaming_device_where_it_cannot_run_names_why(model):
 
 @pytest.mark.parametrize("family", ["qwen2_moe", "mixtral", "olmoe"])
 def test_other_families_stream_device_driven_with_the_same_bits(family, tiny_packed_model):
-    packed = tiny_packed_model(family, "q4")
+    packed = tiny_packed_model(family, "q4", num_hidden_layers=6)  # room for two layers' experts, not all: streamed
     reference, _, _ = run(packed, cache_size="all")
     layers = PackedModel(packed).manifest.expert_layers
-    need = min(2 * max(e.num_experts for e in layers), sum(e.num_experts for e in layers))
+    need = 2 * max(e.num_experts for e in layers)
     out, receipt, mode = run(packed, cache_size=slots(packed, need), host_cache_size="all", streaming="device")
     assert mode == "device" and out == reference
     assert receipt["misses"] > 0

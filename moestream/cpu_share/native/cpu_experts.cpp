@@ -1,5 +1,6 @@
-// Routed experts on the CPU straight from the project's expert records (moestream.cpu_share.kernels),
-// and the device-driven CPU share's worker loop around them (moestream.cpu_share.worker).
+// Routed experts on the CPU straight from the project's expert records (moestream.cpu_share.kernels):
+// the CPU device's own experts (expert_sum, moestream.layers.native_experts), and the device-driven CPU
+// share's worker loop around them (moestream.cpu_share.worker).
 //
 // A record holds, per projection, uint32 code words (least-significant bits first: byte j of a 4-bit
 // row holds codes 2j and 2j+1 in its low and high nibble) and one scale and one bias per group of
@@ -34,21 +35,89 @@ void check(bool ok, const std::string& what) {
   if (!ok) throw std::runtime_error(what);
 }
 
-// -- the standalone entry point (tests, the benchmark) --------------------------------------------
-// out[p] = weights[p] * ffn_{experts[p]}(x[tokens[p]]) for records at `addresses` (int64 [n]).
-// The standalone entry point's team (unpinned), kept between calls while its size stays the same.
+// -- the entry points called from Python: the CPU's own experts (expert_sum), tests (weighted_rows) --
+// Their team (unpinned), kept between calls while its size stays the same.
 std::mutex standalone_lock;
 std::unique_ptr<Team> standalone_team;
 
-constexpr int64_t STANDALONE_SPIN_NS = 5'000'000;
+// Long enough to span the rest of a layer between two expert calls of a decode step on the CPU, short
+// enough that a member does not keep spinning through the head and the sampling.
+constexpr int64_t STANDALONE_SPIN_NS = 500'000;
 
-void weighted_rows(torch::Tensor layout, torch::Tensor addresses, torch::Tensor experts, torch::Tensor tokens,
-                   torch::Tensor weights, torch::Tensor x, torch::Tensor out, int64_t threads) {
+// The team of `threads` members, made anew where the size changed; call with standalone_lock held.
+Team& standalone(int64_t threads) {
+  const int members = int(std::max<int64_t>(1, threads));
+  if (!standalone_team || standalone_team->size() != members) {
+    standalone_team.reset();  // its threads joined before the next one starts
+    standalone_team = std::make_unique<Team>(members, STANDALONE_SPIN_NS, false);
+  }
+  return *standalone_team;
+}
+
+Layout checked_layout(const torch::Tensor& layout) {
   check(layout.dtype() == torch::kInt64 && layout.numel() == LAYOUT_LEN && layout.is_contiguous(),
         "layout: int64 [" + std::to_string(LAYOUT_LEN) + "]");
   const Layout L = Layout::of(layout.data_ptr<int64_t>());
   const std::string why = L.refusal();
   check(why.empty(), why);
+  return L;
+}
+
+// out[t] = sum over a of weights[t, a] * ffn_{ids[t, a]}(x[t]) (float32 [T, H]): every pair's row from
+// its expert's record in pool[table[ids[t, a]]] (pool uint8 [slots, slot bytes], table int32 [E]),
+// each distinct record read once, then a token's rows added in the order of its picks. A pair whose
+// expert has no slot (table < 0: a CPU share computes it) adds a row of zeros.
+void expert_sum(torch::Tensor layout, torch::Tensor pool, torch::Tensor table, torch::Tensor ids, torch::Tensor weights,
+                torch::Tensor x, torch::Tensor out, int64_t threads) {
+  const Layout L = checked_layout(layout);
+  check(pool.dtype() == torch::kUInt8 && pool.dim() == 2 && pool.stride(1) == 1, "pool: uint8 [slots, bytes]");
+  check(table.dtype() == torch::kInt32 && table.dim() == 1 && table.is_contiguous(), "table: int32 [E]");
+  check(ids.dtype() == torch::kInt64 && ids.dim() == 2 && ids.is_contiguous(), "ids: int64 [T, A]");
+  check(weights.dtype() == torch::kFloat32 && weights.sizes() == ids.sizes() && weights.is_contiguous(),
+        "weights: float32 [T, A]");
+  const int64_t T = ids.size(0), A = ids.size(1), H = L.hidden, E = table.numel();
+  check(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.size(0) == T && x.size(1) == H && x.is_contiguous(),
+        "x: float32 [T, H]");
+  check(out.dtype() == torch::kFloat32 && out.dim() == 2 && out.size(0) == T && out.size(1) == H && out.is_contiguous(),
+        "out: float32 [T, H]");
+  const int64_t* id = ids.data_ptr<int64_t>();
+  const int32_t* slot = table.data_ptr<int32_t>();
+  const float* w = weights.data_ptr<float>();
+  const uint8_t* base = pool.data_ptr<uint8_t>();
+  std::vector<int> record_of(E, -1);
+  std::vector<const uint8_t*> records;
+  std::vector<float> rows(T * A * H);
+  std::vector<Pair> pairs;
+  for (int64_t p = 0; p < T * A; ++p) {
+    const int64_t e = id[p];
+    check(e >= 0 && e < E, "an expert id out of range");
+    check(slot[e] < pool.size(0), "a slot out of range");
+    if (slot[e] < 0) continue;
+    if (record_of[e] < 0) {
+      record_of[e] = int(records.size());
+      records.push_back(base + slot[e] * pool.stride(0));
+    }
+    pairs.push_back(Pair{record_of[e], int(p / A), w[p], rows.data() + p * H});
+  }
+  Scratch sc;
+  float* y = out.data_ptr<float>();
+  pybind11::gil_scoped_release free;
+  std::lock_guard<std::mutex> hold(standalone_lock);
+  compute_job(L, records, pairs, x.data_ptr<float>(), T, standalone(threads), sc);
+  for (int64_t t = 0; t < T; ++t) {  // the same float32 adds, in the same order, as NativePlan.finish's
+    const float* r = rows.data() + t * A * H;
+    float* yt = y + t * H;
+    std::memcpy(yt, r, H * sizeof(float));
+    for (int64_t a = 1; a < A; ++a)
+      for (int64_t h = 0; h < H; ++h) yt[h] += r[a * H + h];
+  }
+}
+
+// out[p] = weights[p] * ffn_{experts[p]}(x[tokens[p]]) for records at `addresses` (int64 [n]).
+
+void weighted_rows(torch::Tensor layout, torch::Tensor addresses, torch::Tensor experts, torch::Tensor tokens,
+                   torch::Tensor weights, torch::Tensor x, torch::Tensor out, int64_t threads) {
+  const Layout L = checked_layout(layout);
   check(addresses.dtype() == torch::kInt64 && addresses.is_contiguous(), "addresses: int64");
   check(experts.dtype() == torch::kInt32 && tokens.dtype() == torch::kInt32 && weights.dtype() == torch::kFloat32,
         "experts, tokens: int32; weights: float32");
@@ -70,12 +139,7 @@ void weighted_rows(torch::Tensor layout, torch::Tensor addresses, torch::Tensor 
   Scratch sc;
   pybind11::gil_scoped_release free;
   std::lock_guard<std::mutex> hold(standalone_lock);
-  const int members = int(std::max<int64_t>(1, threads));
-  if (!standalone_team || standalone_team->size() != members) {
-    standalone_team.reset();  // its threads joined before the next one starts
-    standalone_team = std::make_unique<Team>(members, STANDALONE_SPIN_NS, false);
-  }
-  compute_job(L, records, pairs, x.data_ptr<float>(), T, *standalone_team, sc);
+  compute_job(L, records, pairs, x.data_ptr<float>(), T, standalone(threads), sc);
 }
 
 // -- the worker loop of the device-driven share ----------------------------------------------------
@@ -310,6 +374,9 @@ class Worker {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("expert_sum", &expert_sum, "out[t] = sum over a of weights[t, a] * ffn of the record of ids[t, a] at x[t]",
+        pybind11::arg("layout"), pybind11::arg("pool"), pybind11::arg("table"), pybind11::arg("ids"),
+        pybind11::arg("weights"), pybind11::arg("x"), pybind11::arg("out"), pybind11::arg("threads"));
   m.def("weighted_rows", &weighted_rows, "out[p] = weights[p] * ffn of record experts[p] at x[tokens[p]]",
         pybind11::arg("layout"), pybind11::arg("addresses"), pybind11::arg("experts"), pybind11::arg("tokens"),
         pybind11::arg("weights"), pybind11::arg("x"), pybind11::arg("out"), pybind11::arg("threads"));
