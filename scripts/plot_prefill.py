@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from moestream.bench.labelled_runs import labelled_runs, new_axes, save_axes  # noqa: E402
+from plot_runs import labelled_runs, new_axes, save_axes  # noqa: E402
 
 
 def lines(spec: str) -> list[tuple[str, list[int], list[float]]]:

@@ -111,7 +111,7 @@ def _private_digest_cache(tmp_path_factory):
     process through the library's default, in subprocesses through the CLI's environment variable."""
     import os
 
-    from moestream.commands.engine_checks import CACHE_DIR_ENV
+    from moestream.commands.engine_args import CACHE_DIR_ENV
     from moestream.format import integrity
 
     folder = tmp_path_factory.mktemp("digest-cache")

@@ -25,6 +25,8 @@ from typing import Any
 
 import numpy as np
 
+from moestream.bench.plots import pyplot, save_png
+
 log = logging.getLogger(__name__)
 
 ORDER = ("A", "B", "B", "A")  # one round
@@ -151,13 +153,8 @@ def verdict(result: dict) -> str:
 
 
 def plot(report: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     runs = report["runs"]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.5))
+    fig, (left, right) = pyplot().subplots(1, 2, figsize=(9, 3.5))
     for label, colour in (("A", "#4C72B0"), ("B", "#DD8452")):
         xs = [r["index"] for r in runs if r["label"] == label]
         left.plot(xs, [r["value"] for r in runs if r["label"] == label], "o", color=colour, label=label)
@@ -175,6 +172,4 @@ def plot(report: dict, path: str) -> None:
     right.set_xlabel("B / A")
     right.legend(loc="upper left", fontsize=8)
     fig.suptitle(verdict(result), fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_png(fig, path)

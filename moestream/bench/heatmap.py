@@ -8,6 +8,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from moestream.bench.plots import pyplot, save_png
+
 
 class ReportError(ValueError):
     pass
@@ -32,15 +34,11 @@ def hit_rate_rows(report: dict) -> tuple[list[str], list[int], list[list[float]]
 
 
 def plot_heatmap(report: dict, path: str | Path, *, title: str | None = None) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import numpy as np
 
     labels, layers, matrix = hit_rate_rows(report)
     data = np.ma.masked_invalid(np.array(matrix, dtype=float))
-    fig, ax = plt.subplots(figsize=(min(16, 2.5 + 0.22 * len(layers)), 1.4 + 0.35 * len(labels)))
+    fig, ax = pyplot().subplots(figsize=(min(16, 2.5 + 0.22 * len(layers)), 1.4 + 0.35 * len(labels)))
     image = ax.imshow(data, aspect="auto", cmap="viridis", vmin=0.0, vmax=1.0, interpolation="nearest")
     ax.set_yticks(range(len(labels)), labels, fontsize=8)
     step = max(1, len(layers) // 24)
@@ -54,6 +52,4 @@ def plot_heatmap(report: dict, path: str | Path, *, title: str | None = None) ->
                     ax.text(c, r, f"{value:.2f}", ha="center", va="center", fontsize=6,
                             color="black" if value > 0.6 else "white")
     ax.set_title(title or "expert cache hit rate per layer", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_png(fig, path)

@@ -10,6 +10,7 @@ from typing import Callable
 
 import torch
 
+from moestream.bench.plots import pyplot, save_png
 from moestream.errors import MoestreamError
 
 log = logging.getLogger(__name__)
@@ -193,14 +194,9 @@ def compare_transformers(model_dir: str, *, device: str, prefill: int, decode_to
 
 
 def plot(results: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     runs = results["runs"]
     labels = [r["cache_size"] for r in runs]
-    fig, ax1 = plt.subplots(figsize=(6, 3.5))
+    fig, ax1 = pyplot().subplots(figsize=(6, 3.5))
     ax1.bar(labels, [r["decode"]["tok_s"] or 0 for r in runs], color="#4C72B0")
     ax1.set_xlabel("device expert cache")
     ax1.set_ylabel("decode tok/s")
@@ -209,5 +205,4 @@ def plot(results: dict, path: str) -> None:
     ax2.set_ylabel("expert hit rate")
     ax2.set_ylim(0, 1.05)
     ax1.set_title(f"{results['model']} on {results['machine'].get('gpu') or results['machine']['cpu']}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_png(fig, path)

@@ -13,7 +13,7 @@ few experts, so any cache hits), so streamed speed is measured at a known hit ra
                 a trace with fewer experts or a smaller top-k is tiled: model layer l replays trace
                 layer l mod L_t, and top-k copy c adds E_t · ((c + l div L_t) mod (E / E_t)) to the ids
 
-Only `moestream bench` attaches one (`RoutedExperts.reroute`); generate and serve never do. Every
+Only `moestream bench` builds an engine with one (`RoutedExperts.reroute`); generate and serve never do. Every
 replacement is device ops only (no host sync), so CUDA graphs capture it. The routing weights
 stay the router's (the same values, now on other experts)."""
 from __future__ import annotations
@@ -133,10 +133,10 @@ class Rerouter:
         return weights, table.index_select(0, rows).to(ids.dtype)
 
 
-def attach(engine, spec: RoutingSpec, *, seed: int = 0) -> None:
-    """Replace the routing of every MoE layer of `engine` (a benchmark only)."""
+def rerouter(spec: RoutingSpec, *, seed: int = 0):
+    """What an Engine takes to replace the routing of every MoE layer (`reroute`: a benchmark only):
+    (args, device) -> Rerouter; None for the model's own routing."""
     if spec.kind == "model":
-        return
-    args = engine.args
-    engine.experts.reroute = Rerouter(spec, args.moe_layers(), args.num_experts, args.num_experts_per_tok,
-                                      device=engine.device, seed=seed)
+        return None
+    return lambda args, device: Rerouter(spec, args.moe_layers(), args.num_experts, args.num_experts_per_tok,
+                                         device=device, seed=seed)

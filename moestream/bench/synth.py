@@ -21,17 +21,15 @@ from moestream.models.base import EMBEDDING
 from moestream.models.registry import family_module, weight_shapes
 from moestream.quant.affine import QuantSpec, packed_shape
 
+QWEN3_30B = dict(model_type="qwen3_moe", hidden_size=2048, num_hidden_layers=48, num_attention_heads=32,
+                 num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+                 intermediate_size=6144, vocab_size=151936, norm_topk_prob=True, rope_theta=1000000.0,
+                 max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=False, decoder_sparse_step=1,
+                 mlp_only_layers=[], eos_token_id=151645)
 SHAPES = {
-    "qwen3-30b-a3b": dict(model_type="qwen3_moe", hidden_size=2048, num_hidden_layers=48, num_attention_heads=32,
-                          num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
-                          moe_intermediate_size=768, intermediate_size=6144, vocab_size=151936, norm_topk_prob=True,
-                          rope_theta=1000000.0, max_position_embeddings=40960, rms_norm_eps=1e-6,
-                          tie_word_embeddings=False, decoder_sparse_step=1, mlp_only_layers=[], eos_token_id=151645),
-    "qwen3-235b-a22b": dict(model_type="qwen3_moe", hidden_size=4096, num_hidden_layers=94, num_attention_heads=64,
-                            num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
-                            moe_intermediate_size=1536, intermediate_size=12288, vocab_size=151936, norm_topk_prob=True,
-                            rope_theta=1000000.0, max_position_embeddings=40960, rms_norm_eps=1e-6,
-                            tie_word_embeddings=False, decoder_sparse_step=1, mlp_only_layers=[], eos_token_id=151645),
+    "qwen3-30b-a3b": QWEN3_30B,
+    "qwen3-235b-a22b": dict(QWEN3_30B, hidden_size=4096, num_hidden_layers=94, num_attention_heads=64,
+                            moe_intermediate_size=1536, intermediate_size=12288),
     "mixtral-8x7b": dict(model_type="mixtral", hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
                          num_key_value_heads=8, head_dim=128, num_local_experts=8, num_experts_per_tok=2,
                          intermediate_size=14336, vocab_size=32000, rope_theta=1000000.0, max_position_embeddings=32768,

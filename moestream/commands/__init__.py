@@ -67,6 +67,3 @@ def dispatch(argv: list[str]) -> int:
     module = importlib.import_module(COMMANDS[name][0])
     return int(module.main(rest) or 0)
 
-
-if __name__ == "__main__":
-    sys.exit(main())

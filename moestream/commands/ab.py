@@ -12,7 +12,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from moestream.bench.ab import ORDER, ABError, analyse, plot, run_rounds, verdict
-from moestream.commands.args import Parser, check_output_paths
+from moestream.commands.args import Parser, check_output_paths, fail
 from moestream.flag_values import at_least, non_negative_float
 
 
@@ -49,8 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         runs = run_rounds(args.command_a, args.command_b, rounds=args.rounds, metric=args.metric,
                           warmup=args.warmup, timeout=args.timeout or None)
     except ABError as exc:
-        print(f"moestream ab: error: {exc}", file=sys.stderr)
-        return 1
+        return fail("moestream ab", str(exc))
     result = analyse(runs, seed=args.seed)
     report = {"command_a": args.command_a, "command_b": args.command_b, "metric": args.metric,
               "rounds": args.rounds, "order": "".join(ORDER), "warmup": args.warmup, "result": result,

@@ -7,28 +7,60 @@ import argparse
 import json
 import logging
 import sys
+import threading
 from dataclasses import replace
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from moestream.bench.heatmap import ReportError, plot_heatmap
 from moestream.bench.machine import machine_info
 from moestream.bench.main import (compare_transformers, drop_page_cache, measure, parse_lengths, parse_step_tokens,
                                   plot, random_prompt)
 from moestream.bench.routing import parse_routing
-from moestream.commands.args import Parser, check_output_paths
-from moestream.commands.engine_checks import check_engine_args, digest_dir, engine_options, size_problem
-from moestream.commands.progress import Phases
+from moestream.commands.args import Parser, check_output_paths, fail
+from moestream.commands.engine_args import (add_engine_arguments, check_engine_args, digest_dir, options_from_args,
+                                            size_problem)
 from moestream.commands.speculative_flags import (add_speculative_arguments, check_speculative_args, speculating,
                                                   speculative_options)
 from moestream.engine import timeline
-from moestream.commands.engine_args import add_engine_arguments
 from moestream.errors import MoestreamError
 from moestream.flag_values import at_least
 
 log = logging.getLogger(__name__)
 DEFAULT_PREFILL = "512,2048"
+
+
+class Phases:
+    """A progress line on stderr: `with Phases("bench", enabled=...) as show: show("load"); ...` shows the
+    phase now running and the time spent in it, redrawn every second, so a phase that takes minutes
+    never leaves the terminal silent."""
+
+    def __init__(self, label: str, *, enabled: bool = True, refresh_s: float = 1.0) -> None:
+        self.label, self.enabled, self.refresh_s = label, enabled, refresh_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._redraw, name="progress", daemon=True)
+
+    def __enter__(self) -> "Phases":
+        self._bar = tqdm(total=None, desc=self.label, file=sys.stderr, bar_format="{desc} {elapsed}", leave=False,
+                         disable=not self.enabled)
+        if self.enabled:
+            self._thread.start()
+        return self
+
+    def __call__(self, phase: str) -> None:
+        self._bar.set_description_str(f"{self.label}: {phase}")
+
+    def _redraw(self) -> None:
+        while not self._stop.wait(self.refresh_s):
+            self._bar.refresh()
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self.enabled:
+            self._thread.join()
+        self._bar.close()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -104,9 +136,9 @@ def run(args, parser: argparse.ArgumentParser) -> dict:
     from moestream.engine.engine import load_engine
     from moestream.engine.plan import run_facts
 
-    from moestream.bench.routing import attach as attach_routing
+    from moestream.bench.routing import rerouter
 
-    base = engine_options(args)
+    base = options_from_args(args)
     routing = parse_routing(args.routing)
     sizes = [x.strip() for x in args.cache_sizes.split(",") if x.strip()] if args.cache_sizes else [base.cache_size]
     step_sizes = parse_step_tokens(args.step_tokens) if args.step_tokens else []
@@ -131,12 +163,12 @@ def run(args, parser: argparse.ArgumentParser) -> dict:
             torch.cuda.reset_peak_memory_stats()
         with Phases(f"bench, cache {size}", enabled=not args.no_progress) as show:
             show("load")
-            engine = load_engine(args.model, replace(base, cache_size=size), digest_dir=digest_dir())
+            engine = load_engine(args.model, replace(base, cache_size=size), digest_dir=digest_dir(),
+                                 reroute=rerouter(routing, seed=args.seed))
             speculative = None
             try:
                 speculative = speculative_options(args, engine) if speculating(args) else None
                 prompt = engine.tokenizer.encode(args.prompt) if args.prompt is not None else None
-                attach_routing(engine, routing, seed=args.seed)
                 if args.warmup:  # the host tier filled with every record it can hold, a long prefill, a short decode
                     show("warmup")
                     engine.provider.fill_host_tier()
@@ -228,8 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         results = run(args, parser)
     except MoestreamError as exc:
-        print(f"moestream bench: error: {exc}", file=sys.stderr)
-        return 1
+        return fail("moestream bench", str(exc))
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
     if args.plot:
@@ -238,6 +269,5 @@ def main(argv: list[str] | None = None) -> int:
         try:
             plot_heatmap(results, args.heatmap, title=f"{results['model']}: expert hit rate per layer")
         except ReportError as exc:
-            print(f"moestream bench: error: --heatmap: the results {exc}", file=sys.stderr)
-            return 1
+            return fail("moestream bench", f"--heatmap: the results {exc}")
     return 0

@@ -7,12 +7,11 @@ import logging
 import os
 import sys
 
-from moestream.commands.args import Parser, check_output_paths
-from moestream.commands.engine_checks import check_engine_args, digest_dir, engine_options
+from moestream.commands.args import Parser, check_output_paths, fail
+from moestream.commands.engine_args import add_engine_arguments, check_engine_args, digest_dir, options_from_args
 from moestream.commands.launch import add_parallel_arguments, init_group, leave_group, spawn_ranks, torchrun_rank
 from moestream.commands.speculative_flags import add_speculative_arguments, check_speculative_args, speculative_options
 from moestream.engine.detok import IncrementalDecoder
-from moestream.commands.engine_args import add_engine_arguments
 from moestream.engine.types import SamplingParams
 from moestream.errors import MoestreamError
 from moestream.flag_values import at_least, non_negative_float, probability_mass, unit_interval
@@ -128,7 +127,7 @@ def run(args, group=None) -> int:
 
     from moestream.engine.engine import load_engine
 
-    options = replace(engine_options(args), expert_parallel=group)
+    options = replace(options_from_args(args), expert_parallel=group)
     if args.plan:
         from moestream.engine.engine import DEMO_CACHE_SIZE, DEMO_MODEL
         from moestream.engine.plan import plan_run
@@ -223,16 +222,9 @@ def _run_rank(args, *, rank: int, world_size: int, device: str, init_method: str
             leave_group()
     except MoestreamError as exc:
         where = "" if str(exc).startswith(f"rank {rank}") else f"rank {rank}: "
-        print(f"moestream generate: error: {where}{exc}", file=sys.stderr)
-        return 1
+        return fail("moestream generate", f"{where}{exc}")
     except KeyboardInterrupt:
         return 130
-
-
-def torch_cuda_available() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -245,7 +237,9 @@ def main(argv: list[str] | None = None) -> int:
         rank, world, local = ranked
         device = args.devices[local] if args.devices else args.device
         if device in ("auto", "cuda"):
-            device = f"cuda:{local}" if torch_cuda_available() else "cpu"
+            import torch
+
+            device = f"cuda:{local}" if torch.cuda.is_available() else "cpu"
         return _run_rank(args, rank=rank, world_size=world, device=device, init_method="env://")
     if args.devices is not None and len(args.devices) > 1 and not args.plan:
         return spawn_ranks(args.devices, _rank_main, args)
@@ -254,7 +248,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return run(args)
     except MoestreamError as exc:
-        print(f"moestream generate: error: {exc}", file=sys.stderr)
-        return 1
+        return fail("moestream generate", str(exc))
     except KeyboardInterrupt:
         return 130

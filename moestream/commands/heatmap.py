@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 from moestream.bench.heatmap import ReportError, plot_heatmap
@@ -39,6 +38,3 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {args.out}")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -34,23 +34,17 @@ def parse_devices(text: str) -> list[str]:
     devices = [d.strip() for d in text.split(",") if d.strip()]
     if not devices:
         raise argparse.ArgumentTypeError("needs at least one device, e.g. cpu,cpu or cuda:0,cuda:1")
-    kinds = {torch.device(d).type if _is_device(d) else None for d in devices}
-    if None in kinds:
-        bad = next(d for d in devices if not _is_device(d))
-        raise argparse.ArgumentTypeError(f"{bad!r} is not a device (cpu or cuda:N)")
+    kinds = set()
+    for d in devices:
+        try:
+            kinds.add(torch.device(d).type)
+        except RuntimeError:
+            raise argparse.ArgumentTypeError(f"{d!r} is not a device (cpu or cuda:N)") from None
     if kinds - {"cpu", "cuda"}:
         raise argparse.ArgumentTypeError("only cpu and cuda:N devices are supported")
     if len(kinds) > 1:
         raise argparse.ArgumentTypeError("all devices must be of one kind (all cpu, or all cuda:N)")
     return devices
-
-
-def _is_device(name: str) -> bool:
-    try:
-        torch.device(name)
-    except RuntimeError:
-        return False
-    return True
 
 
 def torchrun_rank(environ: dict | None = None) -> tuple[int, int, int] | None:

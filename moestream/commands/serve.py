@@ -10,10 +10,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import sys
 
-from moestream.commands.args import Parser, check_output_paths
-from moestream.commands.engine_checks import check_engine_args, digest_dir, engine_options
+from moestream.commands.args import Parser, check_output_paths, fail
+from moestream.commands.engine_args import check_engine_args, digest_dir, options_from_args
 from moestream.errors import MoestreamError
 from moestream.flag_values import at_least, finite_float, non_negative_float, probability_mass
 from moestream.server.app import DEFAULT_MAX_BODY_BYTES, RequestDefaults
@@ -120,11 +119,10 @@ def main(argv: list[str] | None = None) -> int:
         try:
             PackedModel(args.model)
         except MoestreamError as exc:
-            print(f"moestream serve: error: {exc}", file=sys.stderr)
-            return 1
+            return fail("moestream serve", str(exc))
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    options = engine_options(args)
+    options = options_from_args(args)
     options.max_sequences = args.parallel  # a sequence slot (its own KV cache) per request running at once
     api_key = api_key_from(args)
 
@@ -147,9 +145,5 @@ def main(argv: list[str] | None = None) -> int:
                          log_level=args.log_level, on_listening=announce, reasoning_format=args.reasoning_format,
                          speculation=(lambda engine: speculative_options(args, engine)) if speculating(args) else None)
     except MoestreamError as exc:
-        print(f"moestream serve: error: {exc}", file=sys.stderr)
-        return 1
+        return fail("moestream serve", str(exc))
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -9,7 +9,8 @@ import zipfile
 
 import numpy as np
 
-from moestream.commands.args import Parser, check_output_paths
+from moestream.bench.plots import pyplot, save_png
+from moestream.commands.args import Parser, check_output_paths, fail
 from moestream.errors import MoestreamError
 from moestream.experts.policy import POLICY_NAMES
 from moestream.sim.belady import belady
@@ -114,8 +115,7 @@ def main(argv: list[str] | None = None) -> int:
                     rows.append({"trace": path, "size": label, "slots": slots, "policy": policy,
                                  "hit_rate": round(r.hit_rate, 4), "hits": r.hits, "misses": r.misses})
     except MoestreamError as exc:
-        print(f"moestream simulate: error: {exc}", file=sys.stderr)
-        return 1
+        return fail("moestream simulate", str(exc))
     if args.plot:
         plot_hit_rates(rows, args.plot)
     if args.json:
@@ -129,12 +129,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def plot_hit_rates(rows: list[dict], path: str) -> None:
     """Hit rate against slots, one line per policy (mean over the traces), Belady's optimum dashed."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    fig, ax = pyplot().subplots(figsize=(6.4, 4.2))
     for policy in dict.fromkeys(r["policy"] for r in rows):
         by_size: dict[int, list[float]] = {}
         for r in rows:
@@ -148,6 +143,4 @@ def plot_hit_rates(rows: list[dict], path: str) -> None:
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_png(fig, path)

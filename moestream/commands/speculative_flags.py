@@ -113,7 +113,7 @@ def auto_draft(model_dir: str | Path | None, *, on_cpu: bool = False) -> tuple[s
 
 def speculative_options(args, engine):
     """SpeculativeOptions from the flags (None: plain decoding); may load a draft model."""
-    from moestream.commands.engine_checks import engine_options
+    from moestream.commands.engine_args import options_from_args
     from moestream.engine.draft_choice import make_options
     from moestream.engine.speculative import SpeculativeOptions
 
@@ -123,4 +123,4 @@ def speculative_options(args, engine):
         return SpeculativeOptions(drafter=HotHeadDrafter(engine), draft_tokens=DRAFT_TOKENS)
     kind, path = args.draft
     return make_options(kind, path, draft_tokens=args.draft_tokens, max_draft_tokens=args.max_draft_tokens,
-                        max_ngram=args.ngram, main_engine=engine, engine_options=engine_options(args))
+                        max_ngram=args.ngram, main_engine=engine, engine_options=options_from_args(args))

@@ -2,11 +2,10 @@
 (moestream.bench.synth)."""
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 from moestream.bench.synth import BITS, SHAPES, synth
-from moestream.commands.args import Parser
+from moestream.commands.args import Parser, fail
 from moestream.errors import MoestreamError
 from moestream.flag_values import at_least
 
@@ -23,7 +22,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         out = synth(args.shape, Path(args.out), layers=args.layers, quant=args.quant, seed=args.seed, force=args.force)
     except MoestreamError as exc:
-        print(f"moestream synth: error: {exc}", file=sys.stderr)
-        return 1
+        return fail("moestream synth", str(exc))
     print(f"wrote {out}")
     return 0

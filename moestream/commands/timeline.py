@@ -3,11 +3,10 @@ compute device's idle time by cause (moestream.bench.timeline_summary)."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 from moestream.bench.timeline_summary import TraceError, render, summarize
-from moestream.commands.args import Parser
+from moestream.commands.args import Parser, fail
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -18,15 +17,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         summary = summarize(json.loads(Path(args.trace).read_text()))
     except OSError as exc:
-        print(f"moestream timeline: error: {args.trace}: cannot read ({exc.strerror})", file=sys.stderr)
-        return 1
+        return fail("moestream timeline", f"{args.trace}: cannot read ({exc.strerror})")
     except (ValueError, UnicodeDecodeError) as exc:  # TraceError is a ValueError, as is bad JSON
         reason = exc if isinstance(exc, TraceError) else "not JSON"
-        print(f"moestream timeline: error: {args.trace}: {reason}", file=sys.stderr)
-        return 1
+        return fail("moestream timeline", f"{args.trace}: {reason}")
     print(json.dumps(summary, indent=1) if args.json else render(summary))
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import sys
 
-from moestream.commands.args import Parser
+from moestream.commands.args import Parser, fail
 from moestream.errors import MoestreamError
 from moestream.format.verify import verify
 
@@ -17,11 +17,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         report = verify(args.model, progress=not args.no_progress)
     except MoestreamError as exc:
-        print(f"moestream verify: error: {exc}", file=sys.stderr)
-        return 1
+        return fail("moestream verify", str(exc))
     except OSError as exc:
-        print(f"moestream verify: error: {exc.filename or args.model}: {exc.strerror or exc}", file=sys.stderr)
-        return 1
+        return fail("moestream verify", f"{exc.filename or args.model}: {exc.strerror or exc}")
     if not report.ok:
         for problem in report.problems:
             print(f"moestream verify: error: {problem}", file=sys.stderr)

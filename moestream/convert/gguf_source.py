@@ -15,7 +15,6 @@ instead dequantizes and quantizes again. Without a tokenizer folder, the tokeniz
 come from the metadata (gguf_tokenizer.py)."""
 from __future__ import annotations
 
-import hashlib
 import logging
 import re
 import tempfile
@@ -29,6 +28,7 @@ from moestream.convert.gguf_tokenizer import tokenizer_from_metadata, write_file
 from moestream.convert.source import TOKENIZER_FILES, CheckpointError, CheckpointSource
 from moestream.errors import UnsupportedModelError
 from moestream.format.safetensors_io import TensorInfo
+from moestream.format.writer import sha256_file
 from moestream.quant import mxfp4
 
 log = logging.getLogger(__name__)
@@ -352,11 +352,7 @@ class GgufSource(CheckpointSource):
         return {self.folder.name: self.folder.stat().st_size}
 
     def file_hash(self, name: str) -> str:
-        digest = hashlib.sha256()
-        with open(self.folder, "rb") as fh:
-            while block := fh.read(8 << 20):
-                digest.update(block)
-        return digest.hexdigest()
+        return sha256_file(self.folder)
 
     def close(self) -> None:
         self.tensors.clear()

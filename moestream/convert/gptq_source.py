@@ -14,6 +14,7 @@ Modules left in float by the quantizer (embeddings, head, routers) are read as t
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from pathlib import Path
 
@@ -134,11 +135,8 @@ class GroupwiseSource(CheckpointSource):
         self._add(base + ".biases", (*how, 2), "F32", (*lead, out_features, groups))
 
     def _add(self, name: str, how: tuple, dtype: str, shape: tuple) -> None:
-        count = 1
-        for d in shape:
-            count *= d
         self.packed_names[name] = name
-        self._virtual[name] = (how, TensorInfo(name, dtype, tuple(shape), -1, 4 * count))  # U32 and F32
+        self._virtual[name] = (how, TensorInfo(name, dtype, tuple(shape), -1, 4 * math.prod(shape)))  # U32 and F32
 
     # -- reading ---------------------------------------------------------------------
     def _info_raw(self, key: str) -> TensorInfo:

@@ -97,12 +97,6 @@ class ExpertShapes:
         return (f"hidden_size × {self.intermediate_key}" if proj == "down_proj" else f"{self.intermediate_key} × hidden_size")
 
 
-def float_expert_spec(shape: tuple[int, ...], bits: int | None, group_size: int) -> QuantSpec:
-    if bits is None or not can_quantize(tuple(shape), group_size):
-        return QuantSpec()
-    return QuantSpec(bits, group_size)
-
-
 def expert_activation(family) -> str:
     """The gate activation a family's routed experts use (QuantSpec.activation): "silu" unless the
     family module sets EXPERT_ACTIVATION."""
@@ -139,7 +133,7 @@ class LayerExperts:
         raise NotImplementedError
 
     def source_bytes(self) -> int:
-        raise NotImplementedError
+        return sum(self.source.nbytes(n) for n in self.names.values())
 
     def source_name(self, proj: str) -> str | None:
         """The source tensor expert 0's `proj` is read from (None where records are copied as they are)."""
@@ -191,7 +185,8 @@ def _float_record(projections: dict[str, torch.Tensor], bits: int | None, group_
                   specs: dict[str, QuantSpec] | None = None):
     """specs None: every projection at `bits` (float where it cannot be quantized)."""
     if specs is None:
-        specs = {p: float_expert_spec(tuple(t.shape), bits, group_size) for p, t in projections.items()}
+        specs = {p: QuantSpec(bits, group_size) if bits and can_quantize(tuple(t.shape), group_size) else QuantSpec()
+                 for p, t in projections.items()}
     return expert_record_tensors(projections, specs), specs
 
 
@@ -219,9 +214,6 @@ class PerExpertLayer(LayerExperts):
                 self._check_float(name, info.shape, info.dtype, expect.projection(proj), proj, expect)
         self.num_experts = expect.num_experts
 
-    def source_bytes(self) -> int:
-        return sum(self.source.nbytes(n) for n in self.names.values())
-
     def source_name(self, proj: str) -> str:
         return self.name(0, proj)
 
@@ -246,7 +238,7 @@ class FusedLayer(LayerExperts):
 
     def __init__(self, source, layer: int, prefix: str, names: dict[str, str], layout: FusedLayout = FusedLayout()):
         self.source, self.layer, self.prefix, self.names, self.layout = source, layer, prefix, names, layout
-        self.num_experts = source.shape(names["down_proj"])[0] if "down_proj" in names else 0
+        self.num_experts = source.info(names["down_proj"]).shape[0] if "down_proj" in names else 0
 
     def _expected(self, expect: ExpertShapes):
         """(part, shape, what) of every stack the layout holds."""
@@ -277,9 +269,6 @@ class FusedLayer(LayerExperts):
                 raise LayoutError(f"{name}: shape {list(info.shape)}, but config.json implies {list(want)} ({what})")
             if info.dtype not in FLOAT_DTYPES:
                 raise LayoutError(f"{name}: dtype {info.dtype} is not a float type")
-
-    def source_bytes(self) -> int:
-        return sum(self.source.nbytes(n) for n in self.names.values())
 
     def source_name(self, proj: str) -> str:
         return self.names["down_proj" if proj == "down_proj" else "gate_up_proj"]
@@ -338,7 +327,7 @@ class MlxStackLayer(LayerExperts):
     def __init__(self, source, layer: int, prefix: str, names: dict[tuple[str, str], str], quant: MlxQuantization | None):
         self.source, self.layer, self.prefix, self.names, self.quant = source, layer, prefix, names, quant
         first = names.get(("down_proj", "weight")) or next(iter(names.values()))
-        self.num_experts = source.shape(first)[0]
+        self.num_experts = source.info(first).shape[0]
         self.specs: dict[str, QuantSpec] = {}
 
     def module(self, proj: str) -> str:
@@ -377,9 +366,6 @@ class MlxStackLayer(LayerExperts):
                 raise LayoutError(f"{weight.name}: holds {[weight.shape[0], weight.shape[1], in_features]} unpacked, but "
                                   f"config.json implies {list(want)} ({expect.experts_key} × {expect.describe(proj)})")
             self.specs[proj] = spec
-
-    def source_bytes(self) -> int:
-        return sum(self.source.nbytes(n) for n in self.names.values())
 
     def stored_spec(self, proj: str, bits: int | None, group_size: int) -> tuple[QuantSpec, bool]:
         return self.specs[proj], True

@@ -9,24 +9,25 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import sys
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
+from typing import Iterable
 
 import torch
 from tqdm import tqdm
 
 from moestream.convert.layout import LayoutError, check_expert_layers, find_expert_layers
-from moestream.convert.mtp import select_mtp
-from moestream.convert.open_source import open_source
-from moestream.convert.resident import DenseTensor, check_dense, plan_dense
-from moestream.convert.source import TOKENIZER_FILES, CheckpointSource
+from moestream.convert.resident import DenseTensor, check_dense, plan_dense, select_mtp
+from moestream.convert.hub import download, looks_like_repo_id
+from moestream.convert.source import TOKENIZER_FILES, CheckpointError, CheckpointSource
 from moestream.convert.state import STATE_NAME, ConvertState, ResumeError
 from moestream.convert.summary import class_table, summary_text
 from moestream.errors import MoestreamError
-from moestream.format.manifest import (DENSE_NAME, FORMAT_VERSION, MANIFEST_NAME, ExpertLayer, Manifest, RecordField,
+from moestream.format.manifest import (DENSE_NAME, FORMAT_VERSION, MANIFEST_NAME, ExpertLayer, Manifest,
                                        read_manifest, write_manifest)
 from moestream.format.writer import (ExpertFileWriter, FileDigest, OutputFile, SafetensorsWriter, WriteError,
                                      stored_tensors, write_error)
@@ -37,6 +38,7 @@ DEFAULT_QUANT = "q4"  # without --quant: a float source's experts and matrices
 KEEP_MXFP4 = "mxfp4"  # without --quant, an MXFP4 source's experts keep their codes (recorded as this quant)
 KEEP_SOURCE = "source"  # without --quant, a GGUF's tensors as its types allow: codes kept, else no fewer bits
 GROUP_SIZES = (32, 64, 128)
+DOWNLOAD_DIR = ".pull-download"  # where a pull keeps the shard it is converting
 __all__ = ["convert"]
 
 
@@ -55,36 +57,18 @@ def _row_blocks(source: CheckpointSource, name: str):
         yield source.get_rows(name, start, min(step, rows - start))
 
 
-def _write_dense_item(writer: SafetensorsWriter, source: CheckpointSource, item: DenseTensor) -> None:
-    if item.codes:  # the source's codes and block scales, as affine parts, a block of rows at a time
+def dense_blocks(source: CheckpointSource, item: DenseTensor) -> list[tuple[str, Iterable[torch.Tensor]]]:
+    """Each part dense.safetensors holds for `item`, in order, as consecutive blocks of rows."""
+    if item.codes:  # the source's codes and block scales, as affine parts
         rows = item.shape[0]
         step = max(1, rows * BLOCK_BYTES // max(item.source_bytes, 1))
         pieces = [source.affine_rows(item.name, start, min(step, rows - start)) for start in range(0, rows, step)]
-        for part, key in zip(item.parts, ("weight", "scales", "biases")):
-            writer.write_blocks(part.name, (p[key] for p in pieces))
-        return
-    if not item.quantize:  # copied as it is (float, or MLX-quantized parts), block by block
-        for part in item.parts:
-            as_u32 = part.dtype == "U32"
-            writer.write_blocks(part.name, (b.view(torch.uint32) if as_u32 and b.dtype == torch.int32 else b
-                                            for b in _row_blocks(source, part.name)))
-        return
-    # Rows quantize independently; the packed words (a quarter or half of the source) are gathered.
-    pieces = [stored_tensors(item.name, block, item.spec) for block in _row_blocks(source, item.name)]
-    for part in item.parts:
-        writer.write_blocks(part.name, (p[part.name] for p in pieces))
-
-
-def _layer_entry(obj: dict) -> ExpertLayer:
-    return ExpertLayer(**{**obj, "fields": [RecordField(**f) for f in obj["fields"]]})
-
-
-def _is_inside(path: Path, folder: Path) -> bool:
-    try:
-        path.relative_to(folder)
-        return True
-    except ValueError:
-        return False
+        return [(part.name, [p[key] for p in pieces]) for part, key in zip(item.parts, ("weight", "scales", "biases"))]
+    if item.quantize:  # rows quantize independently; the packed words (a quarter or half of the source) are gathered
+        pieces = [stored_tensors(item.name, block, item.spec) for block in _row_blocks(source, item.name)]
+        return [(part.name, [p[part.name] for p in pieces]) for part in item.parts]
+    return [(part.name, (b.view(torch.uint32) if part.dtype == "U32" and b.dtype == torch.int32 else b  # copied as it is
+                         for b in _row_blocks(source, part.name))) for part in item.parts]
 
 
 def _our_files(out: Path) -> list[Path]:
@@ -94,6 +78,8 @@ def _our_files(out: Path) -> list[Path]:
 
 class Conversion:
     """One run of `convert`: the checked source, the plan, and OUT with its resume state."""
+
+    JOB = "conversion"
 
     def __init__(self, source: CheckpointSource, out: Path, *, quant: str | None, group_size: int, progress: bool,
                  workers: int = 1, kill_after_layers: int | None = None, mtp: bool = True):
@@ -134,28 +120,32 @@ class Conversion:
     def prepare(self, *, force: bool, resume: bool) -> bool:
         """Make OUT ready; False when it already holds this very conversion, finished."""
         out, src = self.out.resolve(), self.source.folder.resolve()
-        if out == src or _is_inside(src, out):
+        if not self.options.get("pull") and src.is_relative_to(out):
             raise MoestreamError(f"{self.out}: OUT must not be the source folder or contain it")
         if out.exists() and not out.is_dir():
             raise MoestreamError(f"{self.out}: exists and is not a directory")
         has_state = (out / STATE_NAME).is_file()
         if resume and has_state:
             self.state = ConvertState.load(out)
+            if self.options.get("pull") and not self.state.options.get("pull"):
+                raise ResumeError(f"{self.out}: holds an unfinished `moestream convert`, not a pull (resume it with "
+                                  "convert --resume, or use --force to start over)")
             self.state.check_options(self.options)
-            log.info("resuming the conversion in %s (%d steps already done)", out, len(self.state.steps))
+            log.info("resuming the %s in %s (%d steps already done)", self.JOB, out, len(self.state.steps))
             return True
         if resume and (out / MANIFEST_NAME).is_file():
             self._check_finished(out)
-            log.info("%s already holds this conversion, finished", out)
+            log.info("%s already holds this model, finished", out)
             return False
-        if out.exists() and any(out.iterdir()):
+        if out.exists() and any(p.name != DOWNLOAD_DIR for p in out.iterdir()):
             if resume:
                 raise ResumeError(f"{self.out}: nothing to resume ({STATE_NAME} is missing); use --force to start over")
             if not force:
-                hint = " or --resume to continue the unfinished conversion" if has_state else ""
+                hint = f" or --resume to continue the unfinished {self.JOB}" if has_state else ""
                 raise MoestreamError(f"{self.out}: exists and is not empty (use --force to overwrite it{hint})")
             for path in _our_files(out):
                 path.unlink()
+            shutil.rmtree(out / DOWNLOAD_DIR, ignore_errors=True)
             left = [p.name for p in out.iterdir()]
             if left:
                 log.warning("%s: kept %d file(s) that are not moestream's, e.g. %s", out, len(left), left[0])
@@ -200,17 +190,20 @@ class Conversion:
                         record = self._write_layer(layer, bar, abort_at, executor)
                     else:
                         bar.update(expert_bytes[layer])
-                    entries.append(_layer_entry(record["entry"]))
+                    entries.append(ExpertLayer.from_json(record["entry"]))
                     digests[record["file"]] = FileDigest(record["size"], record["sha256"])
             finally:
                 if executor is not None:
                     executor.shutdown(cancel_futures=True)
+        return self._write_manifest(entries, digests, self._source_hashes())
+
+    def _write_manifest(self, entries: list[ExpertLayer], digests: dict[str, FileDigest],
+                        source_hashes: dict[str, str]) -> Manifest:
+        """The tokenizer files copied, then the manifest (last), and the resume state removed."""
         for path in self.source.tokenizer_files():
             digests[path.name] = self._copy(path)
-        source_hashes = self._source_hashes()
-        quantization = self._quantization()
         manifest = Manifest(family=self.source.family, config=self.source.config,
-                            source={**self.source.origin, "files": source_hashes}, quantization=quantization,
+                            source={**self.source.origin, "files": source_hashes}, quantization=self._quantization(),
                             expert_layers=entries, files={name: d.to_json() for name, d in digests.items()},
                             mtp_layers=self.mtp_layers)
         try:
@@ -246,7 +239,8 @@ class Conversion:
         try:
             for group in writer.order:
                 item = by_first[group[0].name]
-                _write_dense_item(writer, self.source, item)
+                for name, blocks in dense_blocks(self.source, item):
+                    writer.write_blocks(name, blocks)
                 bar.update(item.source_bytes)
             digest = writer.close()
         except BaseException:
@@ -317,6 +311,49 @@ class Conversion:
         return record["files"]
 
 
+def _folder_source(folder: Path, bits: int | None, origin: dict | None = None) -> CheckpointSource:
+    """A folder's source: GPTQ/AWQ checkpoints get theirs (which needs the requested bits)."""
+    try:
+        quant = json.loads((folder / "config.json").read_text()).get("quantization_config")
+    except (OSError, ValueError, AttributeError):
+        quant = None  # CheckpointSource says what is wrong with it
+    if isinstance(quant, dict) and quant.get("quant_method") in ("gptq", "awq"):
+        from moestream.convert.gptq_source import GroupwiseSource
+        return GroupwiseSource(folder, bits=bits, origin=origin)
+    return CheckpointSource(folder, origin=origin)
+
+
+def open_source(src: str | Path, *, revision: str | None = None, tokenizer: str | Path | None = None,
+                bits: int | None = 4) -> CheckpointSource:
+    """A local checkpoint folder, a .gguf file, or a Hub repo id fetched into the Hugging Face cache;
+    `bits` is the quantization asked for (None: unquantized), which a GPTQ/AWQ source needs."""
+    text = str(src)
+    path = Path(text).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        from moestream.convert.gguf_source import GgufSource
+        return GgufSource(path, tokenizer=tokenizer)
+    if tokenizer is not None:
+        raise CheckpointError("--tokenizer applies to GGUF files only")
+    if path.exists():
+        if revision is not None:
+            raise CheckpointError(f"{text}: --revision applies to Hub repos, and this is a local folder")
+        return _folder_source(path, bits) if path.is_dir() else CheckpointSource(path)
+    if looks_like_repo_id(text):
+        folder, origin = download(text, revision)
+        return _folder_source(Path(folder), bits, origin)
+    raise CheckpointError(f"{text}: no such file or directory")
+
+
+def check_request(quant: str | None, group_size: int, force: bool, resume: bool) -> None:
+    """What convert and pull refuse before they look at the source."""
+    if quant is not None and quant not in QUANT_BITS:
+        raise MoestreamError(f"quantization {quant!r} is not supported (supported: {', '.join(QUANT_BITS)})")
+    if group_size not in GROUP_SIZES:
+        raise MoestreamError(f"group size {group_size} is not supported (supported: {', '.join(map(str, GROUP_SIZES))})")
+    if force and resume:
+        raise MoestreamError("--force and --resume exclude each other (--force starts over, --resume continues)")
+
+
 def convert(src: str | Path, out: str | Path, *, quant: str | None = None, group_size: int = 64, force: bool = False,
             resume: bool = False, revision: str | None = None, progress: bool = True, workers: int = 1,
             kill_after_layers: int | None = None, tokenizer: str | Path | None = None, mtp: bool = True) -> Path:
@@ -332,13 +369,8 @@ def convert(src: str | Path, out: str | Path, *, quant: str | None = None, group
     worker's torch ops are best run single-threaded (the CLI sets that), else the pools compete.
     `kill_after_layers=N` ends the process abruptly (exit 75, nothing flushed) inside expert layer
     N once N layers are finished: how resume is tested against a real kill. `mtp=False` leaves the
-    multi-token-prediction layers out (moestream.convert.mtp)."""
-    if quant is not None and quant not in QUANT_BITS:
-        raise MoestreamError(f"quantization {quant!r} is not supported (supported: {', '.join(QUANT_BITS)})")
-    if group_size not in GROUP_SIZES:
-        raise MoestreamError(f"group size {group_size} is not supported (supported: {', '.join(map(str, GROUP_SIZES))})")
-    if force and resume:
-        raise MoestreamError("--force and --resume exclude each other (--force starts over, --resume continues)")
+    multi-token-prediction layers out (moestream.convert.resident.select_mtp)."""
+    check_request(quant, group_size, force, resume)
     out = Path(out)
     source = open_source(src, revision=revision, tokenizer=tokenizer, bits=QUANT_BITS[quant or DEFAULT_QUANT])
     try:

@@ -13,34 +13,30 @@ and fsynced. After a kill, every piece that needs only unfinished shards is writ
 same bytes at the same offsets), so the result is byte-identical to an uninterrupted pull."""
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import shutil
 import sys
 import tempfile
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 from tqdm import tqdm
 
-from moestream.convert.hub import HubError, looks_like_repo_id
+from moestream.convert.hub import HubError, HubRepo, looks_like_repo_id
 from moestream.convert.layout import FusedLayer, MlxStackLayer, PerExpertLayer, check_expert_layers, find_expert_layers
-from moestream.convert.main import GROUP_SIZES, QUANT_BITS, Conversion, _our_files, _row_blocks
+from moestream.convert.main import DOWNLOAD_DIR, Conversion, check_request, dense_blocks
 from moestream.convert.pulled_source import PulledSource, ZeroSource
-from moestream.convert.remote import HubRepo
 from moestream.convert.state import STATE_NAME, ConvertState, ResumeError
 from moestream.errors import MoestreamError
-from moestream.format.manifest import DENSE_NAME, EXPERT_PROJECTIONS, MANIFEST_NAME, ExpertLayer, Manifest, write_manifest
+from moestream.format.manifest import DENSE_NAME, EXPERT_PROJECTIONS, ExpertLayer, Manifest
 from moestream.format.records import encode_record, plan_record
 from moestream.format.safetensors_io import plan_safetensors, tensor_bytes
-from moestream.format.verify import verify
-from moestream.format.writer import FileDigest, WriteError, stored_tensors, write_error
+from moestream.format.verify import record_checksums, verify
+from moestream.format.writer import FileDigest, WriteError, sha256_file, write_error
 
 log = logging.getLogger(__name__)
-DOWNLOAD_DIR = ".pull-download"
 SHARD_DIR = "shard"  # the one shard on disk
 
 
@@ -124,6 +120,8 @@ def record_deps(experts, expert: int) -> tuple[str, ...]:
 class Pull(Conversion):
     """One run of `pull`: the plan from the headers, OUT with its state, the shard loop."""
 
+    JOB = "pull"
+
     def __init__(self, source: PulledSource, out: Path, *, quant: str, group_size: int, progress: bool,
                  kill_after_shards: int | None = None, mtp: bool = True):
         super().__init__(source, out, quant=quant, group_size=group_size, progress=progress, mtp=mtp)
@@ -159,11 +157,8 @@ class Pull(Conversion):
     def pieces(self) -> list[Piece]:
         out = []
         for item in self.dense:
-            if item.quantize:
-                out.append(Piece((item.name,), lambda item=item: self._write_quantized(item), item.name))
-            else:
-                for part in item.parts:
-                    out.append(Piece((part.name,), lambda part=part: self._write_copy(part), part.name))
+            deps = (item.name,) if item.quantize else tuple(part.name for part in item.parts)
+            out.append(Piece(deps, lambda item=item: self._write_resident(item), item.name))
         for layer in sorted(self.layers):
             experts = self.layers[layer]
             for expert in range(experts.num_experts):
@@ -171,21 +166,13 @@ class Pull(Conversion):
                                  f"layer {layer} expert {expert}"))
         return out
 
-    def _write_copy(self, part) -> None:
-        offset = self.dense_offsets[part.name]
-        for block in _row_blocks(self.source, part.name):
-            data = tensor_bytes(block)
-            self.outputs.pwrite(DENSE_NAME, data, offset)
-            offset += len(data)
-
-    def _write_quantized(self, item) -> None:
-        offsets = {p.name: self.dense_offsets[p.name] for p in item.parts}
-        for block in _row_blocks(self.source, item.name):
-            stored = stored_tensors(item.name, block, item.spec)
-            for part in item.parts:
-                data = tensor_bytes(stored[part.name])
-                self.outputs.pwrite(DENSE_NAME, data, offsets[part.name])
-                offsets[part.name] += len(data)
+    def _write_resident(self, item) -> None:
+        for name, blocks in dense_blocks(self.source, item):
+            offset = self.dense_offsets[name]
+            for block in blocks:
+                data = tensor_bytes(block)
+                self.outputs.pwrite(DENSE_NAME, data, offset)
+                offset += len(data)
 
     def _write_record(self, layer: int, expert: int) -> None:
         entry = self.entries[layer]
@@ -196,45 +183,9 @@ class Pull(Conversion):
             raise MoestreamError(f"{self.layers[layer].prefix}: expert {expert} differs from expert 0 ({exc})") from None
         self.outputs.pwrite(entry.file, record, expert * entry.record_size)
 
-    # -- OUT -----------------------------------------------------------------------
     @property
     def download_dir(self) -> Path:
         return self.out / DOWNLOAD_DIR
-
-    def prepare(self, *, force: bool, resume: bool) -> bool:
-        out = self.out
-        if out.exists() and not out.is_dir():
-            raise MoestreamError(f"{out}: exists and is not a directory")
-        has_state = (out / STATE_NAME).is_file()
-        if resume and has_state:
-            self.state = ConvertState.load(out)
-            if not self.state.options.get("pull"):
-                raise ResumeError(f"{out}: holds an unfinished `moestream convert`, not a pull (resume it with convert "
-                                  "--resume, or use --force to start over)")
-            self.state.check_options(self.options)
-            log.info("resuming the pull in %s", out)
-            return True
-        if resume and (out / MANIFEST_NAME).is_file():
-            self._check_finished(out)
-            log.info("%s already holds this model, finished", out)
-            return False
-        existing = [p for p in out.iterdir() if p.name != DOWNLOAD_DIR] if out.is_dir() else []
-        if existing:
-            if resume:
-                raise ResumeError(f"{out}: nothing to resume ({STATE_NAME} is missing); use --force to start over")
-            if not force:
-                hint = " or --resume to continue the unfinished pull" if has_state else ""
-                raise MoestreamError(f"{out}: exists and is not empty (use --force to overwrite it{hint})")
-            for path in _our_files(out):
-                path.unlink()
-            shutil.rmtree(self.download_dir, ignore_errors=True)
-        try:
-            out.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise write_error(out, exc) from None
-        self.state = ConvertState(out, self.options)
-        self.state.save()
-        return True
 
     # -- the shard loop ---------------------------------------------------------------
     def run(self) -> Manifest:
@@ -295,11 +246,7 @@ class Pull(Conversion):
         repo = self.source.repo
         for attempt in (1, 2):
             path = repo.download(shard, self.download_dir / SHARD_DIR, bar=bar)
-            digest = hashlib.sha256()
-            with open(path, "rb") as fh:
-                while block := fh.read(8 << 20):
-                    digest.update(block)
-            sha = digest.hexdigest()
+            sha = sha256_file(path)
             want = repo.files[shard].sha256
             if want is None or sha == want:
                 self.state.finish(f"sha:{shard}", {"sha256": sha})
@@ -316,40 +263,15 @@ class Pull(Conversion):
 
     def _finish(self) -> Manifest:
         """Record checksums and file hashes from the written files, copy the tokenizer, manifest last."""
-        digests = {DENSE_NAME: _digest(self.out / DENSE_NAME)}
+        digests = {DENSE_NAME: FileDigest.of(self.out / DENSE_NAME)}
         entries = []
         for layer in sorted(self.entries):
             entry = self.entries[layer]
-            sha, crcs = hashlib.sha256(), []
-            with open(self.out / entry.file, "rb") as fh:
-                for _ in range(entry.num_experts):
-                    record = fh.read(entry.record_size)
-                    sha.update(record)
-                    crcs.append(zlib.crc32(record))
-            entry.crc32 = crcs
+            sha, entry.crc32 = record_checksums(self.out / entry.file, entry)
             entries.append(entry)
-            digests[entry.file] = FileDigest(entry.num_experts * entry.record_size, sha.hexdigest())
-        for path in self.source.tokenizer_files():
-            digests[path.name] = self._copy(path)
+            digests[entry.file] = FileDigest(entry.num_experts * entry.record_size, sha)
         hashes = {s: self.state.steps[f"sha:{s}"]["sha256"] for s in self.source.files}
-        manifest = Manifest(family=self.source.family, config=self.source.config,
-                            source={**self.source.origin, "files": hashes}, quantization=self._quantization(),
-                            expert_layers=entries, files={name: d.to_json() for name, d in digests.items()},
-                            mtp_layers=self.mtp_layers)
-        try:
-            write_manifest(self.out, manifest)
-        except OSError as exc:
-            raise write_error(self.out / MANIFEST_NAME, exc) from None
-        self.state.path.unlink(missing_ok=True)
-        return manifest
-
-
-def _digest(path: Path) -> FileDigest:
-    sha = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(8 << 20):
-            sha.update(block)
-    return FileDigest(path.stat().st_size, sha.hexdigest())
+        return self._write_manifest(entries, digests, hashes)
 
 
 def _resume_revision(out: Path, revision: str | None) -> tuple[str | None, str | None]:
@@ -367,15 +289,9 @@ def _resume_revision(out: Path, revision: str | None) -> tuple[str | None, str |
     return source["revision"], source.get("requested_revision")
 
 
-def _check_args(repo_id: str, quant: str, group_size: int, force: bool, resume: bool) -> None:
+def _check_repo_id(repo_id: str) -> None:
     if not looks_like_repo_id(repo_id):
         raise MoestreamError(f"{repo_id!r} is not a Hub repo id (owner/name); to pack a local folder use moestream convert")
-    if quant not in QUANT_BITS:
-        raise MoestreamError(f"quantization {quant!r} is not supported (supported: {', '.join(QUANT_BITS)})")
-    if group_size not in GROUP_SIZES:
-        raise MoestreamError(f"group size {group_size} is not supported (supported: {', '.join(map(str, GROUP_SIZES))})")
-    if force and resume:
-        raise MoestreamError("--force and --resume exclude each other (--force starts over, --resume continues)")
 
 
 def pull(repo_id: str, out: str | Path, *, revision: str | None = None, quant: str = "q4", group_size: int = 64,
@@ -385,7 +301,8 @@ def pull(repo_id: str, out: str | Path, *, revision: str | None = None, quant: s
 
     `kill_after_shards=N` ends the process abruptly (exit 75) half-way through converting the
     (N+1)-th shard of this run: how resume is tested against a real kill."""
-    _check_args(repo_id, quant, group_size, force, resume)
+    _check_repo_id(repo_id)
+    check_request(quant, group_size, force, resume)
     out = Path(out)
     requested = revision
     if resume and (out / STATE_NAME).is_file():
@@ -417,7 +334,8 @@ def pull(repo_id: str, out: str | Path, *, revision: str | None = None, quant: s
 def plan_pull(repo_id: str, *, revision: str | None = None, quant: str = "q4", group_size: int = 64,
               endpoint: str | None = None) -> tuple[HubRepo, PlanSizes]:
     """What a pull would download and write, from config, index and shard headers only."""
-    _check_args(repo_id, quant, group_size, False, False)
+    _check_repo_id(repo_id)
+    check_request(quant, group_size, False, False)
     repo = HubRepo(repo_id, revision, endpoint=endpoint)
     with tempfile.TemporaryDirectory(prefix="moestream-plan-") as tmp:
         source = PulledSource(repo, Path(tmp))

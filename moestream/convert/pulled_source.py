@@ -12,8 +12,7 @@ from pathlib import Path
 
 import torch
 
-from moestream.convert.hub import INDEX_NAME
-from moestream.convert.remote import HubRepo
+from moestream.convert.hub import INDEX_NAME, HubRepo
 from moestream.convert.source import TOKENIZER_FILES, CheckpointError, CheckpointSource
 from moestream.format.safetensors_io import SafetensorsFile, TensorInfo
 from moestream.models.registry import family_module

@@ -139,7 +139,7 @@ class CheckpointSource:
             self.fp8_scales[weight] = (key, self.index.pop(key))
         for key, file in self.index.items():
             if self._open(file).info(key).dtype in fp8.FP8_DTYPES and key not in self.fp8_scales:
-                raise CheckpointError(f"{key}: an FP8 weight without its {fp8.scale_name(key)}")
+                raise CheckpointError(f"{key}: an FP8 weight without its {key}{fp8.SCALE_SUFFIX}")
 
     def _pair_mxfp4_blocks(self) -> None:
         """Each `X_blocks` with its `X_scales`, both replaced in the index by the stack `X`."""
@@ -215,16 +215,13 @@ class CheckpointSource:
             return TensorInfo(info.name, "F32", info.shape, info.start, 4 * info.nbytes // info.torch_dtype.itemsize)
         return info
 
-    def shape(self, name: str) -> list[int]:
-        return list(self.info(name).shape)
-
     def nbytes(self, name: str) -> int:
         return self.info(name).nbytes
 
     def get(self, name: str) -> torch.Tensor:
         handle, key = self._locate(name)
         if key in self.mxfp4_stacks:
-            return self._mxfp4_dequantized(name, 0, self.info(name).shape[0])
+            return mxfp4.dequantize(*self.mxfp4_rows(name, 0, self.info(name).shape[0]))
         if key in self.fp8_scales:
             return fp8.dequantize(handle.read(key), self._scale(key), self.fp8.block)
         return handle.read(key)
@@ -232,7 +229,7 @@ class CheckpointSource:
     def get_rows(self, name: str, start: int, count: int = 1) -> torch.Tensor:
         handle, key = self._locate(name)
         if key in self.mxfp4_stacks:  # rows of a stack: whole experts
-            return self._mxfp4_dequantized(name, start, count)
+            return mxfp4.dequantize(*self.mxfp4_rows(name, start, count))
         if key not in self.fp8_scales:
             return handle.read_rows(key, start, count)
         rows = handle.read_rows(key, start, count)
@@ -252,9 +249,6 @@ class CheckpointSource:
         scales = self._open(file).read_rows(scales_key, start, count)
         mxfp4.check_scales(scales_key, scales, start)
         return handle.read_rows(key + mxfp4.BLOCKS, start, count), scales
-
-    def _mxfp4_dequantized(self, name: str, start: int, count: int) -> torch.Tensor:
-        return mxfp4.dequantize(*self.mxfp4_rows(name, start, count))
 
     def _scale(self, key: str, start: int | None = None, count: int = 1) -> torch.Tensor:
         scale, file = self.fp8_scales[key]

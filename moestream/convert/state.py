@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from moestream.errors import MoestreamError
+from moestream.format.manifest import write_json
 from moestream.format.writer import sha256_file, write_error
 
 log = logging.getLogger(__name__)
@@ -35,13 +35,8 @@ class ConvertState:
         return self.directory / STATE_NAME
 
     def save(self) -> None:
-        tmp = self.path.with_name(STATE_NAME + ".tmp")
         try:
-            with open(tmp, "w") as fh:
-                json.dump({"version": STATE_VERSION, "options": self.options, "steps": self.steps}, fh, indent=1)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, self.path)
+            write_json(self.path, {"version": STATE_VERSION, "options": self.options, "steps": self.steps})
         except OSError as exc:
             raise write_error(self.path, exc) from None
 

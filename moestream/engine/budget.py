@@ -84,9 +84,7 @@ def unpacked_expert_bytes(packed: PackedModel, dtype: torch.dtype) -> int:
 def plan_ledger(packed: PackedModel, args, *, dtype: torch.dtype, max_context: int, chunk: int, slots: int,
                 slot_bytes: int, host_slots: int, staging: int, cuda: bool = False, sequences: int = 1,
                 unpacked: int = 0) -> Ledger:
-    """sequences: sequence slots of the paged KV pool (its full-attention blocks for one sequence's
-    whole context and a share per further slot, moestream.kv.pool.full_blocks; a window layer's for
-    its window; recurrent states per slot)."""
+    """sequences: sequence slots of the paged KV pool (sized as moestream.kv.pool sizes it)."""
     item = torch.finfo(dtype).bits // 8
     kv = KVPool.bytes_for(args.kv_layout(), sequences=sequences, max_context=max_context, dtype=dtype,
                           prefill_chunk=chunk)
@@ -100,9 +98,8 @@ def plan_ledger(packed: PackedModel, args, *, dtype: torch.dtype, max_context: i
 
 def prefill_workspace(args, *, tokens: int, context: int, item: int) -> int:
     """Peak transient bytes of one prefill chunk of `tokens` at a context of `context` (the largest
-    layer's working set; decode needs far less). Attention runs in flash / memory-efficient kernels,
-    which never hold the [T, S] scores, but K/V are expanded to every query head (`expanded_kv_width`:
-    grouped heads, a latent cache, wider heads on some layers)."""
+    layer's working set). Attention kernels never hold the [T, S] scores, but K/V are expanded to
+    every query head (`expanded_kv_width`)."""
     H, A = args.hidden_size, args.num_experts_per_tok
     inter = args.largest_intermediate()
     heads, D = args.num_attention_heads, args.head_dim

@@ -1,22 +1,16 @@
 """The decode loop: one sequence's tokens after its prefill, with a drafter or none.
 
-Without a drafter every step runs one token. With one, a step runs the last token and the
-drafter's k proposals: row i of its logits predicts the token after draft[:i], and a token's
-logits are the same bits whatever the step's length, so choosing row i's token (argmax, or the
-Gumbel-max draw keyed by (seed, position)) gives exactly the token plain decoding chooses there.
-The loop keeps drafted tokens while they equal the model's own choice, takes the model's token at
-the first difference (or the bonus token after the last draft) and the caller rolls the KV cache
-back over the rejected ones. So the text is plain decoding's, greedy or sampled with a seed; the
-drafter and the draft length (fixed, or the adaptive policy's) change only the speed.
-
-`decode` is the loop of `Engine.generate` (one sequence over `step`); the server's batch scheduler
-drives the same pieces over `step_many` (a Speculation's `draft` and `verify`, `Emitter.take`).
-Plain greedy steps are queued before the host reads the token they take (`_plain`), wherever the
-choice allows it."""
+With a drafter a step runs the last token and the k proposals: row i predicts the token after
+draft[:i] with the bits of a step of its own, so choosing row i's token (argmax, or the Gumbel-max
+draw keyed by (seed, position)) gives the token plain decoding chooses there. Drafted tokens are kept
+while they equal the model's choice, the model's token taken at the first difference (or after the
+last draft), the cache rolled back over the rest: the text is plain decoding's, the drafter changes
+only the speed. The server's batch scheduler drives the same pieces over `step_many`. Plain greedy
+steps are queued before the host reads the token they take (`_ahead`)."""
 from __future__ import annotations
 
 import time
-from typing import Callable, Iterator, Protocol
+from typing import Iterator
 
 import torch
 
@@ -26,27 +20,10 @@ from moestream.engine.speculative import Speculation
 from moestream.engine.types import TokenEvent
 
 
-class Stepper(Protocol):
-    """What the loop needs of an engine (moestream.engine.engine.Engine)."""
-
-    max_context: int
-    device: torch.device
-    hidden_tap: Callable | None
-
-    def step(self, tokens: list[int]) -> torch.Tensor: ...
-
-    def step_unread(self, token: torch.Tensor) -> torch.Tensor: ...
-
-    def name_token(self, position: int, token: int) -> None: ...
-
-    def rollback(self, length: int) -> None: ...
-
-
-def decode(engine: Stepper, emit: Emitter, logits: torch.Tensor, budget: int, *,
+def decode(engine, emit: Emitter, logits: torch.Tensor, budget: int, *,
            speculation: Speculation | None = None) -> Iterator[TokenEvent]:
-    """Up to `budget` tokens, the first chosen from `logits`' last row (the prefill's), each through
-    `emit` (which stops the loop at an end token or a cancel). The cache then holds every token
-    emitted but the last (after a stop in plain greedy decoding, the last too)."""
+    """Up to `budget` tokens of `engine` (an Engine), the first from `logits`' last row, each through
+    `emit` (which stops the loop). The cache then holds every token emitted but the last."""
     if speculation is None:
         yield from _plain(engine, emit, logits, budget)
         return
@@ -84,10 +61,9 @@ def decode(engine: Stepper, emit: Emitter, logits: torch.Tensor, budget: int, *,
             engine.rollback(len(seq) - 1)  # forget the rejected drafts
 
 
-def _plain(engine: Stepper, emit: Emitter, logits: torch.Tensor, budget: int) -> Iterator[TokenEvent]:
-    """Plain decoding of up to `budget` tokens, the first chosen from `logits`' last row. Where the
-    choice is the raw row's argmax with nothing read on the host (no log-probabilities, no hidden-state
-    tap), each step is queued before the host reads the token it takes; else one step a token."""
+def _plain(engine, emit: Emitter, logits: torch.Tensor, budget: int) -> Iterator[TokenEvent]:
+    """Plain decoding of up to `budget` tokens: `_ahead` where the choice is the raw row's argmax and
+    nothing else is read on the host (log-probabilities, the hidden-state tap), else a step a token."""
     if emit.plain_argmax and not emit.logprobs and engine.hidden_tap is None:
         yield from _ahead(engine, emit, logits, budget)
         return
@@ -100,12 +76,11 @@ def _plain(engine: Stepper, emit: Emitter, logits: torch.Tensor, budget: int) ->
             logits = engine.step([event.token_id])
 
 
-def _ahead(engine: Stepper, emit: Emitter, logits: torch.Tensor, budget: int) -> Iterator[TokenEvent]:
-    """Greedy decoding that keeps the device busy: step n + 1 is queued with token n still on the
-    device (its argmax), then the host reads token n while the step runs, names it in the cache,
-    and checks the stops. The same tokens as one step at a time (the same steps, fed the same ids);
-    a stop leaves one step more in the cache, the KV of a real token at its position, which the next
-    prompt reuses or truncates like any other. On the CPU nothing overlaps, but it is the same path."""
+def _ahead(engine, emit: Emitter, logits: torch.Tensor, budget: int) -> Iterator[TokenEvent]:
+    """Greedy decoding that keeps the device busy: step n + 1 is queued with token n still on the device,
+    then the host reads token n while it runs, names it in the cache and checks the stops. The same
+    tokens as a step at a time; a stop leaves one more real token in the cache (the next prompt reuses
+    or truncates it like any other)."""
     reader = _TokenReader(engine.device)
     token = torch.argmax(logits[-1:], dim=-1)  # [1] on the device: argmax_index's choice
     for n in range(budget):

@@ -1,42 +1,33 @@
 """Steps of T tokens (T >= 1) for any family, from static buffers, replayed as CUDA graphs on CUDA.
 
-On the GPU a decode step is bound by the host: a layer is ~20 small kernels, each of which costs
-more to launch from Python than to run. So a step is cut into segments that never read a device
-value on the host, each captured once and replayed. The decoder knows only what every model has
-(moestream.layers.transformer): `embed`, each layer's `attention_rows` and `ffn`, `head`, and the
+On the GPU a decode step is bound by the host: a layer is ~20 small kernels, each costing more to
+launch from Python than to run. So a step is cut into segments that never read a device value on the
+host, each captured once and replayed. The decoder knows only what every model has
+(moestream.layers.transformer: `embed`, each layer's `attention_rows` and `ffn`, `head`) and the
 RoutedExperts the MoE blocks share:
+  - per layer, "attention-rows": the attention half for all the step's rows at once, each row a token
+    at its own device position of its own sequence (K/V go into the paged pool before any row
+    attends); a dense layer's FFN; an MoE layer's router top-k and shared expert;
+  - per MoE layer, "experts": the routed experts from the layer's device slot table, then the
+    shared expert and residual.
 
-  - per layer, "attention-rows": the layer's attention half for all the step's rows at once, each
-    row a token at its own device position of its own sequence (the rows' K/V go into the paged KV
-    pool before any row attends, so a later row of a sequence sees the earlier ones); a dense
-    layer's FFN; an MoE layer's router top-k and shared expert (if any);
-  - per MoE layer, "experts": the routed experts of the T tokens from the layer's device slot
-    table, then shared expert and residual.
+A row's bits never depend on T or on the rows beside it (speculative verification and batching rely
+on it): on CUDA every product takes all MAX_STEP_TOKENS rows whatever T (a fixed shape,
+moestream.kernels.triton_rows), on the CPU one-row products batched; attention takes each row on its
+own; the expert kernels compute each (token, expert) pair on its own (`per_pair`). A step can stop
+before the head (`head=False`); `head_rows` later gives saved rows the head's bits.
 
-A row's bits never depend on T or on the rows beside it, so T tokens give exactly what T one-token
-steps give and a batch gives each sequence what it gets alone: on CUDA every product (q/k/v, o,
-router, shared expert, dense FFN, head) takes all MAX_STEP_TOKENS rows of the residual stream
-whatever T (a fixed shape, on moestream.kernels.triton_rows), on the CPU one-row products batched;
-attention takes each row on its own; the expert kernels compute each (token, expert) pair on its own
-(`per_pair`). Speculative verification relies on this. A step can stop before the head
-(`head=False`, the hot-vocabulary head's guesses); `head_rows` later gives saved rows' logits with
-the bits the step's own head would have given them.
-
-When every expert is resident (the cache holds them all), the slot tables never change, and the
-whole step is one graph per T whatever sequences its rows come from (their slots are device values,
-the pool's block tables static tensors the host updates before the replay): no host work until the
-logits. The same holds with a device map (moestream.experts.device_map): the experts segment first
-brings the layer's table up to date on the device, copying misses from the host tier itself.
-Otherwise between a layer's attention and its experts the host reads the chosen ids (the one sync
-per layer), pins or loads the experts and writes the layer's slot table. Both ways run the same
-kernels on the same bytes, so the logits are the same bits for every cache size; with graphs off
-(and on the CPU) the segments run eagerly. With the Triton expert kernels a layer boundary is one
-kernel: the expert sum (+ residual) also writes the next layer's input norm, and the post-attention
-norm also writes the experts' float32 input (`_boundaries`)."""
+With every expert resident the slot tables never change and the whole step is one graph per T (the
+rows' slots are device values, the block tables static tensors): no host work until the logits. The
+same holds with a device map (moestream.experts.device_map), which brings each layer's table up to date
+on the device. Otherwise the host reads each layer's chosen ids (the one sync per layer), pins or
+loads the experts and writes the slot table. Either way the same kernels run on the same bytes: the
+same bits for every cache size. With graphs off (and on the CPU) the segments run eagerly. With the
+Triton expert kernels a layer boundary is one kernel (`_boundaries`)."""
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -53,35 +44,29 @@ MAX_STEP_TOKENS = 16  # tokens one step takes at most (longer lists are cut into
 
 @dataclass
 class _Routed:
-    """What an MoE layer's attention segments hand its experts segment, one entry per token t
+    """What an MoE layer's attention segment hands its experts segment, all the step's rows at once
     (inside a capture these are the graph's own static outputs)."""
 
     ids_host: torch.Tensor  # [MAX_STEP_TOKENS * A] int64 (pinned on CUDA)
-    weights: list = field(default_factory=list)  # [1, A] routing weights
-    ids: list = field(default_factory=list)  # [1, A] int64 expert ids
-    h: list = field(default_factory=list)  # [1, H] residual stream after attention
-    hn: list = field(default_factory=list)  # [1, H] its normed copy, the experts' input
-    shared: list = field(default_factory=list)  # [1, H] the shared expert's output (or None)
-    guesses: list = field(default_factory=list)  # [1, depth * A'] later MoE layers' router top-k (lookahead)
     guesses_host: torch.Tensor | None = None
-    whole: bool = False  # rows at once: entry 0 of each list holds every row [MAX_STEP_TOKENS, ...]
+    weights: torch.Tensor | None = None  # [rows, A] routing weights
+    ids: torch.Tensor | None = None  # [rows, A] int64 expert ids
+    h: torch.Tensor | None = None  # [rows, H] residual stream after attention
+    hn: torch.Tensor | None = None  # [rows, H] its normed copy, the experts' input
+    shared: torch.Tensor | None = None  # [rows, H] the shared expert's output (or None)
+    guesses: torch.Tensor | None = None  # [rows, depth * A'] later MoE layers' router top-k (lookahead)
 
     def rows(self, name: str, T: int) -> torch.Tensor | None:
-        parts = getattr(self, name)[:T]
-        if parts[0] is None:
-            return None
-        if self.whole:
-            return parts[0][:T]
-        return parts[0] if T == 1 else torch.cat(parts)
+        value = getattr(self, name)
+        return None if value is None else value[:T]
 
 
 class Decoder:
     def __init__(self, model, pool: KVPool, experts: RoutedExperts, *, graphs: bool = True, lookahead=None,
                  maps=None):
-        """pool: the paged KV pool every sequence's rows live in (a step's rows may come from several).
-        lookahead: a moestream.experts.predict.Lookahead, or None: streamed one-token steps then
-        guess the next MoE layers' experts on the device and start their copies early.
-        maps: moestream.experts.guess_maps.GuessMaps (on the model's device) that correct those guesses."""
+        """pool: the paged KV pool of every sequence. lookahead: a moestream.experts.predict.Lookahead
+        (streamed one-token steps then guess the next MoE layers' experts and start their copies
+        early), or None. maps: moestream.experts.guess_maps.GuessMaps correcting those guesses."""
         self.model, self.pool, self.experts, self.lookahead = model, pool, experts, lookahead
         self.maps = maps
         dev, dtype = model.device, model.dtype
@@ -119,17 +104,13 @@ class Decoder:
 
     def _boundaries(self, fuse: bool) -> None:
         """Fewer kernels where one layer ends and the next begins (CUDA):
-          - (Triton expert kernels) a layer's post-attention norm also writes the experts' gemv input
-            (MoEPlan's split_x) into `split_in[i]`, which the experts then read in place of a copy
-            kernel of their own;
-          - (Triton expert kernels, no shared expert) a layer's expert sum (+ residual) also writes the
-            next layer's input norm into `normed` (`norm_after[i]`), which that layer's attention then
-            takes in place of its own norm kernel;
-          - with the Triton row products, the router product also takes the top-k (`fused_route`:
-            moestream.kernels.triton_route.route_rows).
-        Which layers do so follows from the model and the expert kernels alone, never from the cache,
-        and every path of those layers' experts (resident, streamed, in batches, with a CPU share) ends
-        in that same kernel: the bits stay the same for every cache size."""
+          - (Triton expert kernels) the post-attention norm also writes the experts' gemv input
+            (MoEPlan's split_x) into `split_in[i]`, read in place of a copy kernel;
+          - (and no shared expert) the expert sum (+ residual) also writes the next layer's input norm
+            into `normed` (`norm_after[i]`), taken in place of that layer's norm kernel;
+          - the router product also takes the top-k (`fused_route`: triton_route.route_rows).
+        Which layers do so follows from the model and the kernels alone, and every path of their
+        experts ends in that same kernel: the bits stay the same for every cache size."""
         self.split_in: dict[int, torch.Tensor] = {}  # MoE layer -> its experts' gemv input [MAX_STEP_TOKENS, C, H/C]
         self.norm_after: dict[int, tuple] = {}  # MoE layer -> (weight, eps) of the next layer's input norm
         self.normed = None  # [MAX_STEP_TOKENS, H]: the next layer's normed input, written by the expert sum
@@ -166,13 +147,10 @@ class Decoder:
             routed = {}
             for i, layer in enumerate(self.model.layers):
                 if isinstance(layer.ffn, MoEBlock):
-                    ids_host = torch.zeros(MAX_STEP_TOKENS * layer.ffn.top_k, dtype=torch.long)
-                    routed[i] = _Routed(ids_host.pin_memory() if self.cuda else ids_host)
-                    for name in ("weights", "ids", "h", "hn", "shared", "guesses"):
-                        setattr(routed[i], name, [None] * MAX_STEP_TOKENS)
                     ahead = sum(self.model.layers[j].ffn.top_k for j in self.ahead[i])
-                    if ahead:
-                        routed[i].guesses_host = torch.zeros(ahead, dtype=torch.long, pin_memory=self.cuda)
+                    routed[i] = _Routed(
+                        torch.zeros(MAX_STEP_TOKENS * layer.ffn.top_k, dtype=torch.long, pin_memory=self.cuda),
+                        torch.zeros(ahead, dtype=torch.long, pin_memory=self.cuda) if ahead else None)
             self._modes[key] = routed
         return self._modes[key]
 
@@ -203,13 +181,11 @@ class Decoder:
                     self.x[t:t + 1].copy_(layer.ffn(hn[t:t + 1], residual=h[t:t + 1]))
             return
         for name, value in self._route(i, h, hn, tile=T).items():
-            getattr(r, name)[0] = value
-        r.whole = True
+            setattr(r, name, value)
 
     def _route(self, i: int, h: torch.Tensor, hn: torch.Tensor, *, tile: int) -> dict:
-        """An MoE layer's router (and the later layers' guessed routers) and shared expert on hn (the
-        step's rows; on CUDA the row tile, of which the first `tile` rows are the step's), its
-        products on `tile_linear`."""
+        """An MoE layer's router (and the later layers' guessed routers) and shared expert on hn (on
+        CUDA the row tile, whose first `tile` rows are the step's)."""
         block = self.model.layers[i].ffn
         over = {"linear": self.tile_linear}
         # (not where an instance attribute stands in for the method: moestream.engine.fit_lookahead's)
@@ -243,7 +219,7 @@ class Decoder:
     def _fused_ends(self, i: int, T: int) -> dict:
         """The fused boundary's arguments of MoE layer i's experts for T rows (see `_boundaries`)."""
         out = {}
-        if self.routed[i].whole and i in self.split_in:
+        if i in self.split_in:
             out["split_x"] = self.split_in[i][:T]
         if i in self.norm_after:
             out["norm"] = (*self.norm_after[i], self.normed[:T])
@@ -252,28 +228,23 @@ class Decoder:
     def _head(self, T: int) -> None:
         if self.cuda:
             self.logits.copy_(self._tile_head(self.x))  # [MAX_STEP_TOKENS, V], whatever T
-        elif T == 1:
-            self.logits[:1].copy_(self.model.head(self.x[:1]))
         else:
-            self.logits[:T].copy_(self.model.rows_head(self.x[:T]))
+            self.logits[:T].copy_(self.head_rows(self.x[:T]))
 
     def _tile_head(self, x: torch.Tensor) -> torch.Tensor:
         """The head over the row tile x [MAX_STEP_TOKENS, H], its product on `tile_linear`."""
         return self.model.tile_head(x, self.tile_linear)
 
-    def _saved_head(self) -> None:
-        self.saved_logits.copy_(self._tile_head(self.saved_x))
-
     def head_rows(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits [n, V] (float32; a static buffer on CUDA) of saved residual-stream rows [n, H]
-        (`step(..., head=False)`'s), the bits a step's own head gives each row."""
+        """Logits [n, V] (float32; a static buffer on CUDA) of saved rows [n, H] of a head=False step,
+        the bits a step's own head gives each row."""
         n = hidden.shape[0]
         if not 1 <= n <= MAX_STEP_TOKENS:
             raise ValueError(f"head_rows takes 1..{MAX_STEP_TOKENS} rows, not {n}")
         if not self.cuda:
             return self.model.head(hidden) if n == 1 else self.model.rows_head(hidden)
         self.saved_x[:n].copy_(hidden)
-        self._replay(("saved-head",), self._saved_head)
+        self._replay(("saved-head",), lambda: self.saved_logits.copy_(self._tile_head(self.saved_x)))
         return self.saved_logits[:n]
 
     def _whole(self, T: int, head: bool = True) -> None:
@@ -312,22 +283,12 @@ class Decoder:
         with timeline.segment(key):
             graph.replay()
 
-    def step(self, tokens: list[int], start: int, *, slot: int = 0, head: bool = True,
-             device_tokens: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [T, V] (float32, a static buffer: copy before the next step) of `tokens` at
-        positions start.. of sequence `slot`, T <= MAX_STEP_TOKENS. The caller records the tokens
-        in the KV cache. head=False: stop before the head and return the final residual stream
-        [T, H] (a static buffer too; `head_rows` turns saved rows into logits).
-        device_tokens: the T token ids as a tensor on the model's device, in place of `tokens` (the
-        host has not read them: the step is queued behind the work that computes them)."""
-        return self.step_rows(tokens, [start + t for t in range(len(tokens))], [slot] * len(tokens), head=head,
-                              device_tokens=device_tokens)
-
     def step_rows(self, tokens: list[int], positions: list[int], slots: list[int], *,
                   head: bool = True, device_tokens: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [T, V] as `step`, row t being token tokens[t] at positions[t] of sequence slots[t]
-        (a sequence's rows in order of position). The layers' experts run once for all rows; a
-        row's bits are those it gets in a step of its own. head=False: the rows [T, H] before the head."""
+        """Logits [T, V] (float32, a static buffer: copy before the next step), row t being tokens[t] at
+        positions[t] of sequence slots[t] (a sequence's rows in order), T <= MAX_STEP_TOKENS; the
+        caller records the tokens in the KV cache. head=False: the final residual stream [T, H]
+        instead. device_tokens: the ids on the model's device, in place of `tokens` (not read yet)."""
         T = len(tokens)
         if not 1 <= T <= MAX_STEP_TOKENS:
             raise ValueError(f"a step takes 1..{MAX_STEP_TOKENS} tokens, not {T}")
@@ -348,9 +309,8 @@ class Decoder:
         self.pool.sync()
 
     def _fill_rows(self, tokens: list[int], positions: list[int], slots: list[int]) -> None:
-        """The step's tokens, positions and slots into the device rows the graphs read: one copy
-        from pinned memory on CUDA (no sync: a staging copy is rewritten only after the copy that read
-        it two steps ago has run), rather than a fill kernel per row and field."""
+        """The step's tokens, positions and slots into the device rows the graphs read: on CUDA one copy
+        from pinned memory (a staging copy is rewritten only after the copy that read it has run)."""
         T = len(tokens)
         host = self._staging[self._turn] if self.cuda else self._rows
         if self.cuda and self._staged[self._turn] is not None:
@@ -364,9 +324,8 @@ class Decoder:
             self._staged[self._turn], self._turn = event, 1 - self._turn
 
     def _step_at_once(self, T: int, single: bool, head: bool) -> torch.Tensor:
-        """step_rows: one graph per T whatever sequences the rows come from (their slots and positions
-        are device values, the block tables a static tensor), or per layer an attention segment for all
-        rows, then its experts (eager on the CPU)."""
+        """One graph per T whatever sequences the rows come from, or per layer an attention segment,
+        then its experts (eager on the CPU)."""
         key = ("step", T) if head else ("step", T, "hidden")
         if self.experts.device_driven and self.use_graphs and (single or self.experts.resident) and \
                 all(self._capturable(i) for i in self.routed):
@@ -398,7 +357,7 @@ class Decoder:
         A = ids.shape[1]
         host = r.ids_host[:T * A]
         host.copy_(ids.view(-1), non_blocking=True)
-        guessing = T == 1 and r.guesses_host is not None and r.guesses[0] is not None
+        guessing = T == 1 and r.guesses_host is not None and r.guesses is not None
         if guessing:
             r.guesses_host.copy_(r.rows("guesses", 1).reshape(-1), non_blocking=True)
         if self.cuda:  # the one host sync of a streamed layer
@@ -434,11 +393,11 @@ class Decoder:
                 self._booked(i, T)
 
     def _booked(self, i: int, T: int) -> None:
-        """A layer ran with no host half: resident hits are booked here (a device map counts its
-        own); a routing trace still sees the ids."""
+        """A layer ran with no host half: book its resident hits (a device map counts its own), or
+        show a routing trace the ids."""
         layer, ids = self.model.layers[i].ffn.layer, self.routed[i].rows("ids", T)
         if self.experts.resident:
-            self.experts.count_resident(layer, ids)
+            self.experts.count_resident_step([(layer, ids)])
         elif self.experts.on_route is not None:
             self.experts.on_route(layer, ids)
 

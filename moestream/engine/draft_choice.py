@@ -6,8 +6,13 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
+from moestream.engine.engine import Engine
+from moestream.engine.mtp_drafter import MTPDrafter
+from moestream.engine.options import EngineOptions
 from moestream.engine.speculative import DraftModelDrafter, Drafter, NGramDrafter, SpeculativeOptions
+from moestream.engine.tokenizer import load_tokenizer
 from moestream.errors import MoestreamError
+from moestream.format.reader import PackedModel
 
 DRAFT_FOLDER = "draft"  # a model's own draft model: MODEL/draft/, a packed model sharing its tokenizer
 
@@ -31,9 +36,6 @@ def shipped_draft(model_dir: str | Path) -> Path | None:
 def tokenizer_mismatch(model_dir: str | Path, draft_dir: str | Path) -> str | None:
     """Why the draft at draft_dir cannot draft for the model at model_dir (None: it can): a draft
     must speak the model's tokens, the same vocabulary id for id. Reads manifests and tokenizers only."""
-    from moestream.engine.tokenizer import load_tokenizer
-    from moestream.format.reader import PackedModel
-
     main, draft = PackedModel(model_dir), PackedModel(draft_dir)
     a, b = main.config.get("vocab_size"), draft.config.get("vocab_size")
     if a != b:
@@ -45,11 +47,8 @@ def tokenizer_mismatch(model_dir: str | Path, draft_dir: str | Path) -> str | No
 
 
 def draft_engine_options(engine_options):
-    """The draft engine runs beside the model: all its (few) experts resident where they fit, one
-    sequence, nothing recorded, no CPU share or lookahead of its own (its bits never reach the
-    output, which the model verifies)."""
-    from moestream.engine.options import EngineOptions
-
+    """The draft engine beside the model: its experts resident where they fit, one sequence, nothing
+    recorded, no CPU share or lookahead (the model verifies whatever it drafts)."""
     return replace(engine_options or EngineOptions(), trace_routing=None, cache_size="auto", host_cache_size="0",
                    memory_budget=None, max_sequences=1, cpu_experts="off", lookahead_maps="none",
                    expert_parallel=None, expert_placement=None)
@@ -63,12 +62,8 @@ def make_options(kind: str, path: str | None, *, draft_tokens: int | None, max_d
     if kind == "ngram":
         drafter: Drafter = NGramDrafter(max_ngram=max_ngram)
     elif kind == "mtp":  # the model's own multi-token-prediction layer
-        from moestream.engine.mtp_drafter import MTPDrafter
-
         drafter = MTPDrafter(main_engine)
     elif kind == "draft":
-        from moestream.engine.engine import Engine
-
         if not (Path(path) / "moestream.json").is_file():
             raise MoestreamError(f"the draft model {path} is not a packed model (no moestream.json)")
         draft_engine = Engine.load(path, options=draft_engine_options(engine_options), prefetch=False,

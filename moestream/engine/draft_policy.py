@@ -13,34 +13,24 @@ MAX_PRICED_GAP = 4096  # ... unless that would space them further than this (a p
 class AdaptivePolicy:
     """How many tokens to draft next, from measurements, to maximize expected tokens per second.
 
-    The model: the i-th drafted token (i = 1..k) is kept, given that the ones before it were, with
-    probability a_i, so a verification of k drafted tokens yields
-        E(k) = 1 + a_1 + a_1 a_2 + ... + a_1 ... a_k
-    tokens (the kept run plus the model's own token) and costs step(k + 1) + draft(k) seconds. With
-    one a for every position this is E(k) = (1 - a^(k+1)) / (1 - a); a per position matters for
-    prompt lookup, whose drafts are all wrong (no match) or right for a long run (a copy), so a_1 is
-    low and the later a_i high. The policy picks the k in 0..max_draft with the most E(k) / cost(k);
-    k = 0 is a plain step, kept unless drafting is expected to gain more than `min_gain` (5 %:
-    below timing noise).
+    The i-th drafted token is kept, given the ones before it were, with probability a_i, so k drafted
+    tokens yield E(k) = 1 + a_1 + a_1 a_2 + ... + a_1 ... a_k tokens for step(k + 1) + draft(k)
+    seconds. An a per position matters for prompt lookup, whose drafts are all wrong (no match) or
+    right for a long run (a copy). The policy picks the k in 0..max_draft with the most E(k) / cost(k);
+    k = 0, a plain step, is kept unless drafting gains more than `min_gain` (5 %: timing noise).
 
-    step(T) is measured online (an exponential moving average per T): with MoE every extra token
-    may route to other experts, so its cost grows with T by an amount only measurement tells. A
-    step is costed at no less than the largest cost measured for a shorter one (nothing assumed
-    but that a longer step is not cheaper), and a length is tried only once the one before it is
-    measured (k once step(k) is known), so lengths are explored one longer at a time and a drafter
-    that is seldom right costs one short try. Each a_i is a ratio of decayed counts (kept,
-    tried; decayed each time the position is verified) with a prior of `prior_accept` weighing
-    `prior_weight` tokens. draft(k) is measured on drafts that follow a drafted verification: a
-    drafter with a model of its own reads the tokens it has not seen when it next drafts (a draft
-    engine's prefill of them), so the first draft after plain steps also pays for catching up.
+    step(T) is an exponential moving average per T (with MoE each extra token may route to other
+    experts: only measurement tells its cost), costed at no less than a shorter step's; a length is
+    tried only once the one before it is measured, so a drafter that is seldom right costs one short
+    try. Each a_i is a ratio of decayed counts (kept, tried) with a prior of `prior_accept` weighing
+    `prior_weight` tokens. draft(k) is measured on drafts that follow a drafted verification: the
+    first draft after plain steps also pays for the drafter's catching up (a draft engine's prefill).
 
-    While plain steps win, a probe of one drafted token keeps a_1 current (text that starts
-    repeating turns speculation back on). Probes are priced: what the last draft after plain steps
-    cost beyond the plain steps of the tokens it gave (its drafter's catch-up, the longer step; before
-    any, the drafter's own estimate, `Drafter.probe_price_s`) spaces the next probe so that probes take at most PROBE_SHARE of the plain steps' time, and
-    each probe that does not turn drafting back on doubles the gap (from `probe_every`, up to
-    MAX_PROBE_GAP where probes cost nothing). A drafter that never pays costs a few probes, about
-    PROBE_SHARE of the run at most, and a plain step's decision is a few comparisons."""
+    While plain steps win, a probe of one drafted token keeps a_1 current. Probes are priced: what the
+    last draft after plain steps cost beyond the plain steps of its tokens (before any, the drafter's
+    own `probe_price_s`) spaces the next probe so that probes take at most PROBE_SHARE of the plain
+    steps' time, and each probe that does not turn drafting back on doubles the gap (from
+    `probe_every`, up to MAX_PROBE_GAP where probes cost nothing)."""
 
     def __init__(self, max_draft: int = 8, *, smoothing: float = 0.25, accept_decay: float = 0.95,
                  prior_accept: float = 0.5, prior_weight: float = 1.0, probe_every: int = 16,
@@ -95,9 +85,8 @@ class AdaptivePolicy:
         table[key] = seconds if old is None else old + self.smoothing * (seconds - old)
 
     def begin(self) -> None:
-        """A generation starts: its first draft pays for the drafter's reading of the prompt. The probe
-        schedule starts again (the first probe after `probe_every` plain steps, whatever probes cost
-        before): a kept policy still tries each new text once."""
+        """A generation starts: its first draft pays for reading the prompt, and the probe schedule
+        starts again (a kept policy still tries each new text once)."""
         self._in_step, self._chosen = False, 0
         self._plain_run, self._probe_gap, self._fresh = 0, self.probe_every, True
 
@@ -139,9 +128,8 @@ class AdaptivePolicy:
         return max(known) if known else 0.0
 
     def _catch_up(self) -> float:
-        """What drafting now costs besides the draft and the step: after plain steps the drafter reads
-        what it has not seen (a draft engine's prefill), priced as the last probe was (or the drafter's
-        own estimate); after a drafted verification nothing."""
+        """What drafting now costs besides the draft and the step: after plain steps the drafter's
+        catching up, priced as the last probe was; after a drafted verification nothing."""
         return 0.0 if self._in_step else self.probe_s
 
     def estimated_rate(self, k: int) -> float:
@@ -169,8 +157,7 @@ class AdaptivePolicy:
 
     def _gap(self) -> int:
         """Plain steps before the next probe: the backed-off gap, or more where probes are dear (a
-        generation's first probe too, once a probe's price is known: a probe dearer than PROBE_SHARE of
-        a generation's plain steps is not worth its chance)."""
+        generation's first too, once a price is known)."""
         if self._fresh and self.probe_s <= 0:  # no price known yet: the first probe at the backed-off gap
             return self._probe_gap
         plain = self.step_cost.get(1, 0.0)

@@ -32,9 +32,8 @@ class Emitter:
 
     def take(self, rows: torch.Tensor, draft: Sequence[int] = (), *, room: int,
              chosen: list[int] | None = None) -> Iterator[TokenEvent]:
-        """The tokens one step's rows [len(draft) + 1, V] give (a verification; without a draft, one
-        plain step's row): each row's choice while the draft before it was kept, at most `room`; ends
-        where this Emitter stops. `chosen`: the rows' argmaxes, already taken."""
+        """The tokens a step's rows [len(draft) + 1, V] give: each row's choice while the draft before it
+        was kept, at most `room`, until this Emitter stops. `chosen`: the rows' argmaxes, if taken."""
         if chosen is None and draft:  # one host wait for the rows' greedy choices (None where they need more)
             chosen = self.choices(rows[:len(draft) + 1])
         for i in range(min(len(draft) + 1, room)):

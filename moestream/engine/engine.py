@@ -1,15 +1,10 @@
 """The engine: a packed model, its expert provider, a KV cache and the generation loop.
 
-An Engine has `max_sequences` sequence slots, each with its own KV cache; slot 0 is the default
-sequence that prefill/step/rollback work on. Several slots decode together through `step_many`:
-the experts one step routes to are loaded once for all of them, and each sequence gets the bits it
-gets alone. A slot keeps its KV cache and reuses the longest common token prefix of the next
-prompt, so a chat that re-sends its history prefills only the new part.
-
-This file holds the engine's core: loading, prefill, step and step_many. Beside it:
-sequences.py (the slots' KV caches and which are open), expert_setup.py (expert parallelism, the
-CPU share, the lookahead's maps, device- or host-driven streaming) and generation.py (the decode
-loop behind `generate`)."""
+An Engine has `max_sequences` sequence slots (moestream.engine.sequences); slot 0 is the default one.
+Several slots decode together through `step_many`: the experts one step routes to are loaded once
+for all of them, and each sequence gets the bits it gets alone. A slot reuses the longest common
+token prefix of the next prompt, so a chat that re-sends its history prefills only the new part.
+Beside it: expert_setup.py (how experts reach the compute) and generation.py (`generate`)."""
 from __future__ import annotations
 
 import logging
@@ -22,16 +17,22 @@ import torch
 
 from moestream.engine import expert_setup, generation, prefill_graphs, timeline
 from moestream.engine.budget import prefill_workspace
+from moestream.engine.decoder import MAX_STEP_TOKENS, Decoder
 from moestream.engine.emitter import Emitter
 from moestream.engine.generation import Generation
 from moestream.engine.options import EngineOptions
+from moestream.engine.plan import plan_run, resolve_options
 from moestream.engine.sampling import argmax_rows
 from moestream.engine.sequences import PromptTooLongError, SequenceSlots
 from moestream.engine.tokenizer import load_tokenizer
 from moestream.engine.types import SamplingParams
 from moestream.errors import MoestreamError
-from moestream.kv.pool import KVRoom, SequenceKV
+from moestream.experts.cache import ExpertCache
+from moestream.experts.predict import Lookahead
+from moestream.experts.sources import open_source
 from moestream.format.reader import PackedModel
+from moestream.kv.pool import KVRoom, SequenceKV
+from moestream.layers.experts import RoutedExperts
 from moestream.models.registry import build_model
 
 if TYPE_CHECKING:
@@ -45,27 +46,20 @@ UNREAD = -1  # a cached position's id while the host has not read it yet (step_u
 
 
 class Engine:
-    """A packed model ready to run: prefill a prompt, step T tokens, roll the KV cache back.
-
-    `generate` is a small loop over these; speculative decoding and batching build on the same
-    pieces. Each sequence slot's KV cache holds its sequence (and is the record of its tokens);
-    `cache` is slot 0's."""
+    """A packed model ready to run: prefill a prompt, step T tokens, roll the KV cache back;
+    `generate`, speculative decoding and batching build on these pieces."""
 
     def __init__(self, packed: PackedModel, options: EngineOptions, *, default_cache_size: str = "auto",
-                 graphs: bool = True, prefetch: bool = True, digest_dir: str | None = None):
+                 graphs: bool = True, prefetch: bool = True, digest_dir: str | None = None,
+                 reroute: Callable | None = None):
         """graphs=False runs CUDA decode steps and prefills eagerly (the same kernels, the same bits);
         prefetch=False loads experts on demand only (no lookahead copies): for exact miss counts;
-        digest_dir: where the checked resident files' digests are remembered (None: ~/.cache/moestream)."""
-        from moestream.engine.decoder import Decoder
-        from moestream.engine.plan import plan_run
-        from moestream.experts.cache import ExpertCache
-        from moestream.experts.predict import Lookahead
-        from moestream.experts.sources import open_source
-        from moestream.layers.experts import RoutedExperts
-
+        digest_dir: where the checked resident files' digests are remembered (None: ~/.cache/moestream);
+        reroute(args, device): the routing replacement of a benchmark (moestream.bench.routing), or None."""
         self.packed, self.options, self.digest_dir = packed, options, digest_dir
         self.plan = plan_run(packed, options, default_cache_size=default_cache_size, digest_dir=digest_dir)
         self.device, self.dtype, self.max_context = self.plan.device, self.plan.dtype, self.plan.max_context
+        self.model_name = packed.directory.name if packed.directory != DEMO_MODEL else "moestream-demo"
         if options.threads > 0:
             torch.set_num_threads(options.threads)
         self.parallel = expert_setup.expert_parallel(packed, options)
@@ -82,30 +76,35 @@ class Engine:
             from moestream.layers.expert_parallel import OwnedExperts
 
             self.provider = OwnedExperts(self.provider, self.parallel.placement, self.parallel.group.rank)
+        # CPU: the lookahead is a hook after each layer's fetch; CUDA: the decoder guesses on the device
+        cpu = self.device.type == "cpu"
+        self.prefetcher = None
+        self.trace = None
         try:
             def make_experts(args):  # the decoder's MoE layers and the multi-token-prediction layers' experts
                 layers = args.moe_layers() + args.mtp_expert_layers(packed.manifest.mtp_layers)
-                moe = {i: args.num_experts for i in layers}
-                return RoutedExperts(self.provider, moe, device=self.device, parallel=self.parallel,
-                                     unpacked=expert_setup.unpacked_experts(self.plan),
+                if options.trace_routing:
+                    self.trace = expert_setup.trace_recorder(self.model_name, packed.family, args)
+                return RoutedExperts(self.provider, {i: args.num_experts for i in layers}, device=self.device,
+                                     parallel=self.parallel, unpacked=expert_setup.unpacked_experts(self.plan),
                                      cpu_share=expert_setup.share_request(options, parallel=self.parallel,
-                                                                          hidden=args.hidden_size, dtype=self.dtype))
+                                                                          hidden=args.hidden_size, dtype=self.dtype),
+                                     on_route=self._record_route if options.trace_routing else None,
+                                     after_fetch=self._prefetch if cpu and prefetch else None,
+                                     reroute=None if reroute is None else reroute(args, self.device))
 
             self.args, self.experts, self.model = build_model(packed, make_experts, device=self.device,
                                                               dtype=self.dtype)
-            # CPU: a hook after each layer's fetch; CUDA: the decoder guesses on the device (Lookahead)
-            cpu = self.device.type == "cpu"
             self.guess_maps = None if not prefetch else \
                 expert_setup.load_guess_maps(packed, options, self.model, hidden_size=self.args.hidden_size,
                                              device=self.device)
-            self.prefetcher = None if not (cpu and prefetch) else \
-                expert_setup.attach_prefetcher(self.model, self.experts, self.provider, maps=self.guess_maps)
+            if cpu and prefetch:
+                self.prefetcher = expert_setup.prefetcher(self.model, self.provider, maps=self.guess_maps)
             lookahead = Lookahead(self.provider, depth=1) if prefetch and not cpu else None
             self.tokenizer = load_tokenizer(packed.directory, packed.config)
         except BaseException:
             self.provider.close()
             raise
-        self.model_name = packed.directory.name if packed.directory != DEMO_MODEL else "moestream-demo"
         self.sequences = SequenceSlots(self.args.kv_layout(), self.max_context, count=options.max_sequences,
                                        dtype=self.dtype, device=self.device, prefill_chunk=self.plan.prefill_chunk)
         self.pool, self.caches = self.sequences.pool, self.sequences.caches
@@ -121,9 +120,12 @@ class Engine:
         # hidden_tap(first position, rows [T, H]); the MTP drafter's input (moestream.engine.mtp_drafter)
         self.hidden_tap: Callable[[int, torch.Tensor], None] | None = None
         self._position = 0  # first position of the chunk being run (for routing traces)
-        self.trace = None
-        if options.trace_routing:
-            self._start_trace()
+
+    def _record_route(self, layer: int, ids: torch.Tensor) -> None:
+        self.trace.record(layer, self._position, ids.cpu().numpy())
+
+    def _prefetch(self, layer: int, x: torch.Tensor, chosen: list[int]) -> None:
+        self.prefetcher(layer, x, chosen)
 
     @property
     def lookahead(self):
@@ -132,19 +134,6 @@ class Engine:
         if self.decoder.lookahead is not None:
             return self.decoder.lookahead
         return self.prefetcher.lookahead if self.prefetcher is not None else None
-
-    def parallel_stats(self, before: dict, after: dict) -> dict | None:
-        """Every rank's expert-cache figures for a run (a collective); None for one process."""
-        return expert_setup.parallel_stats(self.parallel, before, after)
-
-    def _start_trace(self) -> None:
-        from moestream.experts.trace import TraceRecorder
-
-        moe_layers = self.args.moe_layers()
-        self.trace = TraceRecorder({"model": self.model_name, "family": self.packed.family,
-                                    "num_experts": self.args.num_experts, "top_k": self.args.num_experts_per_tok,
-                                    "moe_layers": moe_layers, "num_layers": self.args.num_hidden_layers})
-        self.experts.on_route = lambda layer, ids: self.trace.record(layer, self._position, ids.cpu().numpy())
 
     @property
     def cache(self) -> SequenceKV:
@@ -163,14 +152,9 @@ class Engine:
     @classmethod
     def load(cls, model_dir: str | Path | None = None, *, options: EngineOptions | None = None,
              graphs: bool = True, prefetch: bool = True, digest_dir: str | None = None) -> "Engine":
-        if model_dir is None:
-            model_dir = DEMO_MODEL
-            if not (DEMO_MODEL / "moestream.json").is_file():
-                raise MoestreamError(f"no --model given and the built-in demo model is missing at {DEMO_MODEL}")
-            return cls(PackedModel(model_dir), options or EngineOptions(), default_cache_size=DEMO_CACHE_SIZE,
-                       graphs=graphs, prefetch=prefetch, digest_dir=digest_dir)
-        return cls(PackedModel(model_dir), options or EngineOptions(), graphs=graphs, prefetch=prefetch,
-                   digest_dir=digest_dir)
+        packed, default_size = open_packed(model_dir)
+        return cls(packed, options or EngineOptions(), default_cache_size=default_size, graphs=graphs,
+                   prefetch=prefetch, digest_dir=digest_dir)
 
     # -- running the model: prefill, step, rollback -----------------------------------------
     def _make_resident(self) -> None:
@@ -189,8 +173,8 @@ class Engine:
 
     @property
     def streaming(self) -> str:
-        """How routed experts reach the device: resident, device (the device map) or host. Decided at
-        the first prefill or step (`_make_resident`); before it, host."""
+        """How routed experts reach the device: resident, device (the device map) or host (also before
+        the first run decides it)."""
         return "resident" if self.experts.resident else "device" if self.experts.device_map is not None else "host"
 
     # -- sequence slots (moestream.engine.sequences) ------------------------------------------
@@ -200,32 +184,26 @@ class Engine:
 
     def open_sequence(self, prefix: list[int] | None = None, *, slot: int | None = None,
                       tokens: int | None = None) -> int:
-        """Open a free slot and return its id. With `prefix` (the prompt to come), the free slot
-        whose cache shares the longest start with it, that start kept (prefill reuses it); else
-        the lowest free slot, emptied. `slot` names the free slot to open (a caller's own choice,
-        e.g. the least recently used); its shared start with `prefix` is kept the same way.
-        `tokens`: the positions it may reach (default the whole context), kept free for it (kv_room)."""
+        """SequenceSlots.open: a free slot opened for `prefix` (the prompt to come), its shared start
+        kept; `tokens`, the positions it may reach, kept free for it (kv_room)."""
         if tokens is not None:
             tokens = self._reach(prefix or [], tokens)
         return self.sequences.open(prefix, slot=slot, tokens=tokens)
 
-    def _reach(self, prompt_ids: list[int], tokens: int) -> int:
-        """The positions a sequence of `tokens` for `prompt_ids` may hold blocks for: a first prefill
-        chunk padded to its graph's bucket holds the padding's blocks too (prefill_graphs.run)."""
-        graphs = self.prefill_graphs
-        first = min(len(prompt_ids), max(1, self.plan.prefill_chunk))
-        if graphs is not None and first > 0 and graphs.takes(first, 0, 0):
-            tokens = max(tokens, prefill_graphs.bucket(first))
-        return min(tokens, self.max_context)
-
     def kv_room(self, prompt_ids: list[int], max_new_tokens: int, *, share: bool = True) -> KVRoom:
-        """Whether the KV pool holds a new sequence of `prompt_ids` and up to `max_new_tokens` more
-        beside the open ones, each of which may still grow to the length it was opened for: a caller
-        that opens a sequence only where `.fits` (with tokens=len(prompt_ids) + max_new_tokens) never
-        sees one run out of blocks; `.ever` is False where it cannot fit even alone. `share` False: a
-        prompt computed whole (prompt_logprobs), which shares no block the pool holds."""
+        """SequenceSlots.room of a new sequence of `prompt_ids` and up to `max_new_tokens` more: a caller
+        that opens one only where `.fits` (with tokens=len(prompt_ids) + max_new_tokens) never sees one
+        run out of blocks; `share` False: a prompt computed whole (prompt_logprobs)."""
         tokens = self._reach(prompt_ids, len(prompt_ids) + max(0, max_new_tokens))
         return self.sequences.room(list(prompt_ids), tokens, share=share)
+
+    def _reach(self, prompt_ids: list[int], tokens: int) -> int:
+        """The positions a sequence of `tokens` for `prompt_ids` holds blocks for: a first prefill chunk
+        padded to its graph's bucket holds the padding's too (prefill_graphs.run)."""
+        first = min(len(prompt_ids), max(1, self.plan.prefill_chunk))
+        if self.prefill_graphs is not None and first > 0 and self.prefill_graphs.takes(first, 0, 0):
+            return max(tokens, prefill_graphs.bucket(first))
+        return tokens
 
     def close_sequence(self, seq: int) -> None:
         """Free slot `seq` for open_sequence (its cached tokens stay, for a later prompt's prefix)."""
@@ -233,9 +211,9 @@ class Engine:
 
     def prefill(self, prompt_ids: list[int], *, seq: int = 0, should_stop: Callable[[], bool] | None = None,
                 all_logits: bool = False) -> tuple[torch.Tensor | None, int]:
-        """Bring sequence `seq`'s KV cache to `prompt_ids`, reusing the cached prefix, in chunks of
-        `prefill_chunk_tokens`; returns (logits [T, V] of the computed positions with all_logits, else
-        of the last one [1, V]; tokens reused). (None, reused) if should_stop interrupted it."""
+        """Bring sequence `seq`'s KV cache to `prompt_ids`, reusing the cached prefix; returns (logits
+        [T, V] of the computed positions with all_logits, else [1, V] of the last; tokens reused), or
+        (None, reused) if should_stop interrupted it."""
         cache = self.sequences.open_cache(seq)
         reuse = cache.truncate(0) if all_logits else self._reuse(cache, prompt_ids, seq)
         self.sequences.check_room(len(prompt_ids) - reuse, cache)
@@ -273,14 +251,10 @@ class Engine:
         return (torch.cat(outputs) if all_logits else outputs[-1]), reuse
 
     def prompt_step(self, prompt_ids: list[int], *, seq: int, beside: int) -> list[int] | None:
-        """The prompt tokens that `prefill(prompt_ids, seq=seq)` would run as one decoder step of their
-        own (`_prefill_by_steps`), for a caller to run in a `step_many` beside `beside` other rows,
-        all in one decoder step: a row's bits never depend on the other rows of its step, so their
-        last row's logits are the bits prefill gives. The slot's cache is brought to the reused start
-        first. None where prefill would run a pass or the step has no room for them: then call
-        prefill (which reuses the same start)."""
-        from moestream.engine.decoder import MAX_STEP_TOKENS
-
+        """The prompt tokens `prefill(prompt_ids, seq=seq)` would run as one decoder step, for a caller
+        to run in a `step_many` beside `beside` other rows (a row's bits never depend on the others),
+        the slot's cache brought to the reused start. None where prefill would run a pass or the step
+        has no room: then call prefill."""
         rows = MAX_STEP_TOKENS - beside
         cache = self.sequences.open_cache(seq)
         reuse = self._reuse(cache, prompt_ids, seq)  # less where a recurrent layer keeps no state there
@@ -291,34 +265,27 @@ class Engine:
         return list(prompt_ids[reuse:])
 
     def greedy_choices(self, rows: list[torch.Tensor]) -> list[int]:
-        """Each logits row's greedy choice (choose_token's for plain greedy settings), with one wait for
-        the device for all of them (moestream.engine.sampling.argmax_rows)."""
+        """Each logits row's greedy choice, with one wait for the device (sampling.argmax_rows)."""
         return argmax_rows(rows)
 
     def _reuse(self, cache: SequenceKV, prompt_ids: list[int], seq: int) -> int:
-        """Bring sequence `seq`'s cache to the start of `prompt_ids` it (or the pool's published blocks)
-        holds and return its length: less its last token (its logits start decoding), less one more
-        where the hidden tap must see the state before the first new token."""
+        """Keep the start of `prompt_ids` the cache (or the pool's published blocks) holds, less its last
+        token (its logits start decoding), less one more where the hidden tap must see the state
+        before the first new token; returns its length."""
         reuse = cache.reuse(prompt_ids, len(prompt_ids) - 1)
         if self.hidden_tap is not None and seq == 0 and reuse > 0:
             reuse = cache.truncate(reuse - 1)
         return reuse
 
     def _prefill_by_steps(self, new: int, seq: int) -> bool:
-        """Whether `new` prompt tokens run as one decoder step rather than a prefill pass: on CUDA with
-        a step's rows at once, up to a step's rows (a replayed graph costs a fraction of the pass's
-        hundreds of launches; with graphs off the same kernels run eagerly, so the same bits). Either
-        way is one fixed path per prompt length, whatever else runs."""
-        from moestream.engine.decoder import MAX_STEP_TOKENS
-
+        """Whether `new` prompt tokens run as one decoder step rather than a prefill pass (CUDA, up to a
+        step's rows: a replay costs a fraction of the pass's launches). One fixed path per length."""
         return 0 < new <= MAX_STEP_TOKENS and self.decoder.rows_at_once and (self.hidden_tap is None or seq != 0)
 
     def release_workspace(self) -> None:
-        """Give the prefill's transient memory back to the device (decode needs a small part of it),
-        where the allocator keeps more than WORKSPACE_SLACK of it cached, under a memory budget (decode
-        then holds only what it needs). Without one it is kept and the next prompt's prefill reuses it:
-        giving it back costs each prefill its allocations again (~0.1 s on the H200 at the 30B shape,
-        for any prompt length up to a chunk)."""
+        """Under a memory budget, give the prefill's cached transient memory back to the device beyond
+        WORKSPACE_SLACK. Without one it is kept for the next prefill: giving it back costs each
+        prefill its allocations again (~0.1 s on the H200 at the 30B shape)."""
         if not self.options.memory_budget:
             return
         if self.device.type == "cuda":
@@ -327,28 +294,24 @@ class Engine:
                 torch.cuda.empty_cache()
 
     def step(self, tokens: list[int], *, seq: int = 0) -> torch.Tensor:
-        """Run `tokens` at the next positions of sequence `seq`; logits [T, V] (float32), row t
-        predicting the token after tokens[t]. A token's logits are the same bits whatever T is:
-        step([a, b]) gives what step([a]) then step([b]) give (speculative verification needs it)."""
+        """Run `tokens` at the next positions of sequence `seq`; logits [T, V] (float32), row t predicting
+        the token after tokens[t], the same bits whatever T (speculative verification needs it)."""
         return self._step(tokens, seq, head=True)
 
     def step_hidden(self, tokens: list[int], *, seq: int = 0) -> torch.Tensor:
-        """`step` without the head: the final residual stream [T, H] (before the final norm), for
-        a caller that scores rows its own way (the hot-vocabulary head); `head_rows` gives the
-        logits `step` would have given those rows, bit for bit."""
+        """`step` without the head: the final residual stream [T, H] (before the final norm), for the
+        hot-vocabulary head; `head_rows` gives the logits `step` would have given, bit for bit."""
         return self._step(tokens, seq, head=False)
 
     def head_rows(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits [n, V] (float32) of rows that `step_hidden` returned, with `step`'s bits: on CUDA
-        one pass over the weights for all of them (n <= decoder.MAX_STEP_TOKENS)."""
+        """Logits [n, V] (float32) of rows `step_hidden` returned, with `step`'s bits."""
         with torch.inference_mode():
             return self.decoder.head_rows(hidden).clone()
 
     def step_unread(self, token: torch.Tensor, *, seq: int = 0) -> torch.Tensor:
-        """`step([t])` for a token the host has not read: `token` is t on the model's device (the
-        argmax of the last logits), so the step is queued behind the work that computes t and the host
-        reads t while the step runs. The cache holds the position with the id UNREAD until `name_token`
-        names it, which the caller does before anything else uses the sequence. Logits [1, V]."""
+        """`step([t])` for t still on the model's device (the last logits' argmax): queued behind the work
+        that computes t while the host reads it. The position holds UNREAD until `name_token`, which
+        the caller calls before anything else uses the sequence. Logits [1, V]."""
         if token.numel() != 1 or token.device.type != self.device.type:  # "cuda:0" is "cuda"
             raise ValueError("step_unread takes one token id on the model's device")
         if self.hidden_tap is not None and seq == 0:
@@ -364,8 +327,6 @@ class Engine:
 
     def _step(self, tokens: list[int], seq: int, *, head: bool,
               device_tokens: torch.Tensor | None = None) -> torch.Tensor:
-        from moestream.engine.decoder import MAX_STEP_TOKENS
-
         cache = self.sequences.open_cache(seq)
         if not tokens:
             raise ValueError("step needs at least one token")
@@ -378,8 +339,9 @@ class Engine:
                 piece = tokens[i:i + MAX_STEP_TOKENS]
                 self._position = cache.length
                 with timeline.span("step", position=cache.length, tokens=len(piece)):
-                    out = self.decoder.step(piece, cache.length, slot=seq, head=head and tap is None,
-                                            device_tokens=device_tokens).clone()
+                    out = self.decoder.step_rows(piece, list(range(cache.length, cache.length + len(piece))),
+                                                 [seq] * len(piece), head=head and tap is None,
+                                                 device_tokens=device_tokens).clone()
                     if tap is not None:  # the rows before the head, then the head's bits for them
                         tap(cache.length, out)
                         out = self.decoder.head_rows(out).clone() if head else out
@@ -388,12 +350,9 @@ class Engine:
         return rows[0] if len(rows) == 1 else torch.cat(rows)
 
     def warm_steps(self, rows: int, *, seq: int = 0) -> None:
-        """Capture the CUDA graphs of steps of 1..rows rows now (rows at once), so that the first
-        batched requests or speculative verifications neither pay for them nor time them. The steps
-        write K/V at sequence `seq`'s next positions and record no token: a sequence writes a
-        position before it reads it, so nothing it reads changes."""
-        from moestream.engine.decoder import MAX_STEP_TOKENS
-
+        """Capture the CUDA graphs of steps of 1..rows rows now, not in the first timed batch or
+        verification. They write K/V at sequence `seq`'s next positions and record no token (a
+        position is written before it is read)."""
         n = min(rows, MAX_STEP_TOKENS)
         start = self.sequences.open_cache(seq).length if seq else self.caches[0].length
         todo = [T for T in range(1, n + 1) if T not in self._warmed]
@@ -409,11 +368,8 @@ class Engine:
         log.info("captured the steps of %s rows in %.1f s", todo, time.perf_counter() - t0)
 
     def step_many(self, batch: dict[int, list[int]]) -> dict[int, torch.Tensor]:
-        """`step` for several sequences at once: {slot: tokens} -> {slot: logits [T_s, V]}. Their
-        rows share decoder steps, so each MoE layer loads the union of the experts they route to
-        once; each sequence's logits are the bits `step` gives it alone."""
-        from moestream.engine.decoder import MAX_STEP_TOKENS
-
+        """`step` for several sequences at once: {slot: tokens} -> {slot: logits [T_s, V]}, sharing decoder
+        steps (each MoE layer loads its experts once); each gets the bits `step` gives it alone."""
         if not batch:
             raise ValueError("step_many needs at least one sequence")
         for seq, tokens in batch.items():
@@ -441,8 +397,7 @@ class Engine:
         return {seq: parts[0] if len(parts) == 1 else torch.cat(parts) for seq, parts in out.items()}
 
     def rollback(self, length: int, *, seq: int = 0) -> None:
-        """Forget sequence `seq`'s cached tokens from position `length` on (rejected draft tokens,
-        a new prompt)."""
+        """Forget sequence `seq`'s cached tokens from position `length` on (rejected drafts)."""
         cache = self.sequences.open_cache(seq)
         if not 0 <= length <= cache.length:
             raise ValueError(f"cannot roll back to {length}: the cache holds {cache.length} tokens")
@@ -451,8 +406,8 @@ class Engine:
             self.prefill(kept, seq=seq)
 
     def reset(self, *, seq: int = 0) -> None:
-        """Forget sequence `seq`'s cached tokens and the pool's published prefixes (the next prompt is
-        prefilled whole: a prefill's bits depend on how its chunks fall)."""
+        """Forget sequence `seq`'s tokens and the pool's published prefixes: the next prompt is prefilled
+        whole (a prefill's bits depend on how its chunks fall)."""
         self.sequences.open_cache(seq).release()
         self.pool.forget_published()
 
@@ -471,26 +426,23 @@ class Engine:
     def generate(self, prompt_ids: list[int], *, max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
                  logprobs: int = 0, should_stop: Callable[[], bool] | None = None,
                  stop_at_eos: bool = True, speculative: "SpeculativeOptions | None" = None) -> Generation:
-        """Prefill, then the decode loop (moestream.engine.decode_loop); with `speculative`, its drafts
-        verified: the same tokens, faster."""
+        """Prefill, then the decode loop; with `speculative`, drafts verified: the same tokens, faster."""
         return generation.generate(self, prompt_ids, max_new_tokens=max_new_tokens, sampling=sampling,
                                    logprobs=logprobs, should_stop=should_stop, stop_at_eos=stop_at_eos,
                                    speculative=speculative)
 
     def emitter(self, prompt_ids: list[int], state: dict, *, sampling: SamplingParams, logprobs: int = 0,
                 should_stop: Callable[[], bool] | None = None) -> Emitter:
-        """The chooser `generate` uses (one position at a time, from a logits row), for a caller that
-        drives the decode loop's pieces over `step_many` (the server's batch scheduler). `state` as
-        in Emitter: "tokens" (appended to), "finish" (set when it stops)."""
+        """The chooser `generate` uses, for a caller driving the loop's pieces over `step_many` (the
+        server's batch scheduler); `state` as in Emitter."""
         return Emitter(list(prompt_ids), state, sampling=sampling, logprobs=logprobs,
                        eos_ids=self.tokenizer.eos_token_ids, should_stop=should_stop, stop_at_eos=True)
 
     def prompt_logprobs(self, prompt_ids: list[int], k: int, *, seq: int = 0,
                         should_stop: Callable[[], bool] | None = None
                         ) -> list[tuple[int, float | None, list[tuple[int, float]]]] | None:
-        """[(token id, its logprob given the tokens before it, the k most likely there)] for every
-        prompt token (what evaluation harnesses score); the first has no logprob (None) and no
-        alternatives. None if should_stop interrupted the prefill."""
+        """generation.score_prompt of every prompt token (what evaluation harnesses score), or None if
+        should_stop interrupted the prefill."""
         logits, _ = self.prefill(list(prompt_ids), seq=seq, should_stop=should_stop, all_logits=True)
         if logits is None:
             return None
@@ -521,16 +473,18 @@ class Engine:
         return self.plan.ledger.to_json()
 
 
-def load_engine(model: str | os.PathLike | None, options: EngineOptions, *, digest_dir: str | None = None) -> Engine:
-    """Open a packed model (default: the demo model), resolve the options (moestream.engine.plan), build
-    the Engine: what generate, serve and bench load. digest_dir: as Engine takes it."""
-    from moestream.engine.plan import resolve_options
+def load_engine(model: str | os.PathLike | None, options: EngineOptions, *, digest_dir: str | None = None,
+                reroute: Callable | None = None) -> Engine:
+    """The Engine generate, serve and bench load: `model` (None: the demo model), options resolved."""
+    packed, default_size = open_packed(model)
+    options = resolve_options(packed, options, default_cache_size=default_size, digest_dir=digest_dir)
+    return Engine(packed, options, default_cache_size=default_size, digest_dir=digest_dir, reroute=reroute)
 
+
+def open_packed(model: str | os.PathLike | None) -> tuple[PackedModel, str]:
+    """The packed model at `model` (None: the built-in demo model) and its default cache size."""
     if model is None:
         if not (DEMO_MODEL / "moestream.json").is_file():
             raise MoestreamError(f"no --model given and the built-in demo model is missing at {DEMO_MODEL}")
-        packed, default_size = PackedModel(DEMO_MODEL), DEMO_CACHE_SIZE
-    else:
-        packed, default_size = PackedModel(Path(model)), "auto"
-    options = resolve_options(packed, options, default_cache_size=default_size, digest_dir=digest_dir)
-    return Engine(packed, options, default_cache_size=default_size, digest_dir=digest_dir)
+        return PackedModel(DEMO_MODEL), DEMO_CACHE_SIZE
+    return PackedModel(Path(model)), "auto"

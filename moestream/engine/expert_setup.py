@@ -1,12 +1,6 @@
-"""How routed experts reach the compute: the choices an Engine makes when it loads and at its first
-step, kept apart from the engine's running of the model.
-
-- expert parallelism: which rank owns which experts (`expert_parallel`), and every rank's
-  figures for a run (`parallel_stats`);
-- the lookahead's fitted corrections (`load_guess_maps`, from moestream fit-lookahead);
-- the backends RoutedExperts is built with: the CPU's share of the misses (`share_request`:
-  --cpu-experts) and the CPU's kept unpacked experts (`unpacked_experts`);
-- device- or host-driven streaming (`start_streaming`: --streaming)."""
+"""How routed experts reach the compute, decided when an Engine loads and at its first step: expert
+parallelism, the lookahead's fitted maps and the CPU's prefetcher, what RoutedExperts is built with
+(the CPU share, the kept unpacked experts, a routing trace), device- or host-driven streaming."""
 from __future__ import annotations
 
 import logging
@@ -15,9 +9,17 @@ from typing import Any
 
 import torch
 
+from moestream.cpu_share.share import ShareRequest, parse_share
 from moestream.engine.options import EngineOptions
 from moestream.errors import MoestreamError
+from moestream.experts.device_map import DeviceMapUnavailable
+from moestream.experts.guess_maps import GuessMaps, manifest_digest, maps_path
+from moestream.experts.predict import NextLayerPrefetcher
+from moestream.experts.trace import RoutingTrace, TraceRecorder
+from moestream.experts.unpacked import UnpackedExperts
 from moestream.format.reader import PackedModel
+from moestream.layers.expert_parallel import ExpertParallel, ExpertPlacement
+from moestream.layers.moe import MoEBlock
 
 log = logging.getLogger(__name__)
 
@@ -27,8 +29,6 @@ def expert_parallel(packed: PackedModel, options: EngineOptions):
     group = options.expert_parallel
     if group is None or group.world_size <= 1:
         return None
-    from moestream.layers.expert_parallel import ExpertParallel, ExpertPlacement
-
     counts = {e.layer: e.num_experts for e in packed.manifest.expert_layers}
     if options.expert_placement:
         placement = placement_from_trace(options.expert_placement, counts, group.world_size)
@@ -41,9 +41,6 @@ def expert_parallel(packed: PackedModel, options: EngineOptions):
 
 def placement_from_trace(path: str, counts: dict[int, int], world_size: int):
     """The placement balanced by a routing trace's expert counts (--expert-placement)."""
-    from moestream.layers.expert_parallel import ExpertPlacement
-    from moestream.experts.trace import RoutingTrace
-
     try:
         trace = RoutingTrace.load(path)
     except (OSError, ValueError, KeyError) as exc:
@@ -72,9 +69,6 @@ def parallel_stats(parallel, before: dict, after: dict) -> dict | None:
 def load_guess_maps(packed: PackedModel, options: EngineOptions, model, *, hidden_size: int,
                     device: torch.device):
     """The lookahead's fitted corrections (moestream fit-lookahead) on the device, or None."""
-    from moestream.experts.guess_maps import GuessMaps, manifest_digest, maps_path
-    from moestream.layers.moe import MoEBlock
-
     path = maps_path(packed.directory, options.lookahead_maps)
     if path is None:
         return None
@@ -92,24 +86,23 @@ def load_guess_maps(packed: PackedModel, options: EngineOptions, model, *, hidde
     return maps.to(device)
 
 
-def attach_prefetcher(model, experts, provider, *, maps=None):
-    """The CPU's lookahead: a NextLayerPrefetcher hooked after each layer's fetch; `maps` (fitted
-    corrections, moestream.experts.guess_maps) improve its guesses."""
-    from moestream.experts.predict import NextLayerPrefetcher
-    from moestream.layers.moe import MoEBlock
+def prefetcher(model, provider, *, maps=None):
+    """The CPU's lookahead (a NextLayerPrefetcher, which RoutedExperts calls after each layer's
+    fetch); `maps` (fitted corrections, moestream.experts.guess_maps) improve its guesses."""
+    return NextLayerPrefetcher([layer.ffn for layer in model.layers if isinstance(layer.ffn, MoEBlock)], provider,
+                               maps=maps)
 
-    blocks = [layer.ffn for layer in model.layers if isinstance(layer.ffn, MoEBlock)]
-    predictor = NextLayerPrefetcher(blocks, provider, maps=maps)
-    experts.after_fetch = predictor
-    return predictor
+
+def trace_recorder(model_name: str, family: str, args):
+    """The routing trace a run records (--trace-routing)."""
+    return TraceRecorder({"model": model_name, "family": family, "num_experts": args.num_experts,
+                          "top_k": args.num_experts_per_tok, "moe_layers": args.moe_layers(),
+                          "num_layers": args.num_hidden_layers})
 
 
 def share_request(options: EngineOptions, *, parallel, hidden: int, dtype: torch.dtype):
-    """The CPU share RoutedExperts starts with device-driven streaming (--cpu-experts), or None
-    (off, or expert parallelism: `auto` is the default, so only a share asked for by number is
-    refused there)."""
-    from moestream.cpu_share.share import ShareRequest, parse_share
-
+    """The CPU share RoutedExperts starts with device-driven streaming (--cpu-experts), or None (off,
+    or `auto` under expert parallelism, where a share asked for by number is an error)."""
     try:
         share = parse_share(options.cpu_experts)
     except ValueError as exc:
@@ -127,16 +120,12 @@ def unpacked_experts(plan):
     """CPU runs: the kept dequantized experts the plan makes room for (the same bits), or None."""
     if not plan.unpacked:
         return None
-    from moestream.experts.unpacked import UnpackedExperts
-
     return UnpackedExperts(plan.unpacked, entry_bytes=plan.unpacked_bytes)
 
 
 def start_streaming(engine: Any) -> None:  # an Engine (moestream.engine.engine imports this module)
     """Device-driven streaming where the option allows and it can run (else the host path);
     `--streaming device` where it cannot is an error naming why."""
-    from moestream.experts.device_map import DeviceMapUnavailable
-
     experts, options, provider = engine.experts, engine.options, engine.provider
     mode = options.streaming
     reason = "--streaming host" if mode == "host" else None

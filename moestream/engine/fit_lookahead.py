@@ -1,13 +1,9 @@
-"""Fitting the lookahead's per-layer correction on text (`moestream fit-lookahead`).
-
-Runs the model over text (teacher-forced prefill, every expert resident), records each MoE layer's
-expert input and chosen experts, fits a map per (later layer, depth) that turns one layer's expert
-input into a better guess of a later layer's router logits (moestream.experts.guess_maps). The
-guesses' accuracy is measured against the plain router and against reusing the previous token's
-experts."""
+"""Fitting the lookahead's per-layer correction on text (`moestream fit-lookahead`): record each MoE
+layer's expert input and chosen experts over text, fit a map per (later layer, depth)
+(moestream.experts.guess_maps), and measure its guesses against the plain router and against
+reusing the previous token's experts."""
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,7 +13,6 @@ from moestream.errors import MoestreamError
 from moestream.experts.guess_maps import GuessMaps, choose_and_fit, manifest_digest, overlap, top_k
 from moestream.layers.moe import MoEBlock
 
-log = logging.getLogger(__name__)
 TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst")
 
 
@@ -86,10 +81,9 @@ def fit_maps(cap: Capture, blocks: list[MoEBlock], *, depths=(1, 2), rank: int =
 
 
 def evaluate(cap: Capture, blocks: list[MoEBlock], *, depth: int, maps: GuessMaps | None = None) -> dict:
-    """Guess accuracy per target layer at `depth` (share of the layer's k experts the guess names,
-    mean over tokens that have a previous token): `router` (the target's router on the source's
-    expert input), `fitted` (with the map, where `maps` has one), `previous_token` (the target
-    layer's experts of the token before)."""
+    """Guess accuracy per target layer at `depth` (the share of its experts a guess names, over tokens
+    with a previous token): `router` (its router on the source's expert input), `fitted` (with the
+    map, where there is one), `previous_token` (its experts of the token before)."""
     keep = ~cap.first_rows()
     out = {}
     for src, tgt in zip(blocks, blocks[depth:]):

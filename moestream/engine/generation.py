@@ -1,45 +1,18 @@
-"""Generation over an Engine: the prefill, the decode loop (moestream.engine.decode_loop) and the
-receipt behind `Engine.generate`, and the scoring of a prompt's own tokens behind
-`Engine.prompt_logprobs`.
-
-Kept apart from the engine because it only calls the engine's pieces (prefill, step, the expert
-figures); the engine holds what runs the model, and this module never imports it."""
+"""`Engine.generate` (the prefill, the decode loop, the receipt) and `Engine.prompt_logprobs`'s scoring,
+over the engine's pieces (this module never imports the engine)."""
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Iterator, Protocol
+from typing import Callable, Iterator
 
 import torch
 
-from moestream.engine.decode_loop import Stepper, decode
+from moestream.engine.decode_loop import decode
 from moestream.engine.emitter import Emitter
+from moestream.engine.expert_setup import parallel_stats
 from moestream.engine.receipt import Receipt
 from moestream.engine.speculative import SpeculativeOptions
 from moestream.engine.types import GenerationResult, SamplingParams, TokenEvent
-
-
-class GeneratingEngine(Stepper, Protocol):
-    """What `generate` needs of an engine beyond the loop's steps (moestream.engine.engine.Engine)."""
-
-    tokenizer: Any
-    options: Any
-    lookahead: Any
-    model_name: str
-
-    def check_prompt(self, prompt_ids: list[int]) -> None: ...
-
-    def prefill(self, prompt_ids: list[int], *, should_stop: Callable[[], bool] | None = None
-                ) -> tuple[torch.Tensor | None, int]: ...
-
-    def expert_stats(self) -> dict: ...
-
-    def parallel_stats(self, before: dict, after: dict) -> dict | None: ...
-
-    def memory_ledger(self) -> dict: ...
-
-    def save_trace(self) -> None: ...
-
-    def _sync(self) -> None: ...
 
 
 class Generation:
@@ -66,7 +39,7 @@ class Generation:
         return self.result
 
 
-def generate(engine: GeneratingEngine, prompt_ids: list[int], *, max_new_tokens: int, sampling: SamplingParams,
+def generate(engine, prompt_ids: list[int], *, max_new_tokens: int, sampling: SamplingParams,
              logprobs: int, should_stop: Callable[[], bool] | None, stop_at_eos: bool,
              speculative: SpeculativeOptions | None) -> Generation:
     """Prefill, then one step a token until the budget, a stop or an end-of-sequence token; the
@@ -104,7 +77,7 @@ def generate(engine: GeneratingEngine, prompt_ids: list[int], *, max_new_tokens:
                                  generated=len(state["tokens"]), finish=state["finish"],
                                  prefill_s=state["prefill_s"], decode_s=state["decode_s"], before=before,
                                  after=after, memory=engine.memory_ledger(),
-                                 parallel=engine.parallel_stats(before, after),
+                                 parallel=parallel_stats(engine.parallel, before, after),
                                  device=str(engine.device), model=engine.model_name,
                                  threads=torch.get_num_threads(), verify=engine.options.verify,
                                  lookahead=engine.lookahead.stats() if engine.lookahead else {},

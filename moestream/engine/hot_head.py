@@ -1,17 +1,11 @@
 """The hot-vocabulary head: a drafter for greedy decoding that scores only a list of common tokens.
 
-To draft k tokens it runs k + 1 steps of the model that stop before the head (`Engine.step_hidden`),
-each fed the previous step's best token of a short list (the context's most frequent tokens and
-the tokenizer's first ids, which byte-pair merges order roughly by frequency). Those steps are the
-verification's: the loop takes the full head of the saved rows (`Engine.head_rows`, the bits a plain
-step gives them) and verifies the guesses like any other drafter's, rolling back from the first
-wrong one. So the tokens are exactly plain greedy decoding's; the list changes only how often a
-guess must be redone.
-
-What it saves is the full head's weight read on all but one of each k + 1 steps, where the
-verification reads the weights once for all its rows: on CUDA (a fixed-shape product). On the CPU
-the full head still runs once per token (a product's cost grows with its rows there), so the hot
-rows are extra work: there it is exact, not faster (docs/PERFORMANCE.md)."""
+To draft k tokens it runs k + 1 steps that stop before the head (`Engine.step_hidden`), each fed the
+previous step's best token of a short list (the context's most frequent tokens and the tokenizer's
+first ids, which byte-pair merges order roughly by frequency). Those steps are the verification's:
+the full head of the saved rows (`Engine.head_rows`) verifies the guesses, so the tokens are plain
+greedy decoding's. It saves the full head's weight read on all but one of each k + 1 steps on CUDA;
+on the CPU the head's cost grows with its rows, so there it is exact, not faster (docs/PERFORMANCE.md)."""
 from __future__ import annotations
 
 from collections import Counter
@@ -43,10 +37,6 @@ class HotHead:
         self.final_norm, self.eps = final_norm, eps
         self.hot_ids = hot_ids.to(lm_head.device)
         self.weight = lm_head.index_select(0, self.hot_ids).contiguous()  # [N, H]
-
-    @classmethod
-    def of_model(cls, model, hot_ids: torch.Tensor) -> "HotHead":
-        return cls(model.final_norm, model.lm_head, model.eps, hot_ids)
 
     def guess(self, hidden: torch.Tensor) -> list[int]:
         """hidden [T, H] -> the best hot token of each row."""
@@ -89,8 +79,9 @@ class HotHeadDrafter(Drafter):
         the cache then holds context and the guesses (rows saved for verify_rows)."""
         model, work = self.engine.model, list(context)
         if self.hot is None:
-            self.hot = HotHead.of_model(model, hot_vocabulary(work, model.vocab_size, prompt_tokens=self.prompt_tokens,
-                                                              base_tokens=self.base_tokens))
+            hot_ids = hot_vocabulary(work, model.vocab_size, prompt_tokens=self.prompt_tokens,
+                                     base_tokens=self.base_tokens)
+            self.hot = HotHead(model.final_norm, model.lm_head, model.eps, hot_ids)
         self.hidden = []
         with torch.inference_mode():
             for i in range(k + 1):

@@ -1,22 +1,14 @@
 """The multi-token-prediction drafter (`--speculative mtp`): the model's own MTP layer drafts.
 
-The MTP layer (moestream.layers.mtp) at position p reads the main model's final residual state
-h_p and the token t_{p+1} and guesses t_{p+2}. The engine hands every state slot 0 computes to
-`hidden_tap` (prefill chunks and steps, drafted positions included), so when the speculative loop
-asks for a draft after a context of L tokens, the states h_0 .. h_{L-2} are known (the engine's
-cache holds context[:-1]), and so are the tokens: the drafter brings its own KV cache up to the
-pairs (h_p, t_{p+1}) for p <= L-2, whose last output guesses t_L. Each further draft runs the
-layer once more on its own output state and the token it just drafted (chained); those positions
-are forgotten again, so after a verification its cache holds only pairs of accepted tokens and
-the main model's states (the rollback after rejected drafts). A new prompt keeps the pairs its
-tokens share with the last context.
-
-Only the first MTP layer drafts (every published checkpoint has one). Its routed experts are
-expert layer num_hidden_layers + 0 of the same slot cache; drafting calls no routing trace and no
-prefetch hook. The drafter changes only the speed: the loop verifies every drafted token."""
+The MTP layer (moestream.layers.mtp) at position p reads the main model's final residual state h_p
+and the token t_{p+1} and guesses t_{p+2}. The engine hands every state slot 0 computes to
+`hidden_tap`, so for a draft after L tokens the drafter brings its own KV cache up to the pairs
+(h_p, t_{p+1}) for p <= L-2, whose last output guesses t_L; each further draft runs the layer on its
+own output state and the token it just drafted, positions forgotten again (its cache keeps only
+accepted tokens' pairs). Only the first MTP layer drafts (every published checkpoint has one); its
+experts are expert layer num_hidden_layers of the same slot cache, out of traces and prefetches."""
 from __future__ import annotations
 
-from contextlib import contextmanager
 from typing import Sequence
 
 import torch
@@ -27,34 +19,17 @@ from moestream.errors import MoestreamError
 from moestream.kv.pool import KVPool
 
 
-def mtp_layers(engine) -> list:
-    """The engine's MTP layers; an error naming why where it has none."""
-    layers = getattr(engine.model, "mtp", None) or []
-    if not layers:
-        raise MoestreamError(f"--speculative mtp: the model {engine.model_name!r} ({engine.packed.family}) has no "
-                             "multi-token-prediction layers (its family has none, its checkpoint had none, or it was "
-                             "converted with --no-mtp)")
-    return layers
-
-
-@contextmanager
-def quiet(experts):
-    """Drafting's expert calls stay out of routing traces and prefetch guesses."""
-    saved = experts.on_route, experts.after_fetch
-    experts.on_route = experts.after_fetch = None
-    try:
-        yield
-    finally:
-        experts.on_route, experts.after_fetch = saved
-
-
 class MTPDrafter(ModelDrafter):
     name = "mtp"
 
     def __init__(self, engine):
         super().__init__()
-        self.layer = mtp_layers(engine)[0]
-        self.engine = engine
+        layers = getattr(engine.model, "mtp", None)
+        if not layers:
+            raise MoestreamError(f"--speculative mtp: the model {engine.model_name!r} ({engine.packed.family}) has no "
+                                 "multi-token-prediction layers (its family has none, its checkpoint had none, or it "
+                                 "was converted with --no-mtp)")
+        self.layer, self.engine = layers[0], engine
         self.pool = KVPool([self.layer.kv], max_sequences=1, max_context=engine.max_context, dtype=engine.dtype,
                            device=engine.device, prefill_chunk=engine.plan.prefill_chunk)
         self.cache = self.pool.sequences[0]
@@ -95,7 +70,7 @@ class MTPDrafter(ModelDrafter):
         missing = [p for p in range(kept, L - 1) if p not in self.states]
         if missing:  # computed before the drafter saw them: nothing to draft from
             return []
-        with torch.inference_mode(), quiet(self.engine.experts):
+        with torch.inference_mode(), self.engine.experts.quiet():
             if kept < L - 1:
                 chunk = max(1, self.engine.plan.prefill_chunk)  # a long prompt's pairs in prefill-sized pieces
                 for start in range(kept, L - 1, chunk):

@@ -87,9 +87,8 @@ def free_memory(device: torch.device) -> int:
 
 def plan_run(packed: PackedModel, options: EngineOptions, *, default_cache_size: str = "auto",
              digest_dir: str | None = None) -> RunPlan:
-    """The run's shape. Every Engine starts here, so this is also where the resident files are
-    checked against the manifest (unless options.verify is off): no engine runs on damaged weights.
-    digest_dir: where their digests are remembered (None: ~/.cache/moestream)."""
+    """The run's shape. Every Engine starts here, so the resident files are checked here (unless
+    options.verify is off; digests remembered in digest_dir): no engine runs on damaged weights."""
     if options.verify:
         check = check_resident_files(packed.directory, packed.manifest, cache_dir=digest_dir)
         if check.hashed:
@@ -166,19 +165,17 @@ def unpacked_limit(options: EngineOptions, device: torch.device, *, unpacked_byt
 
 
 def resolve_policy(name: str, *, slots: int, working_set: int) -> str:
-    """"auto": lfu where the pool is smaller than one token's experts across all layers (there
-    every recency policy evicts each expert just before its next use; lfu keeps the often-routed
-    ones), clock elsewhere (its victim choice costs O(1); lfu's scans every slot)."""
+    """"auto": lfu where the pool is smaller than one token's experts (every recency policy then evicts
+    each expert just before its next use), clock elsewhere (O(1) victims; lfu scans every slot)."""
     if name != "auto":
         return name
     return "lfu" if slots < working_set else "clock"
 
 
 def choose_threads(*, cores: int, load: float, streaming: bool) -> int:
-    """Compute threads for the CPU: the cores this process may run on, less one for the expert
-    readers when experts stream (they read, copy and check records while the layers compute), less
-    the machine's load (other processes' runnable threads); at least 1. On a busy machine more
-    compute threads than free cores only wait on each other at every operation's barrier."""
+    """Compute threads for the CPU: this process's cores, less one for the expert readers when experts
+    stream, less the machine's load; at least 1 (more threads than free cores only wait on each
+    other at every operation's barrier)."""
     readers = 1 if streaming else 0
     return max(1, cores - readers - int(load + 0.5))
 

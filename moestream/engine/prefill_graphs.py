@@ -1,36 +1,27 @@
 """A fresh prompt's prefill chunk on CUDA as one CUDA graph per length bucket.
 
-Why: up to 2,048 tokens an eager prefill call costs about 50 ms of the host's launches against about
-23 ms of GPU work at 512 tokens (H200, Qwen3-30B-A3B shape, every expert resident); a replayed graph
-is one launch.
+Why: up to 2,048 tokens an eager prefill call costs about 50 ms of host launches against about 23 ms
+of GPU work at 512 tokens (H200, Qwen3-30B-A3B shape, every expert resident); a replay is one launch.
 
-How the real rows keep their bits: the chunk is padded to the next power of two with copies of its
-last token, after the real rows. Causal attention keeps the real rows from seeing the padding; the
-expert kernels choose their kernels and row blocks for the real token count
-(`RoutedExperts.tile_tokens`, part of the graph's key), and the padding's pairs sort after the real
-ones, so every expert's real rows fall into the same row blocks as in the eager call. The padding's
-K/V land at positions past the prompt, which the next tokens overwrite before any row reads them.
+The chunk is padded to the next power of two with copies of its last token, after the real rows,
+which keep their bits: causal attention hides the padding from them; the expert kernels choose
+kernels and row blocks for the real token count (`RoutedExperts.tile_tokens`, part of the graph's
+key) and the padding's pairs sort after the real ones; the padding's K/V land past the prompt,
+overwritten before any row reads them. The padding is not the graph's alone: the products (cuBLAS)
+choose their algorithm by row count, so 100 rows and the same rows padded to 128 differ in the last
+bits (Qwen3-30B-A3B shape). So wherever the mode pads, every fresh chunk is padded, graph or not (at
+every cache size, in every slot, after a failed capture), and every MoE layer routes the padding to
+the last real row's experts (`padding_on_last_row`): a streamed chunk reads no expert the prompt did not.
 
-Why the padding is not the graph's alone: the products (cuBLAS) choose their algorithm by row count,
-so a chunk of 100 rows and the same rows padded to 128 differ in the last bits (measured at the
-Qwen3-30B-A3B shape; a tiny model happened to agree). So wherever the mode pads, every fresh chunk is
-padded, graph or not: at every cache size (a graph needs every expert resident; a streamed prefill
-runs the same padded chunk eagerly), in every sequence slot, and after a failed capture. The padding
-never changes bits with the cache. Every MoE layer routes the
-padding's rows to the last real row's experts, so a streamed chunk's padding reads no expert the prompt
-did not (`padding_on_last_row`, in the graph too: the same expert ids in every mode).
+A replay writes into every tensor the capture saw: the KV pool is bound (its blocks and block tables;
+the rows' sequence is a static input, so one graph serves every slot), and resident hits are not
+counted inside the graph: the capture hands out each layer's ids (`RoutedExperts.booked`), counted
+after each replay for the real rows only, as the eager prefill counts them.
 
-What a graph may touch: a replay writes into every tensor the capture saw, so those must live as long
-as the graph, at the same address. The KV pool is bound (its blocks and block tables; the rows'
-sequence is a static input, so one graph serves every slot), and the resident hits are not counted inside the graph (the engine's hit counter is the engine's to read and
-reset): the capture hands each layer's expert ids out (`RoutedExperts.booked`), and they are counted
-after each replay, for the real rows only, as the eager prefill counts them.
-
-Where it pads: a chunk starting at position 0 of a model with no recurrent layer, no routing trace,
-routing replacement, hidden-state tap or expert parallelism. Where a graph replays: besides, CUDA
-graphs on, every expert resident (no lookups), the Triton expert kernels, no device map, no memory budget (the
-graphs keep their activations, as a prefill's workspace is kept without one). Elsewhere the padded chunk runs
-eagerly."""
+Where it pads: a chunk at position 0 of a model with no recurrent layer, routing trace or replacement,
+hidden-state tap or expert parallelism. Where a graph replays: besides, CUDA graphs on, every expert
+resident, the Triton expert kernels, no device map and no memory budget (the graphs keep their
+activations). Elsewhere the padded chunk runs eagerly."""
 from __future__ import annotations
 
 import logging
@@ -59,9 +50,8 @@ def bucket(tokens: int) -> int:
 
 def for_engine(model: MoETransformer, experts, options, device: torch.device, chunk: int, pool: KVPool, *,
                graphs: bool = True, workspace: Callable[[int], int] | None = None) -> "PrefillGraphs | None":
-    """An engine's padded prefill on CUDA, None elsewhere. Graphs are captured with CUDA graphs and no
-    memory budget (the workspace is given back there; the graphs keep their activations), on a key's second use.
-    workspace(tokens): a chunk's transient bytes (a capture needs that much free)."""
+    """An engine's padded prefill on CUDA, None elsewhere; graphs are captured (on a key's second use)
+    with CUDA graphs and no memory budget. workspace(tokens): a chunk's transient bytes."""
     if device.type != "cuda" or not PrefillGraphs.fits(pool):
         return None
     capture = graphs and options.memory_budget is None
@@ -71,9 +61,8 @@ def for_engine(model: MoETransformer, experts, options, device: torch.device, ch
 
 @dataclass
 class _Graph:
-    """A captured bucket: the graph, its static inputs (padded ids, the last real row's index, the
-    rows' sequence), its logits, and each resident layer's (layer, expert ids) as the graph leaves
-    them, kept with it."""
+    """A captured bucket: the graph, its static inputs, its logits, and each resident layer's
+    (layer, expert ids) as the graph leaves them."""
 
     graph: torch.cuda.CUDAGraph
     ids: torch.Tensor
@@ -86,12 +75,10 @@ class _Graph:
 class PrefillGraphs:
     def __init__(self, model: MoETransformer, experts, pool: KVPool, *, largest: int, capture: bool = True,
                  capture_after: int = 0, workspace: Callable[[int], int] | None = None):
-        """largest: the longest chunk taken (the prefill chunk size). capture=False runs every padded
-        chunk eagerly (the same padding, nothing captured). capture_after: how many chunks of a graph's
-        key run eagerly before it is captured (a capture costs ~0.2 s and more on the H200: a bucket's
-        second prompt captures it, so a one-prompt run never pays it).
-        workspace(tokens): the transient bytes of a chunk of `tokens` rows; a graph keeps its own, beside
-        the eager prefill's, so a bucket is captured only where that much device memory is free."""
+        """largest: the longest chunk taken (the prefill chunk size). capture=False pads without
+        capturing. capture_after: chunks of a key run eagerly before its capture (~0.2 s and more on the
+        H200: a one-prompt run never pays it). workspace(tokens): a chunk's transient bytes, which a
+        graph keeps beside the eager prefill's: a bucket is captured only where they are free."""
         self.model, self.experts, self.pool, self.largest, self.capture = model, experts, pool, largest, capture
         self.capture_after, self.workspace = capture_after, workspace
         self._short: set[int] = set()  # buckets left eager for want of memory (logged once)
@@ -104,22 +91,19 @@ class PrefillGraphs:
 
     @staticmethod
     def fits(pool: KVPool) -> bool:
-        """Whether the model's prefill can be padded: no recurrent state that padding rows would advance
-        (padding rows come after the real ones, so causal attention keeps them from the real rows)."""
+        """Whether the model's prefill can be padded: no recurrent state the padding would advance."""
         return not pool.recurrent
 
     def takes(self, tokens: int, start: int, seq: int) -> bool:
-        """Whether a chunk of `tokens` at `start` is padded: a fresh chunk of a bucket the context holds,
-        nothing that watches each row (a routing trace or replacement, the hidden-state tap) and no
-        expert parallelism. Nothing here may depend on the expert cache: the padding changes bits."""
+        """Whether a chunk of `tokens` at `start` is padded (see the module doc). Nothing here may depend
+        on the expert cache: the padding changes bits."""
         ex = self.experts
         return start == 0 and SMALLEST // 2 < tokens <= self.largest and bucket(tokens) <= self.pool.max_context and \
             ex.on_route is None and ex.reroute is None and ex.parallel is None and self.model.on_hidden is None
 
     def replays(self) -> bool:
-        """Whether a padded chunk runs as a graph: captured here, every expert resident with no device
-        map (no lookups) and every MoE layer on the Triton kernels (the torch reference reads ids on
-        the host). The rows' sequence is a static input: one graph serves every sequence slot."""
+        """Whether a padded chunk runs as a graph: every expert resident, no device map, every MoE layer
+        on the Triton kernels (the torch reference reads ids on the host)."""
         ex = self.experts
         return self.capture and not self.broken and ex.resident and ex.device_map is None and self._capturable()
 

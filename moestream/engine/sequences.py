@@ -1,10 +1,6 @@
-"""The engine's sequence slots over the paged KV pool, and which slots are open.
-
-Kept apart from the engine because it is bookkeeping, not computation: which slot a sequence
-runs in, which free slot a new prompt should take (the one whose cache shares the longest start
-with it, so prefill reuses that start; the pool's published blocks serve any slot too), and
-whether a slot has room for more tokens, and whether the pool has room for one more sequence (each
-open one may still grow to the length it was opened for). Slot 0, the default sequence, is open from the start."""
+"""The engine's sequence slots over the paged KV pool: which are open, which free slot a new prompt
+takes (the one whose cache shares the longest start with it), whether a slot has room for more
+tokens and the pool room for one more sequence. Slot 0, the default sequence, is open from the start."""
 from __future__ import annotations
 
 import torch
@@ -48,17 +44,15 @@ class SequenceSlots:
         return sorted(self._open)
 
     def room(self, prompt: list[int], tokens: int, *, share: bool = True) -> KVRoom:
-        """Whether a sequence starting with `prompt` and reaching `tokens` positions fits the pool
-        beside the open ones (moestream.kv.pool.KVPool.room)."""
+        """Whether a sequence starting with `prompt` and reaching `tokens` positions fits beside the open
+        ones, each of which may still grow to the length it was opened for (KVPool.room)."""
         return self.pool.room(prompt, tokens, self.open_ids, share=share)
 
     def open(self, prefix: list[int] | None = None, *, slot: int | None = None, tokens: int | None = None) -> int:
-        """Open a free slot and return its id. With `prefix` (the prompt to come), the free slot
-        whose cache shares the longest start with it, the start it or the pool's published blocks
-        hold kept (prefill reuses it); else the lowest free slot, emptied. `slot` names the free slot
-        to open (a caller's own choice, e.g. the least recently used); its start is kept the same way.
-        `tokens`: the positions the sequence may reach (default the whole context), which `room`
-        keeps free for it."""
+        """Open a free slot and return its id: `slot`, or with `prefix` (the prompt to come) the one whose
+        cache shares the longest start with it, else the lowest; the start it or the pool's published
+        blocks hold is kept for prefill. `tokens`: the positions it may reach (default the whole
+        context), which `room` keeps free for it."""
         free = [s for s in range(len(self.caches)) if s not in self._open]
         if not free:
             raise MoestreamError(f"all {len(self.caches)} sequence slots are open (max_sequences)")
@@ -77,9 +71,8 @@ class SequenceSlots:
         return slot
 
     def close(self, seq: int) -> None:
-        """Free slot `seq`. Where the pool shares blocks by content (no recurrent layers) its blocks go
-        back to the pool, published ones reusable by any slot until evicted; otherwise its tokens and
-        states stay, for a later prompt's prefix in this slot."""
+        """Free slot `seq`: its blocks go back to the pool (published ones reusable by any slot), or with
+        recurrent layers its tokens and states stay, for a later prompt's prefix in this slot."""
         cache = self.open_cache(seq)
         self._open.discard(seq)
         if not self.pool.recurrent:

@@ -43,9 +43,8 @@ class Drafter:
         return None
 
     def verify_rows(self, engine, context: Sequence[int], draft: list[int]) -> torch.Tensor:
-        """The logits [len(draft) + 1, V] of the step that runs context[-1] and `draft` (the cache
-        holds context[:-1]). A drafter whose proposal ran the model already gives them its own way,
-        with the bits of this step."""
+        """The logits [len(draft) + 1, V] of the step that runs context[-1] and `draft` (the cache holds
+        context[:-1]); a drafter whose proposal ran the model gives them its own way, with these bits."""
         return engine.step([context[-1]] + draft)
 
     def reset(self) -> None:
@@ -62,9 +61,8 @@ class Drafter:
 
 
 class NGramDrafter(Drafter):
-    """Prompt lookup: find the latest earlier occurrence of the context's last n tokens (n from
-    `max_ngram` down to `min_ngram`) and propose what followed it. No model; strong wherever the
-    text repeats itself (code, edits, quoting the prompt)."""
+    """Prompt lookup: what followed the latest earlier occurrence of the context's last n tokens (n
+    from `max_ngram` down to `min_ngram`). Strong wherever text repeats (code, edits, quotes)."""
 
     name = "ngram"
     many_sequences = True  # no state of its own: one drafter serves every sequence of a batch
@@ -90,9 +88,8 @@ class NGramDrafter(Drafter):
 
 
 class ModelDrafter(Drafter):
-    """A drafter that scores tokens with a model of its own and chooses as the main model would:
-    greedily, or with the main sampler's seed and temperature (the same Gumbel-max draw at the same
-    position), so that a draft matches the main model's choice when their scores agree."""
+    """A drafter with a model of its own that chooses as the main model would (greedily, or the same
+    Gumbel-max draw at the same position), so a draft matches when their scores agree."""
 
     def __init__(self):
         self.sampling = SamplingParams()
@@ -109,11 +106,9 @@ class ModelDrafter(Drafter):
 
 
 class DraftModelDrafter(ModelDrafter):
-    """A small model that shares the main model's tokenizer, run as its own Engine (its own KV
-    cache). Each proposal brings its cache to the context (the engine's prefill reuses the common
-    prefix, which is the rollback after rejected drafts) and drafts as ModelDrafter chooses. Between
-    proposals it runs nothing: the tokens of plain steps are read in one prefill when it next drafts
-    (the policy counts that catch-up in a probe's cost)."""
+    """A small model sharing the main model's tokenizer, run as its own Engine. Each proposal prefills
+    its cache to the context (reusing the common prefix: the rollback after rejected drafts); between
+    proposals it runs nothing (the policy counts that catch-up in a probe's cost)."""
 
     name = "draft"
 
@@ -124,10 +119,9 @@ class DraftModelDrafter(ModelDrafter):
 
     @property
     def probe_price_s(self) -> float:
-        """A probe after plain steps first reads the tokens this engine has not seen, one prefill: timed
-        once (a catch-up of PRICE_TOKENS tokens, the second of two: the first compiles), the engine
-        left empty. On a fast GPU that prefill costs more than a run of plain steps (the demo model on
-        the H200: ~10 ms against 0.23 ms a token), which the policy must know before its first probe."""
+        """A probe after plain steps first prefills what this engine has not seen: timed once (PRICE_TOKENS
+        tokens, the second of two runs), the engine left empty. On a fast GPU it costs more than many
+        plain steps (demo model, H200: ~10 ms against 0.23 ms a token)."""
         if self._price is None:
             e = self.engine
             tokens = [(7 * i + 3) % e.args.vocab_size for i in range(min(PRICE_TOKENS, e.max_context - 1))]
@@ -219,14 +213,12 @@ class SpeculativeStats:
     plain_stretches: int = 0  # runs of plain steps decoded as plain decoding (not in steps)
 
     def record(self, chosen: int, drafted: int, accepted: int, verify_s: float) -> None:
-        """One verification: the length the policy (or the fixed setting) chose, the drafter's
-        proposal (it may propose fewer), the tokens kept, the step's time."""
+        """One verification: the length chosen, the tokens drafted (maybe fewer) and kept, its time."""
         if len(self.steps) < MAX_STEP_RECORDS:
             self.steps.append([chosen, drafted, accepted, round(verify_s * 1000.0, 3)])
 
     def plain_stretch(self, steps: int, seconds: float) -> None:
-        """`steps` plain steps run as plain decoding (one verification of 0 drafted tokens each, at the
-        stretch's mean time)."""
+        """`steps` plain steps run as plain decoding (each a verification of 0 drafted tokens)."""
         for _ in range(steps):
             self.record(0, 0, 0, seconds / steps)
         self.verify_steps += steps

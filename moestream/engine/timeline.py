@@ -1,12 +1,9 @@
-"""A timeline of one run as Chrome trace events (chrome://tracing, ui.perfetto.dev): what the host
-did when (steps, prefill chunks, expert loads, waits on reads, reads and copies started) and, on
-CUDA, when the device ran each segment (attention, experts, head).
+"""A timeline of one run as Chrome trace events (chrome://tracing, ui.perfetto.dev): the host's
+steps, prefill chunks, expert loads, waits, reads and copies and, on CUDA, the device's segments.
 
-Off by default, and then every hook is a call that returns a shared do-nothing context, so the
-engine's code may keep its hooks in hot paths. `recording(path)` turns it on for a block and
-writes the file at its end. Host spans are perf_counter times of the thread that ran them (reader
-threads included); device spans are CUDA event pairs on the current stream, read once at the end
-and placed on the host clock through an event recorded at the start.
+Off by default, every hook then returns a shared do-nothing context (hooks may sit in hot paths).
+`recording(path)` turns it on for a block. Host spans are perf_counter times of their thread; device
+spans are CUDA event pairs, read at the end and placed on the host clock by an event at the start.
 """
 from __future__ import annotations
 
@@ -82,15 +79,14 @@ class Timeline:
         return tid
 
     def add(self, name: str, start_s: float, end_s: float, args: dict, *, cat: str = "host") -> None:
-        event = {"name": name, "cat": cat, "ph": "X", "ts": self._us(start_s),
-                 "dur": round(max(0.0, end_s - start_s) * 1e6, 3), "pid": self.pid, "args": args}
-        with self._lock:
-            event["tid"] = self._tid()
-            self.events.append(event)
+        self._append({"name": name, "cat": cat, "ph": "X", "ts": self._us(start_s),
+                      "dur": round(max(0.0, end_s - start_s) * 1e6, 3), "pid": self.pid, "args": args})
 
     def point(self, name: str, args: dict) -> None:
-        event = {"name": name, "cat": "host", "ph": "i", "s": "t", "ts": self._us(time.perf_counter()),
-                 "pid": self.pid, "args": args}
+        self._append({"name": name, "cat": "host", "ph": "i", "s": "t", "ts": self._us(time.perf_counter()),
+                      "pid": self.pid, "args": args})
+
+    def _append(self, event: dict) -> None:
         with self._lock:
             event["tid"] = self._tid()
             self.events.append(event)

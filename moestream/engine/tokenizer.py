@@ -2,12 +2,9 @@
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 
 from moestream.errors import FormatError, NoTokenizerError
-
-log = logging.getLogger(__name__)
 
 
 class TextTokenizer:
@@ -15,28 +12,15 @@ class TextTokenizer:
         from transformers import AutoTokenizer
 
         model_dir = Path(model_dir)
-        if not (model_dir / "tokenizer.json").is_file() and not (model_dir / "tokenizer_config.json").is_file():
-            raise FormatError(f"{model_dir}: no tokenizer files (tokenizer.json) in the model directory")
         try:
             self._tok = AutoTokenizer.from_pretrained(str(model_dir))
         except Exception as exc:  # transformers raises many kinds; the user needs one line
             raise FormatError(f"{model_dir}: cannot load the tokenizer ({type(exc).__name__}: {exc})") from None
-        self.eos_token_ids = frozenset(self._eos_ids(model_dir, config))
-
-    def _eos_ids(self, model_dir: Path, config: dict) -> set[int]:
-        ids: set[int] = set()
-        sources = [config.get("eos_token_id")]
+        sources = [config.get("eos_token_id"), self._tok.eos_token_id]
         gen = model_dir / "generation_config.json"
         if gen.is_file():
             sources.append(json.loads(gen.read_text()).get("eos_token_id"))
-        if self._tok.eos_token_id is not None:
-            sources.append(self._tok.eos_token_id)
-        for value in sources:
-            if isinstance(value, int):
-                ids.add(value)
-            elif isinstance(value, list):
-                ids.update(v for v in value if isinstance(v, int))
-        return ids
+        self.eos_token_ids = frozenset(i for value in sources for i in int_ids(value))
 
     @property
     def vocab_size(self) -> int:
@@ -54,10 +38,6 @@ class TextTokenizer:
         return self._tok
 
     @property
-    def has_chat_template(self) -> bool:
-        return bool(getattr(self._tok, "chat_template", None))
-
-    @property
     def chat_template(self) -> str | None:
         template = getattr(self._tok, "chat_template", None)
         return template if isinstance(template, str) else None
@@ -69,7 +49,7 @@ class TextTokenizer:
 
     def chat_ids(self, messages: list[dict], *, add_generation_prompt: bool = True,
                  tools: list[dict] | None = None) -> list[int]:
-        if not self.has_chat_template:
+        if not getattr(self._tok, "chat_template", None):
             raise FormatError("this model has no chat template; use a plain prompt")
         text = self._tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False,
                                              tools=tools or None)
@@ -79,11 +59,8 @@ class TextTokenizer:
 class NoTokenizer:
     """For packed models without tokenizer files (e.g. synthetic ones): token ids only."""
 
-    has_chat_template = False
-
     def __init__(self, config: dict):
-        eos = config.get("eos_token_id")
-        self.eos_token_ids = frozenset(eos if isinstance(eos, list) else [eos] if isinstance(eos, int) else [])
+        self.eos_token_ids = frozenset(int_ids(config.get("eos_token_id")))
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         raise NoTokenizerError("this model has no tokenizer files; give the prompt as token ids (--prompt-ids)")
@@ -95,7 +72,13 @@ class NoTokenizer:
         return ""
 
 
+def int_ids(value) -> list[int]:
+    """An `eos_token_id` as configs spell it (an int, a list of them, or nothing) as a list."""
+    return [value] if isinstance(value, int) else [v for v in value if isinstance(v, int)] if isinstance(value, list) else []
+
+
 def load_tokenizer(model_dir: str | Path, config: dict):
+    """The model's TextTokenizer, or a NoTokenizer where the directory has no tokenizer files."""
     model_dir = Path(model_dir)
     if not (model_dir / "tokenizer.json").is_file() and not (model_dir / "tokenizer_config.json").is_file():
         return NoTokenizer(config)

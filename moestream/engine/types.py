@@ -8,15 +8,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
+from moestream.kv.blocks import common_prefix  # noqa: F401 (prefix reuse: the engine's and the server's name for it)
+
 # tokens generated so far -> which tokens may come next (a numpy bool array [V], or None: any); e.g. a
 # grammar. The sampler applies it after the penalties and the bias, before the sampling filters.
 AllowedTokens = Callable[[Sequence[int]], Any]
 
 
 class TokenHistory:
-    """The tokens a sampler chose, by position, for the settings that depend on them (frequency
-    and presence penalties, allowed-token masks) when the caller does not pass them. Re-choosing a
-    position (a rollback) forgets everything from there on."""
+    """The tokens a sampler chose, by position, for the settings that depend on them when the caller
+    does not pass them; re-choosing a position (a rollback) forgets everything from there on."""
 
     def __init__(self) -> None:
         self._start: int | None = None
@@ -86,11 +87,3 @@ class GenerationResult:
     receipt: Mapping = field(default_factory=dict)  # a moestream.engine.receipt.Receipt
 
 
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading token ids a and b share (prefix reuse: a KV cache's tokens against a prompt)."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n

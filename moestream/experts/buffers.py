@@ -1,11 +1,9 @@
 """Page-aligned host buffers for expert records, page-locked when a CUDA device is present.
 
-O_DIRECT reads need a page-aligned destination, and host→GPU copies are only asynchronous from
-page-locked memory. An anonymous mapping gives both: it starts on a page boundary and can be
-registered with CUDA in place. The tensor keeps its mapping alive (torch.frombuffer holds a
-reference until the last view of the storage is gone), and the mapping undoes its CUDA
-registration when it is freed, so a buffer stays valid and pinned exactly as long as any view
-of it is in use.
+O_DIRECT reads need a page-aligned destination, and host->GPU copies are asynchronous only from
+page-locked memory. An anonymous mapping gives both (registered with CUDA in place); the tensor keeps
+its mapping alive and the mapping unregisters itself when freed, so a buffer stays valid and pinned
+exactly as long as a view of it is in use.
 """
 from __future__ import annotations
 
@@ -16,10 +14,7 @@ import weakref
 
 import torch
 
-__all__ = ["PAGE_SIZE", "aligned_buffer", "is_page_aligned", "pin_if_cuda"]
-
 log = logging.getLogger(__name__)
-
 PAGE_SIZE = mmap.PAGESIZE
 
 
@@ -75,16 +70,10 @@ def _mapping_of(t: torch.Tensor) -> _HostMapping | None:
 
 
 def pin_if_cuda(t: torch.Tensor) -> torch.Tensor:
-    """Page-lock ``t`` for fast asynchronous host→GPU copies; a no-op without CUDA.
-
-    A buffer from :func:`aligned_buffer` is registered with CUDA in place and returned as is
-    (its whole mapping is registered once). Any other tensor, or one whose registration fails,
-    is copied into a pinned allocation from torch, which is page-aligned as well; use the
-    returned tensor.
-    """
-    if t.device.type != "cpu" or not torch.cuda.is_available():
-        return t
-    if t.is_pinned():
+    """Page-lock ``t`` for asynchronous host->GPU copies (a no-op without CUDA): an aligned_buffer is
+    registered in place; any other tensor, or one whose registration fails, is copied into pinned
+    memory from torch. Use the returned tensor."""
+    if t.device.type != "cpu" or not torch.cuda.is_available() or t.is_pinned():
         return t
     mapping = _mapping_of(t) if t.is_contiguous() else None
     if mapping is not None:

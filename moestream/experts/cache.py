@@ -1,59 +1,82 @@
 """The expert slot cache: one pool of slots on the compute device, shared by all layers.
 
-A layer asks for the experts its router chose (`fetch`). Hits are pinned and returned at once;
-misses get a slot from the directory (a free one, or a victim the policy picks among unpinned,
-ready slots) and are filled from the host tier or the record source. Early reads (`prefetch`)
-fill slots before a layer asks. What moves never changes the answer: a slot holds the record's
-exact bytes, and the layer computes only after its slots are filled.
-
-On CUDA, records go disk -> pinned host buffer -> slot by an async copy on a separate stream;
-compute waits (stream-wise) only for the slots it uses, and a victim slot is overwritten only
-after the compute that read it has finished.
-
-Beside it: host_tier.py (the pinned RAM tier between the disk and the slots) and cache_stats.py
-(the figures the cache books).
+A layer asks for the experts its router chose (`fetch`): hits are pinned at once; misses get a slot
+from the directory (free, or a victim the policy picks among unpinned, ready slots), filled from the
+host tier (host_tier.py) or the record source. Early reads (`prefetch`) fill slots before a layer
+asks. A slot holds the record's exact bytes and the layer computes only after its slots are filled:
+what moves never changes the answer. On CUDA, records go disk -> pinned buffer -> slot by an async
+copy on a stream of its own; compute waits only for the slots it uses, and a victim slot is
+overwritten only after the compute that read it.
 """
 from __future__ import annotations
 
-import logging
 import queue
 import threading
 import time
 from concurrent.futures import Future
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
+from tqdm import tqdm
 
 from moestream.errors import ExpertReadError
 from moestream.experts.buffers import aligned_buffer, pin_if_cuda
-from moestream.experts.cache_stats import CacheStats
 from moestream.experts.directory import CacheFullError, SlotDirectory
 from moestream.experts.host_tier import HostTier
 from moestream.format.reader import PackedModel
 from moestream.format.records import decode_record
 from moestream.quant.affine import QuantSpec
 
-log = logging.getLogger(__name__)
 
+@dataclass
+class CacheStats:
+    """The cache's figures (its lookups', the device map's and the resident tables' counts). Plain
+    counters: the cache holds its lock where reader threads add to them."""
 
-class NoTimeline:
-    """Where no timeline records the cache's loads, reads and copies: hooks that do nothing."""
+    hits: int = 0
+    misses: int = 0
+    bytes_read_disk: int = 0
+    bytes_read_host: int = 0
+    read_wait_s: float = 0.0
+    prefetch_issued: int = 0
+    prefetch_used: int = 0
+    evictions: int = 0
+    layer_hits: dict = field(default_factory=dict)
+    layer_misses: dict = field(default_factory=dict)
 
-    @staticmethod
-    def complete(name: str, start_s: float, end_s: float, **args) -> None:
-        pass
+    def count(self, layer: int, *, hit: bool, n: int = 1) -> None:
+        """Book n hits (or misses) of `layer`."""
+        table = self.layer_hits if hit else self.layer_misses
+        table[layer] = table.get(layer, 0) + n
+        if hit:
+            self.hits += n
+        else:
+            self.misses += n
 
-    @staticmethod
-    def instant(name: str, **args) -> None:
-        pass
+    def add_device_counts(self, counts: dict[int, tuple[int, int]], record_bytes: dict[int, int]) -> None:
+        """Book the device-driven path's {layer: (hits, misses)}; each miss copied one record from the host tier."""
+        for layer, (hits, misses) in counts.items():
+            self.count(layer, hit=True, n=hits)
+            self.count(layer, hit=False, n=misses)
+            self.bytes_read_host += misses * record_bytes[layer]
+
+    def hit_rate_per_layer(self, layers: list[int]) -> dict[str, float]:
+        """{layer: hit rate} of the layers that were looked up at all."""
+        rates = {}
+        for layer in layers:
+            hits, misses = self.layer_hits.get(layer, 0), self.layer_misses.get(layer, 0)
+            if hits + misses:
+                rates[str(layer)] = round(hits / (hits + misses), 4)
+        return rates
 
 
 class ExpertCache:
-    """Implements the ExpertProvider protocol over a fixed slot pool."""
+    """What RoutedExperts computes from: a fixed slot pool (see the module doc)."""
 
     def __init__(self, packed: PackedModel, device: torch.device, *, slots: int, source, policy: str = "clock",
                  host_slots: int = 0, host_policy: str = "clock", staging_buffers: int = 8,
-                 device_policy: str = "cycle", timeline=NoTimeline):
+                 device_policy: str = "cycle", timeline):
         """timeline: where loads, waits on reads, reads and copies are recorded (an object with
         `complete(name, start_s, end_s, **args)` and `instant(name, **args)`: moestream.engine.timeline)."""
         self.packed, self.device, self.source = packed, torch.device(device), source
@@ -99,15 +122,13 @@ class ExpertCache:
         self.device_policy = device_policy  # its victim rule (moestream.experts.device_map)
         self.stats_ = CacheStats()
 
-    # -- ExpertProvider -------------------------------------------------------------
+    # -- what RoutedExperts asks for -------------------------------------------------
     def quant(self, layer: int) -> dict[str, QuantSpec]:
         return self._quant[layer]
 
     def fetch(self, layer: int, experts: Sequence[int], *, views: bool = True) -> dict[int, dict[str, torch.Tensor]]:
         """Pin the experts' slots, loading misses; returns record views (none with views=False, for
         kernels that index the pool through `slots_of`)."""
-        if self.device_map is not None:
-            raise RuntimeError("the device drives this cache (device-driven streaming): the host does not fetch")
         entry, li = self.entries[layer], self._index[layer]
         pinned, waits = [], []
         st = self.stats_
@@ -117,23 +138,21 @@ class ExpertCache:
         try:
             for e in experts:
                 key = (li, e)
-                slot = self.directory.lookup(key)
-                if slot is not None:
-                    self.directory.pin(key)
-                    pinned.append(key)
-                    self.directory.touch(key)
-                    self.stats_.count(layer, hit=True)
-                    if key in self._prefetched:
-                        self._prefetched.discard(key)
-                        st.prefetch_used += 1
-                    if key in self.pending:
-                        waits.append(key)
-                else:
-                    self.stats_.count(layer, hit=False)
+                hit = self.directory.lookup(key) is not None
+                st.count(layer, hit=hit)
+                if not hit:
                     self._reserve(key)
-                    self.directory.pin(key)
-                    pinned.append(key)
+                self.directory.pin(key)
+                pinned.append(key)
+                if not hit:
                     self._start_load(key)
+                    waits.append(key)
+                    continue
+                self.directory.touch(key)
+                if key in self._prefetched:
+                    self._prefetched.discard(key)
+                    st.prefetch_used += 1
+                if key in self.pending:
                     waits.append(key)
             t0 = time.perf_counter()
             error = None
@@ -205,13 +224,10 @@ class ExpertCache:
         return issued
 
     def fill_host_tier(self) -> int:
-        """Read every record the host tier has room for and does not hold yet, in parallel, straight
-        into its pinned slots (used to measure the host-RAM tier without first-touch disk reads).
-        Returns the records read."""
+        """Read every record the host tier has room for and lacks, in parallel, straight into its
+        slots; returns the records read."""
         if self.host is None:
             return 0
-        from tqdm import tqdm
-
         todo = [(e.layer, x) for e in self.entries.values() for x in range(e.num_experts)
                 if self.host.directory.lookup((e.layer, x)) is None][:self.host.slots - self.host.directory.occupied()]
         reads = []
@@ -227,15 +243,13 @@ class ExpertCache:
 
     # -- everything resident ----------------------------------------------------------
     def can_hold_all(self) -> bool:
-        """Whether the pool has a slot for every expert of every layer (in each layer's share)."""
-        return all(self.batch_limit(layer) >= self.entries[layer].num_experts for layer in self.moe_layers) and \
-            self.num_slots >= self.total_experts
+        """Whether the pool has a slot for every expert of every layer."""
+        return self.num_slots >= self.total_experts
 
     def make_resident(self) -> bool:
-        """Where the pool holds every expert: load the ones not yet in a slot, pin all of them for
-        good, and keep a device slot table per layer (`resident_table`). Then a layer's routed
-        experts need no lookup and no host sync: kernels index the table with the router's ids.
-        Loading counts as reads (bytes), not as hits or misses. Returns whether it is so now."""
+        """Where the pool holds every expert: load them all, pinned for good, and keep a device slot
+        table per layer (`resident_table`): no lookup, no host sync. Loading counts as reads, not as
+        hits or misses. Returns whether it is so now."""
         if self.resident_tables:
             return True
         if not self.can_hold_all():
@@ -243,8 +257,6 @@ class ExpertCache:
         st = self.stats_
         counts = (st.hits, st.misses, dict(st.layer_hits), dict(st.layer_misses))
         tables = {}
-        from tqdm import tqdm
-
         for layer in tqdm(self.moe_layers, desc="loading experts", unit="layer", disable=None, leave=False):
             experts = list(range(self.entries[layer].num_experts))
             self.fetch(layer, experts, views=False)
@@ -289,9 +301,8 @@ class ExpertCache:
         hits.index_add_(0, rows, seen.sum(dim=1))
 
     def _hit_counter(self) -> torch.Tensor:
-        """The device counters of resident hits (int64, one per MoE layer), made on first use (made by
-        make_resident, before any capture). Never counted inside a CUDA graph's capture: the graph
-        would add into the counter at every replay, whatever reads or resets it in between."""
+        """The device counters of resident hits (int64 per MoE layer), made by make_resident. Never
+        counted inside a graph's capture: every replay would add into them."""
         if self.cuda and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("resident hits are counted outside CUDA graph captures (book them after the replay)")
         if self._device_hits is None:
@@ -300,10 +311,8 @@ class ExpertCache:
 
     # -- device-driven streaming ----------------------------------------------------------
     def start_device_map(self):
-        """Hand the slot pool to a DeviceMap (moestream.experts.device_map): from now on the device
-        looks up its experts and copies misses from the host tier itself. Needs a host tier that
-        holds every record (filled here, reading what it lacks) and, on CUDA, host memory the GPU
-        can read. Raises DeviceMapUnavailable naming what is missing."""
+        """Hand the slot pool to a DeviceMap (moestream.experts.device_map), given a host tier holding
+        every record (filled here) that the GPU can read; else DeviceMapUnavailable says what lacks."""
         from moestream.experts.device_map import DeviceMap, DeviceMapUnavailable
         from moestream.experts.uva import device_view
 
@@ -325,14 +334,10 @@ class ExpertCache:
                                     {l: e.record_size for l, e in self.entries.items()}, policy=self.device_policy)
         return self.device_map  # it starts empty: what the host path left in the slots is not reused
 
-    def _collect_device_map(self) -> None:
-        if self.device_map is None:
-            return
-        self.stats_.add_device_counts(self.device_map.counts(), self.device_map.record_bytes)
-        self.device_map.reset_counts()
-
     def _collect_device_hits(self) -> None:
-        self._collect_device_map()
+        if self.device_map is not None:
+            self.stats_.add_device_counts(self.device_map.counts(), self.device_map.record_bytes)
+            self.device_map.reset_counts()
         if self._device_hits is not None:
             counts = self._device_hits.tolist()
             with torch.inference_mode():  # the counter is made inside the engine's inference mode
@@ -347,11 +352,7 @@ class ExpertCache:
         except CacheFullError:
             if not wait or not self.pending:
                 raise
-            for k in list(self.pending):  # early reads hold slots: let them land, then retry
-                try:
-                    self._finish(k)
-                except ExpertReadError:
-                    pass
+            self._settle(self.pending)  # early reads hold slots: let them land, then retry
             res = self.directory.reserve(key)
         if res.evicted is not None:
             self.stats_.evictions += 1
@@ -360,13 +361,9 @@ class ExpertCache:
             if self.cuda:
                 self.ready_events.pop(res.evicted, None)
         if self.cuda:  # the copy into this slot must wait for compute that still reads its old record
-            self._slot_free_event(res.slot)
+            event = self._victim_events[res.slot] = torch.cuda.Event()
+            event.record(self.compute_stream)
         return res.slot
-
-    def _slot_free_event(self, slot: int) -> None:
-        event = torch.cuda.Event()
-        event.record(self.compute_stream)
-        self._victim_events[slot] = event
 
     def _start_load(self, key, *, early: bool = False) -> None:
         li, expert = key
@@ -406,11 +403,16 @@ class ExpertCache:
 
     def _reap_prefetches(self) -> None:
         """Mark early reads that have landed as ready, so that a guess nobody used can be evicted."""
-        for key in [k for k in self._prefetch_loading if k not in self.pending or self.pending[k].done()]:
-            self._prefetch_loading.discard(key)  # only loading ones are looked at: this runs at every fetch
+        landed = [k for k in self._prefetch_loading if k not in self.pending or self.pending[k].done()]
+        self._prefetch_loading.difference_update(landed)  # only loading ones are looked at: this runs at every fetch
+        self._settle(landed)
+
+    def _settle(self, keys) -> None:
+        """Wait for these loads; a failed one's slot is freed (a later fetch reads the expert again)."""
+        for key in list(keys):
             try:
                 self._finish(key)
-            except ExpertReadError:  # the slot is freed; a later fetch reads the expert again
+            except ExpertReadError:
                 pass
 
     def _run_deferred(self, *, wait: bool = False) -> None:
@@ -444,9 +446,9 @@ class ExpertCache:
 
     def _copy_into_slot(self, key, slot: int, data: torch.Tensor, size: int, done: Future, after, *,
                         defer: bool = False, early: bool = False) -> None:
-        """Copy a host record into its device slot; `after` runs once the source buffer is free again:
-        at once after waiting for the copy, or (defer, main thread only) when a later call finds the
-        copy done, so that many copies queue back to back on the link."""
+        """Copy a host record into its device slot; `after` runs once the source is free again: after
+        waiting, or (defer, main thread only) when a later call finds the copy done, so that copies
+        queue back to back on the link."""
         if self.cuda or data.data_ptr() != self.pool[slot].data_ptr():  # a CPU read lands in its slot: no copy
             self.timeline.instant("copy", layer=self.moe_layers[key[0]], expert=key[1], early=early)
         if self.cuda:
@@ -512,9 +514,5 @@ class ExpertCache:
 
     def close(self) -> None:
         self._run_deferred(wait=True)
-        for key in list(self.pending):
-            try:
-                self._finish(key)
-            except ExpertReadError:
-                pass
+        self._settle(self.pending)
         self.source.close()

@@ -1,40 +1,36 @@
 """Device-driven streaming: the expert -> slot map lives on the device, and so does the miss path.
 
-When the host tier holds every expert record (pinned RAM the GPU can read at its own address,
-moestream.experts.uva), a layer's experts need nothing from the host: from the router's ids the
-device looks up each expert's slot, picks victims for the misses (least recently used slots; this
-layer's own hits are never candidates), rewrites the map and pulls the missed records from the
-host tier with its own loads (moestream.kernels.triton_gather). Every step is then one CUDA graph,
-as when every expert is resident, and the host never waits for a layer. What moves never changes
-the answer: the kernels compute from a slot only after the copy into it, in stream order, and the
-bytes are the record's.
+When the host tier holds every record (pinned RAM the GPU reads at its own address,
+moestream.experts.uva), the device looks up each routed expert's slot, picks victims for the misses,
+rewrites the map and pulls the missed records with its own loads (moestream.kernels.triton_gather):
+every step is one CUDA graph, as when every expert is resident, and the host never waits for a
+layer. The kernels compute from a slot only after the copy into it, in stream order: what moves
+never changes the answer.
 
-Victims (the policy; never this call's hits):
+Victims (never this call's hits):
   - cycle (default): the slot whose layer has been looked up most often since the slot was last
-    used (recency counted in its own layer's lookups: in decode, in steps), and among equals the one
-    whose layer comes next latest in the cycle of layers (this layer's own first, then the layer
-    just before it, ...); empty slots first, ties to the lowest slot. Plain LRU across a shared
-    pool evicts, at each layer, the slots the next layers are about to ask for (they are the least
-    recently used): a simulated 48-layer, 128-expert model with uniform routing hits 22.8 % with
-    a 25 % cache under LRU and 25.0 % under this rule (6.3 % vs 10.0 % at 10 %; with Zipf routing
-    the rule gains 1-6 points too: docs/PERFORMANCE.md).
+    used, among equals the one whose layer comes next latest in the cycle of layers; empty slots
+    first, ties to the lowest slot. LRU over a shared pool evicts at each layer what the next layers
+    are about to ask for: a simulated 48-layer, 128-expert model with uniform routing hits 22.8 %
+    at 25 % under LRU and 25.0 % under this rule (docs/PERFORMANCE.md).
   - lru: the least recently used slot (`--cache-policy lru`).
 
-State, all device tensors:
-  - table [N + 1] int32: slot of each expert (N = all experts of all MoE layers, flat; layer l's
-    expert e at offset[l] + e), -1 where not in the pool; the last entry is a scratch target for
-    masked-out writes (it keeps every update a fixed-shape scatter, so a graph can hold it).
-  - owner [S + 1] int64: the flat expert held by each slot (N: none), scratch entry last.
-  - last_used [S + 1] int64: when each slot was last used, scratch entry last; lru: call count << 20
-    | expert (unused slots start below any use, in slot order); cycle: its layer's lookup count then.
+State, all device tensors (N all experts, flat: layer l's expert e at offset[l] + e; S slots; each
+[.. + 1] has a scratch entry last, the target of masked-out writes, so every update is a fixed-shape
+scatter a graph can hold):
+  - table [N + 1] int32: each expert's slot, -1 where not in the pool;
+  - owner [S + 1] int64: the flat expert each slot holds (N: none);
+  - last_used [S + 1] int64: lru: call count << 20 | expert (unused slots below any use, in slot
+    order); cycle: its layer's lookup count at the last use;
   - calls [layers] int64 (cycle): each layer's counted lookups; slot_layer [S + 1] int64 (cycle):
-    the layer index of each slot's expert, -1 while empty.
-  - host_slot [N] int64: the host tier slot of each expert (fixed: the host tier holds them all).
-  - hits / misses / away [layers] int64: counted here, read when stats are asked for (away: misses
-    withheld for another compute unit, counted among the misses too).
+    the layer index of each slot's expert, -1 while empty;
+  - host_slot [N] int64: each expert's host tier slot;
+  - hits / misses / away [layers] int64 (away: misses withheld for another compute unit, among the
+    misses too).
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable, Mapping
 
 import torch
@@ -102,34 +98,28 @@ class DeviceMap:
     def ensure(self, layer: int, ids: torch.Tensor, *, withhold: torch.Tensor | None = None,
                before_copy: Callable[[], None] | None = None, count: bool = True,
                withheld: torch.Tensor | None = None, gate: torch.Tensor | None = None) -> None:
-        """Make every expert in `ids` (any shape, this layer's ids) hold a slot with its record, on
-        the device and in stream order: device ops only, no host sync (a CUDA graph can hold it).
-        On CUDA one Triton program decides (moestream.kernels.triton_slot_map: 49 against 38 tok/s
-        at 25 % on the H200 for the same decisions in torch ops); `decide`, in torch ops, takes the
-        calls it does not (more than its ids: prefill chunks) and the CPU device's.
+        """Make every expert in `ids` (this layer's, any shape) hold a slot with its record, with device
+        ops only, in stream order (a CUDA graph can hold it). On CUDA one Triton program decides
+        (moestream.kernels.triton_slot_map: 49 against 38 tok/s at 25 % on the H200); `decide`, in
+        torch ops, takes the calls it does not (prefill chunks) and the CPU's.
 
-        withhold: an int32 [1] or [2] tensor the device reads (a share of the misses in 1/1024ths),
-        or [2 + M + 1] (entries from the third on: how many to withhold of a call with m misses,
-        m = 0..M; the first is then only reported): that share of this call's misses, the first in
-        expert order, get no slot and stay out of the table (another compute unit computes them:
-        moestream.cpu_share); at least one distinct expert of the call always stays. A second entry
-        p > 0 withholds at least one miss in every p-th lookup (by the map's clock): a probe, so the
-        other unit's speed is measured again even while the share gives it nothing. withheld (with
-        withhold): an int64 [2] tensor that receives the misses withheld by this call and all its
-        misses (withheld included). gate: an int32 [1] tensor; where 0 the call does nothing at all (no lookup, no stamp, no copy; the clock stands still), so a graph
-        can hold a lookup that runs only when the device decides. before_copy runs after the
-        decision, before the records are copied. count: add this call to the hit and miss counts."""
+        withhold: an int32 [1] or [2] tensor (a share of the misses in 1/1024ths), or [2 + M + 1]
+        (from the third entry on: how many to withhold of a call with m misses, m = 0..M; the first
+        then only reported): that many
+        of this call's misses, the first in expert order, get no slot (another compute unit computes
+        them: moestream.cpu_share); one distinct expert always stays. A second entry p > 0 withholds
+        at least one miss every p-th lookup (a probe, so the other unit's speed is measured again).
+        withheld: an int64 [2] tensor receiving the misses withheld and all the misses. gate: an int32
+        [1] tensor; where 0 the call does nothing (the clock stands still), so a graph can hold a
+        lookup the device decides to run. before_copy runs between the decision and the copies.
+        count: add this call to the hit and miss counts."""
+        decide = self.decide
         if self.pool.device.type == "cuda":
             from moestream.kernels import triton_slot_map
 
             if triton_slot_map.fits(ids, self.slots):
-                src, dst, todo = triton_slot_map.slot_map(self, layer, ids, withhold=withhold, count=count,
-                                                          withheld=withheld, gate=gate)
-                if before_copy is not None:
-                    before_copy()
-                copy_records(self.host_pool, self.pool, src, dst, todo)
-                return
-        src, dst, todo = self.decide(layer, ids, withhold=withhold, count=count, withheld=withheld, gate=gate)
+                decide = functools.partial(triton_slot_map.slot_map, self)
+        src, dst, todo = decide(layer, ids, withhold=withhold, count=count, withheld=withheld, gate=gate)
         if before_copy is not None:
             before_copy()
         copy_records(self.host_pool, self.pool, src, dst, todo)

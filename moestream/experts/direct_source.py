@@ -15,7 +15,7 @@ import torch
 
 from moestream.errors import ExpertReadError
 from moestream.experts.buffers import aligned_buffer, is_page_aligned
-from moestream.experts.source_base import SourceBase, Truncated, bytes_of
+from moestream.experts.source_base import RecordSource, Truncated, bytes_of
 from moestream.format.manifest import ExpertLayer
 from moestream.format.reader import PackedModel
 
@@ -78,13 +78,10 @@ class _LayerFile:
                 _warn_no_direct(self.path.parent)
 
 
-class DirectSource(SourceBase):
-    """Whole-record ``preadv`` with O_DIRECT from a thread pool; the page cache keeps no copy.
-
-    Where a filesystem refuses O_DIRECT (EINVAL on open or on a file's first read) that file is
-    read through the page cache instead, with one warning per process. A destination that is
-    not page-aligned is read through a per-thread bounce buffer.
-    """
+class DirectSource(RecordSource):
+    """Whole-record ``preadv`` with O_DIRECT. Where a filesystem refuses O_DIRECT (EINVAL on open or on a
+    file's first read) the file is read through the page cache, with one warning per process; an
+    unaligned destination is read through a per-thread bounce buffer."""
 
     name = "direct"
 

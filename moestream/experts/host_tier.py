@@ -1,10 +1,8 @@
 """The host tier: pinned RAM slots between the record source (disk) and the device slots.
 
-Kept apart from the slot cache (moestream.experts.cache) because it is a second, simpler pool
-with its own directory and policy, keyed by (layer, expert): a record read from disk is kept here
-too where there is room, and a later miss copies it from here instead of reading it again. Reader
-threads add records while the main thread pins them for copies, so every use of its directory
-holds `lock` (the cache's, which also guards the figures those threads update)."""
+A second, simpler pool with its own directory and policy, keyed by (layer, expert): a record read
+from disk is kept here where there is room, and a later miss copies it from here. Reader threads add
+records while the main thread pins them, so every use of its directory holds `lock` (the cache's)."""
 from __future__ import annotations
 
 import threading

@@ -1,7 +1,5 @@
-"""The ``mmap`` record source: the kernel's page cache as the host tier.
-
-Expert files are mapped read-only; ``mincore`` says which records are already in RAM and
-``madvise(WILLNEED)`` asks for early reads.
+"""The ``mmap`` record source: the kernel's page cache as the host tier (files mapped read-only,
+``mincore`` for what is in RAM, ``madvise(WILLNEED)`` for early reads).
 """
 from __future__ import annotations
 
@@ -19,7 +17,7 @@ import torch
 
 from moestream.errors import ExpertReadError
 from moestream.experts.buffers import PAGE_SIZE
-from moestream.experts.source_base import SourceBase, Truncated
+from moestream.experts.source_base import RecordSource, Truncated
 from moestream.format.manifest import ExpertLayer
 from moestream.format.reader import PackedModel
 
@@ -68,14 +66,10 @@ class _Mapping:
         return 0 if self.tensor is None else self.tensor.numel()
 
 
-class MmapSource(SourceBase):
-    """Expert files mapped read-only: the kernel's page cache holds records, no copy of our own.
-
-    ``submit`` copies from the mapping into ``dest`` on the I/O threads (the copy's page faults
-    read from disk); ``view`` hands out the mapped record itself. The mapping must not shrink
-    while in use: touching a page past the end of a file is a SIGBUS, so each read checks the
-    file's size first and reports a truncated file instead.
-    """
+class MmapSource(RecordSource):
+    """Expert files mapped read-only: ``submit`` copies from the mapping on the I/O threads (its page
+    faults read the disk), ``view`` hands out the mapped record. A page past a file's end is a
+    SIGBUS, so each read checks the file's size first and reports a truncated file instead."""
 
     name = "mmap"
 
@@ -122,11 +116,8 @@ class MmapSource(SourceBase):
         return m.tensor[offset:offset + size]
 
     def resident(self, layer: int, experts: Sequence[int]) -> list[bool]:
-        """Whether every page of each record is in the page cache (``mincore``).
-
-        The kernel answers for page-cache pages of files the process owns or may write; for
-        others it reports only pages this process has touched, so the answer can err towards False.
-        """
+        """Whether every page of each record is in the page cache (``mincore``; for files this process may
+        not write it reports only pages it touched, so it can err towards False)."""
         out = []
         for e in experts:
             m, offset, size = self._span(layer, e)

@@ -1,28 +1,15 @@
 """Replacement policies for a fixed pool of expert slots.
 
-Pure Python and free of package imports, so the slot cache, the host tier and the cache simulator
-can all share one implementation and the simulator's hit rates are the cache's hit rates.
-
-A policy knows slots (ints in ``[0, capacity)``), not where their bytes live. The caller decides
-which slots may be evicted right now (pinned or loading slots may not) through ``can_evict``.
+Pure Python, free of package imports: the slot cache, the host tier and the simulator share one
+implementation. A policy knows slots (ints in ``[0, capacity)``), not where their bytes live; the
+caller says which may be evicted now (not pinned or loading ones) through ``can_evict``.
 """
-
 from __future__ import annotations
 
 import abc
 import math
 from collections import OrderedDict
 from typing import Callable, Hashable
-
-__all__ = [
-    "ReplacementPolicy",
-    "ClockPolicy",
-    "LRUPolicy",
-    "ARCPolicy",
-    "LFUPolicy",
-    "POLICY_NAMES",
-    "make_policy",
-]
 
 
 class ReplacementPolicy(abc.ABC):
@@ -46,11 +33,8 @@ class ReplacementPolicy(abc.ABC):
 
     @abc.abstractmethod
     def evict(self, incoming_key: Hashable, can_evict: Callable[[int], bool]) -> int | None:
-        """Pick an occupied slot with ``can_evict(slot)`` true, stop tracking it and return it.
-
-        Returns None when no occupied slot may be evicted. ``incoming_key`` is the key the slot
-        is wanted for (ARC consults its ghost lists with it).
-        """
+        """Pick an occupied slot with ``can_evict(slot)`` true, stop tracking it and return it (None if
+        there is none). ``incoming_key`` is the key the slot is wanted for (ARC's ghost lists)."""
 
     @abc.abstractmethod
     def forget(self, slot: int) -> None:
@@ -179,11 +163,8 @@ _MISSING = object()
 
 class ARCPolicy(ReplacementPolicy):
     """Adaptive Replacement Cache (Megiddo & Modha): resists one-time scans, adapts recency vs frequency.
-
     ``t1``/``t2`` map slot -> key (seen once recently / at least twice), ``b1``/``b2`` hold the keys
-    recently evicted from each; ``p`` is the target size of ``t1``. All four are oldest first and
-    exposed for inspection only.
-    """
+    recently evicted from each, all oldest first; ``p`` is the target size of ``t1``."""
 
     name = "arc"
 
@@ -263,14 +244,11 @@ class ARCPolicy(ReplacementPolicy):
 class LFUPolicy(ReplacementPolicy):
     """Least frequently used with exponential decay, so experts popular long ago age out.
 
-    Each hit or admit adds 1 to the key's score; every access anywhere (counted globally) halves
-    all scores after ``half_life`` accesses. Scores are kept as ``log2(score) + time / half_life``,
-    which orders slots like the decayed score without touching every slot on each access.
-
-    A key's score outlives its eviction (it decays on like the rest) and comes back with it. So
-    when the pool is smaller than the keys one token touches -- where every recency policy evicts
-    each expert just before its next use and hits nothing -- the often-routed experts keep their
-    slots and the rest pass through the least valuable ones.
+    Each hit or admit adds 1 to the key's score; all scores halve every ``half_life`` accesses
+    (counted globally), kept as ``log2(score) + time / half_life`` so that no access touches every
+    slot. A key's score outlives its eviction and comes back with it: when the pool is smaller than
+    the keys one token touches (every recency policy then hits nothing), the often-routed experts
+    keep their slots and the rest pass through the least valuable ones.
     """
 
     name = "lfu"
@@ -347,11 +325,8 @@ class LFUPolicy(ReplacementPolicy):
         return self._count
 
 
-_POLICIES: dict[str, type[ReplacementPolicy]] = {
-    cls.name: cls for cls in (ClockPolicy, LRUPolicy, ARCPolicy, LFUPolicy)
-}
-POLICY_NAMES = ("clock", "lru", "arc", "lfu")
-assert set(POLICY_NAMES) == set(_POLICIES)
+_POLICIES: dict[str, type[ReplacementPolicy]] = {cls.name: cls for cls in (ClockPolicy, LRUPolicy, ARCPolicy, LFUPolicy)}
+POLICY_NAMES = tuple(_POLICIES)
 
 
 def make_policy(name: str, capacity: int, **options) -> ReplacementPolicy:

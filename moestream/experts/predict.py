@@ -1,12 +1,9 @@
-"""Next-layer expert prediction: start reading the experts the next MoE layer will probably want
-while the current layer computes.
+"""Next-layer expert prediction: start reading the experts the next MoE layer will probably want.
 
-The residual stream changes little from one layer to the next, so the next layer's router applied
-to this layer's expert input picks many of the experts that router will pick a moment later. Their
-reads start early through the cache's `prefetch`, issued once this layer's own experts are pinned,
-so a wrong guess costs a read and a slot, never an answer and never a slot this layer needs. One
-token at a time only: a prefill chunk touches most experts anyway. The cache counts the guesses
-issued and used (`prefetch_issued`, `prefetch_used` in its stats)."""
+The residual stream changes little from one layer to the next, so the next layer's router on this
+layer's expert input picks many of the experts it will pick. Their early reads (the cache's
+`prefetch`) start once this layer's experts are pinned: a wrong guess costs a read and a slot, never
+an answer or a slot this layer needs. One token at a time only (a prefill chunk touches most experts)."""
 from __future__ import annotations
 
 import torch
@@ -14,10 +11,8 @@ import torch
 from moestream.experts.guess_maps import GuessMaps
 
 class NextLayerPrefetcher:
-    """The CPU lookahead: a hook after each layer's fetch (`RoutedExperts.after_fetch`). Its guesses
-    go through a Lookahead that scores them (the receipt's `lookahead`) and copies every one.
-    blocks: the model's MoE blocks in order (their `layer`, `top_k` and `router_logits`); provider:
-    the expert cache (its `prefetch`)."""
+    """The CPU lookahead, called after each layer's fetch (`RoutedExperts.after_fetch`), its guesses
+    scored and all copied by a Lookahead. blocks: the model's MoE blocks in order."""
 
     def __init__(self, blocks: list, provider, *, maps: GuessMaps | None = None):
         self.provider, self.maps = provider, maps
@@ -39,14 +34,10 @@ class NextLayerPrefetcher:
 
 
 class Lookahead:
-    """Guesses of later MoE layers' experts, scored when those layers route, and gated by accuracy.
-
-    The CUDA decoder applies the next one or two MoE layers' routers to a layer's expert input on
-    the device (in the same graph) and hands the guesses over with the layer's own ids (one sync).
-    Here each guess waits for its layer; when that layer routes, the share of its experts the guess
-    named is its accuracy (an EMA per target layer and depth). Copies for a guess start only where
-    that EMA is at least `min_accuracy`: under routing the router does not predict (a benchmark's
-    uniform draw, say) the guesses are still scored, but cost no bandwidth."""
+    """Guesses of later MoE layers' experts (the CUDA decoder's, made in its graph, or the CPU
+    prefetcher's), scored when those layers route: the share of its experts a guess named, an EMA
+    per target layer and depth. Copies start only where it is at least `min_accuracy`: under routing
+    the router does not predict (a benchmark's uniform draw) guesses cost no bandwidth."""
 
     def __init__(self, provider, *, depth: int, min_accuracy: float = 0.3, decay: float = 0.9):
         self.provider, self.depth = provider, depth

@@ -1,15 +1,10 @@
 """What every expert record source shares: checks, the I/O thread pool, crc32, faults, statistics.
 
-:class:`SourceBase` implements the :class:`~moestream.experts.sources.RecordSource` interface
-around one method a source supplies, ``_read_into`` (one whole record into a host tensor); the
-direct and mmap sources build on it. Reads run on a pool of I/O threads so that many misses are
-in flight at once.
-
-By default every record is checked against the crc32 the manifest holds for it, on the I/O
-thread that read it, before anyone may use it: a damaged record is an ExpertReadError naming the
-file, layer and expert, never a wrong answer. Checking costs about 8 us per 57 KB record and
-0.36 ms per 2.6 MB record (7.5 GB/s on one core, docs/bench/crc32.json), against 66 us and 1.2 ms
-for the O_DIRECT read itself.
+A source supplies `_read_into` (one whole record into a host tensor); reads run on a pool of I/O
+threads so that many misses are in flight at once. By default every record is checked against the
+manifest's crc32 on the thread that read it: a damaged record is an ExpertReadError naming the file,
+layer and expert, never a wrong answer. It costs about 8 us per 57 KB record and 0.36 ms per 2.6 MB
+record (docs/bench/crc32.json), against 66 us and 1.2 ms for the O_DIRECT read itself.
 """
 from __future__ import annotations
 
@@ -43,8 +38,9 @@ class Truncated(Exception):
         self.file_end = file_end
 
 
-class SourceBase:
-    """Validation, the I/O thread pool, checksums, fault injection and statistics."""
+class RecordSource:
+    """Reads expert records (what the slot cache talks to): validation, the I/O thread pool,
+    checksums, fault injection and statistics around a source's `_read_into`."""
 
     name = "?"
 
@@ -70,25 +66,23 @@ class SourceBase:
 
     # -- the interface -------------------------------------------------------
     def submit(self, layer: int, expert: int, dest: torch.Tensor) -> Future[None]:
-        entry = self._check(layer, expert, dest)
-        if self._closed:
-            raise RuntimeError(f"the {self.name} expert source is closed")
-        return self._pool.submit(self._read_record, entry, expert, dest)
+        """Start reading record (layer, expert) into `dest` (uint8, CPU, exactly record_size bytes);
+        the future raises ExpertReadError naming the file, layer, expert and the OS error."""
+        return self._pool.submit(self._read_record, self._check(layer, expert, dest), expert, dest)
 
     def read(self, layer: int, expert: int, dest: torch.Tensor) -> None:
         """Blocking read; the same as ``submit(...).result()`` but on the caller's thread."""
-        entry = self._check(layer, expert, dest)
-        if self._closed:
-            raise RuntimeError(f"the {self.name} expert source is closed")
-        self._read_record(entry, expert, dest)
+        self._read_record(self._check(layer, expert, dest), expert, dest)
 
     def resident(self, layer: int, experts: Sequence[int]) -> list[bool]:
+        """Whether each record is already in host RAM (always False here)."""
         entry = self._entry(layer)
         for e in experts:
             self._check_expert(entry, e)
         return [False] * len(experts)
 
     def view(self, layer: int, expert: int) -> torch.Tensor | None:
+        """A zero-copy, read-only uint8 tensor over the record, or None (here: always)."""
         return None
 
     def stats(self) -> dict:
@@ -137,6 +131,8 @@ class SourceBase:
                 or dest.numel() != entry.record_size):
             raise ValueError(f"a record of layer {layer} needs a contiguous uint8 CPU tensor of {entry.record_size} "
                              f"bytes, not {dest.dtype} {tuple(dest.shape)} on {dest.device}")
+        if self._closed:
+            raise RuntimeError(f"the {self.name} expert source is closed")
         return entry
 
     def _path(self, entry: ExpertLayer) -> Path:
@@ -153,16 +149,14 @@ class SourceBase:
                 if crc != entry.crc32[expert]:
                     raise ExpertReadError(f"{self._path(entry)}: {where} is corrupt (crc32 {crc:08x}, the manifest "
                                           f"says {entry.crc32[expert]:08x}; `moestream verify` checks every file)")
-        except Truncated as exc:
+        except BaseException as exc:
             self._count(start, 0, failed=True)
-            end = (expert + 1) * entry.record_size
-            raise ExpertReadError(f"{self._path(entry)} is truncated: {where} ends at byte {end}, "
-                                  f"but the file ends at byte {exc.file_end}") from None
-        except OSError as exc:
-            self._count(start, 0, failed=True)
-            raise ExpertReadError(f"reading {where} from {self._path(entry)} failed: {exc}") from exc
-        except BaseException:
-            self._count(start, 0, failed=True)
+            if isinstance(exc, Truncated):
+                end = (expert + 1) * entry.record_size
+                raise ExpertReadError(f"{self._path(entry)} is truncated: {where} ends at byte {end}, "
+                                      f"but the file ends at byte {exc.file_end}") from None
+            if isinstance(exc, OSError):
+                raise ExpertReadError(f"reading {where} from {self._path(entry)} failed: {exc}") from exc
             raise
         self._count(start, entry.record_size, failed=False)
 

@@ -1,12 +1,9 @@
 """Unpacked copies of the experts in the slot pool (CPU): a step multiplies instead of unpacking.
 
-The torch reference dequantizes every expert it computes, on every step (on the demo model 40 % of
-a CPU decode). This keeps the dequantized matrices of recently computed experts, keyed by the slot
-they were read from, under a byte budget (least recently used first out). An entry is valid while
-its slot holds the same (layer, expert): a record never changes, so its copy is exactly what dequantizing
-it again would give, and the bits of every output stay the same. Its capacity is at most the
-pool's slots (the engine sizes it so), and what is read from disk stays the pool's business: the
-cache size keeps its meaning."""
+The torch reference dequantizes every expert it computes (on the demo model 40 % of a CPU decode).
+This keeps recently computed experts' dequantized matrices, keyed by their slot, least recently used
+first out. An entry is valid while its slot holds the same (layer, expert), so the bits never change;
+its capacity is at most the pool's slots, so the cache size keeps its meaning."""
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -37,9 +34,6 @@ class UnpackedExperts:
             while len(self._entries) > self.capacity:
                 self._entries.popitem(last=False)
         return matrices
-
-    def clear(self) -> None:
-        self._entries.clear()
 
     def stats(self) -> dict:
         return {"unpacked_experts": len(self._entries), "unpacked_capacity": self.capacity,

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["device_view"]
-
 
 class _CudaArray:
     """The __cuda_array_interface__ of a host pointer the GPU can read at the same address."""

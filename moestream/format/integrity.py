@@ -24,7 +24,6 @@ log = logging.getLogger(__name__)
 
 CACHE_FILE = "verified-files.json"
 CACHE_VERSION = 1
-_CHUNK = 8 << 20
 _lock = threading.Lock()  # one writer per process; os.replace keeps concurrent processes safe
 _memo: dict[tuple, str] = {}  # identity -> sha256 for this process, even where the cache file cannot be written
 
@@ -33,17 +32,14 @@ def default_cache_dir() -> Path:
     return Path.home() / ".cache" / "moestream"
 
 
-def file_identity(path: Path) -> list:
-    """What says a file has not changed since it was hashed: [path, size, mtime_ns, inode]."""
-    st = path.stat()
-    return [str(path.resolve()), st.st_size, st.st_mtime_ns, st.st_ino]
-
-
-def sha256_of(path: Path) -> str:
+def sha256_file(path: Path, *, bar=None) -> str:
+    """The file's sha256, read 8 MiB at a time (`bar`: a tqdm told each block's bytes)."""
     digest = hashlib.sha256()
     with open(path, "rb") as fh:
-        while block := fh.read(_CHUNK):
+        while block := fh.read(8 << 20):
             digest.update(block)
+            if bar is not None:
+                bar.update(len(block))
     return digest.hexdigest()
 
 
@@ -104,11 +100,6 @@ class DigestCache:
                 log.info("could not remember file digests in %s (%s); the next start hashes them again", self.path, exc)
 
 
-def resident_files(manifest: Manifest) -> list[str]:
-    experts = {e.file for e in manifest.expert_layers}
-    return [name for name in manifest.files if name not in experts]
-
-
 def check_resident_files(directory: str | os.PathLike, manifest: Manifest, *,
                          cache_dir: str | os.PathLike | None = None) -> ResidentCheck:
     """Raise FormatError naming the first resident file whose sha256 differs from the manifest's.
@@ -118,23 +109,21 @@ def check_resident_files(directory: str | os.PathLike, manifest: Manifest, *,
     directory = Path(directory)
     cache = DigestCache(Path(cache_dir) if cache_dir is not None else default_cache_dir())
     report, found = ResidentCheck(), {}
-    for name in resident_files(manifest):
+    experts = {e.file for e in manifest.expert_layers}
+    for name in [name for name in manifest.files if name not in experts]:  # the manifest has every one's sha256
         path = directory / name
-        expected = manifest.files[name].get("sha256")
-        if not isinstance(expected, str):
-            raise FormatError(f"{directory / 'moestream.json'}: no sha256 for {name}, so it cannot be checked "
-                              "(run with --no-verify to skip the check)")
         try:
-            identity = file_identity(path)
+            st = path.stat()  # what says the file has not changed since it was hashed
+            identity = [str(path.resolve()), st.st_size, st.st_mtime_ns, st.st_ino]
             sha = cache.lookup(identity)
             if sha is None:
-                sha = sha256_of(path)
+                sha = sha256_file(path)
                 report.hashed += 1
                 report.bytes_hashed += identity[1]
                 found[identity[0]] = (identity, sha)
         except OSError as exc:
             raise FormatError(f"{path}: cannot be read ({exc.strerror or exc})") from None
-        if sha != expected:
+        if sha != manifest.files[name]["sha256"]:
             raise FormatError(f"{path}: sha256 differs from the manifest (the file is corrupt or was changed; "
                               f"`moestream verify {directory}` checks every file)")
         report.files += 1

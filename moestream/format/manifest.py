@@ -40,11 +40,9 @@ class ExpertLayer:
     quant: dict[str, dict | None]  # projection -> QuantSpec json
     crc32: list[int] = field(default_factory=list)  # one per record, for --check-records
 
-    def field(self, name: str) -> RecordField:
-        for f in self.fields:
-            if f.name == name:
-                return f
-        raise KeyError(name)
+    @staticmethod
+    def from_json(obj: dict) -> "ExpertLayer":
+        return ExpertLayer(**{**obj, "fields": [RecordField(**f) for f in obj["fields"]]})
 
 
 @dataclass
@@ -62,10 +60,7 @@ class Manifest:
     mtp_layers: int = 0
 
     def expert_layer(self, layer: int) -> ExpertLayer | None:
-        for entry in self.expert_layers:
-            if entry.layer == layer:
-                return entry
-        return None
+        return next((entry for entry in self.expert_layers if entry.layer == layer), None)
 
     def to_json(self) -> dict:
         obj = asdict(self)
@@ -82,9 +77,8 @@ class Manifest:
         if obj.get("format_version") != FORMAT_VERSION:
             raise FormatError(f"manifest format version {obj.get('format_version')} is not supported (this moestream reads {FORMAT_VERSION})")
         _check_types(obj)
-        layers = [ExpertLayer(**{**e, "fields": [RecordField(**f) for f in e["fields"]]}) for e in obj["expert_layers"]]
-        return Manifest(family=obj["family"], config=obj["config"], source=obj["source"],
-                        quantization=obj["quantization"], expert_layers=layers, files=obj["files"],
+        return Manifest(family=obj["family"], config=obj["config"], source=obj["source"], quantization=obj["quantization"],
+                        expert_layers=[ExpertLayer.from_json(e) for e in obj["expert_layers"]], files=obj["files"],
                         mtp_layers=obj.get("mtp_layers", 0))
 
 
@@ -132,14 +126,19 @@ def _check_types(obj: dict) -> None:
             _count(f.get("nbytes"), f"layer {e['layer']} field {f['name']!r}'s nbytes")
 
 
-def write_manifest(directory: Path, manifest: Manifest) -> None:
-    """Write atomically: the manifest appears last, so a half-written model never looks complete."""
-    tmp = Path(directory) / (MANIFEST_NAME + ".tmp")
+def write_json(path: Path, obj) -> None:
+    """Atomically: written to `path`.tmp and fsynced, then renamed over `path`."""
+    tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w") as fh:
-        json.dump(manifest.to_json(), fh, indent=1)
+        json.dump(obj, fh, indent=1)
         fh.flush()
         os.fsync(fh.fileno())
-    os.replace(tmp, Path(directory) / MANIFEST_NAME)
+    os.replace(tmp, path)
+
+
+def write_manifest(directory: Path, manifest: Manifest) -> None:
+    """The manifest appears last (atomically), so a half-written model never looks complete."""
+    write_json(Path(directory) / MANIFEST_NAME, manifest.to_json())
 
 
 def read_manifest(directory: str | os.PathLike) -> Manifest:

@@ -16,6 +16,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from moestream.errors import MoestreamError
+from moestream.format.integrity import sha256_file
 from moestream.format.manifest import DENSE_NAME, FIELD_ALIGN, RECORD_ALIGN, ExpertLayer, read_manifest
 from moestream.format.records import DTYPES
 from moestream.format.safetensors_io import SafetensorsFile
@@ -93,29 +94,21 @@ def _quant_problems(entry: ExpertLayer, where: str) -> list[str]:
     return problems
 
 
-def _hash_file(path: Path, bar) -> str:
-    digest = hashlib.sha256()
+def record_checksums(path: Path, entry: ExpertLayer, bar=None) -> tuple[str, list[int]]:
+    """One pass over an expert file: its sha256 and the crc32 of each record."""
+    digest, crcs = hashlib.sha256(), []
     with open(path, "rb") as fh:
-        while block := fh.read(CHUNK):
-            digest.update(block)
-            bar.update(len(block))
-    return digest.hexdigest()
-
-
-def _hash_records(path: Path, entry: ExpertLayer, bar) -> tuple[str, list[int]]:
-    """The file's sha256 and the experts whose record crc32 disagrees with the manifest."""
-    digest, bad = hashlib.sha256(), []
-    with open(path, "rb") as fh:
-        for expert in range(entry.num_experts):
+        for _ in range(entry.num_experts):
             record = fh.read(entry.record_size)
             digest.update(record)
-            bar.update(len(record))
-            if expert < len(entry.crc32) and zlib.crc32(record) != entry.crc32[expert]:
-                bad.append(expert)
+            crcs.append(zlib.crc32(record))
+            if bar is not None:
+                bar.update(len(record))
         while block := fh.read(CHUNK):
             digest.update(block)
-            bar.update(len(block))
-    return digest.hexdigest(), bad
+            if bar is not None:
+                bar.update(len(block))
+    return digest.hexdigest(), crcs
 
 
 def verify(directory: str | Path, *, progress: bool = False) -> VerifyReport:
@@ -148,14 +141,15 @@ def verify(directory: str | Path, *, progress: bool = False) -> VerifyReport:
         for name, size in present.items():
             path, entry = directory / name, by_file.get(name)
             if entry is not None:
-                sha, bad = _hash_records(path, entry, bar)
+                sha, crcs = record_checksums(path, entry, bar)
+                bad = [e for e, crc in enumerate(crcs[:len(entry.crc32)]) if crc != entry.crc32[e]]
                 report.records += entry.num_experts
                 for expert in bad:
                     start = expert * entry.record_size
                     report.problems.append(f"{name}: layer {entry.layer} expert {expert} is corrupt (its crc32 "
                                            f"differs; bytes {start}..{start + entry.record_size})")
             else:
-                sha = _hash_file(path, bar)
+                sha = sha256_file(path, bar=bar)
             if sha != manifest.files[name]["sha256"]:
                 if entry is None or not bad:
                     report.problems.append(f"{name}: sha256 differs from the manifest (the file is corrupt)")

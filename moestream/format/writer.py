@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from moestream.errors import MoestreamError
+from moestream.format.integrity import sha256_file
 from moestream.format.manifest import DENSE_NAME, EXPERT_PROJECTIONS, ExpertLayer, Manifest, write_manifest
 from moestream.format.records import encode_record, plan_record
 from moestream.format.safetensors_io import DTYPE_NAMES, TensorEntry, plan_safetensors, tensor_bytes
@@ -30,18 +31,14 @@ def write_error(path: Path, exc: OSError) -> WriteError:
     return WriteError(f"cannot write {path}: {exc.strerror or exc}")
 
 
-def sha256_file(path: Path, chunk: int = 8 << 20) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 @dataclass(frozen=True)
 class FileDigest:
     size: int
     sha256: str
+
+    @staticmethod
+    def of(path: Path) -> "FileDigest":
+        return FileDigest(path.stat().st_size, sha256_file(path))
 
     def to_json(self) -> dict:
         return {"sha256": self.sha256, "size": self.size}
@@ -104,24 +101,21 @@ class SafetensorsWriter:
     def path(self) -> Path:
         return self._out.path
 
-    def write(self, name: str, tensor: torch.Tensor) -> None:
+    def _expect(self, name: str) -> TensorEntry:
         if self._next >= len(self._queue) or self._queue[self._next].name != name:
             expected = self._queue[self._next].name if self._next < len(self._queue) else "nothing"
             raise ValueError(f"{self.path}: {name} written out of order (expected {expected})")
-        entry = self._queue[self._next]
-        dtype = DTYPE_NAMES.get(tensor.dtype)
-        if dtype != entry.dtype or tuple(tensor.shape) != entry.shape:
-            raise ValueError(f"{self.path}: {name} is {dtype} {list(tensor.shape)}, the header says "
-                             f"{entry.dtype} {list(entry.shape)}")
-        self._out.write(tensor_bytes(tensor))
-        self._next += 1
+        return self._queue[self._next]
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        entry = self._expect(name)
+        if tuple(tensor.shape) != entry.shape:
+            raise ValueError(f"{self.path}: {name} is {list(tensor.shape)}, the header says {list(entry.shape)}")
+        self.write_blocks(name, [tensor])
 
     def write_blocks(self, name: str, blocks) -> None:
         """One tensor given as consecutive row blocks (e.g. read piecewise from a source file)."""
-        if self._next >= len(self._queue) or self._queue[self._next].name != name:
-            expected = self._queue[self._next].name if self._next < len(self._queue) else "nothing"
-            raise ValueError(f"{self.path}: {name} written out of order (expected {expected})")
-        entry, written = self._queue[self._next], 0
+        entry, written = self._expect(name), 0
         for block in blocks:
             if DTYPE_NAMES.get(block.dtype) != entry.dtype:
                 raise ValueError(f"{self.path}: {name} block is {DTYPE_NAMES.get(block.dtype)}, the header says {entry.dtype}")
@@ -181,21 +175,20 @@ class ExpertFileWriter:
         self.entry = ExpertLayer(layer=layer, file=self.path.name, num_experts=num_experts, record_size=record_size,
                                  fields=fields, quant={k: v.to_json() for k, v in quant.items()})
         self._out = OutputFile(self.path)
-        self._next = 0
         self.digest: FileDigest | None = None
 
     def write(self, expert: int, tensors: dict[str, torch.Tensor]) -> None:
-        if expert != self._next:
-            raise ValueError(f"layer {self.entry.layer}: expert {expert} written out of order (expected {self._next})")
+        written = len(self.entry.crc32)
+        if expert != written:
+            raise ValueError(f"layer {self.entry.layer}: expert {expert} written out of order (expected {written})")
         record = encode_record(self.entry.fields, self.entry.record_size, tensors)
         self._out.write(record)
         self.entry.crc32.append(zlib.crc32(record))
-        self._next += 1
 
     def close(self) -> ExpertLayer:
-        if self._next != self.entry.num_experts:
+        if len(self.entry.crc32) != self.entry.num_experts:
             self._out.abort()
-            raise ValueError(f"layer {self.entry.layer}: {self._next} of {self.entry.num_experts} experts written")
+            raise ValueError(f"layer {self.entry.layer}: {len(self.entry.crc32)} of {self.entry.num_experts} experts written")
         self.digest = self._out.close()
         return self.entry
 
@@ -210,7 +203,7 @@ def finish_model(directory: Path, *, family: str, config: dict, source: dict, qu
     digests = {DENSE_NAME: save_safetensors(directory / DENSE_NAME, dense, {"format": "pt"})}
     names = [e.file for e in expert_layers] + list(extra_files)
     files = {DENSE_NAME: digests[DENSE_NAME].to_json()}
-    files.update({n: {"sha256": sha256_file(directory / n), "size": (directory / n).stat().st_size} for n in names})
+    files.update({n: FileDigest.of(directory / n).to_json() for n in names})
     manifest = Manifest(family=family, config=config, source=source, quantization=quantization,
                         expert_layers=sorted(expert_layers, key=lambda e: e.layer), files=files)
     write_manifest(directory, manifest)

@@ -68,9 +68,9 @@ def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor | None, eps: float, kind
 
 
 @triton.jit
-def _norm_rope(x_ptr, s0, s1, w_ptr, pos_ptr, freq_ptr, out_ptr, N, D, R, eps, scale,
-               KIND: tl.constexpr, NORM: tl.constexpr, BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr):
-    t, h = tl.program_id(0), tl.program_id(1)
+def _norm_rope_row(t, h, x_ptr, s0, s1, w_ptr, pos_ptr, freq_ptr, out_ptr, N, D, R, eps, scale,
+                   KIND: tl.constexpr, NORM: tl.constexpr, BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr):
+    """Token t's head h of x [T, N, D] (strides s0, s1) normed and rotated into out [T, N, D]."""
     cols = tl.arange(0, BLOCK)
     keep = cols < D
     half = R // 2
@@ -102,23 +102,42 @@ def _norm_rope(x_ptr, s0, s1, w_ptr, pos_ptr, freq_ptr, out_ptr, N, D, R, eps, s
     tl.store(out_ptr + (t.to(tl.int64) * N + h) * D + cols, y.to(DT), mask=keep)
 
 
+@triton.jit
+def _norm_rope(a_ptr, a0, a1, wa_ptr, out_a_ptr, NA, b_ptr, b0, b1, wb_ptr, out_b_ptr, NB, pos_ptr, freq_ptr, D, R,
+               eps, scale, KIND: tl.constexpr, NORM: tl.constexpr, BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr):
+    # one program per token and head of a (queries), then of b (keys): both in one launch
+    t, h = tl.program_id(0), tl.program_id(1)
+    if h < NA:
+        _norm_rope_row(t, h, a_ptr, a0, a1, wa_ptr, pos_ptr, freq_ptr, out_a_ptr, NA, D, R, eps, scale, KIND, NORM,
+                       BLOCK, LIBDEVICE)
+    else:
+        _norm_rope_row(t, h - NA, b_ptr, b0, b1, wb_ptr, pos_ptr, freq_ptr, out_b_ptr, NB, D, R, eps, scale, KIND,
+                       NORM, BLOCK, LIBDEVICE)
+
+
 def norm_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, scale: float, *,
-              weight: torch.Tensor | None = None, eps: float = 0.0, kind: str | None = None) -> torch.Tensor:
+              weight: torch.Tensor | None = None, eps: float = 0.0, kind: str | None = None,
+              other: torch.Tensor | None = None, other_weight: torch.Tensor | None = None):
     """x [T, N, D] (last dimension contiguous) -> [T, N, D] contiguous: each head's vector RMSNormed
     over D (kind as above; None: no norm), then its first 2 * len(inv_freq) dimensions rotated
-    (rotate-half) at positions [T] -- apply_rope(norm(x)) as one kernel."""
+    (rotate-half) at positions [T] -- apply_rope(norm(x)) as one kernel. With `other` [T, N2, D] (the
+    keys beside the queries, normed with other_weight) both in the same launch: (x's, other's)."""
     T, N, D = x.shape
-    if x.stride(-1) != 1:
-        x = x.contiguous()
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    y = x if other is None else (other if other.stride(-1) == 1 else other.contiguous())
     out = torch.empty((T, N, D), dtype=x.dtype, device=x.device)
+    out_y = out if other is None else torch.empty(y.shape, dtype=y.dtype, device=y.device)
+    NB = 0 if other is None else y.shape[1]
     if T:
         norm = kind is not None
         kind = "plain" if norm and weight is None else kind
-        _norm_rope[(T, N)](x, x.stride(0), x.stride(1), weight if weight is not None else x, positions, inv_freq, out,
-                           N, D, 2 * inv_freq.shape[0], eps, scale, KIND=KINDS.get(kind, 2), NORM=norm,
-                           BLOCK=triton.next_power_of_2(D), LIBDEVICE=not _INTERPRETED,
-                           enable_fp_fusion=False)
-    return out
+        w = weight if weight is not None else x
+        wy = other_weight if other_weight is not None else w
+        _norm_rope[(T, N + NB)](x, x.stride(0), x.stride(1), w, out, N, y, y.stride(0), y.stride(1), wy, out_y, NB,
+                                positions, inv_freq, D, 2 * inv_freq.shape[0], eps, scale, KIND=KINDS.get(kind, 2),
+                                NORM=norm, BLOCK=triton.next_power_of_2(D), LIBDEVICE=not _INTERPRETED,
+                                enable_fp_fusion=False)
+    return out if other is None else (out, out_y)
 
 
 _INTERPRETED = isinstance(_norm_rope, InterpretedFunction)  # Triton's CPU interpreter (the tests' stage)

@@ -27,10 +27,11 @@ MAX_FUSED_EXPERTS = 1024  # route_rows' last program holds one row of logits in 
 
 
 @triton.jit
-def _choose(z, cols, E, weights_ptr, ids_ptr, A: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_A: tl.constexpr,
-            NORMALIZE: tl.constexpr):
+def _choose(z, cols, E, weights_ptr, ids_ptr, scale_ptr, A: tl.constexpr, BLOCK_E: tl.constexpr,
+            BLOCK_A: tl.constexpr, NORMALIZE: tl.constexpr, SCALE: tl.constexpr):
     """One token's routing from its logits z [BLOCK_E] (float32, -inf past E): softmax, the top A,
-    renormalized if asked; stores weights and ids [A] at weights_ptr, ids_ptr."""
+    renormalized if asked, times the chosen experts' scales [E] if SCALE; stores weights and ids [A]
+    at weights_ptr, ids_ptr."""
     e = tl.exp(z - tl.max(z, 0))
     p = tl.where(cols < E, e / tl.sum(e, 0), -1.0)  # padding can never be chosen
     slots = tl.arange(0, BLOCK_A)
@@ -44,13 +45,15 @@ def _choose(z, cols, E, weights_ptr, ids_ptr, A: tl.constexpr, BLOCK_E: tl.const
         p = tl.where(cols == idx, -1.0, p)
     if NORMALIZE:
         chosen_w = chosen_w / tl.sum(chosen_w, 0)
+    if SCALE:
+        chosen_w = chosen_w * tl.load(scale_ptr + chosen_i, mask=slots < A, other=0.0).to(tl.float32)
     tl.store(weights_ptr + slots, chosen_w.to(weights_ptr.dtype.element_ty), mask=slots < A)
     tl.store(ids_ptr + slots, chosen_i, mask=slots < A)
 
 
 @triton.jit
-def _route_topk(logits_ptr, stride, weights_ptr, ids_ptr, E, A: tl.constexpr, BLOCK_E: tl.constexpr,
-                BLOCK_A: tl.constexpr, NORMALIZE: tl.constexpr, PDL: tl.constexpr):
+def _route_topk(logits_ptr, stride, weights_ptr, ids_ptr, scale_ptr, E, A: tl.constexpr, BLOCK_E: tl.constexpr,
+                BLOCK_A: tl.constexpr, NORMALIZE: tl.constexpr, SCALE: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # launched with PDL: the kernel before it complete and visible first; the next may be scheduled
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -58,30 +61,33 @@ def _route_topk(logits_ptr, stride, weights_ptr, ids_ptr, E, A: tl.constexpr, BL
     cols = tl.arange(0, BLOCK_E)
     z = tl.load(logits_ptr + t.to(tl.int64) * stride + cols, mask=cols < E, other=float("-inf")).to(tl.float32)
     out = t.to(tl.int64) * A
-    _choose(z, cols, E, weights_ptr + out, ids_ptr + out, A, BLOCK_E, BLOCK_A, NORMALIZE)
+    _choose(z, cols, E, weights_ptr + out, ids_ptr + out, scale_ptr, A, BLOCK_E, BLOCK_A, NORMALIZE, SCALE)
 
 
-def route_topk(logits: torch.Tensor, top_k: int, *, normalize: bool, out_dtype: torch.dtype
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [T, E] -> (weights [T, k] in out_dtype, ids [T, k] int64), largest first."""
+def route_topk(logits: torch.Tensor, top_k: int, *, normalize: bool, out_dtype: torch.dtype,
+               expert_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [T, E] -> (weights [T, k] in out_dtype, ids [T, k] int64), largest first; each weight
+    times its expert's expert_scale [E] (float32 product) where given."""
     tokens, experts = logits.shape
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     weights = torch.empty((tokens, top_k), dtype=out_dtype, device=logits.device)
     ids = torch.empty((tokens, top_k), dtype=torch.int64, device=logits.device)
     if tokens:
-        _route_topk[(tokens,)](logits, logits.stride(0), weights, ids, experts, A=top_k,
-                               BLOCK_E=triton.next_power_of_2(experts), BLOCK_A=triton.next_power_of_2(top_k),
-                               NORMALIZE=normalize, num_warps=4 if experts > 256 else 1,
+        _route_topk[(tokens,)](logits, logits.stride(0), weights, ids, _scale_arg(expert_scale, logits), experts,
+                               A=top_k, BLOCK_E=triton.next_power_of_2(experts), BLOCK_A=triton.next_power_of_2(top_k),
+                               NORMALIZE=normalize, SCALE=expert_scale is not None, num_warps=4 if experts > 256 else 1,
                                **pdl_launch(logits, _INTERPRETED))
     return weights, ids
 
 
 @triton.jit
-def _route_rows(x_ptr, w_ptr, logits_ptr, part_ptr, weights_ptr, ids_ptr, counter_ptr, R, E, chosen_rows, stride_x,
+def _route_rows(x_ptr, w_ptr, logits_ptr, part_ptr, weights_ptr, ids_ptr, scale_ptr, counter_ptr, R, E, chosen_rows,
+                stride_x,
                 stride_w, K: tl.constexpr, RB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
                 SWAP: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr, SPLIT: tl.constexpr,
-                A: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_A: tl.constexpr, NORMALIZE: tl.constexpr, PDL: tl.constexpr):
+                A: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_A: tl.constexpr, NORMALIZE: tl.constexpr,
+                SCALE: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # launched with PDL: the kernel before it complete and visible first; the next may be scheduled
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -115,8 +121,8 @@ def _route_rows(x_ptr, w_ptr, logits_ptr, part_ptr, weights_ptr, ids_ptr, counte
                     for j in tl.static_range(1, SPLIT):
                         z += tl.load(at + j * (RB * BN), mask=e < E, other=0.0, cache_modifier=".cg")
                     z = tl.where(e < E, z.to(logits_ptr.dtype.element_ty).to(tl.float32), float("-inf"))
-                _choose(z.to(tl.float32), e, E, weights_ptr + r * A, ids_ptr + r * A, A, BLOCK_E, BLOCK_A,
-                        NORMALIZE)
+                _choose(z.to(tl.float32), e, E, weights_ptr + r * A, ids_ptr + r * A, scale_ptr, A, BLOCK_E,
+                        BLOCK_A, NORMALIZE, SCALE)
         slots = tl.arange(0, BLOCK_A)
         out = rows[:, None] * A + slots[None, :]
         rest = ((rows >= chosen_rows) & (rows < R))[:, None] & (slots < A)[None, :]  # rows not asked for: zeros
@@ -125,12 +131,12 @@ def _route_rows(x_ptr, w_ptr, logits_ptr, part_ptr, weights_ptr, ids_ptr, counte
 
 
 def route_rows(x: torch.Tensor, router: torch.Tensor, top_k: int, *, normalize: bool, out_dtype: torch.dtype,
-               counter: torch.Tensor, rows: int | None = None, config: KernelConfig = DEFAULT_CONFIG
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+               counter: torch.Tensor, rows: int | None = None, expert_scale: torch.Tensor | None = None,
+               config: KernelConfig = DEFAULT_CONFIG) -> tuple[torch.Tensor, torch.Tensor]:
     """route_topk(tile_linear(x, router), ...) in one launch, for x [R, K] (a decode step's row tile,
     R <= MAX_ROWS) and router [E, K] in x's dtype: (weights [R, k] in out_dtype, ids [R, k] int64).
     rows: route only the first `rows` rows (a step's real rows; default all), the others zeros: the
-    last program routes them one after another. counter: an int32 device tensor of one zero, the
+    last program routes them one after another. expert_scale: as route_topk's. counter: an int32 device tensor of one zero, the
     caller's own (launches that share it must run one after another, as on one stream), left zero
     after each launch."""
     if x.dim() != 2 or router.dim() != 2 or router.shape[1] != x.shape[1] or x.dtype not in ACT_DTYPES or \
@@ -153,12 +159,18 @@ def route_rows(x: torch.Tensor, router: torch.Tensor, top_k: int, *, normalize: 
     weights = torch.empty((R, top_k), dtype=out_dtype, device=x.device)
     ids = torch.empty((R, top_k), dtype=torch.int64, device=x.device)
     _route_rows[(blocks, settings["SPLIT"])](
-        x, router, logits, split_parts(blocks, rb, settings, x.device), weights, ids, counter, R, E, rows,
+        x, router, logits, split_parts(blocks, rb, settings, x.device), weights, ids, _scale_arg(expert_scale, x),
+        counter, R, E, rows,
         x.stride(0), router.stride(0), K=K, RB=rb,
         PRECISION="ieee" if x.dtype == torch.float32 or _INTERPRETED else "tf32",
         DOT_F32=_INTERPRETED, A=top_k, BLOCK_E=triton.next_power_of_2(E), BLOCK_A=triton.next_power_of_2(top_k),
-        NORMALIZE=normalize, **settings, **pdl_launch(x, _INTERPRETED))
+        NORMALIZE=normalize, SCALE=expert_scale is not None, **settings, **pdl_launch(x, _INTERPRETED))
     return weights, ids
+
+
+def _scale_arg(expert_scale: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """The kernels' scale pointer: the scales (contiguous), or any tensor where there are none (unread)."""
+    return like if expert_scale is None else expert_scale.contiguous()
 
 
 _INTERPRETED = isinstance(_route_topk, InterpretedFunction)  # under Triton's CPU interpreter (tests)

@@ -11,6 +11,16 @@ class KVPoolFullError(MoestreamError):
     pass
 
 
+def common_prefix(a, b) -> int:
+    """How many leading token ids a and b share (prefix reuse: a KV cache's tokens against a prompt)."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 class BlockAllocator:
     def __init__(self, num_blocks: int):
         self.num_blocks = num_blocks
@@ -44,6 +54,11 @@ class BlockAllocator:
             return None
         if self.refs[block] == 0:
             del self.cached[block]
+        self.refs[block] += 1
+        return block
+
+    def hold(self, block: int) -> int:
+        """Hold `block` (held by another sequence) once more: it is copied before either writes it."""
         self.refs[block] += 1
         return block
 

@@ -1,22 +1,18 @@
 """The paged KV pool: every layer's per-token rows in fixed-size blocks shared by all sequences.
 
-Layout (what the attention kernels read): a layer's keys are [num_blocks, block_size, Nkv, D] and
-values [num_blocks, block_size, Nkv, Dv]; a layer group (the layers with the same window) has one
-block table, int32 [max_sequences, max_blocks], on the device (a host mirror beside it): position
-p of sequence s lies in block table[s, p // block_size], row p % block_size. Blocks are taken as a
-sequence grows (`SequenceKV.reserve`) and given back when it shrinks or ends; a sliding-window
-group gives back the blocks its window no longer sees. A full block of known tokens is published
-under a chained hash of its token ids, so a prompt starting like an earlier one shares those blocks
-(reference counted) rather than computing them again; a freed published block stays reusable
-until its room is needed. Recurrent (linear-attention) layers keep a state per sequence instead
-(moestream.kv.recurrent), accounted in the same ledger.
+A layer's keys are [NB, BS, Nkv, D] and values [NB, BS, Nkv, Dv]; the layers with the same window (a
+group) share a block table, int32 [S, MB] on the device with a host mirror: position p of sequence s
+lies in block table[s, p // BS], row p % BS. Blocks are taken as a sequence grows and given back when
+it shrinks or ends (a window group: those its window no longer sees). A full block of known tokens is
+published under a chained hash of its ids, so a prompt starting like an earlier one shares those
+blocks (reference counted); a freed published block stays reusable until its room is needed.
+Recurrent layers keep a state per sequence instead (moestream.kv.recurrent).
 
-Sizing: a full-attention group holds the whole context for one sequence plus a quarter of it for
-each further slot (`full_blocks`), so the context is a limit per sequence, not a reservation per
-slot: one sequence can still reach the whole context while the others are short. A caller that runs
-several sequences admits one only where its whole length fits (`SequenceSlots.room`), so none runs
-out mid-generation. A pool with recurrent layers keeps every slot's whole context: there a free
-slot keeps its blocks and states for its next prompt's prefix rather than sharing them by content.
+Sizing: a full-attention group holds the whole context for one sequence plus a quarter of it for each
+further slot (`full_blocks`): the context is a limit per sequence, not a reservation per slot. A
+caller admits a sequence only where its whole length fits (`KVPool.room`), so none runs out
+mid-generation. With recurrent layers every slot keeps its whole context, and a free slot its blocks
+and states for its next prompt's prefix, rather than sharing them by content.
 
 Legend: NB blocks, BS block size, S sequences, MB blocks per sequence, Nkv heads, D head size."""
 from __future__ import annotations
@@ -25,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moestream.kv.blocks import BlockAllocator
+from moestream.kv.blocks import BlockAllocator, common_prefix
 from moestream.kv.layout import LayerKV
 from moestream.kv.recurrent import RECENT_STATES, RecurrentState, StateBook
 
@@ -111,7 +107,6 @@ class KVPool:
             raise ValueError(f"the KV block size must be at least 1, got {block_size}")
         self.layout, self.block_size, self.max_context = layout, block_size, max_context
         self.max_sequences, self.dtype, self.device = max_sequences, dtype, device
-        self.prefill_chunk = prefill_chunk
         self.max_blocks = -(-max_context // block_size)
         self.groups: dict[int | None, _Group] = {}
         self.layers: list[LayerCache] = []
@@ -122,8 +117,10 @@ class KVPool:
                 self.layers.append(LayerCache(None, None, None, None, block_size, None, states))
                 continue
             if spec.window not in self.groups:
-                self.groups[spec.window] = _Group(spec.window, self.blocks_for(spec.window, num_blocks),
-                                                  max_sequences, self.max_blocks, device)
+                blocks = num_blocks if spec.window is None and num_blocks is not None else \
+                    group_blocks(layout, spec.window, sequences=max_sequences, max_context=max_context,
+                                 block_size=block_size, prefill_chunk=prefill_chunk)
+                self.groups[spec.window] = _Group(spec.window, blocks, max_sequences, self.max_blocks, device)
             group = self.groups[spec.window]
             group.layers.append(i)
             nb = group.allocator.num_blocks
@@ -133,13 +130,6 @@ class KVPool:
             self.layers.append(LayerCache(keys, values, group.table, group.host, block_size, spec.window))
         self.recurrent = [c.states for c in self.layers if c.states is not None]
         self.sequences = [SequenceKV(self, s) for s in range(max_sequences)]
-
-    def blocks_for(self, window: int | None, num_blocks: int | None) -> int:
-        if window is None:
-            return num_blocks if num_blocks is not None else \
-                full_blocks(self.max_sequences, self.max_blocks, recurrent=any(s.recurrent for s in self.layout))
-        return window_blocks(window, max_context=self.max_context, block_size=self.block_size,
-                             sequences=self.max_sequences, prefill_chunk=self.prefill_chunk)
 
     def layer(self, i: int) -> LayerCache:
         return self.layers[i]
@@ -213,15 +203,22 @@ class KVPool:
         """What a pool for `layout` allocates (the ledger's KV line)."""
         item = torch.finfo(dtype).bits // 8
         total = 0
-        blocks = full_blocks(sequences, -(-max_context // block_size), recurrent=any(s.recurrent for s in layout))
         for spec in layout:
             if spec.paged:
-                n = blocks if spec.window is None else \
-                    window_blocks(spec.window, max_context=max_context, block_size=block_size, sequences=sequences,
-                                  prefill_chunk=prefill_chunk)
-                total += n * block_size * spec.bytes_per_token(item)
+                total += group_blocks(layout, spec.window, sequences=sequences, max_context=max_context,
+                                      block_size=block_size, prefill_chunk=prefill_chunk) * \
+                    block_size * spec.bytes_per_token(item)
             total += sequences * spec.state_bytes(max_context, item)
         return total
+
+
+def group_blocks(layout: list[LayerKV], window: int | None, *, sequences: int, max_context: int, block_size: int,
+                 prefill_chunk: int) -> int:
+    """Blocks of the layer group of `window`: `full_blocks` for full attention, else `window_blocks`."""
+    if window is None:
+        return full_blocks(sequences, -(-max_context // block_size), recurrent=any(s.recurrent for s in layout))
+    return window_blocks(window, max_context=max_context, block_size=block_size, sequences=sequences,
+                         prefill_chunk=prefill_chunk)
 
 
 def full_blocks(sequences: int, max_blocks: int, *, recurrent: bool = False) -> int:
@@ -402,19 +399,56 @@ class SequenceKV:
 
     # -- prefix reuse --------------------------------------------------------------------------------
     def reuse(self, prompt: list[int], limit: int) -> int:
-        """Keep as much of `prompt` (at most `limit` tokens) as this sequence or the pool's published
-        blocks hold, and return the length kept (the prefill computes the rest)."""
-        own = 0
-        for a, b in zip(self.tokens, prompt[:limit]):
-            if a != b:
-                break
-            own += 1
+        """Keep as much of `prompt` (at most `limit` tokens) as this sequence, another open one or the
+        pool's published blocks hold, and return the length kept (the prefill computes the rest).
+        Another sequence's blocks are held as they are, its last partly filled one too (copied before
+        either writes it): the positions kept have the bits they were computed with, so a prompt
+        that starts like a running one continues as it would in that one's own slot."""
+        own = common_prefix(self.tokens, prompt[:limit])
         shared = self.pool.shared_blocks(prompt, limit) * self.pool.block_size
-        if shared > own:
+        donor, beside = self._donor(prompt[:limit])
+        if beside > max(own, shared):
+            self.release()
+            self._hold_from(donor, beside)
+            own = beside
+        elif shared > own:
             self.release()
             self._adopt(prompt, shared // self.pool.block_size)
             own = min(shared, limit)
         return self.truncate(own)
+
+    def _donor(self, prompt: list[int]) -> tuple["SequenceKV | None", int]:
+        """The other sequence whose known tokens share the longest start with `prompt`, and that length
+        (none with recurrent layers: their states are a sequence's own)."""
+        if self.pool.recurrent:
+            return None, 0
+        best, n = None, 0
+        for other in self.pool.sequences:
+            if other is not self and other.length > n:
+                common = common_prefix(other.tokens, prompt)
+                if common > n and other._holds(common):
+                    best, n = other, common
+        return best, n
+
+    def _holds(self, length: int) -> bool:
+        """Whether every group holds the blocks a sequence of `length` positions sees (a window's only)."""
+        bs = self.pool.block_size
+        for group in self.pool.groups.values():
+            held = group.held[self.seq]
+            first = 0 if group.window is None else max(0, length - group.window) // bs
+            if any(j >= len(held) or held[j] < 0 for j in range(first, -(-length // bs))):
+                return False
+        return True
+
+    def _hold_from(self, donor: "SequenceKV", length: int) -> None:
+        bs = self.pool.block_size
+        for group in self.pool.groups.values():
+            first = 0 if group.window is None else max(0, length - group.window) // bs
+            for j in range(first, -(-length // bs)):
+                self._set(group, j, group.allocator.hold(group.held[donor.seq][j]))
+        self.tokens = list(donor.tokens[:length])
+        self.hashes = donor.hashes[:length // bs]
+        self._slide()
 
     def _adopt(self, prompt: list[int], blocks: int) -> None:
         bs = self.pool.block_size

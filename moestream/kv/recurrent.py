@@ -1,22 +1,18 @@
-"""The state of a recurrent (linear-attention) layer in a sequence's cache, kept so that the cache
-can be truncated like a KV cache.
+"""The states of a recurrent (linear-attention) layer, kept so that its cache can be truncated like
+a KV cache.
 
-An attention layer's cache holds every position's K/V, so forgetting positions is free. A recurrent
-layer holds one state that each token updates (a float32 matrix per head, and the convolution's
-last inputs); a copy per position would cost megabytes per token. So the states are kept:
+A recurrent layer holds one state that each token updates (a float32 matrix per head and the
+convolution's last inputs); a copy per position would cost megabytes per token. So states are kept
+  - for the last RECENT_STATES lengths, in a ring (slot = length % RECENT_STATES): a step of up to
+    MAX_STEP_TOKENS tokens rolls back to any of its positions for free (speculative decoding);
+  - at every `every`-th length (at most MAX_SNAPSHOTS + 1 snapshots): a deeper truncation returns to
+    the nearest snapshot at or before it, and the caller recomputes the tokens after it.
 
-  - for the last RECENT_STATES lengths, in a ring (slot = length % RECENT_STATES): a step of up
-    to MAX_STEP_TOKENS tokens (moestream.engine.decoder) can be rolled back to any of its
-    positions for free, which is what speculative decoding does after every verification;
-  - at every `every`-th length (snapshots, at most MAX_SNAPSHOTS + 1 of them): a deeper
-    truncation (a new prompt sharing a prefix, an explicit rollback) returns to the nearest
-    snapshot at or before it, and the caller recomputes the tokens after it.
-
-A layer run over positions start..end-1 reads the ring slot of `start` and writes the states of
-the lengths max(start + 1, end - RECENT_STATES + 1)..end into the ring and every multiple of
-`every` in start+1..end into the snapshots; a one-token step does it with device indices (no
-host read: CUDA graphs replay it at any position). The host-side record of which lengths are held
-(`StateBook`, one per sequence) is shared by the recurrent layers of a sequence, which always move together."""
+A run over positions start..end-1 reads the ring slot of `start` and writes the lengths
+max(start + 1, end - RECENT_STATES + 1)..end into the ring and every multiple of `every` in
+start+1..end into the snapshots; a one-token step does it with device indices (graphs replay it at
+any position). Which lengths are held is the host's `StateBook`, one per sequence, shared by its
+recurrent layers (they always move together)."""
 from __future__ import annotations
 
 import math
@@ -64,10 +60,9 @@ class StateBook:
 
 
 class RecurrentState:
-    """One recurrent layer's states for every sequence slot of the pool: `state` float32
-    [S, ..., *state_shape] and `conv` [S, ..., *conv_shape] in the model's dtype, in a ring of
-    RECENT_STATES and in snapshots (plus one scratch snapshot that a step writes when its length is
-    no multiple of `every`). A sequence's StateBook says which of its lengths are held."""
+    """One recurrent layer's states for every sequence slot: float32 states and convolution histories
+    in the model's dtype, in a ring of RECENT_STATES and in snapshots (plus a scratch snapshot a step
+    writes when its length is no multiple of `every`)."""
 
     def __init__(self, state_shape: tuple[int, ...], conv_shape: tuple[int, int], sequences: int, max_tokens: int, *,
                  dtype: torch.dtype, device: torch.device):

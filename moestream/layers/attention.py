@@ -143,7 +143,7 @@ class Attention:
             # the per-head q/k norm and the rotary in one kernel each (moestream.kernels.triton_norm)
             kind = _CUDA_NORM_KINDS.get(self.norm) if self.qk_norm == "head" else None
             q, k, v, gate = self._project(x, linear, head_norm=kind is None)
-            q, k = (self._norm_rope(t[:T], positions, weight, kind) for t, weight in ((q, self.w.q_norm), (k, self.w.k_norm)))
+            q, k = self._norm_rope(q[:T], k[:T], positions, kind)
             out = self._attend_cuda(q, k, v[:T], positions, sequences, kv, x.shape[0])
         else:
             q, k, v, gate = self._project(x, linear)
@@ -197,12 +197,14 @@ class Attention:
         out = torch.matmul(probs, values)  # [Nq, T, Dv]
         return out.transpose(0, 1).reshape(T, -1)
 
-    def _norm_rope(self, x: torch.Tensor, positions: torch.Tensor, weight: torch.Tensor | None,
-                   kind: str | None) -> torch.Tensor:
-        """x [T, N, D] -> [T, N, D]: normed per head (kind: triton_norm's, None: no norm), then rotated."""
+    def _norm_rope(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+                   kind: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, Nq, D], k [T, Nkv, D] -> the same, each head normed (kind: triton_norm's, None: no
+        norm), then rotated: one kernel for both."""
         from moestream.kernels.triton_norm import norm_rope
 
-        return norm_rope(x, positions, self.rope.inv_freq, self.rope.scale, weight=weight, eps=self.eps, kind=kind)
+        return norm_rope(q, positions, self.rope.inv_freq, self.rope.scale, weight=self.w.q_norm, eps=self.eps,
+                         kind=kind, other=k, other_weight=self.w.k_norm)
 
     def _attend_cuda(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                      sequences: torch.Tensor, kv: LayerCache, rows: int) -> torch.Tensor:

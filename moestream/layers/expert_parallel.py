@@ -136,7 +136,7 @@ class OwnedExperts:
         self.provider, self.placement, self.rank = provider, placement, rank
         self._mine = {layer: set(placement.owned(layer, rank)) for layer in placement.owners}
 
-    def __getattr__(self, name):  # the rest of the ExpertProvider protocol, and the cache's own attributes
+    def __getattr__(self, name):  # everything else RoutedExperts asks of the cache, and its own attributes
         return getattr(self.provider, name)
 
     def fetch(self, layer: int, experts: Sequence[int], *, views: bool = True):

@@ -18,14 +18,15 @@ and any record layout neither takes, e.g. unquantized experts, or a CPU without 
 Which one a layer uses depends only on the device, the record layout and the build, never on what
 is cached, so the bits are the same for every cache size and policy.
 
-Its backends are given when it is built, never set from outside: expert parallelism (`parallel`: a
+Its backends and hooks are given when it is built, never set from outside: expert parallelism (`parallel`: a
 plan whose `run` takes the experts this rank owns and whose `finish` adds the other ranks' rows in
 a fixed order), the CPU's kept unpacked experts (`unpacked`), and the CPU's share of the misses
 (`cpu_share`: started with device-driven streaming, moestream.cpu_share)."""
 from __future__ import annotations
 
 import logging
-from typing import Callable, Mapping, Protocol, Sequence
+from contextlib import contextmanager
+from typing import Callable, Mapping
 
 import torch
 
@@ -33,7 +34,6 @@ from moestream.cpu_share.share import CpuShare, ShareRequest, ShareUnavailable
 from moestream.kernels.expert_layout import ACT_DTYPES, SlotLayout, UnsupportedLayout
 from moestream.layers.native_experts import NativePlan, native_layout
 from moestream.layers.torch_experts import TorchPlan, activation_of
-from moestream.quant.affine import QuantSpec
 
 log = logging.getLogger(__name__)
 
@@ -48,62 +48,23 @@ def padding_on_last_row(ids: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
     return torch.where(rows > last, ids.index_select(0, last), ids)
 
 
-class ExpertProvider(Protocol):
-    """Where routed-expert records live: a pool of slots, filled on demand (moestream.experts.cache)."""
-
-    total_experts: int
-
-    def quant(self, layer: int) -> dict[str, QuantSpec]: ...
-
-    def record_fields(self, layer: int) -> list: ...
-
-    def slot_pool(self, layer: int) -> torch.Tensor:
-        """uint8 [slots, slot_bytes]: the tensor `slots_of` indexes."""
-        ...
-
-    def fetch(self, layer: int, experts: Sequence[int], *, views: bool = True) -> Mapping[int, dict]:
-        """Pin the experts' slots (loading misses); they stay valid until `release(layer)`."""
-        ...
-
-    def slots_of(self, layer: int, experts: Sequence[int]) -> list[int]: ...
-
-    def release(self, layer: int) -> None: ...
-
-    def batch_limit(self, layer: int) -> int:
-        """The most experts of `layer` that can be pinned at once; more are computed in batches."""
-        ...
-
-    def prefetch(self, layer: int, experts: Sequence[int]) -> int: ...
-
-    def can_hold_all(self) -> bool: ...
-
-    def make_resident(self) -> bool: ...
-
-    def start_device_map(self):
-        """A moestream.experts.device_map.DeviceMap over this pool (device-driven streaming)."""
-        ...
-
-    def resident_table(self, layer: int) -> torch.Tensor | None: ...
-
-    def count_resident(self, layer: int, ids: torch.Tensor) -> None: ...
-
-    def stats(self) -> dict: ...
-
-    def close(self) -> None: ...
-
-
 class RoutedExperts:
     """Computes every MoE layer's routed experts from the provider's slot pool (see the module doc)."""
 
-    def __init__(self, provider: ExpertProvider, moe_layers: Mapping[int, int], *, device: torch.device,
-                 parallel=None, unpacked=None, cpu_share: ShareRequest | None = None):
-        """moe_layers: layer index -> number of experts. parallel: a
+    def __init__(self, provider, moe_layers: Mapping[int, int], *, device: torch.device, parallel=None,
+                 unpacked=None, cpu_share: ShareRequest | None = None, on_route: Callable | None = None,
+                 after_fetch: Callable | None = None, reroute: Callable | None = None):
+        """provider: where the records live, a pool of slots filled on demand
+        (moestream.experts.cache.ExpertCache, or expert parallelism's OwnedExperts over it).
+        moe_layers: layer index -> number of experts. parallel: a
         moestream.layers.expert_parallel.ExpertParallel: this rank computes only its own experts, and
         the ranks exchange their rows (the torch reference's arithmetic, exactly). unpacked: the
         CPU's kept dequantized experts (moestream.experts.unpacked.UnpackedExperts). cpu_share: the
-        CPU's share of the misses, started with device-driven streaming (`start_device_map`)."""
-        if parallel is not None and cpu_share is not None:
-            raise ValueError("a CPU share does not run with expert parallelism")
+        CPU's share of the misses, started with device-driven streaming (`start_device_map`).
+        on_route(layer, ids) sees every layer's chosen ids (a routing trace); after_fetch(layer, x,
+        chosen) runs once a layer's experts are pinned (the CPU lookahead's early reads start there;
+        chosen: the distinct experts the layer routed to, to score earlier guesses); reroute(layer,
+        weights, ids) -> replaced weights, ids (benchmarks only: moestream.bench.routing)."""
         self.provider, self.num_experts, self.device = provider, dict(moe_layers), torch.device(device)
         self.parallel = parallel
         self.layouts = {layer: self._layout(layer) for layer in self.num_experts}
@@ -120,13 +81,7 @@ class RoutedExperts:
         self.device_map = None  # set by start_device_map: the device looks up slots and copies misses itself
         self.share_request = cpu_share
         self.cpu_share: CpuShare | None = None  # started with the device map, where the native worker runs
-        # hooks: on_route(layer, ids) sees every layer's chosen ids (traces); after_fetch(layer, x,
-        # chosen) runs once a layer's experts are pinned (early reads for later layers start there;
-        # chosen: the distinct experts the layer routed to, to score earlier guesses)
-        self.on_route: Callable[[int, torch.Tensor], None] | None = None
-        self.after_fetch: Callable[[int, torch.Tensor, list[int]], None] | None = None
-        # benchmarks only (moestream.bench.routing): (layer, weights, ids) -> replaced weights, ids
-        self.reroute: Callable | None = None
+        self.on_route, self.after_fetch, self.reroute = on_route, after_fetch, reroute
         # while a padded prefill chunk runs (moestream.engine.prefill_graphs): its real token count
         # (MoEPlan's tile_tokens), its last real row ([1] on the device; the padding takes that row's
         # experts), and the list that takes each resident layer's (layer, ids) in place of counting its
@@ -225,6 +180,16 @@ class RoutedExperts:
                 self.provider.release(layer)
         return self.finish_plan(plan, residual, out, norm)
 
+    @contextmanager
+    def quiet(self):
+        """Calls that stay out of routing traces and prefetch guesses (a drafter's)."""
+        saved = self.on_route, self.after_fetch
+        self.on_route = self.after_fetch = None
+        try:
+            yield
+        finally:
+            self.on_route, self.after_fetch = saved
+
     @staticmethod
     def finish_plan(plan, residual: torch.Tensor | None, out: torch.Tensor | None, norm: tuple | None) -> torch.Tensor:
         """plan.finish, passing out and norm only where given (the torch reference takes neither)."""
@@ -290,18 +255,9 @@ class RoutedExperts:
         if not self.device_driven:
             self.provider.release(layer)
 
-    def count_resident(self, layer: int, ids: torch.Tensor) -> None:
-        """A resident layer ran without the host half: book its hits and tell the trace."""
-        self.count_resident_step([(layer, ids)])
-
     def count_resident_step(self, routed: list[tuple[int, torch.Tensor]]) -> None:
         """count_resident for every MoE layer [(layer, ids)] of a step that ran without the host half."""
-        many = getattr(self.provider, "count_resident_many", None)
-        if many is not None:
-            many(routed)
-        else:
-            for layer, ids in routed:
-                self.provider.count_resident(layer, ids)
+        self.provider.count_resident_many(routed)
         if self.on_route is not None:
             for layer, ids in routed:
                 self.on_route(layer, ids)

@@ -12,8 +12,15 @@ def gelu_glu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.
 
 
 class GeluMLP:
+    """gate and up are stored as one [2I, H] tensor: on CUDA one product for both, then one kernel for
+    the activation (moestream.kernels.triton_sandwich.gelu_glu); elsewhere the products one by one."""
+
     def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor):
-        self.gate, self.up, self.down = gate, up, down
+        self.gate_up = torch.cat([gate, up])
+        self.gate, self.up, self.down = self.gate_up[:gate.shape[0]], self.gate_up[gate.shape[0]:], down
 
     def __call__(self, x: torch.Tensor, *, linear=F.linear) -> torch.Tensor:
+        if x.is_cuda:
+            from moestream.kernels.triton_sandwich import gelu_glu as activation
+            return linear(activation(linear(x, self.gate_up)), self.down)
         return gelu_glu(x, self.gate, self.up, self.down, linear=linear)

@@ -4,12 +4,12 @@ the residual, and an MoE layer runs its routed experts beside (not instead of) t
     h   = x + post_attn(attn(input(x)))
     out = (h + post_ffn(post_ffn_1(mlp(pre_ffn(h))) + post_ffn_2(experts(pre_ffn_2(h))))) * scalar
 
-The router reads h itself (`GemmaRouter`). For the engine's decoder the layer offers the usual
-pair: `attention_rows` -> (h, the experts' input), and an `ffn` that is either a dense
+The router reads its own norm of h (`GemmaRouter`). For the engine's decoder the layer offers the
+usual pair: `attention_rows` -> (h, the experts' input), and an `ffn` that is either a dense
 `SandwichFFN` or a `ParallelMoEBlock` (route / shared_out / combine, with the dense MLP as its
 shared part). The decoder hands `route` and `shared_out` only the experts' input, so
-`attention_rows` leaves h with the block (`ParallelMoEBlock.pending`) for the two calls that
-follow it in the same segment."""
+`attention_rows` leaves the MLP's and the router's inputs with the block (`ParallelMoEBlock.pending`)
+for the two calls that follow it in the same segment."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -24,12 +24,14 @@ from moestream.kv.pool import LayerCache
 from moestream.layers.attention import Attention
 from moestream.layers.moe import MoEBlock
 from moestream.layers.norm_f32 import rms_norm_f32
+from moestream.layers.routers import softmax_topk
 
 
 @dataclass
 class GemmaRouter:
-    """Scale-free RMSNorm of h, times `scale` [H] and H^-1/2, projected to expert scores; softmax in
-    float32, top k renormalized to sum 1, then times the chosen experts' `per_expert_scale`."""
+    """Projects the router's input (h's scale-free RMSNorm times `scale` [H] and H^-1/2: the fourth
+    of `ParallelMoEBlock.tail`'s outputs) to expert scores; softmax in float32, top k renormalized
+    to sum 1, then times the chosen experts' `per_expert_scale`."""
 
     proj: torch.Tensor  # [E, H]
     scale: torch.Tensor  # [H]
@@ -37,12 +39,13 @@ class GemmaRouter:
     top_k: int
     eps: float
 
-    def __call__(self, h: torch.Tensor, *, linear=F.linear) -> tuple[torch.Tensor, torch.Tensor]:
-        x = rms_norm_f32(h, None, self.eps) * self.scale * (h.shape[-1] ** -0.5)
-        probs = torch.softmax(linear(x, self.proj), dim=-1, dtype=torch.float32)  # [T, E]
-        weights, ids = torch.topk(probs, self.top_k, dim=-1)
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-        return (weights * self.per_expert_scale[ids]).to(h.dtype), ids
+    def __call__(self, x: torch.Tensor, *, linear=F.linear, fused=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """fused: the decoder's router kernel that takes the product and the top-k at once."""
+        if fused is not None:
+            return fused(x, self.proj, self.top_k, normalize=True, out_dtype=x.dtype,
+                         expert_scale=self.per_expert_scale)
+        return softmax_topk(linear(x, self.proj), self.top_k, normalize=True, out_dtype=x.dtype,
+                            expert_scale=self.per_expert_scale)
 
 
 class SandwichFFN:
@@ -57,50 +60,69 @@ class SandwichFFN:
 
 
 class ParallelMoEBlock(MoEBlock):
-    """Routed experts beside a dense MLP (its `shared` part), each with its own pre/post norms."""
+    """Routed experts beside a dense MLP (its `shared` part), each with its own pre/post norms.
+
+    `tail` (called by the layer with attention's output) computes h and h's three norms at once and
+    keeps the dense MLP's and the router's inputs (`pending`) for `route` and `shared_out`, which the
+    decoder calls next with the experts' input; `combine` takes the raw MLP output and applies the
+    post norms. On CUDA each side is one kernel (moestream.kernels.triton_sandwich)."""
 
     def __init__(self, layer: int, router: GemmaRouter, experts: RoutedExperts, *, mlp: GeluMLP,
                  norms: dict[str, torch.Tensor], scalar: torch.Tensor, eps: float):
         super().__init__(layer, router.proj, router, experts, top_k=router.top_k)
         self.gemma_router, self.mlp, self.norms, self.scalar, self.eps = router, mlp, norms, scalar, eps
-        self.pending: torch.Tensor | None = None  # h of the token attention_step just computed
+        self.pending: tuple[torch.Tensor, torch.Tensor] | None = None  # (the MLP's, the router's input)
 
-    def _norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        return rms_norm_f32(x, self.norms[name], self.eps)
+    def _kernels(self, *xs: torch.Tensor) -> bool:
+        """Whether the Triton kernels take xs: on CUDA, xs and the weights they scale by of one dtype."""
+        dtype = xs[0].dtype
+        return xs[0].is_cuda and all(x.dtype == dtype for x in xs) and self.scalar.dtype == dtype and \
+            self.gemma_router.scale.dtype == dtype
 
-    def experts_input(self, h: torch.Tensor) -> torch.Tensor:
-        return self._norm(h, "pre_feedforward_layernorm_2")
+    def tail(self, x: torch.Tensor, a: torch.Tensor, post_attention: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (residual), a (attention's output) [T, H] -> (h, the experts' input); keeps `pending`."""
+        n, router = self.norms, self.gemma_router
+        scale = x.shape[-1] ** -0.5
+        if self._kernels(x, a):
+            from moestream.kernels.triton_sandwich import sandwich_tail
+            h, mlp_in, experts_in, router_in = sandwich_tail(
+                x.contiguous(), a.contiguous(), post_attention, n["pre_feedforward_layernorm"],
+                n["pre_feedforward_layernorm_2"], router.scale, self.eps, scale)
+        else:
+            h = x + rms_norm_f32(a, post_attention, self.eps)
+            mlp_in = rms_norm_f32(h, n["pre_feedforward_layernorm"], self.eps)
+            experts_in = rms_norm_f32(h, n["pre_feedforward_layernorm_2"], self.eps)
+            router_in = rms_norm_f32(h, None, self.eps) * router.scale * scale
+        self.pending = (mlp_in, router_in)
+        return h, experts_in
 
-    def route_h(self, h: torch.Tensor, linear=F.linear) -> tuple[torch.Tensor, torch.Tensor]:
-        weights, ids = self.gemma_router(h, linear=linear)
-        if self.experts.reroute is not None:  # benchmarks only: routing at a known hit rate
-            weights, ids = self.experts.reroute(self.layer, weights, ids)
-        return weights, ids
-
-    def dense_h(self, h: torch.Tensor, linear=F.linear) -> torch.Tensor:
-        return self._norm(self.mlp(self._norm(h, "pre_feedforward_layernorm"), linear=linear),
-                          "post_feedforward_layernorm_1")
+    # the decoder's interface: x is the experts' input; the MLP's and the router's are `pending`
+    def route(self, x: torch.Tensor, *, linear=F.linear, fused=None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._rerouted(*self.gemma_router(self.pending[1], linear=linear, fused=fused))
 
     def fuses(self, dtype: torch.dtype, max_experts: int | None = None) -> bool:
-        """Never: its router (GemmaRouter) is no plain softmax top-k over x."""
-        return False
-
-    # the decoder's interface: x is the experts' input; h is `pending`
-    def route(self, x: torch.Tensor, *, linear=F.linear, fused=None) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.route_h(self.pending, linear)
+        return self.router.dtype == dtype and (max_experts is None or self.num_experts <= max_experts)
 
     def shared_out(self, x: torch.Tensor, *, linear=F.linear) -> torch.Tensor:
-        return self.dense_h(self.pending, linear)
+        return self.mlp(self.pending[0], linear=linear)
 
     def combine(self, routed: torch.Tensor, shared: torch.Tensor | None, residual: torch.Tensor | None) -> torch.Tensor:
-        out = self._norm(shared + self._norm(routed, "post_feedforward_layernorm_2"), "post_feedforward_layernorm")
+        """routed (the experts' sum), shared (the raw MLP output), residual (h) -> the layer's output."""
+        n = self.norms
+        if self._kernels(residual, routed, shared):
+            from moestream.kernels.triton_sandwich import sandwich_combine
+            return sandwich_combine(routed.contiguous(), shared.contiguous(), residual.contiguous(),
+                                    n["post_feedforward_layernorm_2"], n["post_feedforward_layernorm_1"],
+                                    n["post_feedforward_layernorm"], self.scalar, self.eps)
+        out = rms_norm_f32(rms_norm_f32(shared, n["post_feedforward_layernorm_1"], self.eps) +
+                           rms_norm_f32(routed, n["post_feedforward_layernorm_2"], self.eps),
+                           n["post_feedforward_layernorm"], self.eps)
         return (residual + out) * self.scalar
 
-    def __call__(self, h: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """The whole feed-forward half for h [T, H] (prefill)."""
-        weights, ids = self.route_h(h)
-        routed = self.experts(self.layer, self.experts_input(h), ids, weights)
-        return self.combine(routed, self.dense_h(h), h)
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The feed-forward half for the experts' input x [T, H] after `tail` (residual: h)."""
+        weights, ids = self.route(x)
+        return self.combine(self.experts(self.layer, x, ids, weights), self.shared_out(x), residual)
 
 
 @dataclass
@@ -115,18 +137,16 @@ class SandwichLayer:
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, sequences: torch.Tensor,
                  kv: LayerCache) -> torch.Tensor:
         """A prefill chunk x [T, H]."""
-        h = x + rms_norm_f32(self.attn.forward(rms_norm_f32(x, self.input_norm, self.eps), positions, sequences, kv),
-                             self.post_attn_norm, self.eps)
-        return self.ffn(h, residual=h)
+        h, hn = self.attention_rows(x, positions, sequences, kv)
+        return self.ffn(hn, residual=h)
 
     def attention_rows(self, x: torch.Tensor, positions: torch.Tensor, sequences: torch.Tensor, kv: LayerCache, *,
                        linear=None) -> tuple[torch.Tensor, torch.Tensor]:
         """(h, the FFN's input): the experts' input on an MoE layer, h itself on a dense one."""
         a = self.attn.forward(rms_norm_f32(x, self.input_norm, self.eps), positions, sequences, kv, linear=linear)
-        h = x + rms_norm_f32(a, self.post_attn_norm, self.eps)
         if isinstance(self.ffn, ParallelMoEBlock):
-            self.ffn.pending = h
-            return h, self.ffn.experts_input(h)
+            return self.ffn.tail(x, a, self.post_attn_norm)
+        h = x + rms_norm_f32(a, self.post_attn_norm, self.eps)
         return h, h
 
     def rows_input_norm(self) -> None:

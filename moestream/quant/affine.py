@@ -52,11 +52,6 @@ class QuantSpec:
                          obj.get("mode", "affine"))
 
 
-def check_bits(bits: int) -> None:
-    if bits not in SUPPORTED_BITS:
-        raise ValueError(f"{bits}-bit quantization is not supported (supported: {', '.join(map(str, SUPPORTED_BITS))})")
-
-
 def packed_shape(out_features: int, in_features: int, bits: int, group_size: int) -> tuple[tuple, tuple]:
     """Shapes of (weight, scales) for a quantized [out, in] matrix; biases match scales."""
     return (out_features, in_features * bits // 32), (out_features, in_features // group_size)
@@ -76,7 +71,8 @@ def quantize(w: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor,
     Scales and biases are rounded to their storage dtype before the codes are chosen, so the
     reconstruction error is at most half a step (plus that rounding) for every element. Rows are
     independent, so a big matrix is done in blocks of rows to bound the float32/int64 temporaries."""
-    check_bits(bits)
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(f"{bits}-bit quantization is not supported (supported: {', '.join(map(str, SUPPORTED_BITS))})")
     if w.dim() != 2 or w.shape[1] % group_size or w.shape[1] % (32 // bits):
         raise ValueError(f"cannot quantize a {list(w.shape)} tensor with group size {group_size} at {bits} bits")
     out_features, in_features = w.shape
@@ -126,15 +122,9 @@ def float_codes(weight: torch.Tensor, bits: int) -> torch.Tensor:
     """uint32/int32 [O, W] -> the codes as float32 [O, W*32/b] (unpack's values, exactly). On the CPU
     4- and 8-bit codes are read through bytes (a word's bytes in memory order hold its codes in
     order on little-endian CPUs): a few operations instead of a shift per code lane."""
-    if weight.device.type != "cpu" or bits not in (4, 8):
-        return unpack(weight, bits).to(torch.float32)
-    raw = weight.contiguous().view(torch.uint8)  # [O, W*4]
-    if bits == 8:
-        return raw.to(torch.float32)
-    codes = torch.empty((*raw.shape, 2), dtype=torch.float32)  # byte k: codes 2k (low nibble), 2k + 1
-    codes[..., 0] = raw & 15
-    codes[..., 1] = raw >> 4
-    return codes.view(raw.shape[0], -1)
+    codes = torch.empty(weight.shape[0], weight.shape[1] * 32 // bits, dtype=torch.float32, device=weight.device)
+    _codes_into(weight, bits, codes.view(-1))
+    return codes
 
 
 def dequantize(weight: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, bits: int, group_size: int,
@@ -157,10 +147,7 @@ def dequantize_many(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     codes = torch.empty(sum(o * i for o, i in shapes), dtype=torch.float32, device=parts[0][0].device)
     at = 0
     for (w, _, _), (o, i) in zip(parts, shapes):
-        if w.device.type == "cpu" and bits in (4, 8):
-            _codes_into(w, bits, codes[at:at + o * i])
-        else:
-            codes[at:at + o * i].view(o, i).copy_(float_codes(w, bits))
+        _codes_into(w, bits, codes[at:at + o * i])
         at += o * i
     scales = torch.cat([s.reshape(-1) for _, s, _ in parts]).to(torch.float32)
     biases = torch.cat([b.reshape(-1) for _, _, b in parts]).to(torch.float32)
@@ -173,8 +160,11 @@ def dequantize_many(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
 def _codes_into(weight: torch.Tensor, bits: int, out: torch.Tensor) -> None:
-    """float_codes(weight, bits) written into the flat float32 `out` (CPU, 4 or 8 bits)."""
-    raw = weight.contiguous().view(torch.uint8).view(-1)
+    """float_codes(weight, bits) written into the flat float32 `out`."""
+    if weight.device.type != "cpu" or bits not in (4, 8):
+        out.copy_(unpack(weight, bits).reshape(-1))
+        return
+    raw = weight.contiguous().view(torch.uint8).view(-1)  # a word's bytes in memory order hold its codes in order
     if bits == 8:
         out.copy_(raw)
         return

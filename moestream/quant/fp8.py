@@ -15,7 +15,7 @@ import torch
 from moestream.errors import UnsupportedModelError
 
 FP8_DTYPES = ("F8_E4M3",)  # the weight dtype a scaled matrix is stored in
-SCALE_SUFFIX = "_scale_inv"
+SCALE_SUFFIX = "_scale_inv"  # `X.weight` -> `X.weight_scale_inv` (a stack `X` -> `X_scale_inv`)
 E4M3_NAMES = ("e4m3", "float8_e4m3fn")  # how config.json files spell the format
 
 
@@ -44,11 +44,6 @@ class Fp8Quantization:
         """The scale grid of a weight of `shape` ([..., R, C])."""
         (bm, bn), (R, C) = self.block, shape[-2:]
         return (*shape[:-2], -(-R // bm), -(-C // bn))
-
-
-def scale_name(weight: str) -> str:
-    """`X.weight` -> `X.weight_scale_inv` (a stack `X` -> `X_scale_inv`)."""
-    return weight + SCALE_SUFFIX
 
 
 def scale_values(scale_inv: torch.Tensor) -> torch.Tensor:

@@ -48,12 +48,6 @@ class SourcePlan:
     kept: bool
     scale_dtype: torch.dtype = torch.float32
 
-    def describe(self) -> str:
-        if not self.spec.quantized:
-            return "float32" if self.type_name == "F32" else f"float32 (from {self.type_name})"
-        how = f"kept {self.type_name} codes" if self.kept else f"re-quantized from {self.type_name}"
-        return f"{self.spec.bits}-bit ({how})"
-
 
 def plan(type_name: str, shape: tuple[int, ...]) -> SourcePlan:
     """The default storage of a `type_name` tensor of `shape` ([..., out, in])."""

@@ -67,9 +67,6 @@ class GroupwiseConfig:
             return GroupwiseConfig("awq", bits, group)
         raise GroupwiseFormatError(f"quant_method {method!r} is not GPTQ or AWQ")
 
-    def groups(self, in_features: int) -> int:
-        return 1 if self.group_size == -1 else in_features // self.group_size
-
     def group_of_inputs(self, in_features: int) -> int:
         return in_features if self.group_size == -1 else self.group_size
 

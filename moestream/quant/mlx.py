@@ -53,15 +53,11 @@ class MlxQuantization:
         return QuantSpec(self.bits, self.group_size)
 
 
-def check_mlx_bits(name: str, bits: int) -> None:
-    if bits not in SUPPORTED_BITS:
-        raise UnsupportedModelError(f"{name}: {bits}-bit MLX quantization is not supported "
-                                    f"(supported: {', '.join(map(str, SUPPORTED_BITS))})")
-
-
 def mlx_input_size(name: str, weight_shape: tuple[int, ...], scales_shape: tuple[int, ...], spec: QuantSpec) -> int:
     """The unpacked input size of an MLX-quantized [..., O, W] weight, after checking its scales agree."""
-    check_mlx_bits(name, spec.bits)
+    if spec.bits not in SUPPORTED_BITS:
+        raise UnsupportedModelError(f"{name}: {spec.bits}-bit MLX quantization is not supported "
+                                    f"(supported: {', '.join(map(str, SUPPORTED_BITS))})")
     in_features = weight_shape[-1] * 32 // spec.bits
     if weight_shape[:-1] != scales_shape[:-1] or scales_shape[-1] * spec.group_size != in_features:
         raise UnsupportedModelError(

@@ -11,11 +11,10 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import hmac
-import json
 import logging
 import time
 import uuid
-from typing import Any, AsyncIterator
+from typing import AsyncIterator
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -28,7 +27,7 @@ from moestream.errors import NoTokenizerError
 from moestream.server import chat_api, messages_api, responses_api, tokenize_api
 from moestream.server.generation import RequestDefaults, Runtime  # noqa: F401 (re-exported)
 from moestream.server.metrics import RequestCounter, ServerMetrics
-from moestream.server.protocol import APIError, ModelCard, ModelList, invalid
+from moestream.server.api_error import APIError
 from moestream.server.reasoning import FORMATS as REASONING_FORMATS
 from moestream.server.worker import Worker
 
@@ -56,14 +55,6 @@ def _is_anthropic_path(path: str) -> bool:
 
 def _error_body(error: APIError, path: str) -> dict:
     return error.anthropic_body() if _is_anthropic_path(path) else error.body()
-
-
-async def _send_json(send: Send, status: int, body: dict, headers: dict[str, str] | None = None) -> None:
-    payload = json.dumps(body).encode()
-    raw = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
-    raw += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
-    await send({"type": "http.response.start", "status": status, "headers": raw})
-    await send({"type": "http.response.body", "body": payload})
 
 
 class APIKeyMiddleware:
@@ -96,7 +87,8 @@ class APIKeyMiddleware:
         else:
             await self.app(scope, receive, send)
             return
-        await _send_json(send, 401, _error_body(error, scope.get("path", "")), {"www-authenticate": "Bearer"})
+        await JSONResponse(_error_body(error, scope.get("path", "")), 401,
+                           {"www-authenticate": "Bearer"})(scope, receive, send)
 
 
 class RequestIdMiddleware:
@@ -124,32 +116,8 @@ class RequestIdMiddleware:
         await self.app(scope, receive, send_with_id)
 
 
-# ----------------------------------------------------------------------------------------- helpers
-
 def _error_response(error: APIError, request: Request) -> JSONResponse:
     return JSONResponse(_error_body(error, request.url.path), status_code=error.status, headers=error.headers)
-
-
-async def _read_json(request: Request, max_bytes: int) -> Any:
-    too_large = APIError(413, f"The request body is larger than {max_bytes} bytes.", code="request_too_large")
-    length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > max_bytes:
-        raise too_large
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > max_bytes:
-            raise too_large
-    if not body.strip():
-        raise invalid("The request body is empty: send a JSON object.", code="invalid_json")
-
-    def no_constants(name: str) -> Any:
-        raise ValueError(f"{name} is not valid JSON")
-
-    try:
-        return json.loads(bytes(body), parse_constant=no_constants)
-    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
-        raise invalid(f"The request body is not valid JSON: {exc}.", code="invalid_json") from None
 
 
 # ---------------------------------------------------------------------------------------- the app
@@ -188,10 +156,7 @@ def create_app(worker: Worker, *, api_key: str | None = None, model_id: str | No
         return min(limit, max_context) if max_context else limit
 
     runtime = Runtime(worker, defaults=defaults, model_id=current_model_id, context_limit=context_limit,
-                      reasoning_format=reasoning_format)
-
-    async def read_json(request: Request) -> Any:
-        return await _read_json(request, max_body_bytes)
+                      reasoning_format=reasoning_format, max_body_bytes=max_body_bytes)
 
     # ---- errors in OpenAI's shape (Anthropic's on its routes)
 
@@ -222,25 +187,27 @@ def create_app(worker: Worker, *, api_key: str | None = None, model_id: str | No
 
     router = APIRouter()
 
+    def model_card() -> dict:
+        return {"id": current_model_id(), "object": "model", "created": created, "owned_by": "moestream",
+                "max_context": context_limit() or None}
+
     @router.get("/models")
     async def list_models() -> Response:
-        card = ModelCard(id=current_model_id(), created=created, max_context=context_limit() or None)
-        return JSONResponse(ModelList(data=[card]).model_dump())
+        return JSONResponse({"object": "list", "data": [model_card()]})
 
     @router.get("/models/{name:path}")
     async def get_model(name: str) -> Response:
         # The completion routes accept any model name and answer with the one model served, so a
         # lookup by any name does the same: a client that checks its model first then finds it.
-        return JSONResponse(ModelCard(id=current_model_id(), created=created,
-                                      max_context=context_limit() or None).model_dump())
+        return JSONResponse(model_card())
 
-    chat_api.register(router, runtime, read_json)
-    messages_api.register(router, runtime, read_json)
-    responses_api.register(router, runtime, read_json)
+    chat_api.register(router, runtime)
+    messages_api.register(router, runtime)
+    responses_api.register(router, runtime)
     app.include_router(router, prefix="/v1")
     app.include_router(router, prefix="/api/v1")
     root = APIRouter()
-    tokenize_api.register(root, runtime, read_json)
+    tokenize_api.register(root, runtime)
     app.include_router(root)
 
     @app.get("/health")

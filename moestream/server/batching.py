@@ -48,9 +48,8 @@ from typing import Any, Iterator
 from moestream.engine.receipt import COUNTERS, Receipt
 from moestream.engine.types import common_prefix
 from moestream.errors import MoestreamError
-from moestream.server.stops import IncrementalDecoder, StopMatcher
-from moestream.server.jobs import (Failed, Job, Started, TextDelta, TokenClock, TokenLogprobInfo, is_user_error,
-                                   one_line)
+from moestream.server.jobs import Failed, Job, Started, one_line
+from moestream.server.stops import ChoiceText
 
 log = logging.getLogger(__name__)
 
@@ -65,23 +64,17 @@ class Running:
     """One choice of a job, generating in sequence slot `slot`."""
 
     job: Job
-    index: int
     slot: int
     run: "JobRun"
     prompt: list[int]
     budget: int  # tokens it may generate
     emit: Any  # the engine's Emitter: logits row -> TokenEvent, or None at the end
     state: dict  # the Emitter's: tokens, finish
-    decoder: IncrementalDecoder
-    matcher: StopMatcher
+    text: ChoiceText
     before: dict  # the expert cache's counters when it started
-    clock: TokenClock  # when its tokens came out (the latency figures)
     computed: int = 0  # prompt tokens in the slot's KV cache so far
     reused: int = 0
     next_token: int | None = None  # the token the next decode step runs
-    generated: int = 0
-    shown: int = 0  # generated tokens whose text was delivered
-    pending: list[TokenLogprobInfo] = field(default_factory=list)
     speculation: Any = None  # its drafting (moestream.engine.speculative.Speculation), where it drafts
     spec_off: str | None = None  # why the server's speculation sits this one out
     t0: float = field(default_factory=time.perf_counter)
@@ -207,23 +200,16 @@ class BatchScheduler:
         try:
             engine.check_prompt(choice.prompt_ids)
         except MoestreamError as exc:  # refused before starting, as engine.generate would
-            run.next += 1
-            w._deliver(job, Failed(one_line(exc), code="invalid_request"))
-            self._end_job(run)
-            return True
+            return self._refuse(run, one_line(exc))
         tokens = None
         room_of = getattr(engine, "kv_room", None)
         if room_of is not None:
             budget = max(0, min(choice.max_new_tokens, engine.max_context - len(choice.prompt_ids)))
             room = room_of(choice.prompt_ids, budget, **_echoed(choice))
             if not room.ever:
-                run.next += 1
-                w._deliver(job, Failed(
-                    f"the request needs {room.need} KV blocks of {room.block_size} tokens (its prompt of "
-                    f"{len(choice.prompt_ids)} tokens plus max_tokens {choice.max_new_tokens}); the KV pool "
-                    f"holds {room.total}", code="invalid_request"))
-                self._end_job(run)
-                return True
+                return self._refuse(run, f"the request needs {room.need} KV blocks of {room.block_size} tokens "
+                                         f"(its prompt of {len(choice.prompt_ids)} tokens plus max_tokens "
+                                         f"{choice.max_new_tokens}); the KV pool holds {room.total}")
             if not room.fits:
                 return False
             tokens = len(choice.prompt_ids) + budget
@@ -250,6 +236,13 @@ class BatchScheduler:
         run.running += 1
         return True
 
+    def _refuse(self, run: JobRun, message: str) -> bool:
+        """End `run`'s job at its next choice, refused (a 400)."""
+        run.next += 1
+        self.worker._deliver(run.job, Failed(message, code="invalid_request"))
+        self._end_job(run)
+        return True
+
     def _last_to_end(self, run: JobRun) -> bool:
         """Whether the choice of `run` ending now (no longer counted as running) is its job's last."""
         return not run.unstarted and run.running == 0
@@ -269,16 +262,13 @@ class BatchScheduler:
         choice = job.choices[index]
         prompt = list(choice.prompt_ids)
         state: dict = {"tokens": [], "finish": "length"}
-        # the engine's logprobs=K gives the chosen token's logprob and the top K (0: none)
-        k = max(1, job.logprobs) if job.logprobs is not None else 0
-        emit = engine.emitter(prompt, state, sampling=choice.sampling, logprobs=k, should_stop=job.cancelled.is_set)
+        emit = engine.emitter(prompt, state, sampling=choice.sampling, logprobs=job.engine_logprobs,
+                              should_stop=job.cancelled.is_set)
         # what the slot kept of the prompt; the last prompt token is always run (its logits start decoding)
         reused = min(engine.caches[slot].length, len(prompt) - 1)
-        r = Running(job, index, slot, run, prompt,
+        r = Running(job, slot, run, prompt,
                     budget=min(choice.max_new_tokens, engine.max_context - len(prompt)), emit=emit, state=state,
-                    decoder=IncrementalDecoder(self.worker.tokenizer.decode), matcher=StopMatcher(job.stops),
-                    before=self.stats, clock=TokenClock(job.enqueued_at, index == 0), computed=reused,
-                    reused=reused)
+                    text=ChoiceText(self.worker, job, index), before=self.stats, computed=reused, reused=reused)
         spec = self.worker.speculative
         if spec is not None:
             r.spec_off = spec.not_used_reason(choice.sampling)
@@ -371,7 +361,7 @@ class BatchScheduler:
                 pick = picks.get(id(r))
                 self._take(r, r.emit.take(rows[-1:], room=1, chosen=None if pick is None else [pick]))
                 continue
-            self._take(r, r.speculation.verify(r.emit, rows, k, draft, room=r.budget - r.generated, started=t0,
+            self._take(r, r.speculation.verify(r.emit, rows, k, draft, room=r.budget - r.text.generated, started=t0,
                                                step_s=step_s))
             if r in self.active and r.speculation.accepted < len(draft):
                 self.engine.rollback(len(r.emit.seq) - 1, seq=r.slot)  # forget the rejected drafts
@@ -381,7 +371,7 @@ class BatchScheduler:
         if r.speculation is None:
             return 0, []
         context = r.emit.seq
-        k = r.speculation.length(min(r.budget - r.generated - 1, self.engine.max_context - len(context)))
+        k = r.speculation.length(min(r.budget - r.text.generated - 1, self.engine.max_context - len(context)))
         return k, r.speculation.draft(context, k)
 
     def _take(self, r: Running, events: Iterator) -> None:
@@ -391,20 +381,13 @@ class BatchScheduler:
         r.next_token = None
         try:
             for event in events:
-                r.generated += 1
-                self.worker._token_out(r.clock)
-                if job.logprobs is not None:
-                    r.pending.append(self.worker._logprob_info(event, job.logprobs))
-                text = r.matcher.feed(r.decoder.push(event.token_id))
-                if text:
-                    self.worker._deliver(job, TextDelta(text, r.pending, r.index, r.generated - r.shown))
-                    r.pending, r.shown = [], r.generated
-                if r.matcher.stopped:
+                r.text.token(event)
+                if r.text.matcher.stopped:
                     end = "stop"
                 elif job.cancelled.is_set():
                     end = "cancelled"
-                elif r.generated >= r.budget:
-                    self._flush(r)
+                elif r.text.generated >= r.budget:
+                    r.text.flush()
                     end = "length"
                 else:
                     r.next_token = event.token_id
@@ -413,16 +396,10 @@ class BatchScheduler:
         finally:
             events.close()  # its figures recorded before a receipt reads them
         if end is None and r.emit.stopped:  # EOS, or cancelled
-            self._flush(r)
+            r.text.flush()
             end = "cancelled" if job.cancelled.is_set() else r.state["finish"]
         if end is not None:
             self._finish(r, end)
-
-    def _flush(self, r: Running) -> None:
-        tail = r.matcher.feed(r.decoder.flush()) + r.matcher.flush()
-        if tail:
-            self.worker._deliver(r.job, TextDelta(tail, r.pending, r.index, r.generated - r.shown))
-            r.pending, r.shown = [], r.generated
 
     # ---- leaving
 
@@ -442,7 +419,7 @@ class BatchScheduler:
             r.prefill_s = now - r.t0
         decode_s = now - r.t_decode if r.t_decode else 0.0
         # the cache's counters over the steps this request shared with the others running then
-        receipt = dict(Receipt.of_run(prompt_tokens=len(r.prompt), reused=r.reused, generated=r.generated,
+        receipt = dict(Receipt.of_run(prompt_tokens=len(r.prompt), reused=r.reused, generated=r.text.generated,
                                       finish=reason, prefill_s=r.prefill_s, decode_s=decode_s, before=r.before,
                                       after=self.stats, memory=engine.memory_ledger(),
                                       device=str(engine.device), model=engine.model_name,
@@ -454,8 +431,8 @@ class BatchScheduler:
         # the metrics count the cache's work per step (_work_since), not per request, which would count a shared
         # step once for each request in it
         observed = {k: v for k, v in receipt.items() if k not in COUNTERS}
-        going_on = w._end_choice(r.job, r.index, self._last_to_end(run), run.queue_s, len(r.prompt), r.generated,
-                                 reason, receipt, r.pending, r.matcher, observed=observed)
+        going_on = w._end_choice(r.text, self._last_to_end(run), run.queue_s, len(r.prompt), reason, receipt,
+                                 observed=observed)
         if going_on and not r.job.cancelled.is_set():
             self._choice_over(run)
         else:  # cancelled: its other choices go too
@@ -479,7 +456,7 @@ class BatchScheduler:
         run = self.runs.get(id(job))
         if run is None:  # already failed (another of its choices in the same step)
             return
-        log.error("request %s failed: %s", job.request_id, exc, exc_info=not is_user_error(exc))
+        log.error("request %s failed: %s", job.request_id, exc, exc_info=not isinstance(exc, MoestreamError))
         self.worker._deliver(job, Failed(one_line(exc)))
         self._end_job(run)
 

@@ -2,7 +2,7 @@
 streamed), with n choices, tool calls, constrained output and echo."""
 from __future__ import annotations
 
-from typing import Any, AsyncIterator, Awaitable, Callable, Optional
+from typing import Any, AsyncIterator, Callable, Optional
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -11,18 +11,14 @@ from starlette.concurrency import run_in_threadpool
 from moestream.server.generation import (JobStream, Runtime, Submitted, events, finish_reason, make_choices,
                                          wait_whole)
 from moestream.server.jobs import Failed, Finished, PromptLogprobs, Started, TextDelta
-from moestream.server.protocol import (ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk,
-                                       ChatCompletionRequest, Completion, CompletionChoice, CompletionRequest,
-                                       FunctionCall, ResponseMessage, ToolCall, invalid, parse_request,
-                                       timings_from_receipt)
-from moestream.server.reasoning import Reasoning, ReasoningMode, ReplyReader, reasoning_mode, reply_reader, split_reply
-from moestream.server.render import (chat_logprobs, completion_logprobs, error_event, sse, usage,
-                                     without_nulls)
-from moestream.server.tools import ParsedCall, tool_schemas
+from moestream.server.api_error import invalid
+from moestream.server.request_models import ChatCompletionRequest, CompletionRequest, parse_request
+from moestream.server.reasoning import Reasoning, ReplyReader, reasoning_mode, split_reply
+from moestream.server.render import (DONE, chat_logprobs, completion_logprobs, error_event, openai_answer, sse,
+                                     timings, usage)
+from moestream.server.tools import tool_schemas
 
 FIM_TOKENS = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")
-
-ReadJSON = Callable[[Request], Awaitable[Any]]
 
 
 async def constraint(rt: Runtime, req: ChatCompletionRequest, tools: Optional[list[dict]]):
@@ -65,82 +61,84 @@ async def start_chat(rt: Runtime, request: Request, req: ChatCompletionRequest) 
                            processor=(lambda: masks(max_new)) if masks is not None else None)
     sub = rt.submit(request, choices, stream=bool(req.stream), stops=req.stop_list(), logprobs=req.logprobs_k,
                     prefix="chatcmpl-")
-    sub.extra["reasoning"] = reasoning
+    sub.reasoning = reasoning
     # the format's name; a forced call is written in the form its grammar spells out. Harmony
     # replies are always read: their channels are markup, and only the final one is the answer
     fmt = forced_format if req.forced_tool is not None else rt.tool_format()
-    sub.extra["parse_tools"] = fmt if req.tool_mode != "none" or fmt == "harmony" else ""
+    sub.parse_tools = fmt if req.tool_mode != "none" or fmt == "harmony" else ""
     return sub
 
 
-def tool_call_model(call: ParsedCall) -> ToolCall:
-    return ToolCall(id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments))
+def chat_message(deltas: list[tuple[str, int]], reader: Optional[ReplyReader], reason: str) -> tuple[dict, str, int]:
+    """(the message, its finish reason, its reasoning tokens) from a choice's deltas. The spec has
+    tool_calls (and our reasoning_content) absent, not null, when there are none."""
+    if reader is None:
+        thought, content, calls, tokens = "", "".join(text for text, _ in deltas), [], 0
+    else:
+        (thought, content, calls), tokens = split_reply(reader.read(deltas)), reader.reasoning_tokens
+    message: dict[str, Any] = {"role": "assistant", "content": (content or None) if calls else content}
+    if thought:
+        message["reasoning_content"] = thought
+    message["refusal"] = None
+    if calls:  # without calls: the text, less any markup and reasoning
+        message["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                                 for c in calls]
+    return message, "tool_calls" if calls else reason, tokens
 
 
-def chat_message(deltas: list[tuple[str, int]], parse_tools: str, reasoning: Optional[ReasoningMode],
-                 reason: str) -> tuple[ResponseMessage, str, int]:
-    """(the message, its finish reason, its reasoning tokens) from a choice's deltas."""
-    if not parse_tools and reasoning is None:
-        return ResponseMessage(content="".join(text for text, _ in deltas)), reason, 0
-    reader = ReplyReader(reasoning, parse_tools)
-    thought, content, calls = split_reply(reader.read(deltas))
-    if calls:
-        return (ResponseMessage(content=content or None, reasoning_content=thought or None,
-                                tool_calls=[tool_call_model(c) for c in calls]), "tool_calls", reader.reasoning_tokens)
-    # without calls: the text, less any markup and reasoning
-    return ResponseMessage(content=content, reasoning_content=thought or None), reason, reader.reasoning_tokens
+async def completion_prompts(rt: Runtime, req: CompletionRequest) -> tuple[list[list[int]], list[str]]:
+    """(each prompt's token ids, its text for echo): text is tokenized, token ids checked against the
+    vocabulary; with a suffix, the prompt is framed for fill-in-the-middle."""
+    tokenizer = rt.tokenizer()
+    texts, prompts = [], []
+    for prompt in req.prompts():
+        if isinstance(prompt, str):
+            ids = await run_in_threadpool(tokenizer.encode, prompt, True)
+            texts.append(prompt)
+        else:
+            vocab = tokenizer.vocab_size
+            bad = [t for t in prompt if t < 0 or (vocab is not None and t >= vocab)]
+            if bad:
+                raise invalid(f"Token id {bad[0]} is outside the vocabulary (0..{(vocab or 0) - 1}).", "prompt")
+            ids = prompt
+            # its text only for echo: a decode per request takes the tokenizer's lock from the engine thread
+            texts.append(await run_in_threadpool(tokenizer.decode, ids) if req.echo else "")
+        if req.suffix:  # an empty suffix is no suffix
+            fim = [tokenizer.token_id(t) for t in FIM_TOKENS]
+            if None in fim:
+                raise invalid("suffix needs fill-in-the-middle tokens (<|fim_prefix|>, <|fim_suffix|>, "
+                              "<|fim_middle|>), and this model has none.", "suffix", code="unsupported_parameter")
+            middle = await run_in_threadpool(tokenizer.encode, req.suffix, False)
+            body = ids if not isinstance(prompt, str) else await run_in_threadpool(tokenizer.encode, prompt, False)
+            ids = [fim[0], *body, fim[1], *middle, fim[2]]
+        prompts.append(ids)
+    return prompts, texts
 
 
-def register(router: APIRouter, rt: Runtime, read_json: ReadJSON) -> None:
+def register(router: APIRouter, rt: Runtime) -> None:
     @router.post("/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        req: ChatCompletionRequest = parse_request(ChatCompletionRequest, await read_json(request))
+        req: ChatCompletionRequest = parse_request(ChatCompletionRequest, await rt.read_object(request))
         sub = await start_chat(rt, request, req)
         if req.stream:
             return JobStream(sub.job, chat_stream(sub, req.include_usage))
         end = await wait_whole(request, sub, "messages")
         if end is None:  # the client left; nobody reads this
             return Response(status_code=499)
-        ends = [sub.sink.ends[i] for i in range(sub.choices) if i in sub.sink.ends]
+        ends = sub.sink.choice_ends()
         choices, thinking = [], 0
         for i, e in enumerate(ends):
-            message, reason, tokens = chat_message(sub.sink.deltas(i), sub.extra["parse_tools"],
-                                                   sub.extra["reasoning"], finish_reason(e))
+            message, reason, tokens = chat_message(sub.sink.deltas(i), sub.reply_reader(), finish_reason(e))
             thinking += tokens
             logprobs = chat_logprobs(sub.sink.logprobs.get(i, [])) if req.logprobs_k is not None else None
-            choices.append(ChatChoice(index=i, message=message, logprobs=logprobs, finish_reason=reason))
-        body = ChatCompletion(**sub.meta, choices=choices, usage=usage(ends, len(ends), reasoning_tokens=thinking),
-                              timings=timings_from_receipt(end.receipt, queue_s=end.queue_s)).model_dump()
-        for choice in body["choices"]:  # the spec has tool_calls absent, not null, when there are none
-            without_nulls(choice["message"], "tool_calls", "reasoning_content")
-        return JSONResponse(body)
+            choices.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": reason})
+        return JSONResponse(openai_answer(sub.meta, "chat.completion", choices,
+                                          usage=usage(ends, len(ends), reasoning_tokens=thinking), timings=timings(end)))
 
     @router.post("/completions")
     async def completions(request: Request) -> Response:
-        req: CompletionRequest = parse_request(CompletionRequest, await read_json(request))
-        tokenizer = rt.tokenizer()
-        texts, prompts = [], []
-        for i, prompt in enumerate(req.prompts()):
-            if isinstance(prompt, str):
-                ids = await run_in_threadpool(tokenizer.encode, prompt, True)
-                texts.append(prompt)
-            else:
-                vocab = tokenizer.vocab_size
-                bad = [t for t in prompt if t < 0 or (vocab is not None and t >= vocab)]
-                if bad:
-                    raise invalid(f"Token id {bad[0]} is outside the vocabulary (0..{(vocab or 0) - 1}).", "prompt")
-                ids = prompt
-                # its text only for echo: a decode per request takes the tokenizer's lock from the engine thread
-                texts.append(await run_in_threadpool(tokenizer.decode, ids) if req.echo else "")
-            if req.suffix:  # an empty suffix is no suffix
-                fim = [tokenizer.token_id(t) for t in FIM_TOKENS]
-                if None in fim:
-                    raise invalid("suffix needs fill-in-the-middle tokens (<|fim_prefix|>, <|fim_suffix|>, "
-                                  "<|fim_middle|>), and this model has none.", "suffix", code="unsupported_parameter")
-                middle = await run_in_threadpool(tokenizer.encode, req.suffix, False)
-                body = ids if not isinstance(prompt, str) else await run_in_threadpool(tokenizer.encode, prompt, False)
-                ids = [fim[0], *body, fim[1], *middle, fim[2]]
-            prompts.append(ids)
+        req: CompletionRequest = parse_request(CompletionRequest, await rt.read_object(request))
+        prompts, texts = await completion_prompts(rt, req)
         plans = [rt.plan(req, ids, "prompt") for ids in prompts]
         n = req.n or 1
         echo_scores = bool(req.echo) and req.logprobs_k is not None
@@ -153,47 +151,52 @@ def register(router: APIRouter, rt: Runtime, read_json: ReadJSON) -> None:
         end = await wait_whole(request, sub, "prompt")
         if end is None:
             return Response(status_code=499)
-        ends = [sub.sink.ends[i] for i in range(sub.choices) if i in sub.sink.ends]
+        ends = sub.sink.choice_ends()
         out = []
         for i, e in enumerate(ends):
             logprobs = None
             if req.logprobs_k is not None:
                 scored = sub.sink.prompts.get(i)
-                infos = (scored.logprobs if scored else []) + sub.sink.logprobs.get(i, [])
-                logprobs = completion_logprobs(infos, 0)
-            out.append(CompletionChoice(index=i, text=echoes[i] + sub.sink.text(i), logprobs=logprobs,
-                                        finish_reason=finish_reason(e)))
-        body = Completion(**sub.meta, choices=out, usage=usage(ends, n),
-                          timings=timings_from_receipt(end.receipt, queue_s=end.queue_s))
-        return JSONResponse(body.model_dump())
+                logprobs = completion_logprobs((scored.logprobs if scored else []) + sub.sink.logprobs.get(i, []), 0)
+            out.append({"index": i, "text": echoes[i] + sub.sink.text(i), "logprobs": logprobs,
+                        "finish_reason": finish_reason(e)})
+        return JSONResponse(openai_answer(sub.meta, "text_completion", out, usage=usage(ends, n), timings=timings(end)))
+
+
+def last_chunks(end: Finished, chunk: Callable[..., str], head: dict, total: dict, include_usage: bool) -> list[str]:
+    """A choice's last chunk (its finish_reason: `chunk()`); after the job's last choice, its usage and
+    timings, in a chunk with no choices (include_usage) or in that last chunk, then the end of the stream."""
+    out = [chunk()] if not end.last or include_usage else []
+    if end.last:
+        out.append(sse({**head, "choices": [], "usage": total, "timings": timings(end)}) if include_usage else
+                   chunk(usage=total, timings=timings(end)))
+        out.append(DONE)
+    return out
 
 
 async def chat_stream(sub: Submitted, include_usage: bool) -> AsyncIterator[str]:
-    meta, wants_logprobs = sub.meta, sub.job.logprobs is not None
-    readers = {i: reader for i in range(sub.choices) if (reader := reply_reader(sub.extra)) is not None}
+    wants_logprobs = sub.job.logprobs is not None
+    readers = {i: reader for i in range(sub.choices) if (reader := sub.reply_reader()) is not None}
     calls: dict[int, int] = {}
     ends: list[Finished] = []
 
-    def chunk(index: int, delta: dict, *, finish: str | None = None, logprobs=None, **extra) -> str:
-        choice = ChatChunkChoice(index=index, delta=delta, finish_reason=finish, logprobs=logprobs)
-        return sse(ChatCompletionChunk(**meta, choices=[choice], **extra))
+    def chunk(index: int, delta: dict, *, finish: str | None = None, logprobs: Any = None, **extra: Any) -> str:
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        return sse(openai_answer(sub.meta, "chat.completion.chunk", [choice], **{"usage": None, "timings": None, **extra}))
 
     def pieces(index: int, parts: list) -> list[str]:
         out = []
         for part in parts:
             if isinstance(part, Reasoning):
                 out.append(chunk(index, {"reasoning_content": part.text}))
-                continue
-            if isinstance(part, str):
-                if part:
-                    out.append(chunk(index, {"content": part}))
-                continue
-            k = calls.get(index, 0)
-            calls[index] = k + 1
-            # like OpenAI: the call's id and name first, then its arguments
-            out.append(chunk(index, {"tool_calls": [{"index": k, "id": part.id, "type": "function",
-                                                     "function": {"name": part.name, "arguments": ""}}]}))
-            out.append(chunk(index, {"tool_calls": [{"index": k, "function": {"arguments": part.arguments}}]}))
+            elif isinstance(part, str):
+                out += [chunk(index, {"content": part})] if part else []
+            else:
+                k = calls[index] = calls.get(index, 0) + 1
+                # like OpenAI: the call's id and name first, then its arguments
+                out.append(chunk(index, {"tool_calls": [{"index": k - 1, "id": part.id, "type": "function",
+                                                         "function": {"name": part.name, "arguments": ""}}]}))
+                out.append(chunk(index, {"tool_calls": [{"index": k - 1, "function": {"arguments": part.arguments}}]}))
         return out
 
     async for event in events(sub):
@@ -203,8 +206,7 @@ async def chat_stream(sub: Submitted, include_usage: bool) -> AsyncIterator[str]
         elif isinstance(event, TextDelta):
             logprobs = chat_logprobs(event.logprobs) if wants_logprobs else None
             if event.index in readers:
-                out = pieces(event.index, readers[event.index].feed(event.text, event.tokens))
-                for j, text in enumerate(out):
+                for text in pieces(event.index, readers[event.index].feed(event.text, event.tokens)):
                     yield text
                 if logprobs is not None and event.logprobs:
                     yield chunk(event.index, {}, logprobs=logprobs)
@@ -212,36 +214,29 @@ async def chat_stream(sub: Submitted, include_usage: bool) -> AsyncIterator[str]
                 yield chunk(event.index, {"content": event.text}, logprobs=logprobs)
         elif isinstance(event, Finished):
             ends.append(event)
-            if event.index in readers:
-                for text in pieces(event.index, readers[event.index].finish()):
-                    yield text
+            for text in pieces(event.index, readers[event.index].finish()) if event.index in readers else []:
+                yield text
             reason = "tool_calls" if calls.get(event.index) else finish_reason(event)
             logprobs = chat_logprobs(event.logprobs) if wants_logprobs and event.logprobs else None
-            if not event.last or include_usage:
-                yield chunk(event.index, {}, finish=reason, logprobs=logprobs)
-            if event.last:
-                thinking = sum(reader.reasoning_tokens for reader in readers.values())
-                total = usage(ends, len(ends), reasoning_tokens=thinking)
-                timings = timings_from_receipt(event.receipt, queue_s=event.queue_s)
-                if include_usage:
-                    yield sse(ChatCompletionChunk(**meta, choices=[], usage=total, timings=timings))
-                else:
-                    yield chunk(event.index, {}, finish=reason, logprobs=logprobs, usage=total, timings=timings)
-                yield "data: [DONE]\n\n"
+            total = usage(ends, len(ends), reasoning_tokens=sum(reader.reasoning_tokens for reader in readers.values()))
+            head = openai_answer(sub.meta, "chat.completion.chunk", [])
+            for text in last_chunks(event, lambda **extra: chunk(event.index, {}, finish=reason, logprobs=logprobs,
+                                                                 **extra), head, total, include_usage):
+                yield text
         elif isinstance(event, Failed):
             yield error_event(event)
-            yield "data: [DONE]\n\n"
+            yield DONE
 
 
 async def completion_stream(sub: Submitted, include_usage: bool, echoes: list[str], n: int) -> AsyncIterator[str]:
-    meta, wants_logprobs = sub.meta, sub.job.logprobs is not None
+    wants_logprobs = sub.job.logprobs is not None
     offsets = {i: 0 for i in range(sub.choices)}
     ends: list[Finished] = []
 
-    def chunk(index: int, text: str, *, finish: str | None = None, logprobs=None, **extra) -> str:
-        choice = CompletionChoice(index=index, text=text, finish_reason=finish, logprobs=logprobs)
+    def chunk(index: int, text: str, *, finish: str | None = None, logprobs: Any = None, **extra: Any) -> str:
         # a completion's usage is an object when present (no nulls, unlike chat chunks)
-        return sse(without_nulls(Completion(**meta, choices=[choice], **extra).model_dump(), "usage", "timings"))
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        return sse(openai_answer(sub.meta, "text_completion", [choice], **extra))
 
     def logged(index: int, infos) -> Any:
         if not wants_logprobs:
@@ -262,16 +257,11 @@ async def completion_stream(sub: Submitted, include_usage: bool, echoes: list[st
         elif isinstance(event, Finished):
             ends.append(event)
             logprobs = logged(event.index, event.logprobs) if event.logprobs else None
-            if not event.last or include_usage:
-                yield chunk(event.index, "", finish=finish_reason(event), logprobs=logprobs)
-            if event.last:
-                total, timings = usage(ends, n), timings_from_receipt(event.receipt, queue_s=event.queue_s)
-                if include_usage:
-                    yield sse(Completion(**meta, choices=[], usage=total, timings=timings))
-                else:
-                    yield chunk(event.index, "", finish=finish_reason(event), logprobs=logprobs, usage=total,
-                                timings=timings)
-                yield "data: [DONE]\n\n"
+            head = openai_answer(sub.meta, "text_completion", [])
+            for text in last_chunks(event, lambda **extra: chunk(event.index, "", finish=finish_reason(event),
+                                                                 logprobs=logprobs, **extra),
+                                    head, usage(ends, n), include_usage):
+                yield text
         elif isinstance(event, Failed):
             yield error_event(event)
-            yield "data: [DONE]\n\n"
+            yield DONE

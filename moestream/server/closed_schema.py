@@ -5,7 +5,9 @@ other key, and a weak model fills that room until max_tokens. As llama.cpp and v
 object is closed here (`additionalProperties: false`); an explicit `additionalProperties` (true or a
 schema) is kept, and an object that lists no properties stays a map. Branches that are intersected
 with their parent (allOf, or anyOf/oneOf beside the parent's own properties) are not closed one by
-one, which would forbid each other's keys: the parent is closed over the keys they all declare.
+one, which would forbid each other's keys: the parent is closed over the keys they all declare. A
+`$ref` beside the object's own properties is such a branch too (an allOf of one, as JSON Schema
+2019-09 reads it). Local refs are JSON pointers ("#/$defs/Name") or `$anchor` names ("#name").
 """
 from __future__ import annotations
 
@@ -35,9 +37,12 @@ class _Closer:
         self.root = root
 
     def resolve(self, ref: Any) -> Optional[dict]:
-        """The subschema a local `$ref` ("#/$defs/Name", any JSON pointer) points at, else None."""
+        """The subschema a local `$ref` ("#/$defs/Name", any JSON pointer, or "#name" of an
+        `$anchor`) points at, else None."""
         if not isinstance(ref, str) or not ref.startswith("#"):
             return None
+        if len(ref) > 1 and ref[1] != "/":
+            return _anchored(self.root, ref[1:])
         node = self.root
         for part in filter(None, ref[1:].split("/")):
             part = part.replace("~1", "/").replace("~0", "~")
@@ -69,6 +74,9 @@ class _Closer:
         """`schema` closed; `merged`: it is intersected with its parent, which closes it instead."""
         if not isinstance(schema, dict):
             return schema
+        if "$ref" in schema and any(k in schema for k in _OWN_KEYS):  # the ref is intersected with them
+            rest = {k: v for k, v in schema.items() if k != "$ref"}
+            schema = {**rest, "allOf": [{"$ref": schema["$ref"]}] + list(rest.get("allOf") or [])}
         out: dict = {}
         for key, value in schema.items():
             if key in _SCHEMA_MAPS and isinstance(value, dict):
@@ -104,14 +112,31 @@ class _Closer:
         return self.node(schema, merged=True, inlining=inlining)
 
 
+def _anchored(node: Any, name: str) -> Optional[dict]:
+    """The subschema whose `$anchor` is `name`, searched depth first, else None."""
+    if isinstance(node, dict):
+        if node.get("$anchor") == name:
+            return node
+        children = node.values()
+    elif isinstance(node, list):
+        children = node
+    else:
+        return None
+    for child in children:
+        found = _anchored(child, name)
+        if found is not None:
+            return found
+    return None
+
+
 def rebased(schema: Any, pointer: str) -> Any:
-    """`schema` with its local refs ("#/...") pointing into it where it sits at `pointer` of a
-    larger schema (a tool's parameters inside the call object)."""
+    """`schema` with its local pointer refs ("#/...") pointing into it where it sits at `pointer` of
+    a larger schema (a tool's parameters inside the call object); anchor refs hold wherever it sits."""
     if not isinstance(schema, dict):
         return schema
     out = {}
     for key, value in schema.items():
-        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+        if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):  # (anchors stay)
             out[key] = "#" + pointer + value[1:]
         elif key in _SCHEMA_MAPS + ("dependentSchemas",) and isinstance(value, dict):
             out[key] = {k: rebased(v, pointer) for k, v in value.items()}

@@ -4,12 +4,13 @@ only (the grammar's tensors are touched on the worker thread, inside the sampler
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import secrets
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Optional
 
 from fastapi import Request
@@ -18,8 +19,9 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from moestream.engine.types import SamplingParams, TokenHistory
-from moestream.server.jobs import Choice, Failed, Finished, Job, PromptLogprobs, Started, TextDelta, TokenLogprobInfo
-from moestream.server.protocol import APIError, invalid
+from moestream.server.jobs import Choice, Failed, Finished, Job, PromptLogprobs, TextDelta, TokenLogprobInfo
+from moestream.server.api_error import APIError, invalid
+from moestream.server.reasoning import ReasoningMode, ReplyReader
 from moestream.server.worker import NotReady, QueueFull, Worker
 
 log = logging.getLogger(__name__)
@@ -55,9 +57,7 @@ class Sink:
         self.stream = stream
         self.queue: asyncio.Queue = asyncio.Queue()
         self.future: asyncio.Future = loop.create_future()
-        self.started: Started | None = None
-        self.parts: dict[int, list[str]] = {}
-        self.part_tokens: dict[int, list[int]] = {}  # each part's generated tokens
+        self.texts: dict[int, list[tuple[str, int]]] = {}  # each choice's deltas: (text, generated tokens)
         self.logprobs: dict[int, list[TokenLogprobInfo]] = {}
         self.prompts: dict[int, PromptLogprobs] = {}
         self.ends: dict[int, Finished] = {}
@@ -66,28 +66,28 @@ class Sink:
         if self.stream:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
             return
-        if isinstance(event, Started):
-            self.started = event
-        elif isinstance(event, PromptLogprobs):
+        if isinstance(event, PromptLogprobs):
             self.prompts[event.index] = event
         elif isinstance(event, TextDelta):
-            self.parts.setdefault(event.index, []).append(event.text)
-            self.part_tokens.setdefault(event.index, []).append(event.tokens)
+            self.texts.setdefault(event.index, []).append((event.text, event.tokens))
             self.logprobs.setdefault(event.index, []).extend(event.logprobs)
         elif isinstance(event, Finished):
             self.logprobs.setdefault(event.index, []).extend(event.logprobs)
             self.ends[event.index] = event
             if event.last:
                 self.loop.call_soon_threadsafe(self._resolve, event)
-        else:
+        elif isinstance(event, Failed):
             self.loop.call_soon_threadsafe(self._resolve, event)
 
     def text(self, index: int) -> str:
-        return "".join(self.parts.get(index, ()))
+        return "".join(text for text, _ in self.texts.get(index, ()))
+
+    def choice_ends(self) -> list[Finished]:
+        return [self.ends[i] for i in sorted(self.ends)]
 
     def deltas(self, index: int) -> list[tuple[str, int]]:
         """A choice's text as it came: (text, generated tokens) per delta."""
-        return list(zip(self.parts.get(index, ()), self.part_tokens.get(index, ())))
+        return self.texts.get(index, [])
 
     def _resolve(self, event: Any) -> None:
         if not self.future.done():
@@ -100,15 +100,21 @@ class Submitted:
     sink: Sink
     meta: dict  # id, created, model, system_fingerprint
     choices: int
-    extra: dict = field(default_factory=dict)  # per-API data the renderer needs
+    reasoning: Optional[ReasoningMode] = None  # a chat reply's reasoning format, where it is split off
+    parse_tools: str = ""  # the tool-call format a chat reply is read in ("": none)
+
+    def reply_reader(self) -> Optional[ReplyReader]:
+        """The reader of a chat reply's parts (a fresh one each call); None when its text is the content."""
+        return ReplyReader(self.reasoning, self.parse_tools) if self.reasoning or self.parse_tools else None
 
 
 class Runtime:
     """The worker plus the server's settings, as the API modules use them."""
 
     def __init__(self, worker: Worker, *, defaults: RequestDefaults, model_id: Callable[[], str],
-                 context_limit: Callable[[], int], reasoning_format: str = "auto") -> None:
+                 context_limit: Callable[[], int], reasoning_format: str = "auto", max_body_bytes: int) -> None:
         self.worker = worker
+        self.max_body_bytes = max_body_bytes
         self.reasoning_format = reasoning_format  # auto: reasoning apart from the content; none: left in it
         self.defaults = defaults
         self.model_id = model_id
@@ -122,9 +128,35 @@ class Runtime:
             raise not_ready(NotReady(worker.state, worker.error or f"the model is {worker.state}"))
         return worker.tokenizer
 
+    async def read_object(self, request: Request) -> dict:
+        """The request's body: a JSON object (no NaN or Infinity) of at most max_body_bytes."""
+        too_large = APIError(413, f"The request body is larger than {self.max_body_bytes} bytes.",
+                             code="request_too_large")
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+            raise too_large
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > self.max_body_bytes:
+                raise too_large
+        if not body.strip():
+            raise invalid("The request body is empty: send a JSON object.", code="invalid_json")
+
+        def no_constants(name: str) -> Any:
+            raise ValueError(f"{name} is not valid JSON")
+
+        try:
+            data = json.loads(bytes(body), parse_constant=no_constants)
+        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+            raise invalid(f"The request body is not valid JSON: {exc}.", code="invalid_json") from None
+        if not isinstance(data, dict):
+            raise invalid("The request body must be a JSON object.", code="invalid_type")
+        return data
+
     # ---- prompts
 
-    async def chat_ids(self, messages: list[dict], tools: list[dict] | None, param: str = "messages") -> list[int]:
+    async def chat_ids(self, messages: list[dict], tools: list[dict] | None) -> list[int]:
         from moestream.server.tools import as_text_messages, template_knows_tools
 
         tokenizer = self.tokenizer()
@@ -135,7 +167,7 @@ class Runtime:
         try:
             return await run_in_threadpool(tokenizer.chat_ids, messages, True, tools)
         except Exception as exc:  # the model's chat template refused the conversation
-            raise invalid(f"The chat template could not format these messages: {exc}", param) from None
+            raise invalid(f"The chat template could not format these messages: {exc}", "messages") from None
 
     def tool_format(self) -> str:
         """How this model writes tool calls (moestream.server.tools.FORMATS)."""

@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from moestream.engine.types import SamplingParams
-from moestream.errors import MoestreamError
 
 # ------------------------------------------------------------------------------------------ events
 
@@ -63,17 +62,6 @@ class Failed:
 Event = Any  # Started | PromptLogprobs | TextDelta | Finished | Failed
 
 
-@dataclass
-class TokenClock:
-    """When a choice's tokens came out, for the latency figures: the first one's time since the job
-    was queued (the job's first choice only: a later one waited for the earlier ones, not the
-    queue), then the gap before each next one."""
-
-    queued_at: float
-    first_choice: bool
-    last: Optional[float] = None
-
-
 # ---------------------------------------------------------------------------------------- the job
 
 @dataclass
@@ -101,6 +89,11 @@ class Job:
     _worker: Any = field(default=None, repr=False)  # the server.worker.Worker that queued it
 
     @property
+    def engine_logprobs(self) -> int:
+        """The engine's logprobs=K: the chosen token's logprob and the K most likely (0: none)."""
+        return max(1, self.logprobs) if self.logprobs is not None else 0
+
+    @property
     def prompt_tokens(self) -> int:
         """The prompt tokens it holds while it waits (each choice its own copy)."""
         return sum(len(choice.prompt_ids) for choice in self.choices)
@@ -126,10 +119,6 @@ def event_collector() -> tuple[list, threading.Event, Callable]:
             done.set()
 
     return events, done, sink
-
-
-def is_user_error(exc: BaseException) -> bool:
-    return isinstance(exc, MoestreamError)
 
 
 def one_line(exc: BaseException) -> str:

@@ -9,18 +9,19 @@ of the three)."""
 from __future__ import annotations
 
 import json
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator, Optional
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from moestream.server.api_error import invalid
+from moestream.server.chat_api import chat_prompt, start_chat
 from moestream.server.generation import JobStream, Runtime, Submitted, events, wait_whole
 from moestream.server.jobs import Failed, Finished, Started, TextDelta
-from moestream.server.protocol import ChatCompletionRequest, invalid, parse_request
-from moestream.server.reasoning import Reasoning, reply_reader
 from moestream.server.render import named_sse
-
-ReadJSON = Callable[[Request], Awaitable[Any]]
+from moestream.server.reply_blocks import TEXT, ReplyBlocks
+from moestream.server.request_models import ChatCompletionRequest, parse_request
+from moestream.server.tools import ParsedCall
 
 
 def _usage(end: Finished) -> dict:
@@ -42,11 +43,9 @@ def _text_of(content: Any, param: str) -> str:
     return "\n".join(texts)
 
 
-def to_chat(body: Any, *, generate: bool = True) -> dict:
+def to_chat(body: dict, *, generate: bool = True) -> dict:
     """The Messages request as an OpenAI chat request body (`generate` False: only its prompt
     counts, as count_tokens reads it, without max_tokens)."""
-    if not isinstance(body, dict):
-        raise invalid("The request body must be a JSON object.", code="invalid_type")
     if generate and (not isinstance(body.get("max_tokens"), int) or isinstance(body.get("max_tokens"), bool)):
         raise invalid("max_tokens is required: an integer.", "max_tokens", code="missing_required_parameter")
     messages: list[dict] = []
@@ -124,120 +123,87 @@ def _stop_reason(end: Finished, has_calls: bool) -> tuple[str, Any]:
     return "end_turn", None
 
 
-def _blocks(sub: Submitted) -> list[dict]:
-    """The reply's content blocks in the order the stream sends them (thinking first, text around
-    calls kept)."""
-    reader = reply_reader(sub.extra)
-    parts = reader.read(sub.sink.deltas(0)) if reader else [sub.sink.text(0)]
-    blocks: list[dict] = []
-    for part in parts:
-        if isinstance(part, Reasoning):
-            if blocks and blocks[-1]["type"] == "thinking":
-                blocks[-1]["thinking"] += part.text
-            else:
-                blocks.append({"type": "thinking", "thinking": part.text, "signature": ""})
-        elif isinstance(part, str):
-            if blocks and blocks[-1]["type"] == "text":
-                blocks[-1]["text"] += part
-            elif part:
-                blocks.append({"type": "text", "text": part})
-        else:
-            blocks.append({"type": "tool_use", "id": part.id, "name": part.name, "input": json.loads(part.arguments)})
-    return blocks or [{"type": "text", "text": ""}]
+def _event(kind: str, **payload: Any) -> str:
+    return named_sse(kind, {"type": kind, **payload})
 
 
-def register(router: APIRouter, rt: Runtime, read_json: ReadJSON) -> None:
-    from moestream.server.chat_api import chat_prompt, start_chat
+class ContentBlocks(ReplyBlocks):
+    """The reply's content blocks (thinking, text, tool_use) and their stream events."""
 
+    def __init__(self, sub: Submitted) -> None:
+        super().__init__(sub)
+        self.blocks: list[dict] = []
+
+    def opened(self, kind: str) -> list[str]:
+        self.blocks.append({"type": "text", "text": ""} if kind == TEXT else
+                           {"type": "thinking", "thinking": "", "signature": ""})
+        return [_event("content_block_start", index=len(self.blocks) - 1, content_block=self.blocks[-1])]
+
+    def grew(self, kind: str, text: str) -> list[str]:
+        delta = {"type": "text_delta", "text": text} if kind == TEXT else {"type": "thinking_delta", "thinking": text}
+        return [_event("content_block_delta", index=len(self.blocks) - 1, delta=delta)]
+
+    def closed(self, kind: str, text: str, end: Optional[Finished]) -> list[str]:
+        self.blocks[-1]["text" if kind == TEXT else "thinking"] = text
+        return [_event("content_block_stop", index=len(self.blocks) - 1)]
+
+    def call(self, call: ParsedCall) -> list[str]:
+        self.blocks.append({"type": "tool_use", "id": call.id, "name": call.name, "input": json.loads(call.arguments)})
+        index = len(self.blocks) - 1
+        return [_event("content_block_start", index=index,
+                       content_block={"type": "tool_use", "id": call.id, "name": call.name, "input": {}}),
+                _event("content_block_delta", index=index,
+                       delta={"type": "input_json_delta", "partial_json": call.arguments}),
+                _event("content_block_stop", index=index)]
+
+    def message(self, end: Optional[Finished]) -> dict:
+        """The Message: with what the reply holds so far, and its stop reason once it ended."""
+        reason, sequence = _stop_reason(end, any(b["type"] == "tool_use" for b in self.blocks)) if end else (None, None)
+        return {"id": "msg_" + self.sub.meta["id"].split("-", 1)[1], "type": "message", "role": "assistant",
+                "model": self.sub.meta["model"], "content": self.blocks, "stop_reason": reason,
+                "stop_sequence": sequence, "usage": _usage(end) if end else None}
+
+
+def register(router: APIRouter, rt: Runtime) -> None:
     @router.post("/messages/count_tokens")
     async def count_tokens(request: Request) -> Response:
         # (an APIError takes Anthropic's shape in the app's handler: this is a /messages route)
-        req = parse_request(ChatCompletionRequest, to_chat(await read_json(request), generate=False))
+        req = parse_request(ChatCompletionRequest, to_chat(await rt.read_object(request), generate=False))
         prompt_ids, _ = await chat_prompt(rt, req)
         return JSONResponse({"input_tokens": len(prompt_ids)})
 
     @router.post("/messages")
     async def messages(request: Request) -> Response:
-        req = parse_request(ChatCompletionRequest, to_chat(await read_json(request)))
+        req = parse_request(ChatCompletionRequest, to_chat(await rt.read_object(request)))
         sub = await start_chat(rt, request, req)
         if req.stream:
             return JobStream(sub.job, _stream(sub))
         end = await wait_whole(request, sub, "messages")
         if end is None:
             return Response(status_code=499)
-        blocks = _blocks(sub)
-        reason, sequence = _stop_reason(end, any(b["type"] == "tool_use" for b in blocks))
-        return JSONResponse({"id": "msg_" + sub.meta["id"].split("-", 1)[1], "type": "message", "role": "assistant",
-                             "model": sub.meta["model"], "content": blocks, "stop_reason": reason,
-                             "stop_sequence": sequence, "usage": _usage(end)})
+        blocks = ContentBlocks(sub)
+        blocks.read_whole(end)
+        blocks.blocks = blocks.blocks or [{"type": "text", "text": ""}]
+        return JSONResponse(blocks.message(end))
 
 
 async def _stream(sub: Submitted) -> AsyncIterator[str]:
-    parser = reply_reader(sub.extra)
-    block = -1
-    open_kind = ""  # the open block's type: text, thinking, or none
-    calls = 0
-
-    def text_piece(text: str, kind: str = "text") -> list[str]:
-        nonlocal block, open_kind
-        out = close_text() if open_kind != kind else []
-        if not open_kind:
-            block += 1
-            open_kind = kind
-            start = {"type": "text", "text": ""} if kind == "text" else {"type": "thinking", "thinking": "",
-                                                                         "signature": ""}
-            out.append(named_sse("content_block_start", {"type": "content_block_start", "index": block,
-                                                          "content_block": start}))
-        delta = {"type": "text_delta", "text": text} if kind == "text" else {"type": "thinking_delta", "thinking": text}
-        out.append(named_sse("content_block_delta", {"type": "content_block_delta", "index": block, "delta": delta}))
-        return out
-
-    def close_text() -> list[str]:
-        nonlocal open_kind
-        if not open_kind:
-            return []
-        open_kind = ""
-        return [named_sse("content_block_stop", {"type": "content_block_stop", "index": block})]
-
-    def pieces(parts: list) -> list[str]:
-        nonlocal block, calls
-        out: list[str] = []
-        for part in parts:
-            if isinstance(part, Reasoning):
-                out += text_piece(part.text, "thinking")
-                continue
-            if isinstance(part, str):
-                out += text_piece(part) if part else []
-                continue
-            out += close_text()
-            block += 1
-            calls += 1
-            out.append(named_sse("content_block_start", {"type": "content_block_start", "index": block, "content_block": {
-                "type": "tool_use", "id": part.id, "name": part.name, "input": {}}}))
-            out.append(named_sse("content_block_delta", {"type": "content_block_delta", "index": block, "delta": {
-                "type": "input_json_delta", "partial_json": part.arguments}}))
-            out.append(named_sse("content_block_stop", {"type": "content_block_stop", "index": block}))
-        return out
-
-    prompt_tokens = len(sub.job.choices[0].prompt_ids)
+    blocks = ContentBlocks(sub)
     async for event in events(sub):
         if isinstance(event, Started):
-            yield named_sse("message_start", {"type": "message_start", "message": {
-                "id": "msg_" + sub.meta["id"].split("-", 1)[1], "type": "message", "role": "assistant",
-                "model": sub.meta["model"], "content": [], "stop_reason": None, "stop_sequence": None,
-                # the cache is consulted later, by the prefill: message_delta gives the final split
-                "usage": {"input_tokens": prompt_tokens, "cache_creation_input_tokens": 0,
-                          "cache_read_input_tokens": 0, "output_tokens": 0}}})
+            # the cache is consulted later, by the prefill: message_delta gives the final split
+            yield _event("message_start", message={**blocks.message(None), "usage": {
+                "input_tokens": len(sub.job.choices[0].prompt_ids), "cache_creation_input_tokens": 0,
+                "cache_read_input_tokens": 0, "output_tokens": 0}})
         elif isinstance(event, TextDelta):
-            for text in pieces(parser.feed(event.text, event.tokens) if parser else [event.text]):
+            for text in blocks.feed(event.text, event.tokens):
                 yield text
         elif isinstance(event, Finished):
-            for text in pieces(parser.finish() if parser else []) + close_text():
+            for text in blocks.finish(event):
                 yield text
-            reason, sequence = _stop_reason(event, calls > 0)
-            yield named_sse("message_delta", {"type": "message_delta",
-                                              "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                                              "usage": _usage(event)})
-            yield named_sse("message_stop", {"type": "message_stop"})
+            done = blocks.message(event)
+            yield _event("message_delta", delta={"stop_reason": done["stop_reason"],
+                                                  "stop_sequence": done["stop_sequence"]}, usage=done["usage"])
+            yield _event("message_stop")
         elif isinstance(event, Failed):
-            yield named_sse("error", {"type": "error", "error": {"type": "api_error", "message": event.message}})
+            yield _event("error", error={"type": "api_error", "message": event.message})

@@ -40,9 +40,10 @@ REUSE_BUCKETS = (0, 16, 64, 256, 1024, 4096, 16384, 65536)
 UNMATCHED_ROUTE = "unmatched"  # any path no route serves: one label, so scanners cannot grow the series
 
 
-class ServerMetrics:
+class ServerMetrics(Collector):
     """The app's metrics. The worker calls `job_started` and `choice_done` on its thread;
-    prometheus_client's metrics are safe to update from any thread."""
+    prometheus_client's metrics are safe to update from any thread. As a collector it gives the
+    figures read at scrape time: the queue, the running requests, the engine's cache since load."""
 
     def __init__(self, worker: Any) -> None:
         self.worker = worker
@@ -79,7 +80,7 @@ class ServerMetrics:
                                       "Prompt tokens of each choice reused from a cached prefix.",
                                       buckets=REUSE_BUCKETS, registry=r)
         self.last_batch = 0
-        r.register(_WorkerCollector(worker, self))
+        r.register(self)
 
     # ---- the worker's side (its thread)
 
@@ -122,14 +123,6 @@ class ServerMetrics:
     def exposition(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
-
-class _WorkerCollector(Collector):
-    """Figures read at scrape time: the queue, the running request, the engine's cache since load."""
-
-    def __init__(self, worker: Any, metrics: ServerMetrics) -> None:
-        self.worker = worker
-        self.metrics = metrics
-
     def collect(self) -> Iterator[Any]:
         w = self.worker
         yield _gauge("queue_length", "Requests waiting in the queue.", w.queue_depth)
@@ -138,11 +131,10 @@ class _WorkerCollector(Collector):
         yield _gauge("queue_tokens", "Prompt tokens the waiting requests hold.", w.queue_tokens)
         yield _gauge("queue_tokens_capacity", "Prompt tokens the waiting requests may hold (--queue-tokens).",
                      w.limits.max_tokens)
-        running = getattr(w, "running", 1 if w.busy else 0)
-        yield _gauge("requests_running", "Requests the engine is generating now (at most --parallel).", running)
-        yield _gauge("parallel", "Requests that may generate together (--parallel).", getattr(w, "parallel", 1))
+        yield _gauge("requests_running", "Requests the engine is generating now (at most --parallel).", w.running)
+        yield _gauge("parallel", "Requests that may generate together (--parallel).", w.parallel)
         yield _gauge("batch_size_current", "Sequences in the latest decode step (0 when idle).",
-                     self.metrics.last_batch if running else 0)
+                     self.last_batch if w.running else 0)
         ready = GaugeMetricFamily(f"{PREFIX}_engine_state", "1 for the engine's current state.", labels=["state"])
         for state in ("loading", "ready", "failed", "stopped"):
             ready.add_metric([state], 1.0 if w.state == state else 0.0)

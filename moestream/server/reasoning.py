@@ -282,9 +282,3 @@ def split_reply(parts: Parts) -> tuple[str, str, list[ParsedCall]]:
     reasoning = "".join(p.text for p in parts if isinstance(p, Reasoning))
     content = "".join(p for p in parts if isinstance(p, str))
     return reasoning, content, [p for p in parts if isinstance(p, ParsedCall)]
-
-
-def reply_reader(extra: dict) -> Optional[ReplyReader]:
-    """The reader for a submitted chat request (its `extra`); None when its text is the content."""
-    mode, tools = extra.get("reasoning"), extra.get("parse_tools") or ""
-    return ReplyReader(mode, tools) if mode is not None or tools else None

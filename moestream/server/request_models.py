@@ -45,6 +45,9 @@ class _Strict(BaseModel):
                     if v is not None or (k in fields and fields[k].is_required())}
         return data
 
+    def check(self) -> None:
+        """What pydantic's field checks cannot say (an APIError); parse_request calls it."""
+
 
 class StreamOptions(_Strict):
     include_usage: bool = False
@@ -314,10 +317,8 @@ def _param_from_loc(loc: tuple) -> str | None:
     return param or None
 
 
-def parse_request(cls: type[_Strict], data: Any) -> Any:
-    """Validate a decoded JSON body, turning pydantic's complaint into a 400 APIError."""
-    if not isinstance(data, dict):
-        raise invalid("The request body must be a JSON object.", code="invalid_type")
+def parse_request(cls: type[_Strict], data: dict) -> Any:
+    """Validate a decoded JSON object, turning pydantic's complaint into a 400 APIError."""
     try:
         request = cls.model_validate(data)
     except ValidationError as exc:
@@ -339,14 +340,8 @@ class TokenizeRequest(_Strict):
     add_special: bool = False  # the tokenizer's special tokens (BOS) around the text
     with_pieces: bool = False  # each id with its piece: text, or its bytes where they are not UTF-8
 
-    def check(self) -> None:
-        pass
-
 
 class DetokenizeRequest(_Strict):
     """llama.cpp's POST /detokenize."""
 
     tokens: list[Int]
-
-    def check(self) -> None:
-        pass

@@ -6,7 +6,7 @@ response.completed). Translated into a chat request: the same template, grammar 
 from __future__ import annotations
 
 import time
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator, Optional
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -14,12 +14,11 @@ from fastapi.responses import JSONResponse, Response
 from moestream.server.chat_api import start_chat
 from moestream.server.generation import JobStream, Runtime, Submitted, events, wait_whole
 from moestream.server.jobs import Failed, Finished, Started, TextDelta
-from moestream.server.protocol import APIError, ChatCompletionRequest, invalid, parse_request, unsupported
-from moestream.server.reasoning import Reasoning, reply_reader
+from moestream.server.api_error import APIError, invalid, unsupported
+from moestream.server.request_models import ChatCompletionRequest, parse_request
 from moestream.server.render import named_sse
+from moestream.server.reply_blocks import REASONING, TEXT, ReplyBlocks
 from moestream.server.tools import ParsedCall
-
-ReadJSON = Callable[[Request], Awaitable[Any]]
 
 
 def _content_text(content: Any, param: str) -> str:
@@ -110,9 +109,7 @@ def _text_format(body: dict, out: dict) -> None:
         out["response_format"] = {"type": fmt.get("type")}
 
 
-def to_chat(body: Any) -> dict:
-    if not isinstance(body, dict):
-        raise invalid("The request body must be a JSON object.", code="invalid_type")
+def to_chat(body: dict) -> dict:
     for name in ("previous_response_id", "conversation"):  # nothing is stored: a reply without them would mislead
         if body.get(name) is not None:
             raise unsupported(f"{name} is not supported (this server stores no responses): send the whole "
@@ -165,28 +162,89 @@ def _reasoning(item_id: str, text: str) -> dict:
             "content": [{"type": "reasoning_text", "text": text}]}
 
 
-def _item_id(base_id: str, kind: str, output: list[dict]) -> str:
-    """An output item's id: the reply's id after the kind's prefix (msg_, rs_), and its position
-    after the first item."""
-    return kind + base_id.split("_", 1)[1] + (f"_{len(output)}" if output else "")
+class OutputItems(ReplyBlocks):
+    """The Response's output items (reasoning, message, function_call), the stream's events as they
+    come (numbered), and the Response object at any point."""
 
+    def __init__(self, sub: Submitted, req: ChatCompletionRequest, created: int) -> None:
+        super().__init__(sub)
+        self.req, self.created = req, created
+        self.output: list[dict] = []  # the items done so far
+        self.sequence = 0
+        self.base_id = sub.meta["id"].split("-", 1)[1]
 
-def _response(sub: Submitted, req: ChatCompletionRequest, status: str, output: list[dict], end: Finished | None,
-              created: int, reasoning_tokens: int = 0) -> dict:
-    usage = None
-    if end is not None:
-        cached = int(end.receipt.get("reused_tokens", 0) or 0)
-        usage = {"input_tokens": end.prompt_tokens, "input_tokens_details": {"cached_tokens": cached},
-                 "output_tokens": end.completion_tokens,
-                 "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
-                 "total_tokens": end.prompt_tokens + end.completion_tokens}
-    incomplete = end is not None and end.finish_reason == "length"
-    tools, choice = _tools_echo(req)
-    return {"id": "resp_" + sub.meta["id"].split("-", 1)[1], "object": "response", "created_at": created,
-            "status": "incomplete" if incomplete and status == "completed" else status,
-            "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
-            "model": sub.meta["model"], "output": output, "parallel_tool_calls": req.parallel_tool_calls,
-            "tool_choice": choice, "tools": tools, "error": None, "usage": usage}
+    def event(self, kind: str, **payload: Any) -> str:
+        self.sequence += 1
+        return named_sse(kind, {"type": kind, "sequence_number": self.sequence - 1, **payload})
+
+    def item_id(self, kind: str) -> str:
+        """The next item's id: the reply's id after the kind's prefix (msg_, rs_), and its position
+        after the first item."""
+        return ("rs_" if kind == REASONING else "msg_") + self.base_id + (f"_{len(self.output)}" if self.output else "")
+
+    def opened(self, kind: str) -> list[str]:
+        item_id, index = self.item_id(kind), len(self.output)
+        if kind == REASONING:
+            item = {"type": "reasoning", "id": item_id, "status": "in_progress", "summary": [], "content": []}
+            part = {"type": "reasoning_text", "text": ""}
+        else:
+            item = {"type": "message", "id": item_id, "status": "in_progress", "role": "assistant", "content": []}
+            part = {"type": "output_text", "text": "", "annotations": []}
+        return [self.event("response.output_item.added", output_index=index, item=item),
+                self.event("response.content_part.added", item_id=item_id, output_index=index, content_index=0,
+                           part=part)]
+
+    def grew(self, kind: str, text: str) -> list[str]:
+        where = {"item_id": self.item_id(kind), "output_index": len(self.output), "content_index": 0}
+        if kind == REASONING:
+            return [self.event("response.reasoning_text.delta", **where, delta=text)]
+        return [self.event("response.output_text.delta", **where, delta=text, logprobs=[])]
+
+    def closed(self, kind: str, text: str, end: Optional[Finished]) -> list[str]:
+        item_id, index = self.item_id(kind), len(self.output)
+        where = {"item_id": item_id, "output_index": index, "content_index": 0}
+        if kind == REASONING:
+            item = _reasoning(item_id, text)
+            done = self.event("response.reasoning_text.done", **where, text=text)
+        else:  # the message the limit cut is incomplete
+            item = _message(item_id, text, "incomplete" if end and end.finish_reason == "length" else "completed")
+            done = self.event("response.output_text.done", **where, text=text, logprobs=[])
+        self.output.append(item)
+        return [done, self.event("response.content_part.done", **where, part=item["content"][0]),
+                self.event("response.output_item.done", output_index=index, item=item)]
+
+    def call(self, call: ParsedCall) -> list[str]:
+        item, index = _function_call(call), len(self.output)
+        self.output.append(item)
+        return [self.event("response.output_item.added", output_index=index,
+                           item={**item, "arguments": "", "status": "in_progress"}),
+                self.event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                           delta=call.arguments),
+                self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                           name=call.name, arguments=call.arguments),
+                self.event("response.output_item.done", output_index=index, item=item)]
+
+    def finish(self, end: Finished) -> list[str]:
+        out = self.parts(self.reader.finish())
+        if self.open != TEXT and all(item["type"] == "reasoning" for item in self.output):
+            out += self.add(TEXT, "")  # an empty answer is still one (empty) message
+        return out + self.close(end)
+
+    def response(self, status: str, end: Optional[Finished] = None) -> dict:
+        usage = None
+        if end is not None:
+            cached = int(end.receipt.get("reused_tokens", 0) or 0)
+            usage = {"input_tokens": end.prompt_tokens, "input_tokens_details": {"cached_tokens": cached},
+                     "output_tokens": end.completion_tokens,
+                     "output_tokens_details": {"reasoning_tokens": self.reader.reasoning_tokens},
+                     "total_tokens": end.prompt_tokens + end.completion_tokens}
+        incomplete = end is not None and end.finish_reason == "length"
+        tools, choice = _tools_echo(self.req)
+        return {"id": "resp_" + self.base_id, "object": "response", "created_at": self.created,
+                "status": "incomplete" if incomplete and status == "completed" else status,
+                "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+                "model": self.sub.meta["model"], "output": self.output, "parallel_tool_calls": self.req.parallel_tool_calls,
+                "tool_choice": choice, "tools": tools, "error": None, "usage": usage}
 
 
 def _responses_param(param: str | None) -> str | None:
@@ -199,10 +257,10 @@ def _responses_param(param: str | None) -> str | None:
     return param
 
 
-def register(router: APIRouter, rt: Runtime, read_json: ReadJSON) -> None:
+def register(router: APIRouter, rt: Runtime) -> None:
     @router.post("/responses")
     async def responses(request: Request) -> Response:
-        body = to_chat(await read_json(request))
+        body = to_chat(await rt.read_object(request))
         try:
             req = parse_request(ChatCompletionRequest, body)
             sub = await start_chat(rt, request, req)
@@ -212,163 +270,28 @@ def register(router: APIRouter, rt: Runtime, read_json: ReadJSON) -> None:
                 exc.message = exc.message.replace(f"'{exc.param}'", f"'{renamed}'")
                 exc.param = renamed
             raise
-        created = int(time.time())
+        items = OutputItems(sub, req, int(time.time()))
         if req.stream:
-            return JobStream(sub.job, _stream(sub, req, created))
+            return JobStream(sub.job, _stream(sub, items))
         end = await wait_whole(request, sub, "input")
         if end is None:
             return Response(status_code=499)
-        output, reasoning_tokens = _output_items(sub, "msg_" + sub.meta["id"].split("-", 1)[1])
-        if end.finish_reason == "length" and output and output[-1]["type"] == "message":
-            output[-1]["status"] = "incomplete"  # the message the limit cut
-        return JSONResponse(_response(sub, req, "completed", output, end, created, reasoning_tokens))
+        items.read_whole(end)
+        return JSONResponse(items.response("completed", end))
 
 
-def _output_items(sub: Submitted, base_id: str) -> tuple[list[dict], int]:
-    """(the reply's output items in the order the stream sends them: reasoning, then text around
-    calls; its reasoning tokens)."""
-    reader = reply_reader(sub.extra)
-    parts = reader.read(sub.sink.deltas(0)) if reader else [sub.sink.text(0)]
-    output: list[dict] = []
-    pending: list[str] = []
-    thought: list[str] = []
-
-    def flush() -> None:
-        if thought:
-            output.append(_reasoning(_item_id(base_id, "rs_", output), "".join(thought)))
-            thought.clear()
-        if pending:
-            output.append(_message(_item_id(base_id, "msg_", output), "".join(pending)))
-            pending.clear()
-
-    for part in parts:
-        if isinstance(part, Reasoning):
-            if pending:
-                flush()
-            thought.append(part.text)
-        elif isinstance(part, str):
-            if part and thought:
-                flush()
-            pending += [part] if part else []
-        else:
-            flush()
-            output.append(_function_call(part))
-    flush()
-    if not any(item["type"] != "reasoning" for item in output):
-        output.append(_message(_item_id(base_id, "msg_", output), ""))  # the answer is a message, if empty
-    return output, reader.reasoning_tokens if reader else 0
-
-
-async def _stream(sub: Submitted, req: ChatCompletionRequest, created: int) -> AsyncIterator[str]:
-    seq = 0
-    output: list[dict] = []  # the items done so far, as response.completed lists them
-    text_parts: list[str] | None = None  # the open message item's text, None when none is open
-    thought_parts: list[str] | None = None  # the open reasoning item's text, likewise
-    parser = reply_reader(sub.extra)
-    base_id = "msg_" + sub.meta["id"].split("-", 1)[1]
-
-    def event(kind: str, **payload: Any) -> str:
-        nonlocal seq
-        seq += 1
-        return named_sse(kind, {"type": kind, "sequence_number": seq - 1, **payload})
-
-    def message_id() -> str:
-        return _item_id(base_id, "msg_", output)
-
-    def reasoning_events(text: str) -> list[str]:
-        nonlocal thought_parts
-        out = close_text()
-        item_id = _item_id(base_id, "rs_", output)
-        if thought_parts is None:
-            thought_parts = []
-            out.append(event("response.output_item.added", output_index=len(output), item={
-                "type": "reasoning", "id": item_id, "status": "in_progress", "summary": [], "content": []}))
-            out.append(event("response.content_part.added", item_id=item_id, output_index=len(output),
-                             content_index=0, part={"type": "reasoning_text", "text": ""}))
-        thought_parts.append(text)
-        out.append(event("response.reasoning_text.delta", item_id=item_id, output_index=len(output),
-                         content_index=0, delta=text))
-        return out
-
-    def close_reasoning() -> list[str]:
-        nonlocal thought_parts
-        if thought_parts is None:
-            return []
-        text, item_id, index = "".join(thought_parts), _item_id(base_id, "rs_", output), len(output)
-        thought_parts = None
-        item = _reasoning(item_id, text)
-        output.append(item)
-        return [event("response.reasoning_text.done", item_id=item_id, output_index=index, content_index=0,
-                      text=text),
-                event("response.content_part.done", item_id=item_id, output_index=index, content_index=0,
-                      part=item["content"][0]),
-                event("response.output_item.done", output_index=index, item=item)]
-
-    def text_events(text: str) -> list[str]:
-        nonlocal text_parts
-        out = close_reasoning()
-        if text_parts is None:
-            text_parts = []
-            out.append(event("response.output_item.added", output_index=len(output), item={
-                "type": "message", "id": message_id(), "status": "in_progress", "role": "assistant", "content": []}))
-            out.append(event("response.content_part.added", item_id=message_id(), output_index=len(output),
-                             content_index=0, part={"type": "output_text", "text": "", "annotations": []}))
-        text_parts.append(text)
-        out.append(event("response.output_text.delta", item_id=message_id(), output_index=len(output),
-                         content_index=0, delta=text, logprobs=[]))
-        return out
-
-    def close_text(status: str = "completed") -> list[str]:
-        nonlocal text_parts
-        if text_parts is None:
-            return []
-        text, item_id, index = "".join(text_parts), message_id(), len(output)
-        text_parts = None
-        item = _message(item_id, text, status)
-        output.append(item)
-        return [event("response.output_text.done", item_id=item_id, output_index=index, content_index=0, text=text,
-                      logprobs=[]),
-                event("response.content_part.done", item_id=item_id, output_index=index, content_index=0,
-                      part=item["content"][0]),
-                event("response.output_item.done", output_index=index, item=item)]
-
-    def call_events(call: ParsedCall) -> list[str]:
-        item, index = _function_call(call), len(output)
-        output.append(item)
-        return [event("response.output_item.added", output_index=index,
-                      item={**item, "arguments": "", "status": "in_progress"}),
-                event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
-                      delta=call.arguments),
-                event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                      name=call.name, arguments=call.arguments),
-                event("response.output_item.done", output_index=index, item=item)]
-
-    def pieces(parts: list) -> list[str]:
-        out: list[str] = []
-        for part in parts:
-            if isinstance(part, Reasoning):
-                out += reasoning_events(part.text)
-            elif isinstance(part, str):
-                out += text_events(part) if part else []
-            else:
-                out += close_reasoning() + close_text() + call_events(part)
-        return out
-
+async def _stream(sub: Submitted, items: OutputItems) -> AsyncIterator[str]:
     async for ev in events(sub):
         if isinstance(ev, Started):
-            yield event("response.created", response=_response(sub, req, "in_progress", [], None, created))
-            yield event("response.in_progress", response=_response(sub, req, "in_progress", [], None, created))
+            yield items.event("response.created", response=items.response("in_progress"))
+            yield items.event("response.in_progress", response=items.response("in_progress"))
         elif isinstance(ev, TextDelta):
-            for text in pieces(parser.feed(ev.text, ev.tokens) if parser else [ev.text]):
+            for text in items.feed(ev.text, ev.tokens):
                 yield text
         elif isinstance(ev, Finished):
-            tail = pieces(parser.finish() if parser else [])
-            if text_parts is None and all(item["type"] == "reasoning" for item in output):
-                tail += text_events("")  # an empty answer is still one (empty) message
-            for text in tail + close_reasoning() + close_text("incomplete" if ev.finish_reason == "length" else "completed"):
+            for text in items.finish(ev):
                 yield text
-            yield event("response.completed", response=_response(sub, req, "completed", output, ev, created,
-                                                                 parser.reasoning_tokens if parser else 0))
+            yield items.event("response.completed", response=items.response("completed", ev))
         elif isinstance(ev, Failed):
-            yield event("response.failed", response={**_response(sub, req, "failed", output, None, created),
-                                                     "error": {"code": ev.code, "message": ev.message}})
+            yield items.event("response.failed", response={**items.response("failed"),
+                                                           "error": {"code": ev.code, "message": ev.message}})

@@ -1,6 +1,7 @@
-"""Stop strings on decoded text, and incremental detokenization that never splits a character.
+"""Stop strings on decoded text, incremental detokenization that never splits a character, and
+ChoiceText, which runs a choice's tokens through both into the TextDeltas its client gets.
 
-Both run on the worker thread, between the engine's tokens and the HTTP side's deltas, so a
+They run on the worker thread, between the engine's tokens and the HTTP side's deltas, so a
 streamed reply and a whole one are built from exactly the same pieces and always agree.
 
 A stop string may span several tokens, and a token may hold several characters. The matcher keeps
@@ -11,7 +12,10 @@ see, so the cut never depends on how the text was split into tokens.
 """
 from __future__ import annotations
 
-from typing import Callable, Iterable, Sequence
+import time
+from typing import Any, Callable, Iterable, Optional
+
+from moestream.server.jobs import Job, TextDelta, TokenLogprobInfo
 
 REPLACEMENT_CHAR = "\ufffd"
 
@@ -75,24 +79,6 @@ class StopMatcher:
         return 0
 
 
-def cut_at_first_stop(text: str, stops: Sequence[str]) -> tuple[str, bool]:
-    """Reference for the matcher on a whole text: the text before the stop string that ends
-    first (on a tie, the one that starts first), and whether one was found."""
-    best: tuple[int, int] | None = None
-    for stop in stops:
-        if not stop:
-            continue
-        start = text.find(stop)
-        while start >= 0:
-            key = (start + len(stop), start)
-            if best is None or key < best:
-                best = key
-            start = text.find(stop, start + 1)
-    if best is None:
-        return text, False
-    return text[: best[1]], True
-
-
 class IncrementalDecoder:
     """Turns token ids into text deltas without ever emitting half of a UTF-8 character.
 
@@ -126,3 +112,43 @@ class IncrementalDecoder:
         text = self._decode(self._ids[self._prefix_offset:])
         self._prefix_offset = self._read_offset = len(self._ids)
         return text[len(shown):]
+
+
+class ChoiceText:
+    """One choice's tokens on their way out: detokenized, cut at a stop string, delivered as
+    TextDeltas (each with the log-probabilities of the tokens whose text it shows), and timed for the
+    latency figures: the first token since the job was queued (its first choice only: a later one
+    waited for the earlier ones, not the queue), then the gap before each next one."""
+
+    def __init__(self, worker: Any, job: Job, index: int) -> None:  # worker: the server.worker.Worker
+        self.worker, self.job, self.index = worker, job, index
+        self.decode = worker.tokenizer.decode
+        self.decoder = IncrementalDecoder(self.decode)
+        self.matcher = StopMatcher(job.stops)
+        self.pending: list[TokenLogprobInfo] = []  # of the tokens whose text is held back
+        self.generated = self.shown = 0  # tokens generated, and those whose text was delivered
+        self.last_token_at: Optional[float] = None
+
+    def token(self, event: Any) -> None:
+        """The engine's next TokenEvent."""
+        self.generated += 1
+        now = time.monotonic()
+        if self.last_token_at is not None:
+            self.worker._observe("inter_token", now - self.last_token_at)
+        elif self.index == 0:
+            self.worker._observe("first_token", now - self.job.enqueued_at)
+        self.last_token_at = now
+        if self.job.logprobs is not None:
+            top = [(self.decode([tid]), float(lp)) for tid, lp in (event.top_logprobs or [])[:self.job.logprobs]]
+            logprob = float(event.logprob) if event.logprob is not None else 0.0
+            self.pending.append(TokenLogprobInfo(self.decode([event.token_id]), logprob, top))
+        self._send(self.matcher.feed(self.decoder.push(event.token_id)))
+
+    def flush(self) -> None:
+        """The generation ended without a stop string: the text held back goes out."""
+        self._send(self.matcher.feed(self.decoder.flush()) + self.matcher.flush())
+
+    def _send(self, text: str) -> None:
+        if text:
+            self.worker._deliver(self.job, TextDelta(text, self.pending, self.index, self.generated - self.shown))
+            self.pending, self.shown = [], self.generated

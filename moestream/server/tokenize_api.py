@@ -2,7 +2,7 @@
 shapes, for clients that count or inspect tokens before they send a prompt."""
 from __future__ import annotations
 
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -12,8 +12,6 @@ from moestream.errors import NoTokenizerError
 from moestream.server.api_error import invalid
 from moestream.server.generation import Runtime
 from moestream.server.request_models import DetokenizeRequest, TokenizeRequest, parse_request
-
-ReadJSON = Callable[[Request], Awaitable[Any]]
 
 
 def _pieces(rt: Runtime, ids: list[int]) -> list[dict]:
@@ -40,17 +38,17 @@ def _pieces(rt: Runtime, ids: list[int]) -> list[dict]:
     return out
 
 
-def register(router: APIRouter, rt: Runtime, read_json: ReadJSON) -> None:
+def register(router: APIRouter, rt: Runtime) -> None:
     @router.post("/tokenize")
     async def tokenize(request: Request) -> Response:
-        req: TokenizeRequest = parse_request(TokenizeRequest, await read_json(request))
+        req: TokenizeRequest = parse_request(TokenizeRequest, await rt.read_object(request))
         ids = await run_in_threadpool(rt.tokenizer().encode, req.content, req.add_special)
         tokens: list[Any] = await run_in_threadpool(_pieces, rt, ids) if req.with_pieces else ids
         return JSONResponse({"tokens": tokens})
 
     @router.post("/detokenize")
     async def detokenize(request: Request) -> Response:
-        req: DetokenizeRequest = parse_request(DetokenizeRequest, await read_json(request))
+        req: DetokenizeRequest = parse_request(DetokenizeRequest, await rt.read_object(request))
         tokenizer = rt.tokenizer()
         vocab = tokenizer.vocab_size
         if vocab is None:

@@ -103,20 +103,13 @@ def _named_call(name: str, arguments: Any) -> Optional[ParsedCall]:
 Parts = list  # of str (content) and ParsedCall, in reply order
 
 
-def _read_json_call(body: str) -> Optional[Parts]:
-    try:
-        call = _call_from_json(json.loads(body.strip()))
-    except ValueError:
-        return None
-    return [call] if call else None
-
-
-def _read_json_list(body: str) -> Optional[Parts]:
+def _read_json_call(body: str, *, listed: bool = False) -> Optional[Parts]:
+    """A call as a JSON object (`listed`: or a list of them, as Mistral writes them)."""
     try:
         items = json.loads(body.strip())
     except ValueError:
         return None
-    calls = [c for c in (_call_from_json(i) for i in (items if isinstance(items, list) else [items])) if c]
+    calls = [c for c in map(_call_from_json, items if listed and isinstance(items, list) else [items]) if c]
     return calls or None  # type: ignore[return-value]
 
 
@@ -230,7 +223,8 @@ class ToolFormat:
 
 HARMONY_ENDS = ("<|end|>", "<|call|>", "<|return|>")
 FORMATS = {
-    "hermes": ToolFormat((Span(OPEN, (CLOSE,), _read_json_call), Span(MISTRAL, (), _read_json_list))),
+    "hermes": ToolFormat((Span(OPEN, (CLOSE,), _read_json_call),
+                          Span(MISTRAL, (), lambda body: _read_json_call(body, listed=True)))),
     "harmony": ToolFormat((Span("<|start|>", HARMONY_ENDS, _read_harmony, _harmony_streams),
                            Span("<|channel|>", HARMONY_ENDS, _read_harmony, _harmony_streams))),
     "deepseek": ToolFormat((Span(deepseek_marker("tool call begin"), (deepseek_marker("tool call end"),), _read_deepseek),),

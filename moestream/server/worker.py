@@ -24,12 +24,11 @@ import threading
 import time
 from typing import Any, Callable
 
-from moestream.engine.types import SamplingParams
 from moestream.errors import MoestreamError
-from moestream.server.jobs import (Choice, Event, Failed, Finished, Job, PromptLogprobs, Started, TextDelta,
-                                   TokenClock, TokenLogprobInfo, is_user_error, one_line)
+from moestream.server.jobs import (Choice, Event, Failed, Finished, Job, PromptLogprobs, Started, TokenLogprobInfo,
+                                   one_line)
 from moestream.server.queue_limits import QueueLimits, default_queue_tokens
-from moestream.server.stops import IncrementalDecoder, StopMatcher
+from moestream.server.stops import ChoiceText
 
 log = logging.getLogger(__name__)
 
@@ -184,13 +183,9 @@ class Worker:
         """Jobs the engine is generating now (at most `parallel`)."""
         return len(self._running)
 
-    def retry_after_s(self) -> int:
-        """A guess at when a slot frees up, for Retry-After: 1 to 10 seconds."""
-        with self._cond:
-            return self._retry_after_locked()
-
     def _retry_after_locked(self) -> int:
-        # about half the work ahead: a slot frees when a running job ends, not when all do
+        """A guess at when a slot frees up, for Retry-After: 1 to 10 seconds (about half the work
+        ahead: a slot frees when a running job ends, not when all do)."""
         ahead = (len(self._waiting) + len(self._running)) / self.parallel
         return int(min(10, max(1, math.ceil(self._avg_job_s * max(1.0, ahead) / 2))))
 
@@ -253,7 +248,7 @@ class Worker:
         except BaseException as exc:  # a failed load is reported by /health, not by a dead thread
             self.error = f"loading the model failed: {exc}"
             self.state = "failed"
-            log.error("%s", self.error, exc_info=not is_user_error(exc))
+            log.error("%s", self.error, exc_info=not isinstance(exc, MoestreamError))
             self._ready.set()
             if self.on_load_failed is not None:
                 self.on_load_failed(self.error)
@@ -285,7 +280,7 @@ class Worker:
             try:
                 self._run_job(job)
             except BaseException as exc:  # keep serving after any failure in one job
-                log.error("request %s failed: %s", job.request_id, exc, exc_info=not is_user_error(exc))
+                log.error("request %s failed: %s", job.request_id, exc, exc_info=not isinstance(exc, MoestreamError))
                 self._deliver(job, Failed(one_line(exc)))
             finally:
                 self._job_done(job, started)
@@ -331,11 +326,8 @@ class Worker:
                 drafter.close()
             except Exception as exc:
                 log.warning("closing the draft model failed: %s", exc)
-        close = getattr(self.engine, "close", None)
-        if close is None:
-            return
         try:
-            close()
+            self.engine.close()
         except Exception as exc:  # the server is stopping anyway; say why the engine did not close cleanly
             log.warning("closing the engine failed: %s", exc)
         log.info("engine closed")
@@ -345,15 +337,6 @@ class Worker:
             self.stats_snapshot = dict(self.engine.stats())
         except Exception as exc:  # stats are informative; never let them stop the server
             log.warning("engine.stats() failed: %s", exc)
-
-    def _token_out(self, clock: TokenClock) -> None:
-        """A choice generated a token now: tell the observers its latency."""
-        now = time.monotonic()
-        if clock.last is not None:
-            self._observe("inter_token", now - clock.last)
-        elif clock.first_choice:
-            self._observe("first_token", now - clock.queued_at)
-        clock.last = now
 
     def _observe(self, name: str, *args: Any) -> None:
         for observer in self.observers:
@@ -388,74 +371,49 @@ class Worker:
 
     def _run_choice(self, job: Job, choice: Choice, index: int, last: bool, queue_s: float) -> bool:
         """One choice; False when the job ended (failed or cancelled)."""
-        engine, tokenizer = self.engine, self.tokenizer
-        prompt_tokens = len(choice.prompt_ids)
         if choice.echo and not self._echo(job, choice, index):
             return False
         if choice.max_new_tokens <= 0:
             self._nothing_to_generate(job, choice, index, last, queue_s)
             return True
-        decoder = IncrementalDecoder(tokenizer.decode)
-        matcher = StopMatcher(job.stops)
-        pending: list[TokenLogprobInfo] = []
-        generated = shown = 0  # tokens generated, and those whose text was delivered
-        # the engine's logprobs=K gives the chosen token's logprob and the top K (0: none)
-        engine_logprobs = max(1, job.logprobs) if job.logprobs is not None else 0
-        speculative, not_used = self._speculation_for(choice.sampling)
-        clock = TokenClock(job.enqueued_at, index == 0)
+        text = ChoiceText(self, job, index)
+        # the server's speculation, unless it sits this request out (not_used says why)
+        not_used = self.speculative.not_used_reason(choice.sampling) if self.speculative is not None else None
+        speculates = self.speculative is not None and not_used is None
         try:
-            gen = engine.generate(choice.prompt_ids, max_new_tokens=choice.max_new_tokens, sampling=choice.sampling,
-                                  logprobs=engine_logprobs, should_stop=job.cancelled.is_set,
-                                  **({"speculative": speculative} if speculative is not None else {}))
+            gen = self.engine.generate(choice.prompt_ids, max_new_tokens=choice.max_new_tokens,
+                                       sampling=choice.sampling, logprobs=job.engine_logprobs,
+                                       should_stop=job.cancelled.is_set,
+                                       **({"speculative": self.speculative} if speculates else {}))
         except MoestreamError as exc:  # the engine refused the request before starting it
             self._deliver(job, Failed(one_line(exc), code="invalid_request"))
             return False
         try:
             for event in gen:
-                generated += 1
-                self._token_out(clock)
-                if job.logprobs is not None:
-                    pending.append(self._logprob_info(event, job.logprobs))
-                text = matcher.feed(decoder.push(event.token_id))
-                if text:
-                    self._deliver(job, TextDelta(text, pending, index, generated - shown))
-                    pending, shown = [], generated
-                if matcher.stopped or job.cancelled.is_set():
+                text.token(event)
+                if text.matcher.stopped or job.cancelled.is_set():
                     break
             else:
-                tail = matcher.feed(decoder.flush())
-                tail += matcher.flush()
-                if tail:
-                    self._deliver(job, TextDelta(tail, pending, index, generated - shown))
-                    pending = []
+                text.flush()
         finally:
             gen.close()
         result = gen.result
         receipt = dict(result.receipt) if result is not None else {}
         if not_used is not None:
             receipt["speculative_off"] = not_used
-        if matcher.stopped:
+        if text.matcher.stopped:
             reason = "stop"
         elif job.cancelled.is_set():
             reason = "cancelled"
         else:
             reason = result.finish_reason if result is not None else "length"
-        return self._end_choice(job, index, last, queue_s, prompt_tokens, generated, reason, receipt, pending,
-                                matcher)
+        return self._end_choice(text, last, queue_s, len(choice.prompt_ids), reason, receipt)
 
-    def _speculation_for(self, sampling: SamplingParams) -> tuple[Any, str | None]:
-        """(the SpeculativeOptions to generate with or None, why the server's speculation sits this
-        request out or None)."""
-        if self.speculative is None:
-            return None, None
-        reason = self.speculative.not_used_reason(sampling)
-        return (None, reason) if reason is not None else (self.speculative, None)
-
-    def _end_choice(self, job: Job, index: int, last: bool, queue_s: float, prompt_tokens: int, generated: int,
-                    reason: str, receipt: dict, pending: list[TokenLogprobInfo], matcher: StopMatcher,
-                    observed: dict | None = None) -> bool:
+    def _end_choice(self, text: ChoiceText, last: bool, queue_s: float, prompt_tokens: int, reason: str,
+                    receipt: dict, observed: dict | None = None) -> bool:
         """Report a choice's end (`observed`: the receipt the metrics see, default `receipt`);
         False when the job ends here (cancelled)."""
+        job, index, generated, pending, matcher = text.job, text.index, text.generated, text.pending, text.matcher
         self.last_receipt = receipt
         self._observe("choice_done", prompt_tokens, generated, reason, receipt if observed is None else observed)
         if reason == "cancelled":
@@ -492,9 +450,3 @@ class Worker:
         receipt = {"prompt_tokens": prompt_tokens, "prefill_tokens": 0, "reused_tokens": 0, "generated_tokens": 0}
         self._observe("choice_done", prompt_tokens, 0, "length", receipt)
         self._deliver(job, Finished("length", prompt_tokens, 0, receipt, queue_s, index=index, last=last))
-
-    def _logprob_info(self, event: Any, k: int) -> TokenLogprobInfo:
-        decode = self.tokenizer.decode
-        top = [(decode([tid]), float(lp)) for tid, lp in (event.top_logprobs or [])[:k]]
-        logprob = event.logprob
-        return TokenLogprobInfo(decode([event.token_id]), float(logprob) if logprob is not None else 0.0, top)

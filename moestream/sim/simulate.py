@@ -56,10 +56,8 @@ DEVICE_POLICIES = {"device-cycle": "cycle", "device-lru": "lru"}
 
 
 def simulate_device(trace: RoutingTrace, *, slots: int, policy: str = "device-cycle") -> SimResult:
-    """The trace through the device map (moestream.experts.device_map) with `policy`'s rule: one
-    lookup per row (a token's experts in one layer, token-major), the counts as the engine reports
-    them for decoding one token a step. A prompt's chunk or a step of several sequences asks the
-    engine's map once per layer for all its rows; the replay takes them a token at a time."""
+    """The trace through the device map (moestream.experts.device_map) with `policy`'s rule, one lookup
+    per row (a token's experts in one layer), as the engine counts decoding one token a step."""
     import torch
 
     from moestream.errors import MoestreamError

@@ -80,7 +80,8 @@ SPLIT = KernelConfig(rows_narrow_n=16, rows_narrow_k=16, rows_narrow_split=4)  #
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("R,E,K,k", [(16, 40, 100, 4), (5, 128, 64, 8), (16, 8, 48, 2), (1, 60, 200, 6)])
 def test_the_router_product_with_its_top_k(troute, R, E, K, k, dtype, split):
-    """route_rows: tile_linear's logits (the same bits), then route_topk's choice and weights; the
+    """route_rows: tile_linear's logits (the same bits), then route_topk's choice and weights (with
+    per-expert scales too); the
     counter back at zero after every launch, so the next launch (or a graph's replay) counts anew."""
     tr = interpreted_module("moestream.kernels.triton_rows")
     g = gen(R * E + K)
@@ -90,18 +91,19 @@ def test_the_router_product_with_its_top_k(troute, R, E, K, k, dtype, split):
     cfg = SPLIT if split else KernelConfig()
     if split and K % 64 == 0:
         assert tr.tile(E, K, dtype, cfg)["SPLIT"] == 4
-    for normalize in (True, False):
+    scales = randn(E, g=g, dtype=dtype).abs() + 0.5  # per-expert scales of the weights (Gemma 4)
+    for normalize, scale in ((True, None), (False, None), (True, scales)):
         for out_dtype in (dtype, torch.float32):
             w_ref, ids_ref = troute.route_topk(tr.tile_linear(x, router, config=cfg), k, normalize=normalize,
-                                               out_dtype=out_dtype)
+                                               out_dtype=out_dtype, expert_scale=scale)
             w, ids = troute.route_rows(x, router, k, normalize=normalize, out_dtype=out_dtype, counter=counter,
-                                       config=cfg)
+                                       config=cfg, expert_scale=scale)
             assert int(counter) == 0
             assert w.dtype == out_dtype and w.shape == ids.shape == (R, k) and ids.dtype == torch.int64
             assert torch.equal(ids, ids_ref)
             assert torch.allclose(w.float(), w_ref.float(), rtol=1e-6, atol=0)
             again = troute.route_rows(x, router, k, normalize=normalize, out_dtype=out_dtype, counter=counter,
-                                      config=cfg)
+                                      config=cfg, expert_scale=scale)
             assert torch.equal(again[0], w) and torch.equal(again[1], ids)
     some = min(3, R)  # a step's real rows: theirs routed with the same bits, the tile's others zeros
     w, ids = troute.route_rows(x, router, k, normalize=False, out_dtype=dtype, counter=counter, config=cfg)

@@ -76,13 +76,14 @@ def test_shared_or_evicted_prefix_blocks_give_the_same_tokens(family, tiny_packe
     engine = load(packed, max_sequences=2)
     base = prompt_of(engine, 40)
     engine.prefill(base + [5, 6])
-    first = engine.open_sequence(prefix=base + [9])  # shares base's two full blocks (32 tokens)
-    assert engine.caches[first].tokens == base[:32]
+    first = engine.open_sequence(prefix=base + [9])  # holds base's blocks: two full, the third partly filled
+    assert engine.caches[first].tokens == base
     group = engine.pool.groups[None]
-    assert all(group.allocator.refs[b] == 2 for b in group.held[first][:2])
+    assert all(group.allocator.refs[b] == 2 for b in group.held[first][:3])
     shared = greedy(engine, base + [9], seq=first)[0]
     engine.close_sequence(first)
-    engine.pool.forget_published()  # evicted: computed again
+    engine.reset()  # sequence 0 gone too,
+    engine.pool.forget_published()  # and its blocks evicted: computed again
     again = engine.open_sequence(prefix=base + [9])
     assert engine.caches[again].tokens == []
     assert greedy(engine, base + [9], seq=again)[0] == shared

@@ -150,9 +150,10 @@ def test_the_padding_rows_take_the_last_real_rows_experts():
 
 
 def prefill_logits(engine: Engine, n: int, *, seq: int = 0) -> torch.Tensor:
-    """A fresh prompt's logits (the slot emptied first: a reused start would not be padded)."""
+    """A fresh prompt's logits (every slot emptied first: a reused start would not be padded)."""
     vocab = engine.args.vocab_size
-    engine.caches[seq].release()
+    for cache in engine.caches:
+        cache.release()
     engine.pool.forget_published()
     logits, _ = engine.prefill([(7 * i + 3) % vocab for i in range(n)], seq=seq)
     return logits.clone()

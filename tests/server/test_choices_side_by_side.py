@@ -1,7 +1,7 @@
 """A job's choices (n > 1, several prompts) run side by side in the batch scheduler, each in a slot
 of its own, and each gets the tokens it gets alone; the worker counts them as the slots the job is
 owed; a cancel or a failure ends all of them at once. On the stand-in engine of
-moestream.bench.instant_engine (every step answered at once)."""
+tests/server/instant_engine.py (every step answered at once)."""
 from __future__ import annotations
 
 import threading
@@ -10,7 +10,7 @@ import time
 import pytest
 
 pytest.importorskip("torch")
-from moestream.bench.instant_engine import BytesTokenizer, InstantEngine  # noqa: E402
+from instant_engine import BytesTokenizer, InstantEngine  # noqa: E402
 from moestream.engine.types import SamplingParams  # noqa: E402
 from moestream.server.generation import choice_seed  # noqa: E402
 from moestream.server.jobs import Choice, Failed, Finished, Job, TextDelta, event_collector  # noqa: E402

@@ -227,3 +227,29 @@ def test_a_vocabulary_given_as_bytes_compiles_grammars():
 
     matcher = GrammarTokenizer(Bytes(), [256]).matcher(json_object_grammar())
     assert matcher.consume_tokens(list(b'{"a": 1}')) and matcher.is_accepting()
+
+
+def test_a_ref_beside_own_properties_is_intersected_with_them(vocab):
+    """{"$ref": X, "properties": ...}: the object's own keys and the ref's, no others (as allOf; the
+    grammar writes keys in that order)."""
+    base = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    beside = {"$defs": {"B": base}, "$ref": "#/$defs/B", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
+    grammar = json_schema_grammar(beside)
+    assert _accepts(vocab, grammar, '{"x": 2, "a": 1}')
+    assert not _accepts(vocab, grammar, '{"x": 2, "a": 1, "c": 3}')
+    forced = _forced(beside)  # inside the call object, its refs rebased
+    assert _accepts(vocab, forced, _call('{"x": 2, "a": 1}'))
+    assert not _accepts(vocab, forced, _call('{"x": 2, "a": 1, "c": 3}'))
+
+
+def test_anchor_refs_resolve_wherever_the_schema_sits(vocab):
+    place = {"$anchor": "place", "type": "object", "properties": {"name": {"type": "string"}}}
+    schema = {"type": "object", "properties": {"home": {"$ref": "#place"}}, "required": ["home"],
+              "$defs": {"Place": place}}
+    for grammar, wrap in ((json_schema_grammar(schema), lambda t: t), (_forced(schema), _call)):
+        assert _accepts(vocab, grammar, wrap('{"home": {"name": "x"}}'))
+        assert not _accepts(vocab, grammar, wrap('{"home": {"name": "x", "zip": 1}}'))
+    beside = {"$defs": {"Place": place}, "$ref": "#place", "properties": {"x": {"type": "integer"}}}
+    grammar = json_schema_grammar(beside)
+    assert _accepts(vocab, grammar, '{"x": 2, "name": "n"}')
+    assert not _accepts(vocab, grammar, '{"x": 2, "name": "n", "c": 3}')

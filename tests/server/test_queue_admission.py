@@ -88,7 +88,7 @@ def test_one_at_a_time_frees_its_place_with_the_answer(max_queue):
 @pytest.mark.parametrize("parallel,max_queue", [(2, 2), (4, 4)])
 def test_batched_frees_its_place_with_the_answer(parallel, max_queue):
     pytest.importorskip("torch")
-    from moestream.bench.instant_engine import BytesTokenizer, InstantEngine
+    from instant_engine import BytesTokenizer, InstantEngine
 
     engine = InstantEngine(parallel, BytesTokenizer(), vocab=512)
     worker = Worker(lambda: engine, max_queue=max_queue, parallel=parallel)

@@ -1,5 +1,5 @@
 """The batch scheduler's host work per step, on a stand-in engine that answers every step at once
-(moestream.bench.instant_engine): requests of every kind sharing steps each get what they get alone
+(tests/server/instant_engine.py): requests of every kind sharing steps each get what they get alone
 while the plain greedy rows of a step are chosen together and short prompts join the step; the expert cache's counters are read
 once per engine call, and the metrics still count all of its work."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 pytest.importorskip("torch")
-from moestream.bench.instant_engine import BytesTokenizer, InstantEngine  # noqa: E402
+from instant_engine import BytesTokenizer, InstantEngine  # noqa: E402
 from moestream.engine.types import SamplingParams  # noqa: E402
 from moestream.server.metrics import ServerMetrics  # noqa: E402
 from moestream.server.jobs import Choice, Finished, Job, event_collector  # noqa: E402

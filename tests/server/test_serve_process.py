@@ -147,7 +147,7 @@ def test_model_that_cannot_load_exits_1():
 
 
 def test_http_side_never_imports_torch():
-    code = ("import sys; import moestream.server.app, moestream.server.protocol, moestream.server.worker, "
+    code = ("import sys; import moestream.server.app, moestream.server.request_models, moestream.server.worker, "
             "moestream.server.stops, moestream.server.main, moestream.commands.serve; "
             "sys.exit(1 if 'torch' in sys.modules else 0)")
     assert subprocess.run([sys.executable, "-c", code], cwd=REPO).returncode == 0

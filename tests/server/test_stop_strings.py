@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from conftest import MODEL_ID
 from fake_engine import FakeTokenizer, reference_ids
 from moestream.engine.types import SamplingParams
-from moestream.server.stops import cut_at_first_stop
+from stop_reference import cut_at_first_stop
 
 pytestmark = pytest.mark.timeout(120)  # a hung stream fails its test instead of stalling the run
 

@@ -219,8 +219,8 @@ def test_trace_routing_records_every_token_and_layer(model, tmp_path):
 
 
 def test_the_digest_cache_dir_comes_from_the_command_never_the_library(model, tmp_path, monkeypatch):
-    from moestream.commands.engine_checks import digest_dir
-    from moestream.commands.engine_checks import CACHE_DIR_ENV
+    from moestream.commands.engine_args import digest_dir
+    from moestream.commands.engine_args import CACHE_DIR_ENV
 
     assert digest_dir({CACHE_DIR_ENV: "/given"}) == "/given" and digest_dir({}) is None
     monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path / "elsewhere"))  # the library reads no environment

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from moestream.commands.ab import main as ab_main
-from moestream.commands.engine_checks import machine_cores
+from moestream.commands.engine_args import machine_cores
 from moestream.commands.heatmap import main as heatmap_main
 from moestream.commands.bench import main as bench_main
 from moestream.commands.convert import main as convert_main

@@ -50,8 +50,18 @@ def test_a_prompt_shares_the_published_blocks_and_copies_one_before_writing_it()
     fill(pool, 0, prompt)
     group = pool.groups[None]
     assert len(pool.sequences[0].hashes) == 2  # two full blocks of 4
+    # a running sequence's blocks are held as they are, its partly filled last one too
+    kept = pool.sequences[1].reuse(prompt[:9] + [7, 7], limit=10)
+    assert kept == 9 and pool.sequences[1].tokens == prompt[:9]
+    shared = group.held[0][:3]
+    assert group.held[1][:3] == shared and all(group.allocator.refs[b] == 2 for b in shared)
+    # where the sequence is gone, its published (full) blocks still serve
+    assert pool.sequences[1].truncate(0) == 0
+    pool.sequences[0].release()
     kept = pool.sequences[1].reuse(prompt[:9] + [7, 7], limit=10)
     assert kept == 8 and pool.sequences[1].tokens == prompt[:8]
+    assert pool.sequences[0].reuse(prompt, limit=10) == 8  # sequence 0 again, on the same blocks
+    fill(pool, 0, prompt[8:], start=8)
     shared = group.held[0][:2]
     assert group.held[1][:2] == shared and all(group.allocator.refs[b] == 2 for b in shared)
     # rolling sequence 1 back into a shared block: the write goes to its own copy

@@ -3,7 +3,10 @@ JSON), an axes to draw on and its saving as a PNG."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
+
+from moestream.bench.plots import pyplot, save_png
 
 
 def labelled_runs(spec: str, tool: str) -> tuple[str, list[dict]]:
@@ -18,23 +21,14 @@ def labelled_runs(spec: str, tool: str) -> tuple[str, list[dict]]:
 
 
 def new_axes():
-    """(figure, axes) of the plots' size, drawn without a display (matplotlib imported here: only
-    the plotting scripts need it)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt.subplots(figsize=(7, 4.5))
+    """(figure, axes) of the plots' size."""
+    return pyplot().subplots(figsize=(7, 4.5))
 
 
 def save_axes(fig, ax, out: str, title: str, legend: dict | None = None) -> None:
     """Title, grid and legend on `ax`, then `fig` written to `out` (PNG) and one line saying so."""
-    import sys
-
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(**(legend or {}))
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
+    save_png(fig, out)
     print(f"wrote {out}", file=sys.stderr)
