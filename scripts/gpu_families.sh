@@ -6,7 +6,8 @@
 #                                             same shapes with an older checkout's moestream/ beside it;
 #                                             TESTS=0 skips the tests, FILE_LIMIT=s per test file,
 #                                             FILES='a b' only those test files, JOBS=n files at once;
-#                                             the shape 'none' skips the benches)
+#                                             the shape 'none' skips the benches; SYNTH=0 reuses
+#                                             the models an earlier run left in /tmp)
 # OUT gets run.log (a line per file and per bench), gpu-tests.log (failures in full) and
 # benches.json (every bench's JSON, keyed by shape and side): few files, as a device call returns.
 set -u
@@ -15,7 +16,7 @@ shapes=${*:-gemma-4-26b-a4b gpt-oss-20b qwen3-30b-a3b qwen3.5-35b-a3b qwen3-next
 mkdir -p "$out"; root=$PWD; tmp=$(mktemp -d)
 export PYTHONUNBUFFERED=1 PYTHONPATH=$root
 log() { echo "[$(date +%T)] $*" | tee -a "$out/run.log"; }
-([ "$shapes" = none ] || for s in $shapes; do python3 -m moestream synth --shape "$s" "/tmp/$s" --force > "$tmp/synth-$s.log" 2>&1 & done
+([ "$shapes" = none ] || [ "${SYNTH:-1}" = 0 ] || for s in $shapes; do python3 -m moestream synth --shape "$s" "/tmp/$s" --force > "$tmp/synth-$s.log" 2>&1 & done
  wait; log "synth done") &
 one_file() {  # one test file in its own process; its log kept only where it failed
   local f=$1 t; t=$(mktemp)
