@@ -13,8 +13,8 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from moestream.bench.routing import attach, parse_routing
-from moestream.engine.engine import Engine
+from moestream.bench.routing import parse_routing, rerouter
+from moestream.engine.engine import load_engine
 from moestream.engine.options import EngineOptions
 
 
@@ -25,8 +25,8 @@ def main() -> None:
     p.add_argument("--routing", default="uniform")
     p.add_argument("--top", type=int, default=30)
     args = p.parse_args()
-    engine = Engine.load(args.model, options=EngineOptions(device="cuda", cache_size="100%"))
-    attach(engine, parse_routing(args.routing), seed=0)
+    engine = load_engine(args.model, EngineOptions(device="cuda", cache_size="100%"),
+                         reroute=rerouter(parse_routing(args.routing), seed=0))
     prompt = list(range(5, 21))
 
     def run() -> None:

@@ -10,6 +10,8 @@ from moestream.errors import MoestreamError
 from moestream.experts.sizing import format_bytes
 from moestream.format.reader import PackedModel
 from moestream.kv.pool import KVPool
+from moestream.layers.packed_matrix import packs
+from moestream.models.registry import matrix_names
 from moestream.quant.affine import QuantSpec
 from moestream.quant.mxfp4 import MODE as MXFP4
 
@@ -17,6 +19,7 @@ from moestream.quant.mxfp4 import MODE as MXFP4
 # the CUDA caching allocator rounds blocks up: it reserved 2.5-2.8 % more than the tensors it held
 # (H200, --memory-budget 8GiB: 8.004 GiB reserved with 2.5 % kept free); budgets keep 3 % free
 ALLOCATOR_SLACK = 0.03
+SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 
 
 @dataclass
@@ -48,15 +51,26 @@ class Ledger:
         return "\n".join(f"  {name:<40} {format_bytes(value):>12}" for name, value in rows)
 
 
-def resident_bytes(packed: PackedModel, dtype: torch.dtype) -> int:
-    """Bytes of the resident tensors once dequantized to the compute dtype."""
+def resident_bytes(packed: PackedModel, dtype: torch.dtype, device: torch.device) -> int:
+    """Bytes of the resident tensors on `device`: the matrices the layers keep packed there
+    (moestream.layers.packed_matrix) at their stored bytes, the rest dequantized to the compute dtype."""
     item = torch.finfo(dtype).bits // 8
+    kept = matrix_names(packed.family, packed.config, present=packed.logical_dense_names())
     total = 0
     for name in packed.logical_dense_names():
         shape = packed._dense.get_slice(name).get_shape()
         spec = packed.tensor_spec(name)
-        numel = shape[0] * shape[1] * 32 // spec.bits if spec.quantized else int(torch.Size(shape).numel())
-        total += numel * item
+        if not spec.quantized:
+            total += int(torch.Size(shape).numel()) * item
+            continue
+        logical = (shape[0], shape[1] * 32 // spec.bits)
+        base = name[: -len(".weight")]
+        scales = packed._dense.get_slice(base + ".scales")
+        scales_dtype = SAFETENSORS_DTYPES.get(scales.get_dtype())
+        if name in kept and scales_dtype is not None and packs(spec, logical, scales_dtype, device, dtype):
+            total += shape[0] * shape[1] * 4 + 2 * int(torch.Size(scales.get_shape()).numel()) * scales_dtype.itemsize
+        else:
+            total += logical[0] * logical[1] * item
     return total
 
 
@@ -91,7 +105,7 @@ def plan_ledger(packed: PackedModel, args, *, dtype: torch.dtype, max_context: i
     workspace = prefill_workspace(args, tokens=min(chunk, max_context), context=max_context, item=item)
     if cuda:
         workspace = max(workspace, decode_workspace(args, context=max_context))
-    return Ledger(resident_weights=resident_bytes(packed, dtype), kv_cache=kv, workspace=workspace,
+    return Ledger(resident_weights=resident_bytes(packed, dtype, torch.device("cuda" if cuda else "cpu")), kv_cache=kv, workspace=workspace,
                   expert_slots=slots * slot_bytes, host_tier=host_slots * slot_bytes, read_buffers=staging * slot_bytes,
                   unpacked_experts=unpacked)
 

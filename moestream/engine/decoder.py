@@ -30,7 +30,6 @@ import functools
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from moestream.engine import timeline
 from moestream.layers.experts import RoutedExperts
@@ -99,7 +98,7 @@ class Decoder:
         self.rows_at_once = self.cuda
         # the products over the step's rows: on CUDA over the fixed row tile (triton_rows), on the CPU
         # one-row products batched; either way a row's bits never depend on the rows beside it
-        self.tile_linear = tile_linear("triton") if self.cuda else row_linear
+        self.tile_linear = tile_linear if self.cuda else row_linear
         self._boundaries(self.cuda)
 
     def _boundaries(self, fuse: bool) -> None:
@@ -126,8 +125,7 @@ class Decoder:
         layers, dtype, buffers = self.model.layers, self.model.dtype, {}
         for i, layer in enumerate(layers):
             block = layer.ffn
-            if isinstance(block, MoEBlock) and self.tile_linear is not F.linear and \
-                    block.fuses(dtype, MAX_FUSED_EXPERTS):
+            if isinstance(block, MoEBlock) and block.fuses(dtype, MAX_FUSED_EXPERTS):
                 self.fused_route[i] = router
             if not isinstance(block, MoEBlock) or not self.experts.uses_triton(block.layer, dtype) or \
                     not layer.writes_split:

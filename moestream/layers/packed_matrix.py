@@ -1,17 +1,22 @@
-"""Resident matrices the CPU keeps in their packed 4/8-bit affine form (PackedMatrix): a step's
-products read the codes (an eighth of the float32 matrix's bytes at 4 bits) through the native row
-products (moestream.cpu_share.kernels' `packed_linear`), float32 throughout.
+"""Resident matrices kept in their packed 4/8-bit affine form (PackedMatrix): a product reads the
+codes (a quarter of the bf16 matrix's bytes at 4 bits, an eighth of float32's), never a dequantized copy.
+  - On CUDA (bf16/fp16 models, groups of 64 inputs): moestream.kernels.triton_rows' packed product,
+    each weight tile dequantized to the activations' dtype on its way into the product (the bits a
+    dequantized matrix holds), for a decode step's row tile and a prefill chunk's rows alike;
+  - on the CPU (float32 models, where the native build is): the native row products
+    (moestream.cpu_share.kernels' `packed_linear`), float32 throughout; a prefill chunk's products
+    on the matrix dequantized once.
 
 A PackedMatrix is a torch.Tensor of the matrix's shape and dtype that holds no float data; the
 layers multiply it as they multiply any weight, and torch hands every function that meets it to
 `__torch_function__` here:
-  - the products of a step's rows (F.linear, and rows_linear's mm / bmm over `.t()` and `.expand`):
-    native rows, each output row on its own, so a row's bits never depend on the rows beside it;
-  - the products of more rows (a prefill chunk): the matrix dequantized, then F.linear (the bits a
-    dequantized weight gives);
-  - concatenation and row slices (AttentionWeights.fuse_qkv): packed again;
+  - products (F.linear, and rows_linear's mm / bmm over `.t()` and `.expand` on the CPU): computed
+    from the codes, each output row on its own, so a row's bits never depend on the rows beside it;
+  - concatenation and row slices (AttentionWeights.fuse_qkv, GeluMLP's stacked gate and up): packed again;
+  - row gathers (an embedding's F.embedding, the hot head's index_select): only those rows dequantized;
   - metadata (shape, dtype, ...) as it is; anything else on the dequantized matrix.
-Products differ from the dequantized weight's only in float32 rounding (tests/unit/test_packed_matrix.py)."""
+Products differ from the dequantized weight's only in rounding (tests/unit/test_packed_matrix.py,
+tests/interpret/test_rows_products_interpret.py)."""
 from __future__ import annotations
 
 import torch
@@ -19,6 +24,7 @@ import torch.nn.functional as F
 from torch.utils._pytree import tree_map
 
 from moestream.cpu_share import kernels as native
+from moestream.kernels.expert_layout import GROUP
 from moestream.kv.pool import MAX_STEP_TOKENS
 from moestream.quant.affine import QuantSpec, dequantize
 
@@ -28,11 +34,16 @@ METADATA = {_T.shape.__get__, _T.dtype.__get__, _T.device.__get__, _T.ndim.__get
             _T.layout.__get__, _T.requires_grad.__get__, _T.dim, _T.size, _T.numel, _T.element_size, _T.__len__}
 
 
-def packs(spec: QuantSpec, shape, scales_dtype: torch.dtype) -> bool:
-    """Whether the native row products take a matrix of this spec and [N, K] shape (and they are built here)."""
-    return (len(shape) == 2 and spec.quantized and spec.mode == "affine" and spec.bits in (4, 8)
-            and spec.group_size in native.GROUPS and shape[1] % spec.group_size == 0
-            and scales_dtype in SCALE_DTYPES and native.load() is not None)
+def packs(spec: QuantSpec, shape, scales_dtype: torch.dtype, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a matrix of this spec and [N, K] shape stays packed in a `dtype` model on `device`:
+    on CUDA where the Triton kernels take it, on the CPU where the native row products do (and are built)."""
+    if not (len(shape) == 2 and spec.quantized and spec.mode == "affine" and spec.bits in (4, 8)
+            and shape[1] % spec.group_size == 0 and scales_dtype in SCALE_DTYPES):
+        return False
+    if device.type == "cuda":
+        return dtype in (torch.bfloat16, torch.float16) and spec.group_size == GROUP
+    return device.type == "cpu" and dtype == torch.float32 and spec.group_size in native.GROUPS and \
+        native.load() is not None
 
 
 class PackedMatrix(torch.Tensor):
@@ -61,13 +72,20 @@ class PackedMatrix(torch.Tensor):
         return PackedMatrix(codes, scales, biases, self.bits, self.group, self.dtype, view_ops)
 
     def dequantized(self) -> torch.Tensor:
-        w = dequantize(self.codes, self.scales, self.biases, self.bits, self.group, self.dtype)
+        if self.codes.is_cuda:
+            from moestream.kernels.triton_rows import dequantize_matrix
+            w = dequantize_matrix(self.codes, self.scales, self.biases, self.bits, self.dtype)
+        else:
+            w = dequantize(self.codes, self.scales, self.biases, self.bits, self.group, self.dtype)
         for op in self.view_ops:
             w = w.t() if op[0] == "t" else w.expand(*op[1])
         return w
 
     def rows(self, x: torch.Tensor) -> torch.Tensor:
         """x [n, K] @ the matrix's transpose -> [n, N] in x's dtype."""
+        if self.codes.is_cuda:
+            from moestream.kernels.triton_rows import packed_tile_linear
+            return packed_tile_linear(x.contiguous(), self.codes, self.scales, self.biases, self.bits)
         if x.shape[0] > MAX_STEP_TOKENS:  # a prefill chunk: one dequantization, torch's product
             return F.linear(x, self.dequantized().to(x.dtype))
         out = torch.empty((x.shape[0], self.codes.shape[0]), dtype=torch.float32)
@@ -119,6 +137,11 @@ def _handle(func, args, kwargs):
         if dim == 0 and all(isinstance(p, PackedMatrix) and not p.view_ops for p in parts) and \
                 len({(p.bits, p.group, p.scales.dtype, p.dtype) for p in parts}) == 1:
             return parts[0]._like(*(torch.cat([getattr(p, f) for p in parts]) for f in ("codes", "scales", "biases")))
+    elif func is F.embedding and isinstance(args[1], PackedMatrix) and not args[1].view_ops and \
+            not isinstance(args[0], PackedMatrix) and len(args) == 2 and not kwargs:  # an embedding's rows
+        ids, m = args[0].reshape(-1), args[1]
+        rows = dequantize(m.codes[ids], m.scales[ids], m.biases[ids], m.bits, m.group, m.dtype)
+        return rows.view(*args[0].shape, rows.shape[-1])
     elif func in (_T.index_select, torch.index_select) and not args[0].view_ops and \
             kwargs.get("dim", args[1] if len(args) > 1 else None) == 0:  # hot_head's rows: only those dequantized
         m, index = args[0], kwargs.get("index", args[2] if len(args) > 2 else None)

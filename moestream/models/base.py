@@ -146,16 +146,17 @@ class WeightLoader:
         return t.to(self.device)
 
     def take_matrix(self, name: str, shape: tuple[int, int]) -> torch.Tensor:
-        """A matrix the layers only multiply by (F.linear): on the CPU, where the native row products
-        take its codes, kept packed (moestream.layers.packed_matrix); else as `take` gives it."""
+        """A matrix the layers only multiply by (F.linear) or gather rows of: kept packed where the
+        kernels take its codes (moestream.layers.packed_matrix), else as `take` gives it."""
         spec = self.packed.tensor_spec(name) if self.has(name) else None
-        if self.device.type != "cpu" or self.dtype != torch.float32 or spec is None or not spec.quantized:
+        if spec is None or not spec.quantized:
             return self.take(name, shape)
         base = name[: -len(".weight")]
         scales = self.packed.raw_dense(base + ".scales")
-        if not packs(spec, shape, scales.dtype):
+        if not packs(spec, shape, scales.dtype, self.device, self.dtype):
             return self.take(name, shape)
-        m = packed_matrix(self.packed.raw_dense(name), scales, self.packed.raw_dense(base + ".biases"), spec)
+        m = packed_matrix(*(self.packed.raw_dense(n).to(self.device) for n in (name, base + ".scales", base + ".biases")),
+                          spec, self.dtype)
         if tuple(m.shape) != tuple(shape):
             raise FormatError(f"{self.packed.directory}: weight {name!r} has shape {list(m.shape)}, config implies {list(shape)}")
         self.unused.discard(name)
@@ -177,6 +178,7 @@ class ShapeRecorder:
         self.device, self.dtype = torch.device("meta"), torch.float32
         self.present = frozenset(present)
         self.shapes: dict[str, tuple[int, ...]] = {}
+        self.matrices: set[str] = set()  # the names taken by take_matrix
 
     def has(self, name: str) -> bool:
         return name in self.present
@@ -186,6 +188,7 @@ class ShapeRecorder:
         return torch.empty(shape, device="meta")
 
     def take_matrix(self, name: str, shape: tuple[int, int]) -> torch.Tensor:
+        self.matrices.add(name)
         return self.take(name, shape)
 
     def finish(self) -> None:
@@ -220,8 +223,9 @@ def attention(loader, prefix: str, args: BaseModelArgs, rope: Rope, *, bias: boo
 def swiglu_weights(loader, prefix: str, hidden: int, inter: int, names=EXPERT_PROJECTIONS):
     """gate [I, H], up [I, H], down [H, I] from `{prefix}{name}.weight` (names in gate, up, down order)."""
     g, u, d = names
-    return (loader.take(f"{prefix}{g}.weight", (inter, hidden)), loader.take(f"{prefix}{u}.weight", (inter, hidden)),
-            loader.take(f"{prefix}{d}.weight", (hidden, inter)))
+    return (loader.take_matrix(f"{prefix}{g}.weight", (inter, hidden)),
+            loader.take_matrix(f"{prefix}{u}.weight", (inter, hidden)),
+            loader.take_matrix(f"{prefix}{d}.weight", (hidden, inter)))
 
 
 def dense_mlp(loader, prefix: str, hidden: int, inter: int) -> DenseMLP:
@@ -253,8 +257,9 @@ def norms(loader, prefix: str, hidden: int) -> tuple[torch.Tensor, torch.Tensor]
 def embeddings(loader, args: BaseModelArgs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(embed, final norm, lm_head); lm_head is the embedding where the config ties them."""
     V, H = args.vocab_size, args.hidden_size
-    embed = loader.take(EMBEDDING, (V, H))
     tied = args.tie_word_embeddings and not loader.has("lm_head.weight")
+    # a tied embedding is the head too: kept packed where the head would be (its rows dequantized as gathered)
+    embed = loader.take_matrix(EMBEDDING, (V, H)) if tied else loader.take(EMBEDDING, (V, H))
     lm_head = embed if tied else loader.take_matrix("lm_head.weight", (V, H))
     return embed, loader.take("model.norm.weight", (H,)), lm_head
 

@@ -136,9 +136,9 @@ def build(args: ModelArgs, loader, experts: RoutedExperts) -> SoftcapTransformer
         p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
         k_eq_v = args.attention_k_eq_v and kind == FULL
         w = AttentionWeights(
-            q=loader.take(a + "q_proj.weight", (Nq * D, H)), k=loader.take(a + "k_proj.weight", (Nkv * D, H)),
-            v=None if k_eq_v else loader.take(a + "v_proj.weight", (Nkv * D, H)),
-            o=loader.take(a + "o_proj.weight", (H, Nq * D)),
+            q=loader.take_matrix(a + "q_proj.weight", (Nq * D, H)), k=loader.take_matrix(a + "k_proj.weight", (Nkv * D, H)),
+            v=None if k_eq_v else loader.take_matrix(a + "v_proj.weight", (Nkv * D, H)),
+            o=loader.take_matrix(a + "o_proj.weight", (H, Nq * D)),
             q_norm=loader.take(a + "q_norm.weight", (D,)), k_norm=loader.take(a + "k_norm.weight", (D,)))
         w.fuse_qkv()
         # the q/k norms bound the scores: scale 1; values get a scale-free norm

@@ -81,8 +81,11 @@ def _attention(loader, prefix: str, args: ModelArgs, rope: Rope, window: int | N
     def take(name, shape):
         return loader.take(prefix + name, shape)
 
-    w = AttentionWeights(q=take("q_proj.weight", (Nq * D, H)), k=take("k_proj.weight", (Nkv * D, H)),
-                         v=take("v_proj.weight", (Nkv * D, H)), o=take("o_proj.weight", (H, Nq * D)),
+    def matrix(name, shape):
+        return loader.take_matrix(prefix + name, shape)
+
+    w = AttentionWeights(q=matrix("q_proj.weight", (Nq * D, H)), k=matrix("k_proj.weight", (Nkv * D, H)),
+                         v=matrix("v_proj.weight", (Nkv * D, H)), o=matrix("o_proj.weight", (H, Nq * D)),
                          sinks=take("sinks", (Nq,)))
     if bias:
         w.q_bias, w.k_bias, w.v_bias = take("q_proj.bias", (Nq * D,)), take("k_proj.bias", (Nkv * D,)), take("v_proj.bias", (Nkv * D,))

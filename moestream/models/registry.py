@@ -56,6 +56,17 @@ def weight_shapes(model_type: str, config: dict, present=(), *, mtp_layers: int 
     return recorder.shapes
 
 
+def matrix_names(model_type: str, config: dict, present=()) -> set[str]:
+    """The resident matrices the family's build takes as matrices (`take_matrix`: kept packed where
+    the kernels take them)."""
+    from moestream.models.base import ShapeRecorder
+
+    module = family_module(model_type)
+    recorder = ShapeRecorder(present)
+    module.build(module.ModelArgs.from_dict(config), recorder, None)
+    return recorder.matrices
+
+
 def build_mtp(module, model_type: str):
     """The family's build_mtp (an error for a family without multi-token-prediction layers)."""
     build = getattr(module, "build_mtp", None)

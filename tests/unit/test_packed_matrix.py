@@ -84,3 +84,17 @@ def test_the_cpu_loader_packs_attention_and_head_matrices(tiny_packed_model, mon
     assert not isinstance(engine.model.lm_head, PackedMatrix) and not isinstance(engine.model.layers[0].attn.w.qkv,
                                                                                  PackedMatrix)
     engine.close()
+
+
+def test_an_embeddings_rows_are_the_dequantized_matrixs():
+    m, w = matrix(50, 128, bits=4)
+    ids = torch.tensor([[3, 49], [0, 3]])
+    assert torch.equal(F.embedding(ids, m), F.embedding(ids, w))
+
+
+def test_a_tied_embedding_is_the_packed_head(tiny_packed_model):
+    packed = tiny_packed_model("gemma4_text", "q4")
+    engine = Engine.load(packed, options=EngineOptions(device="cpu"))
+    model = engine.model
+    assert isinstance(model.lm_head, PackedMatrix) and model.embed_weight is model.lm_head
+    engine.close()
