@@ -1,10 +1,5 @@
-"""`moestream serve`: the OpenAI-compatible HTTP server (moestream.server.main runs it).
-
-The listening socket is bound first, so /health answers (503) while the engine loads on the
-worker thread. SIGTERM or Ctrl+C stops accepting connections, lets running requests finish for
-up to --shutdown-grace seconds, cancels what is left, closes the engine (its reader threads end),
-and exits 0.
-"""
+"""`moestream serve`: the OpenAI-compatible HTTP server's flags (moestream.server.main binds, loads,
+serves and stops)."""
 from __future__ import annotations
 
 import argparse

@@ -6,8 +6,6 @@ comes from the one shard on disk, or from the few tensors kept in memory because
 them also needs a later shard."""
 from __future__ import annotations
 
-import json
-import logging
 from pathlib import Path
 
 import torch
@@ -15,12 +13,8 @@ import torch
 from moestream.convert.hub import INDEX_NAME, HubRepo
 from moestream.convert.source import TOKENIZER_FILES, CheckpointError, CheckpointSource
 from moestream.format.safetensors_io import SafetensorsFile, TensorInfo
-from moestream.models.registry import family_module
 from moestream.quant.fp8 import Fp8Quantization
 from moestream.quant.mxfp4 import is_mxfp4
-from moestream.quant.mlx import MlxQuantization
-
-log = logging.getLogger(__name__)
 
 
 class TensorNotHere(LookupError):
@@ -38,57 +32,34 @@ class PulledSource(CheckpointSource):
                 repo.download(name, self.folder, bar=bar)
         if "config.json" not in repo.files:
             raise CheckpointError(f"{repo.repo_id}: not a Hugging Face checkpoint (config.json is missing)")
-        self.config = self._read_config()
-        family = self.config.get("model_type")
-        self.family_module = family_module(family)  # refuses a family that is not supported
-        self.family: str = family
-        quant = self.config.get("quantization_config")
-        if isinstance(quant, dict) and quant.get("quant_method") in ("gptq", "awq"):
-            raise CheckpointError(f"{repo.repo_id}: a {quant['quant_method'].upper()} checkpoint: pull does not read it "
-                                  "yet (download it, then moestream convert the folder)")
-        if Fp8Quantization.from_config(self.config) is not None or is_mxfp4(self.config):
-            raise CheckpointError(f"{repo.repo_id}: pull streams float and MLX checkpoints; for an FP8 or MXFP4 one, "
-                                  "download it and run moestream convert on the folder")
-        self.fp8, self.fp8_scales, self.mxfp4, self.mxfp4_stacks = None, {}, False, {}
-        self.mlx = MlxQuantization.from_config(self.config)
-        self.imported = "mlx" if self.mlx is not None else None
-        self.files = self._remote_shards()
-        self._handles = {}
-        self.index: dict[str, str] = {}
-        self._infos: dict[str, TensorInfo] = {}
-        for shard in self.files:
-            for name, info in repo.header(shard).items():
-                if self._index_map is not None and self._index_map.get(name, shard) != shard:
-                    continue
-                if name in self.index:
-                    raise CheckpointError(f"{repo.repo_id}: tensor {name} is in both {self.index[name]} and {shard}")
-                self.index[name], self._infos[name] = shard, info
-        if self._index_map is not None:
-            for name, shard in self._index_map.items():
-                if name not in self.index:
-                    raise CheckpointError(f"{repo.repo_id}: {shard}: tensor {name} is missing (listed in {INDEX_NAME})")
-        self.packed_names: dict[str, str] = {}
-        self._sanitize()  # the family's names; its sanitize keeps checkpoint names or leaves tensors out
+        self._headers: dict[str, dict[str, TensorInfo]] = {}  # each shard's tensors, from its header
         self.shard: SafetensorsFile | None = None  # the shard on disk now
         self.kept: dict[str, torch.Tensor] = {}
+        self._open_checkpoint()
 
-    def _remote_shards(self) -> list[str]:
-        index = self.folder / INDEX_NAME
-        if index.is_file():
-            try:
-                self._index_map = {str(k): str(v) for k, v in json.loads(index.read_text())["weight_map"].items()}
-            except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError):
-                raise CheckpointError(f"{self.repo.repo_id}: {INDEX_NAME} is not a valid shard index (no weight_map)") from None
-            files = sorted(set(self._index_map.values()))
-            for name in files:
-                if name not in self.repo.files:
-                    raise CheckpointError(f"{self.repo.repo_id}: {name} is missing (listed in {INDEX_NAME})")
-            return files
-        self._index_map = None
-        files = sorted(n for n in self.repo.files if n.endswith(".safetensors") and "/" not in n)
-        if not files:
-            raise CheckpointError(f"{self.repo.repo_id}: no *.safetensors files (only safetensors checkpoints are read)")
-        return files
+    def _read_config(self) -> dict:
+        config = super()._read_config()
+        quant = config.get("quantization_config")
+        if isinstance(quant, dict) and quant.get("quant_method") in ("gptq", "awq"):
+            raise CheckpointError(f"{self.repo.repo_id}: a {quant['quant_method'].upper()} checkpoint: pull does not "
+                                  "read it yet (download it, then moestream convert the folder)")
+        if Fp8Quantization.from_config(config) is not None or is_mxfp4(config):
+            raise CheckpointError(f"{self.repo.repo_id}: pull streams float and MLX checkpoints; for an FP8 or MXFP4 "
+                                  "one, download it and run moestream convert on the folder")
+        return config
+
+    def _where(self, name: str = "") -> str:
+        return f"{self.repo.repo_id}: {name}" if name else self.repo.repo_id
+
+    def _has_file(self, name: str) -> bool:
+        return name in self.repo.files
+
+    def _safetensors_names(self) -> list[str]:
+        return sorted(n for n in self.repo.files if n.endswith(".safetensors") and "/" not in n)
+
+    def _shard_tensors(self, shard: str) -> list[str]:
+        self._headers[shard] = self.repo.header(shard)
+        return list(self._headers[shard])
 
     # -- the shard on disk --------------------------------------------------------
     def open_shard(self, name: str, path: Path) -> None:
@@ -98,7 +69,7 @@ class PulledSource(CheckpointSource):
         for tname, shard_name in self.index.items():
             if shard_name != name:
                 continue
-            want = self._infos[tname]
+            want = self.info(tname)
             if tname not in shard.tensors:
                 shard.close()
                 raise CheckpointError(f"{path}: tensor {tname} is missing (the Hub's header lists it)")
@@ -128,7 +99,7 @@ class PulledSource(CheckpointSource):
 
     # -- CheckpointSource -----------------------------------------------------------
     def info(self, name: str) -> TensorInfo:
-        return self._infos[name]
+        return self._headers[self.index[name]][name]
 
     def get(self, name: str) -> torch.Tensor:
         if name in self.kept:

@@ -49,10 +49,14 @@ class CheckpointSource:
         if not self.folder.is_dir():
             raise CheckpointError(f"{self.folder}: not a folder (give the checkpoint folder holding config.json)")
         self.origin = origin or {"path": str(self.folder.resolve())}
+        self._open_checkpoint()
+
+    def _open_checkpoint(self) -> None:
+        """config.json, the quantization it names, and the index of every tensor by packed name."""
         self.config = self._read_config()
         family = self.config.get("model_type")
         if family is None:
-            raise UnsupportedModelError(f"{self.folder / 'config.json'}: no model_type (supported: {supported()})")
+            raise UnsupportedModelError(f"{self._where('config.json')}: no model_type (supported: {supported()})")
         self.family: str = family
         self.family_module = family_module(family)  # refuses a family that is not supported
         self.fp8: fp8.Fp8Quantization | None = fp8.Fp8Quantization.from_config(self.config)
@@ -86,6 +90,20 @@ class CheckpointSource:
             raise CheckpointError(f"{path}: not a JSON object")
         return config
 
+    # -- where the shards are: a folder here, the Hub for a pull ---------------------
+    def _where(self, name: str = "") -> str:
+        """How an error names the checkpoint, or one of its files."""
+        return str(self.folder / name) if name else str(self.folder)
+
+    def _has_file(self, name: str) -> bool:
+        return (self.folder / name).is_file()
+
+    def _safetensors_names(self) -> list[str]:
+        return sorted(p.name for p in self.folder.glob("*.safetensors"))
+
+    def _shard_tensors(self, shard: str) -> list[str]:
+        return self._open(shard).keys()
+
     def _shard_names(self) -> list[str]:
         index = self.folder / INDEX_NAME
         if index.is_file():
@@ -93,31 +111,31 @@ class CheckpointSource:
                 weight_map = json.loads(index.read_text())["weight_map"]
                 self._index_map = {str(k): str(v) for k, v in weight_map.items()}
             except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError):
-                raise CheckpointError(f"{index}: not a valid shard index (no weight_map)") from None
+                raise CheckpointError(f"{self._where(INDEX_NAME)}: not a valid shard index (no weight_map)") from None
             files = sorted(set(self._index_map.values()))
             for name in files:
-                if not (self.folder / name).is_file():
-                    raise CheckpointError(f"{self.folder / name}: missing (listed in {INDEX_NAME})")
+                if not self._has_file(name):
+                    raise CheckpointError(f"{self._where(name)}: missing (listed in {INDEX_NAME})")
             return files
         self._index_map = None
-        files = sorted(p.name for p in self.folder.glob("*.safetensors"))
+        files = self._safetensors_names()
         if not files:
-            raise CheckpointError(f"{self.folder}: no *.safetensors files (only safetensors checkpoints are read)")
+            raise CheckpointError(f"{self._where()}: no *.safetensors files (only safetensors checkpoints are read)")
         return files
 
     def _build_index(self) -> None:
         for name in self.files:
-            for key in self._open(name).keys():
+            for key in self._shard_tensors(name):
                 if self._index_map is not None:
                     if self._index_map.get(key, name) != name:
                         continue  # the index places this tensor elsewhere; that copy wins
                 elif key in self.index:
-                    raise CheckpointError(f"{self.folder}: tensor {key} is in both {self.index[key]} and {name}")
+                    raise CheckpointError(f"{self._where()}: tensor {key} is in both {self.index[key]} and {name}")
                 self.index[key] = name
         if self._index_map is not None:
             for key, file in self._index_map.items():
                 if key not in self.index:
-                    raise CheckpointError(f"{self.folder / file}: tensor {key} is missing (listed in {INDEX_NAME})")
+                    raise CheckpointError(f"{self._where(file)}: tensor {key} is missing (listed in {INDEX_NAME})")
 
     def _pair_fp8_scales(self) -> None:
         """Each FP8 weight with its `_scale_inv` tensor (of the grid its block size gives); the

@@ -20,7 +20,7 @@ from moestream.server.generation import JobStream, Runtime, Submitted, events, w
 from moestream.server.jobs import Failed, Finished, Started, TextDelta
 from moestream.server.render import named_sse
 from moestream.server.reply_blocks import TEXT, ReplyBlocks
-from moestream.server.request_models import ChatCompletionRequest, parse_request
+from moestream.server.request_models import ChatCompletionRequest, parse_request, text_parts
 from moestream.server.tools import ParsedCall
 
 
@@ -31,16 +31,7 @@ def _usage(end: Finished) -> dict:
 
 
 def _text_of(content: Any, param: str) -> str:
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise invalid("content must be a string or a list of blocks.", param)
-    texts = []
-    for j, block in enumerate(content):
-        if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
-            raise invalid("Only text blocks are supported here.", f"{param}[{j}]")
-        texts.append(block["text"])
-    return "\n".join(texts)
+    return text_parts(content, param, kinds=("text",), noun="blocks", refusal="Only text blocks are supported here.")
 
 
 def to_chat(body: dict, *, generate: bool = True) -> dict:

@@ -21,7 +21,8 @@ from typing import Any, Optional, Union
 
 from starlette.concurrency import run_in_threadpool
 
-from moestream.server.tools import HARMONY_ENDS, HARMONY_MESSAGE, ParsedCall, ToolCallParser, _prefix_length
+from moestream.server.tools import (HARMONY_ENDS, HARMONY_MESSAGE, ParsedCall, ToolCallParser, addressed, earliest,
+                                   harmony_words, releasable)
 
 FORMATS = ("auto", "none")  # the server's --reasoning-format: split the reasoning off, or leave it in
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
@@ -143,7 +144,7 @@ class ThinkSplitter(_Splitter):
                     self.consume(end + len(THINK_CLOSE))
                     self.state = "after"
                     continue
-                ready = self.held[: len(self.held) - _prefix_length(self.held, (THINK_CLOSE,))]
+                ready = self.held[:releasable(self.held, (THINK_CLOSE,))]
                 # trailing whitespace waits: it is dropped if the closing tag follows
                 _reasoning(out, self.consume(len(ready.rstrip())))
                 break
@@ -172,18 +173,19 @@ class HarmonySplitter(_Splitter):
         out: list[Piece] = []
         while self.held:
             if self.state == "scan":
-                starts = [i for m in HARMONY_OPENS if (i := self.held.find(m)) >= 0]
-                if starts:
-                    _content(out, self.consume(min(starts)))
+                start = earliest(self.held, HARMONY_OPENS)
+                if start:
+                    _content(out, self.consume(start[0]))
                     self.state = "header"
                     continue
-                _content(out, self.consume(len(self.held) - _prefix_length(self.held, HARMONY_OPENS)))
+                _content(out, self.consume(releasable(self.held, HARMONY_OPENS)))
                 break
             if self.state == "header":
                 end = self.held.find(HARMONY_MESSAGE)
                 if end < 0:
                     break
-                if _is_analysis(self.held[:end]):
+                words = harmony_words(self.held[:end])
+                if "analysis" in words and not addressed(words):  # reasoning: the analysis channel, to no tool
                     self.open_span(0)
                     self.consume(end + len(HARMONY_MESSAGE))
                     self.state = "analysis"
@@ -191,15 +193,15 @@ class HarmonySplitter(_Splitter):
                     _content(out, self.consume(end + len(HARMONY_MESSAGE)))
                     self.state = "scan"
                 continue
-            ends = [(i, m) for m in HARMONY_ENDS if (i := self.held.find(m)) >= 0]
+            ends = earliest(self.held, HARMONY_ENDS)
             if ends:
-                end, marker = min(ends)
+                end, marker = ends
                 _reasoning(out, self.consume(end))
                 self.close_span(len(marker))
                 self.consume(len(marker))
                 self.state = "scan"
                 continue
-            _reasoning(out, self.consume(len(self.held) - _prefix_length(self.held, HARMONY_ENDS)))
+            _reasoning(out, self.consume(releasable(self.held, HARMONY_ENDS)))
             break
         return out
 
@@ -210,16 +212,6 @@ class HarmonySplitter(_Splitter):
         if not held:
             return []
         return [Reasoning(held)] if state == "analysis" else [held]
-
-
-def _is_analysis(header: str) -> bool:
-    """A header (`<|channel|>analysis`, `<|start|>assistant<|channel|>analysis`) of reasoning: the
-    analysis channel, addressed to no tool."""
-    words = header
-    for mark in HARMONY_OPENS + ("<|constrain|>",):
-        words = words.replace(mark, " ")
-    words = words.split()
-    return "analysis" in words and not any(w.startswith("to=") for w in words)
 
 
 def _reasoning(out: list[Piece], text: str) -> None:

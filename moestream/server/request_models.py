@@ -246,6 +246,21 @@ def _history_call(call: Any, param: str) -> dict:
             "function": {"name": function["name"], "arguments": arguments}}
 
 
+def text_parts(content: Any, param: str, *, kinds: tuple[str, ...], noun: str, refusal: str) -> str:
+    """A string, or the texts of a list of parts of `kinds` joined by newlines (Anthropic's blocks,
+    the Responses API's parts); `refusal` is the 400's message for any other part."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise invalid(f"content must be a string or a list of {noun}.", param)
+    texts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") not in kinds or not isinstance(part.get("text"), str):
+            raise invalid(refusal, f"{param}[{j}]")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
 def _join_text_parts(parts: list[Any], param: str) -> str:
     if not parts:
         raise invalid("Message content must not be an empty list.", param)

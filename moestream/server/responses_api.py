@@ -15,24 +15,15 @@ from moestream.server.chat_api import start_chat
 from moestream.server.generation import JobStream, Runtime, Submitted, events, wait_whole
 from moestream.server.jobs import Failed, Finished, Started, TextDelta
 from moestream.server.api_error import APIError, invalid, unsupported
-from moestream.server.request_models import ChatCompletionRequest, parse_request
+from moestream.server.request_models import ChatCompletionRequest, parse_request, text_parts
 from moestream.server.render import named_sse
 from moestream.server.reply_blocks import REASONING, TEXT, ReplyBlocks
 from moestream.server.tools import ParsedCall
 
 
 def _content_text(content: Any, param: str) -> str:
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise invalid("content must be a string or a list of parts.", param)
-    texts = []
-    for j, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text") \
-                or not isinstance(part.get("text"), str):
-            raise invalid("Only text parts (input_text, output_text) are supported.", f"{param}[{j}]")
-        texts.append(part["text"])
-    return "\n".join(texts)
+    return text_parts(content, param, kinds=("input_text", "output_text", "text"), noun="parts",
+                      refusal="Only text parts (input_text, output_text) are supported.")
 
 
 def _input_messages(given: list, messages: list[dict]) -> None:

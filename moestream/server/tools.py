@@ -116,8 +116,16 @@ def _read_json_call(body: str, *, listed: bool = False) -> Optional[Parts]:
 HARMONY_MESSAGE = "<|message|>"
 
 
-def _harmony_words(header: str) -> list[str]:
-    return header.replace("<|channel|>", " ").replace("<|constrain|>", " ").split()
+def harmony_words(header: str) -> list[str]:
+    """A gpt-oss message header's words (`<|start|>assistant<|channel|>analysis` -> assistant, analysis)."""
+    for mark in ("<|start|>", "<|channel|>", "<|constrain|>"):
+        header = header.replace(mark, " ")
+    return header.split()
+
+
+def addressed(words: list[str]) -> bool:
+    """Whether a harmony message goes to a tool (`to=functions.NAME`)."""
+    return any(w.startswith("to=") for w in words)
 
 
 def _read_harmony(body: str) -> Optional[Parts]:
@@ -126,7 +134,7 @@ def _read_harmony(body: str) -> Optional[Parts]:
     header, sep, message = body.partition(HARMONY_MESSAGE)
     if not sep:
         return None
-    words = _harmony_words(header)
+    words = harmony_words(header)
     recipient = next((w[3:] for w in words if w.startswith("to=")), "")
     if recipient:
         name = recipient.removeprefix("functions.")
@@ -140,8 +148,8 @@ def _read_harmony(body: str) -> Optional[Parts]:
 
 
 def _harmony_streams(header: str) -> bool:
-    words = _harmony_words(header)
-    return ("final" in words or "commentary" in words) and not any(w.startswith("to=") for w in words)
+    words = harmony_words(header)
+    return ("final" in words or "commentary" in words) and not addressed(words)
 
 
 def deepseek_marker(word: str) -> str:
@@ -288,14 +296,14 @@ class ToolCallParser:
             if span is not None:
                 if not span.close:
                     return out
-                ends = [(i, m) for m in span.close if (i := self._held.find(m)) >= 0]
+                ends = earliest(self._held, span.close)
                 if self._streaming:
                     if not ends:
-                        ready = self._held[: len(self._held) - _prefix_length(self._held, span.close)]
+                        ready = self._held[:releasable(self._held, span.close)]
                         self._held = self._held[len(ready):]
                         self._text(ready, out)
                         return out
-                    end, marker = min(ends)
+                    end, marker = ends
                     self._text(self._held[:end], out)
                 elif not ends:
                     if span.streams and HARMONY_MESSAGE in self._held:
@@ -305,20 +313,20 @@ class ToolCallParser:
                             continue
                     return out
                 else:
-                    end, marker = min(ends)
+                    end, marker = ends
                     body = self._held[:end]
                     self._close(span.read(body), span.open + body + marker, out)
                 self._held = self._held[end + len(marker):]
                 self._span, self._streaming = None, False
                 continue
-            starts = [(i, m) for m in self._markers if (i := self._held.find(m)) >= 0]
+            starts = earliest(self._held, self._markers)
             if starts:
-                i, marker = min(starts)
+                i, marker = starts
                 self._text(self._held[:i], out)
                 self._held = self._held[i + len(marker):]
                 self._span = next((s for s in self.format.spans if s.open == marker), None)
                 continue
-            ready = self._held[: len(self._held) - _prefix_length(self._held, self._markers)]
+            ready = self._held[:releasable(self._held, self._markers)]
             if self.calls and not ready.strip():
                 return out  # maybe whitespace before the next call: decided when more comes
             self._text(ready, out)
@@ -338,10 +346,16 @@ class ToolCallParser:
         return out
 
 
-def _prefix_length(text: str, markers: tuple[str, ...]) -> int:
-    """How many characters at the end of `text` could begin one of `markers`."""
+def earliest(text: str, markers: tuple[str, ...]) -> Optional[tuple[int, str]]:
+    """(where, which) of the first of `markers` in `text`, or None."""
+    found = [(i, m) for m in markers if (i := text.find(m)) >= 0]
+    return min(found) if found else None
+
+
+def releasable(text: str, markers: tuple[str, ...]) -> int:
+    """How much of `text` can go now: all but an end that could begin one of `markers`."""
     for length in range(min(len(text), max(map(len, markers)) - 1), 0, -1):
         tail = text[len(text) - length:]
         if any(m.startswith(tail) for m in markers):
-            return length
-    return 0
+            return len(text) - length
+    return len(text)

@@ -79,11 +79,9 @@ class LockedTokenizer:
 
     def chat_ids(self, messages: list[dict], add_generation_prompt: bool = True,
                  tools: list[dict] | None = None) -> list[int]:
+        extra = {"tools": tools} if tools else {}  # a tokenizer without tool support is never passed none
         with self._lock:
-            if tools:
-                return list(self._tokenizer.chat_ids(messages, add_generation_prompt=add_generation_prompt,
-                                                     tools=tools))
-            return list(self._tokenizer.chat_ids(messages, add_generation_prompt=add_generation_prompt))
+            return list(self._tokenizer.chat_ids(messages, add_generation_prompt=add_generation_prompt, **extra))
 
 
 # ------------------------------------------------------------------------------------------ worker
