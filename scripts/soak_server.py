@@ -42,6 +42,7 @@ class Tally:
     counts: dict = field(default_factory=dict)
     failures: list = field(default_factory=list)
     latencies: list = field(default_factory=list)
+    first_tokens: list = field(default_factory=list)  # a stream's seconds to its first content
     tokens: int = 0
 
     def count(self, key: str, n: int = 1) -> None:
@@ -149,6 +150,7 @@ def client_loop(index: int, url: str, prompts: list[str], reference: dict, args,
 
 def stream_request(client, url, prompt, expected, args, leave, rng, tally) -> None:
     stop_after = rng.randint(1, 8) if leave else None
+    started = time.monotonic()
     with client.stream("POST", url + "/v1/chat/completions", json=body_for(prompt, args, True)) as r:
         if r.status_code != 200:
             r.read()
@@ -169,6 +171,9 @@ def stream_request(client, url, prompt, expected, args, leave, rng, tally) -> No
                 return
             ids.add(chunk["id"])
             for choice in chunk["choices"]:
+                if not text and choice["delta"].get("content"):
+                    with tally.lock:
+                        tally.first_tokens.append(time.monotonic() - started)
                 text += choice["delta"].get("content") or ""
                 if choice["finish_reason"]:
                     finishes.append(choice["finish_reason"])
@@ -190,6 +195,12 @@ def stream_request(client, url, prompt, expected, args, leave, rng, tally) -> No
     else:
         tally.count("stream_ok")
         tally.add_tokens(expected["tokens"])
+
+
+def percentiles(values: list[float]) -> dict:
+    """p50, p95, p99 of values (seconds, rounded to ms); None each where there are none."""
+    ordered = sorted(values)
+    return {f"p{q}": round(ordered[int(q / 100 * (len(ordered) - 1))], 3) if ordered else None for q in (50, 95, 99)}
 
 
 def idle_after_disconnect(url: str, args) -> float:
@@ -320,9 +331,8 @@ def main(argv: list[str] | None = None) -> int:
             "clients": args.clients, "seconds": round(elapsed, 1), "requests": len(tally.latencies),
             **tally.counts, "completion_tokens": tally.tokens,
             "tokens_per_second": round(tally.tokens / elapsed, 1),
-            "latency_p50_s": round(statistics.median(tally.latencies), 3) if tally.latencies else None,
-            "latency_p95_s": round(sorted(tally.latencies)[int(0.95 * (len(tally.latencies) - 1))], 3)
-            if tally.latencies else None,
+            **{f"latency_{name}_s": value for name, value in percentiles(tally.latencies).items()},
+            **{f"first_token_{name}_s": value for name, value in percentiles(tally.first_tokens).items()},
             "idle_after_disconnect_s": [round(v, 3) for v in idle],
         }
         for key in ("lost", "mixed", "status_5xx"):

@@ -190,7 +190,7 @@ class KernelConfig:
     grouped_join: int = 1  # 1: a word's codes unpacked by joins (they stay in its thread: no shared-memory shuffle)
     combine_tokens: int = 4
     combine_block: int = 256
-    # products over a decode step's 16-row tile (moestream.kernels.triton_rows, --rows-products triton),
+    # products over a decode step's 16-row tile (moestream.kernels.triton_rows),
     # in three classes by shape: narrow (at most rows_narrow_max outputs: a router), deep (at least
     # rows_deep_from inputs: an o projection) and wide (the rest: q/k/v, a head). Each: output columns
     # per program, inputs per loop step, warps, pipeline stages, the weights on the MMA's M side (swap:

@@ -1,4 +1,4 @@
-"""The row tile's product kernel (moestream.kernels.triton_rows, --rows-products triton) under Triton's
+"""The row tile's product kernel (moestream.kernels.triton_rows) under Triton's
 CPU interpreter (TRITON_INTERPRET=1), at tiny sizes: it agrees with a float64 product on odd shapes
 (N and K not multiples of the blocks, strided rows, a bias), a row's bits never depend on the rows
 beside it or on how many rows there are, and the rows-at-once layers (Attention.forward, the router,
