@@ -28,11 +28,14 @@ from moestream.engine.tokenizer import load_tokenizer
 from moestream.engine.types import SamplingParams
 from moestream.errors import MoestreamError
 from moestream.experts.cache import ExpertCache
-from moestream.experts.predict import Lookahead
+from moestream.experts.predict import Lookahead, NextLayerPrefetcher
+from moestream.experts.trace import TraceRecorder
+from moestream.experts.unpacked import UnpackedExperts
 from moestream.experts.sources import open_source
 from moestream.format.reader import PackedModel
 from moestream.kv.pool import KVRoom, SequenceKV
 from moestream.layers.experts import RoutedExperts
+from moestream.layers.moe import MoEBlock
 from moestream.models.registry import build_model
 
 if TYPE_CHECKING:
@@ -84,9 +87,13 @@ class Engine:
             def make_experts(args):  # the decoder's MoE layers and the multi-token-prediction layers' experts
                 layers = args.moe_layers() + args.mtp_expert_layers(packed.manifest.mtp_layers)
                 if options.trace_routing:
-                    self.trace = expert_setup.trace_recorder(self.model_name, packed.family, args)
+                    self.trace = TraceRecorder({"model": self.model_name, "family": packed.family,
+                                                "num_experts": args.num_experts, "top_k": args.num_experts_per_tok,
+                                                "moe_layers": args.moe_layers(), "num_layers": args.num_hidden_layers})
+                unpacked = UnpackedExperts(self.plan.unpacked, entry_bytes=self.plan.unpacked_bytes) \
+                    if self.plan.unpacked else None  # CPU runs: kept dequantized experts (the same bits)
                 return RoutedExperts(self.provider, {i: args.num_experts for i in layers}, device=self.device,
-                                     parallel=self.parallel, unpacked=expert_setup.unpacked_experts(self.plan),
+                                     parallel=self.parallel, unpacked=unpacked,
                                      cpu_share=expert_setup.share_request(options, parallel=self.parallel,
                                                                           hidden=args.hidden_size, dtype=self.dtype),
                                      on_route=self._record_route if options.trace_routing else None,
@@ -99,7 +106,8 @@ class Engine:
                 expert_setup.load_guess_maps(packed, options, self.model, hidden_size=self.args.hidden_size,
                                              device=self.device)
             if cpu and prefetch:
-                self.prefetcher = expert_setup.prefetcher(self.model, self.provider, maps=self.guess_maps)
+                blocks = [layer.ffn for layer in self.model.layers if isinstance(layer.ffn, MoEBlock)]
+                self.prefetcher = NextLayerPrefetcher(blocks, self.provider, maps=self.guess_maps)
             lookahead = Lookahead(self.provider, depth=1) if prefetch and not cpu else None
             self.tokenizer = load_tokenizer(packed.directory, packed.config)
         except BaseException:
