@@ -1,9 +1,5 @@
-"""What every family shares: config reading, the strict weight loader, and builders for the usual pieces.
-
-A family file (one per Hugging Face model_type) holds its ModelArgs, the rules the rest of the
-project asks of it (see the `registry` docstring), and `build`, which assembles its layers from
-moestream.layers with these helpers. Checkpoint names are the family's own, kept verbatim in the
-packed model."""
+"""What every family shares: config reading, the strict weight loader, and builders for the usual
+pieces (a family file holds what differs: moestream.models.registry)."""
 from __future__ import annotations
 
 import dataclasses
