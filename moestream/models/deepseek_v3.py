@@ -98,8 +98,8 @@ quant_predicate = base.routers_keep_8_bits(".mlp.gate.weight")
 
 def route(args: ModelArgs, correction_bias, logits):
     return sigmoid_topk(logits, args.num_experts_per_tok, correction_bias=correction_bias, n_group=args.n_group,
-                              topk_group=args.topk_group, normalize=args.norm_topk_prob,
-                              scaling=args.routed_scaling_factor, out_dtype=logits.dtype)
+                        topk_group=args.topk_group, normalize=args.norm_topk_prob, scaling=args.routed_scaling_factor,
+                        out_dtype=logits.dtype)
 
 
 def rope_for(args: ModelArgs, device) -> Rope:
