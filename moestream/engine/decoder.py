@@ -1,29 +1,20 @@
 """Steps of T tokens (T >= 1) for any family, from static buffers, replayed as CUDA graphs on CUDA.
 
-On the GPU a decode step is bound by the host: a layer is ~20 small kernels, each costing more to
-launch from Python than to run. So a step is cut into segments that never read a device value on the
-host, each captured once and replayed. The decoder knows only what every model has
-(moestream.layers.transformer: `embed`, each layer's `attention_rows` and `ffn`, `head`) and the
-RoutedExperts the MoE blocks share:
-  - per layer, "attention-rows": the attention half for all the step's rows at once, each row a token
-    at its own device position of its own sequence (K/V go into the paged pool before any row
-    attends); a dense layer's FFN; an MoE layer's router top-k and shared expert;
-  - per MoE layer, "experts": the routed experts from the layer's device slot table, then the
-    shared expert and residual.
+On the GPU a decode step is bound by the host (a layer is ~20 small kernels, each costing more to
+launch from Python than to run), so a step is cut into segments that never read a device value on
+the host, each captured once and replayed: per layer "attention-rows" (the attention half for all
+rows at once, a dense FFN, an MoE layer's router and shared expert) and per MoE layer "experts" (the
+routed experts from the layer's slot table). The decoder knows only what every model has
+(moestream.layers.transformer) and the RoutedExperts the MoE blocks share.
 
 A row's bits never depend on T or on the rows beside it (speculative verification and batching rely
-on it): on CUDA every product takes all MAX_STEP_TOKENS rows whatever T (a fixed shape,
-moestream.kernels.triton_rows), on the CPU one-row products batched; attention takes each row on its
-own; the expert kernels compute each (token, expert) pair on its own (`per_pair`). A step can stop
-before the head (`head=False`); `head_rows` later gives saved rows the head's bits.
+on it): on CUDA every product takes all MAX_STEP_TOKENS rows (moestream.kernels.triton_rows), on the
+CPU one-row products batched; the expert kernels compute each (token, expert) pair on its own.
 
-With every expert resident the slot tables never change and the whole step is one graph per T (the
-rows' slots are device values, the block tables static tensors): no host work until the logits. The
-same holds with a device map (moestream.experts.device_map), which brings each layer's table up to date
-on the device. Otherwise the host reads each layer's chosen ids (the one sync per layer), pins or
-loads the experts and writes the slot table. Either way the same kernels run on the same bytes: the
-same bits for every cache size. With graphs off (and on the CPU) the segments run eagerly. With the
-Triton expert kernels a layer boundary is one kernel (`_boundaries`)."""
+With every expert resident, or a device map (moestream.experts.device_map), the whole step is one
+graph per T: no host work until the logits. Otherwise the host reads each layer's chosen ids (the one
+sync per layer) and pins or loads the experts. Either way the same kernels run on the same bytes: the
+same bits for every cache size. With graphs off (and on the CPU) the segments run eagerly."""
 from __future__ import annotations
 
 import functools
@@ -63,9 +54,8 @@ class _Routed:
 class Decoder:
     def __init__(self, model, pool: KVPool, experts: RoutedExperts, *, graphs: bool = True, lookahead=None,
                  maps=None):
-        """pool: the paged KV pool of every sequence. lookahead: a moestream.experts.predict.Lookahead
-        (streamed one-token steps then guess the next MoE layers' experts and start their copies
-        early), or None. maps: moestream.experts.guess_maps.GuessMaps correcting those guesses."""
+        """lookahead: a moestream.experts.predict.Lookahead (streamed one-token steps guess the next MoE
+        layers' experts and start their copies early), or None; maps: GuessMaps correcting them."""
         self.model, self.pool, self.experts, self.lookahead = model, pool, experts, lookahead
         self.maps = maps
         dev, dtype = model.device, model.dtype
@@ -102,14 +92,11 @@ class Decoder:
         self._boundaries(self.cuda)
 
     def _boundaries(self, fuse: bool) -> None:
-        """Fewer kernels where one layer ends and the next begins (CUDA):
-          - (Triton expert kernels) the post-attention norm also writes the experts' gemv input
-            (MoEPlan's split_x) into `split_in[i]`, read in place of a copy kernel;
-          - (and no shared expert) the expert sum (+ residual) also writes the next layer's input norm
-            into `normed` (`norm_after[i]`), taken in place of that layer's norm kernel;
-          - the router product also takes the top-k (`fused_route`: triton_route.route_rows).
-        Which layers do so follows from the model and the kernels alone, and every path of their
-        experts ends in that same kernel: the bits stay the same for every cache size."""
+        """Fewer kernels where one layer ends and the next begins (CUDA): the post-attention norm also
+        writes the experts' gemv input (`split_in[i]`); without a shared expert the expert sum also
+        writes the next layer's input norm (`norm_after[i]`, into `normed`); the router product also
+        takes the top-k (`fused_route`). Which layers do so follows from the model and the kernels
+        alone, and every path of their experts ends in that same kernel: the same bits."""
         self.split_in: dict[int, torch.Tensor] = {}  # MoE layer -> its experts' gemv input [MAX_STEP_TOKENS, C, H/C]
         self.norm_after: dict[int, tuple] = {}  # MoE layer -> (weight, eps) of the next layer's input norm
         self.normed = None  # [MAX_STEP_TOKENS, H]: the next layer's normed input, written by the expert sum
@@ -283,10 +270,9 @@ class Decoder:
 
     def step_rows(self, tokens: list[int], positions: list[int], slots: list[int], *,
                   head: bool = True, device_tokens: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [T, V] (float32, a static buffer: copy before the next step), row t being tokens[t] at
-        positions[t] of sequence slots[t] (a sequence's rows in order), T <= MAX_STEP_TOKENS; the
-        caller records the tokens in the KV cache. head=False: the final residual stream [T, H]
-        instead. device_tokens: the ids on the model's device, in place of `tokens` (not read yet)."""
+        """Logits [T, V] (float32, a static buffer: copy before the next step) of tokens[t] at
+        positions[t] of sequence slots[t]; the caller records the tokens. head=False: the final
+        residual stream [T, H]. device_tokens: the ids on the device, in place of `tokens`."""
         T = len(tokens)
         if not 1 <= T <= MAX_STEP_TOKENS:
             raise ValueError(f"a step takes 1..{MAX_STEP_TOKENS} tokens, not {T}")

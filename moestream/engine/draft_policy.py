@@ -65,14 +65,6 @@ class AdaptivePolicy:
         tried = sum(self.tried)
         return sum(self.kept) / tried if tried else self.prior_accept
 
-    def expected(self, k: int) -> float:
-        """E(k) from the per-position estimates."""
-        total, run = 1.0, 1.0
-        for i in range(k):
-            run *= self.acceptance_at(i)
-            total += run
-        return total
-
     @staticmethod
     def expected_tokens(a: float, k: int) -> float:
         """E(k) for one acceptance a at every position: (1 - a^(k+1)) / (1 - a)."""
@@ -121,25 +113,13 @@ class AdaptivePolicy:
             self.tried[i] = d * self.tried[i] + 1.0
             self.kept[i] = d * self.kept[i] + (1.0 if i < accepted else 0.0)
 
-    def estimated_step(self, tokens: int) -> float:
-        """step(tokens), never below a shorter step's cost: on a loaded machine a noisy average can
-        make step(2) look cheaper than step(1), which would start drafting that cannot pay."""
-        known = [c for t, c in self.step_cost.items() if t <= tokens]
-        return max(known) if known else 0.0
-
     def _catch_up(self) -> float:
         """What drafting now costs besides the draft and the step: after plain steps the drafter's
         catching up, priced as the last probe was; after a drafted verification nothing."""
         return 0.0 if self._in_step else self.probe_s
 
-    def estimated_rate(self, k: int) -> float:
-        """Expected tokens per second of drafting k (inf for a cost not yet known to be > 0)."""
-        cost = self.estimated_step(k + 1) + self.draft_cost.get(k, 0.0) + (self._catch_up() if k else 0.0)
-        tokens = self.expected(k)
-        return math.inf if cost <= 0 else tokens / cost
-
     def _best(self, top: int) -> int:
-        """The k in 0..top with the most expected tokens per second (estimated_rate's, in one pass)."""
+        """The k in 0..top with the most expected tokens per second, E(k) / cost(k), in one pass."""
         steps = self.step_cost
         step = steps.get(1, 0.0)
         if step <= 0:  # a plain step's rate not known to be finite: nothing beats it
@@ -149,6 +129,8 @@ class AdaptivePolicy:
         for k in range(1, top + 1):  # ties keep the shorter draft
             run *= self.acceptance_at(k - 1)
             tokens += run
+            # never below a shorter step's cost: on a loaded machine a noisy average can make step(2)
+            # look cheaper than step(1), which would start drafting that cannot pay
             step = max(step, steps.get(k + 1, 0.0))
             rate = tokens / (step + self.draft_cost.get(k, 0.0) + catch)
             if rate > best_rate:

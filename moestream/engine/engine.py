@@ -28,11 +28,14 @@ from moestream.engine.tokenizer import load_tokenizer
 from moestream.engine.types import SamplingParams
 from moestream.errors import MoestreamError
 from moestream.experts.cache import ExpertCache
-from moestream.experts.predict import Lookahead
+from moestream.experts.predict import Lookahead, NextLayerPrefetcher
+from moestream.experts.trace import TraceRecorder
+from moestream.experts.unpacked import UnpackedExperts
 from moestream.experts.sources import open_source
 from moestream.format.reader import PackedModel
 from moestream.kv.pool import KVRoom, SequenceKV
 from moestream.layers.experts import RoutedExperts
+from moestream.layers.moe import MoEBlock
 from moestream.models.registry import build_model
 
 if TYPE_CHECKING:
@@ -52,10 +55,9 @@ class Engine:
     def __init__(self, packed: PackedModel, options: EngineOptions, *, default_cache_size: str = "auto",
                  graphs: bool = True, prefetch: bool = True, digest_dir: str | None = None,
                  reroute: Callable | None = None):
-        """graphs=False runs CUDA decode steps and prefills eagerly (the same kernels, the same bits);
-        prefetch=False loads experts on demand only (no lookahead copies): for exact miss counts;
-        digest_dir: where the checked resident files' digests are remembered (None: ~/.cache/moestream);
-        reroute(args, device): the routing replacement of a benchmark (moestream.bench.routing), or None."""
+        """graphs=False runs CUDA steps and prefills eagerly (the same bits); prefetch=False loads
+        experts on demand only (exact miss counts); digest_dir: where the resident files' digests are
+        remembered; reroute(args, device): a benchmark's routing (moestream.bench.routing)."""
         self.packed, self.options, self.digest_dir = packed, options, digest_dir
         self.plan = plan_run(packed, options, default_cache_size=default_cache_size, digest_dir=digest_dir)
         self.device, self.dtype, self.max_context = self.plan.device, self.plan.dtype, self.plan.max_context
@@ -84,9 +86,13 @@ class Engine:
             def make_experts(args):  # the decoder's MoE layers and the multi-token-prediction layers' experts
                 layers = args.moe_layers() + args.mtp_expert_layers(packed.manifest.mtp_layers)
                 if options.trace_routing:
-                    self.trace = expert_setup.trace_recorder(self.model_name, packed.family, args)
+                    self.trace = TraceRecorder({"model": self.model_name, "family": packed.family,
+                                                "num_experts": args.num_experts, "top_k": args.num_experts_per_tok,
+                                                "moe_layers": args.moe_layers(), "num_layers": args.num_hidden_layers})
+                unpacked = UnpackedExperts(self.plan.unpacked, entry_bytes=self.plan.unpacked_bytes) \
+                    if self.plan.unpacked else None  # CPU runs: kept dequantized experts (the same bits)
                 return RoutedExperts(self.provider, {i: args.num_experts for i in layers}, device=self.device,
-                                     parallel=self.parallel, unpacked=expert_setup.unpacked_experts(self.plan),
+                                     parallel=self.parallel, unpacked=unpacked,
                                      cpu_share=expert_setup.share_request(options, parallel=self.parallel,
                                                                           hidden=args.hidden_size, dtype=self.dtype),
                                      on_route=self._record_route if options.trace_routing else None,
@@ -99,7 +105,8 @@ class Engine:
                 expert_setup.load_guess_maps(packed, options, self.model, hidden_size=self.args.hidden_size,
                                              device=self.device)
             if cpu and prefetch:
-                self.prefetcher = expert_setup.prefetcher(self.model, self.provider, maps=self.guess_maps)
+                blocks = [layer.ffn for layer in self.model.layers if isinstance(layer.ffn, MoEBlock)]
+                self.prefetcher = NextLayerPrefetcher(blocks, self.provider, maps=self.guess_maps)
             lookahead = Lookahead(self.provider, depth=1) if prefetch and not cpu else None
             self.tokenizer = load_tokenizer(packed.directory, packed.config)
         except BaseException:
@@ -129,8 +136,7 @@ class Engine:
 
     @property
     def lookahead(self):
-        """The Lookahead scoring this engine's guesses (the decoder's on CUDA, the prefetcher's on the
-        CPU), or None."""
+        """The Lookahead scoring this engine's guesses (the decoder's or the CPU prefetcher's), or None."""
         if self.decoder.lookahead is not None:
             return self.decoder.lookahead
         return self.prefetcher.lookahead if self.prefetcher is not None else None
@@ -158,8 +164,8 @@ class Engine:
 
     # -- running the model: prefill, step, rollback -----------------------------------------
     def _make_resident(self) -> None:
-        """When the device cache has a slot for every expert, load them all once: then no layer needs
-        a cache lookup or a host sync (on CUDA a decode step is one CUDA graph)."""
+        """Where the device cache has a slot for every expert, load them all once (no layer then needs
+        a lookup or a host sync); else start streaming."""
         if self._resident_checked:
             return
         self._resident_checked = True
@@ -173,8 +179,7 @@ class Engine:
 
     @property
     def streaming(self) -> str:
-        """How routed experts reach the device: resident, device (the device map) or host (also before
-        the first run decides it)."""
+        """How routed experts reach the device: resident, device (the device map) or host."""
         return "resident" if self.experts.resident else "device" if self.experts.device_map is not None else "host"
 
     # -- sequence slots (moestream.engine.sequences) ------------------------------------------
@@ -191,9 +196,8 @@ class Engine:
         return self.sequences.open(prefix, slot=slot, tokens=tokens)
 
     def kv_room(self, prompt_ids: list[int], max_new_tokens: int, *, share: bool = True) -> KVRoom:
-        """SequenceSlots.room of a new sequence of `prompt_ids` and up to `max_new_tokens` more: a caller
-        that opens one only where `.fits` (with tokens=len(prompt_ids) + max_new_tokens) never sees one
-        run out of blocks; `share` False: a prompt computed whole (prompt_logprobs)."""
+        """SequenceSlots.room of a new sequence of `prompt_ids` and up to `max_new_tokens` more (a caller
+        that opens one only where it `.fits` never runs out of blocks); `share` False: computed whole."""
         tokens = self._reach(prompt_ids, len(prompt_ids) + max(0, max_new_tokens))
         return self.sequences.room(list(prompt_ids), tokens, share=share)
 
@@ -252,9 +256,8 @@ class Engine:
 
     def prompt_step(self, prompt_ids: list[int], *, seq: int, beside: int) -> list[int] | None:
         """The prompt tokens `prefill(prompt_ids, seq=seq)` would run as one decoder step, for a caller
-        to run in a `step_many` beside `beside` other rows (a row's bits never depend on the others),
-        the slot's cache brought to the reused start. None where prefill would run a pass or the step
-        has no room: then call prefill."""
+        to run in a `step_many` beside `beside` other rows (the cache brought to the reused start).
+        None where prefill would run a pass or the step has no room: then call prefill."""
         rows = MAX_STEP_TOKENS - beside
         cache = self.sequences.open_cache(seq)
         reuse = self._reuse(cache, prompt_ids, seq)  # less where a recurrent layer keeps no state there
@@ -269,9 +272,8 @@ class Engine:
         return argmax_rows(rows)
 
     def _reuse(self, cache: SequenceKV, prompt_ids: list[int], seq: int) -> int:
-        """Keep the start of `prompt_ids` the cache (or the pool's published blocks) holds, less its last
-        token (its logits start decoding), less one more where the hidden tap must see the state
-        before the first new token; returns its length."""
+        """Keep the start of `prompt_ids` the cache holds, less its last token (its logits start
+        decoding), less one more where the hidden tap must see the state before it; returns its length."""
         reuse = cache.reuse(prompt_ids, len(prompt_ids) - 1)
         if self.hidden_tap is not None and seq == 0 and reuse > 0:
             reuse = cache.truncate(reuse - 1)
@@ -283,9 +285,8 @@ class Engine:
         return 0 < new <= MAX_STEP_TOKENS and self.decoder.rows_at_once and (self.hidden_tap is None or seq != 0)
 
     def release_workspace(self) -> None:
-        """Under a memory budget, give the prefill's cached transient memory back to the device beyond
-        WORKSPACE_SLACK. Without one it is kept for the next prefill: giving it back costs each
-        prefill its allocations again (~0.1 s on the H200 at the 30B shape)."""
+        """Under a memory budget, give the prefill's cached transient memory beyond WORKSPACE_SLACK
+        back. Without one it is kept: giving it back costs each prefill ~0.1 s (H200, 30B shape)."""
         if not self.options.memory_budget:
             return
         if self.device.type == "cuda":
@@ -309,9 +310,8 @@ class Engine:
             return self.decoder.head_rows(hidden).clone()
 
     def step_unread(self, token: torch.Tensor, *, seq: int = 0) -> torch.Tensor:
-        """`step([t])` for t still on the model's device (the last logits' argmax): queued behind the work
-        that computes t while the host reads it. The position holds UNREAD until `name_token`, which
-        the caller calls before anything else uses the sequence. Logits [1, V]."""
+        """`step([t])` for t still on the device (the last logits' argmax), queued while the host reads
+        it; the position holds UNREAD until the caller's `name_token`. Logits [1, V]."""
         if token.numel() != 1 or token.device.type != self.device.type:  # "cuda:0" is "cuda"
             raise ValueError("step_unread takes one token id on the model's device")
         if self.hidden_tap is not None and seq == 0:
@@ -350,9 +350,8 @@ class Engine:
         return rows[0] if len(rows) == 1 else torch.cat(rows)
 
     def warm_steps(self, rows: int, *, seq: int = 0) -> None:
-        """Capture the CUDA graphs of steps of 1..rows rows now, not in the first timed batch or
-        verification. They write K/V at sequence `seq`'s next positions and record no token (a
-        position is written before it is read)."""
+        """Capture the CUDA graphs of steps of 1..rows rows now, not in the first timed step (they
+        write K/V at sequence `seq`'s next positions and record no token)."""
         n = min(rows, MAX_STEP_TOKENS)
         start = self.sequences.open_cache(seq).length if seq else self.caches[0].length
         todo = [T for T in range(1, n + 1) if T not in self._warmed]

@@ -1,6 +1,5 @@
 """How routed experts reach the compute, decided when an Engine loads and at its first step: expert
-parallelism, the lookahead's fitted maps and the CPU's prefetcher, what RoutedExperts is built with
-(the CPU share, the kept unpacked experts, a routing trace), device- or host-driven streaming."""
+parallelism, the lookahead's fitted maps, the CPU share, device- or host-driven streaming."""
 from __future__ import annotations
 
 import logging
@@ -14,9 +13,7 @@ from moestream.engine.options import EngineOptions
 from moestream.errors import MoestreamError
 from moestream.experts.device_map import DeviceMapUnavailable
 from moestream.experts.guess_maps import GuessMaps, manifest_digest, maps_path
-from moestream.experts.predict import NextLayerPrefetcher
-from moestream.experts.trace import RoutingTrace, TraceRecorder
-from moestream.experts.unpacked import UnpackedExperts
+from moestream.experts.trace import RoutingTrace
 from moestream.format.reader import PackedModel
 from moestream.layers.expert_parallel import ExpertParallel, ExpertPlacement
 from moestream.layers.moe import MoEBlock
@@ -86,20 +83,6 @@ def load_guess_maps(packed: PackedModel, options: EngineOptions, model, *, hidde
     return maps.to(device)
 
 
-def prefetcher(model, provider, *, maps=None):
-    """The CPU's lookahead (a NextLayerPrefetcher, which RoutedExperts calls after each layer's
-    fetch); `maps` (fitted corrections, moestream.experts.guess_maps) improve its guesses."""
-    return NextLayerPrefetcher([layer.ffn for layer in model.layers if isinstance(layer.ffn, MoEBlock)], provider,
-                               maps=maps)
-
-
-def trace_recorder(model_name: str, family: str, args):
-    """The routing trace a run records (--trace-routing)."""
-    return TraceRecorder({"model": model_name, "family": family, "num_experts": args.num_experts,
-                          "top_k": args.num_experts_per_tok, "moe_layers": args.moe_layers(),
-                          "num_layers": args.num_hidden_layers})
-
-
 def share_request(options: EngineOptions, *, parallel, hidden: int, dtype: torch.dtype):
     """The CPU share RoutedExperts starts with device-driven streaming (--cpu-experts), or None (off,
     or `auto` under expert parallelism, where a share asked for by number is an error)."""
@@ -114,13 +97,6 @@ def share_request(options: EngineOptions, *, parallel, hidden: int, dtype: torch
             raise MoestreamError("--cpu-experts does not run with expert parallelism (--devices)")
         return None
     return ShareRequest(share, threads=options.threads or torch.get_num_threads(), hidden=hidden, dtype=dtype)
-
-
-def unpacked_experts(plan):
-    """CPU runs: the kept dequantized experts the plan makes room for (the same bits), or None."""
-    if not plan.unpacked:
-        return None
-    return UnpackedExperts(plan.unpacked, entry_bytes=plan.unpacked_bytes)
 
 
 def start_streaming(engine: Any) -> None:  # an Engine (moestream.engine.engine imports this module)

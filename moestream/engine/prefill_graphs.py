@@ -1,27 +1,17 @@
 """A fresh prompt's prefill chunk on CUDA as one CUDA graph per length bucket.
 
-Why: up to 2,048 tokens an eager prefill call costs about 50 ms of host launches against about 23 ms
-of GPU work at 512 tokens (H200, Qwen3-30B-A3B shape, every expert resident); a replay is one launch.
+Why: at 512 tokens an eager prefill call costs about 50 ms of host launches against about 23 ms of
+GPU work (H200, Qwen3-30B-A3B shape, every expert resident); a replay is one launch.
 
 The chunk is padded to the next power of two with copies of its last token, after the real rows,
-which keep their bits: causal attention hides the padding from them; the expert kernels choose
-kernels and row blocks for the real token count (`RoutedExperts.tile_tokens`, part of the graph's
-key) and the padding's pairs sort after the real ones; the padding's K/V land past the prompt,
-overwritten before any row reads them. The padding is not the graph's alone: the products (cuBLAS)
-choose their algorithm by row count, so 100 rows and the same rows padded to 128 differ in the last
-bits (Qwen3-30B-A3B shape). So wherever the mode pads, every fresh chunk is padded, graph or not (at
-every cache size, in every slot, after a failed capture), and every MoE layer routes the padding to
-the last real row's experts (`padding_on_last_row`): a streamed chunk reads no expert the prompt did not.
-
-A replay writes into every tensor the capture saw: the KV pool is bound (its blocks and block tables;
-the rows' sequence is a static input, so one graph serves every slot), and resident hits are not
-counted inside the graph: the capture hands out each layer's ids (`RoutedExperts.booked`), counted
-after each replay for the real rows only, as the eager prefill counts them.
-
-Where it pads: a chunk at position 0 of a model with no recurrent layer, routing trace or replacement,
-hidden-state tap or expert parallelism. Where a graph replays: besides, CUDA graphs on, every expert
-resident, the Triton expert kernels, no device map and no memory budget (the graphs keep their
-activations). Elsewhere the padded chunk runs eagerly."""
+which keep their bits: causal attention hides the padding, the expert kernels choose their tiles for
+the real token count (`RoutedExperts.tile_tokens`) and the padding's K/V land past the prompt. But
+cuBLAS chooses its algorithm by row count, so padded rows differ in the last bits from unpadded ones:
+wherever the mode pads (`takes`), every fresh chunk is padded, graph or not, and every MoE layer
+routes the padding to the last real row's experts (`padding_on_last_row`). Resident hits are counted
+after each replay for the real rows only (`RoutedExperts.booked`), as the eager prefill counts them.
+A graph replays (`replays`) only with every expert resident on the Triton kernels and no memory
+budget (the graphs keep their activations)."""
 from __future__ import annotations
 
 import logging
@@ -75,10 +65,9 @@ class _Graph:
 class PrefillGraphs:
     def __init__(self, model: MoETransformer, experts, pool: KVPool, *, largest: int, capture: bool = True,
                  capture_after: int = 0, workspace: Callable[[int], int] | None = None):
-        """largest: the longest chunk taken (the prefill chunk size). capture=False pads without
-        capturing. capture_after: chunks of a key run eagerly before its capture (~0.2 s and more on the
-        H200: a one-prompt run never pays it). workspace(tokens): a chunk's transient bytes, which a
-        graph keeps beside the eager prefill's: a bucket is captured only where they are free."""
+        """largest: the longest chunk taken. capture=False pads without capturing. capture_after:
+        chunks of a key run eagerly before its capture (~0.2 s and more on the H200: a one-prompt run
+        never pays it). workspace(tokens): a chunk's transient bytes, captured only where free."""
         self.model, self.experts, self.pool, self.largest, self.capture = model, experts, pool, largest, capture
         self.capture_after, self.workspace = capture_after, workspace
         self._short: set[int] = set()  # buckets left eager for want of memory (logged once)

@@ -144,10 +144,3 @@ def choose_token(logits: torch.Tensor, params: SamplingParams, *, position: int,
     if params.history is not None:
         params.history.record(position, token)
     return token
-
-
-def filtered_distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The exact distribution choose_token samples from (for tests): softmax over allowed tokens."""
-    scaled = logits.to(torch.float64) / params.temperature
-    allowed = allowed_mask(scaled, params)
-    return torch.softmax(torch.where(allowed, scaled, torch.full_like(scaled, -torch.inf)), dim=-1)

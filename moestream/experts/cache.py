@@ -1,13 +1,10 @@
 """The expert slot cache: one pool of slots on the compute device, shared by all layers.
 
-A layer asks for the experts its router chose (`fetch`): hits are pinned at once; misses get a slot
-from the directory (free, or a victim the policy picks among unpinned, ready slots), filled from the
-host tier (host_tier.py) or the record source. Early reads (`prefetch`) fill slots before a layer
-asks. A slot holds the record's exact bytes and the layer computes only after its slots are filled:
-what moves never changes the answer. On CUDA, records go disk -> pinned buffer -> slot by an async
-copy on a stream of its own; compute waits only for the slots it uses, and a victim slot is
-overwritten only after the compute that read it.
-"""
+`fetch` pins the experts a layer's router chose; misses get a slot from the directory (free, or a
+policy's victim among unpinned, ready slots), filled from the host tier or the record source;
+`prefetch` fills slots early. A layer computes only after its slots are filled: what moves never
+changes the answer. On CUDA, records go disk -> pinned buffer -> slot by an async copy on a stream of
+its own, and a victim slot is overwritten only after the compute that read it."""
 from __future__ import annotations
 
 import queue
@@ -247,9 +244,8 @@ class ExpertCache:
         return self.num_slots >= self.total_experts
 
     def make_resident(self) -> bool:
-        """Where the pool holds every expert: load them all, pinned for good, and keep a device slot
-        table per layer (`resident_table`): no lookup, no host sync. Loading counts as reads, not as
-        hits or misses. Returns whether it is so now."""
+        """Where the pool holds every expert: load them all, pinned for good, with a device slot table
+        per layer (`resident_table`). Loading counts as reads, not as hits or misses."""
         if self.resident_tables:
             return True
         if not self.can_hold_all():
@@ -311,8 +307,8 @@ class ExpertCache:
 
     # -- device-driven streaming ----------------------------------------------------------
     def start_device_map(self):
-        """Hand the slot pool to a DeviceMap (moestream.experts.device_map), given a host tier holding
-        every record (filled here) that the GPU can read; else DeviceMapUnavailable says what lacks."""
+        """Hand the slot pool to a DeviceMap, given a host tier holding every record (filled here) that
+        the GPU can read; else DeviceMapUnavailable says what lacks."""
         from moestream.experts.device_map import DeviceMap, DeviceMapUnavailable
         from moestream.experts.uva import device_view
 

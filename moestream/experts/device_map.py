@@ -1,11 +1,9 @@
 """Device-driven streaming: the expert -> slot map lives on the device, and so does the miss path.
 
-When the host tier holds every record (pinned RAM the GPU reads at its own address,
-moestream.experts.uva), the device looks up each routed expert's slot, picks victims for the misses,
-rewrites the map and pulls the missed records with its own loads (moestream.kernels.triton_gather):
-every step is one CUDA graph, as when every expert is resident, and the host never waits for a
-layer. The kernels compute from a slot only after the copy into it, in stream order: what moves
-never changes the answer.
+When the host tier holds every record (pinned RAM the GPU reads, moestream.experts.uva), the device
+looks up each routed expert's slot, picks victims, rewrites the map and pulls the missed records
+itself (moestream.kernels.triton_gather): every step is one CUDA graph and the host never waits for
+a layer. A slot is read only after the copy into it, in stream order.
 
 Victims (never this call's hits):
   - cycle (default): the slot whose layer has been looked up most often since the slot was last
@@ -99,20 +97,18 @@ class DeviceMap:
                before_copy: Callable[[], None] | None = None, count: bool = True,
                withheld: torch.Tensor | None = None, gate: torch.Tensor | None = None) -> None:
         """Make every expert in `ids` (this layer's, any shape) hold a slot with its record, with device
-        ops only, in stream order (a CUDA graph can hold it). On CUDA one Triton program decides
-        (moestream.kernels.triton_slot_map: 49 against 38 tok/s at 25 % on the H200); `decide`, in
-        torch ops, takes the calls it does not (prefill chunks) and the CPU's.
+        ops only (a CUDA graph can hold it). On CUDA one Triton program decides
+        (moestream.kernels.triton_slot_map: 49 against 38 tok/s at 25 % on the H200); `decide`
+        takes the calls it does not (prefill chunks) and the CPU's.
 
-        withhold: an int32 [1] or [2] tensor (a share of the misses in 1/1024ths), or [2 + M + 1]
-        (from the third entry on: how many to withhold of a call with m misses, m = 0..M; the first
-        then only reported): that many
-        of this call's misses, the first in expert order, get no slot (another compute unit computes
-        them: moestream.cpu_share); one distinct expert always stays. A second entry p > 0 withholds
-        at least one miss every p-th lookup (a probe, so the other unit's speed is measured again).
-        withheld: an int64 [2] tensor receiving the misses withheld and all the misses. gate: an int32
-        [1] tensor; where 0 the call does nothing (the clock stands still), so a graph can hold a
-        lookup the device decides to run. before_copy runs between the decision and the copies.
-        count: add this call to the hit and miss counts."""
+        withhold: int32 [1] or [2] (a share of the misses in 1/1024ths), or [2 + M + 1] (from the
+        third entry: how many to withhold of a call with m misses, m = 0..M): that many of this call's
+        misses, the first in expert order, get no slot (moestream.cpu_share computes them); one
+        distinct expert always stays. A second entry p > 0 withholds at least one miss every p-th
+        lookup (a probe). withheld: int64 [2] receiving the misses withheld and all the misses.
+        gate: int32 [1]; where 0 the call does nothing, so a graph can hold a lookup the device
+        decides to run. before_copy runs between the decision and the copies. count: add this call
+        to the hit and miss counts."""
         decide = self.decide
         if self.pool.device.type == "cuda":
             from moestream.kernels import triton_slot_map

@@ -1,18 +1,13 @@
 """The paged KV pool: every layer's per-token rows in fixed-size blocks shared by all sequences.
 
-A layer's keys are [NB, BS, Nkv, D] and values [NB, BS, Nkv, Dv]; the layers with the same window (a
-group) share a block table, int32 [S, MB] on the device with a host mirror: position p of sequence s
-lies in block table[s, p // BS], row p % BS. Blocks are taken as a sequence grows and given back when
-it shrinks or ends (a window group: those its window no longer sees). A full block of known tokens is
-published under a chained hash of its ids, so a prompt starting like an earlier one shares those
-blocks (reference counted); a freed published block stays reusable until its room is needed.
+Layers with the same window (a group) share a block table, int32 [S, MB] on the device with a host
+mirror: position p of sequence s lies in block table[s, p // BS], row p % BS. A full block of known
+tokens is published under a chained hash of its ids, so a prompt starting like an earlier one shares
+those blocks (reference counted); a freed published block stays reusable until its room is needed.
 Recurrent layers keep a state per sequence instead (moestream.kv.recurrent).
 
-Sizing: a full-attention group holds the whole context for one sequence plus a quarter of it for each
-further slot (`full_blocks`): the context is a limit per sequence, not a reservation per slot. A
-caller admits a sequence only where its whole length fits (`KVPool.room`), so none runs out
-mid-generation. With recurrent layers every slot keeps its whole context, and a free slot its blocks
-and states for its next prompt's prefix, rather than sharing them by content.
+Sizing (`full_blocks`): the context is a limit per sequence, not a reservation per slot; a caller
+admits a sequence only where its whole length fits (`KVPool.room`), so none runs out mid-generation.
 
 Legend: NB blocks, BS block size, S sequences, MB blocks per sequence, Nkv heads, D head size."""
 from __future__ import annotations
@@ -102,7 +97,7 @@ class KVPool:
     def __init__(self, layout: list[LayerKV], *, max_sequences: int, max_context: int, dtype: torch.dtype,
                  device: torch.device, block_size: int = BLOCK_SIZE, num_blocks: int | None = None,
                  prefill_chunk: int = 0):
-        """num_blocks: blocks of a full-attention group (default: `full_blocks`); a window group gets what its window needs for every sequence, and one prefill chunk's more."""
+        """num_blocks: blocks of a full-attention group (default: `full_blocks`)."""
         if block_size < 1:
             raise ValueError(f"the KV block size must be at least 1, got {block_size}")
         self.layout, self.block_size, self.max_context = layout, block_size, max_context
@@ -401,9 +396,8 @@ class SequenceKV:
     def reuse(self, prompt: list[int], limit: int) -> int:
         """Keep as much of `prompt` (at most `limit` tokens) as this sequence, another open one or the
         pool's published blocks hold, and return the length kept (the prefill computes the rest).
-        Another sequence's blocks are held as they are, its last partly filled one too (copied before
-        either writes it): the positions kept have the bits they were computed with, so a prompt
-        that starts like a running one continues as it would in that one's own slot."""
+        Another sequence's blocks are held as they are (copied before either writes them): the kept
+        positions have the bits they were computed with."""
         own = common_prefix(self.tokens, prompt[:limit])
         shared = self.pool.shared_blocks(prompt, limit) * self.pool.block_size
         donor, beside = self._donor(prompt[:limit])

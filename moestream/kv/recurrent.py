@@ -1,18 +1,11 @@
 """The states of a recurrent (linear-attention) layer, kept so that its cache can be truncated like
 a KV cache.
 
-A recurrent layer holds one state that each token updates (a float32 matrix per head and the
-convolution's last inputs); a copy per position would cost megabytes per token. So states are kept
-  - for the last RECENT_STATES lengths, in a ring (slot = length % RECENT_STATES): a step of up to
-    MAX_STEP_TOKENS tokens rolls back to any of its positions for free (speculative decoding);
-  - at every `every`-th length (at most MAX_SNAPSHOTS + 1 snapshots): a deeper truncation returns to
-    the nearest snapshot at or before it, and the caller recomputes the tokens after it.
-
-A run over positions start..end-1 reads the ring slot of `start` and writes the lengths
-max(start + 1, end - RECENT_STATES + 1)..end into the ring and every multiple of `every` in
-start+1..end into the snapshots; a one-token step does it with device indices (graphs replay it at
-any position). Which lengths are held is the host's `StateBook`, one per sequence, shared by its
-recurrent layers (they always move together)."""
+A copy of the state per position would cost megabytes per token, so states are kept for the last
+RECENT_STATES lengths in a ring (slot = length % RECENT_STATES: a step rolls back to any of its
+positions for free) and at every `every`-th length (at most MAX_SNAPSHOTS + 1 snapshots: a deeper
+truncation returns to the nearest one and the caller recomputes the tokens after it). Which lengths
+are held is the host's `StateBook`, one per sequence, shared by its recurrent layers."""
 from __future__ import annotations
 
 import math

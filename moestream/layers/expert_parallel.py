@@ -3,15 +3,10 @@
 Legend: T tokens, H hidden, A experts per token, P = T * A (token, expert) pairs.
 
 Every rank runs the whole model (attention replicated, one sequence). At an MoE layer each rank
-computes the weighted output row of each pair whose expert it owns, into a [P, H] tensor that is
-zero elsewhere; the ranks all-gather those tensors, each takes every pair's row from its owner's
-copy (a selection, no arithmetic), and every rank adds the rows into the layer's output exactly as
-one process does (the native CPU kernels' NativePlan: a token's rows in the order of its picks;
-else TorchPlan: experts in ascending id order, `index_add_` per expert). So every rank's output is
-the single-process output bit for bit, for any number of ranks and any placement.
-
-The host half fetches only owned experts, and `OwnedExperts` guards the provider, so a rank never
-reads another rank's records (its own cache's statistics show it)."""
+computes the weighted rows [P, H] of the pairs whose expert it owns; the ranks all-gather them, take
+every pair's row from its owner's copy (a selection, no arithmetic) and add the rows as one process
+does (NativePlan's or TorchPlan's order): every rank's output is the single-process output bit for
+bit, for any number of ranks and any placement. `OwnedExperts` keeps a rank to its own records."""
 from __future__ import annotations
 
 import time

@@ -1,27 +1,18 @@
 """RoutedExperts: the one place where routed experts are computed.
 
-Legend: T tokens, H hidden, A experts per token, E experts of a layer, U distinct experts chosen.
+Legend: T tokens, H hidden, A experts per token, E experts of a layer.
 
-It has two halves:
-  - the host half makes the chosen experts available: it asks the provider (the slot cache) to
-    pin them, loading misses, and writes the layer's slot table; it calls the trace and prefetch
-    hooks. It is the only part that may synchronize with the device (to read the chosen ids).
-  - the device half computes y = sum_a weights[t, a] * FFN_{ids[t, a]}(x[t]) from the slot pool and
-    a slot table. With the Triton kernels it reads no device value on the host, so the CUDA
-    decoder captures it in a graph.
+Its host half makes the chosen experts available (pins them in the provider's slots, loading misses,
+writes the layer's slot table, calls the trace and prefetch hooks): the only part that may
+synchronize with the device. Its device half computes y = sum_a weights[t, a] * FFN_{ids[t, a]}(x[t])
+from the slot pool and a slot table, reading no device value on the host with the Triton kernels, so
+the CUDA decoder captures it in a graph.
 
-Kernels behind it: the Triton slot-pool kernels (CUDA, 4/8-bit records in the MLX layout and MXFP4
-records, every gated activation of torch_experts.ACTIVATIONS with its biases), the native CPU kernels
-(moestream.layers.native_experts: the CPU's 4/8-bit affine SwiGLU records, straight from the slots)
+Kernels: Triton's slot-pool kernels (CUDA), the native CPU kernels (moestream.layers.native_experts)
 and the torch reference (moestream.layers.torch_experts: expert parallelism, a CPU share's layers,
-and any record layout neither takes, e.g. unquantized experts, or a CPU without the native build).
-Which one a layer uses depends only on the device, the record layout and the build, never on what
-is cached, so the bits are the same for every cache size and policy.
-
-Its backends and hooks are given when it is built, never set from outside: expert parallelism (`parallel`: a
-plan whose `run` takes the experts this rank owns and whose `finish` adds the other ranks' rows in
-a fixed order), the CPU's kept unpacked experts (`unpacked`), and the CPU's share of the misses
-(`cpu_share`: started with device-driven streaming, moestream.cpu_share)."""
+any record layout neither takes). Which one a layer uses depends only on the device, the record
+layout and the build, never on what is cached: the same bits for every cache size and policy.
+Backends and hooks are given when it is built, never set from outside."""
 from __future__ import annotations
 
 import logging
@@ -39,11 +30,9 @@ log = logging.getLogger(__name__)
 
 
 def padding_on_last_row(ids: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
-    """ids [T, A] with the rows past `last` ([1], a padded prefill's last real row, on the device: a
-    graph's input) routed to that row's experts, so the padding reads no expert the prompt did not.
-    The real rows keep their bits: the expert kernels choose tiles for the real token count and the
-    padding's pairs sort after the real ones; the padding's outputs reach only K/V past the prompt,
-    which later tokens overwrite."""
+    """ids [T, A] with the rows past `last` ([1] on the device: a padded prefill's last real row)
+    routed to that row's experts, so the padding reads no expert the prompt did not
+    (moestream.engine.prefill_graphs)."""
     rows = torch.arange(ids.shape[0], device=ids.device).unsqueeze(1)
     return torch.where(rows > last, ids.index_select(0, last), ids)
 
@@ -54,17 +43,14 @@ class RoutedExperts:
     def __init__(self, provider, moe_layers: Mapping[int, int], *, device: torch.device, parallel=None,
                  unpacked=None, cpu_share: ShareRequest | None = None, on_route: Callable | None = None,
                  after_fetch: Callable | None = None, reroute: Callable | None = None):
-        """provider: where the records live, a pool of slots filled on demand
-        (moestream.experts.cache.ExpertCache, or expert parallelism's OwnedExperts over it).
-        moe_layers: layer index -> number of experts. parallel: a
-        moestream.layers.expert_parallel.ExpertParallel: this rank computes only its own experts, and
-        the ranks exchange their rows (the torch reference's arithmetic, exactly). unpacked: the
-        CPU's kept dequantized experts (moestream.experts.unpacked.UnpackedExperts). cpu_share: the
-        CPU's share of the misses, started with device-driven streaming (`start_device_map`).
-        on_route(layer, ids) sees every layer's chosen ids (a routing trace); after_fetch(layer, x,
-        chosen) runs once a layer's experts are pinned (the CPU lookahead's early reads start there;
-        chosen: the distinct experts the layer routed to, to score earlier guesses); reroute(layer,
-        weights, ids) -> replaced weights, ids (benchmarks only: moestream.bench.routing)."""
+        """provider: the slot pool filled on demand (moestream.experts.cache.ExpertCache, or
+        expert parallelism's OwnedExperts over it); moe_layers: layer -> number of experts;
+        parallel: moestream.layers.expert_parallel.ExpertParallel (this rank computes its own
+        experts, the ranks exchange rows); unpacked: moestream.experts.unpacked.UnpackedExperts;
+        cpu_share: the CPU's share of the misses, started with the device map. on_route(layer, ids)
+        sees every layer's ids (a routing trace); after_fetch(layer, x, chosen) runs once a layer's
+        experts are pinned (the CPU lookahead); reroute(layer, weights, ids) replaces the routing
+        (benchmarks only: moestream.bench.routing)."""
         self.provider, self.num_experts, self.device = provider, dict(moe_layers), torch.device(device)
         self.parallel = parallel
         self.layouts = {layer: self._layout(layer) for layer in self.num_experts}
@@ -139,12 +125,9 @@ class RoutedExperts:
     def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, *,
                  residual: torch.Tensor | None = None, per_pair: bool = False, notify: bool = True,
                  out: torch.Tensor | None = None, norm: tuple | None = None) -> torch.Tensor:
-        """sum_a weights[t, a] * FFN_{ids[t, a]}(x[t]) (+ residual), for x [T, H], ids/weights [T, A].
-        out, norm: as `compute` (the Triton kernels only).
-
-        Where every expert is resident the kernels index the resident table (no lookup, no sync).
-        Else the distinct ids come to the host (the one sync) and are pinned in batches of at most
-        `batch_limit`; each batch computes only its own pairs, so batching never changes the bits."""
+        """Both halves for x [T, H], ids/weights [T, A] (+ residual); out, norm: as `compute`. Streamed,
+        the distinct ids come to the host (the one sync) and are pinned in batches of at most
+        `batch_limit`, each computing only its own pairs: batching never changes the bits."""
         if notify and self.on_route is not None:
             self.on_route(layer, ids)
         if self.last_real_row is not None:
@@ -198,8 +181,7 @@ class RoutedExperts:
 
     # -- the halves apart (the decoder) --------------------------------------------------------
     def make_resident(self) -> bool:
-        """Where the pool holds every expert: load them all and fill the slot tables for good (then
-        `load` is never needed and a whole step can be one CUDA graph)."""
+        """Where the pool holds every expert: load them all and fill the slot tables for good."""
         if not self.resident and self.provider.can_hold_all() and self.provider.make_resident():
             for layer, table in self.tables.items():
                 table.copy_(self.provider.resident_table(layer))
@@ -207,10 +189,9 @@ class RoutedExperts:
         return self.resident
 
     def start_device_map(self) -> None:
-        """Device-driven streaming (moestream.experts.device_map): from now on each layer call finds
-        or copies its experts on the device, so a streamed step needs the host no more than a
-        resident one. Raises DeviceMapUnavailable where it cannot run. The CPU share, where one was
-        asked for, starts with it (a log line says why where it cannot)."""
+        """Device-driven streaming (moestream.experts.device_map): each layer call finds or copies its
+        experts on the device; raises DeviceMapUnavailable where it cannot run. The CPU share, where
+        asked for, starts with it."""
         if self.device_map is None:
             dm = self.provider.start_device_map()
             for layer in self.tables:
@@ -231,10 +212,9 @@ class RoutedExperts:
         return self.resident or self.device_map is not None
 
     def load(self, layer: int, ids_host: list[int], x: torch.Tensor | None = None) -> bool:
-        """Host half for the decoder: pin the distinct `ids_host` and write their slots into the
-        layer's table. False (nothing pinned) where they exceed the batch limit: then the caller
-        computes the layer eagerly (`__call__`), in batches. x: the layer's expert input, for the
-        `after_fetch` hook."""
+        """Host half for the decoder: pin the distinct `ids_host`, write their slots into the layer's
+        table. False (nothing pinned) beyond the batch limit: the caller then runs `__call__`.
+        x: the layer's expert input, for `after_fetch`."""
         experts = chosen = sorted(set(ids_host))
         if self.parallel is not None:
             experts = self.parallel.mine(layer, experts)
@@ -267,10 +247,9 @@ class RoutedExperts:
                 per_pair: bool = True, split_x: torch.Tensor | None = None,
                 norm: tuple | None = None) -> torch.Tensor:
         """Device half: the routed experts from the layer's slot table (set by `load`, resident, or
-        brought up to date here by the device map, with the CPU's share where it runs).
-        split_x, norm (the Triton kernels only): x already in the gemv kernels' input order
-        (MoEPlan's split_x), and (weight, eps, normed) to write the next layer's input norm of the
-        result into normed in the same last kernel (MoEPlan.finish)."""
+        updated here by the device map, with the CPU's share where it runs). Triton only: split_x, x
+        in the gemv kernels' input order; norm (weight, eps, normed), the next layer's input norm
+        written into normed by the last kernel (MoEPlan.finish)."""
         if self.device_map is not None:
             share = self.cpu_share
             if share is not None and share.takes(x, ids) and not share.refused.get(layer):

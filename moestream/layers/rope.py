@@ -32,6 +32,11 @@ def rope_theta(config: dict, *, supported: tuple[str, ...] = ("default",)) -> fl
     return float(theta if theta is not None else 10000.0)
 
 
+def _yarn_mscale(factor: float, m: float = 1.0) -> float:
+    # YaRN's attention temperature: 0.1 * m * ln(s) + 1 for a stretch s > 1
+    return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+
 def _yarn(theta: float, dim: int, params: dict, max_positions: int) -> tuple[torch.Tensor, float]:
     """YaRN: (inverse frequencies [dim/2], the factor cos and sin are scaled by)."""
     original = params.get("original_max_position_embeddings") or max_positions
@@ -39,13 +44,10 @@ def _yarn(theta: float, dim: int, params: dict, max_positions: int) -> tuple[tor
     if factor is None:  # DeepSeek-style configs give only the two lengths
         factor = max_positions / original
 
-    def mscale(scale: float, m: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
     attention = params.get("attention_factor")
     if attention is None:
         m, m_all = params.get("mscale"), params.get("mscale_all_dim")
-        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+        attention = _yarn_mscale(factor, m) / _yarn_mscale(factor, m_all) if m and m_all else _yarn_mscale(factor)
     fast, slow = params.get("beta_fast") or 32, params.get("beta_slow") or 1
 
     def dim_for(rotations: float) -> float:  # the dimension that turns `rotations` times over the original length
@@ -70,9 +72,7 @@ class Rope:
     head (partial rotary); `scale` multiplies cos and sin (YaRN's attention factor)."""
 
     def __init__(self, head_dim: int, theta: float, device: torch.device, *, rotary_dim: int | None = None,
-                 inv_freq: torch.Tensor | None = None, scale: float = 1.0, attention_factor: float | None = None):
-        if attention_factor is not None:  # transformers' name for the scale
-            scale = attention_factor
+                 inv_freq: torch.Tensor | None = None, scale: float = 1.0):
         dim = head_dim if rotary_dim is None else rotary_dim
         if inv_freq is None:
             inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim))
@@ -132,16 +132,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
         return x * cos + rotate_half(x) * sin
     rot = x[..., :r]
     return torch.cat((rot * cos + rotate_half(rot) * sin, x[..., r:]), dim=-1)
-
-
-def rope_scaling(config: dict) -> dict:
-    """The rope parameters with their kind under "rope_type" (see rope_parameters)."""
-    return rope_parameters(config)
-
-
-def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
-    # YaRN's attention temperature: 0.1 * m * ln(s) + 1 for a stretch s > 1
-    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 def yarn_inv_freq_and_scale(config: dict, dim: int, theta: float) -> tuple[torch.Tensor, float]:

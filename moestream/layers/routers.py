@@ -51,9 +51,6 @@ def sigmoid_topk(logits: torch.Tensor, top_k: int, *, correction_bias: torch.Ten
     return (weights * scaling).to(out_dtype), ids
 
 
-sigmoid_group_topk = sigmoid_topk  # DeepSeek-V3's name for the same routing
-
-
 def topk_softmax(logits: torch.Tensor, top_k: int, *, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """The top k logits, then a softmax over those k only (gpt-oss), in float32."""
     values, ids = torch.topk(logits.to(torch.float32), top_k, dim=-1)

@@ -40,12 +40,10 @@ def activation_of(quant: Mapping[str, QuantSpec]) -> str:
 class TorchPlan:
     """The torch reference over the slot pool, with MoEPlan's interface (`run`, `run_table`, `finish`).
 
-    Experts are taken in ascending id order (whatever the batching), each dequantized once (or taken
-    from `unpacked`, the CPU's kept copies: the same bits). With per_pair, every (token, expert) pair
-    is its own one-row product, so a token's result does not depend on how many tokens are computed
-    together (CPU BLAS picks other kernels for other row counts); on the CPU those rows go through
-    one batched call per expert and projection where `rows_exact` says the bits are the one-row
-    call's. Otherwise each expert's tokens go through one matmul (prefill)."""
+    With per_pair every (token, expert) pair is its own one-row product, so a token's result does not
+    depend on how many tokens are computed together (CPU BLAS picks other kernels for other row
+    counts); on the CPU those rows go through one batched call per expert and projection where
+    `rows_exact` allows. Otherwise each expert's tokens go through one matmul (prefill)."""
 
     def __init__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, fields, quant, *,
                  per_pair: bool = False, unpacked=None, layer: int = 0):

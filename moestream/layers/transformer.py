@@ -1,10 +1,8 @@
 """The pre-norm decoder layer and the model around a stack of them: embed -> layers -> norm -> head.
 
 What the engine and the CUDA decoder ask of a model is here and nowhere else: `embed`, each layer's
-`attention_rows` (everything before its FFN for a step's rows, over the paged KV pool) and `ffn` (a
-MoEBlock or a dense FFN), `head`, and `forward` for prefill chunks. A family builds its layers from
-these pieces in its own file; a family whose layer differs (another attention, other norms) gives
-its layer the same two methods."""
+`attention_rows` and `ffn`, `head`, and `forward` for prefill chunks. A family whose layer differs
+gives its layer the same two methods."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -48,10 +46,9 @@ class DecoderLayer:
                        linear=None, normed: torch.Tensor | None = None,
                        split: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Everything before the FFN for the rows x [R, H], the first T = len(positions) of them tokens:
-        (h, hn) [R, H], the residual stream after attention and its normed copy. Fused norm kernels on
-        CUDA (torch's rounding order). linear: the products' kernel (the attention's default elsewise).
-        normed: the input norm of x (`rows_input_norm`) where the caller's last kernel computed it
-        already; split: hn's float32 copy for the gemv expert kernels (triton_decode.add_rms_norm)."""
+        (h, hn) [R, H], the residual stream after attention and its normed copy. linear: the products'
+        kernel. normed: x's input norm (`rows_input_norm`) where the caller computed it already;
+        split: hn's float32 copy for the gemv expert kernels (triton_decode.add_rms_norm)."""
         # the fused norm kernels on CUDA, and wherever a caller hands their results in
         td = _fused_norms() if x.is_cuda or normed is not None or split is not None else None
         if td is None:

@@ -1,9 +1,5 @@
-"""What every family shares: config reading, the strict weight loader, and builders for the usual pieces.
-
-A family file (one per Hugging Face model_type) holds its ModelArgs, the rules the rest of the
-project asks of it (see the `registry` docstring), and `build`, which assembles its layers from
-moestream.layers with these helpers. Checkpoint names are the family's own, kept verbatim in the
-packed model."""
+"""What every family shares: config reading, the strict weight loader, and builders for the usual
+pieces (a family file holds what differs: moestream.models.registry)."""
 from __future__ import annotations
 
 import dataclasses
@@ -269,6 +265,13 @@ def router_bits(bits: int | None) -> int | None:
     return None if bits is None else max(bits, 8)
 
 
+def routers_keep_8_bits(*suffixes: str):
+    """A family's quant_predicate: the matrices named `*suffix` (routers, gates) keep at least 8 bits."""
+    def quant_predicate(name: str, bits: int | None) -> int | None:
+        return router_bits(bits) if name.endswith(suffixes) else bits
+    return quant_predicate
+
+
 def sanitize(name: str) -> str | None:
     """The usual key map: checkpoint names are kept; rotary buffers (not weights) are left out."""
     return None if name.endswith("rotary_emb.inv_freq") else name
@@ -288,6 +291,21 @@ def softmax_router(args: BaseModelArgs, *, normalize: bool, float32_weights: boo
 def decoder_layer(loader, prefix: str, args: BaseModelArgs, attn, ffn) -> DecoderLayer:
     """A pre-norm layer: input_layernorm -> attention -> post_attention_layernorm -> ffn."""
     return DecoderLayer(attn, ffn, *norms(loader, prefix, args.hidden_size), args.rms_norm_eps)
+
+
+def routed_moe(loader, prefix: str, layer: int, args: BaseModelArgs, route, experts) -> MoEBlock:
+    """The MoE block at `prefix` whose router is `{prefix}gate.weight` and has no shared expert."""
+    router = loader.take(prefix + "gate.weight", (args.num_experts, args.hidden_size))
+    return MoEBlock(layer, router, route, experts, top_k=args.num_experts_per_tok)
+
+
+def build_layers(loader, args: BaseModelArgs, rope: Rope, attention, ffn) -> MoETransformer:
+    """The model of pre-norm layers `attention(prefix, i)` -> `ffn(prefix, i)` at `model.layers.{i}.`."""
+    layers = []
+    for i in range(args.num_hidden_layers):
+        p = f"model.layers.{i}."
+        layers.append(decoder_layer(loader, p, args, attention(p, i), ffn(p, i)))
+    return transformer(loader, args, rope, layers)
 
 
 def transformer(loader, args: BaseModelArgs, rope: Rope, layers: list[DecoderLayer]) -> MoETransformer:

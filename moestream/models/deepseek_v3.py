@@ -19,8 +19,8 @@ from moestream.layers.experts import RoutedExperts
 from moestream.kv.layout import LayerKV
 from moestream.layers.mla import MLAShape, MLAttention, MLAWeights
 from moestream.layers.moe import MoEBlock
-from moestream.layers.rope import Rope, rope_scaling, yarn_inv_freq_and_scale, yarn_softmax_scale
-from moestream.layers.routers import sigmoid_group_topk
+from moestream.layers.rope import Rope, rope_parameters, yarn_inv_freq_and_scale, yarn_softmax_scale
+from moestream.layers.routers import sigmoid_topk
 from moestream.layers.transformer import DecoderLayer, MoETransformer
 from moestream.models import base, mtp
 
@@ -29,7 +29,7 @@ EXPERT_NAMES = {p: p for p in base.EXPERT_PROJECTIONS}
 
 
 @dataclass
-class ModelArgs(base.BaseModelArgs):
+class ModelArgs(mtp.NextNArgs, base.BaseModelArgs):
     EXPERT_INTERMEDIATE: ClassVar[str] = "moe_intermediate_size"
     ROPE_TYPES: ClassVar[tuple[str, ...]] = ("default", "yarn")
     moe_intermediate_size: int = 2048
@@ -56,7 +56,7 @@ class ModelArgs(base.BaseModelArgs):
         if config.get("num_key_value_heads") is None:  # unused by latent attention; transformers defaults it so
             config = {**config, "num_key_value_heads": config.get("num_attention_heads")}
         args = super().from_dict(config)
-        args.rope = rope_scaling(config)
+        args.rope = rope_parameters(config)
         args.max_position_embeddings = config.get("max_position_embeddings", args.max_position_embeddings)
         # the query/key width: what the memory ledger's activation estimate counts per head
         args.head_dim = args.qk_nope_head_dim + args.qk_rope_head_dim
@@ -79,12 +79,6 @@ class ModelArgs(base.BaseModelArgs):
     def largest_intermediate(self) -> int:
         return max(super().largest_intermediate(), self.moe_intermediate_size * self.n_shared_experts)
 
-    def mtp_layer_count(self) -> int:
-        return mtp.nextn_count(self)
-
-    def is_mtp_weight(self, name: str) -> bool:
-        return mtp.is_nextn_weight(self, name)
-
     def mla_shape(self) -> MLAShape:
         return MLAShape(self.num_attention_heads, self.kv_lora_rank, self.qk_nope_head_dim, self.qk_rope_head_dim,
                         self.v_head_dim)
@@ -98,19 +92,14 @@ class ModelArgs(base.BaseModelArgs):
         return [self.mla_shape().cache_layout()] * self.num_hidden_layers
 
 
-def sanitize(name: str) -> str | None:
-    return None if name.endswith("rotary_emb.inv_freq") else name
-
-
-def quant_predicate(name: str, bits: int | None) -> int | None:
-    """The router keeps at least 8 bits."""
-    return base.router_bits(bits) if name.endswith(".mlp.gate.weight") else bits
+sanitize = base.sanitize
+quant_predicate = base.routers_keep_8_bits(".mlp.gate.weight")
 
 
 def route(args: ModelArgs, correction_bias, logits):
-    return sigmoid_group_topk(logits, args.num_experts_per_tok, correction_bias=correction_bias, n_group=args.n_group,
-                              topk_group=args.topk_group, normalize=args.norm_topk_prob,
-                              scaling=args.routed_scaling_factor, out_dtype=logits.dtype)
+    return sigmoid_topk(logits, args.num_experts_per_tok, correction_bias=correction_bias, n_group=args.n_group,
+                        topk_group=args.topk_group, normalize=args.norm_topk_prob, scaling=args.routed_scaling_factor,
+                        out_dtype=logits.dtype)
 
 
 def rope_for(args: ModelArgs, device) -> Rope:
@@ -118,7 +107,7 @@ def rope_for(args: ModelArgs, device) -> Rope:
     if args.rope["rope_type"] == "yarn":
         config = {"rope_scaling": args.rope, "max_position_embeddings": args.max_position_embeddings}
         inv_freq, factor = yarn_inv_freq_and_scale(config, args.qk_rope_head_dim, args.rope_theta)
-        return Rope(args.qk_rope_head_dim, args.rope_theta, device, inv_freq=inv_freq, attention_factor=factor)
+        return Rope(args.qk_rope_head_dim, args.rope_theta, device, inv_freq=inv_freq, scale=factor)
     return Rope(args.qk_rope_head_dim, args.rope_theta, device)
 
 
@@ -146,10 +135,11 @@ def mla(loader, prefix: str, args: ModelArgs, rope: Rope) -> MLAttention:
 
 
 def decoder_layer(loader, p: str, args: ModelArgs, rope: Rope, layer: int, experts: RoutedExperts, *,
-                  moe: bool) -> DecoderLayer:
-    """Layer `layer` at prefix `p`: latent attention, then the MoE block (expert layer `layer`) or a dense MLP."""
+                  moe: bool, attention=mla) -> DecoderLayer:
+    """Layer `layer` at prefix `p`: `attention` (latent by default), then the MoE block (expert layer
+    `layer`) or a dense MLP."""
     H = args.hidden_size
-    attn = mla(loader, p + "self_attn.", args, rope)
+    attn = attention(loader, p + "self_attn.", args, rope)
     if moe:
         m = p + "mlp."
         # the choice compares scores a bf16 rounding would reorder: router and bias stay float32,
@@ -161,23 +151,23 @@ def decoder_layer(loader, p: str, args: ModelArgs, rope: Rope, layer: int, exper
         ffn = MoEBlock(layer, router, partial(route, args, bias), experts, top_k=args.num_experts_per_tok, shared=shared)
     else:
         ffn = base.dense_mlp(loader, p + "mlp.", H, args.intermediate_size)
-    return DecoderLayer(attn, ffn, *base.norms(loader, p, H), args.rms_norm_eps)
+    return base.decoder_layer(loader, p, args, attn, ffn)
 
 
-def build(args: ModelArgs, loader, experts: RoutedExperts) -> MoETransformer:
-    rope = rope_for(args, loader.device)
-    layers = [decoder_layer(loader, f"model.layers.{i}.", args, rope, i, experts, moe=args.is_moe_layer(i))
-              for i in range(args.num_hidden_layers)]
-    embed, final_norm, lm_head = base.embeddings(loader, args)
-    return MoETransformer(embed=embed, layers=layers, final_norm=final_norm, lm_head=lm_head, rope=rope,
-                          eps=args.rms_norm_eps)
+def build(args: ModelArgs, loader, experts: RoutedExperts, *, rope: Rope | None = None,
+          attention=mla) -> MoETransformer:
+    rope = rope_for(args, loader.device) if rope is None else rope
+    layers = [decoder_layer(loader, f"model.layers.{i}.", args, rope, i, experts, moe=args.is_moe_layer(i),
+                            attention=attention) for i in range(args.num_hidden_layers)]
+    return base.transformer(loader, args, rope, layers)
 
 
-def build_mtp(args: ModelArgs, loader, experts: RoutedExperts, model: MoETransformer, count: int):
+def build_mtp(args: ModelArgs, loader, experts: RoutedExperts, model: MoETransformer, count: int, *,
+              attention=mla):
     """The first `count` MTP layers: each a decoder layer with routed experts past the last one."""
     out = []
     for i in range(args.num_hidden_layers, args.num_hidden_layers + count):
         p = f"model.layers.{i}."
-        block = decoder_layer(loader, p, args, model.rope, i, experts, moe=True)
-        out.append(mtp.nextn_layer(loader, args, p, block, model, args.mla_shape().cache_layout()))
+        block = decoder_layer(loader, p, args, model.rope, i, experts, moe=True, attention=attention)
+        out.append(mtp.nextn_layer(loader, args, p, block, model, args.kv_layout()[0]))
     return out

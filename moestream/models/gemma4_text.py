@@ -119,13 +119,8 @@ def _layer_shape(config: dict, args: ModelArgs, i: int) -> tuple[int, int]:
     return global_heads or heads, config.get("global_head_dim") or 512
 
 
-def sanitize(name: str) -> str | None:
-    return None if name.endswith("rotary_emb.inv_freq") else name
-
-
-def quant_predicate(name: str, bits: int | None) -> int | None:
-    """The router's projection keeps at least 8 bits."""
-    return base.router_bits(bits) if name.endswith(".router.proj.weight") else bits
+sanitize = base.sanitize
+quant_predicate = base.routers_keep_8_bits(".router.proj.weight")
 
 
 def build(args: ModelArgs, loader, experts: RoutedExperts) -> SoftcapTransformer:

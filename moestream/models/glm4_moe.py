@@ -1,31 +1,25 @@
 """GLM-4.5 / GLM-4.6 (glm4_moe): sigmoid router scores with a learned correction bias that steers
 only the choice (group-limited when n_group > 1), normalized top-k times routed_scaling_factor,
 shared experts beside the routed ones, the first `first_k_dense_replace` layers dense, partial
-rotary (partial_rotary_factor, 0.5 by default), q/k biases, optional per-head q/k RMSNorm. Its
-multi-token-prediction layers follow DeepSeek-V3's naming (moestream.models.mtp)."""
+rotary (partial_rotary_factor, 0.5 by default), q/k biases, optional per-head q/k RMSNorm. Apart
+from its attention, its layers and multi-token-prediction layers are DeepSeek-V3's (moestream.models.mtp)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 from typing import ClassVar
 
-import torch
-
+from moestream.layers.attention import Attention
 from moestream.layers.experts import RoutedExperts
-from moestream.layers.moe import MoEBlock
 from moestream.layers.rope import Rope
-from moestream.layers.routers import sigmoid_topk
-from moestream.layers.transformer import DecoderLayer, MoETransformer
-from moestream.kv.layout import LayerKV
-from moestream.models import base, mtp
+from moestream.layers.transformer import MoETransformer
+from moestream.models import base, deepseek_v3, mtp
 
 EXPERT_MODULE = "mlp"  # model.layers.N.mlp.experts.E.gate_proj.weight
 EXPERT_NAMES = {p: p for p in base.EXPERT_PROJECTIONS}
-CORRECTION_BIAS = "mlp.gate.e_score_correction_bias"
 
 
 @dataclass
-class ModelArgs(base.BaseModelArgs):
+class ModelArgs(mtp.NextNArgs, base.BaseModelArgs):
     EXPERT_INTERMEDIATE: ClassVar[str] = "moe_intermediate_size"
     moe_intermediate_size: int = 1408
     n_shared_experts: int = 1
@@ -54,62 +48,22 @@ class ModelArgs(base.BaseModelArgs):
     def largest_intermediate(self) -> int:
         return max(super().largest_intermediate(), self.moe_intermediate_size * self.n_shared_experts)
 
-    def mtp_layer_count(self) -> int:
-        return mtp.nextn_count(self)
 
-    def is_mtp_weight(self, name: str) -> bool:
-        return mtp.is_nextn_weight(self, name)
-
-
-def sanitize(name: str) -> str | None:
-    """Rotary buffers are not weights."""
-    return None if name.endswith("rotary_emb.inv_freq") else name
+sanitize = base.sanitize
+# the router keeps at least 8 bits (the correction bias is a vector: always float)
+quant_predicate = base.routers_keep_8_bits(".mlp.gate.weight")
 
 
-def quant_predicate(name: str, bits: int | None) -> int | None:
-    """The router keeps at least 8 bits (the correction bias is a vector: always float)."""
-    return base.router_bits(bits) if name.endswith(".mlp.gate.weight") else bits
-
-
-def route(args: ModelArgs, correction_bias: torch.Tensor, logits: torch.Tensor):
-    return sigmoid_topk(logits, args.num_experts_per_tok, correction_bias=correction_bias, n_group=args.n_group,
-                        topk_group=args.topk_group, normalize=args.norm_topk_prob, scaling=args.routed_scaling_factor,
-                        out_dtype=logits.dtype)
-
-
-def decoder_layer(loader, p: str, args: ModelArgs, rope: Rope, layer: int, experts: RoutedExperts, *,
-                  moe: bool) -> DecoderLayer:
-    H, E = args.hidden_size, args.num_experts
-    attn = base.attention(loader, p + "self_attn.", args, rope, bias=args.attention_bias,
+def attention(loader, prefix: str, args: ModelArgs, rope: Rope) -> Attention:
+    return base.attention(loader, prefix, args, rope, bias=args.attention_bias,
                           qk_norm="head" if args.use_qk_norm else None)
-    if moe:
-        m = p + "mlp."
-        # the choice compares scores that differ in the third decimal: router and bias stay float32,
-        # the logits computed in float32 (as transformers computes them)
-        router = loader.take(m + "gate.weight", (E, H), dtype=torch.float32)
-        bias = loader.take(p + CORRECTION_BIAS, (E,), dtype=torch.float32)
-        shared = base.shared_expert(loader, m + "shared_experts.", H, args.moe_intermediate_size * args.n_shared_experts)
-        ffn = MoEBlock(layer, router, partial(route, args, bias), experts, top_k=args.num_experts_per_tok, shared=shared)
-    else:
-        ffn = base.dense_mlp(loader, p + "mlp.", H, args.intermediate_size)
-    return DecoderLayer(attn, ffn, *base.norms(loader, p, H), args.rms_norm_eps)
 
 
 def build(args: ModelArgs, loader, experts: RoutedExperts) -> MoETransformer:
     rope = Rope.from_params(args.rope_parameters, args.head_dim, args.max_position_embeddings, loader.device)
-    layers = [decoder_layer(loader, f"model.layers.{i}.", args, rope, i, experts, moe=args.is_moe_layer(i))
-              for i in range(args.num_hidden_layers)]
-    embed, final_norm, lm_head = base.embeddings(loader, args)
-    return MoETransformer(embed=embed, layers=layers, final_norm=final_norm, lm_head=lm_head, rope=rope,
-                          eps=args.rms_norm_eps)
+    return deepseek_v3.build(args, loader, experts, rope=rope, attention=attention)
 
 
 def build_mtp(args: ModelArgs, loader, experts: RoutedExperts, model: MoETransformer, count: int):
     """The first `count` MTP layers (DeepSeek-V3's naming, moestream.models.mtp)."""
-    kv = LayerKV(args.num_key_value_heads, args.head_dim)
-    out = []
-    for i in range(args.num_hidden_layers, args.num_hidden_layers + count):
-        p = f"model.layers.{i}."
-        block = decoder_layer(loader, p, args, model.rope, i, experts, moe=True)
-        out.append(mtp.nextn_layer(loader, args, p, block, model, kv))
-    return out
+    return deepseek_v3.build_mtp(args, loader, experts, model, count, attention=attention)

@@ -69,9 +69,7 @@ class ModelArgs(base.BaseModelArgs):
 sanitize = base.sanitize  # checkpoint names kept (the experts' stacks go to the converter's fused reader)
 
 
-def quant_predicate(name: str, bits: int | None) -> int | None:
-    """The router keeps at least 8 bits."""
-    return base.router_bits(bits) if name.endswith(".mlp.router.weight") else bits
+quant_predicate = base.routers_keep_8_bits(".mlp.router.weight")
 
 
 def _attention(loader, prefix: str, args: ModelArgs, rope: Rope, window: int | None) -> Attention:
@@ -102,11 +100,10 @@ def build(args: ModelArgs, loader, experts: RoutedExperts) -> base.MoETransforme
     def route(logits: torch.Tensor):  # [T, E] -> weights, ids [T, A]
         return topk_softmax(logits, args.num_experts_per_tok, out_dtype=logits.dtype)
 
-    layers = []
-    for i, kind in enumerate(args.layer_types):
-        p = f"model.layers.{i}."
-        attn = _attention(loader, p + "self_attn.", args, rope, args.sliding_window if kind == SLIDING else None)
-        ffn = MoEBlock(i, loader.take(p + "mlp.router.weight", (E, H)), route, experts, top_k=args.num_experts_per_tok,
-                       router_bias=loader.take(p + "mlp.router.bias", (E,)))
-        layers.append(base.decoder_layer(loader, p, args, attn, ffn))
-    return base.transformer(loader, args, rope, layers)
+    def attention(p: str, i: int) -> Attention:
+        window = args.sliding_window if args.layer_types[i] == SLIDING else None
+        return _attention(loader, p + "self_attn.", args, rope, window)
+
+    return base.build_layers(loader, args, rope, attention, lambda p, i: MoEBlock(
+        i, loader.take(p + "mlp.router.weight", (E, H)), route, experts, top_k=args.num_experts_per_tok,
+        router_bias=loader.take(p + "mlp.router.bias", (E,))))

@@ -36,11 +36,8 @@ class ModelArgs(base.BaseModelArgs):
 
 
 sanitize = base.sanitize  # checkpoint names kept, rotary buffers left out
-
-
-def quant_predicate(name: str, bits: int | None) -> int | None:
-    """The router keeps at least 8 bits (the correction bias is a vector: always float)."""
-    return base.router_bits(bits) if name.endswith(".block_sparse_moe.gate.weight") else bits
+# the router keeps at least 8 bits (the correction bias is a vector: always float)
+quant_predicate = base.routers_keep_8_bits(".block_sparse_moe.gate.weight")
 
 
 def route(args: ModelArgs, correction_bias: torch.Tensor, logits: torch.Tensor):
@@ -50,15 +47,12 @@ def route(args: ModelArgs, correction_bias: torch.Tensor, logits: torch.Tensor):
 
 
 def build(args: ModelArgs, loader, experts: RoutedExperts) -> base.MoETransformer:
-    H, E = args.hidden_size, args.num_experts
     rope = Rope.from_params(args.rope_parameters, args.head_dim, args.max_position_embeddings, loader.device)
-    layers = []
-    for i in range(args.num_hidden_layers):
-        p = f"model.layers.{i}."
-        attn = base.attention(loader, p + "self_attn.", args, rope, bias=args.attention_bias, qk_norm="full")
-        router = loader.take(p + "block_sparse_moe.gate.weight", (E, H))
+
+    def ffn(p: str, i: int) -> MoEBlock:
         # the choice compares scores that differ in the third decimal: the bias stays float32
-        bias = loader.take(p + CORRECTION_BIAS, (E,), dtype=torch.float32)
-        ffn = MoEBlock(i, router, partial(route, args, bias), experts, top_k=args.num_experts_per_tok)
-        layers.append(base.decoder_layer(loader, p, args, attn, ffn))
-    return base.transformer(loader, args, rope, layers)
+        bias = loader.take(p + CORRECTION_BIAS, (args.num_experts,), dtype=torch.float32)
+        return base.routed_moe(loader, p + "block_sparse_moe.", i, args, partial(route, args, bias), experts)
+
+    return base.build_layers(loader, args, rope, lambda p, i: base.attention(
+        loader, p + "self_attn.", args, rope, bias=args.attention_bias, qk_norm="full"), ffn)

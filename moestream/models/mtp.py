@@ -36,6 +36,16 @@ def is_nextn_weight(args, name: str) -> bool:
     return m is not None and args.num_hidden_layers <= int(m[1]) < args.num_hidden_layers + nextn_count(args)
 
 
+class NextNArgs:
+    """The ModelArgs methods of a family whose MTP layers follow DeepSeek-V3's naming."""
+
+    def mtp_layer_count(self) -> int:
+        return nextn_count(self)
+
+    def is_mtp_weight(self, name: str) -> bool:
+        return is_nextn_weight(self, name)
+
+
 def nextn_layer(loader, args, prefix: str, block, model, kv) -> MTPLayer:
     """An MTP layer in DeepSeek-V3's naming at `prefix` around its decoder `block`. Its embedding and
     head are its own copies where the checkpoint has them, else the main model's (shared)."""

@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moestream.layers.experts import RoutedExperts
-from moestream.layers.moe import MoEBlock
 from moestream.layers.rope import Rope
 from moestream.models import base
 
@@ -21,22 +20,14 @@ class ModelArgs(base.BaseModelArgs):
 
 
 sanitize = base.sanitize  # checkpoint names kept, rotary buffers left out
-
-
-def quant_predicate(name: str, bits: int | None) -> int | None:
-    return base.router_bits(bits) if name.endswith(".mlp.gate.weight") else bits
+quant_predicate = base.routers_keep_8_bits(".mlp.gate.weight")
 
 
 def build(args: ModelArgs, loader, experts: RoutedExperts) -> base.MoETransformer:
-    H = args.hidden_size
     rope = Rope(args.head_dim, args.rope_theta, loader.device)
     route = base.softmax_router(args, normalize=args.norm_topk_prob)
-    layers = []
-    for i in range(args.num_hidden_layers):
-        p = f"model.layers.{i}."
-        attn = base.attention(loader, p + "self_attn.", args, rope, bias=args.attention_bias, qk_norm="full",
-                              clip_qkv=args.clip_qkv)
-        router = loader.take(p + "mlp.gate.weight", (args.num_experts, H))
-        ffn = MoEBlock(i, router, route, experts, top_k=args.num_experts_per_tok)
-        layers.append(base.decoder_layer(loader, p, args, attn, ffn))
-    return base.transformer(loader, args, rope, layers)
+    return base.build_layers(
+        loader, args, rope,
+        lambda p, i: base.attention(loader, p + "self_attn.", args, rope, bias=args.attention_bias, qk_norm="full",
+                                    clip_qkv=args.clip_qkv),
+        lambda p, i: base.routed_moe(loader, p + "mlp.", i, args, route, experts))

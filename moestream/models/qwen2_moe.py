@@ -31,24 +31,17 @@ class ModelArgs(base.BaseModelArgs):
 
 
 sanitize = base.sanitize  # checkpoint names kept, rotary buffers left out
-
-
-def quant_predicate(name: str, bits: int | None) -> int | None:
-    """The router and the shared expert's gate keep at least 8 bits."""
-    return base.router_bits(bits) if name.endswith((".mlp.gate.weight", ".shared_expert_gate.weight")) else bits
+quant_predicate = base.routers_keep_8_bits(".mlp.gate.weight", ".shared_expert_gate.weight")
 
 
 def build(args: ModelArgs, loader, experts: RoutedExperts) -> base.MoETransformer:
-    H = args.hidden_size
     rope = Rope(args.head_dim, args.rope_theta, loader.device)
     route = base.softmax_router(args, normalize=args.norm_topk_prob)
-    layers = []
-    for i in range(args.num_hidden_layers):
-        p = f"model.layers.{i}."
-        attn = base.attention(loader, p + "self_attn.", args, rope, bias=args.qkv_bias)
+
+    def ffn(p: str, i: int):
         if args.is_moe_layer(i):
-            ffn = base.gated_shared_moe(loader, p + "mlp.", i, args, route, experts)
-        else:
-            ffn = base.dense_mlp(loader, p + "mlp.", H, args.intermediate_size)
-        layers.append(base.decoder_layer(loader, p, args, attn, ffn))
-    return base.transformer(loader, args, rope, layers)
+            return base.gated_shared_moe(loader, p + "mlp.", i, args, route, experts)
+        return base.dense_mlp(loader, p + "mlp.", args.hidden_size, args.intermediate_size)
+
+    return base.build_layers(
+        loader, args, rope, lambda p, i: base.attention(loader, p + "self_attn.", args, rope, bias=args.qkv_bias), ffn)

@@ -98,17 +98,10 @@ class ModelArgs(base.BaseModelArgs):
         return [LayerKV(self.num_key_value_heads, self.head_dim) if t == FULL else recurrent for t in self.layer_types]
 
 
-def sanitize(name: str) -> str | None:
-    """Checkpoint names kept (the multi-token-prediction layers' `mtp.*` too); rotary buffers left out."""
-    return base.sanitize(name)
-
-
-def quant_predicate(name: str, bits: int | None) -> int | None:
-    """The router, the shared expert's gate and the linear attention's beta/decay projections keep
-    at least 8 bits."""
-    small = (".mlp.gate.weight", ".shared_expert_gate.weight", ".in_proj_ba.weight", ".in_proj_b.weight",
-             ".in_proj_a.weight")
-    return base.router_bits(bits) if name.endswith(small) else bits
+sanitize = base.sanitize  # checkpoint names kept (the multi-token-prediction layers' `mtp.*` too)
+# the router, the shared expert's gate and the linear attention's beta/decay projections
+quant_predicate = base.routers_keep_8_bits(".mlp.gate.weight", ".shared_expert_gate.weight", ".in_proj_ba.weight",
+                                           ".in_proj_b.weight", ".in_proj_a.weight")
 
 
 def offset_norm(loader, name: str, size: int) -> torch.Tensor:

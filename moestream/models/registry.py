@@ -14,9 +14,7 @@ settings), EXPERT_FUSED (the fused stacks' layout, convert.layout.FusedLayout), 
 build_mtp(args, loader, experts, model, count) with ModelArgs' mtp_* methods for the
 multi-token-prediction layers (moestream.models.mtp says where they plug in).
 
-Nothing outside the family's file knows these rules: convert, synth, export_hf and the memory
-ledger ask the module, so a new family is its file, its tests and a SUPPORTED_FAMILIES entry.
-"""
+A new family is its file, its tests and a SUPPORTED_FAMILIES entry."""
 from __future__ import annotations
 
 import importlib

@@ -4,8 +4,15 @@ import torch
 
 from moestream.engine.engine import Engine
 from moestream.engine.options import EngineOptions
-from moestream.engine.sampling import allowed_mask, choose_token, filtered_distribution, gumbel_noise
+from moestream.engine.sampling import allowed_mask, choose_token, gumbel_noise
 from moestream.engine.types import SamplingParams
+
+
+def filtered_distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The exact distribution choose_token samples from: softmax over the allowed tokens."""
+    scaled = logits.to(torch.float64) / params.temperature
+    allowed = allowed_mask(scaled, params)
+    return torch.softmax(torch.where(allowed, scaled, torch.full_like(scaled, -torch.inf)), dim=-1)
 
 
 @pytest.fixture(scope="module")

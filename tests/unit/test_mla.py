@@ -11,7 +11,7 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkR
 from moestream.errors import UnsupportedModelError
 from moestream.layers.mla import MLAShape, MLAttention, MLAWeights
 from moestream.layers.rope import Rope, rope_theta, yarn_inv_freq_and_scale, yarn_softmax_scale
-from moestream.layers.routers import sigmoid_group_topk
+from moestream.layers.routers import sigmoid_topk
 from moestream.models.registry import model_args
 from tests.paged import pool_for, run_chunks
 
@@ -41,7 +41,7 @@ def test_yarn_matches_transformers(params):
 def test_yarn_scales_cos_and_sin():
     inv_freq, factor = yarn_inv_freq_and_scale({"rope_scaling": dict(type="yarn", **YARN[2])}, 16, 10000.0)
     plain = Rope(16, 10000.0, torch.device("cpu"), inv_freq=inv_freq)
-    scaled = Rope(16, 10000.0, torch.device("cpu"), inv_freq=inv_freq, attention_factor=factor)
+    scaled = Rope(16, 10000.0, torch.device("cpu"), inv_freq=inv_freq, scale=factor)
     pos = torch.arange(5)
     assert torch.allclose(scaled.cos_sin(pos, torch.float32)[1], plain.cos_sin(pos, torch.float32)[1] * 1.3)
 
@@ -65,7 +65,7 @@ def test_sigmoid_group_routing_matches_transformers(groups, keep, normalize):
         router.e_score_correction_bias.normal_(0, 0.3)
     x = torch.randn(64, 32)
     _, want_w, want_ids = router(x)
-    weights, ids = sigmoid_group_topk(x @ router.weight.T, 4, correction_bias=router.e_score_correction_bias,
+    weights, ids = sigmoid_topk(x @ router.weight.T, 4, correction_bias=router.e_score_correction_bias,
                                       n_group=groups, topk_group=keep, normalize=normalize, scaling=2.5,
                                       out_dtype=torch.float32)
     order, want_order = ids.sort(dim=-1), want_ids.sort(dim=-1)

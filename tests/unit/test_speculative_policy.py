@@ -1,5 +1,6 @@
 """The adaptive draft-length policy against a fake clock and fake acceptance, the n-gram drafter,
 and the hot-vocabulary head as a function of hidden rows and the head's weights."""
+import math
 import random
 from collections import Counter
 from types import SimpleNamespace
@@ -115,7 +116,7 @@ def test_noise_never_makes_a_longer_step_look_cheaper():
     policy.record_draft(1, 0.002)
     for _ in range(40):  # a drafter that is almost never right
         policy.record_accept(1, 0)
-    assert policy.estimated_step(2) == 0.050 and policy.estimated_step(5) == 0.050
+    assert estimated_step(policy, 2) == 0.050 and estimated_step(policy, 5) == 0.050
     assert policy.choose() == 0
 
 
@@ -214,7 +215,7 @@ def test_acceptance_per_position_favours_long_drafts_for_copies():
         policy.record_accept(8, 8)
     assert policy.acceptance_at(0) == pytest.approx(0.5, abs=0.05)
     assert policy.acceptance_at(5) > 0.9
-    assert policy.expected(8) > 4.0  # geometric with a = 0.5 would give under 2
+    assert expected(policy, 8) > 4.0  # geometric with a = 0.5 would give under 2
     for T in range(1, 10):
         policy.record_step(T, 1.0 + 0.1 * (T - 1))
     assert policy.choose() == 8
@@ -305,6 +306,27 @@ def test_a_drafter_that_never_agrees_costs_about_plain_time(monkeypatch):
     assert clock.now <= 1.03 * 199 * step_s
 
 
+def expected(policy: AdaptivePolicy, k: int) -> float:
+    """E(k) from the policy's per-position acceptance estimates."""
+    total, run = 1.0, 1.0
+    for i in range(k):
+        run *= policy.acceptance_at(i)
+        total += run
+    return total
+
+
+def estimated_step(policy: AdaptivePolicy, tokens: int) -> float:
+    """step(tokens) as the policy costs it: never below a shorter step's cost."""
+    known = [c for t, c in policy.step_cost.items() if t <= tokens]
+    return max(known) if known else 0.0
+
+
+def estimated_rate(policy: AdaptivePolicy, k: int) -> float:
+    """Expected tokens per second of drafting k (inf for a cost not yet known to be > 0)."""
+    cost = estimated_step(policy, k + 1) + policy.draft_cost.get(k, 0.0) + (policy._catch_up() if k else 0.0)
+    return math.inf if cost <= 0 else expected(policy, k) / cost
+
+
 def test_the_choice_is_the_best_estimated_rate():
     """choose's one pass gives the k of the highest estimated_rate (ties to the shorter, plain kept
     unless a draft gains min_gain)."""
@@ -320,7 +342,7 @@ def test_the_choice_is_the_best_estimated_rate():
             k = rng.randint(1, 6)
             policy.record_accept(k, rng.randint(0, k))
         top = min(6, max(policy.step_cost, default=0))
-        rates = [policy.estimated_rate(k) * (1.0 + policy.min_gain if k == 0 else 1.0) for k in range(top + 1)]
+        rates = [estimated_rate(policy, k) * (1.0 + policy.min_gain if k == 0 else 1.0) for k in range(top + 1)]
         expected = max(range(top + 1), key=lambda k: (rates[k], -k)) if top else 0
         assert policy.choose() == expected
 
