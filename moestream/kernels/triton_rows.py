@@ -338,7 +338,7 @@ def packed_tile_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tenso
         HAS_BIAS=bias is not None, SWAP=settings["SWAP"], DOT_F32=_INTERPRETED, SPLIT=split,
         PRECISION="ieee" if x.dtype == torch.float32 or _INTERPRETED else "tf32",
         JOIN=bool(config.grouped_join), num_warps=settings["num_warps"], num_stages=settings["num_stages"],
-        **pdl_launch(x, _INTERPRETED))
+        enable_fp_fusion=False, **pdl_launch(x, _INTERPRETED))  # (q * s + b as torch rounds it: no FMA)
     return out
 
 
@@ -349,5 +349,5 @@ def dequantize_matrix(codes: torch.Tensor, scales: torch.Tensor, biases: torch.T
     out = torch.empty((N, K), dtype=dtype, device=codes.device)
     bn = 32
     _dequantize_kernel[(triton.cdiv(N, bn), K // GROUP)](codes, scales, biases, out, N, K=K, BN=bn, BITS=bits,
-                                                        JOIN=bool(DEFAULT_CONFIG.grouped_join))
+                                                        JOIN=bool(DEFAULT_CONFIG.grouped_join), enable_fp_fusion=False)
     return out
