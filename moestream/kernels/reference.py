@@ -17,10 +17,25 @@ GATE_ACTIVATIONS = ("silu", "gelu_tanh", "clamped_swiglu")
 BIASED_ACTIVATIONS = ("clamped_swiglu",)
 
 
+# The CPU's vectorized loop for an elementwise function (sigmoid, silu, tanh, exp) computes a
+# tensor's last values, past a multiple of its vector chunk, with the scalar function, which may round
+# otherwise: a row's bits would depend on how many rows come before it. Padded to this many values a
+# row, every value takes the vector path whatever the rows.
+ROW_PAD = 64
+
+
+def rowwise(fn, x: torch.Tensor) -> torch.Tensor:
+    """fn(x) for an elementwise fn over rows x [..., n], each row's bits as it gets alone (CPU)."""
+    n = x.shape[-1]
+    if x.is_cuda or n % ROW_PAD == 0:
+        return fn(x)
+    return fn(F.pad(x, (0, -n % ROW_PAD)))[..., :n]
+
+
 def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, *, linear=F.linear
            ) -> torch.Tensor:
     """down(silu(gate x) * up x); x [T, H], gate/up [I, H], down [H, I]; linear: the products' kernel."""
-    return linear(F.silu(linear(x, gate)) * linear(x, up), down)
+    return linear(rowwise(F.silu, linear(x, gate)) * linear(x, up), down)
 
 
 # A row of torch.bmm over [n, 1, K] rows against one stored matrix is the very BLAS call F.linear

@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from moestream.kernels.reference import rows_exact, rows_linear
+from moestream.kernels.reference import rows_exact, rows_linear, rowwise
 from moestream.kv.pool import MAX_STEP_TOKENS, LayerCache
 from moestream.layers.norm import rms_norm
 from moestream.layers.norm_f32 import rms_norm_f32
@@ -158,7 +158,7 @@ class Attention:
             if x.shape[0] > T:
                 out = torch.cat([out, out.new_zeros((x.shape[0] - T, out.shape[1]))])
         if gate is not None:
-            out = out * torch.sigmoid(gate[:out.shape[0]])
+            out = out * rowwise(torch.sigmoid, gate[:out.shape[0]])
         return linear(out, self.w.o, self.w.o_bias)
 
     def _attend_cpu(self, q: torch.Tensor, positions: torch.Tensor, sequences: torch.Tensor,

@@ -1,14 +1,18 @@
 """The GELU(tanh)-gated feed-forward: down(gelu_tanh(gate x) * up x) (Gemma's MLPs and experts)."""
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
+
+from moestream.kernels.reference import rowwise
 
 
 def gelu_glu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, *,
              linear=F.linear) -> torch.Tensor:
     """x [T, H], gate/up [I, H], down [H, I]; linear: the products' kernel."""
-    return linear(F.gelu(linear(x, gate), approximate="tanh") * linear(x, up), down)
+    return linear(rowwise(functools.partial(F.gelu, approximate="tanh"), linear(x, gate)) * linear(x, up), down)
 
 
 class GeluMLP:

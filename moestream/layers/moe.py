@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from moestream.layers.experts import RoutedExperts
+from moestream.kernels.reference import rowwise
 from moestream.layers.mlp import swiglu
 
 Router = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # logits [T, E] -> weights, ids [T, A]
@@ -26,7 +27,7 @@ class SharedExpert:
     def __call__(self, x: torch.Tensor, *, linear=F.linear) -> torch.Tensor:
         y = swiglu(x, self.gate, self.up, self.down, linear=linear)
         if self.gate_weight is not None:
-            y = torch.sigmoid(linear(x, self.gate_weight)) * y
+            y = rowwise(torch.sigmoid, linear(x, self.gate_weight)) * y
         return y
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from moestream.kernels.reference import rowwise
+
 
 def softmax_topk(logits: torch.Tensor, top_k: int, *, normalize: bool, out_dtype: torch.dtype,
                  expert_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -35,7 +37,7 @@ def sigmoid_topk(logits: torch.Tensor, top_k: int, *, correction_bias: torch.Ten
     learned per-expert correction bias, and only experts of the `topk_group` best of `n_group`
     groups (a group scores the sum of its two best); the weights are the uncorrected scores,
     optionally renormalized, times `scaling`."""
-    scores = torch.sigmoid(logits.to(torch.float32))  # [T, E]
+    scores = rowwise(torch.sigmoid, logits.to(torch.float32))  # [T, E]
     choice = scores if correction_bias is None else scores + correction_bias.to(torch.float32)
     if n_group > 1 and topk_group < n_group:
         T, E = choice.shape

@@ -57,3 +57,17 @@ def test_group_limit_excludes_experts_outside_the_best_groups():
     _, ids = sigmoid_topk(logits, 1, correction_bias=None, n_group=1, topk_group=1, normalize=False,
                           out_dtype=torch.float32)
     assert ids.item() == 0
+
+
+def test_sigmoid_scores_of_a_row_are_its_own_beside_other_rows():
+    """torch's CPU sigmoid rounds a tensor's tail with its scalar function: 8 experts a row put some
+    of a 7-row step's scores there and none of a one-row step's; the router pads its rows."""
+    from moestream.layers.routers import sigmoid_topk
+
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        logits = torch.randn(7, 8, generator=g)
+        weights, ids = sigmoid_topk(logits, 2, correction_bias=None, normalize=True, out_dtype=torch.float32)
+        for t in range(7):
+            w, i = sigmoid_topk(logits[t:t + 1], 2, correction_bias=None, normalize=True, out_dtype=torch.float32)
+            assert torch.equal(w[0], weights[t]) and torch.equal(i[0], ids[t])
