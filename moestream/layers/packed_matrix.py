@@ -5,10 +5,9 @@ products (moestream.cpu_share.kernels' `packed_linear`), float32 throughout.
 A PackedMatrix is a torch.Tensor of the matrix's shape and dtype that holds no float data; the
 layers multiply it as they multiply any weight, and torch hands every function that meets it to
 `__torch_function__` here:
-  - the products of a step's rows (F.linear, and rows_linear's mm / bmm over `.t()` and `.expand`):
-    native rows, each output row on its own, so a row's bits never depend on the rows beside it;
-  - the products of more rows (a prefill chunk): the matrix dequantized, then F.linear (the bits a
-    dequantized weight gives);
+  - the products of any number of rows (F.linear, and rows_linear's mm / bmm over `.t()` and
+    `.expand`): the native products, each code read once per tile of rows (a prefill chunk's product
+    is a matrix-matrix one), each output on its own, so a row's bits never depend on the rows beside it;
   - concatenation and row slices (AttentionWeights.fuse_qkv): packed again;
   - metadata (shape, dtype, ...) as it is; anything else on the dequantized matrix.
 Products differ from the dequantized weight's only in float32 rounding (tests/unit/test_packed_matrix.py)."""
@@ -19,7 +18,6 @@ import torch.nn.functional as F
 from torch.utils._pytree import tree_map
 
 from moestream.cpu_share import kernels as native
-from moestream.kv.pool import MAX_STEP_TOKENS
 from moestream.quant.affine import QuantSpec, dequantize
 
 SCALE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -68,8 +66,6 @@ class PackedMatrix(torch.Tensor):
 
     def rows(self, x: torch.Tensor) -> torch.Tensor:
         """x [n, K] @ the matrix's transpose -> [n, N] in x's dtype."""
-        if x.shape[0] > MAX_STEP_TOKENS:  # a prefill chunk: one dequantization, torch's product
-            return F.linear(x, self.dequantized().to(x.dtype))
         out = torch.empty((x.shape[0], self.codes.shape[0]), dtype=torch.float32)
         native.load().packed_linear(self.codes, self.scales, self.biases, self.bits, self.group,
                                     x.to(torch.float32).contiguous(), out, torch.get_num_threads())
