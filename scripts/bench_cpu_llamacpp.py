@@ -41,11 +41,12 @@ def moestream(args, out: Path) -> list[str]:
 
 def run_llama_cpp(args) -> dict:
     done = subprocess.run(llama_cpp(args), check=True, capture_output=True, text=True)
-    rows = json.loads(done.stdout)
-    prefill = next(r for r in rows if r["n_prompt"] > 0 and r["n_gen"] == 0)
-    decode = next(r for r in rows if r["n_gen"] > 0 and r["n_prompt"] == 0)
+    rows = json.loads(done.stdout)  # one row per test and thread count: the best thread count's figure
+    prefill = max((r for r in rows if r["n_prompt"] > 0 and r["n_gen"] == 0), key=lambda r: r["avg_ts"])
+    decode = max((r for r in rows if r["n_gen"] > 0 and r["n_prompt"] == 0), key=lambda r: r["avg_ts"])
     return {"prefill_tok_s": round(prefill["avg_ts"], 2), "decode_tok_s": round(decode["avg_ts"], 2),
-            "threads": prefill["n_threads"], "build": prefill.get("build_commit")}
+            "prefill_threads": prefill["n_threads"], "decode_threads": decode["n_threads"],
+            "by_threads": {f'{r["n_threads"]} {"pp" if r["n_gen"] == 0 else "tg"}': round(r["avg_ts"], 2) for r in rows}}
 
 
 def run_moestream(args, tmp: str, i: int) -> dict:
@@ -61,7 +62,8 @@ def main() -> None:
     p.add_argument("--model", required=True, help="moestream packed model (synth)")
     p.add_argument("--gguf", required=True, help="the same shape as a GGUF (the kit's write_random_gguf.py)")
     p.add_argument("--llama-bench", required=True, help="llama.cpp's llama-bench binary")
-    p.add_argument("--llama-threads", type=int, default=os.cpu_count(), help="llama-bench -t (default: every core)")
+    p.add_argument("--llama-threads", default=",".join(str(t) for t in range(1, (os.cpu_count() or 1) + 1)),
+                   help="llama-bench -t, comma-separated; each figure is the best of them (default: 1 to every core)")
     p.add_argument("--moestream-args", default="", help="more flags for moestream bench (default: its defaults)")
     p.add_argument("--prefill-tokens", type=int, default=512)
     p.add_argument("--decode-tokens", type=int, default=32)
