@@ -138,8 +138,11 @@ inline Vec vset(float s) { return _mm512_set1_ps(s); }
 inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
 inline float vsum(Vec v) { return _mm512_reduce_add_ps(v); }
 inline __m512i widen(const uint8_t* c) { return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c))); }
-inline Vec low_nibbles(__m512i b) { return _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15))); }
-inline Vec high_nibbles(__m512i b) { return _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)); }
+// a nibble's value as a float by a permute of 0..15 (it reads each lane's low 4 bits): no mask, no
+// conversion; the same floats as converting the masked nibble
+inline Vec nibble_values() { return _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0); }
+inline Vec low_nibbles(__m512i b) { return _mm512_permutexvar_ps(b, nibble_values()); }
+inline Vec high_nibbles(__m512i b) { return _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), nibble_values()); }
 inline Vec bytes(__m512i b) { return _mm512_cvtepi32_ps(b); }
 #define NATIVE_VECTORS 1
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -192,7 +195,7 @@ void block(const uint8_t* const* w, const uint8_t* const* s, const uint8_t* cons
   float bias_part[R][N];
 #ifdef NATIVE_VECTORS
   static_assert(B % W == 0 && G % W == 0, "a group is whole vectors of bytes");
-  constexpr int STEP = BITS == 4 ? W : W;  // code bytes per step (4-bit: W bytes, 2W inputs)
+  constexpr int STEP = W;  // code bytes per step (4-bit: 2W inputs, 8-bit: W)
   Vec acc[R][N];
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < N; ++t) acc[r][t] = vzero(), bias_part[r][t] = 0.f;
