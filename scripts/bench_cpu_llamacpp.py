@@ -82,8 +82,12 @@ def main() -> None:
                for name, rs in runs.items()}
     summary["moestream / llama.cpp"] = {k: round(summary["moestream"][k] / summary["llama.cpp"][k], 3)
                                         for k in ("prefill_tok_s", "decode_tok_s")}
+    import moestream as package
+
+    tree = subprocess.run(["git", "-C", str(Path(package.__file__).parent), "rev-parse", "--short", "HEAD"],
+                          capture_output=True, text=True).stdout.strip() or None
     out = {"machine": {**machine_info(), "command": shlex.join([sys.executable, *sys.argv]),
-                       "affinity_cores": len(os.sched_getaffinity(0))},
+                       "affinity_cores": len(os.sched_getaffinity(0))}, "moestream_commit": tree,
            "commands": {"llama.cpp": shlex.join(llama_cpp(args)), "moestream": shlex.join(moestream(args, Path("OUT.json")))},
            "order": "A B A B: llama.cpp then moestream in each round", "runs": runs, "summary": summary}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
