@@ -41,8 +41,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "one token's experts across all layers). Device-driven streaming has its own: lru with "
                         "lru, else cycle (recency counted in each layer's own lookups, ties to the layer that "
                         "comes next latest)")
-    c.add_argument("--expert-source", default="direct", choices=["direct", "mmap"],
-                   help="direct: O_DIRECT reads by a thread pool (default); mmap: the page cache is the host tier")
+    c.add_argument("--expert-source", default="auto", choices=["auto", "direct", "mmap"],
+                   help="direct: O_DIRECT reads by a thread pool; mmap: the page cache is the host tier (default "
+                        "auto: mmap on the CPU, direct on a GPU)")
     c.add_argument("--host-cache-size", default="0", help="pinned host RAM tier between disk and device slots (bytes or %%; default 0: none)")
     c.add_argument("--host-cache-policy", default="clock", choices=["clock", "lru", "arc", "lfu"], help="host tier policy (default clock)")
     c.add_argument("--streaming", default="auto", choices=["auto", "device", "host"],

@@ -21,7 +21,7 @@ from moestream.engine.decoder import MAX_STEP_TOKENS, Decoder
 from moestream.engine.emitter import Emitter
 from moestream.engine.generation import Generation
 from moestream.engine.options import EngineOptions
-from moestream.engine.plan import plan_run, resolve_options
+from moestream.engine.plan import plan_run, resolve_expert_source, resolve_options
 from moestream.engine.sampling import argmax_rows
 from moestream.engine.sequences import PromptTooLongError, SequenceSlots
 from moestream.engine.tokenizer import load_tokenizer
@@ -68,7 +68,8 @@ class Engine:
         slots = self.plan.slots
         if self.parallel is not None:  # a rank never needs more slots than the experts it owns
             slots = max(1, min(slots, self.parallel.placement.count(self.parallel.group.rank)))
-        source = open_source(options.expert_source, packed, check_records=options.verify)
+        source = open_source(resolve_expert_source(options.expert_source, self.device), packed,
+                             check_records=options.verify)
         self.provider = ExpertCache(packed, self.device, slots=slots, source=source,
                                     policy=self.plan.cache_policy, host_slots=self.plan.host_slots, host_policy=options.host_cache_policy,
                                     staging_buffers=self.plan.staging,

@@ -14,7 +14,7 @@ class EngineOptions:
     threads: int = 0  # CPU compute threads; 0: torch's default (the CLI resolves it: plan.choose_threads)
     cache_size: str = "auto"
     cache_policy: str = "auto"  # clock, or lfu where the pool is smaller than one token's experts
-    expert_source: str = "direct"
+    expert_source: str = "auto"  # auto: mmap on the CPU (no reader threads to wait on), direct on a GPU
     host_cache_size: str = "0"
     host_cache_policy: str = "clock"
     streaming: str = "auto"  # who looks up a streamed layer's experts: the device (auto where it can) or the host

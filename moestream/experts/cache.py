@@ -382,6 +382,17 @@ class ExpertCache:
                                                               after=lambda: self.staging.put(staging), early=early))
         else:
             target = self.pool[slot][:size]
+            if not early and self.source.resident(layer, [expert])[0]:
+                # in the page cache: a copy on this thread, which waits for it anyway (a hand-off to a
+                # reader thread costs more than the copy and its crc32 on busy cores)
+                read = Future()
+                try:
+                    self.source.read(layer, expert, target)
+                    read.set_result(None)
+                except BaseException as exc:  # noqa: BLE001 - handed to the waiter by _after_read
+                    read.set_exception(exc)
+                self._after_read(read, key, slot, target, size, done, after=None)
+                return
             read = self.source.submit(layer, expert, target)
             read.add_done_callback(lambda f: self._after_read(f, key, slot, target, size, done, after=None))
 

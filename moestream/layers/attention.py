@@ -27,6 +27,7 @@ from moestream.kernels.reference import rows_exact, rows_linear, rowwise
 from moestream.kv.pool import MAX_STEP_TOKENS, LayerCache
 from moestream.layers.norm import rms_norm
 from moestream.layers.norm_f32 import rms_norm_f32
+from moestream.layers.packed_matrix import PackedMatrix
 from moestream.layers.rope import Rope, apply_rope
 
 Norm = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]  # (x, weight, eps) -> normed x
@@ -43,9 +44,12 @@ def offset_rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.T
 
 
 def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear with each row's bits those of F.linear on that row alone (CPU): one batched call of
+    """F.linear with each row's bits those of F.linear on that row alone (CPU): a packed matrix's
+    products as they are (each row on its own whatever the rows beside it); else one batched call of
     one-row products where `rows_exact` says they agree, else one call per row."""
-    if x.shape[0] == 1 or not rows_exact(x.dtype, weight.shape[1], weight.shape[0]):
+    if isinstance(weight, PackedMatrix):
+        y = F.linear(x, weight)
+    elif x.shape[0] == 1 or not rows_exact(x.dtype, weight.shape[1], weight.shape[0]):
         y = torch.cat([F.linear(x[t:t + 1], weight) for t in range(x.shape[0])])
     else:
         y = rows_linear(x, weight).view(x.shape[0], -1)

@@ -3,15 +3,15 @@ codes (a quarter of the bf16 matrix's bytes at 4 bits, an eighth of float32's), 
   - On CUDA (bf16/fp16 models, groups of 64 inputs): moestream.kernels.triton_rows' packed product,
     each weight tile dequantized to the activations' dtype on its way into the product (the bits a
     dequantized matrix holds), for a decode step's row tile and a prefill chunk's rows alike;
-  - on the CPU (float32 models, where the native build is): the native row products
-    (moestream.cpu_share.kernels' `packed_linear`), float32 throughout; a prefill chunk's products
-    on the matrix dequantized once.
+  - on the CPU (float32 models, where the native build is): the native products
+    (moestream.cpu_share.kernels' `packed_linear`), float32 throughout.
 
 A PackedMatrix is a torch.Tensor of the matrix's shape and dtype that holds no float data; the
 layers multiply it as they multiply any weight, and torch hands every function that meets it to
 `__torch_function__` here:
   - products (F.linear, and rows_linear's mm / bmm over `.t()` and `.expand` on the CPU): computed
-    from the codes, each output row on its own, so a row's bits never depend on the rows beside it;
+    from the codes, each code read once per tile of rows (a prefill chunk's product is a
+    matrix-matrix one), each output on its own, so a row's bits never depend on the rows beside it;
   - concatenation and row slices (AttentionWeights.fuse_qkv, GeluMLP's stacked gate and up): packed again;
   - row gathers (an embedding's F.embedding, the hot head's index_select): only those rows dequantized;
   - metadata (shape, dtype, ...) as it is; anything else on the dequantized matrix.
@@ -25,7 +25,6 @@ from torch.utils._pytree import tree_map
 
 from moestream.cpu_share import kernels as native
 from moestream.kernels.expert_layout import GROUP
-from moestream.kv.pool import MAX_STEP_TOKENS
 from moestream.quant.affine import QuantSpec, dequantize
 
 SCALE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -86,8 +85,6 @@ class PackedMatrix(torch.Tensor):
         if self.codes.is_cuda:
             from moestream.kernels.triton_rows import packed_tile_linear
             return packed_tile_linear(x.contiguous(), self.codes, self.scales, self.biases, self.bits)
-        if x.shape[0] > MAX_STEP_TOKENS:  # a prefill chunk: one dequantization, torch's product
-            return F.linear(x, self.dequantized().to(x.dtype))
         out = torch.empty((x.shape[0], self.codes.shape[0]), dtype=torch.float32)
         native.load().packed_linear(self.codes, self.scales, self.biases, self.bits, self.group,
                                     x.to(torch.float32).contiguous(), out, torch.get_num_threads())

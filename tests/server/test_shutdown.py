@@ -58,8 +58,8 @@ def test_real_engine_reader_threads_end_with_the_server(tiny_packed_model):
 
     model = tiny_packed_model("qwen3_moe", "q4")
     before = set(threading.enumerate())
-    # a small cache with a host tier: decoding reads records on the reader threads
-    options = EngineOptions(device="cpu", cache_size="min", host_cache_size="1MiB")
+    # a small cache with a host tier: decoding reads records on the direct source's reader threads
+    options = EngineOptions(device="cpu", cache_size="min", host_cache_size="1MiB", expert_source="direct")
     worker = Worker(lambda: Engine.load(model, options=options)).start()
     with TestClient(create_app(worker)) as http:
         assert worker.wait_ready(60), worker.error

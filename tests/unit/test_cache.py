@@ -144,8 +144,27 @@ def test_receipt_fields_and_per_layer_hit_rate(model):
     assert receipt["read_wait_s"] >= 0
 
 
+def test_a_miss_the_page_cache_holds_is_read_on_the_computing_thread(model, reference, monkeypatch):
+    """The CPU's default source (mmap): a record whose pages this process holds is copied (and
+    checked) where the step waits for it, never handed to a reader thread; the answer is the same."""
+    engine = Engine.load(model, options=EngineOptions(device="cpu", cache_size="min", prefill_chunk_tokens=5),
+                         prefetch=False)
+    assert engine.provider.source.name == "mmap"
+    prompt = engine.tokenizer.encode("def fibonacci(n):\n    if n < 2:")
+    assert [(e.token_id, e.top_logprobs) for e in engine.generate(prompt, max_new_tokens=12, logprobs=4)] == reference
+    handed = []
+    monkeypatch.setattr(engine.provider.source, "submit", lambda *a: handed.append(a))  # every page touched now
+    before = engine.provider.stats()["misses"]
+    engine.reset()
+    again = engine.generate(prompt, max_new_tokens=12, logprobs=4)
+    assert [(e.token_id, e.top_logprobs) for e in again] == reference
+    assert engine.provider.stats()["misses"] > before and not handed
+    engine.close()
+
+
 def test_io_error_mid_read_fails_that_request_and_the_next_one_works(model, reference, monkeypatch):
-    engine = Engine.load(model, options=EngineOptions(device="cpu", cache_size="min", prefill_chunk_tokens=5))
+    engine = Engine.load(model, options=EngineOptions(device="cpu", cache_size="min", prefill_chunk_tokens=5,
+                                                      expert_source="direct"))
     prompt = engine.tokenizer.encode("def fibonacci(n):\n    if n < 2:")
     source = engine.provider.source
     real_submit = source.submit

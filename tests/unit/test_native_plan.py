@@ -67,6 +67,24 @@ def test_the_same_bits_in_batches_alone_and_on_any_team():
         assert torch.equal(alone.finish()[0], expected[t]), t
 
 
+@pytest.mark.parametrize("bits,down_bits", [(4, 4), (8, 8)])
+def test_a_prefill_chunks_pairs_have_their_bits_alone(bits, down_bits):
+    """Many pairs per expert (tiles of tokens, several token blocks and a remainder): each token's
+    output has the bits it has alone, and stays within float32 rounding of the reference."""
+    pool, fields, quant, slot_of = build_pool(E, H, INTER, bits=bits, down_bits=down_bits, seed=5)
+    layout = native_layout(fields, quant)
+    x, ids, weights = routing(70, seed=11)  # ~23 pairs per expert
+    chunk = NativePlan(x, ids, weights, layout, threads=2)
+    chunk.run_table(pool, table_of(slot_of))
+    together = chunk.finish()
+    expected = reference_moe(x, pool, fields, quant, ids, weights, slot_of)
+    assert (together - expected).abs().max().item() / expected.abs().max().item() < TOLERANCE
+    for t in (0, 1, 17, 42, 69):
+        alone = NativePlan(x[t:t + 1], ids[t:t + 1], weights[t:t + 1], layout, threads=1)
+        alone.run_table(pool, table_of(slot_of))
+        assert torch.equal(alone.finish()[0], together[t]), t
+
+
 class Pool:
     """The ExpertProvider calls RoutedExperts makes when it is built."""
 

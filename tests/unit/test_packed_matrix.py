@@ -1,6 +1,6 @@
 """Resident matrices kept packed on the CPU (moestream.layers.packed_matrix) against the dequantized
 matrix: products within float32 rounding, a row's bits the same alone, beside other rows, through
-rows_linear's batched call and on any team; a prefill chunk's products, row slices, concatenation
+rows_linear's batched call, in a prefill chunk's tiles and on any team; row slices, concatenation
 (fuse_qkv), row gathers and any other function exactly the dequantized matrix's; the loader packs
 the attention and head matrices of a quantized model on the CPU, and nothing without the build."""
 import pytest
@@ -53,10 +53,28 @@ def test_a_rows_bits_alone_beside_others_batched_and_on_any_team():
         torch.set_num_threads(before)
 
 
-def test_a_prefill_chunk_and_other_functions_get_the_dequantized_matrixs_bits():
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_prefill_chunks_rows_are_each_rows_alone(bits):
+    """More rows than a step (tiles of tokens over several token blocks, and a remainder): each
+    output row has the bits it has alone, whatever the rows around it and the team."""
+    m, w = matrix(37, 256, bits=bits)  # an odd row count: a last row computed on its own
+    x = torch.randn(41, 256, generator=torch.Generator().manual_seed(3))
+    chunk = F.linear(x, m)
+    expected = F.linear(x, w)
+    assert (chunk - expected).abs().max().item() / expected.abs().max().item() < TOLERANCE
+    for t in (0, 3, 4, 15, 16, 33, 40):
+        assert torch.equal(F.linear(x[t:t + 1], m)[0], chunk[t]), t
+    assert torch.equal(F.linear(x[5:30], m), chunk[5:30])
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert torch.equal(F.linear(x, m), chunk)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_other_functions_get_the_dequantized_matrixs_bits():
     m, w = matrix(96, 256, bits=8)
-    x = torch.randn(40, 256, generator=torch.Generator().manual_seed(3))  # more rows than a step
-    assert torch.equal(F.linear(x, m), F.linear(x, w))
     assert torch.equal(m * 2, w * 2) and torch.equal(m.sum(0), w.sum(0))
     assert torch.equal(m.index_select(0, torch.tensor([5, 1, 90])), w[[5, 1, 90]])
     assert m.shape == w.shape and m.dtype == w.dtype and m.numel() == w.numel() and m.dim() == 2

@@ -117,7 +117,9 @@ void expert_sum(torch::Tensor layout, torch::Tensor pool, torch::Tensor table, t
 // out[t, n] = sum over k of w[n, k] x[t, k] (float32 [T, N]) for a resident matrix kept packed
 // (moestream.layers.packed_matrix): codes int32 [N, K * bits / 32] (a record's layout: least
 // significant bits first), scales and biases [N, K / group] of one dtype; x float32 [T, K]. Each
-// output row is one member's from start to end, so neither T nor the team changes its bits.
+// row's codes are read once per TOKEN_BLOCK tokens (a prefill chunk's product is a matrix-matrix
+// one); each output is one member's from start to end, in the same order whatever T or the team, so
+// neither changes its bits.
 void packed_linear(torch::Tensor codes, torch::Tensor scales, torch::Tensor biases, int64_t bits, int64_t group,
                    torch::Tensor x, torch::Tensor out, int64_t threads) {
   check(codes.dtype() == torch::kInt32 && codes.dim() == 2 && codes.is_contiguous(), "codes: int32 [N, words]");
@@ -140,19 +142,30 @@ void packed_linear(torch::Tensor codes, torch::Tensor scales, torch::Tensor bias
   const float* xs = x.data_ptr<float>();
   float* y = out.data_ptr<float>();
   const int64_t row_bytes = K * bits / 8, row_scales = (K / group) * (stype == SCALE_F32 ? 4 : 2);
-  const RowFn row = row_fn(bits, group, stype, false);
+  const Blocks kernels = blocks(bits, group, stype, false);
   pybind11::gil_scoped_release free;
   std::vector<Input> in(T);
-  for (int64_t t = 0; t < T; ++t) prepare_float(xs + t * K, K, group, bits, in[t]);
+  std::vector<const Input*> inputs(T);
+  for (int64_t t = 0; t < T; ++t) prepare_float(xs + t * K, K, group, bits, in[t]), inputs[t] = &in[t];
   std::lock_guard<std::mutex> hold(standalone_lock);
   Team& team = standalone(threads);
-  const int64_t blocks = (N + ROW_BLOCK - 1) / ROW_BLOCK;
+  // a task: ROW_BLOCK rows, two at a time, for TOKEN_BLOCK tokens (their inputs stay in the L2)
+  const int64_t row_blocks = (N + ROW_BLOCK - 1) / ROW_BLOCK, tasks = row_blocks * ((T + TOKEN_BLOCK - 1) / TOKEN_BLOCK);
   Dealer rows;
   team.run([&](int, int members) {
-    rows.deal(blocks, Dealer::chunk_for(blocks, members), [&](int64_t block) {
-      for (int64_t n = block * ROW_BLOCK, end = std::min(N, n + ROW_BLOCK); n < end; ++n)
-        for (int64_t t = 0; t < T; ++t)
-          y[t * N + n] = row(w + n * row_bytes, s + n * row_scales, b + n * row_scales, in[t], K);
+    rows.deal(tasks, Dealer::chunk_for(tasks, members), [&](int64_t task) {
+      const int64_t t0 = task / row_blocks * TOKEN_BLOCK, m = std::min(TOKEN_BLOCK, T - t0);
+      const int64_t n0 = task % row_blocks * ROW_BLOCK, n1 = std::min(N, n0 + ROW_BLOCK);
+      for (int64_t n = n0; n < n1; n += 2) {
+        const int pair = int(std::min<int64_t>(2, n1 - n));
+        const uint8_t *rw[2], *rs[2], *rb[2];
+        float* out[2];
+        for (int r = 0; r < pair; ++r) {
+          rw[r] = w + (n + r) * row_bytes, rs[r] = s + (n + r) * row_scales, rb[r] = b + (n + r) * row_scales;
+          out[r] = y + t0 * N + n + r;
+        }
+        kernels.run(pair, rw, rs, rb, inputs.data() + t0, m, K, out, N);
+      }
     });
   });
 }

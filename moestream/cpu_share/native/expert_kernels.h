@@ -28,6 +28,9 @@ enum LayoutIndex {
 };
 
 constexpr int ROW_BLOCK = 8;  // output rows per task
+// tokens (or pairs) whose inputs a task's rows read while they stay in the L2 cache (16 of 2,048
+// inputs: 128 KiB)
+constexpr int64_t TOKEN_BLOCK = 16;
 
 struct Layout {
   int64_t hidden = 0, inter = 0, bits_gu = 0, bits_d = 0, group = 0, scale_type = 0;
@@ -135,8 +138,11 @@ inline Vec vset(float s) { return _mm512_set1_ps(s); }
 inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
 inline float vsum(Vec v) { return _mm512_reduce_add_ps(v); }
 inline __m512i widen(const uint8_t* c) { return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c))); }
-inline Vec low_nibbles(__m512i b) { return _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15))); }
-inline Vec high_nibbles(__m512i b) { return _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)); }
+// a nibble's value as a float by a permute of 0..15 (it reads each lane's low 4 bits): no mask, no
+// conversion; the same floats as converting the masked nibble
+inline Vec nibble_values() { return _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0); }
+inline Vec low_nibbles(__m512i b) { return _mm512_permutexvar_ps(b, nibble_values()); }
+inline Vec high_nibbles(__m512i b) { return _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), nibble_values()); }
 inline Vec bytes(__m512i b) { return _mm512_cvtepi32_ps(b); }
 #define NATIVE_VECTORS 1
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -172,94 +178,88 @@ inline void prefetch_codes(const uint8_t* p) {
 #endif
 }
 
-// sum_k w[n, k] x[k] for one row of 4-bit codes (K/2 bytes), G inputs per group, scales of type ST;
-// x as `prepare` left it (even inputs, then odd ones; group sums). The biases times the group sums
-// are added apart.
-template <int G, int64_t ST>
-float row4(const uint8_t* __restrict codes, const uint8_t* __restrict scales, const uint8_t* __restrict biases,
-           const Input& in, int64_t K) {
-  const float* __restrict xv = in.v.data();
-  const float* __restrict xsums = in.sums.data();
-  constexpr int B = G / 2;  // bytes per group
-  const float* __restrict even = xv;
-  const float* __restrict odd = xv + K / 2;
-  const int64_t groups = K / G;
-  float bias_part = 0.f;
+// The products of R rows (1 or 2) with the inputs of N tokens: out[r][t * stride] = sum_k w_r[k] x_t[k],
+// each run of code bytes turned into floats once for all N tokens, each token's input vector read
+// once for all R rows. Rows of 4-bit codes (K/2 bytes: x as `prepare` left it, even inputs then odd
+// ones) or 8-bit (K bytes), G inputs per group, scales of type ST; the biases times the group sums
+// added apart. Every (row, token) product takes the same operations in the same order whatever R and
+// N are, so its bits never depend on the rows or tokens computed with it.
+template <int BITS, int G, int64_t ST, int R, int N>
+void block(const uint8_t* const* w, const uint8_t* const* s, const uint8_t* const* b, const Input* const* in,
+           int64_t K, float* const* out, int64_t stride) {
+  constexpr int B = G * BITS / 8;  // code bytes per group
+  const int64_t groups = K / G, odd = BITS == 4 ? K / 2 : 0;
+  const float* x[N];
+  const float* sums[N];
+  for (int t = 0; t < N; ++t) x[t] = in[t]->v.data(), sums[t] = in[t]->sums.data();
+  float bias_part[R][N];
 #ifdef NATIVE_VECTORS
-  static_assert(B % W == 0, "a group is whole vectors of bytes");
-  Vec acc = vzero();
-  constexpr int64_t ahead = PREFETCH_AHEAD;
+  static_assert(B % W == 0 && G % W == 0, "a group is whole vectors of bytes");
+  constexpr int STEP = W;  // code bytes per step (4-bit: 2W inputs, 8-bit: W)
+  Vec acc[R][N];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < N; ++t) acc[r][t] = vzero(), bias_part[r][t] = 0.f;
   for (int64_t g = 0; g < groups; ++g) {
-    const uint8_t* c = codes + g * B;
-    const float* e = even + g * B;
-    const float* o = odd + g * B;
-    if (ahead) {  // one prefetch per 64-byte line the group starts
-      for (int64_t k = (64 - (g * B) % 64) % 64; k < B; k += 64) prefetch_codes(c + k + ahead);
+    if (PREFETCH_AHEAD) {  // one prefetch per 64-byte line the group starts
+      for (int r = 0; r < R; ++r)
+        for (int64_t k = (64 - (g * B) % 64) % 64; k < B; k += 64) prefetch_codes(w[r] + g * B + k + PREFETCH_AHEAD);
     }
-    Vec d = vzero();
+    Vec d[R][N];
+    for (int r = 0; r < R; ++r)
+      for (int t = 0; t < N; ++t) d[r][t] = vzero();
 #pragma GCC unroll 8
-    for (int j = 0; j < B; j += W) {
-      const auto b = widen(c + j);
-      d = vfma(low_nibbles(b), vload(e + j), d);
-      d = vfma(high_nibbles(b), vload(o + j), d);
+    for (int j = 0; j < B; j += STEP) {
+      Vec lo[R], hi[R];
+      for (int r = 0; r < R; ++r) {
+        const auto c = widen(w[r] + g * B + j);
+        if constexpr (BITS == 4) {
+          lo[r] = low_nibbles(c);
+          hi[r] = high_nibbles(c);
+        } else {
+          lo[r] = bytes(c);
+        }
+      }
+      for (int t = 0; t < N; ++t) {
+        const int64_t at = g * (BITS == 4 ? B : G) + j;
+        const Vec e = vload(x[t] + at);
+        for (int r = 0; r < R; ++r) d[r][t] = vfma(lo[r], e, d[r][t]);
+        if constexpr (BITS == 4) {
+          const Vec o = vload(x[t] + odd + at);
+          for (int r = 0; r < R; ++r) d[r][t] = vfma(hi[r], o, d[r][t]);
+        }
+      }
     }
-    acc = vfma(vset(scale_at<ST>(scales, g)), d, acc);
-    bias_part += scale_at<ST>(biases, g) * xsums[g];
-  }
-  return vsum(acc) + bias_part;
-#else
-  float acc = 0.f;
-  for (int64_t g = 0; g < groups; ++g) {
-    const uint8_t* c = codes + g * B;
-    const float* e = even + g * B;
-    const float* o = odd + g * B;
-    float d = 0.f;
-#pragma omp simd reduction(+ : d)
-    for (int j = 0; j < B; ++j) d += float(c[j] & 15) * e[j] + float(c[j] >> 4) * o[j];
-    acc += scale_at<ST>(scales, g) * d;
-    bias_part += scale_at<ST>(biases, g) * xsums[g];
-  }
-  return acc + bias_part;
-#endif
-}
-
-// The same for 8-bit codes (K bytes; x as it is).
-template <int G, int64_t ST>
-float row8(const uint8_t* __restrict codes, const uint8_t* __restrict scales, const uint8_t* __restrict biases,
-           const Input& in, int64_t K) {
-  const float* __restrict xv = in.v.data();
-  const float* __restrict xsums = in.sums.data();
-  const int64_t groups = K / G;
-  float bias_part = 0.f;
-#ifdef NATIVE_VECTORS
-  static_assert(G % W == 0, "a group is whole vectors of bytes");
-  Vec acc = vzero();
-  constexpr int64_t ahead = PREFETCH_AHEAD;
-  for (int64_t g = 0; g < groups; ++g) {
-    const uint8_t* c = codes + g * G;
-    const float* e = xv + g * G;
-    if (ahead) {
-      for (int64_t k = 0; k < G; k += 64) prefetch_codes(c + k + ahead);
+    for (int r = 0; r < R; ++r) {
+      const Vec scale = vset(scale_at<ST>(s[r], g));
+      const float bias = scale_at<ST>(b[r], g);
+      for (int t = 0; t < N; ++t) {
+        acc[r][t] = vfma(scale, d[r][t], acc[r][t]);
+        bias_part[r][t] = std::fma(bias, sums[t][g], bias_part[r][t]);
+      }
     }
-    Vec d = vzero();
-#pragma GCC unroll 8
-    for (int j = 0; j < G; j += W) d = vfma(bytes(widen(c + j)), vload(e + j), d);
-    acc = vfma(vset(scale_at<ST>(scales, g)), d, acc);
-    bias_part += scale_at<ST>(biases, g) * xsums[g];
   }
-  return vsum(acc) + bias_part;
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < N; ++t) out[r][t * stride] = vsum(acc[r][t]) + bias_part[r][t];
 #else
-  float acc = 0.f;
-  for (int64_t g = 0; g < groups; ++g) {
-    const uint8_t* c = codes + g * G;
-    const float* e = xv + g * G;
-    float d = 0.f;
-#pragma omp simd reduction(+ : d)
-    for (int j = 0; j < G; ++j) d += float(c[j]) * e[j];
-    acc += scale_at<ST>(scales, g) * d;
-    bias_part += scale_at<ST>(biases, g) * xsums[g];
-  }
-  return acc + bias_part;
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < N; ++t) {  // one (row, token) at a time: the loop's vectorization is its own
+      float acc = 0.f, bp = 0.f;
+      for (int64_t g = 0; g < groups; ++g) {
+        const uint8_t* c = w[r] + g * B;
+        float dsum = 0.f;
+        if constexpr (BITS == 4) {
+          const float* e = x[t] + g * B;
+          const float* o = x[t] + odd + g * B;
+          for (int j = 0; j < B; ++j) dsum = std::fma(float(c[j] & 15), e[j], std::fma(float(c[j] >> 4), o[j], 0.f) + dsum);
+        } else {
+          const float* e = x[t] + g * G;
+          for (int j = 0; j < G; ++j) dsum = std::fma(float(c[j]), e[j], dsum);
+        }
+        acc = std::fma(scale_at<ST>(s[r], g), dsum, acc);
+        bp = std::fma(scale_at<ST>(b[r], g), sums[t][g], bp);
+      }
+      out[r][t * stride] = acc + bp;
+    }
 #endif
 }
 
@@ -281,31 +281,70 @@ void prepare(const float* x, int64_t K, int64_t group, int64_t bits, bool int8, 
 // Whether a job of layout L runs the int8 rows: asked for, and compiled in.
 inline bool int8_activations(const Layout& L) { return INT8_ROWS && L.int8_acts != 0; }
 
-using RowFn = float (*)(const uint8_t*, const uint8_t*, const uint8_t*, const Input&, int64_t);
+using BlockFn = void (*)(const uint8_t* const*, const uint8_t* const*, const uint8_t* const*, const Input* const*,
+                         int64_t, float* const*, int64_t);
+constexpr int TOKEN_TILE = 4;  // tokens of one block call (with 2 rows: 16 accumulators in registers)
+
+#ifdef NATIVE_INT8_ROWS
+// The int8 rows (one row and token at a time) behind the blocks' interface.
+template <int BITS, int G, int64_t ST, int R, int N>
+void block_int8(const uint8_t* const* w, const uint8_t* const* s, const uint8_t* const* b, const Input* const* in,
+                int64_t K, float* const* out, int64_t stride) {
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < N; ++t) out[r][t * stride] = row_int8<BITS, G, ST>(w[r], s[r], b[r], *in[t], K);
+}
+#endif
+
+// The block calls of one kind of row: [rows - 1][a token tile (1) or one token (0)].
+struct Blocks {
+  BlockFn fn[2][2];
+
+  // out[r][t * stride] for r < rows (1 or 2) and t < n: tiles of TOKEN_TILE tokens, then one at a time.
+  void run(int rows, const uint8_t* const* w, const uint8_t* const* s, const uint8_t* const* b, const Input* const* in,
+           int64_t n, int64_t K, float* const* out, int64_t stride) const {
+    float* at[2];
+    for (int64_t t = 0; t < n;) {
+      const bool tile = n - t >= TOKEN_TILE;
+      for (int r = 0; r < rows; ++r) at[r] = out[r] + t * stride;
+      fn[rows - 1][tile](w, s, b, in + t, K, at, stride);
+      t += tile ? TOKEN_TILE : 1;
+    }
+  }
+};
+
+template <int BITS, int G, int64_t ST>
+Blocks blocks_of([[maybe_unused]] bool int8) {
+#ifdef NATIVE_INT8_ROWS
+  if (int8) return Blocks{{{block_int8<BITS, G, ST, 1, 1>, block_int8<BITS, G, ST, 1, TOKEN_TILE>},
+                           {block_int8<BITS, G, ST, 2, 1>, block_int8<BITS, G, ST, 2, TOKEN_TILE>}}};
+#endif
+  return Blocks{{{block<BITS, G, ST, 1, 1>, block<BITS, G, ST, 1, TOKEN_TILE>},
+                 {block<BITS, G, ST, 2, 1>, block<BITS, G, ST, 2, TOKEN_TILE>}}};
+}
+
+template <int BITS, int64_t ST>
+Blocks blocks_of(int64_t group, bool int8) {
+  switch (group) {
+    case 32: return blocks_of<BITS, 32, ST>(int8);
+    case 64: return blocks_of<BITS, 64, ST>(int8);
+    case 128: return blocks_of<BITS, 128, ST>(int8);
+    default: return blocks_of<BITS, 256, ST>(int8);
+  }
+}
 
 template <int64_t ST>
-RowFn row_fn_of(int64_t bits, int64_t group, [[maybe_unused]] bool int8) {
-#ifdef NATIVE_INT8_ROWS
-  if (int8 && bits == 4) {
-    switch (group) { case 32: return row_int8<4, 32, ST>; case 64: return row_int8<4, 64, ST>; case 128: return row_int8<4, 128, ST>; default: return row_int8<4, 256, ST>; }
-  }
-  if (int8) {
-    switch (group) { case 32: return row_int8<8, 32, ST>; case 64: return row_int8<8, 64, ST>; case 128: return row_int8<8, 128, ST>; default: return row_int8<8, 256, ST>; }
-  }
-#endif
-  if (bits == 4) {
-    switch (group) { case 32: return row4<32, ST>; case 64: return row4<64, ST>; case 128: return row4<128, ST>; default: return row4<256, ST>; }
-  }
-  switch (group) { case 32: return row8<32, ST>; case 64: return row8<64, ST>; case 128: return row8<128, ST>; default: return row8<256, ST>; }
+Blocks blocks_of(int64_t bits, int64_t group, bool int8) {
+  return bits == 4 ? blocks_of<4, ST>(group, int8) : blocks_of<8, ST>(group, int8);
 }
 
-// The row product for codes of `bits`, `group` inputs per scale, scales of `stype` (checked by
+// The blocks for codes of `bits`, `group` inputs per scale, scales of `stype` (checked by
 // Layout::refusal), on int8 activations with `int8` (where compiled in: see int8_activations).
-RowFn row_fn(int64_t bits, int64_t group, int64_t stype, bool int8) {
-  if (stype == SCALE_BF16) return row_fn_of<SCALE_BF16>(bits, group, int8);
-  if (stype == SCALE_F16) return row_fn_of<SCALE_F16>(bits, group, int8);
-  return row_fn_of<SCALE_F32>(bits, group, int8);
+Blocks blocks(int64_t bits, int64_t group, int64_t stype, bool int8) {
+  if (stype == SCALE_BF16) return blocks_of<SCALE_BF16>(bits, group, int8);
+  if (stype == SCALE_F16) return blocks_of<SCALE_F16>(bits, group, int8);
+  return blocks_of<SCALE_F32>(bits, group, int8);
 }
+
 
 // One projection of one record: its rows' code bytes, scales and biases.
 struct Matrix {
@@ -367,10 +406,13 @@ void compute_job(const Layout& L, const std::vector<const uint8_t*>& records, co
     if (sc.token_used[t]) prepare(x + t * H, H, L.group, L.bits_gu, int8, sc.x_in[t]);
   sc.h.resize(P * I);
   sc.h_in.resize(P);
-  // the pairs of each expert, in order
+  // each expert's pairs, in order, and the inputs their gate/up and down rows read
   std::vector<std::vector<int>> of_expert(n_experts);
   for (int64_t p = 0; p < P; ++p) of_expert[pairs[p].expert].push_back(int(p));
-  const RowFn gu_row = row_fn(L.bits_gu, L.group, L.scale_type, int8), d_row = row_fn(L.bits_d, L.group, L.scale_type, int8);
+  std::vector<std::vector<const Input*>> x_of(n_experts), h_of(n_experts);
+  for (int64_t e = 0; e < n_experts; ++e)
+    for (int p : of_expert[e]) x_of[e].push_back(&sc.x_in[pairs[p].token]), h_of[e].push_back(&sc.h_in[p]);
+  const Blocks gu_rows = blocks(L.bits_gu, L.group, L.scale_type, int8), d_rows = blocks(L.bits_d, L.group, L.scale_type, int8);
   const int64_t gu_blocks = (I + ROW_BLOCK - 1) / ROW_BLOCK, d_blocks = (H + ROW_BLOCK - 1) / ROW_BLOCK;
   std::vector<Matrix> gate(n_experts), up(n_experts), down(n_experts);
   for (int64_t e = 0; e < n_experts; ++e) {
@@ -378,40 +420,53 @@ void compute_job(const Layout& L, const std::vector<const uint8_t*>& records, co
     up[e] = matrix(records[e], L.up_w, L.up_s, L.up_b, H, L.bits_gu, L.group);
     down[e] = matrix(records[e], L.down_w, L.down_s, L.down_b, I, L.bits_d, L.group);
   }
-  const int64_t stype = L.scale_type;
-  const int64_t scale_item = stype == SCALE_F32 ? 4 : 2;
+  const int64_t scale_item = L.scale_type == SCALE_F32 ? 4 : 2;
   Dealer gu_tasks, h_tasks, d_tasks;
   const int members = team.size();
   team.run([&](int, int) {
+    // gate row n and up row n of an expert together, over its pairs TOKEN_BLOCK at a time
     gu_tasks.deal(n_experts * gu_blocks, Dealer::chunk_for(n_experts * gu_blocks, members), [&](int64_t task) {
       const int64_t e = task / gu_blocks, n0 = (task % gu_blocks) * ROW_BLOCK, n1 = std::min(I, n0 + ROW_BLOCK);
       const Matrix& g = gate[e];
       const Matrix& u = up[e];
-      for (int64_t n = n0; n < n1; ++n) {
-        const uint8_t *gw = g.w + n * g.row_bytes, *gs = g.s + n * g.row_groups * scale_item,
-                      *gb = g.b + n * g.row_groups * scale_item;
-        const uint8_t *uw = u.w + n * u.row_bytes, *us = u.s + n * u.row_groups * scale_item,
-                      *ub = u.b + n * u.row_groups * scale_item;
-        for (int p : of_expert[e]) {
-          const Input& in = sc.x_in[pairs[p].token];
-          const float hg = gu_row(gw, gs, gb, in, H);
-          const float hu = gu_row(uw, us, ub, in, H);
-          sc.h[p * I + n] = silu(hg) * hu;
+      const std::vector<int>& ps = of_expert[e];
+      float hg[TOKEN_BLOCK], hu[TOKEN_BLOCK];
+      float* const out[2] = {hg, hu};
+      for (int64_t c = 0; c < int64_t(ps.size()); c += TOKEN_BLOCK) {
+        const int64_t m = std::min<int64_t>(TOKEN_BLOCK, int64_t(ps.size()) - c);
+        for (int64_t n = n0; n < n1; ++n) {
+          const int64_t sc_at = n * g.row_groups * scale_item;
+          const uint8_t* w[2] = {g.w + n * g.row_bytes, u.w + n * u.row_bytes};
+          const uint8_t* s[2] = {g.s + sc_at, u.s + sc_at};
+          const uint8_t* b[2] = {g.b + sc_at, u.b + sc_at};
+          gu_rows.run(2, w, s, b, x_of[e].data() + c, m, H, out, 1);
+          for (int64_t i = 0; i < m; ++i) sc.h[ps[c + i] * I + n] = silu(hg[i]) * hu[i];
         }
       }
     });
     team.barrier();
     h_tasks.deal(P, 1, [&](int64_t p) { prepare(sc.h.data() + p * I, I, L.group, L.bits_d, int8, sc.h_in[p]); });
     team.barrier();
+    // down rows two at a time, over the expert's pairs TOKEN_BLOCK at a time
     d_tasks.deal(n_experts * d_blocks, Dealer::chunk_for(n_experts * d_blocks, members), [&](int64_t task) {
       const int64_t e = task / d_blocks, n0 = (task % d_blocks) * ROW_BLOCK, n1 = std::min(H, n0 + ROW_BLOCK);
       const Matrix& d = down[e];
-      for (int64_t n = n0; n < n1; ++n) {
-        const uint8_t *dw = d.w + n * d.row_bytes, *ds = d.s + n * d.row_groups * scale_item,
-                      *db = d.b + n * d.row_groups * scale_item;
-        for (int p : of_expert[e]) {
-          const Input& in = sc.h_in[p];
-          pairs[p].out[n] = pairs[p].weight * d_row(dw, ds, db, in, I);
+      const std::vector<int>& ps = of_expert[e];
+      float r0[TOKEN_BLOCK], r1[TOKEN_BLOCK];
+      float* const out[2] = {r0, r1};
+      for (int64_t c = 0; c < int64_t(ps.size()); c += TOKEN_BLOCK) {
+        const int64_t m = std::min<int64_t>(TOKEN_BLOCK, int64_t(ps.size()) - c);
+        for (int64_t n = n0; n < n1; n += 2) {
+          const int rows = int(std::min<int64_t>(2, n1 - n));
+          const uint8_t *w[2], *s[2], *b[2];
+          for (int r = 0; r < rows; ++r) {
+            w[r] = d.w + (n + r) * d.row_bytes;
+            s[r] = d.s + (n + r) * d.row_groups * scale_item;
+            b[r] = d.b + (n + r) * d.row_groups * scale_item;
+          }
+          d_rows.run(rows, w, s, b, h_of[e].data() + c, m, I, out, 1);
+          for (int r = 0; r < rows; ++r)
+            for (int64_t i = 0; i < m; ++i) pairs[ps[c + i]].out[n + r] = pairs[ps[c + i]].weight * out[r][i];
         }
       }
     });
