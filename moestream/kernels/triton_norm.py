@@ -103,55 +103,41 @@ def _norm_rope_row(t, h, x_ptr, s0, s1, w_ptr, pos_ptr, freq_ptr, out_ptr, N, D,
 
 
 @triton.jit
-def _norm_rope(a_ptr, a0, a1, wa_ptr, out_a_ptr, NA, b_ptr, b0, b1, wb_ptr, out_b_ptr, NB, c_ptr, c0, c1, out_c_ptr,
-               NC, pos_ptr, freq_ptr, D, R, eps, scale, KIND: tl.constexpr, NORM: tl.constexpr, BLOCK: tl.constexpr,
-               LIBDEVICE: tl.constexpr):
-    # one program per token and head of a (queries), then of b (keys), then of c (values: the
-    # scale-free norm, no rotation): all in one launch
+def _norm_rope(a_ptr, a0, a1, wa_ptr, out_a_ptr, NA, b_ptr, b0, b1, wb_ptr, out_b_ptr, NB, pos_ptr, freq_ptr, D, R,
+               eps, scale, KIND: tl.constexpr, NORM: tl.constexpr, BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr):
+    # one program per token and head of a (queries), then of b (keys): both in one launch
     t, h = tl.program_id(0), tl.program_id(1)
     if h < NA:
         _norm_rope_row(t, h, a_ptr, a0, a1, wa_ptr, pos_ptr, freq_ptr, out_a_ptr, NA, D, R, eps, scale, KIND, NORM,
                        BLOCK, LIBDEVICE)
-    elif h < NA + NB:
+    else:
         _norm_rope_row(t, h - NA, b_ptr, b0, b1, wb_ptr, pos_ptr, freq_ptr, out_b_ptr, NB, D, R, eps, scale, KIND,
                        NORM, BLOCK, LIBDEVICE)
-    else:
-        _norm_rope_row(t, h - NA - NB, c_ptr, c0, c1, c_ptr, pos_ptr, freq_ptr, out_c_ptr, NC, D, 0, eps, scale, 2,
-                       True, BLOCK, LIBDEVICE)
 
 
 def norm_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, scale: float, *,
               weight: torch.Tensor | None = None, eps: float = 0.0, kind: str | None = None,
-              other: torch.Tensor | None = None, other_weight: torch.Tensor | None = None,
-              values: torch.Tensor | None = None):
+              other: torch.Tensor | None = None, other_weight: torch.Tensor | None = None):
     """x [T, N, D] (last dimension contiguous) -> [T, N, D] contiguous: each head's vector RMSNormed
     over D (kind as above; None: no norm), then its first 2 * len(inv_freq) dimensions rotated
     (rotate-half) at positions [T] -- apply_rope(norm(x)) as one kernel. With `other` [T, N2, D] (the
-    keys beside the queries, normed with other_weight) both in the same launch: (x's, other's); with
-    `values` [T, N3, D] too, their scale-free norm ("plain", no rotation) in it as well: (x's, other's, values')."""
+    keys beside the queries, normed with other_weight) both in the same launch: (x's, other's)."""
     T, N, D = x.shape
     x = x if x.stride(-1) == 1 else x.contiguous()
     y = x if other is None else (other if other.stride(-1) == 1 else other.contiguous())
-    z = x if values is None else (values if values.stride(-1) == 1 else values.contiguous())
-    if z.shape[-1] != D:
-        raise ValueError(f"values' heads have {z.shape[-1]} dimensions, the queries' {D}")
     out = torch.empty((T, N, D), dtype=x.dtype, device=x.device)
     out_y = out if other is None else torch.empty(y.shape, dtype=y.dtype, device=y.device)
-    out_z = out if values is None else torch.empty(z.shape, dtype=z.dtype, device=z.device)
     NB = 0 if other is None else y.shape[1]
-    NC = 0 if values is None else z.shape[1]
     if T:
         norm = kind is not None
         kind = "plain" if norm and weight is None else kind
         w = weight if weight is not None else x
         wy = other_weight if other_weight is not None else w
-        _norm_rope[(T, N + NB + NC)](x, x.stride(0), x.stride(1), w, out, N, y, y.stride(0), y.stride(1), wy, out_y, NB,
-                                     z, z.stride(0), z.stride(1), out_z, NC, positions, inv_freq, D,
-                                     2 * inv_freq.shape[0], eps, scale, KIND=KINDS.get(kind, 2), NORM=norm,
-                                     BLOCK=triton.next_power_of_2(D), LIBDEVICE=not _INTERPRETED,
-                                     enable_fp_fusion=False)
-    outs = (out,) + (() if other is None else (out_y,)) + (() if values is None else (out_z,))
-    return outs[0] if len(outs) == 1 else outs
+        _norm_rope[(T, N + NB)](x, x.stride(0), x.stride(1), w, out, N, y, y.stride(0), y.stride(1), wy, out_y, NB,
+                                positions, inv_freq, D, 2 * inv_freq.shape[0], eps, scale, KIND=KINDS.get(kind, 2),
+                                NORM=norm, BLOCK=triton.next_power_of_2(D), LIBDEVICE=not _INTERPRETED,
+                                enable_fp_fusion=False)
+    return out if other is None else (out, out_y)
 
 
 _INTERPRETED = isinstance(_norm_rope, InterpretedFunction)  # Triton's CPU interpreter (the tests' stage)

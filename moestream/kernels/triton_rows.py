@@ -32,9 +32,8 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from moestream.kernels.expert_layout import ACT_DTYPES, DEFAULT_CONFIG, GROUP, KernelConfig
+from moestream.kernels.expert_layout import ACT_DTYPES, DEFAULT_CONFIG, KernelConfig
 from moestream.kernels.pdl import pdl_launch
-from moestream.kernels.triton_grouped import _dequant_tile
 
 MAX_ROWS = 64  # rows of x one call takes (the decoder's tile is 16)
 MAX_SPLIT_BLOCKS = 4096  # column blocks a split product may have: one counter each (_counters)
@@ -81,11 +80,16 @@ def _tile_acc(x_ptr, w_ptr, R, N, stride_x, stride_w, first, K: tl.constexpr, RB
 
 
 @triton.jit
-def _split_sum(acc, part_ptr, counter_ptr, RB: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr):
-    """With SPLIT > 1 (partials [blocks, SPLIT, RB, BN] float32, counter_ptr this column block's
-    counter): this program's partial `acc` stored, and the sum of every split's partial in split
-    order where this program is its block's last; `last` says so."""
+def _split_acc(x_ptr, w_ptr, part_ptr, counter_ptr, R, N, stride_x, stride_w, first, K: tl.constexpr,
+               RB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr, SWAP: tl.constexpr,
+               PRECISION: tl.constexpr, DOT_F32: tl.constexpr, SPLIT: tl.constexpr):
+    """This program's [RB, BN] product over its split of K (program_id(1)); with SPLIT > 1 also
+    (partials [blocks, SPLIT, RB, BN] float32, counter_ptr this column block's counter): the sum of
+    every split's partial in split order where this program is its block's last, and `last` says so."""
+    KS: tl.constexpr = K // SPLIT
     s = tl.program_id(1)
+    acc = _tile_acc(x_ptr + s * KS, w_ptr + s * KS, R, N, stride_x, stride_w, first, KS, RB, BN, BK, EVEN_K, SWAP,
+                    PRECISION, DOT_F32)
     last = True
     if SPLIT > 1:
         tile = tl.arange(0, RB)[:, None] * BN + tl.arange(0, BN)[None, :]
@@ -103,31 +107,6 @@ def _split_sum(acc, part_ptr, counter_ptr, RB: tl.constexpr, BN: tl.constexpr, S
 
 
 @triton.jit
-def _split_acc(x_ptr, w_ptr, part_ptr, counter_ptr, R, N, stride_x, stride_w, first, K: tl.constexpr,
-               RB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr, SWAP: tl.constexpr,
-               PRECISION: tl.constexpr, DOT_F32: tl.constexpr, SPLIT: tl.constexpr):
-    """This program's [RB, BN] product over its split of K (program_id(1)), summed over the splits
-    by the block's last program (`_split_sum`)."""
-    KS: tl.constexpr = K // SPLIT
-    s = tl.program_id(1)
-    acc = _tile_acc(x_ptr + s * KS, w_ptr + s * KS, R, N, stride_x, stride_w, first, KS, RB, BN, BK, EVEN_K, SWAP,
-                    PRECISION, DOT_F32)
-    return _split_sum(acc, part_ptr, counter_ptr, RB, BN, SPLIT)
-
-
-@triton.jit
-def _store_rows(acc, bias_ptr, y_ptr, R, N, stride_y, first, RB: tl.constexpr, BN: tl.constexpr,
-                HAS_BIAS: tl.constexpr):
-    rows = tl.arange(0, RB)
-    cols = first + tl.arange(0, BN)
-    cmask = cols < N
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
-    y = y_ptr + rows[:, None] * stride_y + cols[None, :]
-    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=(rows < R)[:, None] & cmask[None, :])
-
-
-@triton.jit
 def _tile_linear_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, counters_ptr, R, N, stride_x, stride_w, stride_y,
                         K: tl.constexpr, RB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
                         HAS_BIAS: tl.constexpr, SWAP: tl.constexpr, PRECISION: tl.constexpr,
@@ -139,77 +118,13 @@ def _tile_linear_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, counters_ptr, R
     acc, last = _split_acc(x_ptr, w_ptr, part_ptr, counters_ptr + tl.program_id(0), R, N, stride_x, stride_w, first,
                            K, RB, BN, BK, EVEN_K, SWAP, PRECISION, DOT_F32, SPLIT)
     if last:
-        _store_rows(acc, bias_ptr, y_ptr, R, N, stride_y, first, RB, BN, HAS_BIAS)
-
-
-@triton.jit
-def _packed_acc(x_ptr, w_ptr, s_ptr, b_ptr, R, N, stride_x, first, g0, K: tl.constexpr, ROW_WORDS: tl.constexpr,
-                ROW_GROUPS: tl.constexpr, RB: tl.constexpr, BN: tl.constexpr, BITS: tl.constexpr, SWAP: tl.constexpr,
-                PRECISION: tl.constexpr, DOT_F32: tl.constexpr, JOIN: tl.constexpr):
-    """_tile_acc for a matrix kept in its packed form: each step of 64 inputs (one quantization group,
-    from group g0 on) dequantizes the [BN, 64] weight tile, w = q * s + b rounded to x's dtype (the
-    bits a dequantized matrix holds), and feeds it to the same product."""
-    DTYPE: tl.constexpr = x_ptr.dtype.element_ty
-    kk = tl.arange(0, 64)
-    rows = tl.arange(0, RB)
-    cols = tl.minimum(first + tl.arange(0, BN), N - 1)  # columns past N read the last row: unmasked
-    x_tile = x_ptr + tl.minimum(rows, R - 1)[:, None] * stride_x + kk[None, :]
-    if SWAP:
-        acc = tl.zeros([BN, RB], dtype=tl.float32)
-    else:
-        acc = tl.zeros([RB, BN], dtype=tl.float32)
-    for g in range(0, K // 64):
-        xt = tl.load(x_tile + g * 64)
-        wt = _dequant_tile(w_ptr, s_ptr, b_ptr, ROW_WORDS, ROW_GROUPS, cols, cols >= 0, g0 + g, BITS, BN, DTYPE,
-                           False, JOIN)
-        if DOT_F32:
-            xt = xt.to(tl.float32)
-            wt = wt.to(tl.float32)
-            if SWAP:
-                acc += tl.sum(wt[:, None, :] * xt[None, :, :], axis=2)
-            else:
-                acc += tl.sum(xt[:, None, :] * wt[None, :, :], axis=2)
-        elif SWAP:
-            acc = tl.dot(wt, tl.trans(xt), acc, input_precision=PRECISION)
-        else:
-            acc = tl.dot(xt, tl.trans(wt), acc, input_precision=PRECISION)
-    if SWAP:
-        acc = tl.trans(acc)
-    return acc
-
-
-@triton.jit
-def _packed_linear_kernel(x_ptr, w_ptr, s_ptr, b_ptr, bias_ptr, y_ptr, part_ptr, counters_ptr, R, N, stride_x,
-                          stride_y, K: tl.constexpr, RB: tl.constexpr, BN: tl.constexpr, BITS: tl.constexpr,
-                          HAS_BIAS: tl.constexpr, SWAP: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
-                          SPLIT: tl.constexpr, JOIN: tl.constexpr, PDL: tl.constexpr):
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    first = tl.program_id(0) * BN
-    KS: tl.constexpr = K // SPLIT
-    s = tl.program_id(1)
-    # more rows than one tile (a prefill chunk): a row block of RB a program (no split then)
-    x_ptr += tl.program_id(2).to(tl.int64) * RB * stride_x
-    y_ptr += tl.program_id(2).to(tl.int64) * RB * stride_y
-    R = tl.minimum(R - tl.program_id(2) * RB, RB)
-    acc = _packed_acc(x_ptr + s * KS, w_ptr, s_ptr, b_ptr, R, N, stride_x, first, s * (KS // 64), KS,
-                      K * BITS // 32, K // 64, RB, BN, BITS, SWAP, PRECISION, DOT_F32, JOIN)
-    acc, last = _split_sum(acc, part_ptr, counters_ptr + tl.program_id(0), RB, BN, SPLIT)
-    if last:
-        _store_rows(acc, bias_ptr, y_ptr, R, N, stride_y, first, RB, BN, HAS_BIAS)
-
-
-@triton.jit
-def _dequantize_kernel(w_ptr, s_ptr, b_ptr, out_ptr, N, K: tl.constexpr, BN: tl.constexpr, BITS: tl.constexpr,
-                       JOIN: tl.constexpr):
-    """out [N, K] = the packed matrix's w = q * s + b in out's dtype: one [BN, 64] tile a program."""
-    rows = tl.program_id(0) * BN + tl.arange(0, BN)
-    g = tl.program_id(1)
-    mask = rows < N
-    w = _dequant_tile(w_ptr, s_ptr, b_ptr, K * BITS // 32, K // 64, rows, mask, g, BITS, BN,
-                      out_ptr.dtype.element_ty, False, JOIN)
-    tl.store(out_ptr + rows.to(tl.int64)[:, None] * K + g * 64 + tl.arange(0, 64)[None, :], w, mask=mask[:, None])
+        rows = tl.arange(0, RB)
+        cols = first + tl.arange(0, BN)
+        cmask = cols < N
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        y = y_ptr + rows[:, None] * stride_y + cols[None, :]
+        tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=(rows < R)[:, None] & cmask[None, :])
 
 
 # Triton's CPU interpreter multiplies bfloat16 dot operands as their raw bits: there they are widened first.
@@ -293,61 +208,4 @@ def tile_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         _counters(x.device), R, N, x.stride(0), weight.stride(0), out.stride(0), K=K, RB=rb, HAS_BIAS=bias is not None,
         PRECISION="ieee" if x.dtype == torch.float32 or _INTERPRETED else "tf32", DOT_F32=_INTERPRETED, **settings,
         **pdl_launch(x, _INTERPRETED))
-    return out
-
-
-def _check_packed(codes: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, bits: int) -> tuple[int, int]:
-    """(N, K) of a packed matrix the kernels take: int32 codes [N, K * bits / 32] (a record's layout),
-    scales and biases [N, K / GROUP]; ValueError otherwise."""
-    if bits not in (4, 8) or codes.dtype != torch.int32 or codes.dim() != 2 or not codes.is_contiguous():
-        raise ValueError(f"codes: int32 [N, words] of 4- or 8-bit codes, not {codes.dtype} {list(codes.shape)} ({bits} bits)")
-    N, K = codes.shape[0], codes.shape[1] * 32 // bits
-    if K % GROUP or any(t.shape != (N, K // GROUP) or not t.is_contiguous() for t in (scales, biases)):
-        raise ValueError(f"scales, biases: contiguous [{N}, {K // GROUP}] (groups of {GROUP} of K = {K})")
-    return N, K
-
-
-def packed_tile_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, bits: int,
-                       bias: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
-                       config: KernelConfig = DEFAULT_CONFIG) -> torch.Tensor:
-    """F.linear(x, W, bias) for W kept packed (`_check_packed`: 4/8-bit codes, groups of 64 inputs):
-    each weight tile dequantized to x's dtype as `dequantize_matrix` would, then tile_linear's
-    product; a row's bits depend on its own row alone (and, past MAX_ROWS rows, where a prefill
-    chunk's row blocks fall). One launch, no host sync."""
-    N, K = _check_packed(codes, scales, biases, bits)
-    if x.dim() != 2 or x.shape[1] != K or x.dtype not in ACT_DTYPES or x.stride(1) != 1:
-        raise ValueError(f"x {x.dtype} {list(x.shape)}: expected bf16, fp16 or fp32 [R, {K}], last dimension contiguous")
-    R = x.shape[0]
-    if bias is not None and (bias.shape != (N,) or bias.dtype != x.dtype or not bias.is_contiguous()):
-        raise ValueError(f"bias: {bias.dtype} {list(bias.shape)}, expected contiguous {x.dtype} [{N}]")
-    if out is None:
-        out = torch.empty((R, N), dtype=x.dtype, device=x.device)
-    elif out.shape != (R, N) or out.dtype != x.dtype or out.stride(1) != 1:
-        raise ValueError(f"out: {out.dtype} {list(out.shape)}, expected {x.dtype} [{R}, {N}]")
-    if R == 0 or N == 0:
-        return out
-    settings = tile(N, K, x.dtype, config)
-    split = settings["SPLIT"] if R <= MAX_ROWS else 1  # (row blocks: programs enough)
-    while split > 1 and K % (split * GROUP):  # a split takes whole groups
-        split //= 2
-    settings.update(SPLIT=split, BK=GROUP)
-    blocks, rb = triton.cdiv(N, settings["BN"]), max(16, triton.next_power_of_2(min(R, MAX_ROWS)))
-    _packed_linear_kernel[(blocks, split, triton.cdiv(R, rb))](
-        x, codes, scales, biases, codes if bias is None else bias, out, split_parts(blocks, rb, settings, x.device),
-        _counters(x.device), R, N, x.stride(0), out.stride(0), K=K, RB=rb, BN=settings["BN"], BITS=bits,
-        HAS_BIAS=bias is not None, SWAP=settings["SWAP"], DOT_F32=_INTERPRETED, SPLIT=split,
-        PRECISION="ieee" if x.dtype == torch.float32 or _INTERPRETED else "tf32",
-        JOIN=bool(config.grouped_join), num_warps=settings["num_warps"], num_stages=settings["num_stages"],
-        enable_fp_fusion=False, **pdl_launch(x, _INTERPRETED))  # (q * s + b as torch rounds it: no FMA)
-    return out
-
-
-def dequantize_matrix(codes: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, bits: int,
-                      dtype: torch.dtype) -> torch.Tensor:
-    """The packed matrix as a [N, K] tensor of `dtype` (what any function but a product takes)."""
-    N, K = _check_packed(codes, scales, biases, bits)
-    out = torch.empty((N, K), dtype=dtype, device=codes.device)
-    bn = 32
-    _dequantize_kernel[(triton.cdiv(N, bn), K // GROUP)](codes, scales, biases, out, N, K=K, BN=bn, BITS=bits,
-                                                        JOIN=bool(DEFAULT_CONFIG.grouped_join), enable_fp_fusion=False)
     return out

@@ -102,11 +102,9 @@ class Attention:
         self.window, self.softcap, self.v_norm, self.gate = window, softcap, v_norm, gate
         self.scale = head_dim ** -0.5 if scale is None else scale
 
-    def _project(self, x: torch.Tensor, linear, head_norm: bool = True,
-                 value_norm: bool = True) -> tuple[torch.Tensor, ...]:
+    def _project(self, x: torch.Tensor, linear, head_norm: bool = True) -> tuple[torch.Tensor, ...]:
         """x [R, H] -> q [R, Nq, D], k [R, Nkv, D], v [R, Nkv, Dv], gate [R, Nq * D] or None.
-        head_norm=False: q and k not yet normed per head, value_norm=False: nor v (the CUDA path norms
-        them with the rotary)."""
+        head_norm=False: q and k not yet normed per head (the CUDA path norms them with the rotary)."""
         w, R, D = self.w, x.shape[0], self.head_dim
         qkv = linear(x, w.qkv, w.qkv_bias) if w.qkv is not None else \
             torch.cat([linear(x, m, b) for m, b in ((w.q, w.q_bias), (w.k, w.k_bias), (w.v, w.v_bias))
@@ -126,7 +124,7 @@ class Attention:
         v = v.reshape(R, self.num_kv_heads, -1)
         if self.qk_norm == "head" and head_norm:
             q, k = self.norm(q, w.q_norm, self.eps), self.norm(k, w.k_norm, self.eps)
-        if self.v_norm and value_norm:
+        if self.v_norm:
             v = rms_norm_f32(v, None, self.eps)
         return q, k, v, gate
 
@@ -148,10 +146,9 @@ class Attention:
         if x.is_cuda:
             # the per-head q/k norm and the rotary in one kernel each (moestream.kernels.triton_norm)
             kind = _CUDA_NORM_KINDS.get(self.norm) if self.qk_norm == "head" else None
-            fused_v = self.v_norm and (self.w.v is None or self.w.v.shape[0] == self.w.k.shape[0])  # Dv = D
-            q, k, v, gate = self._project(x, linear, head_norm=kind is None, value_norm=not fused_v)
-            q, k, v = self._norm_rope(q[:T], k[:T], v[:T], positions, kind, fused_v)
-            out = self._attend_cuda(q, k, v, positions, sequences, kv, x.shape[0])
+            q, k, v, gate = self._project(x, linear, head_norm=kind is None)
+            q, k = self._norm_rope(q[:T], k[:T], positions, kind)
+            out = self._attend_cuda(q, k, v[:T], positions, sequences, kv, x.shape[0])
         else:
             q, k, v, gate = self._project(x, linear)
             cos, sin = self._cos_sin(positions, x.dtype)
@@ -204,15 +201,14 @@ class Attention:
         out = torch.matmul(probs, values)  # [Nq, T, Dv]
         return out.transpose(0, 1).reshape(T, -1)
 
-    def _norm_rope(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                   kind: str | None, value_norm: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q [T, Nq, D], k [T, Nkv, D], v [T, Nkv, Dv] -> the same: q and k each head normed (kind:
-        triton_norm's, None: no norm), then rotated; with value_norm, v's scale-free norm: one kernel."""
+    def _norm_rope(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+                   kind: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, Nq, D], k [T, Nkv, D] -> the same, each head normed (kind: triton_norm's, None: no
+        norm), then rotated: one kernel for both."""
         from moestream.kernels.triton_norm import norm_rope
 
-        out = norm_rope(q, positions, self.rope.inv_freq, self.rope.scale, weight=self.w.q_norm, eps=self.eps,
-                        kind=kind, other=k, other_weight=self.w.k_norm, values=v if value_norm else None)
-        return out if value_norm else (*out, v)
+        return norm_rope(q, positions, self.rope.inv_freq, self.rope.scale, weight=self.w.q_norm, eps=self.eps,
+                         kind=kind, other=k, other_weight=self.w.k_norm)
 
     def _attend_cuda(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                      sequences: torch.Tensor, kv: LayerCache, rows: int) -> torch.Tensor:

@@ -1,22 +1,18 @@
-"""Resident matrices kept in their packed 4/8-bit affine form (PackedMatrix): a product reads the
-codes (a quarter of the bf16 matrix's bytes at 4 bits, an eighth of float32's), never a dequantized copy.
-  - On CUDA (bf16/fp16 models, groups of 64 inputs): moestream.kernels.triton_rows' packed product,
-    each weight tile dequantized to the activations' dtype on its way into the product (the bits a
-    dequantized matrix holds), for a decode step's row tile and a prefill chunk's rows alike;
-  - on the CPU (float32 models, where the native build is): the native products
-    (moestream.cpu_share.kernels' `packed_linear`), float32 throughout.
+"""Resident matrices the CPU keeps in their packed 4/8-bit affine form (PackedMatrix): a product
+reads the codes (an eighth of the float32 matrix's bytes at 4 bits), never a dequantized copy, through
+the native products (moestream.cpu_share.kernels' `packed_linear`; float32 models, where the native
+build is), float32 throughout.
 
 A PackedMatrix is a torch.Tensor of the matrix's shape and dtype that holds no float data; the
 layers multiply it as they multiply any weight, and torch hands every function that meets it to
 `__torch_function__` here:
-  - products (F.linear, and rows_linear's mm / bmm over `.t()` and `.expand` on the CPU): computed
+  - products (F.linear, and rows_linear's mm / bmm over `.t()` and `.expand`): computed
     from the codes, each code read once per tile of rows (a prefill chunk's product is a
     matrix-matrix one), each output on its own, so a row's bits never depend on the rows beside it;
   - concatenation and row slices (AttentionWeights.fuse_qkv, GeluMLP's stacked gate and up): packed again;
   - row gathers (an embedding's F.embedding, the hot head's index_select): only those rows dequantized;
   - metadata (shape, dtype, ...) as it is; anything else on the dequantized matrix.
-Products differ from the dequantized weight's only in rounding (tests/unit/test_packed_matrix.py,
-tests/interpret/test_rows_products_interpret.py)."""
+Products differ from the dequantized weight's only in float32 rounding (tests/unit/test_packed_matrix.py)."""
 from __future__ import annotations
 
 import torch
@@ -24,7 +20,6 @@ import torch.nn.functional as F
 from torch.utils._pytree import tree_map
 
 from moestream.cpu_share import kernels as native
-from moestream.kernels.expert_layout import GROUP
 from moestream.quant.affine import QuantSpec, dequantize
 
 SCALE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -34,15 +29,11 @@ METADATA = {_T.shape.__get__, _T.dtype.__get__, _T.device.__get__, _T.ndim.__get
 
 
 def packs(spec: QuantSpec, shape, scales_dtype: torch.dtype, device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether a matrix of this spec and [N, K] shape stays packed in a `dtype` model on `device`:
-    on CUDA where the Triton kernels take it, on the CPU where the native row products do (and are built)."""
-    if not (len(shape) == 2 and spec.quantized and spec.mode == "affine" and spec.bits in (4, 8)
-            and shape[1] % spec.group_size == 0 and scales_dtype in SCALE_DTYPES):
-        return False
-    if device.type == "cuda":
-        return dtype in (torch.bfloat16, torch.float16) and spec.group_size == GROUP
-    return device.type == "cpu" and dtype == torch.float32 and spec.group_size in native.GROUPS and \
-        native.load() is not None
+    """Whether a matrix of this spec and [N, K] shape stays packed in a `dtype` model on `device`: on
+    the CPU where the native products take it (and are built); elsewhere it is dequantized at load."""
+    return (device.type == "cpu" and dtype == torch.float32 and len(shape) == 2 and spec.quantized
+            and spec.mode == "affine" and spec.bits in (4, 8) and spec.group_size in native.GROUPS
+            and shape[1] % spec.group_size == 0 and scales_dtype in SCALE_DTYPES and native.load() is not None)
 
 
 class PackedMatrix(torch.Tensor):
@@ -71,20 +62,13 @@ class PackedMatrix(torch.Tensor):
         return PackedMatrix(codes, scales, biases, self.bits, self.group, self.dtype, view_ops)
 
     def dequantized(self) -> torch.Tensor:
-        if self.codes.is_cuda:
-            from moestream.kernels.triton_rows import dequantize_matrix
-            w = dequantize_matrix(self.codes, self.scales, self.biases, self.bits, self.dtype)
-        else:
-            w = dequantize(self.codes, self.scales, self.biases, self.bits, self.group, self.dtype)
+        w = dequantize(self.codes, self.scales, self.biases, self.bits, self.group, self.dtype)
         for op in self.view_ops:
             w = w.t() if op[0] == "t" else w.expand(*op[1])
         return w
 
     def rows(self, x: torch.Tensor) -> torch.Tensor:
         """x [n, K] @ the matrix's transpose -> [n, N] in x's dtype."""
-        if self.codes.is_cuda:
-            from moestream.kernels.triton_rows import packed_tile_linear
-            return packed_tile_linear(x.contiguous(), self.codes, self.scales, self.biases, self.bits)
         out = torch.empty((x.shape[0], self.codes.shape[0]), dtype=torch.float32)
         native.load().packed_linear(self.codes, self.scales, self.biases, self.bits, self.group,
                                     x.to(torch.float32).contiguous(), out, torch.get_num_threads())

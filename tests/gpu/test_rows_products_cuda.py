@@ -146,24 +146,3 @@ def test_sequences_together_get_the_bits_each_gets_alone(tiny_packed_model):
     engine.close_sequence(0)
     assert_same_bits(together(engine, prompts, SCHEDULE), expected)
     engine.close()
-
-
-@pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("R", [1, 16, 64, 300])
-def test_packed_products_are_the_dequantized_matrixs(bits, R):
-    """A matrix kept packed: within bf16 rounding of the dequantized matrix's cuBLAS product, each
-    row's bits its own (alone or beside others, for a step's rows), and dequantize_matrix gives the
-    CPU's dequantized bits."""
-    from moestream.kernels.triton_rows import dequantize_matrix, packed_tile_linear
-    from moestream.quant.affine import dequantize, quantize
-
-    g = torch.Generator().manual_seed(R + bits)
-    q, s, b = quantize(torch.randn(1000, 2816, generator=g).to(torch.bfloat16), bits, 64)
-    q, s, b = q.view(torch.int32).cuda(), s.cuda(), b.cuda()
-    w = dequantize_matrix(q, s, b, bits, torch.bfloat16)
-    assert torch.equal(w.cpu(), dequantize(q.cpu(), s.cpu(), b.cpu(), bits, 64, torch.bfloat16))
-    x = torch.randn(R, 2816, generator=g).to(torch.bfloat16).cuda()
-    y, ref = packed_tile_linear(x, q, s, b, bits), F.linear(x, w)
-    assert ((y.float() - ref.float()).abs().max() / ref.float().abs().max()).item() < 1e-2
-    if R <= 64:
-        assert all(torch.equal(packed_tile_linear(x[t:t + 1], q, s, b, bits)[0], y[t]) for t in range(R))

@@ -141,12 +141,6 @@ def test_norm_rope_of_queries_and_keys_in_one_launch_gives_each_alone(kn, kind):
                                            kind=kind))
     assert torch.equal(got_k, kn.norm_rope(k, positions, rope.inv_freq, rope.scale, weight=weights[1], eps=1e-6,
                                            kind=kind))
-    # the values' scale-free norm in the same launch: the norm kernel's bits, not rotated
-    v = torch.randn(T, 2, D, generator=g)[:, :, :]
-    three = kn.norm_rope(q, positions, rope.inv_freq, rope.scale, weight=weights[0], eps=1e-6, kind=kind, other=k,
-                         other_weight=weights[1], values=v)
-    assert torch.equal(three[0], got_q) and torch.equal(three[1], got_k)
-    assert torch.equal(three[2], kn.rms_norm_rows(v, None, 1e-6, "f32"))
 
 
 def test_gelu_glu_of_the_stacked_products_gives_the_torch_activation():
