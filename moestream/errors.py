@@ -19,3 +19,7 @@ class UnsupportedModelError(MoestreamError):
 
 class ExpertReadError(MoestreamError):
     """Reading an expert record failed (I/O error, short read, checksum mismatch)."""
+
+
+class BudgetError(MoestreamError):
+    """A --memory-budget too small for the model's fixed parts and its fewest expert slots (a usage error)."""

@@ -3,6 +3,7 @@ one loaded engine, and the same weights through transformers."""
 from __future__ import annotations
 
 import logging
+import resource
 import statistics
 import subprocess
 import time
@@ -154,6 +155,8 @@ def measure(engine, *, prefill_sizes: list[int], decode_tokens: int, seed: int, 
         out["device_memory"] = {"max_reserved": max(run_peak, decode_peak), "decode_max_reserved": decode_peak,
                                 "decode_max_allocated": torch.cuda.max_memory_allocated(engine.device)}
     out["memory"] = engine.memory_ledger()
+    if not cuda:  # the device is RAM: what the process held at its peak, to set beside the ledger's total
+        out["memory"]["max_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return out
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import fields
+from dataclasses import fields, replace
 
 from moestream.engine.options import EngineOptions
 from moestream.errors import MoestreamError
@@ -166,3 +166,24 @@ def check_engine_args(parser: argparse.ArgumentParser, args: argparse.Namespace)
         positions = model_positions(args.model)
         if positions is not None and args.max_context > positions:
             parser.error(f"argument --max-context: {args.max_context} is more than the model's {positions} positions")
+    if args.memory_budget is not None:
+        problem = budget_problem(args)
+        if problem:
+            parser.error(problem)
+
+
+def budget_problem(args: argparse.Namespace) -> str | None:
+    """Why --memory-budget cannot hold this model (its fixed parts and fewest slots), found from the
+    plan before anything is loaded or hashed; None where it can, or where loading will say what is wrong."""
+    from moestream.engine.engine import open_packed
+    from moestream.engine.plan import plan_run
+    from moestream.errors import BudgetError
+
+    try:
+        packed, default_size = open_packed(args.model)
+        plan_run(packed, replace(options_from_args(args), verify=False), default_cache_size=default_size)
+    except BudgetError as exc:
+        return str(exc)
+    except (MoestreamError, OSError, KeyError, ValueError):
+        return None
+    return None

@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from moestream.errors import MoestreamError
+from moestream.errors import BudgetError
 from moestream.experts.sizing import format_bytes
 from moestream.format.reader import PackedModel
 from moestream.kv.pool import KVPool
@@ -19,6 +19,10 @@ from moestream.quant.mxfp4 import MODE as MXFP4
 # the CUDA caching allocator rounds blocks up: it reserved 2.5-2.8 % more than the tensors it held
 # (H200, --memory-budget 8GiB: 8.004 GiB reserved with 2.5 % kept free); budgets keep 3 % free
 ALLOCATOR_SLACK = 0.03
+# on the CPU the budget is the process's RAM: the interpreter, torch and their libraries, the native
+# kernels and the allocator's heap take this much beside what the ledger's rows count (340 MB measured
+# after decoding the Qwen3-30B-A3B shape: heap 210 MB, libraries 130 MB)
+CPU_RUNTIME = 384 << 20
 SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 
 
@@ -31,11 +35,12 @@ class Ledger:
     host_tier: int
     read_buffers: int
     unpacked_experts: int = 0  # CPU runs (the device is RAM): dequantized copies of the slots' experts
+    runtime: int = 0  # CPU runs: the process itself (CPU_RUNTIME)
 
     @property
     def device_total(self) -> int:
         return (self.resident_weights + self.kv_cache + self.workspace + self.expert_slots + self.read_buffers
-                + self.unpacked_experts)
+                + self.unpacked_experts + self.runtime)
 
     def to_json(self) -> dict:
         return {**asdict(self), "device_total": self.device_total}
@@ -47,6 +52,8 @@ class Ledger:
                 ("read buffers", self.read_buffers)]
         if self.unpacked_experts:
             rows.append(("unpacked experts (CPU)", self.unpacked_experts))
+        if self.runtime:
+            rows.append(("runtime (interpreter, torch, libraries)", self.runtime))
         rows += [("device total", self.device_total), ("host tier (RAM)", self.host_tier)]
         return "\n".join(f"  {name:<40} {format_bytes(value):>12}" for name, value in rows)
 
@@ -107,7 +114,7 @@ def plan_ledger(packed: PackedModel, args, *, dtype: torch.dtype, max_context: i
         workspace = max(workspace, decode_workspace(args, context=max_context))
     return Ledger(resident_weights=resident_bytes(packed, dtype, torch.device("cuda" if cuda else "cpu")), kv_cache=kv, workspace=workspace,
                   expert_slots=slots * slot_bytes, host_tier=host_slots * slot_bytes, read_buffers=staging * slot_bytes,
-                  unpacked_experts=unpacked)
+                  unpacked_experts=unpacked, runtime=0 if cuda else CPU_RUNTIME)
 
 
 def prefill_workspace(args, *, tokens: int, context: int, item: int) -> int:
@@ -140,9 +147,10 @@ def slots_within(budget: int, ledger: Ledger, *, slot_bytes: int, min_slots: int
     slots = int(budget * (1 - ALLOCATOR_SLACK) - fixed) // slot_bytes
     if slots < min_slots:
         need = fixed + min_slots * slot_bytes
-        raise MoestreamError(f"--memory-budget {format_bytes(budget)} cannot fit this model: it needs at least "
+        runtime = f", runtime {format_bytes(ledger.runtime)}" if ledger.runtime else ""
+        raise BudgetError(f"--memory-budget {format_bytes(budget)} cannot fit this model: it needs at least "
                              f"{format_bytes(need)} (resident weights {format_bytes(ledger.resident_weights)}, KV cache "
-                             f"{format_bytes(ledger.kv_cache)}, workspace {format_bytes(ledger.workspace)}, "
+                             f"{format_bytes(ledger.kv_cache)}, workspace {format_bytes(ledger.workspace)}{runtime}, "
                              f"{min_slots} expert slots {format_bytes(min_slots * slot_bytes)}); "
                              "a smaller --max-context lowers it")
     return min(slots, total_experts)

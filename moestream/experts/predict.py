@@ -17,7 +17,9 @@ class NextLayerPrefetcher:
     def __init__(self, blocks: list, provider, *, maps: GuessMaps | None = None):
         self.provider, self.maps = provider, maps
         self.next = {a.layer: b for a, b in zip(blocks, blocks[1:])}  # MoE layer -> the next MoE block
-        self.lookahead = Lookahead(provider, depth=1, min_accuracy=0.0)
+        # guesses that name too few of the experts a layer then routes to stop (CUDA's rule): each wrong
+        # one is a whole record read that queues before the reads a layer waits for, and takes a slot
+        self.lookahead = Lookahead(provider, depth=1)
 
     def __call__(self, layer: int, x: torch.Tensor, chosen: list[int] | None = None) -> None:
         if x.shape[0] != 1:

@@ -1,7 +1,10 @@
 """Open a packed model: the manifest, resident tensors and expert records."""
 from __future__ import annotations
 
+import ctypes
+import mmap
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -82,8 +85,11 @@ class PackedModel:
             t = self.raw_dense(name)
             return t if dtype is None else t.to(dtype)
         base = name[: -len(".weight")]
-        return dequantize(self.raw_dense(name), self.raw_dense(base + ".scales"), self.raw_dense(base + ".biases"),
-                          spec.bits, spec.group_size, dtype or torch.float32)
+        raw = [self.raw_dense(n) for n in (name, base + ".scales", base + ".biases")]
+        out = dequantize(*raw, spec.bits, spec.group_size, dtype or torch.float32)
+        for t in raw:  # read once: their pages of the file's mapping need not stay in RAM beside the copy
+            _release_pages(t)
+        return out
 
     def logical_dense_names(self) -> list[str]:
         """Names of resident tensors as the checkpoint had them (quantized ones once, as `.weight`)."""
@@ -125,3 +131,22 @@ def dequantize_record(entry: ExpertLayer, tensors: dict[str, torch.Tensor], dtyp
         else:
             out[proj] = tensors[f"{proj}.weight"].to(dtype)
     return out
+
+
+_MADV_DONTNEED = 4
+_libc = None
+
+
+def _release_pages(t: torch.Tensor) -> None:
+    """Drop the whole pages under `t` (a view into the safetensors file's private mapping, never
+    written) from this process's RAM; touched again, they are read again from the file."""
+    global _libc
+    start, end = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+    first, last = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE, end // mmap.PAGESIZE * mmap.PAGESIZE
+    if t.device.type != "cpu" or last <= first or not sys.platform.startswith("linux"):
+        return
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+        _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    _libc.madvise(first, last - first, _MADV_DONTNEED)  # advice: a failure only keeps the pages
+

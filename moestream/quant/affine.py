@@ -129,12 +129,13 @@ def float_codes(weight: torch.Tensor, bits: int) -> torch.Tensor:
 
 def dequantize(weight: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, bits: int, group_size: int,
                dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """w = q * scale + bias, computed in float32, returned as [O, I] in `dtype`."""
+    """w = q * scale + bias, computed in float32, returned as [O, I] in `dtype`. In place in the codes'
+    buffer: a large matrix (an embedding) then needs one float32 copy at its peak, not three."""
     codes = float_codes(weight, bits)
     out_features = codes.shape[0]
-    grouped = codes.reshape(out_features, -1, group_size)
-    w = grouped * scales.to(torch.float32)[..., None] + biases.to(torch.float32)[..., None]
-    return w.reshape(out_features, -1).to(dtype)
+    grouped = codes.view(out_features, -1, group_size)
+    grouped.mul_(scales.to(torch.float32)[..., None]).add_(biases.to(torch.float32)[..., None])
+    return codes.to(dtype)
 
 
 def dequantize_many(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], bits: int, group_size: int,

@@ -212,10 +212,17 @@ def test_truncated_expert_file_is_refused_at_load(model, tmp_path):
 
 
 def test_memory_budget_sizes_slots_or_names_the_minimum(model):
-    engine = Engine.load(model, options=EngineOptions(device="cpu", memory_budget="64MiB", max_context=128))
+    engine = Engine.load(model, options=EngineOptions(device="cpu", memory_budget="512MiB", max_context=128))
     assert engine.plan.slots == engine.plan.total_experts  # small model: everything fits
     with pytest.raises(MoestreamError, match="needs at least"):
         Engine.load(model, options=EngineOptions(device="cpu", memory_budget="10KB", max_context=128))
+    # on the CPU the budget is the process's RAM: the process itself is a row, so a budget that holds
+    # the model's tensors but not the interpreter and torch is refused, naming it
+    ledger = engine.plan.ledger
+    tensors = ledger.device_total - ledger.runtime
+    assert ledger.runtime > 0
+    with pytest.raises(MoestreamError, match="runtime"):
+        Engine.load(model, options=EngineOptions(device="cpu", memory_budget=str(tensors * 2), max_context=128))
 
 
 def test_cache_size_below_the_floor_is_refused(model):

@@ -174,3 +174,34 @@ def test_dtype_names_cover_record_dtypes():
     from moestream.format.records import DTYPE_NAMES as RECORD_NAMES
     for dtype, name in RECORD_NAMES.items():
         assert DTYPE_NAMES[dtype] == name
+
+
+def _mapped_pages_of(t: torch.Tensor) -> int:
+    """Whole pages under `t` present in this process's page table (/proc/self/pagemap, bit 63)."""
+    import mmap
+    import struct
+
+    start = -(-t.data_ptr() // mmap.PAGESIZE)
+    end = (t.data_ptr() + t.numel() * t.element_size()) // mmap.PAGESIZE
+    with open("/proc/self/pagemap", "rb") as f:
+        f.seek(start * 8)
+        entries = struct.unpack(f"{end - start}Q", f.read((end - start) * 8))
+    return sum(e >> 63 for e in entries)
+
+
+def test_a_dequantized_tensor_leaves_its_codes_out_of_ram_and_intact():
+    # dense() drops the pages of the codes it read (a budget on the CPU counts the float copy only);
+    # the file's bytes are read again, unchanged, when asked for
+    from moestream.engine.engine import DEMO_MODEL
+
+    packed = PackedModel(DEMO_MODEL)
+    name = "model.embed_tokens.weight"
+    assert packed.tensor_spec(name).quantized
+    codes = packed.raw_dense(name)
+    before = codes.clone()
+    assert _mapped_pages_of(codes) > 0  # read: mapped
+    assert codes.numel() * codes.element_size() >= 4 * 4096
+    first = packed.dense(name)
+    assert _mapped_pages_of(codes) == 0  # not one whole page of the codes left mapped in this process
+    assert torch.equal(codes, before)  # touched again: the file's bytes
+    assert torch.equal(packed.dense(name), first)
