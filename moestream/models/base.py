@@ -254,8 +254,8 @@ def embeddings(loader, args: BaseModelArgs) -> tuple[torch.Tensor, torch.Tensor,
     """(embed, final norm, lm_head); lm_head is the embedding where the config ties them."""
     V, H = args.vocab_size, args.hidden_size
     tied = args.tie_word_embeddings and not loader.has("lm_head.weight")
-    # a tied embedding is the head too: kept packed where the head would be (its rows dequantized as gathered)
-    embed = loader.take_matrix(EMBEDDING, (V, H)) if tied else loader.take(EMBEDDING, (V, H))
+    # kept packed where the kernels take it: a step dequantizes only the rows it gathers
+    embed = loader.take_matrix(EMBEDDING, (V, H))
     lm_head = embed if tied else loader.take_matrix("lm_head.weight", (V, H))
     return embed, loader.take("model.norm.weight", (H,)), lm_head
 

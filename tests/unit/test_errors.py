@@ -36,8 +36,8 @@ CASES = [
     ("generate", "--prefill-chunk-tokens 0", 2,
      "moestream generate: error: argument --prefill-chunk-tokens: must be at least 1, not 0"),
     ("generate", "--device cpu --memory-budget 100MiB", 2,
-     "moestream generate: error: --memory-budget 100.00 MiB cannot fit this model: it needs at least 417.23 MiB "
-     "(resident weights 7.96 MiB, KV cache 16.00 MiB, workspace 9.05 MiB, runtime 384.00 MiB, 4 expert slots "
+     "moestream generate: error: --memory-budget 100.00 MiB cannot fit this model: it needs at least 412.08 MiB "
+     "(resident weights 2.80 MiB, KV cache 16.00 MiB, workspace 9.05 MiB, runtime 384.00 MiB, 4 expert slots "
      "224.00 KiB); a smaller --max-context lowers it"),
     ("generate", "--max-context 0", 2, "moestream generate: error: argument --max-context: must be at least 2, not 0"),
     ("generate", "--max-new 0", 2, "moestream generate: error: argument --max-new: must be at least 1, not 0"),

@@ -95,7 +95,7 @@ def test_the_cpu_loader_packs_attention_and_head_matrices(tiny_packed_model, mon
     engine = Engine.load(packed, options=EngineOptions(device="cpu"))
     attn = engine.model.layers[0].attn.w
     assert all(isinstance(t, PackedMatrix) for t in (attn.qkv, attn.o, engine.model.lm_head))
-    assert not isinstance(engine.model.embed_weight, PackedMatrix)  # gathered by rows: kept float
+    assert isinstance(engine.model.embed_weight, PackedMatrix)  # gathered by rows, dequantized as gathered
     engine.close()
     monkeypatch.setattr(native, "_state", {"reason": "no compiler here"})  # no build: float matrices
     engine = Engine.load(packed, options=EngineOptions(device="cpu"))
