@@ -102,17 +102,18 @@ def unpacked_expert_bytes(packed: PackedModel, dtype: torch.dtype) -> int:
     return largest
 
 
-def plan_ledger(packed: PackedModel, args, *, dtype: torch.dtype, max_context: int, chunk: int, slots: int,
+def plan_ledger(args, *, resident: int, dtype: torch.dtype, max_context: int, chunk: int, slots: int,
                 slot_bytes: int, host_slots: int, staging: int, cuda: bool = False, sequences: int = 1,
                 unpacked: int = 0) -> Ledger:
-    """sequences: sequence slots of the paged KV pool (sized as moestream.kv.pool sizes it)."""
+    """resident: `resident_bytes` (the same for every size a plan tries); sequences: sequence slots of
+    the paged KV pool (sized as moestream.kv.pool sizes it)."""
     item = torch.finfo(dtype).bits // 8
     kv = KVPool.bytes_for(args.kv_layout(), sequences=sequences, max_context=max_context, dtype=dtype,
                           prefill_chunk=chunk)
     workspace = prefill_workspace(args, tokens=min(chunk, max_context), context=max_context, item=item)
     if cuda:
         workspace = max(workspace, decode_workspace(args, context=max_context))
-    return Ledger(resident_weights=resident_bytes(packed, dtype, torch.device("cuda" if cuda else "cpu")), kv_cache=kv, workspace=workspace,
+    return Ledger(resident_weights=resident, kv_cache=kv, workspace=workspace,
                   expert_slots=slots * slot_bytes, host_tier=host_slots * slot_bytes, read_buffers=staging * slot_bytes,
                   unpacked_experts=unpacked, runtime=0 if cuda else CPU_RUNTIME)
 

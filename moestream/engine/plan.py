@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 import psutil
 import torch
 
-from moestream.engine.budget import Ledger, plan_ledger, slots_within, unpacked_expert_bytes
+from moestream.engine.budget import Ledger, plan_ledger, resident_bytes, slots_within, unpacked_expert_bytes
 from moestream.engine.options import EngineOptions
 from moestream.errors import MoestreamError
 from moestream.experts.sizing import parse_bytes, slots_for
@@ -120,8 +120,10 @@ def plan_run(packed: PackedModel, options: EngineOptions, *, default_cache_size:
     unpacked_bytes = 0 if device.type == "cpu" and takes_every_layer(packed) else unpacked_expert_bytes(packed, dtype)
     most_unpacked = unpacked_limit(options, device, unpacked_bytes=unpacked_bytes, total_experts=total)
 
+    resident = resident_bytes(packed, dtype, device)
+
     def ledger(slots: int, unpacked: int = most_unpacked) -> Ledger:
-        return plan_ledger(packed, args, dtype=dtype, max_context=max_context, chunk=chunk,
+        return plan_ledger(args, resident=resident, dtype=dtype, max_context=max_context, chunk=chunk,
                            slots=slots, slot_bytes=slot_bytes, host_slots=host_slots, staging=staging,
                            cuda=device.type == "cuda", sequences=options.max_sequences,
                            unpacked=min(slots, unpacked) * unpacked_bytes if slots else unpacked * unpacked_bytes)
