@@ -94,6 +94,11 @@ def _dequantized(tree):
     return tree_map(lambda a: a.dequantized() if isinstance(a, PackedMatrix) else a, tree)
 
 
+def _plain_embedding(kwargs) -> bool:
+    """F.embedding's keywords (it passes them all to __torch_function__) at their defaults: a plain gather."""
+    return not any(kwargs.get(k) for k in ("padding_idx", "max_norm", "scale_grad_by_freq", "sparse")) and \
+        kwargs.get("norm_type", 2.0) == 2.0
+
 
 def _handle(func, args, kwargs):
     """The functions computed on the packed form (NotImplemented: dequantize and call func)."""
@@ -119,7 +124,7 @@ def _handle(func, args, kwargs):
                 len({(p.bits, p.group, p.scales.dtype, p.dtype) for p in parts}) == 1:
             return parts[0]._like(*(torch.cat([getattr(p, f) for p in parts]) for f in ("codes", "scales", "biases")))
     elif func is F.embedding and isinstance(args[1], PackedMatrix) and not args[1].view_ops and \
-            not isinstance(args[0], PackedMatrix) and len(args) == 2 and not kwargs:  # an embedding's rows
+            not isinstance(args[0], PackedMatrix) and len(args) == 2 and _plain_embedding(kwargs):  # its rows
         ids, m = args[0].reshape(-1), args[1]
         rows = dequantize(m.codes[ids], m.scales[ids], m.biases[ids], m.bits, m.group, m.dtype)
         return rows.view(*args[0].shape, rows.shape[-1])

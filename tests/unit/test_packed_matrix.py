@@ -110,6 +110,12 @@ def test_an_embeddings_rows_are_the_dequantized_matrixs():
     assert torch.equal(F.embedding(ids, m), F.embedding(ids, w))
 
 
+def test_an_embedding_gathers_its_rows_without_dequantizing_the_matrix(monkeypatch):
+    m, w = matrix(50, 128, bits=4)
+    monkeypatch.setattr(PackedMatrix, "dequantized", lambda self: pytest.fail("the whole matrix dequantized"))
+    assert torch.equal(F.embedding(torch.tensor([7, 1]), m), F.embedding(torch.tensor([7, 1]), w))
+
+
 def test_a_tied_embedding_is_the_packed_head(tiny_packed_model):
     packed = tiny_packed_model("gemma4_text", "q4")
     engine = Engine.load(packed, options=EngineOptions(device="cpu"))
