@@ -12,6 +12,9 @@ routing: moestream's side runs `--routing uniform`).
     python scripts/bench_cpu_llamacpp.py --model /tmp/q30l8 --gguf /tmp/q30l8.gguf \
         --llama-bench BUILD/bin/llama-bench --prefill-tokens 512 --decode-tokens 32 --rounds 2 \
         --out docs/bench/cpu-2core/qwen3-30b-a3b-8layers.json
+
+--before TREE adds a checkout of another commit (its moestream run with PYTHONPATH=TREE) to each
+round, after this tree's run: before and after measured in the same call.
 """
 from __future__ import annotations
 
@@ -49,9 +52,10 @@ def run_llama_cpp(args) -> dict:
             "by_threads": {f'{r["n_threads"]} {"pp" if r["n_gen"] == 0 else "tg"}': round(r["avg_ts"], 2) for r in rows}}
 
 
-def run_moestream(args, tmp: str, i: int) -> dict:
-    out = Path(tmp) / f"moestream-{i}.json"
-    subprocess.run(moestream(args, out), check=True, capture_output=True, text=True)
+def run_moestream(args, tmp: str, i: int, tree: str | None = None) -> dict:
+    out = Path(tmp) / f"moestream-{i}{'-before' if tree else ''}.json"
+    env = {**os.environ, "PYTHONPATH": tree} if tree else None
+    subprocess.run(moestream(args, out), check=True, capture_output=True, text=True, env=env, cwd=tree)
     run = json.loads(out.read_text())["runs"][0]
     return {"prefill_tok_s": run["prefill"][-1]["tok_s"], "decode_tok_s": run["decode"]["tok_s"],
             "threads": run["threads"]}
@@ -68,28 +72,34 @@ def main() -> None:
     p.add_argument("--prefill-tokens", type=int, default=512)
     p.add_argument("--decode-tokens", type=int, default=32)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--before", help="a checkout of the commit to compare with, run in each round too")
     p.add_argument("--out", required=True)
     args = p.parse_args()
-    runs = {"llama.cpp": [], "moestream": []}
+    runs = {"llama.cpp": [], "moestream": [], **({"moestream before": []} if args.before else {})}
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.rounds):
             for name in runs:
                 load = os.getloadavg()[0]
-                r = run_llama_cpp(args) if name == "llama.cpp" else run_moestream(args, tmp, i)
+                r = run_llama_cpp(args) if name == "llama.cpp" else \
+                    run_moestream(args, tmp, i, args.before if name == "moestream before" else None)
                 runs[name].append({**r, "load_before": round(load, 2)})
                 print(name, runs[name][-1], flush=True)
     summary = {name: {k: statistics.median(r[k] for r in rs) for k in ("prefill_tok_s", "decode_tok_s")}
                for name, rs in runs.items()}
-    summary["moestream / llama.cpp"] = {k: round(summary["moestream"][k] / summary["llama.cpp"][k], 3)
-                                        for k in ("prefill_tok_s", "decode_tok_s")}
+    for name in [n for n in runs if n != "llama.cpp"]:
+        summary[f"{name} / llama.cpp"] = {k: round(summary[name][k] / summary["llama.cpp"][k], 3)
+                                          for k in ("prefill_tok_s", "decode_tok_s")}
     import moestream as package
 
     tree = subprocess.run(["git", "-C", str(Path(package.__file__).parent), "rev-parse", "--short", "HEAD"],
                           capture_output=True, text=True).stdout.strip() or None
+    before = subprocess.run(["git", "-C", args.before, "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip() or None if args.before else None
     out = {"machine": {**machine_info(), "command": shlex.join([sys.executable, *sys.argv]),
                        "affinity_cores": len(os.sched_getaffinity(0))}, "moestream_commit": tree,
+           **({"moestream_before_commit": before} if args.before else {}),
            "commands": {"llama.cpp": shlex.join(llama_cpp(args)), "moestream": shlex.join(moestream(args, Path("OUT.json")))},
-           "order": "A B A B: llama.cpp then moestream in each round", "runs": runs, "summary": summary}
+           "order": "in each round: " + ", then ".join(runs), "runs": runs, "summary": summary}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     print(json.dumps(summary, indent=1))

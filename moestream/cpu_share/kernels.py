@@ -1,8 +1,8 @@
 """Routed experts on the CPU in native code, straight from the project's expert records in host RAM
 (native/cpu_experts.cpp beside this file): no repacking, float32 accumulation. They compute the CPU
-device's own experts (moestream.layers.native_experts, float32 rows), its resident matrices kept
-packed (moestream.layers.packed_matrix: the same row products) and the CPU share of a GPU's misses
-(the worker loop).
+device's own experts (moestream.layers.native_experts), its resident matrices kept packed
+(moestream.layers.packed_matrix: the same row products) and the CPU share of a GPU's misses (the
+worker loop), all on the activations `activations()` names.
 
 For each (token, expert) pair: the gate and up products, SiLU(gate)·up, the down product, times the
 routing weight, from the record's 4- or 8-bit code words and their per-group scales and biases

@@ -93,3 +93,14 @@ def expert_ffn(x: torch.Tensor, tensors: dict[str, torch.Tensor], quant: dict[st
     """x [T, H] through one expert's SwiGLU, weights taken from its record views."""
     g, u, d = (projection(tensors, p, quant[p], x.dtype) for p in ("gate_proj", "up_proj", "down_proj"))
     return swiglu(x, g, u, d)
+
+
+def int8_rounded(x: torch.Tensor) -> torch.Tensor:
+    """x [..., K] (float32) as the native int8 rows multiply it (moestream/cpu_share/native/int8_rows.h):
+    per 32 inputs q = round(x * 127 / max|x|), back as q * max|x| / 127; their products then differ
+    from the dequantized weights' with these inputs only in float32 rounding."""
+    groups = x.reshape(*x.shape[:-1], -1, 32)
+    amax = groups.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    q = torch.round((groups * inv).clamp(-127, 127))
+    return (q * (amax / 127.0)).reshape(x.shape)

@@ -1,12 +1,14 @@
 """The CPU's routed experts straight from the packed records in the slot pool (NativePlan): the native
-kernels of moestream.cpu_share.kernels, float32 rows (the quantized-activation rows round the input
-to int8 and would move the answers), no dequantized copy of any expert.
+kernels of moestream.cpu_share.kernels on the activations `kernels.activations()` names (int8 per 32
+inputs where the CPU has AVX-512 VNNI, as the resident matrices' products; float32 elsewhere), no
+dequantized copy of any expert.
 
 Each (token, expert) pair's weighted row is computed on its own from the record's codes, scales and
 biases (w = scale·q + bias), so a row's bits depend neither on the other pairs, nor on how the
 experts are batched or which slot holds them, nor on the team's size; a token's rows are then added
-in the order of its picks. The products differ from the dequantized reference (TorchPlan) only in
-float32 rounding (the order of the sums: tests/unit/test_native_plan.py bounds it)."""
+in the order of its picks. On the float rows the products differ from the dequantized reference
+(TorchPlan) only in float32 rounding (the order of the sums: tests/unit/test_native_plan.py bounds
+it); the int8 rows are within about 1 % of them (tests/unit/test_native_int8.py)."""
 from __future__ import annotations
 
 from typing import Sequence
@@ -22,7 +24,7 @@ def native_layout(fields, quant) -> torch.Tensor | None:
     build here, or a layout they refuse): the torch reference (TorchPlan) runs those."""
     if native.refusal(fields, quant) is not None or native.load() is None:
         return None
-    return native.layout(fields, quant, int8_activations=False)
+    return native.layout(fields, quant)
 
 
 def takes_every_layer(packed) -> bool:

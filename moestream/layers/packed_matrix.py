@@ -1,7 +1,8 @@
 """Resident matrices the CPU keeps in their packed 4/8-bit affine form (PackedMatrix): a product
 reads the codes (an eighth of the float32 matrix's bytes at 4 bits), never a dequantized copy, through
 the native products (moestream.cpu_share.kernels' `packed_linear`; float32 models, where the native
-build is), float32 throughout.
+build is): on int8 activations (per 32 inputs, VNNI dot products) where the CPU has AVX-512 VNNI,
+as the experts' rows, else float32 throughout.
 
 A PackedMatrix is a torch.Tensor of the matrix's shape and dtype that holds no float data; the
 layers multiply it as they multiply any weight, and torch hands every function that meets it to
@@ -10,9 +11,12 @@ layers multiply it as they multiply any weight, and torch hands every function t
     from the codes, each code read once per tile of rows (a prefill chunk's product is a
     matrix-matrix one), each output on its own, so a row's bits never depend on the rows beside it;
   - concatenation and row slices (AttentionWeights.fuse_qkv, GeluMLP's stacked gate and up): packed again;
-  - row gathers (an embedding's F.embedding, the hot head's index_select): only those rows dequantized;
+  - row gathers: an embedding's F.embedding dequantizes only those rows; the hot head's index_select
+    keeps them packed (its products then the head's, bit for bit);
   - metadata (shape, dtype, ...) as it is; anything else on the dequantized matrix.
-Products differ from the dequantized weight's only in float32 rounding (tests/unit/test_packed_matrix.py)."""
+Products differ from the dequantized weight's times the inputs as they take them (int8-rounded where
+the CPU has VNNI: moestream.kernels.reference.int8_rounded) only in float32 rounding
+(tests/unit/test_packed_matrix.py)."""
 from __future__ import annotations
 
 import torch
@@ -71,7 +75,8 @@ class PackedMatrix(torch.Tensor):
         """x [n, K] @ the matrix's transpose -> [n, N] in x's dtype."""
         out = torch.empty((x.shape[0], self.codes.shape[0]), dtype=torch.float32)
         native.load().packed_linear(self.codes, self.scales, self.biases, self.bits, self.group,
-                                    x.to(torch.float32).contiguous(), out, torch.get_num_threads())
+                                    x.to(torch.float32).contiguous(), out, torch.get_num_threads(),
+                                    native.activations() == "int8")
         return out.to(x.dtype)
 
     @classmethod
@@ -129,9 +134,11 @@ def _handle(func, args, kwargs):
         rows = dequantize(m.codes[ids], m.scales[ids], m.biases[ids], m.bits, m.group, m.dtype)
         return rows.view(*args[0].shape, rows.shape[-1])
     elif func in (_T.index_select, torch.index_select) and not args[0].view_ops and \
-            kwargs.get("dim", args[1] if len(args) > 1 else None) == 0:  # hot_head's rows: only those dequantized
+            kwargs.get("dim", args[1] if len(args) > 1 else None) == 0:  # hot_head's rows: packed, the head's products
         m, index = args[0], kwargs.get("index", args[2] if len(args) > 2 else None)
-        return dequantize(m.codes[index], m.scales[index], m.biases[index], m.bits, m.group, m.dtype)
+        return m._like(m.codes[index], m.scales[index], m.biases[index])
+    elif func is _T.contiguous and not args[0].view_ops:
+        return args[0]
     elif func is _T.__getitem__ and not args[0].view_ops:
         key = args[1][0] if isinstance(args[1], tuple) and len(args[1]) == 1 else args[1]
         if isinstance(key, slice) and key.step in (None, 1):

@@ -43,7 +43,7 @@ def test_reference_greedy_is_the_pinned_output(reference):
 
 
 @pytest.mark.parametrize("cache_size", ["auto", "min"])
-def test_demo_greedy_is_pinned_and_equals_transformers(cache_size, reference):
+def test_demo_greedy_is_pinned_and_equals_transformers(cache_size, reference, float_activations):
     engine = Engine.load(None, options=EngineOptions(device="cpu", cache_size=cache_size))
     try:
         prompt = engine.tokenizer.encode(PROMPT)

@@ -40,7 +40,7 @@ def test_bfloat16_keeps_the_router_and_correction_bias_in_float32(tiny_packed_mo
     assert bias.abs().sum() > 0
 
 
-def test_bfloat16_follows_float32_until_a_near_tie_in_routing_flips(tiny_packed_model, tmp_path):
+def test_bfloat16_follows_float32_until_a_near_tie_in_routing_flips(tiny_packed_model, tmp_path, float_activations):
     """bf16 against float32 on the CPU, teacher-forced on float32's tokens: within 0.05 in
     log-probability while both route alike. The router computes in float32 from the bf16 hidden
     state, as transformers does; bf16 rounding of that state still flips near-ties of the tiny

@@ -55,7 +55,7 @@ def test_float32_matches_transformers(tiny_checkpoint, tiny_packed_model):
     check_against(packed, reference(folder))
 
 
-def test_q4_matches_transformers_on_dequantized_weights(tiny_packed_model, tmp_path):
+def test_q4_matches_transformers_on_dequantized_weights(tiny_packed_model, tmp_path, float_activations):
     packed = tiny_packed_model("kimi_k25", "q4")
     check_against(packed, reference(export_hf(packed, tmp_path / "hf")))
 

@@ -119,7 +119,7 @@ def transformers_reference(kept, mxfp4_checkpoint, out):
     return ref
 
 
-def test_logits_and_greedy_tokens_are_transformers_on_the_dequantized_weights(kept, mxfp4_checkpoint, tmp_path):
+def test_logits_and_greedy_tokens_are_transformers_on_the_dequantized_weights(kept, mxfp4_checkpoint, tmp_path, float_activations):
     ref = transformers_reference(kept, mxfp4_checkpoint, tmp_path / "ref")
     engine = Engine.load(kept, options=EngineOptions(device="cpu"))
     try:

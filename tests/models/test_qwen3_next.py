@@ -48,7 +48,7 @@ def test_long_prompt_matches_transformers(family, chunk, tiny_checkpoint, tiny_p
 
 
 @pytest.mark.parametrize("family", HYBRID)
-def test_rollback_then_decode_gives_a_fresh_runs_tokens(family, tiny_packed_model):
+def test_rollback_then_decode_gives_a_fresh_runs_tokens(family, tiny_packed_model, float_activations):
     packed = tiny_packed_model(family, "q4")
     fresh = load(packed)
     prompt = long_prompt(fresh)

@@ -116,7 +116,7 @@ def test_other_types_are_planned_at_8_bits():
     assert not ggml.plan("F16", (4, 256)).spec.quantized and not ggml.plan("Q8_0", (256,)).spec.quantized
 
 
-def test_q8_0_gguf_keeps_its_codes_and_equals_the_unquantized_conversion(tiny_checkpoint, tmp_path, monkeypatch):
+def test_q8_0_gguf_keeps_its_codes_and_equals_the_unquantized_conversion(tiny_checkpoint, tmp_path, monkeypatch, float_activations):
     src = tiny_checkpoint("qwen3_moe")
     path = write_qwen3moe(src, tmp_path / "tiny-q8.gguf", encode=Encoder(T.Q8_0))
     types = gguf_types(path)
@@ -145,7 +145,7 @@ def test_q8_0_gguf_keeps_its_codes_and_equals_the_unquantized_conversion(tiny_ch
     same_model(out, none, monkeypatch)
 
 
-def test_q4_0_gguf_keeps_its_codes(tiny_checkpoint, tmp_path, monkeypatch):
+def test_q4_0_gguf_keeps_its_codes(tiny_checkpoint, tmp_path, monkeypatch, float_activations):
     src = tiny_checkpoint("qwen3_moe")
     path = write_qwen3moe(src, tmp_path / "tiny-q4.gguf", encode=Encoder(T.Q4_0))
     out = convert(path, tmp_path / "default", progress=False, tokenizer=src)
@@ -156,7 +156,7 @@ def test_q4_0_gguf_keeps_its_codes(tiny_checkpoint, tmp_path, monkeypatch):
     same_model(out, none, monkeypatch)
 
 
-def test_mxfp4_moe_gguf_keeps_mxfp4_experts_and_q8_0_codes(tiny_checkpoint, tmp_path, monkeypatch):
+def test_mxfp4_moe_gguf_keeps_mxfp4_experts_and_q8_0_codes(tiny_checkpoint, tmp_path, monkeypatch, float_activations):
     """llama-quantize MXFP4_MOE's gpt-oss: MXFP4 experts, Q8_0 attention, embeddings and head, F32 router."""
     src = tiny_checkpoint("gpt_oss")
     path = tmp_path / "tiny-mxfp4-moe.gguf"

@@ -1,5 +1,6 @@
 """The CPU's routed experts from the native kernels (NativePlan) against the dequantized torch
-reference (TorchPlan) on the same slot pool: within float32 rounding, and the same bits however the
+reference (TorchPlan) on the same slot pool: within float32 rounding on the float rows (int8
+activations where the CPU has VNNI: within their bound of the float rows), and the same bits however the
 experts are batched, whatever tokens sit beside a pair and on any team; RoutedExperts takes it where
 the native kernels take the records, and the torch reference where they do not or where no build exists."""
 import pytest
@@ -32,7 +33,7 @@ def table_of(slot_of: list[int]) -> torch.Tensor:
 
 @pytest.mark.parametrize("bits,down_bits", [(4, 4), (8, 8), (4, 8)])
 @pytest.mark.parametrize("T", [1, 5])
-def test_native_plan_matches_the_dequantized_reference(bits, down_bits, T):
+def test_native_plan_matches_the_dequantized_reference(bits, down_bits, T, float_activations):
     pool, fields, quant, slot_of = build_pool(E, H, INTER, bits=bits, down_bits=down_bits, extra_slots=3, seed=bits)
     layout = native_layout(fields, quant)
     assert layout is not None, native.reason()
@@ -44,6 +45,22 @@ def test_native_plan_matches_the_dequantized_reference(bits, down_bits, T):
     expected = reference_moe(x, pool, fields, quant, ids, weights, slot_of) + residual
     error = (got - expected).abs().max().item() / (expected - residual).abs().max().item()
     assert error < TOLERANCE, error
+
+
+def test_int8_activations_where_the_cpu_has_vnni_near_the_float_rows():
+    """The CPU device's experts take the rows `native.activations()` names: int8 where the CPU has
+    VNNI, within the int8 rows' bound of the float ones (tests/unit/test_native_int8.py)."""
+    pool, fields, quant, slot_of = build_pool(E, H, INTER, seed=7)
+    layout = native_layout(fields, quant)
+    assert int(layout[native.INT8_ACTS]) == int(native.activations() == "int8")
+    x, ids, weights = routing(5, seed=2)
+    outputs = []
+    for lay in (layout, native.layout(fields, quant, int8_activations=False)):
+        plan = NativePlan(x, ids, weights, lay, threads=1)
+        plan.run_table(pool, table_of(slot_of))
+        outputs.append(plan.finish())
+    error = ((outputs[0] - outputs[1]).norm() / outputs[1].norm()).item()
+    assert (1e-4 < error < 3e-2) if native.vnni() else error == 0, error
 
 
 def test_the_same_bits_in_batches_alone_and_on_any_team():
@@ -68,7 +85,7 @@ def test_the_same_bits_in_batches_alone_and_on_any_team():
 
 
 @pytest.mark.parametrize("bits,down_bits", [(4, 4), (8, 8)])
-def test_a_prefill_chunks_pairs_have_their_bits_alone(bits, down_bits):
+def test_a_prefill_chunks_pairs_have_their_bits_alone(bits, down_bits, float_activations):
     """Many pairs per expert (tiles of tokens, several token blocks and a remainder): each token's
     output has the bits it has alone, and stays within float32 rounding of the reference."""
     pool, fields, quant, slot_of = build_pool(E, H, INTER, bits=bits, down_bits=down_bits, seed=5)

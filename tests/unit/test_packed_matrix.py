@@ -1,6 +1,8 @@
 """Resident matrices kept packed on the CPU (moestream.layers.packed_matrix) against the dequantized
-matrix: products within float32 rounding, a row's bits the same alone, beside other rows, through
-rows_linear's batched call, in a prefill chunk's tiles and on any team; row slices, concatenation
+matrix: products within float32 rounding of the dequantized matrix times the inputs as the products
+take them (int8-rounded per 32 where the CPU has VNNI: `int8_rounded`; as they are on the float
+path, run here too), a row's bits the same alone, beside other rows, through rows_linear's batched
+call, in a prefill chunk's tiles and on any team; row slices, concatenation
 (fuse_qkv), row gathers and any other function exactly the dequantized matrix's; the loader packs
 the attention and head matrices of a quantized model on the CPU, and nothing without the build."""
 import pytest
@@ -10,14 +12,27 @@ import torch.nn.functional as F
 from moestream.cpu_share import kernels as native
 from moestream.engine.engine import Engine
 from moestream.engine.options import EngineOptions
-from moestream.kernels.reference import rows_linear
+from moestream.kernels.reference import int8_rounded, rows_linear
 from moestream.layers.attention import AttentionWeights
 from moestream.layers.packed_matrix import PackedMatrix, packed_matrix
 from moestream.quant.affine import QuantSpec, dequantize, quantize
 
-# float32 rounding of sums over K products, relative to the output's largest entry (int8-rounded
-# activations, or a code read from the wrong nibble, land orders of magnitude above)
+# float32 rounding of sums over K products, relative to the output's largest entry (activations
+# rounded other than the reference says, or a code read from the wrong nibble, land orders of
+# magnitude above)
 TOLERANCE = 2e-6
+
+
+@pytest.fixture(params=["default", "float"])
+def activations(request, monkeypatch):
+    """Each test on the path this CPU takes and on the float rows (the path without VNNI)."""
+    if request.param == "float":
+        monkeypatch.setattr(native, "activations", lambda: "float")
+    return native.activations()
+
+
+def as_taken(x: torch.Tensor, activations: str) -> torch.Tensor:
+    return int8_rounded(x) if activations == "int8" else x
 
 
 def matrix(out_f: int, in_f: int, bits: int = 4, group: int = 64, scale_dtype=torch.bfloat16, seed: int = 0):
@@ -29,15 +44,23 @@ def matrix(out_f: int, in_f: int, bits: int = 4, group: int = 64, scale_dtype=to
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("group", [32, 64, 128])
 @pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_products_match_the_dequantized_matrix(bits, group, scale_dtype):
+def test_products_match_the_dequantized_matrix(bits, group, scale_dtype, activations):
     m, w = matrix(136, 384, bits, group, scale_dtype)
     x = torch.randn(5, 384, generator=torch.Generator().manual_seed(1))
-    expected = F.linear(x, w)
+    expected = F.linear(as_taken(x, activations), w)
     error = (F.linear(x, m) - expected).abs().max().item() / expected.abs().max().item()
     assert error < TOLERANCE, error
 
 
-def test_a_rows_bits_alone_beside_others_batched_and_on_any_team():
+def test_int8_activations_where_the_cpu_has_vnni():
+    assert native.activations() == ("int8" if native.vnni() else "float")
+    m, w = matrix(64, 256)
+    x = torch.randn(2, 256, generator=torch.Generator().manual_seed(6))
+    error = (F.linear(x, m) - F.linear(x, w)).abs().max().item() / F.linear(x, w).abs().max().item()
+    assert (1e-4 < error < 3e-2) if native.vnni() else error < TOLERANCE, error  # int8: ~0.5 % of the norm
+
+
+def test_a_rows_bits_alone_beside_others_batched_and_on_any_team(activations):
     m, _ = matrix(200, 256)
     x = torch.randn(7, 256, generator=torch.Generator().manual_seed(2))
     together = F.linear(x, m)
@@ -54,13 +77,13 @@ def test_a_rows_bits_alone_beside_others_batched_and_on_any_team():
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-def test_a_prefill_chunks_rows_are_each_rows_alone(bits):
+def test_a_prefill_chunks_rows_are_each_rows_alone(bits, activations):
     """More rows than a step (tiles of tokens over several token blocks, and a remainder): each
     output row has the bits it has alone, whatever the rows around it and the team."""
     m, w = matrix(37, 256, bits=bits)  # an odd row count: a last row computed on its own
     x = torch.randn(41, 256, generator=torch.Generator().manual_seed(3))
     chunk = F.linear(x, m)
-    expected = F.linear(x, w)
+    expected = F.linear(as_taken(x, activations), w)
     assert (chunk - expected).abs().max().item() / expected.abs().max().item() < TOLERANCE
     for t in (0, 3, 4, 15, 16, 33, 40):
         assert torch.equal(F.linear(x[t:t + 1], m)[0], chunk[t]), t
@@ -76,7 +99,10 @@ def test_a_prefill_chunks_rows_are_each_rows_alone(bits):
 def test_other_functions_get_the_dequantized_matrixs_bits():
     m, w = matrix(96, 256, bits=8)
     assert torch.equal(m * 2, w * 2) and torch.equal(m.sum(0), w.sum(0))
-    assert torch.equal(m.index_select(0, torch.tensor([5, 1, 90])), w[[5, 1, 90]])
+    rows = m.index_select(0, torch.tensor([5, 1, 90])).contiguous()  # the hot head's: packed rows
+    assert isinstance(rows, PackedMatrix) and torch.equal(rows.dequantized(), w[[5, 1, 90]])
+    x = torch.randn(2, 256, generator=torch.Generator().manual_seed(7))
+    assert torch.equal(F.linear(x, rows), F.linear(x, m)[:, [5, 1, 90]])
     assert m.shape == w.shape and m.dtype == w.dtype and m.numel() == w.numel() and m.dim() == 2
 
 

@@ -119,9 +119,10 @@ void expert_sum(torch::Tensor layout, torch::Tensor pool, torch::Tensor table, t
 // significant bits first), scales and biases [N, K / group] of one dtype; x float32 [T, K]. Each
 // row's codes are read once per TOKEN_BLOCK tokens (a prefill chunk's product is a matrix-matrix
 // one); each output is one member's from start to end, in the same order whatever T or the team, so
-// neither changes its bits.
+// neither changes its bits. With `int8` (where compiled in) x is quantized per 32 inputs and the
+// int8 rows run, as the experts' do.
 void packed_linear(torch::Tensor codes, torch::Tensor scales, torch::Tensor biases, int64_t bits, int64_t group,
-                   torch::Tensor x, torch::Tensor out, int64_t threads) {
+                   torch::Tensor x, torch::Tensor out, int64_t threads, bool int8) {
   check(codes.dtype() == torch::kInt32 && codes.dim() == 2 && codes.is_contiguous(), "codes: int32 [N, words]");
   const int64_t N = codes.size(0), K = codes.size(1) * 32 / bits, T = x.size(0);
   const int64_t stype = scales.dtype() == torch::kBFloat16 ? SCALE_BF16 : scales.dtype() == torch::kFloat16 ? SCALE_F16
@@ -142,11 +143,12 @@ void packed_linear(torch::Tensor codes, torch::Tensor scales, torch::Tensor bias
   const float* xs = x.data_ptr<float>();
   float* y = out.data_ptr<float>();
   const int64_t row_bytes = K * bits / 8, row_scales = (K / group) * (stype == SCALE_F32 ? 4 : 2);
-  const Blocks kernels = blocks(bits, group, stype, false);
+  const bool q8 = INT8_ROWS && int8;
+  const Blocks kernels = blocks(bits, group, stype, q8);
   pybind11::gil_scoped_release free;
   std::vector<Input> in(T);
   std::vector<const Input*> inputs(T);
-  for (int64_t t = 0; t < T; ++t) prepare_float(xs + t * K, K, group, bits, in[t]), inputs[t] = &in[t];
+  for (int64_t t = 0; t < T; ++t) prepare(xs + t * K, K, group, bits, q8, in[t]), inputs[t] = &in[t];
   std::lock_guard<std::mutex> hold(standalone_lock);
   Team& team = standalone(threads);
   // a task: ROW_BLOCK rows, two at a time, for TOKEN_BLOCK tokens (their inputs stay in the L2)
@@ -436,7 +438,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("weights"), pybind11::arg("x"), pybind11::arg("out"), pybind11::arg("threads"));
   m.def("packed_linear", &packed_linear, "out = x @ w.T for a matrix of affine-quantized codes",
         pybind11::arg("codes"), pybind11::arg("scales"), pybind11::arg("biases"), pybind11::arg("bits"),
-        pybind11::arg("group"), pybind11::arg("x"), pybind11::arg("out"), pybind11::arg("threads"));
+        pybind11::arg("group"), pybind11::arg("x"), pybind11::arg("out"), pybind11::arg("threads"),
+        pybind11::arg("int8"));
   m.def("weighted_rows", &weighted_rows, "out[p] = weights[p] * ffn of record experts[p] at x[tokens[p]]",
         pybind11::arg("layout"), pybind11::arg("addresses"), pybind11::arg("experts"), pybind11::arg("tokens"),
         pybind11::arg("weights"), pybind11::arg("x"), pybind11::arg("out"), pybind11::arg("threads"));
