@@ -54,11 +54,14 @@ class Engine:
 
     def __init__(self, packed: PackedModel, options: EngineOptions, *, default_cache_size: str = "auto",
                  graphs: bool = True, prefetch: bool = True, digest_dir: str | None = None,
-                 reroute: Callable | None = None):
+                 reroute: Callable | None = None, streaming: str = "auto"):
         """graphs=False runs CUDA steps and prefills eagerly (the same bits); prefetch=False loads
         experts on demand only (exact miss counts); digest_dir: where the resident files' digests are
-        remembered; reroute(args, device): a benchmark's routing (moestream.bench.routing)."""
+        remembered; reroute(args, device): a benchmark's routing (moestream.bench.routing); streaming:
+        auto (device-driven where it can run on CUDA, else host-driven), or "device" / "host" for tests
+        that compare the two paths' bits or run the device path's protocol on the CPU."""
         self.packed, self.options, self.digest_dir = packed, options, digest_dir
+        self.streaming_mode = streaming
         self.plan = plan_run(packed, options, default_cache_size=default_cache_size, digest_dir=digest_dir)
         self.device, self.dtype, self.max_context = self.plan.device, self.plan.dtype, self.plan.max_context
         self.model_name = packed.directory.name if packed.directory != DEMO_MODEL else "moestream-demo"
@@ -158,10 +161,11 @@ class Engine:
 
     @classmethod
     def load(cls, model_dir: str | Path | None = None, *, options: EngineOptions | None = None,
-             graphs: bool = True, prefetch: bool = True, digest_dir: str | None = None) -> "Engine":
+             graphs: bool = True, prefetch: bool = True, digest_dir: str | None = None,
+             streaming: str = "auto") -> "Engine":
         packed, default_size = open_packed(model_dir)
         return cls(packed, options or EngineOptions(), default_cache_size=default_size, graphs=graphs,
-                   prefetch=prefetch, digest_dir=digest_dir)
+                   prefetch=prefetch, digest_dir=digest_dir, streaming=streaming)
 
     # -- running the model: prefill, step, rollback -----------------------------------------
     def _make_resident(self) -> None:
