@@ -68,10 +68,7 @@ class RoutedExperts:
         self.share_request = cpu_share
         self.cpu_share: CpuShare | None = None  # started with the device map, where the native worker runs
         self.on_route, self.after_fetch, self.reroute = on_route, after_fetch, reroute
-        # while a padded prefill chunk runs (moestream.engine.prefill_graphs): its real token count
-        # (MoEPlan's tile_tokens), its last real row ([1] on the device; the padding takes that row's
-        # experts), and the list that takes each resident layer's (layer, ids) in place of counting its
-        # hits there (booked after each run, for the real rows)
+        # set by `padded` while a padded prefill chunk runs
         self.tile_tokens: int | None = None
         self.last_real_row: torch.Tensor | None = None
         self.booked: list | None = None
@@ -172,6 +169,18 @@ class RoutedExperts:
             yield
         finally:
             self.on_route, self.after_fetch = saved
+
+    @contextmanager
+    def padded(self, tokens: int, last_real_row: torch.Tensor, booked: list):
+        """Calls of a padded prefill chunk (moestream.engine.prefill_graphs): the kernels choose their
+        tiles for its `tokens` real rows (MoEPlan's tile_tokens), the padding takes the experts of the
+        last real row ([1] on the device), and each resident layer's (layer, ids) goes to `booked` in
+        place of counting its hits (the caller books the real rows after the run)."""
+        self.tile_tokens, self.last_real_row, self.booked = tokens, last_real_row, booked
+        try:
+            yield
+        finally:
+            self.tile_tokens = self.last_real_row = self.booked = None
 
     @staticmethod
     def finish_plan(plan, residual: torch.Tensor | None, out: torch.Tensor | None, norm: tuple | None) -> torch.Tensor:
