@@ -6,10 +6,11 @@ packed (moestream.layers.packed_matrix: the same row products) and the CPU share
 
 For each (token, expert) pair: the gate and up products, SiLU(gate)·up, the down product, times the
 routing weight, from the record's 4- or 8-bit code words and their per-group scales and biases
-(w = scale·q + bias; moestream.kernels.expert_layout). gpt-oss's records (activation
+(w = scale·q + bias; moestream.kernels.expert_layout); gpt-oss's records (activation
 "clamped_swiglu") add their gate/up/down biases to the products and take the clamped SwiGLU of
-moestream.layers.clamped_swiglu; the layout carries the activation, its alpha and limit. On a spinning team of threads (native/team.h):
-the gate/up rows of all its experts dealt out to the threads, then the down rows. The same file holds
+moestream.layers.clamped_swiglu, the layout carrying the activation, its alpha and limit. On a
+spinning team of threads (native/team.h): the gate/up rows of all its experts dealt out to the
+threads, then the down rows. The same file holds
 the CPU share's worker loop (moestream.cpu_share.worker).
 
 The extension is compiled at first use (torch.utils.cpp_extension, `-O3 -march=native`, cached in
@@ -32,6 +33,7 @@ from pathlib import Path
 import torch
 
 from moestream.format.records import encode_record, plan_record
+from moestream.kernels.reference import BIASED_ACTIVATIONS
 
 
 SOURCE = Path(__file__).with_name("native") / "cpu_experts.cpp"
@@ -44,7 +46,6 @@ SCALE_ITEM = {"BF16": 2, "F16": 2, "F32": 4}
 LAYOUT_LEN = 24  # entries of a layout tensor (the native code's LayoutIndex)
 INT8_ACTS = 15  # its entry asking for int8 activations (the record's bytes stay the last)
 ACTIVATIONS = {"silu": 0, "clamped_swiglu": 1}  # the native code's Activation
-BIASED = ("clamped_swiglu",)  # activations whose records add gate/up/down biases to the products
 NO_BIAS = -1  # the bias type of records without added biases
 
 _lock = threading.Lock()
@@ -142,15 +143,16 @@ def refusal(fields, quant) -> str | None:
             f = by_name[f"{p}.{s}"]
             if list(f.shape) != [rows, cols // group] or f.offset % item:
                 return f"{p}.{s}: shape {list(f.shape)} at {f.offset} (expected {[rows, cols // group]})"
-    if activation in BIASED:
+    if activation in BIASED_ACTIVATIONS:
         return _bias_refusal(by_name, {"gate_proj": inter, "up_proj": inter, "down_proj": hidden})
     return None
 
 
 def _bias_refusal(by_name, sizes: dict[str, int]) -> str | None:
     """Why a biased activation's added biases (`{proj}.bias`, one dtype) cannot be read (None: they can)."""
-    if any(f"{p}.bias" not in by_name for p in PROJECTIONS):
-        return f"the record has no {next(f'{p}.bias' for p in PROJECTIONS if f'{p}.bias' not in by_name)}"
+    missing = [f"{p}.bias" for p in PROJECTIONS if f"{p}.bias" not in by_name]
+    if missing:
+        return f"the record has no {missing[0]}"
     kinds = {by_name[f"{p}.bias"].dtype for p in PROJECTIONS}
     if len(kinds) != 1 or next(iter(kinds)) not in SCALE_TYPES:
         return f"added biases of dtypes {sorted(kinds)} (the native kernels take one of BF16, F16, F32)"
@@ -185,7 +187,7 @@ def layout(fields, quant, int8_activations: bool | None = None) -> torch.Tensor:
     values += [ACTIVATIONS[spec.activation], _float_bits(spec.alpha) if clamped else 0,
                _float_bits(spec.limit) if clamped else 0]
     parts = ("weight", "scales", "biases")
-    if spec.activation in BIASED:
+    if spec.activation in BIASED_ACTIVATIONS:
         values.append(SCALE_TYPES[by_name["gate_proj.bias"].dtype])
         values += [by_name[f"{p}.bias"].offset for p in PROJECTIONS]
         parts += ("bias",)
