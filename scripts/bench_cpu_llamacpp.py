@@ -37,7 +37,8 @@ def llama_cpp(args) -> list[str]:
 
 
 def moestream(args, out: Path) -> list[str]:
-    return [sys.executable, "-m", "moestream", "bench", "--model", args.model, "--device", "cpu", "--routing", "uniform",
+    return [sys.executable, "-m", "moestream", "bench", "--model", os.path.abspath(args.model), "--device", "cpu",
+            "--routing", "uniform",
             "--prefill-tokens", str(args.prefill_tokens), "--prefill-repeats", "2", "--decode-tokens",
             str(args.decode_tokens), "--no-progress", "--out", str(out), *shlex.split(args.moestream_args)]
 
@@ -52,10 +53,21 @@ def run_llama_cpp(args) -> dict:
             "by_threads": {f'{r["n_threads"]} {"pp" if r["n_gen"] == 0 else "tg"}': round(r["avg_ts"], 2) for r in rows}}
 
 
+def side(tree: str | None) -> dict:
+    """subprocess.run's env and cwd for a side: another tree runs from its own folder (`python -m`
+    imports from the working directory before PYTHONPATH)."""
+    return {"env": {**os.environ, "PYTHONPATH": tree}, "cwd": tree} if tree else {}
+
+
+def package_of(tree: str | None) -> str:
+    """The moestream package a side imports."""
+    return subprocess.run([sys.executable, "-c", "import moestream; print(moestream.__file__)"], check=True,
+                          capture_output=True, text=True, **side(tree)).stdout.strip()
+
+
 def run_moestream(args, tmp: str, i: int, tree: str | None = None) -> dict:
     out = Path(tmp) / f"moestream-{i}{'-before' if tree else ''}.json"
-    env = {**os.environ, "PYTHONPATH": tree} if tree else None
-    subprocess.run(moestream(args, out), check=True, capture_output=True, text=True, env=env)
+    subprocess.run(moestream(args, out), check=True, capture_output=True, text=True, **side(tree))
     run = json.loads(out.read_text())["runs"][0]
     return {"prefill_tok_s": run["prefill"][-1]["tok_s"], "decode_tok_s": run["decode"]["tok_s"],
             "threads": run["threads"]}
@@ -98,7 +110,8 @@ def main() -> None:
     out = {"machine": {**machine_info(), "command": shlex.join([sys.executable, *sys.argv]),
                        "affinity_cores": len(os.sched_getaffinity(0))}, "moestream_commit": tree,
            "commands": {"llama.cpp": shlex.join(llama_cpp(args)), "moestream": shlex.join(moestream(args, Path("OUT.json")))},
-           "before_tree": args.before, "order": f"in each round: {', '.join(runs)}", "runs": runs, "summary": summary}
+           "packages": {name: package_of(args.before if name == "moestream before" else None)
+                        for name in runs if name != "llama.cpp"}, "order": f"in each round: {', '.join(runs)}", "runs": runs, "summary": summary}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     print(json.dumps(summary, indent=1))
