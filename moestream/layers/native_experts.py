@@ -1,6 +1,7 @@
 """The CPU's routed experts straight from the packed records in the slot pool (NativePlan): the native
 kernels of moestream.cpu_share.kernels, float32 rows (the quantized-activation rows round the input
-to int8 and would move the answers), no dequantized copy of any expert.
+to int8 and would move the answers), no dequantized copy of any expert: SwiGLU records, and gpt-oss's
+clamped SwiGLU ones with their added biases.
 
 Each (token, expert) pair's weighted row is computed on its own from the record's codes, scales and
 biases (w = scale·q + bias), so a row's bits depend neither on the other pairs, nor on how the

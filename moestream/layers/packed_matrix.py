@@ -24,6 +24,8 @@ from moestream.quant.affine import QuantSpec, dequantize
 
 SCALE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _T = torch.Tensor
+# F.embedding's options as torch hands them to __torch_function__ for a plain lookup
+EMBEDDING_DEFAULTS = {"padding_idx": None, "max_norm": None, "norm_type": 2.0, "scale_grad_by_freq": False, "sparse": False}
 METADATA = {_T.shape.__get__, _T.dtype.__get__, _T.device.__get__, _T.ndim.__get__, _T.is_cuda.__get__,
             _T.layout.__get__, _T.requires_grad.__get__, _T.dim, _T.size, _T.numel, _T.element_size, _T.__len__}
 
@@ -119,7 +121,9 @@ def _handle(func, args, kwargs):
                 len({(p.bits, p.group, p.scales.dtype, p.dtype) for p in parts}) == 1:
             return parts[0]._like(*(torch.cat([getattr(p, f) for p in parts]) for f in ("codes", "scales", "biases")))
     elif func is F.embedding and isinstance(args[1], PackedMatrix) and not args[1].view_ops and \
-            not isinstance(args[0], PackedMatrix) and len(args) == 2 and not kwargs:  # an embedding's rows
+            not isinstance(args[0], PackedMatrix) and len(args) == 2 and \
+            all(EMBEDDING_DEFAULTS.get(k, ...) == v for k, v in kwargs.items()):
+        # an embedding's rows (torch passes every option, at its default here)
         ids, m = args[0].reshape(-1), args[1]
         rows = dequantize(m.codes[ids], m.scales[ids], m.biases[ids], m.bits, m.group, m.dtype)
         return rows.view(*args[0].shape, rows.shape[-1])
