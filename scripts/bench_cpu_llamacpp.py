@@ -13,8 +13,8 @@ routing: moestream's side runs `--routing uniform`).
         --llama-bench BUILD/bin/llama-bench --prefill-tokens 512 --decode-tokens 32 --rounds 2 \
         --out docs/bench/cpu-2core/qwen3-30b-a3b-8layers.json
 
---before TREE adds a checkout of another commit (its moestream run with PYTHONPATH=TREE) to each
-round, after this tree's run: before and after measured in the same call.
+`--before DIR` (a copy of another tree, e.g. `git archive main | tar -x -C DIR`) adds a third side,
+"moestream before": that tree's moestream (PYTHONPATH=DIR) on the same model, in the same rounds.
 """
 from __future__ import annotations
 
@@ -37,7 +37,8 @@ def llama_cpp(args) -> list[str]:
 
 
 def moestream(args, out: Path) -> list[str]:
-    return [sys.executable, "-m", "moestream", "bench", "--model", args.model, "--device", "cpu", "--routing", "uniform",
+    return [sys.executable, "-m", "moestream", "bench", "--model", os.path.abspath(args.model), "--device", "cpu",
+            "--routing", "uniform",
             "--prefill-tokens", str(args.prefill_tokens), "--prefill-repeats", "2", "--decode-tokens",
             str(args.decode_tokens), "--no-progress", "--out", str(out), *shlex.split(args.moestream_args)]
 
@@ -52,10 +53,21 @@ def run_llama_cpp(args) -> dict:
             "by_threads": {f'{r["n_threads"]} {"pp" if r["n_gen"] == 0 else "tg"}': round(r["avg_ts"], 2) for r in rows}}
 
 
+def side(tree: str | None) -> dict:
+    """subprocess.run's env and cwd for a side: another tree runs from its own folder (`python -m`
+    imports from the working directory before PYTHONPATH)."""
+    return {"env": {**os.environ, "PYTHONPATH": tree}, "cwd": tree} if tree else {}
+
+
+def package_of(tree: str | None) -> str:
+    """The moestream package a side imports."""
+    return subprocess.run([sys.executable, "-c", "import moestream; print(moestream.__file__)"], check=True,
+                          capture_output=True, text=True, **side(tree)).stdout.strip()
+
+
 def run_moestream(args, tmp: str, i: int, tree: str | None = None) -> dict:
     out = Path(tmp) / f"moestream-{i}{'-before' if tree else ''}.json"
-    env = {**os.environ, "PYTHONPATH": tree} if tree else None
-    subprocess.run(moestream(args, out), check=True, capture_output=True, text=True, env=env, cwd=tree)
+    subprocess.run(moestream(args, out), check=True, capture_output=True, text=True, **side(tree))
     run = json.loads(out.read_text())["runs"][0]
     return {"prefill_tok_s": run["prefill"][-1]["tok_s"], "decode_tok_s": run["decode"]["tok_s"],
             "threads": run["threads"]}
@@ -72,10 +84,10 @@ def main() -> None:
     p.add_argument("--prefill-tokens", type=int, default=512)
     p.add_argument("--decode-tokens", type=int, default=32)
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--before", help="a checkout of the commit to compare with, run in each round too")
+    p.add_argument("--before", help="another tree's copy: a third side, its moestream on the same model")
     p.add_argument("--out", required=True)
     args = p.parse_args()
-    runs = {"llama.cpp": [], "moestream": [], **({"moestream before": []} if args.before else {})}
+    runs = {"llama.cpp": [], **({"moestream before": []} if args.before else {}), "moestream": []}
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.rounds):
             for name in runs:
@@ -86,20 +98,20 @@ def main() -> None:
                 print(name, runs[name][-1], flush=True)
     summary = {name: {k: statistics.median(r[k] for r in rs) for k in ("prefill_tok_s", "decode_tok_s")}
                for name, rs in runs.items()}
-    for name in [n for n in runs if n != "llama.cpp"]:
-        summary[f"{name} / llama.cpp"] = {k: round(summary[name][k] / summary["llama.cpp"][k], 3)
-                                          for k in ("prefill_tok_s", "decode_tok_s")}
+    summary["moestream / llama.cpp"] = {k: round(summary["moestream"][k] / summary["llama.cpp"][k], 3)
+                                        for k in ("prefill_tok_s", "decode_tok_s")}
+    if args.before:
+        summary["moestream / moestream before"] = {k: round(summary["moestream"][k] / summary["moestream before"][k], 3)
+                                                   for k in ("prefill_tok_s", "decode_tok_s")}
     import moestream as package
 
     tree = subprocess.run(["git", "-C", str(Path(package.__file__).parent), "rev-parse", "--short", "HEAD"],
                           capture_output=True, text=True).stdout.strip() or None
-    before = subprocess.run(["git", "-C", args.before, "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip() or None if args.before else None
     out = {"machine": {**machine_info(), "command": shlex.join([sys.executable, *sys.argv]),
                        "affinity_cores": len(os.sched_getaffinity(0))}, "moestream_commit": tree,
-           **({"moestream_before_commit": before} if args.before else {}),
            "commands": {"llama.cpp": shlex.join(llama_cpp(args)), "moestream": shlex.join(moestream(args, Path("OUT.json")))},
-           "order": "in each round: " + ", then ".join(runs), "runs": runs, "summary": summary}
+           "packages": {name: package_of(args.before if name == "moestream before" else None)
+                        for name in runs if name != "llama.cpp"}, "order": f"in each round: {', '.join(runs)}", "runs": runs, "summary": summary}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     print(json.dumps(summary, indent=1))

@@ -225,9 +225,6 @@ GROUPED_TILES = [(0, 1, 64, 64, 64, 4, 3), (0, 2, 128, 64, 128, 4, 3), (0, 2, 12
                  (0, 2, 64, 64, 128, 4, 3), (0, 1, 128, 64, 128, 4, 3), (0, 2, 128, 128, 128, 8, 3),
                  (0, 2, 128, 64, 64, 4, 4), (0, 4, 128, 64, 128, 4, 3), (0, 2, 256, 64, 128, 8, 3),
                  (0, 2, 128, 128, 128, 4, 3)]
-GROUPED_VARIANTS = ((1, 1), (0, 1), (1, 0), (0, 0))  # (swap, join)
-
-
 def sweep(pool_set, bits: int, tokens: int, base, seconds: float) -> dict:
     """Time other block sizes at `tokens` tokens (CUDA graphs, as `one_case`); the gemv kernels
     (decode) are independent, so each gets its own best; the grouped kernels (prefill) share
@@ -249,8 +246,8 @@ def sweep(pool_set, bits: int, tokens: int, base, seconds: float) -> dict:
         routings = {"uniform": routing}
     else:
         kinds = {"grouped": [dict(block_m=bm, block_m_scale=sc, block_m_max=mx, gate_up_n=gn, down_n=dn,
-                                  grouped_warps=nw, grouped_stages=st, grouped_swap=sw, grouped_join=jo)
-                             for sw, jo in GROUPED_VARIANTS for bm, sc, mx, gn, dn, nw, st in GROUPED_TILES]}
+                                  grouped_warps=nw, grouped_stages=st)
+                             for bm, sc, mx, gn, dn, nw, st in GROUPED_TILES]}
         routings = {"uniform": routing, "skewed": skewed_routing}
     out = {}
     for kind, options in kinds.items():

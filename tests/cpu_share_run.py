@@ -7,12 +7,13 @@ from moestream.engine.options import EngineOptions
 PROMPT = "def fibonacci(n):\n    if n < 2:"
 
 
-def run_with_share(model, steps=12, fault_after=None, fault_delay_s=0.0, **opts):
-    """opts: EngineOptions fields (default: the smallest cache, a host tier of every record).
+def run_with_share(model, steps=12, fault_after=None, fault_delay_s=0.0, streaming="auto", **opts):
+    """opts: EngineOptions fields (default: the smallest cache, a host tier of every record);
+    streaming: the Engine's (the share runs on the device-driven path: "device" on the CPU).
     fault_after / fault_delay_s: the share's injected faults (its jobs from that number on fail;
     each first sleeps that long), set once streaming has started and before any job."""
     options = EngineOptions(device="cpu", prefill_chunk_tokens=5, **{"cache_size": "min", "host_cache_size": "all", **opts})
-    engine = Engine.load(model, options=options)
+    engine = Engine.load(model, options=options, streaming=streaming)
     try:
         engine._make_resident()  # streaming starts here: the share with it
         if engine.experts.cpu_share is not None:

@@ -225,3 +225,10 @@ def load_all(folder):
         with safe_open(str(path), framework="pt") as f:
             out.update({k: f.get_tensor(k) for k in f.keys()})
     return out
+
+
+def model_args(model_type: str, config: dict):
+    """The family's ModelArgs for a config.json."""
+    from moestream.models.registry import family_module
+
+    return family_module(model_type).ModelArgs.from_dict(config)

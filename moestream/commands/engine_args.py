@@ -46,11 +46,6 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "auto: mmap on the CPU, direct on a GPU)")
     c.add_argument("--host-cache-size", default="0", help="pinned host RAM tier between disk and device slots (bytes or %%; default 0: none)")
     c.add_argument("--host-cache-policy", default="clock", choices=["clock", "lru", "arc", "lfu"], help="host tier policy (default clock)")
-    c.add_argument("--streaming", default="auto", choices=["auto", "device", "host"],
-                   help="who finds a streamed layer's experts: device (the GPU looks up its slots and copies misses from "
-                        "the host tier itself, no host round trip per layer; needs a host tier holding every expert, "
-                        "--host-cache-size all), host (the host reads each layer's ids, then loads); auto (default): "
-                        "device where it can run on CUDA, else host")
     c.add_argument("--lookahead-maps", type=maps_arg, default="auto", metavar="auto|none|FILE",
                    help="fitted corrections of the lookahead's guesses (moestream fit-lookahead): auto (default: "
                         "MODEL/lookahead.safetensors where it exists), none (the plain routers), or a file; they "

@@ -84,9 +84,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="cache sizes: shares of all experts or slot counts (default 10%%,25%%,50%%)")
     p.add_argument("--policies", type=parse_policies, default="clock,lru",
                    help=f"comma-separated, from {', '.join(SIM_POLICIES)} (opt: Belady's optimum, a bound; "
-                        "device-cycle / device-lru: the device-driven path's map and rule, shared pool only, at "
+                        "device-cycle / device-lru: the device-driven path's map and rule, at "
                         "least twice a layer's experts (a smaller size is skipped, said on stderr); default clock,lru)")
-    p.add_argument("--partition", default="shared", choices=["shared", "per-layer"])
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--plot", metavar="FILE.png", help="also draw hit rate against cache size, a line per policy "
                                                        "(the mean over the traces; opt dashed, as the bound)")
@@ -97,11 +96,8 @@ def main(argv: list[str] | None = None) -> int:
         traces = [(path, load_trace(path)) for path in args.traces]  # every file checked before any work
         for path, trace in traces:
             total = total_experts(trace)
-            floor = trace.experts.shape[1] * (len(set(trace.layer.tolist())) if args.partition == "per-layer" else 1)
-            for label, slots in parse_sizes(args.sizes, total, floor):
+            for label, slots in parse_sizes(args.sizes, total, trace.experts.shape[1]):
                 for policy in args.policies:
-                    if (policy == "opt" or policy in DEVICE_POLICIES) and args.partition != "shared":
-                        raise MoestreamError(f"{policy} is simulated for the shared partition only")
                     if policy == "opt":
                         r = belady(trace, slots=slots)
                     elif policy in DEVICE_POLICIES:
@@ -111,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
                             print(f"moestream simulate: skipped: {exc}", file=sys.stderr)
                             continue
                     else:
-                        r = simulate(trace, slots=slots, policy=policy, partition=args.partition)
+                        r = simulate(trace, slots=slots, policy=policy)
                     rows.append({"trace": path, "size": label, "slots": slots, "policy": policy,
                                  "hit_rate": round(r.hit_rate, 4), "hits": r.hits, "misses": r.misses})
     except MoestreamError as exc:

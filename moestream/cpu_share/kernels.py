@@ -6,15 +6,18 @@ worker loop), all on the activations `activations()` names.
 
 For each (token, expert) pair: the gate and up products, SiLU(gate)·up, the down product, times the
 routing weight, from the record's 4- or 8-bit code words and their per-group scales and biases
-(w = scale·q + bias; moestream.kernels.expert_layout). On a spinning team of threads (native/team.h):
-the gate/up rows of all its experts dealt out to the threads, then the down rows. The same file holds
+(w = scale·q + bias; moestream.kernels.expert_layout); gpt-oss's records (activation
+"clamped_swiglu") add their gate/up/down biases to the products and take the clamped SwiGLU of
+moestream.layers.clamped_swiglu, the layout carrying the activation, its alpha and limit. On a
+spinning team of threads (native/team.h): the gate/up rows of all its experts dealt out to the
+threads, then the down rows. The same file holds
 the CPU share's worker loop (moestream.cpu_share.worker).
 
 The extension is compiled at first use (torch.utils.cpp_extension, `-O3 -march=native`, cached in
 torch's extensions directory). Where it cannot be built (no compiler, no ninja) `load` returns None
 and `reason()` says why in one line; there is then no CPU share, and the CPU device's experts take the
-torch reference. `refusal` names the layouts it does not compute (activations other than SwiGLU,
-MXFP4, unquantized, mixed group sizes, ...).
+torch reference. `refusal` names the layouts it does not compute (activations other than SwiGLU
+and the clamped SwiGLU, MXFP4, unquantized, mixed group sizes, ...).
 
 Activations: on a CPU with AVX-512 VNNI (the extension's `VNNI`) each token's input and each pair's
 h are quantized per group to int8 and the codes multiplied as bytes (native/int8_rows.h), several
@@ -23,12 +26,14 @@ float32 rows run. A layout carries the choice (`layout(..., int8_activations=)`,
 `activations()` names the default."""
 from __future__ import annotations
 
+import struct
 import threading
 from pathlib import Path
 
 import torch
 
 from moestream.format.records import encode_record, plan_record
+from moestream.kernels.reference import BIASED_ACTIVATIONS
 
 
 SOURCE = Path(__file__).with_name("native") / "cpu_experts.cpp"
@@ -38,8 +43,10 @@ PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 GROUPS = (32, 64, 128, 256)
 SCALE_TYPES = {"BF16": 0, "F16": 1, "F32": 2}
 SCALE_ITEM = {"BF16": 2, "F16": 2, "F32": 4}
-LAYOUT_LEN = 17  # entries of a layout tensor (the native code's LayoutIndex)
+LAYOUT_LEN = 24  # entries of a layout tensor (the native code's LayoutIndex)
 INT8_ACTS = 15  # its entry asking for int8 activations (the record's bytes stay the last)
+ACTIVATIONS = {"silu": 0, "clamped_swiglu": 1}  # the native code's Activation
+NO_BIAS = -1  # the bias type of records without added biases
 
 _lock = threading.Lock()
 _state: dict = {}  # "module" once built, or "reason" why not
@@ -104,8 +111,11 @@ def refusal(fields, quant) -> str | None:
         return "a projection is not quantized (the native kernels take 4- and 8-bit records)"
     if any(s.mode != "affine" for s in specs):
         return "not affine records (the native kernels take w = scale * q + bias)"
-    if specs[0].activation != "silu":
-        return f"the native kernels compute SwiGLU only, not {specs[0].activation}"
+    activation = specs[0].activation
+    if activation not in ACTIVATIONS:
+        return f"the native kernels compute SwiGLU and the clamped SwiGLU only, not {activation}"
+    if activation == "clamped_swiglu" and (specs[0].alpha is None or specs[0].limit is None):
+        return "a clamped SwiGLU without its alpha and limit"
     if any(s.bits not in (4, 8) for s in specs) or specs[0].bits != specs[1].bits:
         return "codes of other than 4 or 8 bits, or gate and up of different widths"
     if len({s.group_size for s in specs}) != 1 or specs[0].group_size not in GROUPS:
@@ -133,14 +143,38 @@ def refusal(fields, quant) -> str | None:
             f = by_name[f"{p}.{s}"]
             if list(f.shape) != [rows, cols // group] or f.offset % item:
                 return f"{p}.{s}: shape {list(f.shape)} at {f.offset} (expected {[rows, cols // group]})"
+    if activation in BIASED_ACTIVATIONS:
+        return _bias_refusal(by_name, {"gate_proj": inter, "up_proj": inter, "down_proj": hidden})
     return None
+
+
+def _bias_refusal(by_name, sizes: dict[str, int]) -> str | None:
+    """Why a biased activation's added biases (`{proj}.bias`, one dtype) cannot be read (None: they can)."""
+    missing = [f"{p}.bias" for p in PROJECTIONS if f"{p}.bias" not in by_name]
+    if missing:
+        return f"the record has no {missing[0]}"
+    kinds = {by_name[f"{p}.bias"].dtype for p in PROJECTIONS}
+    if len(kinds) != 1 or next(iter(kinds)) not in SCALE_TYPES:
+        return f"added biases of dtypes {sorted(kinds)} (the native kernels take one of BF16, F16, F32)"
+    item = SCALE_ITEM[next(iter(kinds))]
+    for p, size in sizes.items():
+        f = by_name[f"{p}.bias"]
+        if list(f.shape) != [size] or f.offset % item:
+            return f"{p}.bias: shape {list(f.shape)} at {f.offset} (expected {[size]})"
+    return None
+
+
+def _float_bits(value: float) -> int:
+    """A float32's bits as an integer (the layout carries alpha and limit so)."""
+    return struct.unpack("<i", struct.pack("<f", value))[0]
 
 
 def layout(fields, quant, int8_activations: bool | None = None) -> torch.Tensor:
     """The int64 [LAYOUT_LEN] description of a layout the kernels take (it must have passed
     `refusal`): hidden, intermediate, the bits of gate/up and down, the group size, the scales'
     dtype, the byte offsets of the nine fields, whether to run on int8 activations (None:
-    `activations()`; without VNNI the float rows run all the same) and the record's bytes (for GB/s)."""
+    `activations()`; without VNNI the float rows run all the same), the activation with its alpha
+    and limit, the added biases' dtype (NO_BIAS: none) and offsets, and the record's bytes (for GB/s)."""
     by_name = {f.name: f for f in fields}
     inter, words = by_name["gate_proj.weight"].shape
     bits_gu = quant["gate_proj"].bits
@@ -148,7 +182,18 @@ def layout(fields, quant, int8_activations: bool | None = None) -> torch.Tensor:
               SCALE_TYPES[by_name["gate_proj.scales"].dtype]]
     values += [by_name[f"{p}.{s}"].offset for p in PROJECTIONS for s in ("weight", "scales", "biases")]
     values.append(int(activations() == "int8" if int8_activations is None else int8_activations))
-    values.append(sum(by_name[f"{p}.{s}"].nbytes for p in PROJECTIONS for s in ("weight", "scales", "biases")))
+    spec = quant["gate_proj"]
+    clamped = spec.activation == "clamped_swiglu"
+    values += [ACTIVATIONS[spec.activation], _float_bits(spec.alpha) if clamped else 0,
+               _float_bits(spec.limit) if clamped else 0]
+    parts = ("weight", "scales", "biases")
+    if spec.activation in BIASED_ACTIVATIONS:
+        values.append(SCALE_TYPES[by_name["gate_proj.bias"].dtype])
+        values += [by_name[f"{p}.bias"].offset for p in PROJECTIONS]
+        parts += ("bias",)
+    else:
+        values += [NO_BIAS, 0, 0, 0]
+    values.append(sum(by_name[f"{p}.{s}"].nbytes for p in PROJECTIONS for s in parts))
     return torch.tensor(values, dtype=torch.int64)
 
 
@@ -162,7 +207,7 @@ def record_blob(tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, list]:
 
 def weighted_rows(module, layout_t: torch.Tensor, records: list[torch.Tensor], experts, tokens, weights,
                   x: torch.Tensor, out: torch.Tensor, threads: int) -> None:
-    """out[p] = weights[p] * SwiGLU of records[experts[p]] at x[tokens[p]] (x float32 [T, H]; out
+    """out[p] = weights[p] * the gated FFN of records[experts[p]] at x[tokens[p]] (x float32 [T, H]; out
     float32 [>= P, H]); records: uint8 tensors kept alive by the caller."""
     addresses = torch.tensor([r.data_ptr() for r in records], dtype=torch.int64)
     module.weighted_rows(layout_t, addresses, torch.as_tensor(experts, dtype=torch.int32),

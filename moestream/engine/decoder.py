@@ -179,7 +179,7 @@ class Decoder:
         weights, ids = block.route(hn, **over, **fused)
         guesses = None
         ahead = None if self.experts.device_driven else self.ahead.get(i)
-        if ahead:  # the later layers' routers on this input (top-k of logits)
+        if ahead and (self.cuda or tile == 1):  # the later layers' routers on this input (top-k of logits)
             nxt = [self.model.layers[j].ffn for j in ahead]
             guesses = torch.cat([torch.topk(self._guess_logits(b, depth, hn, over), b.top_k, dim=-1).indices
                                  for depth, b in enumerate(nxt, start=1)], dim=-1)
@@ -353,7 +353,7 @@ class Decoder:
         chosen = host.tolist()
         if self.lookahead is not None and T == 1:
             self.lookahead.score(block.layer, chosen)
-        if not self.experts.load(block.layer, chosen, r.rows("hn", T)):
+        if not self.experts.load(block.layer, chosen):
             self._experts_in_batches(i, T)  # more distinct experts than the pool can pin at once
             return
         if guessing:  # this layer's experts are pinned: early copies cannot evict them

@@ -28,14 +28,13 @@ from moestream.engine.tokenizer import load_tokenizer
 from moestream.engine.types import SamplingParams
 from moestream.errors import MoestreamError
 from moestream.experts.cache import ExpertCache
-from moestream.experts.predict import Lookahead, NextLayerPrefetcher
+from moestream.experts.predict import Lookahead
 from moestream.experts.trace import TraceRecorder
 from moestream.experts.unpacked import UnpackedExperts
 from moestream.experts.sources import open_source
 from moestream.format.reader import PackedModel
 from moestream.kv.pool import KVRoom, SequenceKV
 from moestream.layers.experts import RoutedExperts
-from moestream.layers.moe import MoEBlock
 from moestream.models.registry import build_model
 
 if TYPE_CHECKING:
@@ -54,11 +53,14 @@ class Engine:
 
     def __init__(self, packed: PackedModel, options: EngineOptions, *, default_cache_size: str = "auto",
                  graphs: bool = True, prefetch: bool = True, digest_dir: str | None = None,
-                 reroute: Callable | None = None):
+                 reroute: Callable | None = None, streaming: str = "auto"):
         """graphs=False runs CUDA steps and prefills eagerly (the same bits); prefetch=False loads
         experts on demand only (exact miss counts); digest_dir: where the resident files' digests are
-        remembered; reroute(args, device): a benchmark's routing (moestream.bench.routing)."""
+        remembered; reroute(args, device): a benchmark's routing (moestream.bench.routing); streaming:
+        auto (device-driven where it can run on CUDA, else host-driven), or "device" / "host" for tests
+        that compare the two paths' bits or run the device path's protocol on the CPU."""
         self.packed, self.options, self.digest_dir = packed, options, digest_dir
+        self.streaming_mode = streaming
         self.plan = plan_run(packed, options, default_cache_size=default_cache_size, digest_dir=digest_dir)
         self.device, self.dtype, self.max_context = self.plan.device, self.plan.dtype, self.plan.max_context
         self.model_name = packed.directory.name if packed.directory != DEMO_MODEL else "moestream-demo"
@@ -79,9 +81,6 @@ class Engine:
             from moestream.layers.expert_parallel import OwnedExperts
 
             self.provider = OwnedExperts(self.provider, self.parallel.placement, self.parallel.group.rank)
-        # CPU: the lookahead is a hook after each layer's fetch; CUDA: the decoder guesses on the device
-        cpu = self.device.type == "cpu"
-        self.prefetcher = None
         self.trace = None
         try:
             def make_experts(args):  # the decoder's MoE layers and the multi-token-prediction layers' experts
@@ -97,7 +96,6 @@ class Engine:
                                      cpu_share=expert_setup.share_request(options, parallel=self.parallel,
                                                                           hidden=args.hidden_size, dtype=self.dtype),
                                      on_route=self._record_route if options.trace_routing else None,
-                                     after_fetch=self._prefetch if cpu and prefetch else None,
                                      reroute=None if reroute is None else reroute(args, self.device))
 
             self.args, self.experts, self.model = build_model(packed, make_experts, device=self.device,
@@ -105,10 +103,7 @@ class Engine:
             self.guess_maps = None if not prefetch else \
                 expert_setup.load_guess_maps(packed, options, self.model, hidden_size=self.args.hidden_size,
                                              device=self.device)
-            if cpu and prefetch:
-                blocks = [layer.ffn for layer in self.model.layers if isinstance(layer.ffn, MoEBlock)]
-                self.prefetcher = NextLayerPrefetcher(blocks, self.provider, maps=self.guess_maps)
-            lookahead = Lookahead(self.provider, depth=1) if prefetch and not cpu else None
+            lookahead = Lookahead(self.provider, depth=1) if prefetch else None
             self.tokenizer = load_tokenizer(packed.directory, packed.config)
         except BaseException:
             self.provider.close()
@@ -132,15 +127,10 @@ class Engine:
     def _record_route(self, layer: int, ids: torch.Tensor) -> None:
         self.trace.record(layer, self._position, ids.cpu().numpy())
 
-    def _prefetch(self, layer: int, x: torch.Tensor, chosen: list[int]) -> None:
-        self.prefetcher(layer, x, chosen)
-
     @property
     def lookahead(self):
-        """The Lookahead scoring this engine's guesses (the decoder's or the CPU prefetcher's), or None."""
-        if self.decoder.lookahead is not None:
-            return self.decoder.lookahead
-        return self.prefetcher.lookahead if self.prefetcher is not None else None
+        """The Lookahead scoring the decoder's guesses, or None."""
+        return self.decoder.lookahead
 
     @property
     def cache(self) -> SequenceKV:
@@ -158,10 +148,11 @@ class Engine:
 
     @classmethod
     def load(cls, model_dir: str | Path | None = None, *, options: EngineOptions | None = None,
-             graphs: bool = True, prefetch: bool = True, digest_dir: str | None = None) -> "Engine":
+             graphs: bool = True, prefetch: bool = True, digest_dir: str | None = None,
+             streaming: str = "auto") -> "Engine":
         packed, default_size = open_packed(model_dir)
         return cls(packed, options or EngineOptions(), default_cache_size=default_size, graphs=graphs,
-                   prefetch=prefetch, digest_dir=digest_dir)
+                   prefetch=prefetch, digest_dir=digest_dir, streaming=streaming)
 
     # -- running the model: prefill, step, rollback -----------------------------------------
     def _make_resident(self) -> None:

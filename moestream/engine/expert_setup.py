@@ -100,11 +100,10 @@ def share_request(options: EngineOptions, *, parallel, hidden: int, dtype: torch
 
 
 def start_streaming(engine: Any) -> None:  # an Engine (moestream.engine.engine imports this module)
-    """Device-driven streaming where the option allows and it can run (else the host path);
-    `--streaming device` where it cannot is an error naming why."""
-    experts, options, provider = engine.experts, engine.options, engine.provider
-    mode = options.streaming
-    reason = "--streaming host" if mode == "host" else None
+    """Device-driven streaming where it can run (else the host path); the engine's streaming="device"
+    where it cannot is an error naming why."""
+    experts, provider, mode = engine.experts, engine.provider, engine.streaming_mode
+    reason = "asked for the host path" if mode == "host" else None
     if reason is None and engine.parallel is not None:
         reason = "expert parallelism computes experts on several ranks"
     elif reason is None and mode == "auto" and engine.device.type != "cuda":
@@ -124,7 +123,7 @@ def start_streaming(engine: Any) -> None:  # an Engine (moestream.engine.engine 
         except DeviceMapUnavailable as exc:
             reason = str(exc)
     if mode == "device":
-        raise MoestreamError(f"--streaming device cannot run: {reason}")
+        raise MoestreamError(f"device-driven streaming cannot run: {reason}")
     log.info("host-driven streaming: %s", reason)
     request = experts.share_request
     if request is not None and request.share != "auto":

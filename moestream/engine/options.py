@@ -17,7 +17,6 @@ class EngineOptions:
     expert_source: str = "auto"  # auto: mmap on the CPU (no reader threads to wait on), direct on a GPU
     host_cache_size: str = "0"
     host_cache_policy: str = "clock"
-    streaming: str = "auto"  # who looks up a streamed layer's experts: the device (auto where it can) or the host
     # the lookahead's fitted correction (moestream fit-lookahead): auto (MODEL/lookahead.safetensors where it
     # exists), none, or a file
     lookahead_maps: str = "auto"

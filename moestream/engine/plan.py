@@ -217,7 +217,7 @@ def resolve_options(packed: PackedModel, options: EngineOptions, *, default_cach
 
 def run_facts(options: EngineOptions) -> dict:
     """What a receipt records about how the run was set up, beyond the engine's own figures."""
-    facts = {"threads": torch.get_num_threads(), "verify": options.verify, "streaming_option": options.streaming}
+    facts = {"threads": torch.get_num_threads(), "verify": options.verify}
     if options.cpu_experts != "off":
         facts["cpu_experts"] = options.cpu_experts
     return facts

@@ -5,11 +5,11 @@ GPU work (H200, Qwen3-30B-A3B shape, every expert resident); a replay is one lau
 
 The chunk is padded to the next power of two with copies of its last token, after the real rows,
 which keep their bits: causal attention hides the padding, the expert kernels choose their tiles for
-the real token count (`RoutedExperts.tile_tokens`) and the padding's K/V land past the prompt. But
+the real token count (`RoutedExperts.padded`) and the padding's K/V land past the prompt. But
 cuBLAS chooses its algorithm by row count, so padded rows differ in the last bits from unpadded ones:
 wherever the mode pads (`takes`), every fresh chunk is padded, graph or not, and every MoE layer
 routes the padding to the last real row's experts (`padding_on_last_row`). Resident hits are counted
-after each replay for the real rows only (`RoutedExperts.booked`), as the eager prefill counts them.
+after each replay for the real rows only, as the eager prefill counts them.
 A graph replays (`replays`) only with every expert resident on the Triton kernels and no memory
 budget (the graphs keep their activations)."""
 from __future__ import annotations
@@ -173,13 +173,9 @@ class PrefillGraphs:
     def _forward(self, ids: torch.Tensor, last: torch.Tensor, sequences: torch.Tensor, tokens: int,
                  routed: list) -> torch.Tensor:
         """The padded chunk through the model; `routed` takes each resident layer's (layer, ids [padded, A])."""
-        ex = self.experts
-        ex.tile_tokens, ex.last_real_row, ex.booked = tokens, last, routed
-        try:
+        with self.experts.padded(tokens, last, routed):
             positions = torch.arange(ids.shape[0], device=ids.device)
             return self.model.forward(ids, positions, sequences, self.pool, last_row=last)
-        finally:
-            ex.tile_tokens = ex.last_real_row = ex.booked = None
 
     def _book(self, routed: list, tokens: int) -> None:
         """The resident hits of the real rows (after the run, outside any graph; the padding's rows are

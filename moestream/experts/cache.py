@@ -85,7 +85,7 @@ class ExpertCache:
         self.total_experts = sum(e.num_experts for e in self.entries.values())
         self.num_slots = slots
         self._quant = {l: {p: QuantSpec.from_json(s) for p, s in e.quant.items()} for l, e in self.entries.items()}
-        self.directory = SlotDirectory(slots, policy=policy, num_layers=len(self.moe_layers))
+        self.directory = SlotDirectory(slots, policy=policy)
         self.cuda = self.device.type == "cuda"
         if self.cuda:
             self.pool = torch.empty((slots, self.slot_bytes), dtype=torch.uint8, device=self.device)

@@ -13,8 +13,6 @@ from typing import Hashable
 
 from moestream.experts.policy import ReplacementPolicy, make_policy
 
-PARTITIONS = ("shared", "per-layer")
-
 _FREE, _LOADING, _READY = 0, 1, 2
 
 
@@ -28,44 +26,16 @@ class Reservation:
     evicted: Hashable | None  # the key that lived in ``slot`` before, if any
 
 
-@dataclass
-class _Partition:
-    """A range of slots with its own policy; "shared" has one over all slots."""
-
-    start: int
-    size: int
-    policy: ReplacementPolicy
-    free: list[int]  # heap of free global slots: lowest first, so fills are deterministic
-
-
 class SlotDirectory:
-    """Maps keys to slots, tracks pins and in-flight loads, and picks victims through a policy.
-    ``partition="per-layer"`` gives each layer ``capacity // num_layers`` slots (the rest to the first
-    layers) and a policy of its own; ``"shared"`` lets busy layers borrow slots from quiet ones."""
+    """Maps keys to slots, tracks pins and in-flight loads, and picks victims through a policy; one
+    pool for all layers, so busy layers borrow slots from quiet ones."""
 
-    def __init__(self, capacity: int, *, policy: str = "clock", partition: str = "shared", num_layers: int = 1,
-                 **policy_options):
+    def __init__(self, capacity: int, *, policy: str = "clock", **policy_options):
         if not isinstance(capacity, int) or capacity < 1:
             raise ValueError(f"slot capacity must be a positive int, got {capacity!r}")
-        if partition not in PARTITIONS:
-            raise ValueError(f"unknown partition {partition!r}; choose one of {', '.join(PARTITIONS)}")
-        if num_layers < 1:
-            raise ValueError(f"num_layers must be >= 1, got {num_layers}")
-        self.capacity, self.policy_name, self.partition, self.num_layers = capacity, policy, partition, num_layers
-        if partition == "shared":
-            sizes = [capacity]
-        else:
-            if capacity < num_layers:
-                raise ValueError(f"per-layer partition needs at least one slot per layer: "
-                                 f"{capacity} slots for {num_layers} layers")
-            base, extra = divmod(capacity, num_layers)
-            sizes = [base + (1 if i < extra else 0) for i in range(num_layers)]
-        self._parts: list[_Partition] = []
-        start = 0
-        for size in sizes:
-            free = list(range(start, start + size))  # already a valid heap
-            self._parts.append(_Partition(start, size, make_policy(policy, size, **policy_options), free))
-            start += size
+        self.capacity, self.policy_name = capacity, policy
+        self.policy: ReplacementPolicy = make_policy(policy, capacity, **policy_options)
+        self._free = list(range(capacity))  # a heap of free slots: lowest first, so fills are deterministic
         self._key_of: list[Hashable | None] = [None] * capacity
         self._state = bytearray(capacity)
         self._pins = [0] * capacity
@@ -75,14 +45,6 @@ class SlotDirectory:
         self._lock = threading.Lock()
 
     # -- helpers (caller holds the lock) ---------------------------------------------------------
-    def _part_for(self, key: Hashable) -> _Partition:
-        if self.partition == "shared":
-            return self._parts[0]
-        layer = key[0]  # type: ignore[index]
-        if not 0 <= layer < self.num_layers:
-            raise ValueError(f"key {key!r}: layer {layer} out of range [0, {self.num_layers})")
-        return self._parts[layer]
-
     def _slot(self, key: Hashable) -> int:
         slot = self._slot_of.get(key)
         if slot is None:
@@ -127,23 +89,11 @@ class SlotDirectory:
         with self._lock:
             return dict(self._slot_of)
 
-    @property
-    def policies(self) -> tuple[ReplacementPolicy, ...]:
-        """One policy per partition (one when shared), for inspection."""
-        return tuple(part.policy for part in self._parts)
-
-    def layer_slots(self, layer: int) -> range:
-        """The global slots ``layer`` may use: all of them when shared."""
-        part = self._parts[0] if self.partition == "shared" else self._parts[layer]
-        return range(part.start, part.start + part.size)
-
     # -- updates ----------------------------------------------------------------------------------
     def touch(self, key: Hashable) -> None:
         """A use that hit (ready or loading): tell the policy."""
         with self._lock:
-            slot = self._slot(key)
-            part = self._part_for(key)
-            part.policy.hit(slot - part.start)
+            self.policy.hit(self._slot(key))
 
     def reserve(self, key: Hashable) -> Reservation:
         """Give ``key`` a slot, free first, else a policy victim; the slot is LOADING until
@@ -151,37 +101,26 @@ class SlotDirectory:
         with self._lock:
             if key in self._slot_of:
                 raise ValueError(f"{key!r} already has slot {self._slot_of[key]}")
-            part = self._part_for(key)
             evicted = None
-            if part.free:
-                slot = heapq.heappop(part.free)
+            if self._free:
+                slot = heapq.heappop(self._free)
             else:
-                start, state, pins = part.start, self._state, self._pins
-
-                def can_evict(local: int) -> bool:
-                    g = start + local
-                    return state[g] == _READY and pins[g] == 0
-
-                local = part.policy.evict(key, can_evict)
-                if local is None:
-                    raise CacheFullError(self._full_message(key, part))
-                slot = start + local
+                state, pins = self._state, self._pins
+                slot = self.policy.evict(key, lambda s: state[s] == _READY and pins[s] == 0)
+                if slot is None:
+                    raise CacheFullError(self._full_message(key))
                 evicted = self._key_of[slot]
                 self._release(slot)
-            part.policy.admit(slot - part.start, key)
+            self.policy.admit(slot, key)
             self._key_of[slot] = key
             self._slot_of[key] = slot
             self._state[slot] = _LOADING
             self._loading += 1
             return Reservation(slot, evicted)
 
-    def _full_message(self, key: Hashable, part: _Partition) -> str:
-        slots = range(part.start, part.start + part.size)
-        pinned = sum(1 for s in slots if self._pins[s])
-        loading = sum(1 for s in slots if self._state[s] == _LOADING)
-        where = "all" if self.partition == "shared" else f"layer {key[0]}'s"  # type: ignore[index]
-        return (f"no slot can be evicted for {key!r}: {where} {part.size} slots are pinned or loading "
-                f"({pinned} pinned, {loading} loading); use a larger expert cache")
+    def _full_message(self, key: Hashable) -> str:
+        return (f"no slot can be evicted for {key!r}: all {self.capacity} slots are pinned or loading "
+                f"({self._pinned} pinned, {self._loading} loading); use a larger expert cache")
 
     def mark_ready(self, key: Hashable) -> None:
         """The load into ``key``'s slot finished; the slot may now be evicted when unpinned."""
@@ -198,10 +137,9 @@ class SlotDirectory:
             slot = self._slot(key)
             if self._state[slot] != _LOADING:
                 raise ValueError(f"{key!r} is not loading")
-            part = self._part_for(key)
-            part.policy.forget(slot - part.start)
+            self.policy.forget(slot)
             self._release(slot)
-            heapq.heappush(part.free, slot)
+            heapq.heappush(self._free, slot)
 
     def pin(self, key: Hashable) -> None:
         """Keep ``key``'s slot from being evicted until a matching unpin (pins count)."""
@@ -221,5 +159,4 @@ class SlotDirectory:
                 self._pinned -= 1
 
     def __repr__(self) -> str:
-        return (f"SlotDirectory(capacity={self.capacity}, policy={self.policy_name!r}, partition={self.partition!r}, "
-                f"occupied={len(self._slot_of)}, pinned={self._pinned}, loading={self._loading})")
+        return (f"SlotDirectory(capacity={self.capacity}, policy={self.policy_name!r}, occupied={len(self._slot_of)}, pinned={self._pinned}, loading={self._loading})")

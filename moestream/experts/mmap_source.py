@@ -73,9 +73,8 @@ class MmapSource(RecordSource):
 
     name = "mmap"
 
-    def __init__(self, packed: PackedModel, *, io_threads: int = 32, check_records: bool = True,
-                 fault_read_after: int | None = None):
-        super().__init__(packed, io_threads=io_threads, check_records=check_records, fault_read_after=fault_read_after)
+    def __init__(self, packed: PackedModel, *, io_threads: int = 32, check_records: bool = True):
+        super().__init__(packed, io_threads=io_threads, check_records=check_records)
         self._maps: dict[int, _Mapping] = {}
         self._warned_mincore = False
         try:

@@ -1,45 +1,19 @@
 """Next-layer expert prediction: start reading the experts the next MoE layer will probably want.
 
 The residual stream changes little from one layer to the next, so the next layer's router on this
-layer's expert input picks many of the experts it will pick. Their early reads (the cache's
-`prefetch`) start once this layer's experts are pinned: a wrong guess costs a read and a slot, never
-an answer or a slot this layer needs. One token at a time only (a prefill chunk touches most experts)."""
+layer's expert input picks many of the experts it will pick. The decoder makes the guesses
+(moestream.engine.decoder: on CUDA inside its graphs); their early reads (the cache's `prefetch`)
+start once this layer's experts are pinned: a wrong guess costs a read and a slot, never an answer or
+a slot this layer needs. One token at a time only (a prefill chunk touches most experts)."""
 from __future__ import annotations
-
-import torch
-
-from moestream.experts.guess_maps import GuessMaps
-
-class NextLayerPrefetcher:
-    """The CPU lookahead, called after each layer's fetch (`RoutedExperts.after_fetch`), its guesses
-    scored and all copied by a Lookahead. blocks: the model's MoE blocks in order."""
-
-    def __init__(self, blocks: list, provider, *, maps: GuessMaps | None = None):
-        self.provider, self.maps = provider, maps
-        self.next = {a.layer: b for a, b in zip(blocks, blocks[1:])}  # MoE layer -> the next MoE block
-        # guesses that name too few of the experts a layer then routes to stop (CUDA's rule): each wrong
-        # one is a whole record read that queues before the reads a layer waits for, and takes a slot
-        self.lookahead = Lookahead(provider, depth=1)
-
-    def __call__(self, layer: int, x: torch.Tensor, chosen: list[int] | None = None) -> None:
-        if x.shape[0] != 1:
-            return
-        if chosen is not None:
-            self.lookahead.score(layer, chosen)
-        nxt = self.next.get(layer)
-        if nxt is None:
-            return
-        # softmax keeps the order: the top-k of the logits is the router's
-        logits = self.maps.logits(nxt, 1, x) if self.maps is not None else nxt.router_logits(x)
-        ids = torch.topk(logits, nxt.top_k, dim=-1).indices.view(-1).tolist()
-        self.lookahead.guess(nxt.layer, 1, ids)
 
 
 class Lookahead:
-    """Guesses of later MoE layers' experts (the CUDA decoder's, made in its graph, or the CPU
-    prefetcher's), scored when those layers route: the share of its experts a guess named, an EMA
-    per target layer and depth. Copies start only where it is at least `min_accuracy`: under routing
-    the router does not predict (a benchmark's uniform draw) guesses cost no bandwidth."""
+    """Guesses of later MoE layers' experts (the decoder's), scored when those layers route: the share
+    of its experts a guess named, an EMA per target layer and depth. Copies start only where it is at
+    least `min_accuracy`: under routing the router does not predict (a benchmark's uniform draw)
+    guesses cost no bandwidth (each wrong one is a whole record read queued before the reads a layer
+    waits for, and a slot)."""
 
     def __init__(self, provider, *, depth: int, min_accuracy: float = 0.3, decay: float = 0.9):
         self.provider, self.depth = provider, depth

@@ -1,4 +1,4 @@
-"""What every expert record source shares: checks, the I/O thread pool, crc32, faults, statistics.
+"""What every expert record source shares: checks, the I/O thread pool, crc32, statistics.
 
 A source supplies `_read_into` (one whole record into a host tensor); reads run on a pool of I/O
 threads so that many misses are in flight at once. By default every record is checked against the
@@ -8,8 +8,6 @@ record in 0.05 ms on a 2-core EPYC, 13x zlib's 0.63 ms: zlib's took as long as t
 """
 from __future__ import annotations
 
-import errno
-import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -24,13 +22,6 @@ from moestream.format.manifest import ExpertLayer
 from moestream.format.reader import PackedModel
 
 
-def _fault_setting(value: int | None) -> int | None:
-    """For fault tests: the read after the first `value` reads of a source fails once with EIO."""
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-        raise ValueError(f"fault_read_after must be a whole number of reads, not {value!r}")
-    return value
-
-
 class Truncated(Exception):
     """A record runs past the end of its file; ``file_end`` is where the file ends."""
 
@@ -40,12 +31,11 @@ class Truncated(Exception):
 
 class RecordSource:
     """Reads expert records (what the slot cache talks to): validation, the I/O thread pool,
-    checksums, fault injection and statistics around a source's `_read_into`."""
+    checksums and statistics around a source's `_read_into`."""
 
     name = "?"
 
-    def __init__(self, packed: PackedModel, *, io_threads: int = 32, check_records: bool = True,
-                 fault_read_after: int | None = None):
+    def __init__(self, packed: PackedModel, *, io_threads: int = 32, check_records: bool = True):
         if io_threads < 1:
             raise ValueError(f"io_threads must be at least 1, not {io_threads}")
         self.directory = Path(packed.directory)
@@ -57,9 +47,7 @@ class RecordSource:
                     raise FormatError(f"{self.directory}: layer {entry.layer} has {len(entry.crc32)} record checksums "
                                       f"for {entry.num_experts} records, so records cannot be checked "
                                       "(--no-verify runs without the checks)")
-        self._fault_after = _fault_setting(fault_read_after)
         self._lock = threading.Lock()
-        self._attempts = 0
         self._counters = {"bytes_read": 0, "reads": 0, "read_s": 0.0, "errors": 0}
         self._closed = False
         self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix=f"moestream-{self.name}-io")
@@ -142,7 +130,6 @@ class RecordSource:
         where = f"layer {entry.layer} expert {expert}"
         start = time.perf_counter()
         try:
-            self._inject_fault()
             self._read_into(entry, expert, dest)
             if self.check_records:
                 crc = isal_zlib.crc32(bytes_of(dest))
@@ -159,15 +146,6 @@ class RecordSource:
                 raise ExpertReadError(f"reading {where} from {self._path(entry)} failed: {exc}") from exc
             raise
         self._count(start, entry.record_size, failed=False)
-
-    def _inject_fault(self) -> None:
-        if self._fault_after is None:
-            return
-        with self._lock:
-            attempt = self._attempts
-            self._attempts += 1
-        if attempt == self._fault_after:
-            raise OSError(errno.EIO, f"{os.strerror(errno.EIO)} (injected after {self._fault_after} reads)")
 
     def _count(self, start: float, nbytes: int, *, failed: bool) -> None:
         elapsed = time.perf_counter() - start

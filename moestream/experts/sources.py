@@ -12,9 +12,8 @@ from moestream.format.reader import PackedModel
 SOURCES = {"direct": DirectSource, "mmap": MmapSource}
 
 
-def open_source(kind: str, packed: PackedModel, *, io_threads: int = 32, check_records: bool = True,
-                fault_read_after: int | None = None) -> RecordSource:
+def open_source(kind: str, packed: PackedModel, *, io_threads: int = 32, check_records: bool = True) -> RecordSource:
     """A record source of `kind` ("direct" or "mmap") over `packed`'s expert files."""
     if kind not in SOURCES:
         raise ValueError(f"unknown expert source {kind!r} (choose from: {', '.join(SOURCES)})")
-    return SOURCES[kind](packed, io_threads=io_threads, check_records=check_records, fault_read_after=fault_read_after)
+    return SOURCES[kind](packed, io_threads=io_threads, check_records=check_records)

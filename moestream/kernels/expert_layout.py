@@ -186,8 +186,6 @@ class KernelConfig:
     down_n: int = 64
     grouped_warps: int = 4
     grouped_stages: int = 4
-    grouped_swap: int = 1  # 1: the product as W x^T (weight rows on the MMA's M side: Hopper's wgmma for any block_m)
-    grouped_join: int = 1  # 1: a word's codes unpacked by joins (they stay in its thread: no shared-memory shuffle)
     combine_tokens: int = 4
     combine_block: int = 256
     # products over a decode step's 16-row tile (moestream.kernels.triton_rows),

@@ -4,12 +4,12 @@ a weight tile of 64 inputs per step (rounded to the activations' dtype, as the r
 feeds it to tl.dot; float32 activations use 3xTF32 (about float32 accuracy). moestream.kernels.triton_moe
 launches them (MoEPlan) and documents the record layout, the deterministic sum and the gemv kernels.
 
-Two compile-time choices of the product's shape, swept on the H200 (scripts/bench_kernels.py --sweep):
-  - JOIN: a word's codes are unpacked by joins, so they stay in the registers of the thread that loaded
-    the word and the tile's reshape to [BLOCK_N, 64] moves nothing (unpacked by a broadcast shift and
-    reshaped, the tile went through shared memory one element at a time: 2x slower);
-  - SWAP: the product as W x^T, the weight rows on the MMA's M side: Hopper's wgmma for any BLOCK_M
-    (x W^T takes the older mma.sync below 64 pairs per tile).
+The product's shape, from the H200 sweep (scripts/bench_kernels.py --sweep): a word's codes are
+unpacked by joins, so they stay in the registers of the thread that loaded the word and the tile's
+reshape to [BLOCK_N, 64] moves nothing (unpacked by a broadcast shift and reshaped, the tile went
+through shared memory one element at a time: 2x slower); the product is W x^T, the weight rows on the
+MMA's M side: Hopper's wgmma for any BLOCK_M (x W^T took the older mma.sync below 64 pairs per tile,
+1-10 % slower).
 The summation order of a pair's output follows from the tile shapes alone, which depend only on the
 call's shape (tokens, experts), never on the cache, so the bits are the same for every cache size.
 """
@@ -39,18 +39,14 @@ def _codes_joined(words, BITS: tl.constexpr):
 
 @triton.jit
 def _dequant_tile(wq_ptr, ws_ptr, wb_ptr, row_words, row_scales, rows, row_mask, g,
-                  BITS: tl.constexpr, BN: tl.constexpr, DTYPE: tl.constexpr, MX: tl.constexpr, JOIN: tl.constexpr):
+                  BITS: tl.constexpr, BN: tl.constexpr, DTYPE: tl.constexpr, MX: tl.constexpr):
     """Weight tile [BN, 64] of inputs 64g.. for rows [BN], as w = q*s + b rounded to DTYPE (MX:
     w = e2m1(q) * 2^(s - 127), two scales per tile). row_scales: scales per row."""
     CPW: tl.constexpr = 32 // BITS
     GW: tl.constexpr = 64 // CPW
     woff = rows[:, None] * row_words + g * GW + tl.arange(0, GW)[None, :]
     words = tl.load(wq_ptr + woff, mask=row_mask[:, None], other=0).to(tl.uint32, bitcast=True)  # [BN, GW]
-    if JOIN:
-        codes = tl.reshape(_codes_joined(words, BITS), (BN, 64))  # [BN, GW, CPW] flattened
-    else:
-        codes = tl.reshape((tl.expand_dims(words, -1) >> (tl.arange(0, CPW).to(tl.uint32) * BITS)) & ((1 << BITS) - 1),
-                           (BN, 64))
+    codes = tl.reshape(_codes_joined(words, BITS), (BN, 64))  # [BN, GW, CPW] flattened
     if MX:
         v = tl.reshape(_e2m1_f32(codes), (BN, 2, 32))
         soff = rows[:, None] * row_scales + g * 2 + tl.arange(0, 2)[None, :]
@@ -85,7 +81,7 @@ def _gate_up_grouped(x_ptr, stride_x, block_rank_ptr, num_experts, slot_table_pt
                      slot_bias, gw_off, gs_off, gb_off, uw_off, us_off, ub_off, g_add_off, u_add_off, alpha, limit,
                      h_ptr, H: tl.constexpr, I: tl.constexpr, A: tl.constexpr, BITS: tl.constexpr, BM: tl.constexpr,
                      BN: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr, ACT: tl.constexpr,
-                     HAS_BIAS: tl.constexpr, MX: tl.constexpr, SWAP: tl.constexpr, JOIN: tl.constexpr):
+                     HAS_BIAS: tl.constexpr, MX: tl.constexpr):
     b = tl.program_id(0)
     nb = tl.program_id(1)
     slot, pairs, pmask = _block_pairs(b, block_rank_ptr, num_experts, slot_table_ptr, starts_ptr,
@@ -102,31 +98,23 @@ def _gate_up_grouped(x_ptr, stride_x, block_rank_ptr, num_experts, slot_table_pt
         row_groups: tl.constexpr = H // 64  # steps of 64 inputs
         row_scales: tl.constexpr = H // (32 if MX else 64)
         kk = tl.arange(0, 64)
-        if SWAP:  # the weight rows are the product's M side: [BN, BM] accumulators (see the module notes)
-            acc_g = tl.zeros([BN, BM], dtype=tl.float32)
-            acc_u = tl.zeros([BN, BM], dtype=tl.float32)
-        else:
-            acc_g = tl.zeros([BM, BN], dtype=tl.float32)
-            acc_u = tl.zeros([BM, BN], dtype=tl.float32)
+        # the weight rows are the product's M side: [BN, BM] accumulators (see the module notes)
+        acc_g = tl.zeros([BN, BM], dtype=tl.float32)
+        acc_u = tl.zeros([BN, BM], dtype=tl.float32)
         for g in range(0, row_groups):
             xt = tl.load(x_ptr + toks[:, None] * stride_x + g * 64 + kk[None, :], mask=pmask[:, None], other=0.0)
             wg = _dequant_tile(wbase + gw_off, sbase + gs_off, sbase + gb_off, row_words, row_scales, rows,
-                               row_mask, g, BITS, BN, DTYPE, MX, JOIN)
+                               row_mask, g, BITS, BN, DTYPE, MX)
             wu = _dequant_tile(wbase + uw_off, sbase + us_off, sbase + ub_off, row_words, row_scales, rows,
-                               row_mask, g, BITS, BN, DTYPE, MX, JOIN)
+                               row_mask, g, BITS, BN, DTYPE, MX)
             if DOT_F32:
                 xt = xt.to(tl.float32)
                 wg = wg.to(tl.float32)
                 wu = wu.to(tl.float32)
-            if SWAP:
-                acc_g = tl.dot(wg, tl.trans(xt), acc_g, input_precision=PRECISION)
-                acc_u = tl.dot(wu, tl.trans(xt), acc_u, input_precision=PRECISION)
-            else:
-                acc_g = tl.dot(xt, tl.trans(wg), acc_g, input_precision=PRECISION)
-                acc_u = tl.dot(xt, tl.trans(wu), acc_u, input_precision=PRECISION)
-        if SWAP:
-            acc_g = tl.trans(acc_g)
-            acc_u = tl.trans(acc_u)
+            acc_g = tl.dot(wg, tl.trans(xt), acc_g, input_precision=PRECISION)
+            acc_u = tl.dot(wu, tl.trans(xt), acc_u, input_precision=PRECISION)
+        acc_g = tl.trans(acc_g)
+        acc_u = tl.trans(acc_u)
         if HAS_BIAS:
             bbase = pool_b + slot.to(tl.int64) * slot_bias
             acc_g += _bias_f32(bbase + g_add_off, rows, row_mask, DTYPE)[None, :]
@@ -141,8 +129,7 @@ def _down_grouped(h_ptr, rw_ptr, block_rank_ptr, num_experts, slot_table_ptr, st
                   counts_ptr, block_start_ptr, order_ptr, pool_w, pool_s, pool_b, slot_words, slot_halves,
                   slot_bias, dw_off, ds_off, db_off, d_add_off, o_ptr, H: tl.constexpr, I: tl.constexpr,
                   BITS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, PRECISION: tl.constexpr,
-                  DOT_F32: tl.constexpr, HAS_BIAS: tl.constexpr, MX: tl.constexpr, SWAP: tl.constexpr,
-                  JOIN: tl.constexpr):
+                  DOT_F32: tl.constexpr, HAS_BIAS: tl.constexpr, MX: tl.constexpr):
     b = tl.program_id(0)
     nb = tl.program_id(1)
     slot, pairs, pmask = _block_pairs(b, block_rank_ptr, num_experts, slot_table_ptr, starts_ptr,
@@ -159,23 +146,16 @@ def _down_grouped(h_ptr, rw_ptr, block_rank_ptr, num_experts, slot_table_ptr, st
         row_groups: tl.constexpr = I // 64
         row_scales: tl.constexpr = I // (32 if MX else 64)
         kk = tl.arange(0, 64)
-        if SWAP:
-            acc = tl.zeros([BN, BM], dtype=tl.float32)
-        else:
-            acc = tl.zeros([BM, BN], dtype=tl.float32)
+        acc = tl.zeros([BN, BM], dtype=tl.float32)
         for g in range(0, row_groups):
             ht = tl.load(h_ptr + prow[:, None] * I + g * 64 + kk[None, :], mask=pmask[:, None], other=0.0)
             wd = _dequant_tile(wbase + dw_off, sbase + ds_off, sbase + db_off, row_words, row_scales, rows,
-                               row_mask, g, BITS, BN, DTYPE, MX, JOIN)
+                               row_mask, g, BITS, BN, DTYPE, MX)
             if DOT_F32:
                 ht = ht.to(tl.float32)
                 wd = wd.to(tl.float32)
-            if SWAP:
-                acc = tl.dot(wd, tl.trans(ht), acc, input_precision=PRECISION)
-            else:
-                acc = tl.dot(ht, tl.trans(wd), acc, input_precision=PRECISION)
-        if SWAP:
-            acc = tl.trans(acc)
+            acc = tl.dot(wd, tl.trans(ht), acc, input_precision=PRECISION)
+        acc = tl.trans(acc)
         w = tl.load(rw_ptr + pairs, mask=pmask, other=0.0).to(tl.float32)
         if HAS_BIAS:
             acc += _bias_f32(pool_b + slot.to(tl.int64) * slot_bias + d_add_off, rows, row_mask, DTYPE)[None, :]

@@ -403,11 +403,6 @@ class MoEPlan:
         """The compile-time activation and bias choice of the gate/up kernels."""
         return dict(ACT=self.layout.activation, HAS_BIAS=self.layout.has_bias, MX=self.layout.mx)
 
-    def _grouped_args(self) -> dict:
-        """The grouped kernels' compile-time product shape: swapped (weight rows on the product's M side)
-        or not, and the codes unpacked by joins or not (KernelConfig.grouped_swap / grouped_join)."""
-        return dict(SWAP=bool(self.config.grouped_swap), JOIN=bool(self.config.grouped_join))
-
     def _scale_group(self) -> int:
         """Inputs per scale: the gemv kernels' group."""
         return MX_GROUP if self.layout.mx else GROUP
@@ -436,7 +431,7 @@ class MoEPlan:
             _gate_up_grouped[grid](self.x, self.x.stride(0), self.block_rank, self.num_experts,
                                    slot_table, self.starts, self.counts, self.block_start, self.order, *common,
                                    BITS=bits, BM=self.block_m, BN=cfg.gate_up_n, PRECISION=self.precision,
-                                   DOT_F32=_INTERPRETED, **self._act_args(), **self._grouped_args(),
+                                   DOT_F32=_INTERPRETED, **self._act_args(),
                                    num_warps=self.warps, num_stages=cfg.grouped_stages)
 
     def down(self, pool: torch.Tensor, slot_table: torch.Tensor) -> None:
@@ -457,7 +452,7 @@ class MoEPlan:
             _down_grouped[grid](self.h, self.weights, self.block_rank, self.num_experts,
                                 slot_table, self.starts, self.counts, self.block_start, self.order, *common,
                                 BITS=bits, BM=self.block_m, BN=cfg.down_n, PRECISION=self.precision,
-                                DOT_F32=_INTERPRETED, HAS_BIAS=lay.has_bias, MX=lay.mx, **self._grouped_args(),
+                                DOT_F32=_INTERPRETED, HAS_BIAS=lay.has_bias, MX=lay.mx,
                                 num_warps=self.warps, num_stages=cfg.grouped_stages)
 
     def finish(self, residual: torch.Tensor | None = None, *, out: torch.Tensor | None = None,

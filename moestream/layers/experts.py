@@ -3,7 +3,7 @@
 Legend: T tokens, H hidden, A experts per token, E experts of a layer.
 
 Its host half makes the chosen experts available (pins them in the provider's slots, loading misses,
-writes the layer's slot table, calls the trace and prefetch hooks): the only part that may
+writes the layer's slot table, calls the trace hook): the only part that may
 synchronize with the device. Its device half computes y = sum_a weights[t, a] * FFN_{ids[t, a]}(x[t])
 from the slot pool and a slot table, reading no device value on the host with the Triton kernels, so
 the CUDA decoder captures it in a graph.
@@ -42,14 +42,13 @@ class RoutedExperts:
 
     def __init__(self, provider, moe_layers: Mapping[int, int], *, device: torch.device, parallel=None,
                  unpacked=None, cpu_share: ShareRequest | None = None, on_route: Callable | None = None,
-                 after_fetch: Callable | None = None, reroute: Callable | None = None):
+                 reroute: Callable | None = None):
         """provider: the slot pool filled on demand (moestream.experts.cache.ExpertCache, or
         expert parallelism's OwnedExperts over it); moe_layers: layer -> number of experts;
         parallel: moestream.layers.expert_parallel.ExpertParallel (this rank computes its own
         experts, the ranks exchange rows); unpacked: moestream.experts.unpacked.UnpackedExperts;
         cpu_share: the CPU's share of the misses, started with the device map. on_route(layer, ids)
-        sees every layer's ids (a routing trace); after_fetch(layer, x, chosen) runs once a layer's
-        experts are pinned (the CPU lookahead); reroute(layer, weights, ids) replaces the routing
+        sees every layer's ids (a routing trace); reroute(layer, weights, ids) replaces the routing
         (benchmarks only: moestream.bench.routing)."""
         self.provider, self.num_experts, self.device = provider, dict(moe_layers), torch.device(device)
         self.parallel = parallel
@@ -67,11 +66,8 @@ class RoutedExperts:
         self.device_map = None  # set by start_device_map: the device looks up slots and copies misses itself
         self.share_request = cpu_share
         self.cpu_share: CpuShare | None = None  # started with the device map, where the native worker runs
-        self.on_route, self.after_fetch, self.reroute = on_route, after_fetch, reroute
-        # while a padded prefill chunk runs (moestream.engine.prefill_graphs): its real token count
-        # (MoEPlan's tile_tokens), its last real row ([1] on the device; the padding takes that row's
-        # experts), and the list that takes each resident layer's (layer, ids) in place of counting its
-        # hits there (booked after each run, for the real rows)
+        self.on_route, self.reroute = on_route, reroute
+        # set by `padded` while a padded prefill chunk runs
         self.tile_tokens: int | None = None
         self.last_real_row: torch.Tensor | None = None
         self.booked: list | None = None
@@ -146,17 +142,13 @@ class RoutedExperts:
             else:
                 self.provider.count_resident(layer, ids)
             return self.finish_plan(plan, residual, out, norm)
-        experts = chosen = torch.unique(ids).tolist()  # sorted
+        experts = torch.unique(ids).tolist()  # sorted
         if self.parallel is not None:  # this rank's share; the plan's finish brings the others' rows
             experts = self.parallel.mine(layer, experts)
-            if not experts and self.after_fetch is not None:
-                self.after_fetch(layer, x, chosen)
         limit = max(1, self.provider.batch_limit(layer))
         for i in range(0, len(experts), limit):
             batch = experts[i:i + limit]
             self.provider.fetch(layer, batch, views=False)
-            if i == 0 and self.after_fetch is not None:
-                self.after_fetch(layer, x, chosen)
             try:
                 plan.run(pool, batch, self.provider.slots_of(layer, batch))
             finally:  # a victim slot is rewritten only after the work queued above (stream order)
@@ -165,13 +157,24 @@ class RoutedExperts:
 
     @contextmanager
     def quiet(self):
-        """Calls that stay out of routing traces and prefetch guesses (a drafter's)."""
-        saved = self.on_route, self.after_fetch
-        self.on_route = self.after_fetch = None
+        """Calls that stay out of routing traces (a drafter's)."""
+        saved, self.on_route = self.on_route, None
         try:
             yield
         finally:
-            self.on_route, self.after_fetch = saved
+            self.on_route = saved
+
+    @contextmanager
+    def padded(self, tokens: int, last_real_row: torch.Tensor, booked: list):
+        """Calls of a padded prefill chunk (moestream.engine.prefill_graphs): the kernels choose their
+        tiles for its `tokens` real rows (MoEPlan's tile_tokens), the padding takes the experts of the
+        last real row ([1] on the device), and each resident layer's (layer, ids) goes to `booked` in
+        place of counting its hits (the caller books the real rows after the run)."""
+        self.tile_tokens, self.last_real_row, self.booked = tokens, last_real_row, booked
+        try:
+            yield
+        finally:
+            self.tile_tokens = self.last_real_row = self.booked = None
 
     @staticmethod
     def finish_plan(plan, residual: torch.Tensor | None, out: torch.Tensor | None, norm: tuple | None) -> torch.Tensor:
@@ -211,18 +214,15 @@ class RoutedExperts:
         """Whether a layer call needs no host half: every expert resident, or the device map drives."""
         return self.resident or self.device_map is not None
 
-    def load(self, layer: int, ids_host: list[int], x: torch.Tensor | None = None) -> bool:
+    def load(self, layer: int, ids_host: list[int]) -> bool:
         """Host half for the decoder: pin the distinct `ids_host`, write their slots into the layer's
-        table. False (nothing pinned) beyond the batch limit: the caller then runs `__call__`.
-        x: the layer's expert input, for `after_fetch`."""
-        experts = chosen = sorted(set(ids_host))
+        table. False (nothing pinned) beyond the batch limit: the caller then runs `__call__`."""
+        experts = sorted(set(ids_host))
         if self.parallel is not None:
             experts = self.parallel.mine(layer, experts)
         if len(experts) > self.provider.batch_limit(layer):
             return False
         self.provider.fetch(layer, experts, views=False)
-        if self.after_fetch is not None and x is not None:
-            self.after_fetch(layer, x, chosen)
         slots = self.provider.slots_of(layer, experts)
         # the previous step's copy from this host table was queued before the ids just read, so it is done
         host = self._host_tables[layer]

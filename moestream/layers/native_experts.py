@@ -1,7 +1,7 @@
 """The CPU's routed experts straight from the packed records in the slot pool (NativePlan): the native
 kernels of moestream.cpu_share.kernels on the activations `kernels.activations()` names (int8 per 32
 inputs where the CPU has AVX-512 VNNI, as the resident matrices' products; float32 elsewhere), no
-dequantized copy of any expert.
+dequantized copy of any expert: SwiGLU records, and gpt-oss's clamped SwiGLU ones with their added biases.
 
 Each (token, expert) pair's weighted row is computed on its own from the record's codes, scales and
 biases (w = scale·q + bias), so a row's bits depend neither on the other pairs, nor on how the

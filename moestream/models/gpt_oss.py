@@ -6,7 +6,7 @@ The experts are stored as fused stacks for x @ W with gate and up rows interleav
 de-interleaves them into gate_proj / up_proj / down_proj records with their biases (EXPERT_FUSED).
 OpenAI's MXFP4 expert blocks (`*_blocks` / `*_scales`, or GGUF MXFP4) become MXFP4 records that
 keep their codes and scales (moestream.quant.mxfp4), or are dequantized and re-quantized when convert
-is given --quant."""
+is given --quant. On the CPU, 4- and 8-bit records run in the native kernels (moestream.cpu_share.kernels)."""
 from __future__ import annotations
 
 import dataclasses

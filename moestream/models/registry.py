@@ -34,11 +34,6 @@ def family_module(model_type: str):
     return importlib.import_module(f"moestream.models.{model_type}")
 
 
-def model_args(model_type: str, config: dict):
-    """The family's ModelArgs for a config.json."""
-    return family_module(model_type).ModelArgs.from_dict(config)
-
-
 def weight_shapes(model_type: str, config: dict, present=(), *, mtp_layers: int = 0) -> dict[str, tuple[int, ...]]:
     """Every resident tensor the family's model takes (name -> shape), as its build takes them;
     `present` names the tensors a checkpoint has, for those a build takes only when present;

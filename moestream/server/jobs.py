@@ -107,20 +107,6 @@ class Job:
             self._worker._drop_waiting(self)
 
 
-def event_collector() -> tuple[list, threading.Event, Callable]:
-    """(events, done, sink): a Job's sink that keeps its events and sets `done` at its end (its last
-    choice's Finished, or Failed), for callers that submit jobs directly (benchmarks, tests)."""
-    events: list = []
-    done = threading.Event()
-
-    def sink(event) -> None:
-        events.append(event)
-        if isinstance(event, Failed) or (isinstance(event, Finished) and event.last):
-            done.set()
-
-    return events, done, sink
-
-
 def one_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return text[0] if text else type(exc).__name__

@@ -255,14 +255,6 @@ def tool_format(template: str | None, family: str | None = None) -> str:
     return FAMILY_FORMATS.get(family or "", "hermes")
 
 
-def parse_tool_calls(text: str, fmt: str = "hermes") -> tuple[str, list[ParsedCall]]:
-    """(the reply's content, the calls) from a whole reply; no calls: (text, [])."""
-    parser = ToolCallParser(fmt)
-    pieces = parser.feed(text) + parser.finish()
-    content = "".join(p for p in pieces if isinstance(p, str))
-    return content, [p for p in pieces if isinstance(p, ParsedCall)]
-
-
 class ToolCallParser:
     """Incremental: feed text deltas, get back content strings and ParsedCalls in order. Text that
     could be the start of a marker is held back until it cannot, so any split of the reply gives the

@@ -25,14 +25,12 @@ class SimResult:
         return self.hits / total if total else 1.0
 
 
-def simulate(trace: RoutingTrace, *, slots: int, policy: str = "clock", partition: str = "shared") -> SimResult:
-    moe_layers = sorted(set(trace.layer.tolist()))
-    index = {layer: i for i, layer in enumerate(moe_layers)}
-    directory = SlotDirectory(slots, policy=policy, partition=partition, num_layers=len(moe_layers))
+def simulate(trace: RoutingTrace, *, slots: int, policy: str = "clock") -> SimResult:
+    directory = SlotDirectory(slots, policy=policy)
     hits = misses = 0
     # one token's experts in one layer are pinned together, then released: as the engine does
     for layer, row in zip(trace.layer.tolist(), trace.experts.tolist()):
-        keys = [(index[layer], e) for e in sorted(set(row))]
+        keys = [(layer, e) for e in sorted(set(row))]
         for key in keys:
             if directory.lookup(key) is not None:
                 directory.touch(key)

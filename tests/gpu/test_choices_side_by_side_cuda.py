@@ -6,7 +6,8 @@ import pytest
 from moestream.engine.engine import Engine
 from moestream.engine.options import EngineOptions
 from moestream.engine.types import SamplingParams
-from moestream.server.jobs import Choice, Finished, Job, TextDelta, event_collector
+from moestream.server.jobs import Choice, Finished, Job, TextDelta
+from job_events import event_collector
 from moestream.server.worker import Worker
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]

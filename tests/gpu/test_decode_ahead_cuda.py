@@ -29,6 +29,6 @@ def test_decode_ahead_gives_the_tokens_of_one_step_at_a_time(path, tiny_packed_m
     packed = tiny_packed_model("qwen3_moe", "q4", dtype="bfloat16", num_hidden_layers=5)  # 32 experts
     sixteen = str(16 * max(e.record_size for e in PackedModel(packed).manifest.expert_layers))  # device path's least
     options = {"resident": dict(cache_size="all"),
-               "host-streamed": dict(cache_size=sixteen, streaming="host"),
-               "device-streamed": dict(cache_size=sixteen, host_cache_size="all", streaming="device")}[path]
+               "host-streamed": dict(cache_size=sixteen),  # no host tier: the host drives
+               "device-streamed": dict(cache_size=sixteen, host_cache_size="all")}[path]  # auto: the device
     assert tokens(packed, 0, **options) == tokens(packed, 1, **options)  # 0: ahead; 1: one step a token

@@ -34,8 +34,8 @@ def run(packed, dtype="bfloat16", fault_after=None, fault_delay_s=0.0, forced=No
     """Greedy tokens and their log-probabilities, or with `forced` those tokens fed one step at a time.
     before(engine): called once streaming has started, before the first step."""
     options = EngineOptions(device="cuda", dtype=dtype, max_context=256, cache_size="50%", host_cache_size="all",
-                            streaming="device", cpu_experts=cpu_experts, **opts)
-    engine = Engine.load(packed, options=options)
+                            cpu_experts=cpu_experts, **opts)
+    engine = Engine.load(packed, options=options, streaming="device")
     try:
         engine._make_resident()  # streaming (and the share with it) starts here
         if engine.experts.cpu_share is not None:

@@ -50,9 +50,9 @@ def test_device_driven_decode_gives_the_bits_of_resident_and_host_paths(tiny_pac
                                           ("device", slots(packed, 16), "device", True),
                                           ("device-eager", slots(packed, 20), "device", False)):
         engine = Engine.load(packed, options=EngineOptions(device="cuda", dtype=dtype, cache_size=size,
-                                                           host_cache_size="all", streaming=streaming,
-                                                           prefill_chunk_tokens=7,
-                                                           max_context=512, cpu_experts="off"), graphs=graphs)
+                                                           host_cache_size="all", prefill_chunk_tokens=7,
+                                                           max_context=512, cpu_experts="off"), graphs=graphs,
+                             streaming=streaming)
         prompt = engine.tokenizer.encode("def fibonacci(n):\n    if n < 2:")
         gen = engine.generate(prompt, max_new_tokens=64, logprobs=3, stop_at_eos=False)
         runs[name] = [(e.token_id, e.top_logprobs) for e in gen]

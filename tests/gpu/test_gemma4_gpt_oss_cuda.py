@@ -16,8 +16,9 @@ PROMPT = "def fibonacci(n):\n    if n < 2:"
 STEPS = 32
 
 
-def load(packed, *, graphs=True, **opts):
-    return Engine.load(packed, options=EngineOptions(**{"device": "cuda", "max_context": 256, **opts}), graphs=graphs)
+def load(packed, *, graphs=True, streaming="auto", **opts):
+    return Engine.load(packed, options=EngineOptions(**{"device": "cuda", "max_context": 256, **opts}), graphs=graphs,
+                       streaming=streaming)
 
 
 def greedy(engine, prompt):

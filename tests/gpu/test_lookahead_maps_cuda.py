@@ -28,8 +28,8 @@ def corpus_test_files(count):
 
 def teacher_forced(maps, tokens):
     """Logits of each step over `tokens` (one token per step after a short prefill) and the guess accuracy."""
-    engine = Engine.load(options=EngineOptions(device="cuda", cache_size="30%", streaming="host",
-                                               lookahead_maps=maps))
+    engine = Engine.load(options=EngineOptions(device="cuda", cache_size="30%", lookahead_maps=maps),
+                         streaming="host")
     logits, _ = engine.prefill(tokens[:8])
     rows = [logits[-1].float().cpu()]
     for t in tokens[8:]:

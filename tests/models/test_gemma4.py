@@ -10,7 +10,7 @@ from moestream.engine.engine import Engine
 from moestream.engine.options import EngineOptions
 from moestream.errors import UnsupportedModelError
 from moestream.format.reader import PackedModel
-from moestream.models.registry import model_args
+from tiny import model_args
 from tiny import FAMILY_CONFIGS, build_tokenizer
 
 TEXT = FAMILY_CONFIGS["gemma4_text"]

@@ -70,3 +70,18 @@ def test_clamped_swiglu_without_its_settings_is_refused():
 
 def test_settings_come_from_the_config():
     assert gpt_oss.expert_activation_params({"swiglu_alpha": 2.0, "swiglu_limit": 3.0}) == {"alpha": 2.0, "limit": 3.0}
+
+
+def test_cpu_runs_4_bit_experts_in_the_native_kernels(tiny_packed_model):
+    """The CPU computes gpt-oss's 4-bit records in the native kernels (clamped SwiGLU, added biases),
+    so it keeps no dequantized copies of them (test_parity checks the answers)."""
+    from moestream.engine.engine import Engine
+    from moestream.engine.options import EngineOptions
+    from moestream.layers.native_experts import takes_every_layer
+
+    packed = tiny_packed_model("gpt_oss", "q4")
+    assert takes_every_layer(PackedModel(packed))
+    engine = Engine.load(packed, options=EngineOptions(device="cpu"))
+    assert all(layout is not None for layout in engine.experts.native.values())
+    assert engine.experts.unpacked is None
+    engine.close()

@@ -12,7 +12,7 @@ from moestream.errors import FormatError
 from moestream.convert.export_hf import export_hf
 from moestream.format.reader import PackedModel
 from moestream.models import kimi_k25
-from moestream.models.registry import model_args
+from tiny import model_args
 from tiny import load_all
 
 STEPS = 24

@@ -40,9 +40,12 @@ def maps_file(tmp_path_factory):
 
 
 def run(maps: str, prompt_tokens: int = 192, new: int = 12):
-    # one token per prefill pass: every prompt token is a guessed, scored step, as in decoding
-    engine = Engine.load(options=EngineOptions(device="cpu", prefill_chunk_tokens=1, lookahead_maps=maps))
+    # the prompt fed a token a step: every prompt token is a guessed, scored step, as in decoding
+    engine = Engine.load(options=EngineOptions(device="cpu", lookahead_maps=maps))
     prompt = engine.tokenizer.encode(HELD_OUT.read_text(), add_special_tokens=False)[:prompt_tokens]
+    engine.prefill(prompt[:1])
+    for token in prompt[1:-1]:
+        engine.step([token])
     gen = engine.generate(prompt, max_new_tokens=new, logprobs=1, stop_at_eos=False)
     out = [(e.token_id, e.logprob) for e in gen]
     maps_used = engine.guess_maps is not None

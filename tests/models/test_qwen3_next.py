@@ -12,7 +12,7 @@ from moestream.engine.options import EngineOptions
 from moestream.format.reader import PackedModel
 from moestream.kv.pool import KVPool
 from moestream.kv.recurrent import RECENT_STATES, StateBook
-from moestream.models.registry import model_args
+from tiny import model_args
 from test_parity import load_reference
 from tiny import FAMILY_CONFIGS, TOKENIZER_TEXT
 

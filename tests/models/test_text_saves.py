@@ -14,7 +14,7 @@ from moestream.engine.options import EngineOptions
 from moestream.errors import UnsupportedModelError
 from moestream.format.reader import PackedModel
 from moestream.models import qwen3_5_moe_text
-from moestream.models.registry import model_args
+from tiny import model_args
 
 # (multimodal family, how its language model is saved, the model_type that save carries, the
 # spelling of its language model's names)

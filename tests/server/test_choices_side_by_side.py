@@ -13,7 +13,8 @@ pytest.importorskip("torch")
 from instant_engine import BytesTokenizer, InstantEngine  # noqa: E402
 from moestream.engine.types import SamplingParams  # noqa: E402
 from moestream.server.generation import choice_seed  # noqa: E402
-from moestream.server.jobs import Choice, Failed, Finished, Job, TextDelta, event_collector  # noqa: E402
+from moestream.server.jobs import Choice, Failed, Finished, Job, TextDelta  # noqa: E402
+from job_events import event_collector  # noqa: E402
 from moestream.server.worker import Worker  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)

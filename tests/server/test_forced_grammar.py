@@ -15,7 +15,7 @@ np = pytest.importorskip("numpy")
 from moestream.server.closed_schema import closed  # noqa: E402
 from moestream.server.closing import OUTSIDE, Closing  # noqa: E402
 from moestream.server.grammar import GrammarMask, GrammarTokenizer, json_schema_grammar, tool_call_grammar  # noqa: E402
-from moestream.server.tools import parse_tool_calls  # noqa: E402
+from tool_replies import parse_tool_calls  # noqa: E402
 
 ORDINARY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 NESTED = {"type": "object", "properties": {

@@ -14,7 +14,8 @@ from moestream.engine.engine import Engine  # noqa: E402
 from moestream.engine.options import EngineOptions  # noqa: E402
 from moestream.engine.types import SamplingParams  # noqa: E402
 from moestream.kv import pool as kv_pool  # noqa: E402
-from moestream.server.jobs import Choice, Failed, Finished, Job, TextDelta, event_collector  # noqa: E402
+from moestream.server.jobs import Choice, Failed, Finished, Job, TextDelta  # noqa: E402
+from job_events import event_collector  # noqa: E402
 from moestream.server.worker import Worker  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)

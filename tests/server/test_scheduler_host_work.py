@@ -11,7 +11,8 @@ pytest.importorskip("torch")
 from instant_engine import BytesTokenizer, InstantEngine  # noqa: E402
 from moestream.engine.types import SamplingParams  # noqa: E402
 from moestream.server.metrics import ServerMetrics  # noqa: E402
-from moestream.server.jobs import Choice, Finished, Job, event_collector  # noqa: E402
+from moestream.server.jobs import Choice, Finished, Job  # noqa: E402
+from job_events import event_collector  # noqa: E402
 from moestream.server.worker import Worker  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)

@@ -8,7 +8,8 @@ import pytest
 
 from conftest import MODEL_ID, live_server
 from fake_engine import FakeEngine
-from moestream.server.tools import ToolCallParser, as_text_messages, parse_tool_calls
+from moestream.server.tools import ToolCallParser, as_text_messages
+from tool_replies import parse_tool_calls
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -7,7 +7,8 @@ import random
 
 import pytest
 
-from moestream.server.tools import ToolCallParser, parse_tool_calls, tool_format
+from moestream.server.tools import ToolCallParser, tool_format
+from tool_replies import parse_tool_calls
 
 DS = {w: "<\uff5c" + w.replace(" ", "\u2581") + "\uff5c>" for w in
       ("tool calls begin", "tool calls end", "tool call begin", "tool call end", "tool sep")}

@@ -35,9 +35,7 @@ def test_no_policy_beats_the_optimum(path):
             assert best.hits >= run.hits, (slots, policy)
 
 
-def test_simulate_plots_and_refuses_opt_per_layer(tmp_path, capsys):
+def test_simulate_plots(tmp_path):
     png = tmp_path / "hit.png"
     assert main([TRACES[0], "--sizes", "10%,50%", "--policies", "lru,opt", "--plot", str(png)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert main([TRACES[0], "--policies", "opt", "--partition", "per-layer"]) == 1
-    assert "shared partition only" in capsys.readouterr().err

@@ -74,8 +74,8 @@ def test_empty_calls_between_jobs_never_confuse_the_sequence_numbers(model, refe
 
 def test_auto_rises_from_nothing_through_its_probes(model, reference):
     options = EngineOptions(device="cpu", prefill_chunk_tokens=5, cache_size=slots(model, 16), host_cache_size="all",
-                            streaming="device", cpu_experts="auto")
-    engine = Engine.load(model, options=options)
+                            cpu_experts="auto")
+    engine = Engine.load(model, options=options, streaming="device")
     try:
         engine._make_resident()  # streaming starts (and the share with it) before the first step
         ds = engine.experts.cpu_share
@@ -126,8 +126,8 @@ def test_an_error_inside_the_native_worker_falls_back_with_the_bits_of_no_share(
     import logging
 
     options = EngineOptions(device="cpu", prefill_chunk_tokens=5, cache_size=slots(model, 16), host_cache_size="all",
-                            streaming="device", cpu_experts="1")
-    engine = Engine.load(model, options=options)
+                            cpu_experts="1")
+    engine = Engine.load(model, options=options, streaming="device")
     try:
         engine._make_resident()
         ds = engine.experts.cpu_share
@@ -150,8 +150,8 @@ def test_the_native_worker_reports_what_auto_needs_and_stops_at_close(model, cap
     import logging
 
     options = EngineOptions(device="cpu", prefill_chunk_tokens=5, cache_size=slots(model, 16), host_cache_size="all",
-                            streaming="device", cpu_experts="auto", threads=1)
-    engine = Engine.load(model, options=options)
+                            cpu_experts="auto", threads=1)
+    engine = Engine.load(model, options=options, streaming="device")
     try:
         with caplog.at_level(logging.INFO, logger="moestream"):
             engine._make_resident()
@@ -202,20 +202,19 @@ def test_the_map_withholds_the_first_misses_and_always_keeps_one_expert(share, w
     assert torch.equal(dm.hits, before[0]) and torch.equal(dm.misses, before[1])
 
 
-def test_bench_json_reports_the_mailbox_calls_and_auto(model, tmp_path):
+def test_bench_json_reports_the_mailbox_calls_and_auto(model, tmp_path, monkeypatch):
+    import functools
     import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
 
+    from moestream.commands.bench import main as bench_main
+    from moestream.engine import engine as engine_module
+
+    # the share runs on the device-driven path, which the CPU takes only when asked (as its tests do)
+    monkeypatch.setattr(engine_module, "Engine", functools.partial(engine_module.Engine, streaming="device"))
     out = tmp_path / "b.json"
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
-    proc = subprocess.run([sys.executable, "-m", "moestream", "bench", "--model", str(model), "--device", "cpu",
-                           "--threads", "1", "--cache-sizes", slots(model, 16), "--host-cache-size", "all",
-                           "--prefill-tokens", "8", "--decode-tokens", "6", "--streaming", "device",
-                           "--cpu-experts", "auto", "--out", str(out)], capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stderr
+    assert bench_main(["--model", str(model), "--device", "cpu", "--threads", "1", "--cache-sizes", slots(model, 16),
+                       "--host-cache-size", "all", "--prefill-tokens", "8", "--decode-tokens", "6", "--no-progress",
+                       "--cpu-experts", "auto", "--out", str(out)]) == 0
     decode = json.loads(out.read_text())["runs"][0]["decode"]
     assert decode["cpu_jobs"] + decode["cpu_empty_calls"] > 0 and decode["cpu_late_calls"] == 0
     assert decode["copy_gb_s_timed"] is True and decode["copy_gb_s"] > 0 and 0 <= decode["cpu_share_now"] <= 1

@@ -177,10 +177,11 @@ def model(tiny_packed_model):
     return tiny_packed_model(FAMILY, "q4", num_hidden_layers=5)  # 4 MoE layers of 8 experts
 
 
-def run(model, *, max_new=12, **opts):
+def run(model, *, max_new=12, streaming="auto", **opts):
     """opts: EngineOptions fields; no CPU share unless asked (its rows round otherwise: its own tests)."""
     opts = {"cpu_experts": "off", **opts}
-    engine = Engine.load(model, options=EngineOptions(device="cpu", prefill_chunk_tokens=5, **opts))
+    engine = Engine.load(model, options=EngineOptions(device="cpu", prefill_chunk_tokens=5, **opts),
+                         streaming=streaming)
     prompt = engine.tokenizer.encode("def fibonacci(n):\n    if n < 2:")
     gen = engine.generate(prompt, max_new_tokens=max_new, logprobs=4)
     out = [(e.token_id, e.top_logprobs) for e in gen]
@@ -229,7 +230,7 @@ def test_other_families_stream_device_driven_with_the_same_bits(family, tiny_pac
 
 def test_a_step_of_several_tokens_equals_single_steps_when_device_driven(model):
     engine = Engine.load(model, options=EngineOptions(device="cpu", cache_size=slots(model, 16), host_cache_size="all",
-                                                      streaming="device", cpu_experts="off"))
+                                                      cpu_experts="off"), streaming="device")
     prompt = engine.tokenizer.encode("def fibonacci(n):")
     engine.prefill(prompt)
     draft = [5, 17, 300, 42, 9]

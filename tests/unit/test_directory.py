@@ -1,5 +1,5 @@
 """The slot directory: free slots first, pinned and loading slots never evicted, failed loads freed,
-per-layer partitions that keep layers apart; checked by hand and by random operation sequences."""
+one pool that busy layers borrow from; checked by hand and by random operation sequences."""
 
 from __future__ import annotations
 
@@ -96,50 +96,31 @@ def test_misuse_is_reported():
     with pytest.raises(ValueError, match="clock"):
         SlotDirectory(4, policy="nope")
     with pytest.raises(ValueError):
-        SlotDirectory(4, partition="nope")
-    with pytest.raises(ValueError):
-        SlotDirectory(2, partition="per-layer", num_layers=3)
-    with pytest.raises(ValueError):
         SlotDirectory(0)
 
 
 def test_policy_options_reach_the_policy():
     d = SlotDirectory(4, policy="lfu", half_life=8)
-    assert d.policies[0].half_life == 8.0
+    assert d.policy.half_life == 8.0
     with pytest.raises(ValueError):
         SlotDirectory(4, policy="lru", half_life=8)
 
 
-def test_per_layer_split_gives_the_remainder_to_the_first_layers():
-    d = SlotDirectory(8, partition="per-layer", num_layers=3)
-    assert [len(d.layer_slots(i)) for i in range(3)] == [3, 3, 2]
-    assert list(d.layer_slots(2)) == [6, 7]
-    with pytest.raises(ValueError):
-        d.reserve((3, 0))
-
-
 @pytest.mark.parametrize("policy", POLICY_NAMES)
-@pytest.mark.parametrize("partition", ["per-layer", "shared"])
-def test_layer_traffic_and_partitions(policy, partition):
-    d = SlotDirectory(4, policy=policy, partition=partition, num_layers=2)
+def test_busy_layers_borrow_slots_from_quiet_ones(policy):
+    d = SlotDirectory(4, policy=policy)
     load(d, (1, 0), (1, 1))
     evicted = [r.evicted for r in load(d, *[(0, e) for e in range(10)])]
-    layer1_lost = [k for k in evicted if k is not None and k[0] == 1]
-    if partition == "per-layer":
-        assert layer1_lost == []
-        assert d.lookup((1, 0)) in d.layer_slots(1) and d.lookup((1, 1)) in d.layer_slots(1)
-        assert all(d.lookup((0, e)) is None or d.lookup((0, e)) in d.layer_slots(0) for e in range(10))
-    else:
-        assert sorted(layer1_lost) == [(1, 0), (1, 1)]
+    assert sorted(k for k in evicted if k is not None and k[0] == 1) == [(1, 0), (1, 1)]
 
 
-def test_per_layer_full_error_names_the_layer():
-    d = SlotDirectory(4, partition="per-layer", num_layers=2)
-    d.reserve((0, 0))
+def test_full_error_counts_the_pinned_and_loading_slots():
+    d = SlotDirectory(2)
+    load(d, (0, 0))
+    d.pin((0, 0))
     d.reserve((0, 1))
-    with pytest.raises(CacheFullError, match="layer 0"):
+    with pytest.raises(CacheFullError, match=r"all 2 slots are pinned or loading \(1 pinned, 1 loading\)"):
         d.reserve((0, 2))
-    d.reserve((1, 0))  # layer 1 still has room
 
 
 # -- random operation sequences ------------------------------------------------------------------
@@ -160,14 +141,12 @@ ops = st.lists(
 @settings(max_examples=100, deadline=None)
 @given(
     capacity=st.integers(1, 7),
-    partition=st.sampled_from(["shared", "per-layer"]),
     ops=ops,
-    data=st.data(),
 )
-def test_directory_properties(policy, capacity, partition, ops, data):
-    num_layers = 3 if partition == "shared" else data.draw(st.integers(1, min(3, capacity)))
+def test_directory_properties(policy, capacity, ops):
+    num_layers = 3
     options = {"half_life": 4.0} if policy == "lfu" else {}
-    d = SlotDirectory(capacity, policy=policy, partition=partition, num_layers=num_layers, **options)
+    d = SlotDirectory(capacity, policy=policy, **options)
     # The model: key -> [slot, loading, pins].
     model: dict[tuple[int, int], list] = {}
 
@@ -175,7 +154,7 @@ def test_directory_properties(policy, capacity, partition, ops, data):
         key = (layer % num_layers, expert)
         present = key in model
         if kind in ("load", "reserve") and not present:
-            usable = set(d.layer_slots(key[0]))
+            usable = set(range(capacity))
             held = {v[0] for v in model.values()}
             evictable = {k for k, v in model.items() if v[0] in usable and not v[1] and v[2] == 0}
             if not usable - held and not evictable:
@@ -219,7 +198,7 @@ def test_directory_properties(policy, capacity, partition, ops, data):
         assert snapshot == {k: v[0] for k, v in model.items()}
         assert len(set(snapshot.values())) == len(snapshot) == d.occupied() <= capacity
         assert all(0 <= s < capacity for s in snapshot.values())
-        assert sum(len(p) for p in d.policies) == len(snapshot)  # the policies track the same slots
+        assert len(d.policy) == len(snapshot)  # the policy tracks the same slots
         assert d.loading_count() == sum(v[1] for v in model.values())
         assert d.pinned_count() == sum(v[2] > 0 for v in model.values())
         for k, v in model.items():

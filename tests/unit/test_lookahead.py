@@ -34,36 +34,3 @@ def test_a_layer_that_never_routes_again_keeps_no_guess_forever():
     la.guess(3, 1, [0])
     la.score(3, [1])
     assert la.pending == {}
-
-
-class Block:
-    """A MoE block whose router always names experts 0..top_k-1 (what NextLayerPrefetcher asks of one)."""
-
-    def __init__(self, layer, experts=16, top_k=4):
-        import torch
-
-        self.layer, self.top_k, self.experts = layer, top_k, experts
-        self.logits = torch.arange(experts, 0, -1, dtype=torch.float32)[None]
-
-    def router_logits(self, x):
-        return self.logits
-
-
-def test_the_cpu_prefetcher_stops_reading_guesses_the_routing_never_confirms():
-    # a benchmark's uniform draw (or any routing the router does not predict): each wrong guess is a
-    # whole record read queued before the reads a layer waits for, so the guesses must stop
-    import torch
-
-    from moestream.experts.predict import NextLayerPrefetcher
-
-    p = Provider()
-    prefetcher = NextLayerPrefetcher([Block(0), Block(1)], p)
-    x = torch.zeros(1, 8)
-    for _ in range(20):
-        prefetcher(0, x)  # guesses layer 1: experts 0..3
-        prefetcher(1, x, [12, 13, 14, 15])  # layer 1 routes elsewhere every time
-    assert len(p.asked) == 1  # tried once, then never again at this accuracy
-    for _ in range(20):
-        prefetcher(0, x)
-        prefetcher(1, x, [0, 1, 2, 3])  # the router predicts again: guesses are read again
-    assert len(p.asked) > 5

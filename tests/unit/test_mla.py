@@ -12,7 +12,7 @@ from moestream.errors import UnsupportedModelError
 from moestream.layers.mla import MLAShape, MLAttention, MLAWeights
 from moestream.layers.rope import Rope, rope_theta, yarn_inv_freq_and_scale, yarn_softmax_scale
 from moestream.layers.routers import sigmoid_topk
-from moestream.models.registry import model_args
+from tiny import model_args
 from tests.paged import pool_for, run_chunks
 
 YARN = [

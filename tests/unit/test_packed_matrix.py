@@ -130,10 +130,16 @@ def test_the_cpu_loader_packs_attention_and_head_matrices(tiny_packed_model, mon
     engine.close()
 
 
-def test_an_embeddings_rows_are_the_dequantized_matrixs():
+def test_an_embeddings_rows_are_the_dequantized_matrixs(monkeypatch):
     m, w = matrix(50, 128, bits=4)
     ids = torch.tensor([[3, 49], [0, 3]])
-    assert torch.equal(F.embedding(ids, m), F.embedding(ids, w))
+    expected = F.embedding(ids, w)
+
+    def whole(self):
+        raise AssertionError("a lookup dequantized the whole matrix")
+
+    monkeypatch.setattr(PackedMatrix, "dequantized", whole)  # only the rows looked up are dequantized
+    assert torch.equal(F.embedding(ids, m), expected)
 
 
 def test_an_embedding_gathers_its_rows_without_dequantizing_the_matrix(monkeypatch):

@@ -78,5 +78,3 @@ def test_simulate_command_reports_device_policies(tmp_path, capsys):
     assert [(r["size"], r["policy"]) for r in json.loads(captured.out)] == [
         ("25%", "lru"), ("50%", "lru"), ("50%", "device-cycle")]
     assert "skipped: device-cycle at 16 slots" in captured.err and "needs at least 32" in captured.err
-    assert simulate_main([str(path), "--policies", "device-cycle", "--partition", "per-layer"]) == 1
-    assert "device-cycle is simulated for the shared partition only" in capsys.readouterr().err

@@ -20,7 +20,8 @@ from moestream.commands import verify as verify_command
 from moestream.format import verify
 from moestream.format.manifest import DENSE_NAME, EXPERT_PROJECTIONS, MANIFEST_NAME
 from moestream.format.reader import PackedModel
-from moestream.models.registry import model_args, weight_shapes
+from moestream.models.registry import weight_shapes
+from tiny import model_args
 from moestream.quant.affine import QuantSpec
 
 SMALL = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=512,

@@ -19,7 +19,8 @@
 // takes the GIL; Python starts and stops it and reads its counters and per-job ring.
 //
 // A job: pairs (expert, token, weight) of one layer; for each distinct expert its gate and up rows
-// (h = silu(gate) * up, per token of it), then its down rows (out = weight * down h, per pair), on a
+// (h = silu(gate) * up per token of it, or gpt-oss's clamped SwiGLU with the record's added biases:
+// the layout says which), then its down rows (out = weight * down h, per pair), on a
 // team of threads (team.h: spinning, pinned to cores in the worker): the gate/up rows of
 // all its experts dealt out to the members, a barrier, then the down rows.
 #include <torch/extension.h>

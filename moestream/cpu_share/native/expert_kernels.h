@@ -20,12 +20,27 @@ namespace moestream_native {
 
 enum ScaleType : int64_t { SCALE_BF16 = 0, SCALE_F16 = 1, SCALE_F32 = 2 };
 
-// The layout tensor's entries (int64 [LAYOUT_LEN]), written by moestream.cpu_share.kernels.layout.
+// The gate's activation: SwiGLU, silu(gate) * up; or gpt-oss's clamped SwiGLU, gate <= limit,
+// |up| <= limit, (up + 1) * gate * sigmoid(alpha * gate) (moestream.layers.clamped_swiglu).
+enum Activation : int64_t { ACT_SILU = 0, ACT_CLAMPED_SWIGLU = 1 };
+constexpr int64_t NO_BIAS = -1;  // the bias type of records without added biases
+
+// The layout tensor's entries (int64 [LAYOUT_LEN]), written by moestream.cpu_share.kernels.layout:
+// the sizes, the nine fields of the codes, the int8 choice, the activation (alpha and limit as
+// float32 bits), the added biases' type (NO_BIAS: none) and offsets, and the record's bytes last.
 enum LayoutIndex {
   L_HIDDEN, L_INTER, L_BITS_GU, L_BITS_D, L_GROUP, L_SCALE_TYPE,
   L_GATE_W, L_GATE_S, L_GATE_B, L_UP_W, L_UP_S, L_UP_B, L_DOWN_W, L_DOWN_S, L_DOWN_B,
-  L_INT8_ACTS, L_RECORD_BYTES, LAYOUT_LEN
+  L_INT8_ACTS, L_ACTIVATION, L_ALPHA, L_LIMIT, L_BIAS_TYPE, L_GATE_BIAS, L_UP_BIAS, L_DOWN_BIAS,
+  L_RECORD_BYTES, LAYOUT_LEN
 };
+
+inline float float_bits(int64_t v) {
+  const uint32_t u = uint32_t(v);
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
 
 constexpr int ROW_BLOCK = 8;  // output rows per task
 // tokens (or pairs) whose inputs a task's rows read while they stay in the L2 cache (16 of 2,048
@@ -36,6 +51,9 @@ struct Layout {
   int64_t hidden = 0, inter = 0, bits_gu = 0, bits_d = 0, group = 0, scale_type = 0;
   int64_t gate_w = 0, gate_s = 0, gate_b = 0, up_w = 0, up_s = 0, up_b = 0, down_w = 0, down_s = 0, down_b = 0;
   int64_t int8_acts = 0;  // 1: the int8 rows (int8_rows.h) where compiled in, else the float ones
+  int64_t activation = ACT_SILU;
+  float alpha = 0.f, limit = 0.f;
+  int64_t bias_type = NO_BIAS, gate_bias = 0, up_bias = 0, down_bias = 0;
   int64_t record_bytes = 0;
 
   static Layout of(const int64_t* v) {
@@ -46,6 +64,11 @@ struct Layout {
     l.up_w = v[L_UP_W]; l.up_s = v[L_UP_S]; l.up_b = v[L_UP_B];
     l.down_w = v[L_DOWN_W]; l.down_s = v[L_DOWN_S]; l.down_b = v[L_DOWN_B];
     l.int8_acts = v[L_INT8_ACTS];
+    l.activation = v[L_ACTIVATION];
+    l.alpha = float_bits(v[L_ALPHA]);
+    l.limit = float_bits(v[L_LIMIT]);
+    l.bias_type = v[L_BIAS_TYPE];
+    l.gate_bias = v[L_GATE_BIAS]; l.up_bias = v[L_UP_BIAS]; l.down_bias = v[L_DOWN_BIAS];
     l.record_bytes = v[L_RECORD_BYTES];
     return l;
   }
@@ -57,6 +80,8 @@ struct Layout {
     if (group != 32 && group != 64 && group != 128 && group != 256) return "a group size other than 32, 64, 128 or 256";
     if (hidden % group || inter % group) return "hidden or intermediate size not a multiple of the group size";
     if (scale_type < SCALE_BF16 || scale_type > SCALE_F32) return "scales of an unknown dtype";
+    if (activation != ACT_SILU && activation != ACT_CLAMPED_SWIGLU) return "an unknown activation";
+    if (bias_type < NO_BIAS || bias_type > SCALE_F32) return "added biases of an unknown dtype";
     return "";
   }
 };
@@ -360,6 +385,31 @@ inline Matrix matrix(const uint8_t* record, int64_t w, int64_t s, int64_t b, int
 
 inline float silu(float g) { return g / (1.f + std::exp(-g)); }
 
+// Element i of a bias vector of type `type` (a ScaleType).
+inline float bias_at(int64_t type, const uint8_t* p, int64_t i) {
+  if (type == SCALE_BF16) return scale_at<SCALE_BF16>(p, i);
+  if (type == SCALE_F16) return scale_at<SCALE_F16>(p, i);
+  return scale_at<SCALE_F32>(p, i);
+}
+
+// One pair's h entry from its gate and up products (the records' added biases not yet in them):
+// the torch reference's operations in its order (moestream.layers.clamped_swiglu, mlp.swiglu).
+inline float gated(const Layout& L, float g, float u, const uint8_t* record, int64_t n) {
+  if (L.bias_type != NO_BIAS) {
+    g += bias_at(L.bias_type, record + L.gate_bias, n);
+    u += bias_at(L.bias_type, record + L.up_bias, n);
+  }
+  if (L.activation == ACT_SILU) return silu(g) * u;
+  g = std::min(g, L.limit);
+  u = std::clamp(u, -L.limit, L.limit);
+  return (u + 1.f) * (g * (1.f / (1.f + std::exp(-(g * L.alpha)))));
+}
+
+// A down row's product n plus the record's added bias, where it has them.
+inline float down_out(const Layout& L, float y, const uint8_t* record, int64_t n) {
+  return L.bias_type == NO_BIAS ? y : y + bias_at(L.bias_type, record + L.down_bias, n);
+}
+
 struct Pair {
   int expert;  // index into the job's records
   int token;
@@ -440,7 +490,7 @@ void compute_job(const Layout& L, const std::vector<const uint8_t*>& records, co
           const uint8_t* s[2] = {g.s + sc_at, u.s + sc_at};
           const uint8_t* b[2] = {g.b + sc_at, u.b + sc_at};
           gu_rows.run(2, w, s, b, x_of[e].data() + c, m, H, out, 1);
-          for (int64_t i = 0; i < m; ++i) sc.h[ps[c + i] * I + n] = silu(hg[i]) * hu[i];
+          for (int64_t i = 0; i < m; ++i) sc.h[ps[c + i] * I + n] = gated(L, hg[i], hu[i], records[e], n);
         }
       }
     });
@@ -466,7 +516,8 @@ void compute_job(const Layout& L, const std::vector<const uint8_t*>& records, co
           }
           d_rows.run(rows, w, s, b, h_of[e].data() + c, m, I, out, 1);
           for (int r = 0; r < rows; ++r)
-            for (int64_t i = 0; i < m; ++i) pairs[ps[c + i]].out[n + r] = pairs[ps[c + i]].weight * out[r][i];
+            for (int64_t i = 0; i < m; ++i)
+              pairs[ps[c + i]].out[n + r] = pairs[ps[c + i]].weight * down_out(L, out[r][i], records[e], n + r);
         }
       }
     });
