@@ -185,11 +185,9 @@ class Attention:
                mask: torch.Tensor | None) -> torch.Tensor:
         """q [Nq, T, D], keys [Nkv, S, D], values [Nkv, S, Dv], mask [T, S] bool or None (all visible)
         -> [T, Nq * Dv]. A head's sink logit joins the softmax and is then dropped."""
-        T, S = q.shape[1], keys.shape[1]
-        groups = self.num_heads // keys.shape[0]
-        if groups > 1:
-            keys, values = keys.repeat_interleave(groups, dim=0), values.repeat_interleave(groups, dim=0)
-        scores = torch.matmul(q, keys.transpose(1, 2)) * self.scale  # [Nq, T, S]
+        T, S, Nkv = q.shape[1], keys.shape[1], keys.shape[0]
+        # a KV head's queries as one matrix [Nkv, groups * T, D]: no copies of its keys and values
+        scores = torch.matmul(q.reshape(Nkv, -1, q.shape[2]), keys.transpose(1, 2)).view(q.shape[0], T, S) * self.scale
         if self.softcap is not None:
             scores = torch.tanh(scores / self.softcap) * self.softcap
         if mask is not None:
@@ -198,7 +196,7 @@ class Attention:
             sinks = self.w.sinks.to(scores.dtype)[:, None, None].expand(-1, T, 1)
             scores = torch.cat([scores, sinks], dim=-1)
         probs = torch.softmax(scores.float(), dim=-1).to(values.dtype)[..., :S]
-        out = torch.matmul(probs, values)  # [Nq, T, Dv]
+        out = torch.matmul(probs.reshape(Nkv, -1, S), values).view(-1, T, values.shape[2])  # [Nq, T, Dv]
         return out.transpose(0, 1).reshape(T, -1)
 
     def _norm_rope(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
