@@ -130,8 +130,8 @@ class Attention:
 
     def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, R] of positions; on the CPU each row as its position alone gives it (a vectorized
-        cos may round a vector's tail otherwise)."""
-        if positions.is_cuda or positions.shape[0] == 1 or positions.shape[0] > MAX_STEP_TOKENS:
+        cos may round a vector's tail otherwise), computed once for all layers of a step."""
+        if positions.is_cuda or positions.shape[0] > MAX_STEP_TOKENS:
             return self.rope.cos_sin(positions, dtype)  # (a prefill chunk's rows need no step's bits)
         return self.rope.rows_cos_sin(positions, dtype)
 
