@@ -101,6 +101,7 @@ class Attention:
         self.eps, self.qk_norm, self.norm, self.clip_qkv = eps, qk_norm, norm, clip_qkv
         self.window, self.softcap, self.v_norm, self.gate = window, softcap, v_norm, gate
         self.scale = head_dim ** -0.5 if scale is None else scale
+        self._qk_weight = None  # _qk_norm_weight's
 
     def _project(self, x: torch.Tensor, linear, head_norm: bool = True) -> tuple[torch.Tensor, ...]:
         """x [R, H] -> q [R, Nq, D], k [R, Nkv, D], v [R, Nkv, Dv], gate [R, Nq * D] or None.
@@ -128,6 +129,13 @@ class Attention:
             v = rms_norm_f32(v, None, self.eps)
         return q, k, v, gate
 
+    def _qk_norm_weight(self) -> torch.Tensor | None:
+        """The per-head norm weights of q's heads, then k's [Nq + Nkv, D] (made once)."""
+        if self._qk_weight is None and self.w.q_norm is not None:
+            self._qk_weight = torch.cat([self.w.q_norm.expand(self.num_heads, -1),
+                                         self.w.k_norm.expand(self.num_kv_heads, -1)])
+        return self._qk_weight
+
     def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, R] of positions; on the CPU each row as its position alone gives it (a vectorized
         cos may round a vector's tail otherwise), computed once for all layers of a step."""
@@ -150,10 +158,13 @@ class Attention:
             q, k = self._norm_rope(q[:T], k[:T], positions, kind)
             out = self._attend_cuda(q, k, v[:T], positions, sequences, kv, x.shape[0])
         else:
-            q, k, v, gate = self._project(x, linear)
-            cos, sin = self._cos_sin(positions, x.dtype)
-            q = apply_rope(q[:T].transpose(0, 1), cos, sin)  # [Nq, T, D]
-            k = apply_rope(k[:T].transpose(0, 1), cos, sin).transpose(0, 1)  # [T, Nkv, D]
+            # q's and k's heads side by side [T, Nq + Nkv, D]: normed and rotated as one tensor
+            q, k, v, gate = self._project(x, linear, head_norm=False)
+            qk = torch.cat([q[:T], k[:T]], dim=1)
+            if self.qk_norm == "head":
+                qk = self.norm(qk, self._qk_norm_weight(), self.eps)
+            qk = apply_rope(qk.transpose(0, 1), *self._cos_sin(positions, x.dtype))  # [Nq + Nkv, T, D]
+            q, k = qk[:self.num_heads], qk[self.num_heads:].transpose(0, 1)  # [Nq, T, D], [T, Nkv, D]
             kv.write(positions, sequences, k, v[:T])
             out = self._attend_cpu(q, positions, sequences, kv)
             if x.shape[0] > T:
