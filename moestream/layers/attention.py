@@ -47,9 +47,9 @@ def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     """F.linear with each row's bits those of F.linear on that row alone (CPU): a packed matrix's
     products as they are (each row on its own whatever the rows beside it); else one batched call of
     one-row products where `rows_exact` says they agree, else one call per row."""
-    if isinstance(weight, PackedMatrix):
+    if isinstance(weight, PackedMatrix) or x.shape[0] == 1:
         y = F.linear(x, weight)
-    elif x.shape[0] == 1 or not rows_exact(x.dtype, weight.shape[1], weight.shape[0]):
+    elif not rows_exact(x.dtype, weight.shape[1], weight.shape[0]):
         y = torch.cat([F.linear(x[t:t + 1], weight) for t in range(x.shape[0])])
     else:
         y = rows_linear(x, weight).view(x.shape[0], -1)
@@ -190,7 +190,7 @@ class Attention:
         for t, (pos, seq) in enumerate(zip(positions.tolist(), sequences.tolist())):
             keys, values = kv.gather(seq, kv.first_visible(pos), pos + 1)  # [S, Nkv, D]
             out.append(self.attend(q[:, t:t + 1], keys.transpose(0, 1), values.transpose(0, 1), None))
-        return torch.cat(out)
+        return out[0] if len(out) == 1 else torch.cat(out)
 
     def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                mask: torch.Tensor | None) -> torch.Tensor:
