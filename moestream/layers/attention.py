@@ -47,9 +47,9 @@ def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     """F.linear with each row's bits those of F.linear on that row alone (CPU): a packed matrix's
     products as they are (each row on its own whatever the rows beside it); else one batched call of
     one-row products where `rows_exact` says they agree, else one call per row."""
-    if isinstance(weight, PackedMatrix):
+    if isinstance(weight, PackedMatrix) or x.shape[0] == 1:
         y = F.linear(x, weight)
-    elif x.shape[0] == 1 or not rows_exact(x.dtype, weight.shape[1], weight.shape[0]):
+    elif not rows_exact(x.dtype, weight.shape[1], weight.shape[0]):
         y = torch.cat([F.linear(x[t:t + 1], weight) for t in range(x.shape[0])])
     else:
         y = rows_linear(x, weight).view(x.shape[0], -1)
@@ -101,6 +101,7 @@ class Attention:
         self.eps, self.qk_norm, self.norm, self.clip_qkv = eps, qk_norm, norm, clip_qkv
         self.window, self.softcap, self.v_norm, self.gate = window, softcap, v_norm, gate
         self.scale = head_dim ** -0.5 if scale is None else scale
+        self._qk_weight = None  # _qk_norm_weight's
 
     def _project(self, x: torch.Tensor, linear, head_norm: bool = True) -> tuple[torch.Tensor, ...]:
         """x [R, H] -> q [R, Nq, D], k [R, Nkv, D], v [R, Nkv, Dv], gate [R, Nq * D] or None.
@@ -128,10 +129,17 @@ class Attention:
             v = rms_norm_f32(v, None, self.eps)
         return q, k, v, gate
 
+    def _qk_norm_weight(self) -> torch.Tensor | None:
+        """The per-head norm weights of q's heads, then k's [Nq + Nkv, D] (made once)."""
+        if self._qk_weight is None and self.w.q_norm is not None:
+            self._qk_weight = torch.cat([self.w.q_norm.expand(self.num_heads, -1),
+                                         self.w.k_norm.expand(self.num_kv_heads, -1)])
+        return self._qk_weight
+
     def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, R] of positions; on the CPU each row as its position alone gives it (a vectorized
-        cos may round a vector's tail otherwise)."""
-        if positions.is_cuda or positions.shape[0] == 1 or positions.shape[0] > MAX_STEP_TOKENS:
+        cos may round a vector's tail otherwise), computed once for all layers of a step."""
+        if positions.is_cuda or positions.shape[0] > MAX_STEP_TOKENS:
             return self.rope.cos_sin(positions, dtype)  # (a prefill chunk's rows need no step's bits)
         return self.rope.rows_cos_sin(positions, dtype)
 
@@ -150,10 +158,13 @@ class Attention:
             q, k = self._norm_rope(q[:T], k[:T], positions, kind)
             out = self._attend_cuda(q, k, v[:T], positions, sequences, kv, x.shape[0])
         else:
-            q, k, v, gate = self._project(x, linear)
-            cos, sin = self._cos_sin(positions, x.dtype)
-            q = apply_rope(q[:T].transpose(0, 1), cos, sin)  # [Nq, T, D]
-            k = apply_rope(k[:T].transpose(0, 1), cos, sin).transpose(0, 1)  # [T, Nkv, D]
+            # q's and k's heads side by side [T, Nq + Nkv, D]: normed and rotated as one tensor
+            q, k, v, gate = self._project(x, linear, head_norm=False)
+            qk = torch.cat([q[:T], k[:T]], dim=1)
+            if self.qk_norm == "head":
+                qk = self.norm(qk, self._qk_norm_weight(), self.eps)
+            qk = apply_rope(qk.transpose(0, 1), *self._cos_sin(positions, x.dtype))  # [Nq + Nkv, T, D]
+            q, k = qk[:self.num_heads], qk[self.num_heads:].transpose(0, 1)  # [Nq, T, D], [T, Nkv, D]
             kv.write(positions, sequences, k, v[:T])
             out = self._attend_cpu(q, positions, sequences, kv)
             if x.shape[0] > T:
@@ -179,17 +190,15 @@ class Attention:
         for t, (pos, seq) in enumerate(zip(positions.tolist(), sequences.tolist())):
             keys, values = kv.gather(seq, kv.first_visible(pos), pos + 1)  # [S, Nkv, D]
             out.append(self.attend(q[:, t:t + 1], keys.transpose(0, 1), values.transpose(0, 1), None))
-        return torch.cat(out)
+        return out[0] if len(out) == 1 else torch.cat(out)
 
     def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                mask: torch.Tensor | None) -> torch.Tensor:
         """q [Nq, T, D], keys [Nkv, S, D], values [Nkv, S, Dv], mask [T, S] bool or None (all visible)
         -> [T, Nq * Dv]. A head's sink logit joins the softmax and is then dropped."""
-        T, S = q.shape[1], keys.shape[1]
-        groups = self.num_heads // keys.shape[0]
-        if groups > 1:
-            keys, values = keys.repeat_interleave(groups, dim=0), values.repeat_interleave(groups, dim=0)
-        scores = torch.matmul(q, keys.transpose(1, 2)) * self.scale  # [Nq, T, S]
+        T, S, Nkv = q.shape[1], keys.shape[1], keys.shape[0]
+        # a KV head's queries as one matrix [Nkv, groups * T, D]: no copies of its keys and values
+        scores = torch.matmul(q.reshape(Nkv, -1, q.shape[2]), keys.transpose(1, 2)).view(q.shape[0], T, S) * self.scale
         if self.softcap is not None:
             scores = torch.tanh(scores / self.softcap) * self.softcap
         if mask is not None:
@@ -198,7 +207,7 @@ class Attention:
             sinks = self.w.sinks.to(scores.dtype)[:, None, None].expand(-1, T, 1)
             scores = torch.cat([scores, sinks], dim=-1)
         probs = torch.softmax(scores.float(), dim=-1).to(values.dtype)[..., :S]
-        out = torch.matmul(probs, values)  # [Nq, T, Dv]
+        out = torch.matmul(probs.reshape(Nkv, -1, S), values).view(-1, T, values.shape[2])  # [Nq, T, Dv]
         return out.transpose(0, 1).reshape(T, -1)
 
     def _norm_rope(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
