@@ -28,7 +28,6 @@ from moestream.quant.affine import QuantSpec, dequantize
 
 SCALE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _T = torch.Tensor
-# F.embedding's options as torch hands them to __torch_function__ for a plain lookup
 METADATA = {_T.shape.__get__, _T.dtype.__get__, _T.device.__get__, _T.ndim.__get__, _T.is_cuda.__get__,
             _T.layout.__get__, _T.requires_grad.__get__, _T.dim, _T.size, _T.numel, _T.element_size, _T.__len__}
 
