@@ -3,9 +3,13 @@ written directly (no checkpoint, no download), for real-size benchmarks.
 
 Random weights do not route like a trained model: on the Qwen3-30B-A3B shape they route very
 unevenly (a 25 % cache hits about 95 % in decode), so hit rates measured on them say little about
-real reuse; speeds at a given hit rate are what these models measure."""
+real reuse; speeds at a given hit rate are what these models measure.
+
+`quant` "mxfp4" writes the experts as MXFP4 records (moestream.quant.mxfp4: what convert keeps of
+gpt-oss's checkpoints) and the resident matrices at 4 bits."""
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -19,6 +23,7 @@ from moestream.format.manifest import EXPERT_PROJECTIONS
 from moestream.format.writer import ExpertFileWriter, finish_model
 from moestream.models.base import EMBEDDING
 from moestream.models.registry import family_module, weight_shapes
+from moestream.quant import mxfp4
 from moestream.quant.affine import QuantSpec, packed_shape
 
 QWEN3_30B = dict(model_type="qwen3_moe", hidden_size=2048, num_hidden_layers=48, num_attention_heads=32,
@@ -60,7 +65,7 @@ SHAPES = {
                        intermediate_size=1536, vocab_size=200064, rotary_dim=64, rope_theta=5000000.0,
                        max_position_embeddings=196608, rms_norm_eps=1e-6, tie_word_embeddings=False, eos_token_id=200020),
     # openai/gpt-oss-20b's config.json (its layer_types alternate sliding and full from the first layer: the
-    # family's default, left out so that --layers keeps working); experts here in our 4-bit, not MXFP4
+    # family's default, left out so that --layers keeps working); experts in our 4-bit, or MXFP4 with --quant mxfp4
     "gpt-oss-20b": dict(model_type="gpt_oss", hidden_size=2880, num_hidden_layers=24, num_attention_heads=64,
                         num_key_value_heads=8, head_dim=64, num_local_experts=32, num_experts_per_tok=4,
                         experts_per_token=4, intermediate_size=2880, vocab_size=201088, sliding_window=128,
@@ -105,7 +110,8 @@ SHAPES = {
         bos_token_id=2, eos_token_id=1, pad_token_id=0)),
 }
 SHAPES["gpt-oss-120b"] = dict(SHAPES["gpt-oss-20b"], num_hidden_layers=36, num_local_experts=128)  # its config.json
-BITS = {"q4": 4, "q8": 8, "none": None}
+BITS = {"q4": 4, "q8": 8, "none": None, mxfp4.MODE: 4}  # mxfp4: the resident matrices' bits
+E2M1_RMS = math.sqrt(sum(v * v for v in mxfp4.E2M1) / 16)  # of a uniformly drawn code
 
 
 class RandomWeights:
@@ -130,6 +136,16 @@ class RandomWeights:
         biases = (-scales.float() * levels / 2).to(self.dtype)
         base = name[: -len(".weight")]
         return {name: words, base + ".scales": scales, base + ".biases": biases}, QuantSpec(bits, self.group_size)
+
+    def mxfp4_matrix(self, name: str, out_f: int, in_f: int, *, std: float = 0.02) -> tuple[dict, QuantSpec]:
+        """An MXFP4 record's projection: random code bytes (every code equally likely) under the E8M0
+        scale that gives the weights about `std` spread."""
+        codes = torch.frombuffer(bytearray(self.rng.bytes(out_f * in_f // 2)), dtype=torch.uint8).view(out_f, in_f // 2)
+        if in_f % mxfp4.VALUES_PER_BLOCK:
+            raise MoestreamError(f"{name}: {in_f} inputs are not whole MXFP4 blocks of {mxfp4.VALUES_PER_BLOCK}")
+        scale = 127 + round(math.log2(std / E2M1_RMS))  # E8M0: 2^(scale - 127)
+        scales = torch.full((out_f, in_f // mxfp4.VALUES_PER_BLOCK), scale, dtype=torch.uint8)
+        return {name: codes, name[: -len(".weight")] + ".scales": scales}, mxfp4.spec()
 
     def ones(self, shape: tuple[int, ...]) -> torch.Tensor:
         return torch.ones(shape, dtype=self.dtype)
@@ -169,6 +185,7 @@ def synth(shape: str, out: Path, *, layers: int | None = None, quant: str = "q4"
             stale.unlink(missing_ok=True)
     out.mkdir(parents=True, exist_ok=True)
     rw = RandomWeights(BITS[quant], group_size, seed)
+    expert_matrix = rw.mxfp4_matrix if quant == mxfp4.MODE else rw.matrix
     family = family_module(cfg["model_type"])
     args = family.ModelArgs.from_dict(cfg)
     dense, specs = {}, {}
@@ -189,7 +206,7 @@ def synth(shape: str, out: Path, *, layers: int | None = None, quant: str = "q4"
             for e in range(E):
                 record, quant_specs = {}, {}
                 for proj in EXPERT_PROJECTIONS:
-                    parts, spec = rw.matrix(f"{proj}.weight", *shapes[proj])
+                    parts, spec = expert_matrix(f"{proj}.weight", *shapes[proj])
                     record.update(parts)
                     quant_specs[proj] = spec
                 if fused_layout(family).bias:  # the experts' biases, zero like the resident ones

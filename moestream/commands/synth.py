@@ -15,7 +15,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("out", help="output directory")
     p.add_argument("--shape", required=True, choices=sorted(SHAPES), help="which real model's shapes")
     p.add_argument("--layers", type=at_least(1), default=None, metavar="N", help="keep only the first N layers")
-    p.add_argument("--quant", choices=sorted(BITS), default="q4", help="default q4")
+    p.add_argument("--quant", choices=sorted(BITS), default="q4",
+                   help="default q4; mxfp4: the experts as MXFP4 records (as convert keeps gpt-oss's), the rest at 4 bits")
     p.add_argument("--seed", type=at_least(0), default=0, metavar="N", help="seed of the random weights (default 0)")
     p.add_argument("--force", action="store_true", help="overwrite a non-empty OUT")
     args = p.parse_args(argv)

@@ -20,6 +20,7 @@ from moestream.commands import verify as verify_command
 from moestream.format import verify
 from moestream.format.manifest import DENSE_NAME, EXPERT_PROJECTIONS, MANIFEST_NAME
 from moestream.format.reader import PackedModel
+from moestream.kernels.expert_layout import SlotLayout
 from moestream.models.registry import weight_shapes
 from tiny import model_args
 from moestream.quant.affine import QuantSpec
@@ -317,3 +318,28 @@ def test_gemma4_shape_with_layers_2_writes_a_sliding_and_a_full_layer(tmp_path, 
         engine.close()
     with pytest.raises(MoestreamError, match="layers 1..30"):
         synth("gemma-4-26b-a4b", tmp_path / "n", layers=31)
+
+
+def test_mxfp4_experts_are_records_convert_would_keep(tmp_path, capsys):
+    """`--quant mxfp4`: the experts as MXFP4 records (e2m1 codes, one E8M0 scale per 32 inputs, the
+    layout convert keeps of gpt-oss's checkpoints; the GPU kernels take it), the rest at 4 bits."""
+    out = tmp_path / "m"
+    assert synth_command.main([str(out), "--shape", "tiny-gpt-oss", "--quant", "mxfp4"]) == 0
+    assert verify.verify(out).ok
+    packed = PackedModel(out)
+    assert packed.tensor_spec("model.layers.1.self_attn.o_proj.weight").bits == 4
+    for entry in packed.manifest.expert_layers:
+        specs = {p: QuantSpec.from_json(s) for p, s in entry.quant.items()}
+        assert {(s.mode, s.bits, s.group_size, s.activation) for s in specs.values()} == {("mxfp4", 4, 32, "clamped_swiglu")}
+        fields = {f.name: f for f in entry.fields}
+        assert fields["gate_proj.weight"].dtype == fields["down_proj.scales"].dtype == "U8"
+        assert SlotLayout.from_fields(entry.fields, specs).mx
+    w = packed.dequantized_expert(1, 7)
+    assert 0.01 < w["up_proj"].std().item() < 0.04 and abs(w["up_proj"].mean().item()) < 0.005
+    codes = packed.expert_tensors(0, 0)["gate_proj.weight"]
+    assert len(torch.unique(codes & 15)) == 16  # every code drawn, -0.0 included
+    engine = Engine.load(out, options=EngineOptions(device="cpu", threads=1))
+    try:
+        assert len(list(engine.generate(PROMPT, max_new_tokens=3, stop_at_eos=False))) == 3
+    finally:
+        engine.close()
