@@ -6,7 +6,8 @@ worker loop), all on the activations `activations()` names.
 
 For each (token, expert) pair: the gate and up products, SiLU(gate)·up, the down product, times the
 routing weight, from the record's 4- or 8-bit code words and their per-group scales and biases
-(w = scale·q + bias; moestream.kernels.expert_layout); gpt-oss's records (activation
+(w = scale·q + bias; moestream.kernels.expert_layout), or MXFP4 records' e2m1 codes and power-of-two
+scales (w = e2m1(q)·2^(e - 127), moestream.quant.mxfp4); gpt-oss's records (activation
 "clamped_swiglu") add their gate/up/down biases to the products and take the clamped SwiGLU of
 moestream.layers.clamped_swiglu, the layout carrying the activation, its alpha and limit. On a
 spinning team of threads (native/team.h): the gate/up rows of all its experts dealt out to the
@@ -17,7 +18,7 @@ The extension is compiled at first use (torch.utils.cpp_extension, `-O3 -march=n
 torch's extensions directory). Where it cannot be built (no compiler, no ninja) `load` returns None
 and `reason()` says why in one line; there is then no CPU share, and the CPU device's experts take the
 torch reference. `refusal` names the layouts it does not compute (activations other than SwiGLU
-and the clamped SwiGLU, MXFP4, unquantized, mixed group sizes, ...).
+and the clamped SwiGLU, unquantized, mixed group sizes or modes, ...).
 
 Activations: on a CPU with AVX-512 VNNI (the extension's `VNNI`) each token's input and each pair's
 h are quantized per group to int8 and the codes multiplied as bytes (native/int8_rows.h), several
@@ -34,6 +35,7 @@ import torch
 
 from moestream.format.records import encode_record, plan_record
 from moestream.kernels.reference import BIASED_ACTIVATIONS
+from moestream.quant import mxfp4
 
 
 SOURCE = Path(__file__).with_name("native") / "cpu_experts.cpp"
@@ -43,6 +45,7 @@ PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 GROUPS = (32, 64, 128, 256)
 SCALE_TYPES = {"BF16": 0, "F16": 1, "F32": 2}
 SCALE_ITEM = {"BF16": 2, "F16": 2, "F32": 4}
+E8M0 = 3  # the native code's scale type of MXFP4 records (one power-of-two byte per 32 inputs)
 LAYOUT_LEN = 24  # entries of a layout tensor (the native code's LayoutIndex)
 INT8_ACTS = 15  # its entry asking for int8 activations (the record's bytes stay the last)
 ACTIVATIONS = {"silu": 0, "clamped_swiglu": 1}  # the native code's Activation
@@ -109,13 +112,16 @@ def refusal(fields, quant) -> str | None:
     specs = [quant.get(p) for p in PROJECTIONS]
     if any(s is None or not s.quantized for s in specs):
         return "a projection is not quantized (the native kernels take 4- and 8-bit records)"
-    if any(s.mode != "affine" for s in specs):
-        return "not affine records (the native kernels take w = scale * q + bias)"
+    modes = {s.mode for s in specs}
+    if modes - {"affine", mxfp4.MODE} or len(modes) > 1:
+        return f"quant modes {sorted(modes)} (the native kernels take affine or {mxfp4.MODE} records)"
     activation = specs[0].activation
     if activation not in ACTIVATIONS:
         return f"the native kernels compute SwiGLU and the clamped SwiGLU only, not {activation}"
     if activation == "clamped_swiglu" and (specs[0].alpha is None or specs[0].limit is None):
         return "a clamped SwiGLU without its alpha and limit"
+    if modes == {mxfp4.MODE}:
+        return _mxfp4_refusal(by_name, specs) or _added_bias_refusal(by_name, activation)
     if any(s.bits not in (4, 8) for s in specs) or specs[0].bits != specs[1].bits:
         return "codes of other than 4 or 8 bits, or gate and up of different widths"
     if len({s.group_size for s in specs}) != 1 or specs[0].group_size not in GROUPS:
@@ -143,9 +149,32 @@ def refusal(fields, quant) -> str | None:
             f = by_name[f"{p}.{s}"]
             if list(f.shape) != [rows, cols // group] or f.offset % item:
                 return f"{p}.{s}: shape {list(f.shape)} at {f.offset} (expected {[rows, cols // group]})"
-    if activation in BIASED_ACTIVATIONS:
-        return _bias_refusal(by_name, {"gate_proj": inter, "up_proj": inter, "down_proj": hidden})
+    return _added_bias_refusal(by_name, activation)
+
+
+def _mxfp4_refusal(by_name, specs) -> str | None:
+    """Why MXFP4 records (moestream.quant.mxfp4's layout) cannot be computed (None: they can)."""
+    for p, spec in zip(PROJECTIONS, specs):
+        problem = mxfp4.record_problem(p, spec, *(list(by_name[f"{p}.{part}"].shape) if f"{p}.{part}" in by_name
+                                                  else None for part in ("weight", "scales")))
+        if problem is not None:
+            return problem
+        if {by_name[f"{p}.weight"].dtype, by_name[f"{p}.scales"].dtype} != {"U8"}:
+            return f"{p}: MXFP4 weight and scales of dtypes other than U8"
+    inter, hidden = by_name["gate_proj.weight"].shape[0], by_name["gate_proj.weight"].shape[1] * 2
+    expect = {"gate_proj": [inter, hidden], "up_proj": [inter, hidden], "down_proj": [hidden, inter]}
+    for p, (rows, cols) in expect.items():
+        if list(by_name[f"{p}.weight"].shape) != [rows, cols // 2]:
+            return f"{p}.weight: shape {list(by_name[f'{p}.weight'].shape)} (expected {[rows, cols // 2]})"
     return None
+
+
+def _added_bias_refusal(by_name, activation: str) -> str | None:
+    """Why a biased activation's added biases cannot be read (None: they can, or there are none)."""
+    if activation not in BIASED_ACTIVATIONS:
+        return None
+    inter, hidden = by_name["gate_proj.weight"].shape[0], by_name["down_proj.weight"].shape[0]
+    return _bias_refusal(by_name, {"gate_proj": inter, "up_proj": inter, "down_proj": hidden})
 
 
 def _bias_refusal(by_name, sizes: dict[str, int]) -> str | None:
@@ -176,17 +205,19 @@ def layout(fields, quant, int8_activations: bool | None = None) -> torch.Tensor:
     `activations()`; without VNNI the float rows run all the same), the activation with its alpha
     and limit, the added biases' dtype (NO_BIAS: none) and offsets, and the record's bytes (for GB/s)."""
     by_name = {f.name: f for f in fields}
-    inter, words = by_name["gate_proj.weight"].shape
+    mx = quant["gate_proj"].mode == mxfp4.MODE
+    inter, cols = by_name["gate_proj.weight"].shape
     bits_gu = quant["gate_proj"].bits
-    values = [words * 32 // bits_gu, inter, bits_gu, quant["down_proj"].bits, quant["gate_proj"].group_size,
-              SCALE_TYPES[by_name["gate_proj.scales"].dtype]]
-    values += [by_name[f"{p}.{s}"].offset for p in PROJECTIONS for s in ("weight", "scales", "biases")]
+    values = [cols * 2 if mx else cols * 32 // bits_gu, inter, bits_gu, quant["down_proj"].bits,
+              quant["gate_proj"].group_size, E8M0 if mx else SCALE_TYPES[by_name["gate_proj.scales"].dtype]]
+    values += [by_name[f"{p}.{s}"].offset if f"{p}.{s}" in by_name else 0  # MXFP4: no biases
+               for p in PROJECTIONS for s in ("weight", "scales", "biases")]
     values.append(int(activations() == "int8" if int8_activations is None else int8_activations))
     spec = quant["gate_proj"]
     clamped = spec.activation == "clamped_swiglu"
     values += [ACTIVATIONS[spec.activation], _float_bits(spec.alpha) if clamped else 0,
                _float_bits(spec.limit) if clamped else 0]
-    parts = ("weight", "scales", "biases")
+    parts = ("weight", "scales") if mx else ("weight", "scales", "biases")
     if spec.activation in BIASED_ACTIVATIONS:
         values.append(SCALE_TYPES[by_name["gate_proj.bias"].dtype])
         values += [by_name[f"{p}.bias"].offset for p in PROJECTIONS]

@@ -1,10 +1,11 @@
 """The CPU's routed experts straight from the packed records in the slot pool (NativePlan): the native
 kernels of moestream.cpu_share.kernels on the activations `kernels.activations()` names (int8 per 32
 inputs where the CPU has AVX-512 VNNI, as the resident matrices' products; float32 elsewhere), no
-dequantized copy of any expert: SwiGLU records, and gpt-oss's clamped SwiGLU ones with their added biases.
+dequantized copy of any expert: SwiGLU records, and gpt-oss's clamped SwiGLU ones with their added biases,
+affine or MXFP4 (gpt-oss's own codes).
 
 Each (token, expert) pair's weighted row is computed on its own from the record's codes, scales and
-biases (w = scale·q + bias), so a row's bits depend neither on the other pairs, nor on how the
+biases (w = scale·q + bias, or e2m1(q)·2^(e - 127)), so a row's bits depend neither on the other pairs, nor on how the
 experts are batched or which slot holds them, nor on the team's size; a token's rows are then added
 in the order of its picks. On the float rows the products differ from the dequantized reference
 (TorchPlan) only in float32 rounding (the order of the sums: tests/unit/test_native_plan.py bounds

@@ -8,7 +8,8 @@
 // inputs (w = scale * q + bias). So a row's product with x is, per group g,
 //   scale_g * sum_k q_k x_k + bias_g * sum_k x_k,
 // with x split once into its even and odd inputs (the low and high nibbles' partners) and its group
-// sums taken once per token. The inner step (expert_kernels.h) turns a run of code bytes into floats
+// sums taken once per token. MXFP4 records (moestream.quant.mxfp4) hold the same nibbles as e2m1
+// codes with one power-of-two scale byte per 32 inputs and no biases: scale_g * sum_k e2m1(q_k) x_k. The inner step (expert_kernels.h) turns a run of code bytes into floats
 // and multiplies them into a group's partial sums with AVX-512 or AVX2 where -march=native has them
 // (gcc's own vectorization of the plain loop, kept for other CPUs, ran at a fraction of that), then
 // one FMA by the group's scale; no reduction until the row ends. Float32 throughout.

@@ -18,7 +18,10 @@
 
 namespace moestream_native {
 
-enum ScaleType : int64_t { SCALE_BF16 = 0, SCALE_F16 = 1, SCALE_F32 = 2 };
+// The scales' type. SCALE_E8M0: MXFP4 records (moestream.quant.mxfp4): 4-bit e2m1 codes and one
+// power-of-two scale byte per 32 inputs, w = e2m1(q) * 2^(e - 127), no biases in the groups.
+enum ScaleType : int64_t { SCALE_BF16 = 0, SCALE_F16 = 1, SCALE_F32 = 2, SCALE_E8M0 = 3 };
+constexpr int64_t MX_GROUP = 32;  // inputs per E8M0 scale
 
 // The gate's activation: SwiGLU, silu(gate) * up; or gpt-oss's clamped SwiGLU, gate <= limit,
 // |up| <= limit, (up + 1) * gate * sigmoid(alpha * gate) (moestream.layers.clamped_swiglu).
@@ -79,7 +82,9 @@ struct Layout {
     if ((bits_gu != 4 && bits_gu != 8) || (bits_d != 4 && bits_d != 8)) return "codes of other than 4 or 8 bits";
     if (group != 32 && group != 64 && group != 128 && group != 256) return "a group size other than 32, 64, 128 or 256";
     if (hidden % group || inter % group) return "hidden or intermediate size not a multiple of the group size";
-    if (scale_type < SCALE_BF16 || scale_type > SCALE_F32) return "scales of an unknown dtype";
+    if (scale_type < SCALE_BF16 || scale_type > SCALE_E8M0) return "scales of an unknown dtype";
+    if (scale_type == SCALE_E8M0 && (bits_gu != 4 || bits_d != 4 || group != MX_GROUP))
+      return "MXFP4 codes other than 4 bits in groups of 32";
     if (activation != ACT_SILU && activation != ACT_CLAMPED_SWIGLU) return "an unknown activation";
     if (bias_type < NO_BIAS || bias_type > SCALE_F32) return "added biases of an unknown dtype";
     return "";
@@ -109,8 +114,31 @@ inline float f16_to_float(uint16_t h) {
   return f;
 }
 
+// A scale's bytes per group.
+constexpr int64_t scale_bytes(int64_t type) { return type == SCALE_F32 ? 4 : type == SCALE_E8M0 ? 1 : 2; }
+
+// Whether a group holds a bias beside its scale (w = scale * q + bias): all but MXFP4's.
+constexpr bool group_biases(int64_t type) { return type != SCALE_E8M0; }
+
+// The 16 values of an e2m1 code (sign, two exponent bits, one mantissa bit: moestream.quant.mxfp4.E2M1).
+alignas(64) constexpr float E2M1[16] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f,
+                                        -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
+
+// A 4-bit code's value: the code itself (affine records) or its e2m1 value (MXFP4).
+template <int64_t type>
+inline float code_value(unsigned q) {
+  if constexpr (type == SCALE_E8M0) return E2M1[q];
+  return float(q);
+}
+
 template <int64_t type>
 inline float scale_at(const uint8_t* p, int64_t i) {
+  if constexpr (type == SCALE_E8M0) {  // 2^(e - 127) from the bits, as mxfp4.scale_values: e = 0 the subnormal 2^-127
+    const uint32_t e = p[i], u = e ? e << 23 : 0x00400000u;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  }
   if constexpr (type == SCALE_F32) {
     float f;
     std::memcpy(&f, p + 4 * i, 4);
@@ -163,11 +191,17 @@ inline Vec vset(float s) { return _mm512_set1_ps(s); }
 inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
 inline float vsum(Vec v) { return _mm512_reduce_add_ps(v); }
 inline __m512i widen(const uint8_t* c) { return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c))); }
-// a nibble's value as a float by a permute of 0..15 (it reads each lane's low 4 bits): no mask, no
-// conversion; the same floats as converting the masked nibble
-inline Vec nibble_values() { return _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0); }
-inline Vec low_nibbles(__m512i b) { return _mm512_permutexvar_ps(b, nibble_values()); }
-inline Vec high_nibbles(__m512i b) { return _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), nibble_values()); }
+// a nibble's value as a float by a permute of a table of 16 (it reads each lane's low 4 bits): no
+// mask, no conversion; 0..15, the same floats as converting the masked nibble, or MXFP4's e2m1 values
+template <int64_t ST>
+inline Vec nibble_values() {
+  if constexpr (ST == SCALE_E8M0) return _mm512_load_ps(E2M1);
+  return _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+}
+template <int64_t ST>
+inline Vec low_nibbles(__m512i b) { return _mm512_permutexvar_ps(b, nibble_values<ST>()); }
+template <int64_t ST>
+inline Vec high_nibbles(__m512i b) { return _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), nibble_values<ST>()); }
 inline Vec bytes(__m512i b) { return _mm512_cvtepi32_ps(b); }
 #define NATIVE_VECTORS 1
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -184,8 +218,21 @@ inline float vsum(Vec v) {
   return _mm_cvtss_f32(h);
 }
 inline __m256i widen(const uint8_t* c) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c))); }
-inline Vec low_nibbles(__m256i b) { return _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15))); }
-inline Vec high_nibbles(__m256i b) { return _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4)); }
+// e2m1 values of each lane's low 4 bits: the magnitude by a permute of 8 (it reads the low 3 bits), the sign from bit 3
+inline Vec e2m1_values(__m256i b) {
+  const Vec magnitude = _mm256_permutevar8x32_ps(_mm256_load_ps(E2M1), b);
+  return _mm256_xor_ps(magnitude, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(8)), 28)));
+}
+template <int64_t ST>
+inline Vec low_nibbles(__m256i b) {
+  if constexpr (ST == SCALE_E8M0) return e2m1_values(b);
+  return _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)));
+}
+template <int64_t ST>
+inline Vec high_nibbles(__m256i b) {
+  if constexpr (ST == SCALE_E8M0) return e2m1_values(_mm256_srli_epi32(b, 4));
+  return _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+}
 inline Vec bytes(__m256i b) { return _mm256_cvtepi32_ps(b); }
 #define NATIVE_VECTORS 1
 #endif
@@ -238,8 +285,8 @@ void block(const uint8_t* const* w, const uint8_t* const* s, const uint8_t* cons
       for (int r = 0; r < R; ++r) {
         const auto c = widen(w[r] + g * B + j);
         if constexpr (BITS == 4) {
-          lo[r] = low_nibbles(c);
-          hi[r] = high_nibbles(c);
+          lo[r] = low_nibbles<ST>(c);
+          hi[r] = high_nibbles<ST>(c);
         } else {
           lo[r] = bytes(c);
         }
@@ -256,10 +303,10 @@ void block(const uint8_t* const* w, const uint8_t* const* s, const uint8_t* cons
     }
     for (int r = 0; r < R; ++r) {
       const Vec scale = vset(scale_at<ST>(s[r], g));
-      const float bias = scale_at<ST>(b[r], g);
-      for (int t = 0; t < N; ++t) {
-        acc[r][t] = vfma(scale, d[r][t], acc[r][t]);
-        bias_part[r][t] = std::fma(bias, sums[t][g], bias_part[r][t]);
+      for (int t = 0; t < N; ++t) acc[r][t] = vfma(scale, d[r][t], acc[r][t]);
+      if constexpr (group_biases(ST)) {
+        const float bias = scale_at<ST>(b[r], g);
+        for (int t = 0; t < N; ++t) bias_part[r][t] = std::fma(bias, sums[t][g], bias_part[r][t]);
       }
     }
   }
@@ -275,13 +322,14 @@ void block(const uint8_t* const* w, const uint8_t* const* s, const uint8_t* cons
         if constexpr (BITS == 4) {
           const float* e = x[t] + g * B;
           const float* o = x[t] + odd + g * B;
-          for (int j = 0; j < B; ++j) dsum = std::fma(float(c[j] & 15), e[j], std::fma(float(c[j] >> 4), o[j], 0.f) + dsum);
+          for (int j = 0; j < B; ++j)
+            dsum = std::fma(code_value<ST>(c[j] & 15), e[j], std::fma(code_value<ST>(c[j] >> 4), o[j], 0.f) + dsum);
         } else {
           const float* e = x[t] + g * G;
           for (int j = 0; j < G; ++j) dsum = std::fma(float(c[j]), e[j], dsum);
         }
         acc = std::fma(scale_at<ST>(s[r], g), dsum, acc);
-        bp = std::fma(scale_at<ST>(b[r], g), sums[t][g], bp);
+        if constexpr (group_biases(ST)) bp = std::fma(scale_at<ST>(b[r], g), sums[t][g], bp);
       }
       out[r][t * stride] = acc + bp;
     }
@@ -365,6 +413,7 @@ Blocks blocks_of(int64_t bits, int64_t group, bool int8) {
 // The blocks for codes of `bits`, `group` inputs per scale, scales of `stype` (checked by
 // Layout::refusal), on int8 activations with `int8` (where compiled in: see int8_activations).
 Blocks blocks(int64_t bits, int64_t group, int64_t stype, bool int8) {
+  if (stype == SCALE_E8M0) return blocks_of<4, MX_GROUP, SCALE_E8M0>(int8);
   if (stype == SCALE_BF16) return blocks_of<SCALE_BF16>(bits, group, int8);
   if (stype == SCALE_F16) return blocks_of<SCALE_F16>(bits, group, int8);
   return blocks_of<SCALE_F32>(bits, group, int8);
@@ -470,7 +519,7 @@ void compute_job(const Layout& L, const std::vector<const uint8_t*>& records, co
     up[e] = matrix(records[e], L.up_w, L.up_s, L.up_b, H, L.bits_gu, L.group);
     down[e] = matrix(records[e], L.down_w, L.down_s, L.down_b, I, L.bits_d, L.group);
   }
-  const int64_t scale_item = L.scale_type == SCALE_F32 ? 4 : 2;
+  const int64_t scale_item = scale_bytes(L.scale_type);
   Dealer gu_tasks, h_tasks, d_tasks;
   const int members = team.size();
   team.run([&](int, int) {

@@ -10,6 +10,12 @@
 // permute of 16 groups' products, formed once per 16) into a float32 accumulator; the biases' part
 // is bias_g times the sum of the group's quantized inputs. The rounding costs about 1% of the
 // output's norm (tests/unit/test_native_int8.py bounds it).
+//
+// MXFP4 records (SCALE_E8M0) take these rows as affine groups of 32: a code's 2 * e2m1 value is an
+// integer in -12..12, so a lookup (vpshufb) turns each nibble into u = 2 * e2m1 + 12 in 0..24 (unsigned,
+// as vpdpbusd multiplies) and w = e2m1 * 2^(e - 127) = s * u - 12 * s with s = 2^(e - 128): exact, as
+// every s from 2^-128 (e = 0, a subnormal) to 2^126 (e = 254) is a float32. The bias part is s times
+// -12 times the group's sum (the same product as -12 s times the sum, which overflows from e = 253).
 #pragma once
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -56,10 +62,18 @@ void prepare_int8(const float* x, int64_t K, int64_t group, int64_t bits, Input&
 }
 
 #ifdef NATIVE_INT8_ROWS
-// 16 scales (or biases) of type ST as floats; those outside `m` are 0 (never read).
+constexpr float MX_OFFSET = 12.f;  // u = 2 * e2m1 + MX_OFFSET (see the top)
+
+// 16 scales (or biases) of type ST as floats; those outside `m` are 0 (never read). E8M0: the affine
+// scale s = 2^(e - 128), half of scale_at's 2^(e - 127) (built from the bits as it is: 255 gives inf).
 template <int64_t ST>
 inline __m512 load_scales(const uint8_t* p, __mmask16 m) {
-  if constexpr (ST == SCALE_F32) {
+  if constexpr (ST == SCALE_E8M0) {
+    const __m512i e = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(m, p));
+    const __m512i bits = _mm512_mask_mov_epi32(_mm512_slli_epi32(e, 23), _mm512_cmpeq_epi32_mask(e, _mm512_setzero_si512()),
+                                               _mm512_set1_epi32(0x00400000));
+    return _mm512_maskz_mul_ps(m, _mm512_castsi512_ps(bits), _mm512_set1_ps(0.5f));
+  } else if constexpr (ST == SCALE_F32) {
     return _mm512_maskz_loadu_ps(m, p);
   } else {
     const __m256i h = _mm256_maskz_loadu_epi16(m, p);
@@ -68,14 +82,24 @@ inline __m512 load_scales(const uint8_t* p, __mmask16 m) {
   }
 }
 
+// 64 nibbles (one a byte) as the unsigned codes vpdpbusd multiplies: as they are, or MXFP4's
+// 2 * e2m1 + 12 looked up in a table of 16 (vpshufb reads each byte's low 4 bits).
+template <int64_t ST>
+inline __m512i unsigned_codes(__m512i nibbles) {
+  if constexpr (ST == SCALE_E8M0)
+    return _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0)),
+                               nibbles);
+  return nibbles;
+}
+
 // The int32 lanes of 64 code bytes times their inputs: 4-bit, the low nibbles with the even inputs
 // at `a`, the high ones with the odd inputs at `b`; 8-bit, the bytes with the inputs at `a`.
-template <int BITS>
+template <int BITS, int64_t ST>
 inline __m512i dot64(__m512i dot, __m512i c, const int8_t* a, const int8_t* b) {
   if constexpr (BITS == 4) {
     const __m512i nib = _mm512_set1_epi8(15);
-    dot = _mm512_dpbusd_epi32(dot, _mm512_and_si512(c, nib), _mm512_loadu_si512(a));
-    return _mm512_dpbusd_epi32(dot, _mm512_and_si512(_mm512_srli_epi16(c, 4), nib), _mm512_loadu_si512(b));
+    dot = _mm512_dpbusd_epi32(dot, unsigned_codes<ST>(_mm512_and_si512(c, nib)), _mm512_loadu_si512(a));
+    return _mm512_dpbusd_epi32(dot, unsigned_codes<ST>(_mm512_and_si512(_mm512_srli_epi16(c, 4), nib)), _mm512_loadu_si512(b));
   } else {
     return _mm512_dpbusd_epi32(dot, c, _mm512_loadu_si512(a));
   }
@@ -90,7 +114,7 @@ float row_int8(const uint8_t* __restrict codes, const uint8_t* __restrict scales
   constexpr int QB = ACT_GROUP * BITS / 8;  // code bytes per activation group: 16 or 32
   constexpr int QPV = 64 / QB;              // activation groups per vector (4 or 2), 16 / QPV lanes each
   constexpr int QPG = G / ACT_GROUP;        // activation groups per weight group
-  constexpr int64_t item = ST == SCALE_F32 ? 4 : 2;
+  constexpr int64_t item = scale_bytes(ST);
   const int64_t groups = K / G, qgroups = K / ACT_GROUP, row_bytes = K * BITS / 8;
   const int8_t* a = in.q.data();
   const int8_t* b = a + K / 2;
@@ -100,7 +124,12 @@ float row_int8(const uint8_t* __restrict codes, const uint8_t* __restrict scales
   __m512 bias_acc = _mm512_setzero_ps();
   for (int64_t g0 = 0; g0 < groups; g0 += 16) {
     const __mmask16 m = __mmask16((1u << std::min<int64_t>(16, groups - g0)) - 1);
-    bias_acc = _mm512_fmadd_ps(load_scales<ST>(biases + g0 * item, m), _mm512_maskz_loadu_ps(m, in.sums.data() + g0), bias_acc);
+    const __m512 sums = _mm512_maskz_loadu_ps(m, in.sums.data() + g0);
+    if constexpr (group_biases(ST)) {
+      bias_acc = _mm512_fmadd_ps(load_scales<ST>(biases + g0 * item, m), sums, bias_acc);
+    } else {  // MXFP4: the bias -12 s (see the top)
+      bias_acc = _mm512_fmadd_ps(load_scales<ST>(scales + g0 * item, m), _mm512_mul_ps(sums, _mm512_set1_ps(-MX_OFFSET)), bias_acc);
+    }
   }
   // two accumulators, vectors taking turns: one would wait out each FMA's latency
   __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
@@ -118,8 +147,8 @@ float row_int8(const uint8_t* __restrict codes, const uint8_t* __restrict scales
         prefetch_codes(codes + at + ahead);
         prefetch_codes(codes + at + 64 + ahead);
       }
-      const __m512i d0 = dot64<BITS>(_mm512_setzero_si512(), _mm512_loadu_si512(codes + at), a + at, b + at);
-      const __m512i d1 = dot64<BITS>(_mm512_setzero_si512(), _mm512_loadu_si512(codes + at + 64), a + at + 64, b + at + 64);
+      const __m512i d0 = dot64<BITS, ST>(_mm512_setzero_si512(), _mm512_loadu_si512(codes + at), a + at, b + at);
+      const __m512i d1 = dot64<BITS, ST>(_mm512_setzero_si512(), _mm512_loadu_si512(codes + at + 64), a + at + 64, b + at + 64);
       acc0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d0), _mm512_permutexvar_ps(lane_group, comb), acc0);
       lane_group = _mm512_add_epi32(lane_group, step);
       acc1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d1), _mm512_permutexvar_ps(lane_group, comb), acc1);
@@ -127,7 +156,7 @@ float row_int8(const uint8_t* __restrict codes, const uint8_t* __restrict scales
     }
     for (; at < end; at += 64) {  // a vector left, or part of one: the codes past the row's end are zeros
       const __mmask64 cm = end - at >= 64 ? ~__mmask64(0) : __mmask64((1ull << (end - at)) - 1);
-      const __m512i d0 = dot64<BITS>(_mm512_setzero_si512(), _mm512_maskz_loadu_epi8(cm, codes + at), a + at, b + at);
+      const __m512i d0 = dot64<BITS, ST>(_mm512_setzero_si512(), _mm512_maskz_loadu_epi8(cm, codes + at), a + at, b + at);
       acc0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d0), _mm512_permutexvar_ps(lane_group, comb), acc0);
       lane_group = _mm512_add_epi32(lane_group, step);
     }
