@@ -85,8 +85,10 @@ def test_layouts_the_native_kernels_refuse():
     assert native.refusal(fields, quant) is None
     gelu = {p: dataclasses.replace(q, activation="gelu_tanh") for p, q in quant.items()}
     assert "SwiGLU" in native.refusal(fields, gelu)
-    mx = {p: dataclasses.replace(q, mode="mxfp4") for p, q in quant.items()}
-    assert "affine" in native.refusal(fields, mx)
+    mx = {p: dataclasses.replace(q, mode="mxfp4") for p, q in quant.items()}  # affine fields: not MXFP4's layout
+    assert "MXFP4 needs bits 4 and group size 32" in native.refusal(fields, mx)
+    other = {**quant, "down_proj": dataclasses.replace(quant["down_proj"], mode="nvfp4")}
+    assert "quant modes ['affine', 'nvfp4']" in native.refusal(fields, other)
     assert "not quantized" in native.refusal(fields, {**quant, "down_proj": QuantSpec(None)})
     assert "group sizes" in native.refusal(fields, {**quant, "down_proj": QuantSpec(4, 32)})
     assert "no down_proj.biases" in native.refusal([f for f in fields if f.name != "down_proj.biases"], quant)

@@ -14,8 +14,9 @@
 // MXFP4 records (SCALE_E8M0) take these rows as affine groups of 32: a code's 2 * e2m1 value is an
 // integer in -12..12, so a lookup (vpshufb) turns each nibble into u = 2 * e2m1 + 12 in 0..24 (unsigned,
 // as vpdpbusd multiplies) and w = e2m1 * 2^(e - 127) = s * u - 12 * s with s = 2^(e - 128): exact, as
-// every s from 2^-128 (e = 0, a subnormal) to 2^126 (e = 254) is a float32. The bias part is s times
-// -12 times the group's sum (the same product as -12 s times the sum, which overflows from e = 253).
+// every s from 2^-128 (e = 0, a subnormal) to 2^126 (e = 254) is a float32. The bias part is -12 times
+// s times the group's sum: the bits of -12 s times the sum (s * sum is exact), but -12 s overflows
+// from e = 253 and -12 * sum where the inputs near 2^124 (as they may where e = 0).
 #pragma once
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -128,7 +129,7 @@ float row_int8(const uint8_t* __restrict codes, const uint8_t* __restrict scales
     if constexpr (group_biases(ST)) {
       bias_acc = _mm512_fmadd_ps(load_scales<ST>(biases + g0 * item, m), sums, bias_acc);
     } else {  // MXFP4: the bias -12 s (see the top)
-      bias_acc = _mm512_fmadd_ps(load_scales<ST>(scales + g0 * item, m), _mm512_mul_ps(sums, _mm512_set1_ps(-MX_OFFSET)), bias_acc);
+      bias_acc = _mm512_fmadd_ps(_mm512_mul_ps(load_scales<ST>(scales + g0 * item, m), sums), _mm512_set1_ps(-MX_OFFSET), bias_acc);
     }
   }
   // two accumulators, vectors taking turns: one would wait out each FMA's latency
