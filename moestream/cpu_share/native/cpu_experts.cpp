@@ -9,10 +9,11 @@
 //   scale_g * sum_k q_k x_k + bias_g * sum_k x_k,
 // with x split once into its even and odd inputs (the low and high nibbles' partners) and its group
 // sums taken once per token. MXFP4 records (moestream.quant.mxfp4) hold the same nibbles as e2m1
-// codes with one power-of-two scale byte per 32 inputs and no biases: scale_g * sum_k e2m1(q_k) x_k. The inner step (expert_kernels.h) turns a run of code bytes into floats
-// and multiplies them into a group's partial sums with AVX-512 or AVX2 where -march=native has them
-// (gcc's own vectorization of the plain loop, kept for other CPUs, ran at a fraction of that), then
-// one FMA by the group's scale; no reduction until the row ends. Float32 throughout.
+// codes with one power-of-two scale byte per 32 inputs and no biases: scale_g * sum_k e2m1(q_k) x_k.
+// The inner step (expert_kernels.h) turns a run of code bytes into floats and multiplies them into a
+// group's partial sums with AVX-512 or AVX2 where -march=native has them (gcc's own vectorization of
+// the plain loop, kept for other CPUs, ran at a fraction of that), then one FMA by the group's scale;
+// no reduction until the row ends. Float32 throughout.
 // Where the layout asks for int8 activations and the CPU has AVX-512 VNNI, x and h are instead
 // quantized per group to int8 and the codes multiplied as bytes (int8_rows.h), float32 across groups.
 //

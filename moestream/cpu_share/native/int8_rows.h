@@ -155,7 +155,9 @@ float row_int8(const uint8_t* __restrict codes, const uint8_t* __restrict scales
       acc1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d1), _mm512_permutexvar_ps(lane_group, comb), acc1);
       lane_group = _mm512_add_epi32(lane_group, step);
     }
-    for (; at < end; at += 64) {  // a vector left, or part of one: the codes past the row's end are zeros
+    // a vector left, or part of one: the bytes past the row's end are zeros (MXFP4: u = 12), in lanes
+    // of groups past the row's end, which comb scales by 0
+    for (; at < end; at += 64) {
       const __mmask64 cm = end - at >= 64 ? ~__mmask64(0) : __mmask64((1ull << (end - at)) - 1);
       const __m512i d0 = dot64<BITS, ST>(_mm512_setzero_si512(), _mm512_maskz_loadu_epi8(cm, codes + at), a + at, b + at);
       acc0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d0), _mm512_permutexvar_ps(lane_group, comb), acc0);
